@@ -1,0 +1,1 @@
+"""Triton FlashAttention-2 kernels, each with its pure-torch reference."""

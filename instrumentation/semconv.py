@@ -1,0 +1,206 @@
+"""Every telemetry name Sightline produces or reads: spans, attributes, metrics, units.
+
+One module, imported by the engine (producer), the collector (consumer), the
+dashboards and the alert rules' tests, so that a rename is one edit and a typo is an
+``AttributeError`` rather than an empty panel. OpenTelemetry semantic conventions are
+used where they exist (``gen_ai.*``, ``http.*``, ``server.*``, ``hw.gpu.*``);
+everything else is ``sightline.*``. Prometheus names carry their unit (``_seconds``).
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------------------------
+# Resource / instrumentation scope
+# ---------------------------------------------------------------------------------
+SERVICE_NAME_ENGINE = "sightline-engine"
+SERVICE_NAME_COLLECTOR = "sightline-collector"
+INSTRUMENTATION_SCOPE = "sightline"
+
+# ---------------------------------------------------------------------------------
+# Span names. The request tree is
+#   POST /v1/... (SERVER) > tokenize > queue > prefill > decode > detokenize
+# Steps are separate traces-of-one-span linked to the requests they served;
+# kernels are children of their step.
+# ---------------------------------------------------------------------------------
+SPAN_HTTP_COMPLETIONS = "POST /v1/completions"
+SPAN_HTTP_CHAT_COMPLETIONS = "POST /v1/chat/completions"
+SPAN_TOKENIZE = "tokenize"
+SPAN_QUEUE = "queue"
+SPAN_PREFILL = "prefill"
+SPAN_DECODE = "decode"
+SPAN_DETOKENIZE = "detokenize"
+SPAN_ENGINE_STEP = "engine.step"
+# Kernel spans are named after the kernel itself; this prefix marks them.
+SPAN_KERNEL_PREFIX = "kernel "
+
+REQUEST_PHASE_SPANS = (SPAN_TOKENIZE, SPAN_QUEUE, SPAN_PREFILL, SPAN_DECODE, SPAN_DETOKENIZE)
+
+# ---------------------------------------------------------------------------------
+# Span attributes: OpenTelemetry semantic conventions
+# ---------------------------------------------------------------------------------
+HTTP_REQUEST_METHOD = "http.request.method"
+HTTP_RESPONSE_STATUS_CODE = "http.response.status_code"
+HTTP_ROUTE = "http.route"
+URL_PATH = "url.path"
+SERVER_ADDRESS = "server.address"
+SERVER_PORT = "server.port"
+ERROR_TYPE = "error.type"
+
+GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" | "text_completion"
+GEN_AI_SYSTEM = "gen_ai.system"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
+GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+# Opt-in only (SIGHTLINE_CAPTURE_CONTENT / --capture-content).
+GEN_AI_PROMPT = "gen_ai.prompt"
+GEN_AI_COMPLETION = "gen_ai.completion"
+
+GEN_AI_SYSTEM_VALUE = "sightline"
+
+HW_GPU_ID = "gpu.id"  # attribute of per-SM metrics and kernel spans
+
+# ---------------------------------------------------------------------------------
+# Span attributes: Sightline's own
+# ---------------------------------------------------------------------------------
+# request
+REQUEST_ID = "sightline.request.id"
+REQUEST_PRIORITY = "sightline.request.priority"
+REQUEST_STREAM = "sightline.request.stream"
+REQUEST_TTFT_S = "sightline.request.time_to_first_token_s"
+REQUEST_TPOT_S = "sightline.request.time_per_output_token_s"
+REQUEST_QUEUE_S = "sightline.request.queue_time_s"
+REQUEST_E2E_S = "sightline.request.e2e_s"
+REQUEST_PREEMPTIONS = "sightline.request.preemptions"
+REQUEST_PREFILL_CHUNKS = "sightline.request.prefill_chunks"
+EVENT_PREEMPTED = "sightline.preempted"
+EVENT_FIRST_TOKEN = "sightline.first_token"
+
+# step
+STEP_ID = "sightline.step.id"
+STEP_BATCH_SIZE = "sightline.step.batch_size"
+STEP_PREFILL_TOKENS = "sightline.step.prefill_tokens"
+STEP_DECODE_TOKENS = "sightline.step.decode_tokens"
+STEP_NUM_PREFILL_SEQS = "sightline.step.prefill_seqs"
+STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
+STEP_KV_BLOCKS_USED = "sightline.step.kv_blocks_used"
+STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
+STEP_KERNELS_TRACED = "sightline.step.kernels_traced"
+STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "tail" | ""
+
+# kernel (CUPTI)
+CUDA_KERNEL_NAME = "cuda.kernel.name"
+CUDA_GRID = "cuda.kernel.grid"  # "x,y,z"
+CUDA_BLOCK = "cuda.kernel.block"
+CUDA_REGISTERS = "cuda.kernel.registers_per_thread"
+CUDA_SHARED_MEMORY_BYTES = "cuda.kernel.shared_memory_bytes"
+CUDA_STREAM = "cuda.stream.id"
+CUDA_DEVICE = "cuda.device.id"
+CUDA_CORRELATION_ID = "cuda.correlation_id"
+KERNEL_SMS_USED = "sightline.kernel.sms_used"
+KERNEL_WAVES = "sightline.kernel.waves"
+KERNEL_SLOWEST_SM = "sightline.kernel.slowest_sm"
+KERNEL_CTA_SPREAD = "sightline.kernel.cta_duration_spread"  # max/median CTA duration
+KERNEL_CTAS = "sightline.kernel.ctas"
+
+# ---------------------------------------------------------------------------------
+# OTLP metrics emitted by the instrumentation (names per OTel conventions)
+# ---------------------------------------------------------------------------------
+METRIC_CTA_DURATION = "gpu.kernel.cta.duration"  # exponential histogram, unit "s"
+METRIC_CTA_DURATION_UNIT = "s"
+ATTR_GPU_ID = "gpu.id"
+ATTR_SM_ID = "gpu.sm.id"
+ATTR_KERNEL_NAME = "cuda.kernel.name"
+
+# ---------------------------------------------------------------------------------
+# Prometheus metrics: the engine's /metrics
+# ---------------------------------------------------------------------------------
+ENGINE_PREFIX = "sightline_engine_"
+ENGINE_REQUESTS_TOTAL = "sightline_engine_requests"  # counter -> _total; labels model, finish_reason
+ENGINE_REQUEST_ERRORS_TOTAL = "sightline_engine_request_errors"  # labels model, code
+ENGINE_TTFT_SECONDS = "sightline_engine_time_to_first_token_seconds"
+ENGINE_TPOT_SECONDS = "sightline_engine_time_per_output_token_seconds"
+ENGINE_E2E_SECONDS = "sightline_engine_e2e_request_latency_seconds"
+ENGINE_QUEUE_SECONDS = "sightline_engine_queue_time_seconds"
+ENGINE_RUNNING = "sightline_engine_requests_running"
+ENGINE_WAITING = "sightline_engine_requests_waiting"
+ENGINE_KV_USAGE = "sightline_engine_kv_cache_usage_ratio"
+ENGINE_PREEMPTIONS_TOTAL = "sightline_engine_preemptions"
+ENGINE_STEP_SECONDS = "sightline_engine_step_duration_seconds"
+ENGINE_STEP_TOKENS = "sightline_engine_step_tokens"
+ENGINE_PROMPT_TOKENS_TOTAL = "sightline_engine_prompt_tokens"
+ENGINE_GENERATION_TOKENS_TOTAL = "sightline_engine_generation_tokens"
+# GPU health (NVML)
+GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
+GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
+GPU_CUDA_CONTEXTS = "sightline_gpu_cuda_contexts"  # labels gpu (processes with a context)
+# Telemetry pipeline self-metrics (exporters inside the engine)
+TELEMETRY_SPANS_DROPPED_TOTAL = "sightline_telemetry_spans_dropped"
+TELEMETRY_EXPORT_FAILURES_TOTAL = "sightline_telemetry_export_failures"
+TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
+
+LABEL_MODEL = "model"
+LABEL_PRIORITY = "priority"
+LABEL_FINISH_REASON = "finish_reason"
+LABEL_CODE = "code"
+LABEL_GPU = "gpu"
+LABEL_SM = "sm"
+LABEL_KERNEL = "kernel"
+LABEL_RECEIVER = "receiver"
+LABEL_REASON = "reason"
+LABEL_SIGNAL = "signal"
+LABEL_PHASE = "phase"
+LABEL_PID = "pid"
+
+# Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                  2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
+                              10.24, 20.48, 40.96, 81.92)
+STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+# ---------------------------------------------------------------------------------
+# Prometheus metrics: the collector's /metrics
+# ---------------------------------------------------------------------------------
+COLLECTOR_REQUEST_TTFT_SECONDS = "sightline_request_time_to_first_token_seconds"  # model, priority
+COLLECTOR_REQUEST_TPOT_SECONDS = "sightline_request_time_per_output_token_seconds"
+COLLECTOR_REQUEST_E2E_SECONDS = "sightline_request_e2e_seconds"
+COLLECTOR_REQUEST_QUEUE_SECONDS = "sightline_request_queue_seconds"
+COLLECTOR_REQUESTS_TOTAL = "sightline_requests"  # model, priority, finish_reason
+COLLECTOR_KERNEL_DURATION_SECONDS = "sightline_kernel_duration_seconds"  # gpu, kernel
+COLLECTOR_STEP_DURATION_SECONDS = "sightline_step_duration_seconds"
+COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, sm, kernel
+COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
+COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
+# self-metrics
+COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
+COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver
+COLLECTOR_REJECTED_TOTAL = "sightline_collector_rejected"  # receiver, reason
+COLLECTOR_DROPPED_TOTAL = "sightline_collector_dropped"  # reason
+COLLECTOR_QUEUE_DEPTH = "sightline_collector_queue_depth"
+COLLECTOR_PROCESSING_SECONDS = "sightline_collector_processing_seconds"
+COLLECTOR_SERIES_OVERFLOW_TOTAL = "sightline_collector_series_overflow"
+
+# Histogram buckets for the collector's exposition of span-derived latencies and
+# per-SM CTA durations (seconds). CTA durations of attention blocks span ~1 us..100 ms.
+COLLECTOR_LATENCY_BUCKETS_S = TTFT_BUCKETS_S + (20.0, 40.0, 80.0)
+CTA_BUCKETS_S = (1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+                 1e-2, 2e-2, 5e-2, 1e-1)
+
+# Receiver label values
+RECEIVER_OTLP_GRPC = "otlp_grpc"
+RECEIVER_OTLP_HTTP = "otlp_http"
+RECEIVER_ZIPKIN = "zipkin"
+RECEIVER_REPLAY = "replay"
+
+# Recording rule names (deploy/prometheus rules; dashboards read them)
+RULE_TTFT_P99 = "sightline:request_ttft_seconds:p99_5m"
+RULE_ERROR_RATIO_PREFIX = "sightline:request_error_ratio:rate"
+RULE_SM_HOTSPOT = "sightline:sm_cta_p99_over_median:ratio"
