@@ -1,0 +1,246 @@
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
+
+The manager owns block *ids* only; the model runner owns the tensors
+(``k_cache[num_blocks, block_size, Hkv, D]``) and turns a request's ``block_ids`` into its
+block table and slot mapping. A token at sequence position ``p`` lives in block
+``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. slot
+``block_ids[p // block_size] * block_size + p % block_size``.
+
+Guarantees: a block is either on the free list (ref count 0) or referenced by at least one
+request; its ref count equals the number of requests whose ``block_ids`` contain it
+(``check_invariants`` verifies all of this). ``fork`` shares a parent's blocks with a child;
+the first write into a shared, partly filled block copies it (copy-on-write): the manager
+hands out a fresh block and queues the (source, destination) pair for the runner, which
+drains them with ``take_pending_copies()`` before its next forward pass.
+
+Costs: allocate/free/fork are O(blocks touched); slot() is O(1); check_invariants() is
+O(num_blocks + blocks held) and meant for tests and debugging. Not thread-safe: the engine
+loop is the only caller.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from sightline.engine.request import Request
+
+__all__ = [
+    "KVCacheConfig",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "blocks_for_budget",
+    "kv_bytes_per_block",
+]
+
+
+class NoFreeBlocksError(RuntimeError):
+    """allocate() was asked for more blocks than are free (call can_allocate first)."""
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """Cache geometry. ``num_blocks`` is required (0 is rejected), usually from ``blocks_for_budget``."""
+
+    block_size: int = 16  # tokens per block
+    num_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
+            raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
+        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+
+    @property
+    def num_token_slots(self) -> int:
+        return self.block_size * self.num_blocks
+
+
+def blocks_for_budget(bytes_budget: int | float, bytes_per_block: int) -> int:
+    """How many whole blocks fit in ``bytes_budget`` bytes (floor; 0 when none fit).
+
+    The runner computes the budget from ``--gpu-memory-utilization`` (free memory times the
+    fraction, minus activations) or ``--kv-cache-gib``; ``bytes_per_block`` from
+    ``kv_bytes_per_block``.
+    """
+    if isinstance(bytes_per_block, bool) or not isinstance(bytes_per_block, int) or bytes_per_block < 1:
+        raise ValueError(f"bytes_per_block must be an integer >= 1, got {bytes_per_block!r}")
+    if isinstance(bytes_budget, bool) or not isinstance(bytes_budget, (int, float)) or not bytes_budget >= 0:
+        raise ValueError(f"bytes_budget must be a number >= 0, got {bytes_budget!r}")
+    return int(bytes_budget // bytes_per_block)
+
+
+def kv_bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int) -> int:
+    """Bytes one block occupies across all layers: K and V, ``[block_size, Hkv, D]`` each per layer."""
+    for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("block_size", block_size), ("dtype_bytes", dtype_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
+
+
+class KVCacheManager:
+    """Hands out block ids to requests and takes them back."""
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.num_blocks = config.num_blocks
+        self._ref_counts = [0] * config.num_blocks
+        # FIFO reuse keeps allocation order deterministic and spreads writes over the cache.
+        self._free: deque[int] = deque(range(config.num_blocks))
+        self._holders: dict[int, Request] = {}  # id(request) -> request, for check_invariants
+        self._pending_copies: list[tuple[int, int]] = []
+
+    # ---- capacity -----------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks in use, 0..1."""
+        return self.num_used_blocks / self.num_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks that allocate(request, num_new_tokens) would take (new ones plus copies)."""
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        end = request.num_computed_tokens + num_new_tokens
+        have = len(request.block_ids)
+        need_total = -(-end // self.block_size)
+        appended = max(0, need_total - have)
+        return appended + len(self._shared_in_write_range(request, end))
+
+    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
+        return self.num_blocks_needed(request, num_new_tokens) <= len(self._free)
+
+    def allocate(self, request: Request, num_new_tokens: int) -> None:
+        """Extend ``request.block_ids`` to cover ``num_computed_tokens + num_new_tokens`` positions.
+
+        Shared blocks that the new tokens would write into are replaced by private copies first.
+        Raises NoFreeBlocksError (changing nothing) when too few blocks are free.
+        """
+        needed = self.num_blocks_needed(request, num_new_tokens)
+        if needed > len(self._free):
+            raise NoFreeBlocksError(
+                f"request {request.request_id} needs {needed} blocks, {len(self._free)} free of {self.num_blocks}"
+            )
+        end = request.num_computed_tokens + num_new_tokens
+        for index in self._shared_in_write_range(request, end):
+            src = request.block_ids[index]
+            dst = self._take()
+            self._ref_counts[src] -= 1  # still > 0: another holder keeps it
+            request.block_ids[index] = dst
+            self._pending_copies.append((src, dst))
+        need_total = -(-end // self.block_size)
+        while len(request.block_ids) < need_total:
+            request.block_ids.append(self._take())
+        if request.block_ids:
+            self._holders[id(request)] = request
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; blocks nobody else holds go back on the free list.
+
+        Blocks are released last-first, so the tail of a sequence is reused before its head.
+        Idempotent: freeing a request that holds nothing does nothing.
+        """
+        for block_id in reversed(request.block_ids):
+            count = self._ref_counts[block_id] - 1
+            if count < 0:
+                raise RuntimeError(f"block {block_id} freed more often than allocated (request {request.request_id})")
+            self._ref_counts[block_id] = count
+            if count == 0:
+                self._free.append(block_id)
+        request.block_ids.clear()
+        self._holders.pop(id(request), None)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let ``child`` share all of ``parent``'s blocks and computed tokens (no copy now).
+
+        The child must hold no blocks. Its later writes into a shared, partly filled block copy
+        that block (see take_pending_copies). Costs O(len(parent.block_ids)), no free blocks.
+        """
+        if child.block_ids:
+            raise ValueError(f"fork target {child.request_id} already holds {len(child.block_ids)} blocks")
+        if child is parent:
+            raise ValueError(f"cannot fork request {parent.request_id} into itself")
+        for block_id in parent.block_ids:
+            self._ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        if child.block_ids:
+            self._holders[id(child)] = child
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """(source block, destination block) copies the runner must do before writing KV; clears them."""
+        copies, self._pending_copies = self._pending_copies, []
+        return copies
+
+    # ---- addressing ---------------------------------------------------------------------------
+    def slot(self, request: Request, position: int) -> int:
+        """Flat cache slot of sequence position ``position`` (IndexError when no block covers it)."""
+        if position < 0:
+            raise IndexError(f"position must be >= 0, got {position}")
+        index, offset = divmod(position, self.block_size)
+        if index >= len(request.block_ids):
+            raise IndexError(
+                f"position {position} of request {request.request_id} is past its "
+                f"{len(request.block_ids)} blocks of {self.block_size}"
+            )
+        return request.block_ids[index] * self.block_size + offset
+
+    def slots(self, request: Request, start: int, end: int) -> list[int]:
+        """Slots of positions [start, end), in order: the slot mapping of one scheduled chunk."""
+        return [self.slot(request, p) for p in range(start, end)]
+
+    # ---- checking -----------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant.
+
+        free + used == total; no block both free and used; no block listed free twice; each
+        block's ref count equals the number of live holders whose block_ids contain it.
+        """
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise AssertionError("a block is on the free list twice")
+        used = [b for b, c in enumerate(self._ref_counts) if c > 0]
+        if any(c < 0 for c in self._ref_counts):
+            raise AssertionError("negative ref count")
+        if len(free) + len(used) != self.num_blocks:
+            raise AssertionError(f"free {len(free)} + used {len(used)} != total {self.num_blocks}")
+        both = free.intersection(used)
+        if both:
+            raise AssertionError(f"blocks both free and used: {sorted(both)[:8]}")
+        expected = [0] * self.num_blocks
+        for request in self._holders.values():
+            if len(set(request.block_ids)) != len(request.block_ids):
+                raise AssertionError(f"request {request.request_id} lists a block twice")
+            for block_id in request.block_ids:
+                expected[block_id] += 1
+        for block_id, (want, got) in enumerate(zip(expected, self._ref_counts)):
+            if want != got:
+                raise AssertionError(f"block {block_id}: ref count {got}, held by {want} requests")
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _take(self) -> int:
+        block_id = self._free.popleft()
+        self._ref_counts[block_id] = 1
+        return block_id
+
+    def _shared_in_write_range(self, request: Request, end: int) -> list[int]:
+        """Indices of shared blocks that positions [num_computed_tokens, end) would write into."""
+        start = request.num_computed_tokens
+        if end <= start:
+            return []
+        first = start // self.block_size
+        last = min(len(request.block_ids), -(-end // self.block_size))
+        return [i for i in range(first, last) if self._ref_counts[request.block_ids[i]] > 1]

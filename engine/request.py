@@ -1,0 +1,143 @@
+"""One generation request and its sampling parameters: the record every engine stage shares.
+
+A ``Request`` is created by the server, owned by the scheduler from ``Scheduler.add`` until it
+finishes, and read by the model runner. Only the scheduler changes ``status``,
+``num_computed_tokens``, ``output_token_ids`` and the timing fields; only the KV cache manager
+changes ``block_ids``. Plain Python, no torch: every property is O(1) except ``all_token_ids``,
+which builds a new list (O(prompt + output)).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
+
+
+class FinishReason(str, Enum):
+    """Why a request stopped; the values are the OpenAI ``finish_reason`` strings."""
+
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # the client went away or the server cancelled it
+
+
+class RequestStatus(Enum):
+    """Where a request is: in the waiting queue, holding KV blocks, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. Validated on construction; errors name the bad value and the range."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if isinstance(self.stop, str):  # a lone string is one stop sequence, not its characters
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must hold non-empty strings, got {s!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0)."""
+        return self.temperature == 0.0
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(eq=False)  # identity equality: two requests with equal fields are still two requests
+class Request:
+    """A prompt, its generated tokens, and the scheduler/KV bookkeeping around them.
+
+    Invariants kept by the scheduler: ``num_computed_tokens <= num_tokens``; a WAITING request
+    holds no blocks and has ``num_computed_tokens == 0``; a FINISHED request holds no blocks.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower is more urgent
+    arrival_time_s: float = field(default_factory=time.monotonic)
+    eos_token_id: int | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    first_scheduled_time_s: float | None = None
+    first_token_time_s: float | None = None
+    telemetry: object | None = None  # opaque instrumentation handle (a RequestTrace or None)
+    finish_time_s: float | None = None  # scheduler clock when it finished (extension)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least 1 token, got 0")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens: the sequence length known so far."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output, as a new list (O(num_tokens))."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest known token: the input of the next decode step."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens at positions [start, end) of prompt+output, without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]

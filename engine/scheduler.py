@@ -1,0 +1,358 @@
+"""Continuous batching with priorities, a per-step token budget, chunked prefill and preemption.
+
+Each ``schedule()`` call builds one engine step (a ``StepPlan``) under two limits: at most
+``max_num_batched_tokens`` new tokens and at most ``max_num_seqs`` running requests. It fills
+the budget in this order:
+
+1. decodes of running requests (one token each), most urgent first;
+2. running requests whose prefill was split (chunked prefill), most urgent first;
+3. waiting requests, most urgent first, each getting ``min(tokens left, budget left)`` tokens;
+   admission stops at the first waiting request whose chunk does not fit in the free blocks, so
+   a less urgent request never jumps ahead of a more urgent one.
+
+Urgency: lower ``priority`` is more urgent; a request's effective priority is
+``priority - floor(seconds since arrival / aging_s)``, so everything eventually becomes most
+urgent (no starvation); ties go to the earlier arrival (FIFO within a class).
+
+When a running request needs a block and none is free, the least urgent running request not
+yet scheduled in this step (possibly the requester itself) is preempted by recompute: its
+blocks are freed, ``num_computed_tokens`` drops to 0, it returns to the waiting queue with
+``num_preemptions += 1``, and a later prefill covers all of ``all_token_ids``. A request never
+preempts a more urgent one, so the most urgent running request always makes progress.
+
+Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
+never exceeded; outputs with preemption equal outputs without; every finished or aborted
+request leaves no blocks behind. Costs: O(R log R + W log W) per step for R running and W
+waiting requests (the keys age with time, so queues are re-sorted each step). Deterministic for
+a given clock; not thread-safe (the engine loop is the only caller).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sightline.engine.kv_cache import KVCacheManager
+from sightline.engine.request import FinishReason, Request, RequestStatus
+
+__all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds ``max_waiting`` requests; the server answers HTTP 429."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batch limits and priority aging. Errors name the bad value and the allowed range."""
+
+    max_num_seqs: int = 64  # running requests (holding KV blocks) at once
+    max_num_batched_tokens: int = 2048  # new tokens per step, prefill and decode together
+    max_waiting: int = 1024  # waiting-queue bound; add() raises QueueFullError beyond it
+    aging_s: float = 10.0  # effective priority improves by 1 per aging_s waited (math.inf: off)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # Otherwise decodes alone could eat the budget and starve a split prefill forever.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
+            )
+        if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s > 0:
+            raise ValueError(f"aging_s must be > 0 (math.inf disables aging), got {self.aging_s!r}")
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: positions [computed_before, computed_before + num_new_tokens)."""
+
+    request: Request
+    num_new_tokens: int
+    is_prefill: bool
+    computed_before: int
+    # Sequence length when scheduled; update() appends tokens, so samples_token must not read it live.
+    num_tokens_at_schedule: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "num_tokens_at_schedule", self.request.num_tokens)
+
+    @property
+    def end(self) -> int:
+        """One past the last position computed in this step."""
+        return self.computed_before + self.num_new_tokens
+
+    @property
+    def samples_token(self) -> bool:
+        """This chunk reaches the end of the known tokens: its last position's logits yield a token."""
+        return self.end == self.num_tokens_at_schedule
+
+
+@dataclass
+class StepPlan:
+    """What one engine step computes, and the cache state after scheduling it."""
+
+    step_id: int
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_running: int = 0  # after scheduling (extension, for step telemetry)
+    num_waiting: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class Scheduler:
+    """Owns waiting and running requests; decides each step; applies each step's sampled tokens."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.clock = clock
+        self._waiting: list[Request] = []
+        self._running: list[Request] = []
+        self._live: dict[str, Request] = {}
+        self._order: dict[int, int] = {}  # id(request) -> admission number: the last tie-breaker
+        self._next_order = 0
+        self._next_step_id = 0
+
+    # ---- queue ------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def get(self, request_id: str) -> Request | None:
+        """The live (waiting or running) request with this id, if any."""
+        return self._live.get(request_id)
+
+    def max_request_tokens(self) -> int:
+        """Largest prompt + max_tokens the cache can ever hold for one request (KV of all but the last token)."""
+        return self.kv_cache.num_blocks * self.kv_cache.block_size + 1
+
+    def add(self, request: Request) -> None:
+        """Queue a new request. Raises QueueFullError (queue at max_waiting) or ValueError (unusable request)."""
+        if request.request_id in self._live:
+            raise ValueError(f"request id {request.request_id!r} is already queued or running")
+        if request.status is not RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id} is not fresh (status {request.status.name})")
+        needed = request.num_tokens + request.sampling.max_tokens - request.num_output_tokens
+        if needed > self.max_request_tokens():
+            raise ValueError(
+                f"request {request.request_id} needs up to {needed} tokens (prompt + max_tokens); "
+                f"the KV cache holds at most {self.max_request_tokens()}"
+            )
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        self._order[id(request)] = self._next_order
+        self._next_order += 1
+        self._live[request.request_id] = request
+        self._waiting.append(request)
+
+    def effective_priority(self, request: Request, now: float) -> int:
+        """``priority - floor(waited / aging_s)``, never above ``priority``."""
+        waited = max(0.0, now - request.arrival_time_s)
+        aged = waited / self.config.aging_s
+        return request.priority - (math.floor(aged) if math.isfinite(aged) else 0)
+
+    def urgency_key(self, request: Request, now: float) -> tuple[int, float, int]:
+        """Sort key, smallest first: effective priority, then arrival, then admission order."""
+        return (self.effective_priority(request, now), request.arrival_time_s, self._order[id(request)])
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Build the next step. Allocates the blocks it schedules; may preempt (see module doc)."""
+        now = self.clock()
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        done: set[int] = set()  # id() of requests scheduled in this step: not preemptible any more
+        num_prefill = num_decode = 0
+
+        key = {id(r): self.urgency_key(r, now) for r in self._running}
+        self._running.sort(key=lambda r: key[id(r)])
+        decodes = [r for r in self._running if _is_decode(r)]
+        partials = [r for r in self._running if not _is_decode(r)]
+
+        for group_is_prefill, group in ((False, decodes), (True, partials)):
+            for request in group:
+                if budget == 0:
+                    break
+                if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                    continue
+                want = min(request.num_tokens - request.num_computed_tokens, budget)
+                if want <= 0:
+                    continue
+                num_new = self._fit_or_preempt(request, want, done, key, preempted)
+                if num_new == 0:
+                    continue
+                scheduled.append(self._schedule_chunk(request, num_new, group_is_prefill))
+                done.add(id(request))
+                budget -= num_new
+                if group_is_prefill:
+                    num_prefill += num_new
+                else:
+                    num_decode += num_new
+
+        if budget > 0 and self._waiting:
+            just_preempted = {id(r) for r in preempted}
+            self._waiting.sort(key=lambda r: self.urgency_key(r, now))
+            admitted: list[Request] = []
+            for request in self._waiting:
+                if budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                    break
+                if id(request) in just_preempted:
+                    break  # it just gave its blocks up: re-admitting it would thrash, passing it would invert priority
+                num_new = min(request.num_tokens, budget)
+                if not self.kv_cache.can_allocate(request, num_new):
+                    break  # keep priority order: nobody less urgent may pass it
+                request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time_s is None:
+                    request.first_scheduled_time_s = now
+                self._running.append(request)
+                admitted.append(request)
+                scheduled.append(self._schedule_chunk(request, num_new, True))
+                budget -= num_new
+                num_prefill += num_new
+            if admitted:
+                gone = {id(r) for r in admitted}
+                self._waiting = [r for r in self._waiting if id(r) not in gone]
+
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            scheduled=scheduled,
+            preempted=preempted,
+            num_prefill_tokens=num_prefill,
+            num_decode_tokens=num_decode,
+            kv_blocks_used=self.kv_cache.num_used_blocks,
+            kv_blocks_total=self.kv_cache.num_blocks,
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+        )
+        self._next_step_id += 1
+        return plan
+
+    def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
+
+        ``sampled`` maps request_id -> token for every entry whose ``samples_token`` is True.
+        A request finishes on its eos token (unless ``ignore_eos``) with STOP, or on reaching
+        ``max_tokens`` with LENGTH; its blocks are freed. Entries whose request was aborted or
+        finished after schedule() are skipped. Returns the requests finished here, in plan order.
+        """
+        now: float | None = None
+        finished: list[Request] = []
+        for entry in plan.scheduled:
+            request = entry.request
+            if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.computed_before:
+                continue  # aborted/finished since schedule(), or a stale plan
+            request.num_computed_tokens = entry.end
+            if not entry.samples_token:
+                continue
+            try:
+                token = sampled[request.request_id]
+            except KeyError:
+                raise ValueError(f"no sampled token for request {request.request_id} in step {plan.step_id}") from None
+            if now is None:
+                now = self.clock()
+            request.output_token_ids.append(token)
+            if request.first_token_time_s is None:
+                request.first_token_time_s = now
+            reason = _finish_reason(request, token)
+            if reason is not None:
+                self._finish(request, reason, now)
+                finished.append(request)
+        return finished
+
+    def abort(self, request_id: str) -> Request | None:
+        """Finish a waiting or running request with ABORT and free its blocks; None if unknown or done."""
+        return self.finish(request_id, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish a live request with ``reason`` (e.g. STOP on a stop string); None if unknown or done."""
+        request = self._live.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason, self.clock())
+        return request
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _schedule_chunk(self, request: Request, num_new: int, is_prefill: bool) -> ScheduledRequest:
+        entry = ScheduledRequest(request, num_new, is_prefill, request.num_computed_tokens)
+        self.kv_cache.allocate(request, num_new)
+        return entry
+
+    def _fit_or_preempt(self, request: Request, want: int, done: set[int],
+                        key: dict[int, tuple[int, float, int]], preempted: list[Request]) -> int:
+        """Tokens (<= want) of ``request`` the free blocks can take, preempting to make room.
+
+        Returns 0 when the request itself was the least urgent candidate and got preempted.
+        """
+        kv = self.kv_cache
+        while True:
+            # A split prefill may shrink to whatever the blocks it holds plus the free ones cover.
+            room = (len(request.block_ids) + kv.num_free_blocks) * kv.block_size - request.num_computed_tokens
+            if kv.can_allocate(request, want):
+                return want
+            if room > 0 and not _is_decode(request) and kv.can_allocate(request, min(want, room)):
+                return min(want, room)
+            candidates = [r for r in self._running if id(r) not in done]
+            victim = max(candidates, key=lambda r: key[id(r)])
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return 0
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self._running.remove(request)
+        self._waiting.append(request)
+
+    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self._waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.finish_time_s = now
+        self._live.pop(request.request_id, None)
+        self._order.pop(id(request), None)
+
+
+def _is_decode(request: Request) -> bool:
+    """Only the newest sampled token lacks KV: the next step is a one-token decode."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def _finish_reason(request: Request, token: int) -> FinishReason | None:
+    if not request.sampling.ignore_eos and request.eos_token_id is not None and token == request.eos_token_id:
+        return FinishReason.STOP
+    if request.num_output_tokens >= request.sampling.max_tokens:
+        return FinishReason.LENGTH
+    return None
