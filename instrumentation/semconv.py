@@ -226,3 +226,13 @@ EXEMPLAR_TRACE_ID_LABEL = "trace_id"
 # Fraction of requests whose TTFT exceeded the SLO threshold, per window (suffix 5m, 1h...).
 RULE_TTFT_SLO_BAD_RATIO_PREFIX = "sightline:request_ttft_over_slo_ratio:rate"
 RULE_KERNEL_P99 = "sightline:kernel_duration_seconds:p99_5m"  # gpu, kernel
+
+# Zipkin receiver (E5, collector/zipkin.py): how Zipkin v2 fields land in OTLP.
+RESOURCE_SERVICE_NAME = "service.name"
+PEER_SERVICE = "peer.service"
+NETWORK_PEER_ADDRESS = "network.peer.address"
+NETWORK_PEER_PORT = "network.peer.port"
+NETWORK_LOCAL_ADDRESS = "network.local.address"
+NETWORK_LOCAL_PORT = "network.local.port"
+ZIPKIN_SHARED = "zipkin.shared"  # Zipkin's "shared": the span id is shared with the client
+ZIPKIN_SCOPE_NAME = "sightline.zipkin"  # instrumentation scope of converted spans

@@ -1,0 +1,308 @@
+"""Telemetry configuration: one typed dataclass, filled from arguments, ``OTEL_*`` env, defaults.
+
+Precedence is argument beats environment variable beats default, as in the OpenTelemetry
+SDK. Every field is validated in ``__post_init__``; an error names the bad value and the
+allowed values or range, so a typo in a deployment manifest fails at start-up with a
+sentence rather than a silent default.
+
+Environment variables read by :meth:`TelemetryConfig.from_env`:
+
+``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
+``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
+``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``, ``OTEL_SERVICE_NAME``,
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``), ``OTEL_PROPAGATORS``,
+``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
+``OTEL_BSP_EXPORT_TIMEOUT``, ``OTEL_METRIC_EXPORT_INTERVAL``,
+``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``, ``SIGHTLINE_CAPTURE_CONTENT``,
+``SIGHTLINE_KERNEL_SAMPLE_RATIO``, ``SIGHTLINE_CAPTURE_PATH``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import urllib.parse
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sightline.instrumentation import semconv
+
+__all__ = [
+    "TraceLevel",
+    "TelemetryConfig",
+    "PROTOCOLS",
+    "SAMPLERS",
+    "PROPAGATORS",
+]
+
+PROTOCOLS = ("grpc", "http/protobuf")
+SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+PROPAGATORS = ("tracecontext", "baggage", "b3", "b3multi", "none")
+EXPORTERS = ("otlp", "none")
+TEMPORALITIES = ("delta", "cumulative")
+
+Protocol = Literal["grpc", "http/protobuf"]
+
+
+class TraceLevel(enum.IntEnum):
+    """How deep tracing goes; each level includes the ones below it."""
+
+    OFF = 0
+    REQUESTS = 1
+    STEPS = 2
+    KERNELS = 3
+
+    @classmethod
+    def parse(cls, value: "str | int | TraceLevel") -> "TraceLevel":
+        """Accepts a level, its int, or its name (case-insensitive: off|requests|steps|kernels)."""
+        if isinstance(value, TraceLevel):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool):
+            try:
+                return cls(value)
+            except ValueError:
+                raise ValueError(f"trace level {value!r} is not one of 0..3") from None
+        if isinstance(value, str):
+            name = value.strip().upper()
+            if name in cls.__members__:
+                return cls[name]
+        allowed = "|".join(m.name.lower() for m in cls)
+        raise ValueError(f"trace level {value!r} is not one of {allowed}")
+
+
+def _parse_key_values(text: str, what: str) -> dict[str, str]:
+    """``k1=v1,k2=v2`` (W3C-baggage-like, percent-decoded) as used by OTEL_RESOURCE_ATTRIBUTES."""
+    out: dict[str, str] = {}
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{what}: item {item!r} is not key=value")
+        out[urllib.parse.unquote(key.strip())] = urllib.parse.unquote(value.strip())
+    return out
+
+
+def _default_endpoint(protocol: str) -> str:
+    return "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """Everything :class:`~sightline.instrumentation.tracing.Telemetry` needs to start.
+
+    Endpoints: ``otlp_endpoint`` is the base endpoint (gRPC ``host:port`` URL, or the HTTP base
+    to which ``/v1/traces`` and ``/v1/metrics`` are appended); ``otlp_traces_endpoint`` and
+    ``otlp_metrics_endpoint``, when set, are used verbatim, as the OTLP spec says.
+    """
+
+    level: TraceLevel = TraceLevel.REQUESTS
+    exporter: Literal["otlp", "none"] = "otlp"
+    otlp_endpoint: str | None = None
+    otlp_traces_endpoint: str | None = None
+    otlp_metrics_endpoint: str | None = None
+    otlp_protocol: Protocol = "grpc"
+    otlp_headers: Mapping[str, str] = field(default_factory=dict)
+    otlp_insecure: bool = True
+    export_timeout_s: float = 10.0
+    service_name: str = semconv.SERVICE_NAME_ENGINE
+    resource_attributes: Mapping[str, str] = field(default_factory=dict)
+    sampler: str = "parentbased_always_on"
+    sampler_arg: float = 1.0
+    propagators: tuple[str, ...] = ("tracecontext", "baggage")
+    capture_content: bool = False
+    content_max_chars: int = 4096
+    kernel_sample_ratio: float = 0.01
+    max_queue_size: int = 2048
+    max_export_batch_size: int = 512
+    schedule_delay_s: float = 1.0
+    max_links_per_span: int = 128
+    metrics_enabled: bool = True
+    metric_export_interval_s: float = 10.0
+    metrics_temporality: Literal["delta", "cumulative"] = "delta"
+    shutdown_timeout_s: float = 5.0
+    capture_path: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "level", TraceLevel.parse(self.level))
+        if self.exporter not in EXPORTERS:
+            raise ValueError(f"exporter {self.exporter!r} is not one of {'|'.join(EXPORTERS)}")
+        if self.otlp_protocol not in PROTOCOLS:
+            raise ValueError(
+                f"otlp_protocol {self.otlp_protocol!r} is not one of {'|'.join(PROTOCOLS)}"
+            )
+        if self.sampler not in SAMPLERS:
+            raise ValueError(f"sampler {self.sampler!r} is not one of {'|'.join(SAMPLERS)}")
+        for name in self.propagators:
+            if name not in PROPAGATORS:
+                raise ValueError(f"propagator {name!r} is not one of {'|'.join(PROPAGATORS)}")
+        object.__setattr__(self, "propagators", tuple(self.propagators))
+        object.__setattr__(self, "otlp_headers", dict(self.otlp_headers))
+        object.__setattr__(self, "resource_attributes", dict(self.resource_attributes))
+        for endpoint_name in ("otlp_endpoint", "otlp_traces_endpoint", "otlp_metrics_endpoint"):
+            value = getattr(self, endpoint_name)
+            if value is not None:
+                parsed = urllib.parse.urlparse(value)
+                if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                    raise ValueError(
+                        f"{endpoint_name} {value!r} is not an http:// or https:// URL with a host"
+                    )
+        if self.metrics_temporality not in TEMPORALITIES:
+            raise ValueError(
+                f"metrics_temporality {self.metrics_temporality!r} is not one of "
+                f"{'|'.join(TEMPORALITIES)}"
+            )
+        _check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
+        _check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
+        _check_range("export_timeout_s", self.export_timeout_s, 0.001, 600.0)
+        _check_range("schedule_delay_s", self.schedule_delay_s, 0.001, 3600.0)
+        _check_range("metric_export_interval_s", self.metric_export_interval_s, 0.01, 3600.0)
+        _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 600.0)
+        _check_int("max_queue_size", self.max_queue_size, 1, 10_000_000)
+        _check_int("max_export_batch_size", self.max_export_batch_size, 1, self.max_queue_size)
+        _check_int("max_links_per_span", self.max_links_per_span, 0, 100_000)
+        _check_int("content_max_chars", self.content_max_chars, 0, 10_000_000)
+        if not self.service_name:
+            raise ValueError("service_name '' must not be empty")
+
+    # -- derived -------------------------------------------------------------------
+    @property
+    def traces_endpoint(self) -> str:
+        """The URL the span exporter talks to (gRPC: scheme+host+port; HTTP: full path)."""
+        if self.otlp_traces_endpoint:
+            return self.otlp_traces_endpoint
+        base = self.otlp_endpoint or _default_endpoint(self.otlp_protocol)
+        if self.otlp_protocol == "grpc":
+            return base
+        return base.rstrip("/") + "/v1/traces"
+
+    @property
+    def metrics_endpoint(self) -> str:
+        if self.otlp_metrics_endpoint:
+            return self.otlp_metrics_endpoint
+        base = self.otlp_endpoint or _default_endpoint(self.otlp_protocol)
+        if self.otlp_protocol == "grpc":
+            return base
+        return base.rstrip("/") + "/v1/metrics"
+
+    def replace(self, **changes: Any) -> "TelemetryConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- environment ---------------------------------------------------------------
+    @classmethod
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> "TelemetryConfig":
+        """Builds a config: ``overrides`` (not None) beat ``env`` (default ``os.environ``) beat defaults.
+
+        Raises ValueError naming the variable and its bad value.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+
+        def get(name: str) -> str | None:
+            value = env.get(name)
+            if value is None or value.strip() == "":
+                return None
+            return value.strip()
+
+        def put(key: str, var: str, convert=lambda s: s) -> None:
+            raw = get(var)
+            if raw is None:
+                return
+            try:
+                values[key] = convert(raw)
+            except ValueError as exc:
+                raise ValueError(f"{var}={raw!r}: {exc}") from None
+
+        put("level", "SIGHTLINE_TRACE_LEVEL", TraceLevel.parse)
+        if (get("OTEL_SDK_DISABLED") or "").lower() == "true":
+            values["level"] = TraceLevel.OFF
+        put("exporter", "OTEL_TRACES_EXPORTER", lambda s: s.split(",")[0].strip().lower())
+        put("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
+        put("otlp_traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        put("otlp_metrics_endpoint", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+        put("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL")
+        put("otlp_protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+        put("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS",
+            lambda s: _parse_key_values(s, "headers"))
+        put("otlp_insecure", "OTEL_EXPORTER_OTLP_INSECURE", _parse_bool)
+        put("export_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", lambda s: _parse_float(s) / 1000.0)
+        put("service_name", "OTEL_SERVICE_NAME")
+        put("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES",
+            lambda s: _parse_key_values(s, "resource attributes"))
+        put("sampler", "OTEL_TRACES_SAMPLER", str.lower)
+        put("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _parse_float)
+        put("propagators", "OTEL_PROPAGATORS",
+            lambda s: tuple(p.strip().lower() for p in s.split(",") if p.strip()))
+        put("max_queue_size", "OTEL_BSP_MAX_QUEUE_SIZE", _parse_int)
+        put("max_export_batch_size", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _parse_int)
+        put("schedule_delay_s", "OTEL_BSP_SCHEDULE_DELAY", lambda s: _parse_float(s) / 1000.0)
+        put("metric_export_interval_s", "OTEL_METRIC_EXPORT_INTERVAL",
+            lambda s: _parse_float(s) / 1000.0)
+        put("metrics_temporality", "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", str.lower)
+        put("capture_content", "SIGHTLINE_CAPTURE_CONTENT", _parse_bool)
+        put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
+        put("capture_path", "SIGHTLINE_CAPTURE_PATH")
+        # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
+        if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:
+            put("export_timeout_s", "OTEL_BSP_EXPORT_TIMEOUT", lambda s: _parse_float(s) / 1000.0)
+        # The service name set in OTEL_RESOURCE_ATTRIBUTES counts when OTEL_SERVICE_NAME is absent.
+        attrs = values.get("resource_attributes", {})
+        if "service_name" not in values and "service.name" in attrs:
+            values["service_name"] = attrs["service.name"]
+        if values.get("propagators") == ("none",):
+            values["propagators"] = ()
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            if not any(f.name == key for f in dataclasses.fields(cls)):
+                names = ", ".join(f.name for f in dataclasses.fields(cls))
+                raise TypeError(f"unknown TelemetryConfig field {key!r}; fields are {names}")
+            values[key] = value
+        return cls(**values)
+
+
+def _check_range(name: str, value: float, lo: float, hi: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+        raise ValueError(f"{name} {value!r} is not a number in [{lo}, {hi}]")
+
+
+def _check_int(name: str, value: int, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name} {value!r} is not an integer in [{lo}, {hi}]")
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (true|false|1|0|yes|no|on|off)")
+
+
+def _parse_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an integer") from None
+
+
+def _parse_float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None

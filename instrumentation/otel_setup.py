@@ -1,0 +1,511 @@
+"""OpenTelemetry SDK set-up: per-instance tracer and meter providers with OTLP exporters.
+
+Nothing here touches the SDK's global providers, so a process (or a test) may hold several
+independent pipelines. Guarantees:
+
+- Spans leave through a :class:`CountingBatchSpanProcessor`: a bounded queue
+  (``max_queue_size``); when it is full the newest span is still queued and the oldest is
+  dropped (the SDK's deque policy), and every drop is counted. ``on_end`` costs a deque
+  append; export runs on the SDK's worker thread.
+- Exporters are wrapped (:class:`CountingSpanExporter`, :class:`CountingMetricExporter`):
+  a failed export (after the SDK exporter's own retries with exponential backoff, bounded
+  by ``export_timeout_s``) counts its spans as dropped and one export failure; an exception
+  from an exporter is logged and turned into FAILURE, never raised into the application.
+- The counts are exposed as Prometheus counters named after
+  ``semconv.TELEMETRY_*`` through :class:`TelemetryCounters`, a custom prometheus_client
+  collector registered into the registry given (or a private one).
+- ``shutdown`` is bounded by ``shutdown_timeout_s`` even when the endpoint is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from opentelemetry.sdk.metrics import (
+    Counter,
+    Histogram,
+    MeterProvider,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    UpDownCounter,
+)
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    MetricExporter,
+    MetricExportResult,
+    MetricReader,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, TracerProvider
+from opentelemetry.sdk.trace import sampling
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from sightline.instrumentation import semconv
+from sightline.instrumentation.config import TelemetryConfig
+
+__all__ = [
+    "TelemetryCounters",
+    "CountingSpanExporter",
+    "CountingMetricExporter",
+    "CountingBatchSpanProcessor",
+    "Providers",
+    "build_providers",
+    "build_sampler",
+    "build_resource",
+]
+
+logger = logging.getLogger(__name__)
+
+DROP_QUEUE_FULL = "queue_full"
+DROP_EXPORT_FAILED = "export_failed"
+DROP_SHUTDOWN = "already_shutdown"
+
+
+class TelemetryCounters(Collector):
+    """Thread-safe counts of the span pipeline's fate, readable directly and by Prometheus.
+
+    Series (prometheus_client appends ``_total``):
+    ``sightline_telemetry_spans_exported_total``,
+    ``sightline_telemetry_spans_dropped_total{reason}``,
+    ``sightline_telemetry_export_failures_total{signal}``.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._lock = threading.Lock()
+        self.spans_exported = 0
+        self.spans_dropped: dict[str, int] = {}
+        self.export_failures: dict[str, int] = {}
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.registry.register(self)
+
+    def add_exported(self, count: int) -> None:
+        with self._lock:
+            self.spans_exported += count
+
+    def add_dropped(self, count: int, reason: str) -> None:
+        with self._lock:
+            self.spans_dropped[reason] = self.spans_dropped.get(reason, 0) + count
+
+    def add_failure(self, signal: str) -> None:
+        with self._lock:
+            self.export_failures[signal] = self.export_failures.get(signal, 0) + 1
+
+    def dropped_total(self) -> int:
+        with self._lock:
+            return sum(self.spans_dropped.values())
+
+    def failures_total(self) -> int:
+        with self._lock:
+            return sum(self.export_failures.values())
+
+    def unregister(self) -> None:
+        try:
+            self.registry.unregister(self)
+        except KeyError:
+            pass
+
+    def describe(self):
+        return self._families({}, {}, 0)
+
+    def collect(self):
+        with self._lock:
+            dropped = dict(self.spans_dropped)
+            failures = dict(self.export_failures)
+            exported = self.spans_exported
+        return self._families(dropped, failures, exported)
+
+    @staticmethod
+    def _families(dropped: dict[str, int], failures: dict[str, int], exported: int):
+        fam_exported = CounterMetricFamily(
+            semconv.TELEMETRY_SPANS_EXPORTED_TOTAL,
+            "Spans the engine's exporter delivered to the OTLP endpoint.",
+            value=exported,
+        )
+        fam_dropped = CounterMetricFamily(
+            semconv.TELEMETRY_SPANS_DROPPED_TOTAL,
+            "Spans lost inside the engine: queue full, export failed, or after shutdown.",
+            labels=[semconv.LABEL_REASON],
+        )
+        for reason, count in sorted(dropped.items()):
+            fam_dropped.add_metric([reason], count)
+        fam_failures = CounterMetricFamily(
+            semconv.TELEMETRY_EXPORT_FAILURES_TOTAL,
+            "Export calls that failed after the exporter's retries.",
+            labels=[semconv.LABEL_SIGNAL],
+        )
+        for signal, count in sorted(failures.items()):
+            fam_failures.add_metric([signal], count)
+        return [fam_exported, fam_dropped, fam_failures]
+
+
+class CountingSpanExporter(SpanExporter):
+    """Wraps a span exporter: counts outcomes, turns exceptions into logged FAILUREs."""
+
+    def __init__(self, inner: SpanExporter, counters: TelemetryCounters) -> None:
+        self.inner = inner
+        self._counters = counters
+        self._logged = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self.inner.export(spans)
+        except Exception:  # an exporter bug must not kill the worker or reach the app
+            if not self._logged:
+                self._logged = True
+                logger.exception("span exporter %s raised; counting its batch as dropped",
+                                 type(self.inner).__name__)
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self._counters.add_exported(len(spans))
+        else:
+            self._counters.add_failure("traces")
+            self._counters.add_dropped(len(spans), DROP_EXPORT_FAILED)
+        return result
+
+    def shutdown(self) -> None:
+        try:
+            self.inner.shutdown()
+        except Exception:
+            logger.exception("span exporter shutdown failed")
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        try:
+            return self.inner.force_flush(timeout_millis)
+        except Exception:
+            logger.exception("span exporter force_flush failed")
+            return False
+
+
+class CountingMetricExporter(MetricExporter):
+    """Wraps a metric exporter: counts failed exports, never raises."""
+
+    def __init__(self, inner: MetricExporter, counters: TelemetryCounters) -> None:
+        super().__init__(
+            preferred_temporality=inner._preferred_temporality,
+            preferred_aggregation=inner._preferred_aggregation,
+        )
+        self.inner = inner
+        self._counters = counters
+        self._logged = False
+
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs):
+        try:
+            result = self.inner.export(metrics_data, timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            if not self._logged:
+                self._logged = True
+                logger.exception("metric exporter %s raised", type(self.inner).__name__)
+            result = MetricExportResult.FAILURE
+        if result is not MetricExportResult.SUCCESS:
+            self._counters.add_failure("metrics")
+        return result
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        try:
+            return self.inner.force_flush(timeout_millis=timeout_millis)
+        except Exception:
+            logger.exception("metric exporter force_flush failed")
+            return False
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+        try:
+            self.inner.shutdown(timeout_millis=timeout_millis, **kwargs)
+        except Exception:
+            logger.exception("metric exporter shutdown failed")
+
+
+class _DropCountingMetrics:
+    """Stands in for the SDK's internal processor metrics hook, to count queue drops."""
+
+    def __init__(self, inner, counters: TelemetryCounters) -> None:
+        self._inner = inner
+        self._counters = counters
+
+    def register_queue_size(self, get_queue_size) -> None:
+        self._inner.register_queue_size(get_queue_size)
+
+    def drop_items(self, count: int, error_type: str = DROP_QUEUE_FULL) -> None:
+        self._counters.add_dropped(count, error_type)
+        self._inner.drop_items(count, error_type)
+
+    def finish_items(self, count: int) -> None:
+        self._inner.finish_items(count)
+
+
+class CountingBatchSpanProcessor(BatchSpanProcessor):
+    """The SDK's BatchSpanProcessor, with queue-full drops counted and a bounded shutdown.
+
+    The SDK reports drops to an internal metrics hook (``BatchProcessor._metrics``); we put
+    our counter in front of it. If a future SDK moves that hook, ``on_end`` falls back to
+    checking the queue length itself (same count, one extra ``len`` per span).
+    """
+
+    def __init__(
+        self,
+        exporter: SpanExporter,
+        counters: TelemetryCounters,
+        *,
+        max_queue_size: int,
+        max_export_batch_size: int,
+        schedule_delay_millis: float,
+        export_timeout_millis: float,
+        shutdown_timeout_millis: float,
+    ) -> None:
+        super().__init__(
+            exporter,
+            max_queue_size=max_queue_size,
+            schedule_delay_millis=schedule_delay_millis,
+            max_export_batch_size=max_export_batch_size,
+            export_timeout_millis=export_timeout_millis,
+        )
+        self._counters = counters
+        self._max_queue = max_queue_size
+        self._shutdown_timeout_millis = shutdown_timeout_millis
+        inner = getattr(self, "_batch_processor", None)
+        self._fallback_queue = None
+        if inner is not None and hasattr(inner, "_metrics"):
+            inner._metrics = _DropCountingMetrics(inner._metrics, counters)
+        else:  # pragma: no cover - depends on SDK internals
+            self._fallback_queue = getattr(inner, "_queue", None)
+
+    def on_end(self, span: ReadableSpan) -> None:
+        queue = self._fallback_queue
+        if queue is not None and len(queue) >= self._max_queue:  # pragma: no cover
+            self._counters.add_dropped(1, DROP_QUEUE_FULL)
+        super().on_end(span)
+
+    def shutdown(self) -> None:
+        try:
+            self._batch_processor.shutdown(timeout_millis=self._shutdown_timeout_millis)
+        except TypeError:  # pragma: no cover - older SDKs without the argument
+            super().shutdown()
+
+    @property
+    def queue_length(self) -> int:
+        """Spans waiting for export right now."""
+        queue = getattr(self._batch_processor, "_queue", None)
+        return len(queue) if queue is not None else 0
+
+
+def build_sampler(name: str, arg: float) -> sampling.Sampler:
+    """The sampler named as in ``OTEL_TRACES_SAMPLER`` (names validated by the config)."""
+    if name == "always_on":
+        return sampling.ALWAYS_ON
+    if name == "always_off":
+        return sampling.ALWAYS_OFF
+    if name == "traceidratio":
+        return sampling.TraceIdRatioBased(arg)
+    if name == "parentbased_always_on":
+        return sampling.ParentBased(sampling.ALWAYS_ON)
+    if name == "parentbased_always_off":
+        return sampling.ParentBased(sampling.ALWAYS_OFF)
+    if name == "parentbased_traceidratio":
+        return sampling.ParentBased(sampling.TraceIdRatioBased(arg))
+    raise ValueError(f"sampler {name!r} is not known")
+
+
+def build_resource(config: TelemetryConfig) -> Resource:
+    """Service name + configured attributes + SDK identity; the process env is not re-read."""
+    from opentelemetry.sdk.version import __version__ as sdk_version
+
+    attrs: dict[str, str] = {
+        "telemetry.sdk.language": "python",
+        "telemetry.sdk.name": "opentelemetry",
+        "telemetry.sdk.version": sdk_version,
+    }
+    attrs.update(config.resource_attributes)
+    attrs["service.name"] = config.service_name
+    return Resource(attrs)
+
+
+def _otlp_span_exporter(config: TelemetryConfig) -> SpanExporter:
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter(
+            endpoint=config.traces_endpoint,
+            insecure=config.otlp_insecure,
+            headers=dict(config.otlp_headers) or None,
+            timeout=config.export_timeout_s,
+        )
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(
+        endpoint=config.traces_endpoint,
+        headers=dict(config.otlp_headers) or None,
+        timeout=config.export_timeout_s,
+    )
+
+
+def _temporality(config: TelemetryConfig) -> dict:
+    if config.metrics_temporality == "cumulative":
+        return {
+            kind: AggregationTemporality.CUMULATIVE
+            for kind in (Counter, UpDownCounter, Histogram, ObservableCounter,
+                         ObservableUpDownCounter, ObservableGauge)
+        }
+    # The spec's "delta" preference: monotonic sums and histograms as deltas, the rest cumulative.
+    return {
+        Counter: AggregationTemporality.DELTA,
+        UpDownCounter: AggregationTemporality.CUMULATIVE,
+        Histogram: AggregationTemporality.DELTA,
+        ObservableCounter: AggregationTemporality.DELTA,
+        ObservableUpDownCounter: AggregationTemporality.CUMULATIVE,
+        ObservableGauge: AggregationTemporality.CUMULATIVE,
+    }
+
+
+def _otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
+    temporality = _temporality(config)
+    if config.otlp_protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+        return OTLPMetricExporter(
+            endpoint=config.metrics_endpoint,
+            insecure=config.otlp_insecure,
+            headers=dict(config.otlp_headers) or None,
+            timeout=config.export_timeout_s,
+            preferred_temporality=temporality,
+        )
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(
+        endpoint=config.metrics_endpoint,
+        headers=dict(config.otlp_headers) or None,
+        timeout=config.export_timeout_s,
+        preferred_temporality=temporality,
+    )
+
+
+@dataclass
+class Providers:
+    """What :func:`build_providers` made; ``shutdown`` flushes and closes all of it."""
+
+    tracer_provider: TracerProvider
+    meter_provider: MeterProvider | None
+    span_processors: list[CountingBatchSpanProcessor]
+    counters: TelemetryCounters
+    capture_writer: object | None = None
+
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        ok = True
+        try:
+            ok = self.tracer_provider.force_flush(int(timeout_s * 1000))
+        except Exception:
+            logger.exception("tracer provider force_flush failed")
+            ok = False
+        if self.meter_provider is not None:
+            try:
+                ok = self.meter_provider.force_flush(int(timeout_s * 1000)) and ok
+            except Exception:
+                logger.exception("meter provider force_flush failed")
+                ok = False
+        return ok
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        try:
+            self.tracer_provider.shutdown()
+        except Exception:
+            logger.exception("tracer provider shutdown failed")
+        if self.meter_provider is not None:
+            try:
+                self.meter_provider.shutdown(timeout_millis=timeout_s * 1000)
+            except Exception:
+                logger.exception("meter provider shutdown failed")
+        if self.capture_writer is not None:
+            try:
+                self.capture_writer.close()
+            except Exception:
+                logger.exception("capture writer close failed")
+        self.counters.unregister()
+
+
+def build_providers(
+    config: TelemetryConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    span_exporters: Iterable[SpanExporter] = (),
+    metric_readers: Iterable[MetricReader] = (),
+) -> Providers:
+    """Builds tracer + meter providers for ``config``; adds ``span_exporters`` / ``metric_readers``.
+
+    The OTLP exporter is added when ``config.exporter == "otlp"``; a capture file
+    (``config.capture_path``) gets its own processor and reader. Exporter construction
+    does not connect: a down endpoint shows up as counted export failures later.
+    """
+    counters = TelemetryCounters(registry)
+    processor_args = dict(
+        max_queue_size=config.max_queue_size,
+        max_export_batch_size=config.max_export_batch_size,
+        schedule_delay_millis=config.schedule_delay_s * 1000,
+        export_timeout_millis=config.export_timeout_s * 1000,
+        shutdown_timeout_millis=config.shutdown_timeout_s * 1000,
+    )
+    exporters: list[SpanExporter] = list(span_exporters)
+    readers: list[MetricReader] = list(metric_readers)
+    metric_exporters: list[MetricExporter] = []
+    capture_writer = None
+    if config.exporter == "otlp":
+        exporters.append(_otlp_span_exporter(config))
+        if config.metrics_enabled:
+            metric_exporters.append(_otlp_metric_exporter(config))
+    if config.capture_path:
+        from sightline.instrumentation.capture import (
+            CaptureMetricExporter,
+            CaptureSpanExporter,
+            CaptureWriter,
+        )
+
+        capture_writer = CaptureWriter(config.capture_path)
+        exporters.append(CaptureSpanExporter(capture_writer))
+        if config.metrics_enabled:
+            metric_exporters.append(
+                CaptureMetricExporter(capture_writer, preferred_temporality=_temporality(config))
+            )
+    for metric_exporter in metric_exporters:
+        readers.append(
+            PeriodicExportingMetricReader(
+                CountingMetricExporter(metric_exporter, counters),
+                export_interval_millis=config.metric_export_interval_s * 1000,
+                export_timeout_millis=config.export_timeout_s * 1000,
+            )
+        )
+
+    resource = build_resource(config)
+    limits = SpanLimits(max_links=max(config.max_links_per_span, 1))
+    tracer_provider = TracerProvider(
+        sampler=build_sampler(config.sampler, config.sampler_arg),
+        resource=resource,
+        span_limits=limits,
+        shutdown_on_exit=False,
+    )
+    processors: list[CountingBatchSpanProcessor] = []
+    for exporter in exporters:
+        processor = CountingBatchSpanProcessor(
+            CountingSpanExporter(exporter, counters), counters, **processor_args
+        )
+        tracer_provider.add_span_processor(processor)
+        processors.append(processor)
+
+    meter_provider = None
+    if config.metrics_enabled:
+        views = [
+            # Per-SM CTA durations are exponential histograms (mergeable in the collector).
+            View(
+                instrument_name=semconv.METRIC_CTA_DURATION,
+                aggregation=ExponentialBucketHistogramAggregation(max_size=160, max_scale=20),
+            )
+        ]
+        meter_provider = MeterProvider(
+            metric_readers=readers, resource=resource, views=views, shutdown_on_exit=False
+        )
+    return Providers(tracer_provider, meter_provider, processors, counters, capture_writer)
