@@ -1,0 +1,164 @@
+"""GPU: which SM, which kernel, and is the device leaking?
+
+Per-SM views come from the SM probe (one record per FlashAttention-2 CTA), reduced by
+the collector: ``sightline_sm_cta_p99_seconds`` (each SM's CTA-duration P99 over the
+last window) drawn as a time x SM heatmap with one row per SM, and the per-SM CTA
+duration buckets drawn as an SM x latency matrix (fraction of that SM's CTAs that
+finished within each bound, so a slow SM is the row whose colors lag). Kernel views
+come from CUPTI kernel spans; memory and CUDA contexts from NVML.
+
+One panel per GPU (Grafana repeats on ``$gpu``) so SM rows of different devices never
+mix.
+"""
+
+from __future__ import annotations
+
+from sightline.dashboards import promql as q
+from sightline.dashboards.panels import DashboardSpec, PanelSpec, Query, Row, Variable
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["UID", "spec"]
+
+UID = "sightline-gpu"
+_GPU_KERNEL = (sc.LABEL_GPU, sc.LABEL_KERNEL)
+_GPU = (sc.LABEL_GPU,)
+
+
+def spec() -> DashboardSpec:
+    sm_p99 = q.selector(sc.COLLECTOR_SM_CTA_P99_SECONDS, regex=_GPU_KERNEL)
+    cta_count = q.sum_by((sc.LABEL_SM,), f"increase({q.selector(q.count(sc.COLLECTOR_SM_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])")
+    cta_buckets = q.sum_by(
+        (sc.LABEL_SM, q.BUCKET_LABEL),
+        f"increase({q.selector(q.bucket(sc.COLLECTOR_SM_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])",
+    )
+    per_sm = Row(
+        "Per-SM CTA timing",
+        (
+            PanelSpec(
+                title="Per-SM CTA P99, GPU $gpu",
+                kind="rows_heatmap",
+                unit="s",
+                width=24,
+                height=16,
+                repeat=sc.LABEL_GPU,
+                description="One row per SM; color = that SM's CTA-duration P99 over the collector's window "
+                "(worst kernel among those selected). A hot row is a slow SM.",
+                queries=(
+                    Query(q.aggregate("max", (sc.LABEL_SM,), sm_p99), legend="{{sm}}"),
+                ),
+            ),
+            PanelSpec(
+                title="SM x CTA duration, GPU $gpu",
+                kind="matrix",
+                unit="percentunit",
+                width=24,
+                height=16,
+                repeat=sc.LABEL_GPU,
+                matrix_rows=sc.LABEL_SM,
+                matrix_columns=q.BUCKET_LABEL,
+                description="Rows: SMs; columns: CTA duration bound (le, seconds); cell: fraction of the SM's CTAs "
+                "over the dashboard's time range that finished within the bound.",
+                queries=(Query(f"{cta_buckets} / ignoring({q.BUCKET_LABEL}) group_left {cta_count}",
+                               fmt="table", instant=True),),
+            ),
+            PanelSpec(
+                title="SM hotspot ratio",
+                unit="short",
+                description="Slowest SM's CTA P99 over the median SM's, per kernel (1 = balanced).",
+                queries=(
+                    Query(q.selector(sc.COLLECTOR_SM_HOTSPOT_RATIO, regex=_GPU_KERNEL),
+                          "collector gpu{{gpu}} {{kernel}}"),
+                    Query(q.selector(sc.RULE_SM_HOTSPOT, regex=_GPU_KERNEL), "rule gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+            PanelSpec(
+                title="CTA duration P99 across SMs",
+                unit="s",
+                description="Median, max and min over SMs of the per-SM CTA P99.",
+                queries=(
+                    Query(q.aggregate("quantile", _GPU_KERNEL, sm_p99, 0.5), "median SM gpu{{gpu}} {{kernel}}"),
+                    Query(q.aggregate("max", _GPU_KERNEL, sm_p99), "slowest SM gpu{{gpu}} {{kernel}}"),
+                    Query(q.aggregate("min", _GPU_KERNEL, sm_p99), "fastest SM gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+        ),
+    )
+    kernels = Row(
+        "Kernels",
+        (
+            PanelSpec(
+                title="Kernel duration, $kernel",
+                kind="heatmap",
+                unit="s",
+                width=8,
+                height=9,
+                repeat=sc.LABEL_KERNEL,
+                description="Duration of traced kernel launches (CUPTI, GPU clock); exemplars open the step trace.",
+                queries=(
+                    Query(q.sum_by((q.BUCKET_LABEL,),
+                                   q.rate(q.selector(q.bucket(sc.COLLECTOR_KERNEL_DURATION_SECONDS), regex=_GPU_KERNEL))),
+                          legend="{{le}}", exemplar=True, fmt="heatmap"),
+                ),
+            ),
+            PanelSpec(
+                title="Kernel P99 vs a day earlier",
+                unit="s",
+                queries=(
+                    Query(q.selector(sc.RULE_KERNEL_P99, regex=_GPU_KERNEL), "now gpu{{gpu}} {{kernel}}"),
+                    Query(f"{q.selector(sc.RULE_KERNEL_P99, regex=_GPU_KERNEL)} offset 1d",
+                          "1d ago gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+            PanelSpec(
+                title="Traced kernel launches",
+                unit="ops",
+                queries=(
+                    Query(q.sum_by(_GPU_KERNEL, q.rate(q.selector(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS),
+                                                                    regex=_GPU_KERNEL))), "gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+            PanelSpec(
+                title="Engine step duration (traces)",
+                unit="s",
+                queries=tuple(
+                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_STEP_DURATION_SECONDS),
+                          f"P{round(quantile * 100)}", exemplar=True)
+                    for quantile in (0.5, 0.99)
+                ),
+            ),
+        ),
+    )
+    memory = Row(
+        "Memory and contexts",
+        (
+            PanelSpec(
+                title="GPU memory used",
+                unit="bytes",
+                width=8,
+                queries=(Query(q.selector(sc.GPU_MEMORY_USED_BYTES, regex=_GPU), "gpu{{gpu}}"),),
+            ),
+            PanelSpec(
+                title="GPU memory per process",
+                unit="bytes",
+                width=8,
+                queries=(Query(q.selector(sc.GPU_PROCESS_MEMORY_BYTES, regex=_GPU), "gpu{{gpu}} pid {{pid}}"),),
+            ),
+            PanelSpec(
+                title="CUDA contexts",
+                unit="short",
+                width=8,
+                description="Processes holding a CUDA context on the GPU; steady growth is a context leak.",
+                queries=(Query(q.selector(sc.GPU_CUDA_CONTEXTS, regex=_GPU), "gpu{{gpu}}"),),
+            ),
+        ),
+    )
+    return DashboardSpec(
+        uid=UID,
+        title="Sightline / GPU",
+        description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, GPU memory and contexts.",
+        variables=(
+            Variable(sc.LABEL_GPU, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_GPU),
+            Variable(sc.LABEL_KERNEL, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_KERNEL, depends=(sc.LABEL_GPU,)),
+        ),
+        rows=(per_sm, kernels, memory),
+    )

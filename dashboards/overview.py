@@ -1,0 +1,158 @@
+"""Overview: is the engine serving well right now?
+
+Request rate, errors and finish reasons; TTFT, time per output token, end-to-end and
+queue latency at P50 and P99 (with exemplars that open the slow request's trace in
+Tempo); running and waiting requests, KV-cache usage, preemptions and token
+throughput. Reads the engine's own ``/metrics`` (the SLI source: it does not depend on
+the telemetry pipeline being healthy) plus the recording rules.
+"""
+
+from __future__ import annotations
+
+from sightline.dashboards import promql as q
+from sightline.dashboards.panels import DashboardSpec, PanelSpec, Query, Row, Variable
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["UID", "spec"]
+
+UID = "sightline-overview"
+_MODEL = (sc.LABEL_MODEL,)
+
+
+def _counter_rate(name: str, by: tuple[str, ...]) -> str:
+    return q.sum_by(by, q.rate(q.selector(q.counter(name), regex=_MODEL)))
+
+
+def _quantiles(title: str, histogram: str, description: str) -> PanelSpec:
+    return PanelSpec(
+        title=title,
+        description=description,
+        unit="s",
+        width=12,
+        queries=tuple(
+            Query(
+                q.histogram_quantile(quantile, histogram, _MODEL, regex=_MODEL),
+                legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}",
+                exemplar=True,
+            )
+            for quantile in (0.5, 0.99)
+        ),
+    )
+
+
+def spec() -> DashboardSpec:
+    traffic = Row(
+        "Traffic",
+        (
+            PanelSpec(
+                title="Request rate",
+                kind="stat",
+                unit="reqps",
+                width=6,
+                height=6,
+                queries=(Query(_counter_rate(sc.ENGINE_REQUESTS_TOTAL, ())),),
+            ),
+            PanelSpec(
+                title="Error ratio (5m)",
+                kind="stat",
+                unit="percentunit",
+                width=6,
+                height=6,
+                description="Requests answered with a server-side error (5xx, 429) over all requests; the SLO's error budget.",
+                queries=(Query(f'{sc.RULE_ERROR_RATIO_PREFIX}5m{{{sc.LABEL_MODEL}=~"$model"}}', "{{model}}"),),
+            ),
+            PanelSpec(
+                title="TTFT P99 (5m)",
+                kind="stat",
+                unit="s",
+                width=6,
+                height=6,
+                queries=(Query(f'{sc.RULE_TTFT_P99}{{{sc.LABEL_MODEL}=~"$model"}}', "{{model}}"),),
+            ),
+            PanelSpec(
+                title="KV cache usage",
+                kind="stat",
+                unit="percentunit",
+                width=6,
+                height=6,
+                queries=(Query(f'max({q.selector(sc.ENGINE_KV_USAGE, regex=_MODEL)})'),),
+            ),
+            PanelSpec(
+                title="Requests by finish reason",
+                unit="reqps",
+                stacked=True,
+                queries=(Query(_counter_rate(sc.ENGINE_REQUESTS_TOTAL, (sc.LABEL_FINISH_REASON,)),
+                               "{{finish_reason}}"),),
+            ),
+            PanelSpec(
+                title="Errors by status code",
+                unit="reqps",
+                stacked=True,
+                queries=(Query(_counter_rate(sc.ENGINE_REQUEST_ERRORS_TOTAL, (sc.LABEL_CODE,)), "{{code}}"),),
+            ),
+        ),
+    )
+    latency = Row(
+        "Latency",
+        (
+            _quantiles("Time to first token", sc.ENGINE_TTFT_SECONDS,
+                       "Arrival to first generated token. Exemplars link to the request's trace."),
+            _quantiles("Time per output token", sc.ENGINE_TPOT_SECONDS,
+                       "Mean gap between generated tokens after the first, per request."),
+            _quantiles("End-to-end latency", sc.ENGINE_E2E_SECONDS, "Arrival to last token."),
+            _quantiles("Queue time", sc.ENGINE_QUEUE_SECONDS,
+                       "Arrival to first scheduling: the scheduler's waiting queue."),
+        ),
+    )
+    scheduler = Row(
+        "Scheduler and KV cache",
+        (
+            PanelSpec(
+                title="Running and waiting requests",
+                queries=(
+                    Query(q.sum_by(_MODEL, q.selector(sc.ENGINE_RUNNING, regex=_MODEL)), "running {{model}}"),
+                    Query(q.sum_by(_MODEL, q.selector(sc.ENGINE_WAITING, regex=_MODEL)), "waiting {{model}}"),
+                ),
+            ),
+            PanelSpec(
+                title="KV cache usage",
+                unit="percentunit",
+                queries=(Query(q.selector(sc.ENGINE_KV_USAGE, regex=_MODEL), "{{instance}} {{model}}"),),
+            ),
+            PanelSpec(
+                title="Preemptions",
+                unit="ops",
+                description="Requests evicted from the KV cache and recomputed later.",
+                queries=(Query(_counter_rate(sc.ENGINE_PREEMPTIONS_TOTAL, _MODEL), "{{model}}"),),
+            ),
+            PanelSpec(
+                title="Token throughput",
+                unit="short",
+                queries=(
+                    Query(_counter_rate(sc.ENGINE_PROMPT_TOKENS_TOTAL, _MODEL), "prompt {{model}}"),
+                    Query(_counter_rate(sc.ENGINE_GENERATION_TOKENS_TOTAL, _MODEL), "generated {{model}}"),
+                ),
+            ),
+            PanelSpec(
+                title="Engine step duration",
+                unit="s",
+                queries=tuple(
+                    Query(q.histogram_quantile(quantile, sc.ENGINE_STEP_SECONDS, regex=_MODEL),
+                          f"P{round(quantile * 100)}", exemplar=True)
+                    for quantile in (0.5, 0.99)
+                ),
+            ),
+            PanelSpec(
+                title="Tokens per step",
+                unit="short",
+                queries=(Query(q.mean(sc.ENGINE_STEP_TOKENS, regex=_MODEL), "mean"),),
+            ),
+        ),
+    )
+    return DashboardSpec(
+        uid=UID,
+        title="Sightline / Overview",
+        description="Request rate, latency percentiles, queue and KV cache of the Sightline engine.",
+        variables=(Variable(sc.LABEL_MODEL, q.counter(sc.ENGINE_REQUESTS_TOTAL), sc.LABEL_MODEL),),
+        rows=(traffic, latency, scheduler),
+    )

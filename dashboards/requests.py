@@ -1,0 +1,143 @@
+"""Requests: where did the slow requests spend their time?
+
+Built from the collector's span-derived histograms (labels model and priority), so it
+shows what the traces saw: latency heatmaps per priority (one panel per priority
+value, with exemplars linking a cell to a trace in Tempo) and the phase breakdown
+queue / prefill / decode.
+
+Phase arithmetic: the collector exposes queue, TTFT and end-to-end histograms of the
+same requests, so the *mean* prefill time is exactly mean(TTFT) - mean(queue) and the
+mean decode time mean(e2e) - mean(TTFT). Percentiles do not subtract that way: the
+P99 panel shows each phase's own P99 side by side, not a decomposition of the P99
+request.
+"""
+
+from __future__ import annotations
+
+from sightline.dashboards import promql as q
+from sightline.dashboards.panels import DashboardSpec, PanelSpec, Query, Row, Variable
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["UID", "spec"]
+
+UID = "sightline-requests"
+_FILTER = (sc.LABEL_MODEL, sc.LABEL_PRIORITY)
+_BY_PRIORITY = (sc.LABEL_PRIORITY,)
+
+
+def _heatmap(title: str, histogram: str, description: str) -> PanelSpec:
+    return PanelSpec(
+        title=title,
+        kind="heatmap",
+        unit="s",
+        width=8,
+        height=9,
+        repeat=sc.LABEL_PRIORITY,
+        description=description,
+        queries=(
+            Query(
+                q.sum_by((q.BUCKET_LABEL,), q.rate(q.selector(q.bucket(histogram), regex=_FILTER))),
+                legend="{{le}}",
+                exemplar=True,
+                fmt="heatmap",
+            ),
+        ),
+    )
+
+
+def _mean(histogram: str) -> str:
+    return q.mean(histogram, _BY_PRIORITY, regex=_FILTER)
+
+
+def spec() -> DashboardSpec:
+    heatmaps = Row(
+        "Latency heatmaps by priority",
+        (
+            _heatmap("TTFT, priority $priority", sc.COLLECTOR_REQUEST_TTFT_SECONDS,
+                     "Time to first token of the requests of one priority; exemplars open the trace."),
+            _heatmap("End-to-end latency, priority $priority", sc.COLLECTOR_REQUEST_E2E_SECONDS,
+                     "Arrival to last token of the requests of one priority."),
+            _heatmap("Queue time, priority $priority", sc.COLLECTOR_REQUEST_QUEUE_SECONDS,
+                     "Time in the scheduler's waiting queue, per priority."),
+        ),
+    )
+    phases = Row(
+        "Phase breakdown",
+        (
+            PanelSpec(
+                title="Mean time per phase",
+                unit="s",
+                stacked=True,
+                description="Stacked: queue, prefill (TTFT - queue), decode (e2e - TTFT); exact for means.",
+                queries=(
+                    Query(_mean(sc.COLLECTOR_REQUEST_QUEUE_SECONDS), "queue p{{priority}}"),
+                    Query(f"({_mean(sc.COLLECTOR_REQUEST_TTFT_SECONDS)}) - ({_mean(sc.COLLECTOR_REQUEST_QUEUE_SECONDS)})",
+                          "prefill p{{priority}}"),
+                    Query(f"({_mean(sc.COLLECTOR_REQUEST_E2E_SECONDS)}) - ({_mean(sc.COLLECTOR_REQUEST_TTFT_SECONDS)})",
+                          "decode p{{priority}}"),
+                ),
+            ),
+            PanelSpec(
+                title="P99 per phase",
+                unit="s",
+                description="Each phase's own P99 (queue, TTFT, end-to-end); exemplars open the slow traces.",
+                queries=(
+                    Query(q.histogram_quantile(0.99, sc.COLLECTOR_REQUEST_QUEUE_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                          "queue p{{priority}}", exemplar=True),
+                    Query(q.histogram_quantile(0.99, sc.COLLECTOR_REQUEST_TTFT_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                          "TTFT p{{priority}}", exemplar=True),
+                    Query(q.histogram_quantile(0.99, sc.COLLECTOR_REQUEST_E2E_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                          "e2e p{{priority}}", exemplar=True),
+                ),
+            ),
+            PanelSpec(
+                title="Time per output token P50 / P99",
+                unit="s",
+                queries=tuple(
+                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_REQUEST_TPOT_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                          f"P{round(quantile * 100)} p{{{{priority}}}}", exemplar=True)
+                    for quantile in (0.5, 0.99)
+                ),
+            ),
+            PanelSpec(
+                title="Share of queue time in TTFT",
+                unit="percentunit",
+                description="Mean queue time over mean TTFT: near 1 means requests wait for capacity, not compute.",
+                queries=(
+                    Query(f"({_mean(sc.COLLECTOR_REQUEST_QUEUE_SECONDS)}) / ({_mean(sc.COLLECTOR_REQUEST_TTFT_SECONDS)})",
+                          "p{{priority}}"),
+                ),
+            ),
+        ),
+    )
+    volume = Row(
+        "Volume",
+        (
+            PanelSpec(
+                title="Traced requests by priority",
+                unit="reqps",
+                stacked=True,
+                queries=(Query(q.sum_by(_BY_PRIORITY, q.rate(q.selector(q.counter(sc.COLLECTOR_REQUESTS_TOTAL),
+                                                                         regex=_FILTER))), "p{{priority}}"),),
+            ),
+            PanelSpec(
+                title="Traced requests by finish reason",
+                unit="reqps",
+                stacked=True,
+                queries=(Query(q.sum_by((sc.LABEL_FINISH_REASON,),
+                                        q.rate(q.selector(q.counter(sc.COLLECTOR_REQUESTS_TOTAL), regex=_FILTER))),
+                               "{{finish_reason}}"),),
+            ),
+        ),
+    )
+    series = q.counter(sc.COLLECTOR_REQUESTS_TOTAL)
+    return DashboardSpec(
+        uid=UID,
+        title="Sightline / Requests",
+        description="Latency heatmaps per priority and the queue / prefill / decode breakdown, from request traces.",
+        variables=(
+            Variable(sc.LABEL_MODEL, series, sc.LABEL_MODEL),
+            Variable(sc.LABEL_PRIORITY, series, sc.LABEL_PRIORITY, depends=(sc.LABEL_MODEL,)),
+        ),
+        rows=(heatmaps, phases, volume),
+    )
