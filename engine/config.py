@@ -1,0 +1,228 @@
+"""Engine configuration: one typed dataclass per concern, composed into ``EngineConfig``.
+
+* ``ModelConfig``   — the Llama architecture's shape (a preset, or a local HF ``config.json``).
+* ``EngineConfig``  — which model, where it runs (device, dtype), how much memory the paged KV
+  cache may take, the scheduler's limits, the telemetry settings and the server address.
+
+Every field is checked in ``__post_init__``; an error names the field, the bad value and the
+allowed range, so a typo on the command line fails at start-up with a sentence. Nothing here
+imports torch: the CLI builds and validates a config before paying for the heavy imports.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+from sightline.engine.scheduler import SchedulerConfig
+
+__all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+Device = Literal["auto", "cpu", "cuda"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        upper = "inf" if hi is None else str(hi)
+        raise ValueError(f"{name}={value!r} is not an integer in [{lo}, {upper}]")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
+    if not ok:
+        bracket = "(" if lo_open else "["
+        raise ValueError(f"{name}={value!r} is not a number in {bracket}{lo}, {hi}]")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-architecture decoder (names follow HF ``LlamaConfig`` where they exist)."""
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    # Llama-3.x long-context frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings), or None for plain RoPE.
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    init_std: float = 0.02  # random-weight presets only
+    path: str | None = None  # a local HF-style directory with weights, or None (random weights)
+    torch_dtype: str | None = None  # the checkpoint's dtype, from config.json
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            _check_int(name, getattr(self, name), 1)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads} (GQA groups must be whole)")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
+        _check_float("rope_theta", self.rope_theta, 0.0, 1e12, lo_open=True)
+        _check_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token over all layers, per byte of element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embedding + layers + final norm + untied head)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * (self.num_heads * d) * 2 + h * (self.num_kv_heads * d) * 2
+        layer = attn + 3 * h * i + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Reads ``config.json`` of a local HF Llama-style checkpoint directory."""
+        directory = Path(path)
+        config_path = directory / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"model path {str(directory)!r} has no config.json")
+        raw = json.loads(config_path.read_text())
+        archs = raw.get("architectures") or ["LlamaForCausalLM"]
+        if raw.get("model_type", "llama") not in ("llama", "mistral") and "LlamaForCausalLM" not in archs:
+            raise ValueError(f"{config_path}: model_type={raw.get('model_type')!r} is not a "
+                             "Llama-architecture model (llama|mistral)")
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        scaling = raw.get("rope_scaling") or None
+        llama3 = None
+        if scaling:
+            kind = scaling.get("rope_type", scaling.get("type"))
+            if kind == "llama3":
+                llama3 = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                          float(scaling["high_freq_factor"]),
+                          int(scaling["original_max_position_embeddings"]))
+            elif kind not in (None, "default"):
+                raise ValueError(f"{config_path}: rope_scaling type {kind!r} is not supported "
+                                 "(default|llama3)")
+        eos = raw.get("eos_token_id")
+        if isinstance(eos, list):  # Llama-3 instruct lists several; the first ends a turn
+            eos = eos[0] if eos else None
+        return cls(
+            name=directory.name,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+            head_dim=int(raw.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_llama3_scaling=llama3,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos,
+            path=str(directory),
+            torch_dtype=raw.get("torch_dtype"),
+        )
+
+
+# Random-weight presets. ``tiny`` is the CPU demo model (byte-level vocabulary fits in 512);
+# the other two have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those
+# of the real architectures without downloading anything.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(name="tiny", vocab_size=512, hidden_size=256, intermediate_size=688,
+                        num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
+                        max_position_embeddings=2048, rope_theta=10000.0, init_std=0.08),
+    "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, hidden_size=2048,
+                            intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
+                            head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
+                            tie_word_embeddings=True),
+    "llama-8b": ModelConfig(name="llama-8b", vocab_size=128256, hidden_size=4096,
+                            intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                            head_dim=128, max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+def resolve_model_config(model: str) -> ModelConfig:
+    """A preset name, or a path to a local HF-style directory."""
+    if model in PRESETS:
+        return PRESETS[model]
+    if os.path.isdir(model):
+        return ModelConfig.from_hf_dir(model)
+    raise ValueError(f"model={model!r} is neither a preset ({'|'.join(PRESETS)}) nor a "
+                     "directory with config.json")
+
+
+@dataclass
+class EngineConfig:
+    """Everything the engine needs, composed at the top (CLI or tests build one of these).
+
+    KV budget: on CUDA the cache takes what is left of ``gpu_memory_utilization`` of the
+    device's memory once weights and the activations of a full-size step are resident; on the
+    CPU it takes ``kv_cache_gib``. ``max_model_len`` (prompt + output) defaults to the model's
+    position limit, capped by what the cache can hold.
+    """
+
+    model: str = "tiny"
+    served_model_name: str | None = None  # the name /v1/models reports; default: the model arg
+    device: Device = "auto"
+    dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
+    seed: int = 0  # random weights and requests without their own seed
+    block_size: int = 16
+    kv_cache_gib: float = 0.5  # CPU
+    gpu_memory_utilization: float = 0.90  # CUDA
+    max_model_len: int | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    telemetry: Any = None  # instrumentation.config.TelemetryConfig; None = tracing off
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model={self.model!r} must be a preset name or a directory")
+        if self.device not in DEVICES:
+            raise ValueError(f"device={self.device!r} is not one of {'|'.join(DEVICES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not one of {'|'.join(DTYPES)}")
+        _check_int("seed", self.seed, 0, 2**63 - 1)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size={self.block_size!r} is not one of 8|16|32|64|128")
+        _check_float("kv_cache_gib", self.kv_cache_gib, 0.0, 4096.0, lo_open=True)
+        _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2, 1 << 24)
+        if self.attention_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
+                             "auto|triton|torch")
+        _check_int("port", self.port, 0, 65535)
+        _check_float("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
+
+    @property
+    def model_name(self) -> str:
+        """The model id the API reports."""
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model in PRESETS else Path(self.model).name
+
+    def replace(self, **changes: Any) -> "EngineConfig":
+        return replace(self, **changes)

@@ -1,0 +1,262 @@
+"""Runs one ``StepPlan`` on the model: batch tensors in, one sampled token per finished chunk out.
+
+The runner owns the device state: the model, the paged KV cache tensor
+``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides ``num_blocks`` for the
+scheduler's block manager) and the sampler's generators. Each step it builds the batch as
+Python lists and copies them to the device at once (one int64 buffer and one float32 buffer,
+pinned and non-blocking on CUDA); the only host-device sync is reading the sampled tokens.
+
+KV budget: on CUDA, ``gpu_memory_utilization * total`` minus what is already in use once the
+weights are loaded and a full-size step (``max_num_batched_tokens`` tokens, ``max_num_seqs``
+sampled rows) has run; on the CPU, ``kv_cache_gib``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sightline.engine.config import EngineConfig, ModelConfig
+from sightline.engine.kv_cache import kv_bytes_per_block
+from sightline.engine.model import AttentionMetadata, build_model
+from sightline.engine.sampling import Sampler, SamplingBatch
+from sightline.engine.scheduler import ScheduledRequest, StepPlan
+
+__all__ = ["ModelRunner", "StepBatch", "resolve_device", "resolve_dtype"]
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` picks CUDA when present; ``cuda`` without a GPU is an error that says so."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device='cuda' but torch sees no CUDA GPU (torch "
+                           f"{torch.__version__}); use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device, model: ModelConfig) -> torch.dtype:
+    """``auto``: float32 on the CPU (its bf16 matmuls are slow), the checkpoint's half type or
+    bfloat16 on CUDA."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type != "cuda":
+        return torch.float32
+    return torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
+
+
+@dataclass
+class StepBatch:
+    """Device tensors of one step plus the host-side map from sampled rows to requests."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64
+    sampling: SamplingBatch
+    sampled_request_ids: list[str]  # [S]
+    num_prefill_seqs: int
+    num_decode_seqs: int
+
+
+class ModelRunner:
+    """Model + KV cache + sampler on one device. Not thread-safe: the engine loop calls it."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, gpu_telemetry=None) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        self.block_size = config.block_size
+        self.gpu_telemetry = gpu_telemetry
+        self.backend = config.attention_backend
+        self._pin = self.device.type == "cuda"
+        start = time.monotonic()
+        self.model = build_model(model_config, self.device, self.dtype, seed=config.seed)
+        self.sampler = Sampler(self.device, config.seed)
+        self.bytes_per_block = kv_bytes_per_block(
+            num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+            head_dim=model_config.head_dim, block_size=self.block_size,
+            dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
+        self.num_blocks = self._kv_blocks()
+        self.kv_cache = torch.zeros(  # [L, 2, N, bs, Hkv, D]
+            model_config.num_layers, 2, self.num_blocks, self.block_size,
+            model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
+        limit = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = min(limit, model_config.max_position_embeddings,
+                                 self.num_blocks * self.block_size)
+        log.info("model %s on %s (%s): %d blocks of %d tokens (%.2f GiB KV), max_model_len %d, "
+                 "ready in %.1f s", model_config.name, self.device, self.dtype, self.num_blocks,
+                 self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
+                 self.max_model_len, time.monotonic() - start)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _kv_blocks(self) -> int:
+        if self.device.type != "cuda":
+            blocks = int(self.config.kv_cache_gib * 2**30) // self.bytes_per_block
+        else:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._warmup()
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            current = torch.cuda.memory_allocated(self.device)
+            budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+            blocks = int(max(budget, 0)) // self.bytes_per_block
+        if blocks < 2:
+            raise RuntimeError(f"the KV budget holds {blocks} blocks of {self.bytes_per_block} bytes; "
+                               "raise --kv-cache-gib / --gpu-memory-utilization or pick a smaller model")
+        return blocks
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        """One cache-less prefill at the step token budget, sampled at max_num_seqs rows: its
+        peak memory is what activations need (and Triton kernels get compiled here)."""
+        sched = self.config.scheduler
+        tokens = min(sched.max_num_batched_tokens, self.model_config.max_position_embeddings)
+        rows = min(sched.max_num_seqs, tokens)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        cu = torch.tensor([0, tokens], dtype=torch.int32, device=self.device)
+        meta = AttentionMetadata(num_prefill_tokens=tokens, slot_mapping=None, cu_seqlens_q=cu,
+                                 cu_seqlens_k=cu, max_seqlen_q=tokens, max_seqlen_k=tokens,
+                                 backend=self.backend)
+        logits = self.model(ids, positions, meta, None, torch.arange(rows, device=self.device))
+        batch = SamplingBatch(torch.ones(rows, device=self.device),
+                              torch.full((rows,), 0.9, device=self.device), [None] * rows, False, True)
+        self.sampler.sample(logits, batch)
+        torch.cuda.synchronize(self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked blocks (KVCacheManager.take_pending_copies) before a step."""
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    # ---- one step ----------------------------------------------------------------------------
+    def prepare(self, plan: StepPlan) -> StepBatch:
+        """Lists -> device tensors. Prefill chunks go first, then one token per decode."""
+        bs = self.block_size
+        prefills: list[ScheduledRequest] = []
+        decodes: list[ScheduledRequest] = []
+        for entry in plan.scheduled:
+            # By shape, not by the scheduler's label: one new token after a cached prefix is a
+            # decode for the kernels even when it ends a recomputed (preempted) prefill.
+            if entry.num_new_tokens == 1 and entry.computed_before > 0:
+                decodes.append(entry)
+            else:
+                prefills.append(entry)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu_q, cu_k = [0], [0]
+        kv_slots: list[int] = []
+        max_q = max_k = 0
+        gather = any(e.computed_before > 0 for e in prefills)
+        logits_indices: list[int] = []
+        sampled_ids: list[str] = []
+        temps: list[float] = []
+        top_ps: list[float] = []
+        gens: list[torch.Generator | None] = []
+
+        def sample_row(entry: ScheduledRequest, index: int) -> None:
+            req = entry.request
+            logits_indices.append(index)
+            sampled_ids.append(req.request_id)
+            temps.append(req.sampling.temperature)
+            top_ps.append(req.sampling.top_p)
+            gens.append(None if req.sampling.temperature == 0 else
+                        self.sampler.generator_for(req.request_id, req.sampling.seed))
+
+        for entry in prefills:
+            req, start, n = entry.request, entry.computed_before, entry.num_new_tokens
+            end = start + n
+            blocks = req.block_ids
+            input_ids += req.token_ids(start, end)
+            positions += range(start, end)
+            slots += [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            max_q, max_k = max(max_q, n), max(max_k, end)
+            if gather:
+                kv_slots += [blocks[p // bs] * bs + p % bs for p in range(end)]
+            if entry.samples_token:
+                sample_row(entry, len(input_ids) - 1)
+        num_prefill = len(input_ids)
+        max_blocks = max((len(e.request.block_ids) for e in decodes), default=0)
+        tables: list[int] = []
+        context_lens: list[int] = []
+        for entry in decodes:
+            req, pos = entry.request, entry.computed_before
+            input_ids += req.token_ids(pos, pos + 1)
+            positions.append(pos)
+            slots.append(req.block_ids[pos // bs] * bs + pos % bs)
+            tables += req.block_ids
+            tables += [0] * (max_blocks - len(req.block_ids))  # never read: past the context
+            context_lens.append(pos + 1)
+            if entry.samples_token:
+                sample_row(entry, len(input_ids) - 1)
+
+        # One host buffer, one copy; the views below are slices of it.
+        s = len(logits_indices)
+        parts = (input_ids, positions, slots, cu_q, cu_k, kv_slots, tables, context_lens, logits_indices)
+        flat = [x for part in parts for x in part]
+        host = torch.tensor(flat, dtype=torch.long, pin_memory=self._pin)
+        dev = host.to(self.device, non_blocking=True)
+        views = []
+        offset = 0
+        for part in parts:
+            views.append(dev[offset:offset + len(part)])
+            offset += len(part)
+        d_ids, d_pos, d_slots, d_cu_q, d_cu_k, d_kv_slots, d_tables, d_ctx, d_logits = views
+        fhost = torch.tensor(temps + top_ps, dtype=torch.float32, pin_memory=self._pin)
+        fdev = fhost.to(self.device, non_blocking=True)
+        meta = AttentionMetadata(
+            num_prefill_tokens=num_prefill,
+            slot_mapping=d_slots,
+            cu_seqlens_q=d_cu_q.int() if prefills else None,
+            cu_seqlens_k=d_cu_k.int() if prefills else None,
+            max_seqlen_q=max_q,
+            max_seqlen_k=max_k,
+            prefill_kv_slots=d_kv_slots if gather else None,
+            block_tables=d_tables.int().view(len(decodes), max_blocks) if decodes else None,
+            context_lens=d_ctx.int() if decodes else None,
+            probe=None if self.gpu_telemetry is None else self.gpu_telemetry.probe,
+            backend=self.backend,
+        )
+        sampling = SamplingBatch(
+            temperatures=fdev[:s], top_ps=fdev[s:], generators=gens,
+            all_greedy=all(x == 0 for x in temps), any_top_p=any(p < 1.0 for p in top_ps))
+        return StepBatch(d_ids, d_pos, meta, d_logits, sampling, sampled_ids,
+                         num_prefill_seqs=len(prefills), num_decode_seqs=len(decodes))
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan, step_trace=None) -> dict[str, int]:
+        """Runs the plan; returns request_id -> sampled token for every chunk that samples.
+        One host-device sync (reading the tokens)."""
+        if plan.is_empty:
+            return {}
+        batch = self.prepare(plan)
+        gpu = self.gpu_telemetry
+        if gpu is not None and step_trace is not None:
+            gpu.begin_step(step_trace)
+        try:
+            logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
+                                batch.logits_indices)  # [S, V]
+            tokens = self.sampler.sample(logits, batch.sampling).tolist() if batch.sampled_request_ids else []
+        finally:
+            if gpu is not None and step_trace is not None:
+                gpu.end_step(step_trace)
+        return dict(zip(batch.sampled_request_ids, tokens))
+
+    def release(self, request_id: str) -> None:
+        """The request ended: drop its sampling generator."""
+        self.sampler.release(request_id)
