@@ -1,0 +1,197 @@
+"""The collector process: every receiver, the pipeline, the aggregator and the query port.
+
+One asyncio loop serves four listeners: OTLP/gRPC (grpc.aio), OTLP/HTTP and Zipkin
+(aiohttp, each on its own port) and the query port (aiohttp: ``/metrics``,
+``/healthz``, ``/readyz`` and ``/api/v1/`` from ``collector/api.py``). Receivers parse
+and count on the loop; the aggregator runs on the pipeline's worker thread(s).
+
+``/metrics`` serves the collector's self-metrics and the aggregator's series from one
+registry; a scraper that asks for OpenMetrics (``Accept:
+application/openmetrics-text``) gets it, so exemplars are visible. Rendering runs in a
+thread so that a scrape never stalls ingestion.
+
+Shutdown (SIGTERM/SIGINT, or ``Collector.stop``): readiness turns 503; the ingest
+listeners stop accepting and in-flight requests finish; the pipeline drains everything
+acknowledged into the aggregator; the summary (acknowledged vs aggregated, see
+``PipelineSummary``) is logged and, with ``--summary-file``, written as JSON; the query
+port closes last, so /metrics stays scrapeable during the drain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from prometheus_client import disable_created_metrics
+from prometheus_client.exposition import choose_encoder
+
+from sightline.collector.aggregator import AggregationConfig, Aggregator
+from sightline.collector.api import add_api_routes
+from sightline.collector.auth import TokenAuth, grpc_server_credentials, http_ssl_context
+from sightline.collector.config import CollectorConfig
+from sightline.collector.otlp_grpc import OtlpGrpcReceiver
+from sightline.collector.otlp_http import IngestLimits, OtlpHttpReceiver
+from sightline.collector.pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
+from sightline.collector.self_metrics import SelfMetrics
+from sightline.collector.zipkin import ZipkinReceiver
+
+__all__ = ["BoundPorts", "Collector", "run"]
+
+log = logging.getLogger("sightline.collector")
+
+
+@dataclass(frozen=True)
+class BoundPorts:
+    """The ports actually bound (differ from the configuration when it said port 0)."""
+
+    otlp_grpc: int
+    otlp_http: int
+    zipkin: int
+    http: int
+
+
+class Collector:
+    """Owns the servers, the pipeline and the aggregator of one collector process."""
+
+    def __init__(self, config: CollectorConfig,
+                 aggregation: AggregationConfig | None = None,
+                 sink: Sink | None = None) -> None:
+        """``sink`` (embedding and tests): what the pipeline feeds instead of ``self.aggregator``
+        (typically something that wraps it); the query API and /metrics still read
+        ``self.aggregator``."""
+        self.config = config
+        self.metrics = SelfMetrics()
+        if config.sink == "aggregator":
+            self.aggregator: Aggregator | None = Aggregator(aggregation or AggregationConfig())
+            self.metrics.registry.register(self.aggregator.prometheus_collector())
+        else:
+            self.aggregator = None
+        if sink is None:
+            sink = self.aggregator if self.aggregator is not None else DiscardSink()
+        self.pipeline = Pipeline(sink, self.metrics, max_items=config.queue_max_items,
+                                 max_bytes=config.queue_max_bytes, workers=config.workers)
+        auth = TokenAuth(config.read_auth_token())
+        limits = IngestLimits(config.max_request_bytes, config.max_decompressed_bytes,
+                              config.retry_after_s)
+        self._grpc = OtlpGrpcReceiver(self.pipeline, self.metrics, auth,
+                                      max_message_bytes=config.max_decompressed_bytes,
+                                      retry_after_s=config.retry_after_s)
+        self._otlp_http = OtlpHttpReceiver(self.pipeline, self.metrics, auth, limits)
+        self._zipkin = ZipkinReceiver(self.pipeline, self.metrics, auth, limits)
+        self._ingest_runners: list[web.AppRunner] = []
+        self._http_runner: web.AppRunner | None = None
+        self._ready = False
+        self.ports: BoundPorts | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    async def start(self) -> BoundPorts:
+        cfg = self.config
+        ssl_context = (http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file)
+                       if cfg.tls_enabled else None)
+        credentials = (grpc_server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
+                       if cfg.tls_enabled else None)
+        host, port = cfg.address("otlp_grpc")
+        grpc_port = await self._grpc.start(host, port, credentials)
+        http_ports = []
+        for name, app in (("otlp_http", self._otlp_http.build_app()),
+                          ("zipkin", self._zipkin.build_app())):
+            runner = await self._serve(app, cfg.address(name), ssl_context)
+            self._ingest_runners.append(runner)
+            http_ports.append(runner.addresses[0][1])
+        self._http_runner = await self._serve(self._query_app(), cfg.address("http"), None)
+        self.ports = BoundPorts(grpc_port, http_ports[0], http_ports[1],
+                                self._http_runner.addresses[0][1])
+        self._ready = True
+        log.info("collector listening: otlp-grpc %s, otlp-http %s, zipkin %s, http %s (tls %s, auth %s)",
+                 self.ports.otlp_grpc, self.ports.otlp_http, self.ports.zipkin, self.ports.http,
+                 "on" if cfg.tls_enabled else "off",
+                 "on" if self._otlp_http._auth.enabled else "off")
+        return self.ports
+
+    async def _serve(self, app: web.Application, address: tuple[str, int], ssl_context) -> web.AppRunner:
+        # access_log=None: a log line per export request would cost more than parsing it.
+        # auto_decompress=False: the receivers decompress themselves, with a size cap.
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False,
+                               shutdown_timeout=self.config.shutdown_timeout_s)
+        await runner.setup()
+        site = web.TCPSite(runner, address[0], address[1], ssl_context=ssl_context,
+                           reuse_address=True, backlog=1024)
+        await site.start()
+        return runner
+
+    async def stop(self) -> PipelineSummary:
+        """Graceful stop; see the module docstring for the order. Returns the summary."""
+        self._ready = False
+        grace = self.config.shutdown_timeout_s
+        await asyncio.gather(self._grpc.stop(grace),
+                             *(runner.cleanup() for runner in self._ingest_runners))
+        loop = asyncio.get_running_loop()
+        summary = await loop.run_in_executor(None, self.pipeline.close, grace)
+        log.info("collector stopped: %s", json.dumps(summary.to_dict(), sort_keys=True))
+        if self.config.summary_file is not None:
+            _write_atomically(Path(self.config.summary_file), json.dumps(summary.to_dict(), indent=2))
+        if self._http_runner is not None:
+            await self._http_runner.cleanup()
+        return summary
+
+    # -- query port ----------------------------------------------------------------------
+    def _query_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        if self.aggregator is not None:
+            add_api_routes(app, self.aggregator)
+        return app
+
+    async def _metrics_handler(self, request: web.Request) -> web.Response:
+        encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(None, encoder, self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        if not self.pipeline.workers_alive() and self.pipeline.accepting:
+            return web.json_response({"status": "pipeline worker died"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        if not self._ready:
+            return web.json_response({"status": "not ready"}, status=503)
+        return web.json_response({"status": "ready", "queue_depth": self.pipeline.depth})
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text + "\n")
+    os.replace(tmp, path)
+
+
+def run(config: CollectorConfig, aggregation: AggregationConfig | None = None) -> int:
+    """Runs the collector until SIGTERM/SIGINT; returns 0 after a clean drain, else 1."""
+
+    # The *_created series double /metrics for no use; process-wide, so only here.
+    disable_created_metrics()
+
+    async def main() -> int:
+        collector = Collector(config, aggregation)
+        await collector.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        log.info("signal received: stopping intake, draining")
+        summary = await collector.stop()
+        return 0 if summary.drained_cleanly and summary.dropped == 0 else 1
+
+    return asyncio.run(main())

@@ -1,0 +1,62 @@
+"""Optional bearer-token authentication and TLS for the ingest receivers.
+
+Auth: when a token is configured (file or environment variable, see ``CollectorConfig``),
+every ingest request must carry ``Authorization: Bearer <token>`` (HTTP header or gRPC
+metadata ``authorization``). A missing or wrong token gets HTTP 401 with
+``WWW-Authenticate: Bearer`` or gRPC UNAUTHENTICATED, before the body is read. The
+comparison is constant-time. The query/metrics port is not covered: it serves
+aggregates, and Prometheus scrapes it; put it behind your network policy.
+
+TLS: with ``--tls-cert-file``/``--tls-key-file`` the three ingest listeners (OTLP gRPC,
+OTLP HTTP, Zipkin) serve TLS only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ssl
+from collections.abc import Iterable
+from pathlib import Path
+
+__all__ = ["TokenAuth", "grpc_server_credentials", "http_ssl_context"]
+
+
+class TokenAuth:
+    """Checks bearer tokens; ``TokenAuth(None)`` allows everything at the cost of one branch."""
+
+    def __init__(self, token: str | None) -> None:
+        self.enabled = token is not None
+        self._expected = f"Bearer {token}".encode() if token is not None else b""
+
+    def allows(self, authorization: str | None) -> bool:
+        """True when auth is off or ``authorization`` is exactly ``Bearer <token>``."""
+        if not self.enabled:
+            return True
+        if authorization is None:
+            return False
+        return hmac.compare_digest(authorization.strip().encode(), self._expected)
+
+    def allows_grpc(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
+        if not self.enabled:
+            return True
+        for key, value in metadata or ():
+            if key == "authorization":
+                return self.allows(value.decode() if isinstance(value, bytes) else value)
+        return False
+
+
+def http_ssl_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    """A server-side TLS context (TLS 1.2+) for aiohttp sites."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(str(cert_file), str(key_file))
+    return context
+
+
+def grpc_server_credentials(cert_file: Path, key_file: Path):
+    """gRPC server credentials from PEM files (grpc imported here: it is heavy)."""
+    import grpc
+
+    return grpc.ssl_server_credentials(
+        [(Path(key_file).read_bytes(), Path(cert_file).read_bytes())]
+    )

@@ -1,0 +1,238 @@
+"""The bounded queue between the receivers and the aggregator, and its worker threads.
+
+Guarantees:
+- A receiver acknowledges a request only after ``Pipeline.offer`` returned ACCEPTED;
+  from then on the batch is either aggregated, or counted in
+  ``sightline_collector_dropped_total`` (aggregator raised, or the shutdown drain ran
+  past its timeout). Nothing acknowledged disappears silently.
+- Memory: the queue holds at most ``max_items`` spans+data points and ``max_bytes``
+  payload bytes (the decoded request size). One exception keeps progress possible:
+  a single batch larger than ``max_items`` is admitted when the queue is empty
+  (request bodies are capped separately, so its bytes are still bounded).
+- ``offer`` never blocks: over capacity it answers FULL at once and the receiver turns
+  that into 429 / RESOURCE_EXHAUSTED, pushing back on the sender instead of buffering.
+- ``close`` stops admission, lets the workers drain everything queued, and returns
+  a ``PipelineSummary`` with what was acknowledged vs aggregated.
+
+Cost: ``offer`` is one lock acquisition and a deque append; the aggregator runs on
+``workers`` threads (1 is right under the GIL; more only helps a sink that releases it).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Protocol
+
+from sightline.collector.self_metrics import SelfMetrics
+
+__all__ = ["Admission", "Batch", "DiscardSink", "Pipeline", "PipelineSummary", "Sink"]
+
+log = logging.getLogger(__name__)
+
+Signal = Literal["traces", "metrics"]
+
+
+class Sink(Protocol):
+    """What the pipeline feeds: the aggregator (or ``DiscardSink`` in benchmarks)."""
+
+    def consume_traces(self, request: Any) -> int: ...
+
+    def consume_metrics(self, request: Any) -> int: ...
+
+
+class DiscardSink:
+    """Accepts and forgets (reports 0 aggregated). The counterpart of rotel's blackhole exporter."""
+
+    def consume_traces(self, request: Any) -> int:
+        return 0
+
+    def consume_metrics(self, request: Any) -> int:
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One acknowledged export request on its way to the aggregator.
+
+    ``request`` is the parsed ExportTraceServiceRequest / ExportMetricsServiceRequest;
+    ``items`` its span or data-point count (counted once, by the receiver);
+    ``size_bytes`` the decoded payload size, the queue's memory accounting unit.
+    """
+
+    signal: Signal
+    request: Any
+    items: int
+    size_bytes: int
+    receiver: str
+
+
+class Admission(enum.Enum):
+    ACCEPTED = "accepted"
+    FULL = "full"
+    CLOSED = "closed"
+
+
+@dataclass
+class PipelineSummary:
+    """Totals since start; written as JSON on exit (``--summary-file``) for checking."""
+
+    spans_acknowledged: int = 0
+    data_points_acknowledged: int = 0
+    spans_processed: int = 0  # in batches the aggregator finished without raising
+    data_points_processed: int = 0
+    spans_aggregated: int = 0  # what the aggregator's consume_* returned
+    data_points_aggregated: int = 0
+    dropped: int = 0  # acknowledged, then lost (aggregator error / drain timeout)
+    acknowledged_by_receiver: dict[str, int] = field(default_factory=dict)
+    drained_cleanly: bool = True
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Pipeline:
+    """Bounded, weighted queue + worker threads; see the module docstring."""
+
+    def __init__(self, sink: Sink, metrics: SelfMetrics, *, max_items: int, max_bytes: int,
+                 workers: int = 1) -> None:
+        self._sink = sink
+        self._metrics = metrics
+        self._max_items = max_items
+        self._max_bytes = max_bytes
+        self._queue: deque[Batch] = deque()
+        self._items = 0
+        self._bytes = 0
+        self._closed = False
+        self._busy = 0  # batches taken by workers and not yet finished
+        self._lock = threading.Lock()
+        self._not_empty = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)
+        self.summary = PipelineSummary()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"sightline-pipeline-{i}", daemon=True)
+            for i in range(workers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    # -- receivers' side ----------------------------------------------------------------
+    def offer(self, batch: Batch) -> Admission:
+        """Queue ``batch`` if it fits; never blocks. ACCEPTED means: acknowledge it."""
+        with self._lock:
+            if self._closed:
+                return Admission.CLOSED
+            if self._queue and (self._items + batch.items > self._max_items
+                                or self._bytes + batch.size_bytes > self._max_bytes):
+                return Admission.FULL
+            self._queue.append(batch)
+            self._items += batch.items
+            self._bytes += batch.size_bytes
+            s = self.summary
+            if batch.signal == "traces":
+                s.spans_acknowledged += batch.items
+            else:
+                s.data_points_acknowledged += batch.items
+            by = s.acknowledged_by_receiver
+            by[batch.receiver] = by.get(batch.receiver, 0) + batch.items
+            self._not_empty.notify()
+            depth = self._items
+        self._metrics.queue_depth.set(depth)
+        return Admission.ACCEPTED
+
+    @property
+    def depth(self) -> int:
+        """Spans + data points waiting (not counting batches being aggregated now)."""
+        return self._items
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closed
+
+    def workers_alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until the queue is empty and no batch is being aggregated (tests, benches)."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._queue or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    # -- shutdown -----------------------------------------------------------------------
+    def close(self, timeout_s: float) -> PipelineSummary:
+        """Stops admission, drains the queue into the sink, joins the workers.
+
+        Whatever is still queued after ``timeout_s`` is counted as dropped
+        (``shutdown_timeout``) and ``summary.drained_cleanly`` becomes False.
+        """
+        with self._lock:
+            self._closed = True
+            self._not_empty.notify_all()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            left = sum(b.items for b in self._queue)
+            self._queue.clear()
+            self._items = self._bytes = 0
+            if left or any(t.is_alive() for t in self._threads):
+                self.summary.drained_cleanly = False
+            self.summary.dropped += left
+        if left:
+            self._metrics.dropped("shutdown_timeout", left)
+            log.error("shutdown drain timed out: %d acknowledged items not aggregated", left)
+        self._metrics.queue_depth.set(0)
+        return self.summary
+
+    # -- workers -------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closed:
+                    self._not_empty.wait()
+                if not self._queue:  # closed and drained
+                    self._idle.notify_all()
+                    return
+                batch = self._queue.popleft()
+                self._items -= batch.items
+                self._bytes -= batch.size_bytes
+                self._busy += 1
+                depth = self._items
+            self._metrics.queue_depth.set(depth)
+            self._process(batch)
+            with self._lock:
+                self._busy -= 1
+                if not self._queue and not self._busy:
+                    self._idle.notify_all()
+
+    def _process(self, batch: Batch) -> None:
+        started = time.perf_counter()
+        try:
+            if batch.signal == "traces":
+                counted = self._sink.consume_traces(batch.request)
+            else:
+                counted = self._sink.consume_metrics(batch.request)
+        except Exception:  # the aggregator's bug must not kill the worker
+            log.exception("aggregator failed on a %s batch of %d items", batch.signal, batch.items)
+            self._metrics.dropped("aggregator_error", batch.items)
+            with self._lock:
+                self.summary.dropped += batch.items
+            return
+        self._metrics.processed(batch.signal, time.perf_counter() - started)
+        with self._lock:
+            s = self.summary
+            if batch.signal == "traces":
+                s.spans_processed += batch.items
+                s.spans_aggregated += int(counted or 0)
+            else:
+                s.data_points_processed += batch.items
+                s.data_points_aggregated += int(counted or 0)
