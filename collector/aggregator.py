@@ -1,0 +1,542 @@
+"""Turns received OTLP traces and metrics into windowed distributions and indexes.
+
+Inputs (one form: the receivers convert Zipkin to OTLP first):
+
+* ``gpu.kernel.cta.duration`` exponential-histogram points (attributes ``gpu.id``,
+  ``gpu.sm.id``, ``cuda.kernel.name``) become per-(gpu, SM, kernel) sliding windows
+  (:mod:`.windows`) plus cumulative classic histograms, keeping the slowest exemplar of
+  each slot. DELTA points are merged as they are; CUMULATIVE points are turned into
+  deltas against the previous point of the same stream (resource + attributes + start
+  time). Explicit-bucket histograms of that metric cannot be merged into exponential
+  sketches without losing the error bound, so they are refused and counted
+  (``reason="explicit_bucket_histogram"``).
+* Spans, dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
+  queue time by (model, priority); ``engine.step`` spans give step durations by phase;
+  ``kernel ...`` spans give kernel durations by (gpu, kernel). Every span also goes to
+  the :class:`~.trace_store.TraceStore` (bounded) for explanations.
+
+Guarantees: per-SM quantiles within ``relative_error(scale)`` of the exact rank (0.54 %
+at scale 6, see :mod:`.windows`); memory bounded whatever arrives: at most
+``max_sm_series + 1`` per-SM windows (the extra one is the overflow series that absorbs
+every new key past the limit, counted in ``overflow``), likewise for kernels, requests
+and steps; per-window memory as stated in :mod:`.windows`. Timestamps further than
+``max_future_s`` ahead of the wall clock are clamped to it; points older than the ring
+are refused (``reason="late"``).
+
+Thread-safety: one lock around each export request and each query snapshot. Cost per
+span: one dict lookup on the name, a pass over its attributes only for the spans that
+feed a distribution, and one store record.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
+from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, SpanRecord, TraceStore,
+                                             TraceStoreConfig, any_value)
+from sightline.collector.windows import Exemplar, SlidingHistogram, WindowConfig
+from sightline.instrumentation import semconv as sc
+from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
+
+__all__ = ["AggregationConfig", "Aggregator", "ExpositionSnapshot", "SmKey"]
+
+OVERFLOW = sc.OVERFLOW_LABEL_VALUE
+SmKey = tuple[str, str, str]  # (gpu, sm, kernel)
+_CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_MAX_POINT_BUCKETS = 16_384
+_SPAN_KIND_SERVER = 2
+
+
+@dataclass(frozen=True)
+class AggregationConfig:
+    """Limits and windows of the aggregator; every bound is checked on construction."""
+
+    window: WindowConfig = field(default_factory=WindowConfig)
+    gauge_window_s: float = 60.0
+    max_sm_series: int = 8_192
+    max_kernel_series: int = 1_024
+    max_request_series: int = 512
+    max_step_series: int = 16
+    max_future_s: float = 60.0
+    store_traces: bool = True
+    trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.gauge_window_s <= self.window.horizon_s:
+            raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
+                             f"(0, {self.window.horizon_s}] (the window horizon)")
+        for name in ("max_sm_series", "max_kernel_series", "max_request_series", "max_step_series"):
+            value = getattr(self, name)
+            if not 1 <= value <= 1_000_000:
+                raise ValueError(f"{name}={value} is outside [1, 1000000]")
+        if not 0 <= self.max_future_s <= 86_400:
+            raise ValueError(f"max_future_s={self.max_future_s} is outside [0, 86400]")
+
+
+class _SmSeries:
+    __slots__ = ("window", "classic")
+
+    def __init__(self, config: WindowConfig) -> None:
+        self.window = SlidingHistogram(config)
+        self.classic = ClassicHistogram(sc.CTA_BUCKETS_S)
+
+
+class _LatencySeries:
+    """A classic histogram for Prometheus and a window for quantile queries."""
+
+    __slots__ = ("window", "classic")
+
+    def __init__(self, config: WindowConfig, bounds: tuple[float, ...]) -> None:
+        self.window = SlidingHistogram(config)
+        self.classic = ClassicHistogram(bounds)
+
+    def record(self, value: float, t_s: float, exemplar: Exemplar) -> None:
+        self.classic.record(value, exemplar)
+        self.window.record(value, t_s, exemplar)
+
+
+@dataclass
+class ExpositionSnapshot:
+    """Copies of everything the Prometheus collector writes (taken under the lock)."""
+
+    requests: dict[tuple[str, str], dict[str, ClassicHistogram]]
+    requests_total: dict[tuple[str, str, str], int]
+    kernels: dict[tuple[str, str], ClassicHistogram]
+    steps: dict[str, ClassicHistogram]
+    sm_classic: dict[SmKey, ClassicHistogram]
+    sm_p99: dict[tuple[str, str], dict[str, float]]
+    overflow: dict[str, int]
+    dropped: dict[str, int]
+
+
+def _num(value) -> float | None:
+    which = value.WhichOneof("value")
+    if which == "double_value":
+        return value.double_value
+    if which == "int_value":
+        return float(value.int_value)
+    if which == "string_value":
+        try:
+            return float(value.string_value)
+        except ValueError:
+            return None
+    return None
+
+
+def _label(value) -> str:
+    v = any_value(value)
+    if isinstance(v, list):
+        v = v[0] if v else ""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    return str(v)
+
+
+_REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
+                           sc.REQUEST_TTFT_S, sc.REQUEST_TPOT_S, sc.REQUEST_QUEUE_S, sc.REQUEST_E2E_S,
+                           sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
+
+
+class Aggregator:
+    """See the module docstring. ``clock`` returns wall-clock seconds (tests pin it)."""
+
+    def __init__(self, config: AggregationConfig | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config or AggregationConfig()
+        self.clock = clock
+        self._lock = threading.Lock()
+        wc = self.config.window
+        self._wc = wc
+        self._sm: dict[SmKey, _SmSeries] = {}
+        self._kernels: dict[tuple[str, str], _LatencySeries] = {}
+        self._requests: dict[tuple[str, str], dict[str, _LatencySeries]] = {}
+        self._requests_total: dict[tuple[str, str, str], int] = {}
+        self._steps: dict[str, _LatencySeries] = {}
+        self._cumulative: OrderedDict[tuple, tuple[int, ExpHistogram]] = OrderedDict()
+        self.store = TraceStore(self.config.trace_store)
+        self.overflow: dict[str, int] = {}
+        self.dropped: dict[str, int] = {}
+        self.spans_seen = 0
+        self.points_seen = 0
+        self.newest_data_s = 0.0
+        self._handlers = {name: self._on_request for name in REQUEST_SPAN_NAMES}
+        self._handlers[sc.SPAN_ENGINE_STEP] = self._on_step
+        self._handlers_lower = {k.lower(): v for k, v in self._handlers.items()}
+
+    # -- public: ingest -------------------------------------------------------------
+    def consume_traces(self, request) -> int:
+        """Ingests an ``ExportTraceServiceRequest``; returns the number of spans taken."""
+        n = 0
+        with self._lock:
+            now = self.clock()
+            for rs in request.resource_spans:
+                service = ""
+                for kv in rs.resource.attributes:
+                    if kv.key == "service.name":
+                        service = kv.value.string_value
+                        break
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        n += 1
+                        self._on_span(span, service, now)
+            self.spans_seen += n
+        return n
+
+    def consume_metrics(self, request) -> int:
+        """Ingests an ``ExportMetricsServiceRequest``; returns the CTA points taken."""
+        taken = 0
+        with self._lock:
+            now = self.clock()
+            for rm in request.resource_metrics:
+                resource_key = rm.resource.SerializeToString(deterministic=True)
+                for sm_scope in rm.scope_metrics:
+                    for metric in sm_scope.metrics:
+                        if metric.name != sc.METRIC_CTA_DURATION:
+                            continue
+                        kind = metric.WhichOneof("data")
+                        if kind == "exponential_histogram":
+                            data = metric.exponential_histogram
+                            cumulative = data.aggregation_temporality == _CUMULATIVE
+                            for point in data.data_points:
+                                taken += self._on_cta_point(point, cumulative, resource_key, now)
+                        elif kind == "histogram":
+                            self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
+                        else:
+                            self._drop("unsupported_metric_type", 1)
+            self.points_seen += taken
+        return taken
+
+    def prometheus_collector(self) -> AggregatorCollector:
+        """A custom collector to register with a ``prometheus_client`` registry."""
+        return AggregatorCollector(self)
+
+    # -- public: queries (each takes the lock and returns copies) ------------------------
+    def now(self) -> float:
+        return self.clock()
+
+    def kernels(self) -> list[dict]:
+        """What per-SM data exists: one entry per (gpu, kernel), plus span-derived kernels."""
+        with self._lock:
+            per: dict[tuple[str, str], dict] = {}
+            for (gpu, sm, kernel), series in self._sm.items():
+                entry = per.setdefault((gpu, kernel), {"gpu": gpu, "kernel": kernel, "sms": 0,
+                                                       "ctas": 0, "source": "sm_probe"})
+                entry["sms"] += 1
+                entry["ctas"] += series.classic.count
+            spans = [{"gpu": g, "kernel": k, "launches": s.classic.count, "source": "kernel_spans"}
+                     for (g, k), s in self._kernels.items()]
+        return sorted(per.values(), key=lambda e: (e["gpu"], e["kernel"])) + \
+            sorted(spans, key=lambda e: (e["gpu"], e["kernel"]))
+
+    def sm_slots(self, gpu: str, kernel: str, now_s: float | None = None,
+                 last_s: float | None = None) -> dict[str, list[tuple[int, ExpHistogram, Exemplar | None]]]:
+        """Per SM: ``(slot epoch, histogram copy, slowest exemplar)`` over the last ``last_s``."""
+        now_s = self.clock() if now_s is None else now_s
+        last_s = self._wc.horizon_s if last_s is None else last_s
+        with self._lock:
+            out = {}
+            for (g, sm, k), series in self._sm.items():
+                if g == gpu and k == kernel:
+                    out[sm] = [(e, h.copy(), ex) for e, h, ex in series.window.slots(now_s, last_s)]
+        return out
+
+    def sm_windows(self, gpu: str, kernel: str, now_s: float | None = None,
+                   last_s: float | None = None) -> dict[str, ExpHistogram]:
+        """Per SM: one histogram merged over the last ``last_s`` seconds."""
+        now_s = self.clock() if now_s is None else now_s
+        last_s = self.config.gauge_window_s if last_s is None else last_s
+        with self._lock:
+            return {sm: s.window.window(now_s, last_s) for (g, sm, k), s in self._sm.items()
+                    if g == gpu and k == kernel}
+
+    def sm_exemplar_for_spans(self, span_ids: set[str]) -> tuple[str, str, str, Exemplar] | None:
+        """The slowest per-SM exemplar (still in a window) that points at one of ``span_ids``."""
+        best = None
+        with self._lock:
+            for (gpu, sm, kernel), series in self._sm.items():
+                for ex in series.window.exemplars():
+                    if ex.span_id in span_ids and (best is None or ex.value > best[3].value):
+                        best = (gpu, sm, kernel, ex)
+        return best
+
+    def latency_window(self, family: str, key, last_s: float | None = None) -> ExpHistogram:
+        """A span-derived distribution over the window: ``family`` is ttft|tpot|e2e|queue
+        (key (model, priority)), kernel (key (gpu, kernel)) or step (key phase)."""
+        now_s = self.clock()
+        last_s = self._wc.horizon_s if last_s is None else last_s
+        with self._lock:
+            if family == "kernel":
+                series = self._kernels.get(key)
+            elif family == "step":
+                series = self._steps.get(key)
+            else:
+                series = self._requests.get(key, {}).get(family)
+            return series.window.window(now_s, last_s) if series else ExpHistogram()
+
+    def with_store(self, fn):
+        """Runs ``fn(store)`` under the lock (explanations read the store this way)."""
+        with self._lock:
+            return fn(self.store)
+
+    def exposition_snapshot(self) -> ExpositionSnapshot:
+        now_s = self.clock()
+        with self._lock:
+            sm_p99: dict[tuple[str, str], dict[str, float]] = {}
+            for (gpu, sm, kernel), s in self._sm.items():
+                hist = s.window.window(now_s, self.config.gauge_window_s)
+                if hist.count:
+                    sm_p99.setdefault((gpu, kernel), {})[sm] = hist.quantile(0.99)
+            return ExpositionSnapshot(
+                requests={k: {f: s.classic.copy() for f, s in v.items()} for k, v in self._requests.items()},
+                requests_total=dict(self._requests_total),
+                kernels={k: s.classic.copy() for k, s in self._kernels.items()},
+                steps={k: s.classic.copy() for k, s in self._steps.items()},
+                sm_classic={k: s.classic.copy() for k, s in self._sm.items()},
+                sm_p99=sm_p99, overflow=dict(self.overflow), dropped=dict(self.dropped))
+
+    def memory_bytes(self) -> int:
+        """Bytes held by every histogram's bucket arrays (the part that grows with data)."""
+        with self._lock:
+            total = sum(s.window.nbytes() for s in self._sm.values())
+            total += sum(s.window.nbytes() for s in self._kernels.values())
+            total += sum(s.window.nbytes() for s in self._steps.values())
+            total += sum(s.window.nbytes() for v in self._requests.values() for s in v.values())
+            total += sum(h.counts.nbytes for _, h in self._cumulative.values())
+        return total
+
+    def series_counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"sm": len(self._sm), "kernel": len(self._kernels),
+                    "request": len(self._requests), "step": len(self._steps),
+                    "cumulative_streams": len(self._cumulative)}
+
+    # -- spans ----------------------------------------------------------------------
+    def _on_span(self, span, service: str, now: float) -> None:
+        name = span.name
+        handler = self._handlers.get(name)
+        if handler is not None:
+            handler(span, now)
+        elif name.startswith(sc.SPAN_KERNEL_PREFIX):
+            self._on_kernel(span, now)
+        else:
+            handler = self._handlers_lower.get(name.lower())
+            if handler is not None:
+                handler(span, now)
+        if self.config.store_traces:
+            self.store.add(SpanRecord.from_proto(span, service))
+
+    def _time(self, unix_nano: int, now: float) -> float:
+        t = unix_nano / 1e9
+        if t > now + self.config.max_future_s or t <= 0:
+            t = now
+        if t > self.newest_data_s:
+            self.newest_data_s = t
+        return t
+
+    def _on_request(self, span, now: float) -> None:
+        got: dict[str, object] = {}
+        for kv in span.attributes:
+            if kv.key in _REQUEST_KEYS:
+                got[kv.key] = kv.value
+        model = _label(got[sc.GEN_AI_REQUEST_MODEL]) if sc.GEN_AI_REQUEST_MODEL in got else (
+            _label(got[sc.GEN_AI_RESPONSE_MODEL]) if sc.GEN_AI_RESPONSE_MODEL in got else "unknown")
+        priority = _label(got[sc.REQUEST_PRIORITY]) if sc.REQUEST_PRIORITY in got else "unknown"
+        key = (model, priority)
+        series = self._requests.get(key)
+        if series is None:
+            if len(self._requests) >= self.config.max_request_series:
+                key = (OVERFLOW, OVERFLOW)
+                self.overflow["request"] = self.overflow.get("request", 0) + 1
+                series = self._requests.get(key)
+            if series is None:
+                wc = self._wc
+                series = self._requests[key] = {
+                    "ttft": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                    "tpot": _LatencySeries(wc, sc.TPOT_BUCKETS_S),
+                    "e2e": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                    "queue": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                }
+        t = self._time(span.end_time_unix_nano, now)
+        e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
+        if e2e is None:
+            e2e = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+        ex = Exemplar(e2e, span.trace_id.hex(), span.span_id.hex(), span.end_time_unix_nano)
+        for family, attr in (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S),
+                             ("queue", sc.REQUEST_QUEUE_S)):
+            if attr in got:
+                value = _num(got[attr])
+                if value is not None and value >= 0 and math.isfinite(value):
+                    series[family].record(value, t, Exemplar(value, ex.trace_id, ex.span_id,
+                                                             ex.time_unix_nano))
+        if e2e >= 0 and math.isfinite(e2e):
+            series["e2e"].record(e2e, t, ex)
+        if sc.ERROR_TYPE in got or span.status.code == 2:
+            reason = "error"
+        elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
+            reason = _label(got[sc.GEN_AI_RESPONSE_FINISH_REASONS]) or "unknown"
+        else:
+            reason = "unknown"
+        total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
+        self._requests_total[total_key] = self._requests_total.get(total_key, 0) + 1
+
+    def _on_step(self, span, now: float) -> None:
+        prefill = decode = 0.0
+        for kv in span.attributes:
+            if kv.key == sc.STEP_PREFILL_TOKENS:
+                prefill = _num(kv.value) or 0.0
+            elif kv.key == sc.STEP_DECODE_TOKENS:
+                decode = _num(kv.value) or 0.0
+        phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+        series = self._steps.get(phase)
+        if series is None:
+            if len(self._steps) >= self.config.max_step_series:  # only with odd phases
+                phase = OVERFLOW
+                self.overflow["step"] = self.overflow.get("step", 0) + 1
+            series = self._steps.get(phase)
+            if series is None:
+                series = self._steps[phase] = _LatencySeries(self._wc, sc.STEP_BUCKETS_S)
+        self._record_duration(series, span, now)
+
+    def _on_kernel(self, span, now: float) -> None:
+        gpu = kernel = None
+        for kv in span.attributes:
+            key = kv.key
+            if key == sc.HW_GPU_ID:
+                gpu = _label(kv.value)
+            elif key == sc.CUDA_KERNEL_NAME:
+                kernel = kv.value.string_value
+            elif key == sc.CUDA_DEVICE and gpu is None:
+                gpu = _label(kv.value)
+        key = (gpu or "unknown", kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):])
+        series = self._kernels.get(key)
+        if series is None:
+            if len(self._kernels) >= self.config.max_kernel_series:
+                key = (OVERFLOW, OVERFLOW)
+                self.overflow["kernel"] = self.overflow.get("kernel", 0) + 1
+                series = self._kernels.get(key)
+            if series is None:
+                series = self._kernels[key] = _LatencySeries(self._wc, sc.CTA_BUCKETS_S + (
+                    0.2, 0.5, 1.0))
+        self._record_duration(series, span, now)
+
+    def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
+        duration = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
+        t = self._time(span.end_time_unix_nano, now)
+        series.record(duration, t, Exemplar(duration, span.trace_id.hex(), span.span_id.hex(),
+                                            span.end_time_unix_nano))
+
+    # -- per-SM metric points ---------------------------------------------------------------
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    def _on_cta_point(self, point, cumulative: bool, resource_key: bytes, now: float) -> int:
+        gpu = sm = kernel = None
+        for kv in point.attributes:
+            key = kv.key
+            if key == sc.ATTR_SM_ID:
+                sm = _label(kv.value)
+            elif key == sc.ATTR_GPU_ID:
+                gpu = _label(kv.value)
+            elif key == sc.ATTR_KERNEL_NAME:
+                kernel = _label(kv.value)
+        if sm is None or kernel is None:
+            self._drop("missing_attributes")
+            return 0
+        gpu = gpu or "0"
+        if not MIN_SCALE <= point.scale <= MAX_SCALE:
+            self._drop("bad_scale")
+            return 0
+        counts = np.asarray(point.positive.bucket_counts, dtype=np.int64)
+        if counts.size > _MAX_POINT_BUCKETS:
+            self._drop("too_many_buckets")
+            return 0
+        if int(counts.sum()) + int(point.zero_count) + int(sum(point.negative.bucket_counts)) != point.count:
+            self._drop("inconsistent_count")
+            return 0
+        hist = self._point_hist(point, counts)
+        if cumulative:
+            stream = (resource_key, gpu, sm, kernel)
+            prev = self._cumulative.get(stream)
+            self._cumulative[stream] = (point.start_time_unix_nano, hist)
+            self._cumulative.move_to_end(stream)
+            while len(self._cumulative) > 2 * self.config.max_sm_series:
+                self._cumulative.popitem(last=False)
+            if prev is not None and prev[0] == point.start_time_unix_nano:
+                delta = _subtract(hist, prev[1])
+                if delta is None:  # a reset without a new start time: take it whole
+                    delta = hist
+                hist = delta
+            if hist.count == 0:
+                return 1
+        t = self._time(point.time_unix_nano, now)
+        key = (gpu, sm, kernel)
+        series = self._sm.get(key)
+        if series is None:
+            if len(self._sm) >= self.config.max_sm_series:
+                key = (OVERFLOW, OVERFLOW, OVERFLOW)
+                self.overflow["sm_cta"] = self.overflow.get("sm_cta", 0) + 1
+                series = self._sm.get(key)
+            if series is None:
+                series = self._sm[key] = _SmSeries(self._wc)
+        exemplar = None
+        for e in point.exemplars:
+            value = e.as_double if e.WhichOneof("value") == "as_double" else float(e.as_int)
+            if exemplar is None or value > exemplar.value:
+                exemplar = Exemplar(value, e.trace_id.hex(), e.span_id.hex(), e.time_unix_nano)
+        if not series.window.add_histogram(hist, t, exemplar):
+            self._drop("late")
+            return 0
+        series.classic.add_exp(hist, exemplar)
+        return 1
+
+    def _point_hist(self, point, counts: np.ndarray) -> ExpHistogram:
+        hist = ExpHistogram(max_buckets=self._wc.max_buckets)
+        nonzero = np.flatnonzero(counts)
+        if nonzero.size:
+            step = 2.0 ** -point.scale
+            lo = 2.0 ** ((point.positive.offset + nonzero[0]) * step)
+            hi = 2.0 ** ((point.positive.offset + nonzero[-1] + 1) * step)
+        else:
+            lo = hi = 0.0
+        minimum = point.min if point.HasField("min") else lo
+        maximum = point.max if point.HasField("max") else hi
+        negatives = int(sum(point.negative.bucket_counts))
+        hist.add_buckets(point.scale, point.positive.offset, counts,
+                         int(point.zero_count) + negatives, int(point.count),
+                         float(point.sum), float(minimum), float(maximum))
+        return hist
+
+
+def _subtract(cur: ExpHistogram, prev: ExpHistogram) -> ExpHistogram | None:
+    """``cur - prev`` of two cumulative histograms, or None if ``cur`` is not a superset."""
+    if cur.count < prev.count or cur.zero_count < prev.zero_count:
+        return None
+    scale = min(cur.scale, prev.scale)
+    out = ExpHistogram(scale=scale, max_buckets=cur.max_buckets)
+    diffs = {}
+    for hist, sign in ((cur, 1), (prev, -1)):
+        nz = np.flatnonzero(hist.counts)
+        if nz.size:
+            idx = (hist.offset + nz) >> (hist.scale - scale)
+            diffs[sign] = (idx, hist.counts[nz] * sign)
+    if not diffs:
+        counts, offset = np.zeros(0, dtype=np.int64), 0
+    else:
+        all_idx = np.concatenate([d[0] for d in diffs.values()])
+        offset = int(all_idx.min())
+        counts = np.zeros(int(all_idx.max()) - offset + 1, dtype=np.int64)
+        for idx, vals in diffs.values():
+            np.add.at(counts, idx - offset, vals)
+        if (counts < 0).any():
+            return None
+    out.add_buckets(scale, offset, counts, cur.zero_count - prev.zero_count,
+                    cur.count - prev.count, cur.sum - prev.sum, cur.min, cur.max)
+    return out

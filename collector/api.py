@@ -1,0 +1,172 @@
+"""The collector's query API under ``/api/v1/`` (aiohttp routes).
+
+Routes (all GET):
+
+* ``/api/v1/kernels`` — which (gpu, kernel) pairs have per-SM data or kernel spans.
+* ``/api/v1/heatmap?gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=``
+  — one heatmap (:mod:`.heatmap`); ``gpu``/``kernel`` may be left out when only one
+  pair exists.
+* ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
+* ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`).
+* ``/api/v1/traces/{trace_id}`` — the stored spans of one trace (32 hex digits).
+
+Bad parameters answer 400 with ``{"error": {"code": 400, "param": ..., "message": ...}}``;
+an unknown trace or kernel answers 404 in the same shape. Heatmaps and explanations are
+computed on the default thread pool so the event loop keeps receiving telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+
+from aiohttp import web
+
+from sightline.collector import explain as explain_mod
+from sightline.collector import heatmap as hm
+from sightline.collector.heatmap_page import render_page
+
+__all__ = ["add_api_routes", "all_heatmaps"]
+
+_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+_KINDS = ("time_sm", "sm_latency")
+_FORMATS = ("json", "png", "html")
+
+
+class _BadParam(Exception):
+    def __init__(self, param: str, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.message, self.status = param, message, status
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    body = {"error": {"code": status, "message": message}}
+    if param:
+        body["error"]["param"] = param
+    return web.json_response(body, status=status)
+
+
+def _json(payload) -> web.Response:
+    return web.Response(text=json.dumps(hm.finite(payload), allow_nan=False),
+                        content_type="application/json")
+
+
+def _float(request: web.Request, name: str, default: float | None, lo: float, hi: float) -> float | None:
+    raw = request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _BadParam(name, f"{name}={raw!r} is not a number") from None
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise _BadParam(name, f"{name}={raw} is outside [{lo}, {hi}]")
+    return value
+
+
+def _choice(request: web.Request, name: str, choices: tuple[str, ...]) -> str:
+    value = request.query.get(name, choices[0])
+    if value not in choices:
+        raise _BadParam(name, f"{name}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def _pick_pair(aggregator, gpu: str | None, kernel: str | None) -> tuple[str, str]:
+    pairs = [(k["gpu"], k["kernel"]) for k in aggregator.kernels() if k["source"] == "sm_probe"]
+    if gpu is not None and kernel is not None:
+        if (gpu, kernel) not in pairs:
+            raise _BadParam("kernel", f"no per-SM data for gpu={gpu!r} kernel={kernel!r}; "
+                                      f"see /api/v1/kernels", status=404)
+        return gpu, kernel
+    candidates = [p for p in pairs if (gpu is None or p[0] == gpu) and (kernel is None or p[1] == kernel)]
+    if len(candidates) == 1:
+        return candidates[0]
+    missing = "kernel" if gpu is not None else "gpu"
+    if not candidates:
+        raise _BadParam(missing, "no per-SM data matches; see /api/v1/kernels", status=404)
+    raise _BadParam(missing, f"{len(candidates)} (gpu, kernel) pairs match: give gpu= and kernel=")
+
+
+def all_heatmaps(aggregator, window_s: float | None = None) -> list[dict]:
+    """Both views of every (gpu, kernel) with per-SM data, as dicts."""
+    out = []
+    now_s = aggregator.now()
+    for entry in aggregator.kernels():
+        if entry["source"] != "sm_probe":
+            continue
+        out.append(hm.time_sm(aggregator, entry["gpu"], entry["kernel"], now_s, window_s).to_dict())
+        out.append(hm.sm_latency(aggregator, entry["gpu"], entry["kernel"], now_s, window_s).to_dict())
+    return out
+
+
+def add_api_routes(app: web.Application, aggregator) -> None:
+    """Adds every ``/api/v1/`` route serving ``aggregator`` to ``app``."""
+    horizon = aggregator.config.window.horizon_s
+
+    async def run(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def kernels(request: web.Request) -> web.Response:
+        return _json({"kernels": aggregator.kernels()})
+
+    async def heatmap(request: web.Request) -> web.Response:
+        try:
+            kind = _choice(request, "kind", _KINDS)
+            fmt = _choice(request, "format", _FORMATS)
+            window_s = _float(request, "window_s", None, 1e-3, horizon)
+            gpu, kernel = _pick_pair(aggregator, request.query.get("gpu"), request.query.get("kernel"))
+        except _BadParam as exc:
+            return _error(exc.status, exc.message, exc.param)
+
+        def build():
+            fn = hm.time_sm if kind == "time_sm" else hm.sm_latency
+            result = fn(aggregator, gpu, kernel, None, window_s)
+            if fmt == "png":
+                return hm.render_png(result)
+            if fmt == "html":
+                return render_page([result.to_dict()], title=f"GPU {gpu} {kernel}")
+            return result.to_dict()
+
+        body = await run(build)
+        if fmt == "png":
+            return web.Response(body=body, content_type="image/png")
+        if fmt == "html":
+            return web.Response(text=body, content_type="text/html")
+        return _json(body)
+
+    async def heatmap_page(request: web.Request) -> web.Response:
+        try:
+            window_s = _float(request, "window_s", None, 1e-3, horizon)
+        except _BadParam as exc:
+            return _error(exc.status, exc.message, exc.param)
+        page = await run(lambda: render_page(all_heatmaps(aggregator, window_s)))
+        return web.Response(text=page, content_type="text/html")
+
+    async def explain(request: web.Request) -> web.Response:
+        try:
+            quantile = _float(request, "quantile", 0.99, 0.0, 1.0)
+            limit = _float(request, "limit", 10, 1, 1000)
+            if limit != int(limit):
+                raise _BadParam("limit", f"limit={request.query['limit']} is not an integer")
+        except _BadParam as exc:
+            return _error(exc.status, exc.message, exc.param)
+        result = await run(lambda: explain_mod.explain_slowest(aggregator, quantile, int(limit)))
+        return _json(result.to_dict())
+
+    async def trace(request: web.Request) -> web.Response:
+        trace_id = request.match_info["trace_id"]
+        if not _TRACE_ID.match(trace_id):
+            return _error(400, f"trace_id={trace_id!r} is not 32 hex digits", "trace_id")
+        result = await run(explain_mod.trace_spans, aggregator, trace_id.lower())
+        if result is None:
+            return _error(404, f"trace {trace_id} is not in the store (never received or evicted)",
+                          "trace_id")
+        return _json(result)
+
+    app.router.add_get("/api/v1/kernels", kernels)
+    app.router.add_get("/api/v1/heatmap", heatmap)
+    app.router.add_get("/api/v1/heatmap.html", heatmap_page)
+    app.router.add_get("/api/v1/explain", explain)
+    app.router.add_get("/api/v1/traces/{trace_id}", trace)

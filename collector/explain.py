@@ -1,0 +1,259 @@
+"""Why was a request slow: phase breakdown, the steps it rode, their kernels and SMs.
+
+``explain_slowest(aggregator, quantile, limit)`` takes the request root spans in the
+trace store, finds the exact value at rank ``ceil(quantile * n)`` of their end-to-end
+latencies (exact: the store holds every one of them, no sketch), and explains each
+request at or above it, slowest first:
+
+* phases: the summed durations of its ``queue``, ``prefill`` and ``decode`` spans (a
+  chunked prefill has several), the rest of e2e as ``other_s``;
+* steps: the ``engine.step`` spans it rode, found through span links in both directions
+  (its prefill/decode spans link to steps; steps link back to request spans);
+* in those steps, the slowest kernel spans (children of the step span);
+* the slowest SM, from the first source that knows: the slowest kernel span's
+  ``sightline.kernel.slowest_sm`` attribute, else a per-SM histogram exemplar pointing
+  at one of the request's step spans, else the SM with the highest P99 of the slowest
+  kernel over the aggregator's window.
+
+Explanations only cover what the bounded store still holds: a step evicted (or never
+received, e.g. kernel spans that were not sampled) is absent, never invented.
+Cost: O(spans of the selected requests and their steps) plus one pass over the
+requests for the threshold.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from sightline.collector.trace_store import SpanRecord, TraceStore
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
+           "explain_slowest", "trace_spans"]
+
+
+@dataclass
+class KernelSummary:
+    name: str
+    gpu: str
+    duration_s: float
+    trace_id: str
+    span_id: str
+    slowest_sm: str | None
+    cta_spread: float | None
+
+
+@dataclass
+class StepSummary:
+    trace_id: str
+    span_id: str
+    step_id: int | None
+    duration_s: float
+    batch_size: int | None
+    prefill_tokens: int | None
+    decode_tokens: int | None
+    kernels: list[KernelSummary] = field(default_factory=list)
+
+
+@dataclass
+class Phases:
+    queue_s: float
+    prefill_s: float
+    decode_s: float
+    other_s: float
+
+
+@dataclass
+class SlowestSm:
+    gpu: str
+    sm: str
+    kernel: str
+    source: str  # "kernel_span" | "sm_exemplar" | "sm_window"
+    value_s: float | None
+
+
+@dataclass
+class RequestExplanation:
+    trace_id: str
+    span_id: str
+    name: str
+    model: str
+    priority: str
+    e2e_s: float
+    ttft_s: float | None
+    tpot_s: float | None
+    finish_reason: str | None
+    phases: Phases
+    steps_total: int
+    steps: list[StepSummary]
+    slowest_kernel: KernelSummary | None
+    slowest_sm: SlowestSm | None
+
+
+@dataclass
+class Explanation:
+    quantile: float
+    threshold_s: float | None
+    requests_considered: int
+    requests: list[RequestExplanation]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _f(value) -> float | None:
+    try:
+        return float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _i(value) -> int | None:
+    f = _f(value)
+    return int(f) if f is not None and math.isfinite(f) else None
+
+
+def e2e_of(root: SpanRecord) -> float:
+    value = _f(root.attributes.get(sc.REQUEST_E2E_S))
+    return value if value is not None else root.duration_s
+
+
+def trace_spans(aggregator, trace_id: str) -> dict | None:
+    """Every stored span of one trace (start order) and the traces linked to it."""
+    def read(store: TraceStore):
+        trace = store.get(trace_id)
+        if trace is None:
+            return None
+        spans = sorted(trace.spans, key=lambda s: (s.start_time_unix_nano, s.span_id))
+        return {"trace_id": trace.trace_id, "dropped_spans": trace.dropped_spans,
+                "spans": [s.to_dict() for s in spans],
+                "linked_traces": [t.trace_id for t in store.linked(trace.trace_id)]}
+    return aggregator.with_store(read)
+
+
+def explain_slowest(aggregator, quantile: float = 0.99, limit: int = 10,
+                    max_steps: int = 5, max_kernels: int = 3) -> Explanation:
+    """The requests at or above ``quantile`` of e2e latency, explained (module docstring)."""
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"quantile={quantile} is outside [0, 1]")
+    if not 1 <= limit <= 1000:
+        raise ValueError(f"limit={limit} is outside [1, 1000]")
+
+    def read(store: TraceStore):
+        roots = store.request_roots()
+        if not roots:
+            return Explanation(quantile, None, 0, []), []
+        ranked = sorted(roots, key=e2e_of)
+        threshold = e2e_of(ranked[max(1, math.ceil(quantile * len(ranked))) - 1])
+        chosen = [r for r in reversed(ranked) if e2e_of(r) >= threshold][:limit]
+        out = [_explain_one(store, root, max_steps, max_kernels) for root in chosen]
+        return Explanation(quantile, threshold, len(roots), out), out
+
+    explanation, requests = aggregator.with_store(read)
+    for req in requests:  # per-SM fallbacks read the aggregator, outside the store lock
+        if req.slowest_sm is None:
+            req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req)
+    return explanation
+
+
+def _explain_one(store: TraceStore, root: SpanRecord, max_steps: int,
+                 max_kernels: int) -> RequestExplanation:
+    trace = store.get(root.trace_id)
+    spans = trace.spans if trace else [root]
+    totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
+    seen_phase = set()
+    for s in spans:
+        if s.name in totals:
+            totals[s.name] += s.duration_s
+            seen_phase.add(s.name)
+    attrs = root.attributes
+    if sc.SPAN_QUEUE not in seen_phase and _f(attrs.get(sc.REQUEST_QUEUE_S)) is not None:
+        totals[sc.SPAN_QUEUE] = _f(attrs.get(sc.REQUEST_QUEUE_S))
+    e2e = e2e_of(root)
+    phases = Phases(totals[sc.SPAN_QUEUE], totals[sc.SPAN_PREFILL], totals[sc.SPAN_DECODE],
+                    max(0.0, e2e - sum(totals.values())))
+    steps = _steps_of(store, root.trace_id, spans)
+    summaries = []
+    for step in steps:
+        step_trace = store.get(step.trace_id)
+        kernels = []
+        if step_trace is not None:
+            for k in step_trace.spans:
+                if k.parent_span_id == step.span_id and k.name.startswith(sc.SPAN_KERNEL_PREFIX):
+                    kernels.append(_kernel_summary(k))
+        kernels.sort(key=lambda k: -k.duration_s)
+        a = step.attributes
+        summaries.append(StepSummary(step.trace_id, step.span_id, _i(a.get(sc.STEP_ID)), step.duration_s,
+                                     _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
+                                     _i(a.get(sc.STEP_DECODE_TOKENS)), kernels))
+    all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
+    slowest_kernel = all_kernels[0] if all_kernels else None
+    slowest_sm = None
+    for k in all_kernels:
+        if k.slowest_sm is not None:
+            slowest_sm = SlowestSm(k.gpu, k.slowest_sm, k.name, "kernel_span", None)
+            break
+    summaries.sort(key=lambda s: -s.duration_s)
+    for s in summaries:
+        del s.kernels[max_kernels:]
+    reasons = attrs.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
+    if isinstance(reasons, list):
+        reasons = reasons[0] if reasons else None
+    model = attrs.get(sc.GEN_AI_REQUEST_MODEL, attrs.get(sc.GEN_AI_RESPONSE_MODEL, "unknown"))
+    return RequestExplanation(
+        trace_id=root.trace_id, span_id=root.span_id, name=root.name, model=str(model),
+        priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
+        ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
+        finish_reason=None if reasons is None else str(reasons), phases=phases,
+        steps_total=len(summaries), steps=summaries[:max_steps], slowest_kernel=slowest_kernel,
+        slowest_sm=slowest_sm)
+
+
+def _steps_of(store: TraceStore, trace_id: str, spans: list[SpanRecord]) -> list[SpanRecord]:
+    """The step spans linked from this trace's spans, or linking to them (deduplicated)."""
+    found: dict[str, SpanRecord] = {}
+    for s in spans:
+        for linked_trace, linked_span in s.links:
+            other = store.get(linked_trace)
+            if other is None:
+                continue
+            for step in other.step_spans:
+                if step.span_id == linked_span:
+                    found[step.span_id] = step
+    own = {s.span_id for s in spans}
+    for other in store.linked(trace_id):
+        for step in other.step_spans:
+            if any(t == trace_id and sid in own for t, sid in step.links):
+                found[step.span_id] = step
+    return list(found.values())
+
+
+def _kernel_summary(span: SpanRecord) -> KernelSummary:
+    a = span.attributes
+    name = a.get(sc.CUDA_KERNEL_NAME) or span.name[len(sc.SPAN_KERNEL_PREFIX):]
+    gpu = a.get(sc.HW_GPU_ID, a.get(sc.CUDA_DEVICE, "unknown"))
+    slowest = a.get(sc.KERNEL_SLOWEST_SM)
+    if isinstance(slowest, float) and slowest.is_integer():
+        slowest = int(slowest)
+    return KernelSummary(str(name), str(gpu if not isinstance(gpu, float) else int(gpu)),
+                         span.duration_s, span.trace_id, span.span_id,
+                         None if slowest is None else str(slowest), _f(a.get(sc.KERNEL_CTA_SPREAD)))
+
+
+def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation) -> SlowestSm | None:
+    step_ids = {s.span_id for s in req.steps}
+    if step_ids:
+        hit = aggregator.sm_exemplar_for_spans(step_ids)
+        if hit is not None:
+            gpu, sm, kernel, ex = hit
+            return SlowestSm(gpu, sm, kernel, "sm_exemplar", ex.value)
+    if req.slowest_kernel is not None:
+        k = req.slowest_kernel
+        windows = aggregator.sm_windows(k.gpu, k.name, last_s=aggregator.config.window.horizon_s)
+        if windows:
+            best = max((sm for sm, h in windows.items() if h.count),
+                       key=lambda sm: windows[sm].quantile(0.99), default=None)
+            if best is not None:
+                return SlowestSm(k.gpu, best, k.name, "sm_window", windows[best].quantile(0.99))
+    return None

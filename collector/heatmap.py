@@ -1,0 +1,237 @@
+"""Per-SM heatmaps of CTA durations, as typed records, JSON and PNG.
+
+Two views per (GPU, kernel), both read from the aggregator's per-SM sliding windows:
+
+* ``time_sm``: rows are SMs, columns are window slots (``slot_s`` each); a cell is the
+  P99 CTA duration of that SM in that slot (``None`` when it ran nothing), within the
+  exponential histogram's relative error (``relative_error`` field, 0.54 % at scale 6).
+* ``sm_latency``: rows are SMs, columns are latency buckets; a cell is the exact number
+  of CTAs whose duration fell in the bucket. The columns are the SMs' own exponential
+  buckets coarsened by whole powers of two until at most ``max_bins`` remain, so every
+  count is exact (no interpolation) and bucket ``j`` covers
+  ``(edges[j], edges[j + 1]]``.
+
+Hotspot score of an SM: its P99 over the whole window divided by the median of all SMs'
+P99s; the kernel's hotspot ratio is the largest score (what
+``sightline_sm_hotspot_ratio`` exports). Cost: one window merge per SM and slot.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import numpy as np
+
+from sightline.instrumentation.exphist import ExpHistogram, relative_error
+
+__all__ = ["HeatmapKind", "HotspotSummary", "SmLatencyHeatmap", "TimeSmHeatmap", "hotspots",
+           "finite", "render_png", "sm_latency", "time_sm"]
+
+HeatmapKind = Literal["time_sm", "sm_latency"]
+
+
+@dataclass
+class HotspotSummary:
+    scores: dict[str, float]  # SM -> P99 / median SM P99
+    p99_s: dict[str, float]  # SM -> P99 over the whole window
+    median_p99_s: float | None
+    ratio: float | None  # the largest score
+    hottest_sm: str | None
+
+
+@dataclass
+class TimeSmHeatmap:
+    gpu: str
+    kernel: str
+    slot_s: float
+    times_unix_s: list[float]  # start of each column's slot
+    sms: list[str]
+    p99_s: list[list[float | None]]  # [sm][time]
+    counts: list[list[int]]  # [sm][time]
+    exemplars: list[list[dict | None]]  # slowest CTA's step span, where known
+    hotspot: HotspotSummary
+    relative_error: float
+    kind: str = "time_sm"
+
+    def to_dict(self) -> dict:
+        return finite(asdict(self))
+
+
+@dataclass
+class SmLatencyHeatmap:
+    gpu: str
+    kernel: str
+    window_s: float
+    sms: list[str]
+    edges_s: list[float]  # len(columns) + 1; column j is (edges[j], edges[j+1]]
+    counts: list[list[int]]  # [sm][bucket]
+    zero_counts: list[int]  # per SM, durations of exactly zero (clock granularity)
+    hotspot: HotspotSummary
+    relative_error: float
+    kind: str = "sm_latency"
+
+    def to_dict(self) -> dict:
+        return finite(asdict(self))
+
+
+def finite(value):
+    """``value`` with every NaN or infinity replaced by None (strict JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _sm_order(sms) -> list[str]:
+    return sorted(sms, key=lambda s: (0, int(s), s) if s.lstrip("-").isdigit() else (1, 0, s))
+
+
+def hotspots(per_sm: dict[str, ExpHistogram]) -> HotspotSummary:
+    p99 = {sm: h.quantile(0.99) for sm, h in per_sm.items() if h.count}
+    if not p99:
+        return HotspotSummary({}, {}, None, None, None)
+    median = float(np.median(list(p99.values())))
+    scores = {sm: (v / median if median > 0 else math.nan) for sm, v in p99.items()}
+    hottest = max(scores, key=lambda sm: (scores[sm], sm)) if median > 0 else None
+    return HotspotSummary(scores, p99, median, scores[hottest] if hottest else None, hottest)
+
+
+def time_sm(aggregator, gpu: str, kernel: str, now_s: float | None = None,
+            window_s: float | None = None) -> TimeSmHeatmap:
+    """The time x SM P99 heatmap of one kernel on one GPU (see the module docstring)."""
+    wc = aggregator.config.window
+    now_s = aggregator.now() if now_s is None else now_s
+    window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)
+    slots = aggregator.sm_slots(gpu, kernel, now_s, window_s)
+    newest = wc.epoch(now_s)
+    n = max(1, int(math.ceil(window_s / wc.slot_s)))
+    epochs = list(range(newest - n + 1, newest + 1))
+    column = {e: i for i, e in enumerate(epochs)}
+    sms = _sm_order(slots)
+    p99 = [[None] * n for _ in sms]
+    counts = [[0] * n for _ in sms]
+    exemplars: list[list[dict | None]] = [[None] * n for _ in sms]
+    merged: dict[str, ExpHistogram] = {}
+    worst_scale = None
+    for r, sm in enumerate(sms):
+        total = ExpHistogram(max_buckets=wc.max_buckets)
+        for epoch, hist, ex in slots[sm]:
+            c = column.get(epoch)
+            if c is None or not hist.count:
+                continue
+            p99[r][c] = hist.quantile(0.99)
+            counts[r][c] = hist.count
+            if ex is not None:
+                exemplars[r][c] = {"trace_id": ex.trace_id, "span_id": ex.span_id, "value_s": ex.value}
+            worst_scale = hist.scale if worst_scale is None else min(worst_scale, hist.scale)
+            total.merge(hist)
+        merged[sm] = total
+        if total.count:
+            worst_scale = total.scale if worst_scale is None else min(worst_scale, total.scale)
+    return TimeSmHeatmap(gpu=gpu, kernel=kernel, slot_s=wc.slot_s,
+                         times_unix_s=[e * wc.slot_s for e in epochs], sms=sms, p99_s=p99,
+                         counts=counts, exemplars=exemplars, hotspot=hotspots(merged),
+                         relative_error=relative_error(worst_scale) if worst_scale is not None else 0.0)
+
+
+def sm_latency(aggregator, gpu: str, kernel: str, now_s: float | None = None,
+               window_s: float | None = None, max_bins: int = 48) -> SmLatencyHeatmap:
+    """The SM x latency-bucket count heatmap (exact counts; see the module docstring)."""
+    if not 2 <= max_bins <= 1024:
+        raise ValueError(f"max_bins={max_bins} is outside [2, 1024]")
+    wc = aggregator.config.window
+    window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)
+    per_sm = aggregator.sm_windows(gpu, kernel, now_s, window_s)
+    sms = _sm_order(sm for sm, h in per_sm.items() if h.count)
+    hists = [per_sm[sm] for sm in sms]
+    with_buckets = [h for h in hists if np.any(h.counts)]
+    if not with_buckets:
+        return SmLatencyHeatmap(gpu, kernel, window_s, sms, [], [[] for _ in sms],
+                                [h.zero_count for h in hists], hotspots(per_sm), 0.0)
+    scale = min(h.scale for h in with_buckets)
+    lo = min(((h.offset + int(np.flatnonzero(h.counts)[0])) >> (h.scale - scale)) for h in with_buckets)
+    hi = max(((h.offset + int(np.flatnonzero(h.counts)[-1])) >> (h.scale - scale)) for h in with_buckets)
+    shift = 0
+    while (hi >> shift) - (lo >> shift) + 1 > max_bins:
+        shift += 1
+    out_scale, first, last = scale - shift, lo >> shift, hi >> shift
+    counts = []
+    for h in hists:
+        row = np.zeros(last - first + 1, dtype=np.int64)
+        nz = np.flatnonzero(h.counts)
+        if nz.size:
+            idx = (h.offset + nz) >> (h.scale - out_scale)
+            np.add.at(row, idx - first, h.counts[nz])
+        counts.append([int(v) for v in row])
+    step = 2.0 ** -out_scale
+    edges = [float(2.0 ** (j * step)) for j in range(first, last + 2)]
+    return SmLatencyHeatmap(gpu, kernel, window_s, sms, edges, counts,
+                            [h.zero_count for h in hists], hotspots(per_sm),
+                            relative_error(min(h.scale for h in with_buckets)))
+
+
+# -- PNG ------------------------------------------------------------------------------------
+# Viridis anchor colours (perceptually uniform, colour-blind safe), interpolated linearly.
+_VIRIDIS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)],
+                    dtype=np.float64)
+_EMPTY = (235, 235, 235)
+
+
+def colour(t: float) -> tuple[int, int, int]:
+    """Viridis colour of ``t`` in [0, 1]."""
+    t = min(1.0, max(0.0, t)) * (len(_VIRIDIS) - 1)
+    i = min(int(t), len(_VIRIDIS) - 2)
+    c = _VIRIDIS[i] + (_VIRIDIS[i + 1] - _VIRIDIS[i]) * (t - i)
+    return int(round(c[0])), int(round(c[1])), int(round(c[2]))
+
+
+def render_png(heatmap: TimeSmHeatmap | SmLatencyHeatmap) -> bytes:
+    """A PNG of either heatmap: rows SMs, colour viridis (log scale for counts)."""
+    from PIL import Image, ImageDraw
+
+    if isinstance(heatmap, TimeSmHeatmap):
+        grid = heatmap.p99_s
+        title = f"P99 CTA duration, GPU {heatmap.gpu}, {heatmap.kernel[:60]}"
+        transform = lambda v: v  # noqa: E731
+    else:
+        grid = [[(v if v else None) for v in row] for row in heatmap.counts]
+        title = f"CTA count by duration, GPU {heatmap.gpu}, {heatmap.kernel[:60]}"
+        transform = math.log10
+    rows = len(grid)
+    cols = max((len(r) for r in grid), default=0)
+    values = [transform(v) for row in grid for v in row if v is not None]
+    vmin, vmax = (min(values), max(values)) if values else (0.0, 1.0)
+    span = (vmax - vmin) or 1.0
+    cell_w = max(3, min(40, 900 // max(cols, 1)))
+    cell_h = max(2, min(12, 660 // max(rows, 1)))
+    left, top, right, bottom = 56, 28, 90, 24
+    width = left + cell_w * max(cols, 1) + right
+    height = top + cell_h * max(rows, 1) + bottom
+    image = Image.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(image)
+    draw.text((4, 6), title, fill=(0, 0, 0))
+    for r, row in enumerate(grid):
+        y = top + r * cell_h
+        for c, v in enumerate(row):
+            x = left + c * cell_w
+            fill = _EMPTY if v is None else colour((transform(v) - vmin) / span)
+            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=fill)
+        if rows <= 40 or r % max(1, rows // 20) == 0:
+            draw.text((4, y), f"SM {heatmap.sms[r]}", fill=(0, 0, 0))
+    bar_x = left + cell_w * max(cols, 1) + 12
+    bar_h = cell_h * max(rows, 1)
+    for i in range(bar_h):
+        draw.line([bar_x, top + i, bar_x + 14, top + i], fill=colour(1.0 - i / max(bar_h - 1, 1)))
+    unit = "s" if isinstance(heatmap, TimeSmHeatmap) else "log10 n"
+    draw.text((bar_x + 18, top), f"{vmax:.3g}", fill=(0, 0, 0))
+    draw.text((bar_x + 18, top + bar_h - 10), f"{vmin:.3g}", fill=(0, 0, 0))
+    draw.text((bar_x + 18, top + bar_h // 2), unit, fill=(0, 0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()

@@ -1,0 +1,236 @@
+"""The aggregator against exact answers: per-SM quantiles, span-derived series, limits.
+
+Also the OTLP builders the other collector tests of this room import (``otlp_*``)."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+
+from sightline.collector.aggregator import AggregationConfig, Aggregator
+from sightline.collector.windows import WindowConfig
+from sightline.instrumentation import semconv as sc
+from sightline.instrumentation.exphist import ExpHistogram, relative_error
+
+T0_S = 1_800_000_000.0  # a fixed "now" (2027) the tests pin the clock to
+
+
+# -- OTLP builders (shared with test_heatmap*, test_explain, test_replay) --------------------
+def otlp_value(value) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, (list, tuple)):
+        return AnyValue(array_value=ArrayValue(values=[otlp_value(v) for v in value]))
+    return AnyValue(string_value=str(value))
+
+
+def otlp_attrs(attrs: dict) -> list[KeyValue]:
+    return [KeyValue(key=k, value=otlp_value(v)) for k, v in attrs.items()]
+
+
+def otlp_span(name: str, trace_id: bytes, span_id: bytes, start_s: float, end_s: float,
+              attrs: dict | None = None, parent: bytes = b"", links=(), kind: int = 1) -> trace_pb2.Span:
+    return trace_pb2.Span(
+        name=name, trace_id=trace_id, span_id=span_id, parent_span_id=parent, kind=kind,
+        start_time_unix_nano=int(round(start_s * 1e9)), end_time_unix_nano=int(round(end_s * 1e9)),
+        attributes=otlp_attrs(attrs or {}),
+        links=[trace_pb2.Span.Link(trace_id=t, span_id=s) for t, s in links])
+
+
+def otlp_traces(spans, service: str = sc.SERVICE_NAME_ENGINE) -> ExportTraceServiceRequest:
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    rs.resource.attributes.extend(otlp_attrs({"service.name": service}))
+    rs.scope_spans.add().spans.extend(spans)
+    return req
+
+
+def otlp_cta_point(gpu, sm, kernel: str, values, t_s: float, scale: int = 8, exemplar=None,
+                   start_s: float | None = None) -> metrics_pb2.ExponentialHistogramDataPoint:
+    """A point holding exactly ``values`` (via ExpHistogram, as the SM probe reduces them)."""
+    h = ExpHistogram(scale=scale)
+    h.record(np.asarray(values, dtype=np.float64))
+    p = metrics_pb2.ExponentialHistogramDataPoint(
+        attributes=otlp_attrs({sc.ATTR_GPU_ID: gpu, sc.ATTR_SM_ID: sm, sc.ATTR_KERNEL_NAME: kernel}),
+        start_time_unix_nano=int((start_s if start_s is not None else t_s - 1) * 1e9),
+        time_unix_nano=int(t_s * 1e9), count=h.count, sum=h.sum, scale=h.scale,
+        zero_count=h.zero_count, min=h.min, max=h.max)
+    p.positive.offset = h.offset
+    p.positive.bucket_counts.extend(int(c) for c in h.counts)
+    if exemplar is not None:
+        value, trace_id, span_id = exemplar
+        p.exemplars.add(as_double=value, trace_id=trace_id, span_id=span_id, time_unix_nano=int(t_s * 1e9))
+    return p
+
+
+def otlp_metrics(points, cumulative: bool = False) -> ExportMetricsServiceRequest:
+    req = ExportMetricsServiceRequest()
+    rm = req.resource_metrics.add()
+    rm.resource.attributes.extend(otlp_attrs({"service.name": sc.SERVICE_NAME_ENGINE}))
+    metric = rm.scope_metrics.add().metrics.add()
+    metric.name, metric.unit = sc.METRIC_CTA_DURATION, sc.METRIC_CTA_DURATION_UNIT
+    metric.exponential_histogram.aggregation_temporality = 2 if cumulative else 1
+    metric.exponential_histogram.data_points.extend(points)
+    return req
+
+
+def exact_quantile(values, q: float) -> float:
+    s = np.sort(np.asarray(values))
+    return float(s[max(1, math.ceil(q * s.size)) - 1])
+
+
+def make_aggregator(**kw) -> Aggregator:
+    return Aggregator(AggregationConfig(**kw), clock=lambda: T0_S)
+
+
+# -- tests ------------------------------------------------------------------------------------
+def test_per_sm_p99_within_stated_error_of_exact():
+    rng = np.random.default_rng(1)
+    agg = make_aggregator()
+    exact = {}
+    points = []
+    for sm in range(16):
+        sigma = 0.3 + 0.05 * sm
+        values = rng.lognormal(math.log(20e-6 * (1 + (sm == 7))), sigma, size=3000)
+        exact[str(sm)] = values
+        # three exports per SM in different slots of the window
+        for part, t in zip(np.array_split(values, 3), (T0_S - 25, T0_S - 12, T0_S - 1)):
+            points.append(otlp_cta_point(0, sm, "fa2_fwd", part, t))
+    assert agg.consume_metrics(otlp_metrics(points)) == len(points)
+    windows = agg.sm_windows("0", "fa2_fwd", last_s=60)
+    assert sorted(windows, key=int) == [str(i) for i in range(16)]
+    for sm, values in exact.items():
+        h = windows[sm]
+        assert h.count == values.size
+        for q in (0.5, 0.9, 0.99):
+            want = exact_quantile(values, q)
+            got = h.quantile(q)
+            assert abs(got - want) / want <= relative_error(h.scale) + 1e-12, (sm, q, got, want)
+
+
+def test_cumulative_points_become_deltas():
+    agg = make_aggregator()
+    first = np.full(100, 10e-6)
+    second = np.full(50, 40e-6)
+    p1 = otlp_cta_point(0, 3, "k", first, T0_S - 20, start_s=T0_S - 100)
+    p2 = otlp_cta_point(0, 3, "k", np.concatenate([first, second]), T0_S - 5, start_s=T0_S - 100)
+    agg.consume_metrics(otlp_metrics([p1], cumulative=True))
+    agg.consume_metrics(otlp_metrics([p2], cumulative=True))
+    assert agg.sm_slots("1", "k", last_s=60) == {}  # another GPU: nothing
+    slots = agg.sm_slots("0", "k", last_s=60)["3"]
+    assert [h.count for _, h, _ in slots] == [100, 50]
+    delta = slots[1][1]
+    assert delta.quantile(0.5) == pytest.approx(40e-6, rel=relative_error(delta.scale))
+    assert delta.sum == pytest.approx(50 * 40e-6)
+
+
+def test_explicit_histograms_and_bad_points_are_refused_and_counted():
+    agg = make_aggregator()
+    req = ExportMetricsServiceRequest()
+    metric = req.resource_metrics.add().scope_metrics.add().metrics.add()
+    metric.name = sc.METRIC_CTA_DURATION
+    metric.histogram.data_points.add(count=3, bucket_counts=[1, 2], explicit_bounds=[1e-5])
+    metric.histogram.data_points.add(count=1, bucket_counts=[1, 0], explicit_bounds=[1e-5])
+    assert agg.consume_metrics(req) == 0
+    bad = otlp_cta_point(0, 1, "k", [1e-5, 2e-5], T0_S)
+    bad.count = 7
+    no_sm = otlp_cta_point(0, 1, "k", [1e-5], T0_S)
+    del no_sm.attributes[1]
+    late = otlp_cta_point(0, 1, "k", [1e-5], T0_S - 10_000)
+    assert agg.consume_metrics(otlp_metrics([bad, no_sm])) == 0
+    assert agg.consume_metrics(otlp_metrics([otlp_cta_point(0, 1, "k", [1e-5], T0_S)])) == 1
+    assert agg.consume_metrics(otlp_metrics([late])) == 0
+    assert agg.dropped == {"explicit_bucket_histogram": 2, "inconsistent_count": 1,
+                           "missing_attributes": 1, "late": 1}
+
+
+def test_cardinality_overflow_and_memory_bound():
+    wc = WindowConfig(slot_s=1.0, num_slots=4, max_buckets=64)
+    agg = make_aggregator(window=wc, gauge_window_s=4.0, max_sm_series=10)
+    rng = np.random.default_rng(2)
+    for i in range(40):
+        # wide ranges (1 ns .. 1 s) to push each histogram to its bucket limit
+        values = np.exp(rng.uniform(math.log(1e-9), 0.0, size=200))
+        agg.consume_metrics(otlp_metrics([otlp_cta_point(0, i, "k", values, T0_S - (i % 4))]))
+    counts = agg.series_counts()
+    assert counts["sm"] == 11  # the limit plus the overflow series
+    assert agg.overflow == {"sm_cta": 30}
+    overflow = agg.sm_windows(sc.OVERFLOW_LABEL_VALUE, sc.OVERFLOW_LABEL_VALUE, last_s=4.0)
+    assert overflow[sc.OVERFLOW_LABEL_VALUE].count == 30 * 200
+    # bucket arrays never exceed series x slots x max_buckets x 8 bytes
+    assert agg.memory_bytes() <= 11 * 4 * 64 * 8
+
+
+def _request_span(trace_id, span_id, e2e, ttft, model="m", priority=0, reason="stop"):
+    return otlp_span(sc.SPAN_HTTP_COMPLETIONS, trace_id, span_id, T0_S - 1 - e2e, T0_S - 1, {
+        sc.GEN_AI_REQUEST_MODEL: model, sc.REQUEST_PRIORITY: priority, sc.REQUEST_E2E_S: e2e,
+        sc.REQUEST_TTFT_S: ttft, sc.REQUEST_TPOT_S: 0.02, sc.REQUEST_QUEUE_S: 0.001,
+        sc.GEN_AI_RESPONSE_FINISH_REASONS: [reason]}, kind=2)
+
+
+def test_span_series_and_prometheus_exposition():
+    agg = make_aggregator()
+    spans = [_request_span(bytes([i + 1]) * 16, bytes([i + 1]) * 8, e2e=0.1 * (i + 1), ttft=0.03,
+                           priority=i % 2) for i in range(6)]
+    step = otlp_span(sc.SPAN_ENGINE_STEP, b"\xaa" * 16, b"\xab" * 8, T0_S - 2, T0_S - 1.996,
+                     {sc.STEP_PREFILL_TOKENS: 0, sc.STEP_DECODE_TOKENS: 8})
+    kernel = otlp_span(sc.SPAN_KERNEL_PREFIX + "fa2_fwd", b"\xaa" * 16, b"\xac" * 8, T0_S - 2,
+                       T0_S - 2 + 150e-6, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: "fa2_fwd"},
+                       parent=b"\xab" * 8)
+    phase = otlp_span(sc.SPAN_QUEUE, b"\x01" * 16, b"\x77" * 8, T0_S - 2, T0_S - 1.9)
+    assert agg.consume_traces(otlp_traces(spans + [step, kernel, phase])) == 9
+    agg.consume_metrics(otlp_metrics([otlp_cta_point(0, 5, "fa2_fwd", [10e-6] * 98 + [90e-6] * 2, T0_S - 3,
+                                                     exemplar=(90e-6, b"\xaa" * 16, b"\xab" * 8))]))
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+    text = openmetrics_latest(registry).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    e2e = {(s.labels.get("priority"), s.labels.get("le")): s.value for s in fams[sc.COLLECTOR_REQUEST_E2E_SECONDS].samples
+           if s.name.endswith("_bucket")}
+    # priority 0: e2e 0.1, 0.3, 0.5; priority 1: 0.2, 0.4, 0.6 (le is inclusive)
+    assert e2e[("0", "0.1")] == 1 and e2e[("0", "0.25")] == 1 and e2e[("0", "0.5")] == 3
+    assert e2e[("1", "0.25")] == 1 and e2e[("1", "0.5")] == 2 and e2e[("1", "0.75")] == 3
+    total = {tuple(sorted(s.labels.items())): s.value for s in fams[sc.COLLECTOR_REQUESTS_TOTAL].samples
+             if s.name.endswith("_total")}
+    assert total[(("finish_reason", "stop"), ("model", "m"), ("priority", "0"))] == 3
+    p99 = {s.labels["sm"]: s.value for s in fams[sc.COLLECTOR_SM_CTA_P99_SECONDS].samples}
+    assert p99["5"] == pytest.approx(90e-6, rel=relative_error(7))  # 9x range: scale 7
+    assert sc.COLLECTOR_SM_HOTSPOT_RATIO in fams
+    step_count = [s.value for s in fams[sc.COLLECTOR_STEP_DURATION_SECONDS].samples
+                  if s.name.endswith("_count") and s.labels["phase"] == "decode"]
+    assert step_count == [1]
+    kernel_sum = [s.value for s in fams[sc.COLLECTOR_KERNEL_DURATION_SECONDS].samples if s.name.endswith("_sum")]
+    assert kernel_sum == [(kernel.end_time_unix_nano - kernel.start_time_unix_nano) / 1e9]
+    # the slowest CTA's exemplar (the step span) is exposed in OpenMetrics
+    assert 'span_id="' + (b"\xab" * 8).hex() + '"' in text
+    assert 'trace_id="' + (b"\x06" * 16).hex() + '"' in text  # the slowest request's exemplar
+
+
+def test_concurrent_ingest_counts_everything():
+    agg = make_aggregator()
+    def work(k):
+        for i in range(50):
+            agg.consume_metrics(otlp_metrics([otlp_cta_point(0, k, "k", [1e-5] * 10, T0_S - 1)]))
+            agg.consume_traces(otlp_traces([_request_span(bytes([k + 1, i + 1]) * 8, b"\x01" * 8, 0.1, 0.01)]))
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(h.count for h in agg.sm_windows("0", "k", last_s=60).values()) == 4 * 50 * 10
+    assert agg.spans_seen == 200 and agg.latency_window("e2e", ("m", "0")).count == 200
