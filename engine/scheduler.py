@@ -184,67 +184,34 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Build the next step. Allocates the blocks it schedules; may preempt (see module doc)."""
         now = self.clock()
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        done: set[int] = set()  # id() of requests scheduled in this step: not preemptible any more
-        num_prefill = num_decode = 0
-
+        step = _StepBuilder(self.config.max_num_batched_tokens)
         key = {id(r): self.urgency_key(r, now) for r in self._running}
         self._running.sort(key=lambda r: key[id(r)])
         decodes = [r for r in self._running if _is_decode(r)]
         partials = [r for r in self._running if not _is_decode(r)]
 
-        for group_is_prefill, group in ((False, decodes), (True, partials)):
+        for is_prefill, group in ((False, decodes), (True, partials)):
             for request in group:
-                if budget == 0:
+                if step.budget == 0:
                     break
-                if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                if request.status is not RequestStatus.RUNNING:  # preempted earlier in this step
                     continue
-                want = min(request.num_tokens - request.num_computed_tokens, budget)
+                want = min(request.num_tokens - request.num_computed_tokens, step.budget)
                 if want <= 0:
                     continue
-                num_new = self._fit_or_preempt(request, want, done, key, preempted)
-                if num_new == 0:
-                    continue
-                scheduled.append(self._schedule_chunk(request, num_new, group_is_prefill))
-                done.add(id(request))
-                budget -= num_new
-                if group_is_prefill:
-                    num_prefill += num_new
-                else:
-                    num_decode += num_new
+                num_new = self._fit_or_preempt(request, want, step, key)
+                if num_new > 0:
+                    step.add(self._schedule_chunk(request, num_new, is_prefill))
 
-        if budget > 0 and self._waiting:
-            just_preempted = {id(r) for r in preempted}
-            self._waiting.sort(key=lambda r: self.urgency_key(r, now))
-            admitted: list[Request] = []
-            for request in self._waiting:
-                if budget == 0 or len(self._running) >= self.config.max_num_seqs:
-                    break
-                if id(request) in just_preempted:
-                    break  # it just gave its blocks up: re-admitting it would thrash, passing it would invert priority
-                num_new = min(request.num_tokens, budget)
-                if not self.kv_cache.can_allocate(request, num_new):
-                    break  # keep priority order: nobody less urgent may pass it
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time_s is None:
-                    request.first_scheduled_time_s = now
-                self._running.append(request)
-                admitted.append(request)
-                scheduled.append(self._schedule_chunk(request, num_new, True))
-                budget -= num_new
-                num_prefill += num_new
-            if admitted:
-                gone = {id(r) for r in admitted}
-                self._waiting = [r for r in self._waiting if id(r) not in gone]
+        if step.budget > 0 and self._waiting:
+            self._admit_waiting(step, now)
 
         plan = StepPlan(
             step_id=self._next_step_id,
-            scheduled=scheduled,
-            preempted=preempted,
-            num_prefill_tokens=num_prefill,
-            num_decode_tokens=num_decode,
+            scheduled=step.scheduled,
+            preempted=step.preempted,
+            num_prefill_tokens=step.num_prefill_tokens,
+            num_decode_tokens=step.num_decode_tokens,
             kv_blocks_used=self.kv_cache.num_used_blocks,
             kv_blocks_total=self.kv_cache.num_blocks,
             num_running=len(self._running),
@@ -252,6 +219,28 @@ class Scheduler:
         )
         self._next_step_id += 1
         return plan
+
+    def _admit_waiting(self, step: _StepBuilder, now: float) -> None:
+        """Move waiting requests to running, most urgent first, while budget, seats and blocks last."""
+        just_preempted = {id(r) for r in step.preempted}
+        self._waiting.sort(key=lambda r: self.urgency_key(r, now))
+        admitted: set[int] = set()
+        for request in self._waiting:
+            if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
+                break
+            if id(request) in just_preempted:
+                break  # it just gave its blocks up: re-admitting it would thrash, passing it would invert priority
+            num_new = min(request.num_tokens, step.budget)
+            if not self.kv_cache.can_allocate(request, num_new):
+                break  # keep priority order: nobody less urgent may pass it
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time_s is None:
+                request.first_scheduled_time_s = now
+            self._running.append(request)
+            admitted.add(id(request))
+            step.add(self._schedule_chunk(request, num_new, True))
+        if admitted:
+            self._waiting = [r for r in self._waiting if id(r) not in admitted]
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
@@ -303,24 +292,31 @@ class Scheduler:
         self.kv_cache.allocate(request, num_new)
         return entry
 
-    def _fit_or_preempt(self, request: Request, want: int, done: set[int],
-                        key: dict[int, tuple[int, float, int]], preempted: list[Request]) -> int:
+    def _fit_or_preempt(self, request: Request, want: int, step: _StepBuilder,
+                        key: dict[int, tuple[int, float, int]]) -> int:
         """Tokens (<= want) of ``request`` the free blocks can take, preempting to make room.
 
-        Returns 0 when the request itself was the least urgent candidate and got preempted.
+        Victims are the least urgent running requests that are either not yet scheduled in this
+        step or less urgent than ``request`` (their entry is withdrawn and its tokens refunded), so
+        a request never loses its blocks to a less urgent one. Returns 0 when ``request`` itself
+        was the least urgent and got preempted.
         """
         kv = self.kv_cache
+        mine = key[id(request)]
         while True:
-            # A split prefill may shrink to whatever the blocks it holds plus the free ones cover.
-            room = (len(request.block_ids) + kv.num_free_blocks) * kv.block_size - request.num_computed_tokens
             if kv.can_allocate(request, want):
                 return want
+            # A split prefill may shrink to whatever its own blocks plus the free ones cover.
+            room = (len(request.block_ids) + kv.num_free_blocks) * kv.block_size - request.num_computed_tokens
             if room > 0 and not _is_decode(request) and kv.can_allocate(request, min(want, room)):
                 return min(want, room)
-            candidates = [r for r in self._running if id(r) not in done]
-            victim = max(candidates, key=lambda r: key[id(r)])
+            victim = max((r for r in self._running if not step.holds(r) or key[id(r)] > mine),
+                         key=lambda r: key[id(r)])
+            if step.holds(victim):
+                step.withdraw(victim)
+                want = min(request.num_tokens - request.num_computed_tokens, step.budget)
             self._preempt(victim)
-            preempted.append(victim)
+            step.preempted.append(victim)
             if victim is request:
                 return 0
 
@@ -343,6 +339,39 @@ class Scheduler:
         request.finish_time_s = now
         self._live.pop(request.request_id, None)
         self._order.pop(id(request), None)
+
+
+class _StepBuilder:
+    """The step being assembled: entries, token budget left, counters, preemptions."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.scheduled: list[ScheduledRequest] = []
+        self.preempted: list[Request] = []
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self._entry: dict[int, ScheduledRequest] = {}  # id(request) -> its entry in this step
+
+    def holds(self, request: Request) -> bool:
+        return id(request) in self._entry
+
+    def add(self, entry: ScheduledRequest) -> None:
+        self.scheduled.append(entry)
+        self._entry[id(entry.request)] = entry
+        self._count(entry, +1)
+
+    def withdraw(self, request: Request) -> None:
+        """Take a request back out of this step (it is being preempted) and refund its tokens."""
+        entry = self._entry.pop(id(request))
+        self.scheduled.remove(entry)
+        self._count(entry, -1)
+
+    def _count(self, entry: ScheduledRequest, sign: int) -> None:
+        self.budget -= sign * entry.num_new_tokens
+        if entry.is_prefill:
+            self.num_prefill_tokens += sign * entry.num_new_tokens
+        else:
+            self.num_decode_tokens += sign * entry.num_new_tokens
 
 
 def _is_decode(request: Request) -> bool:

@@ -238,6 +238,44 @@ def test_preemption_picks_least_urgent_and_recomputes_exactly():
     assert sorted(r.request_id for r in finished) == ["a", "b", "c"]
 
 
+def test_urgent_split_prefill_withdraws_a_less_urgent_decode():
+    # 4 blocks of 4. d (class 1) decodes; p (class 0) arrives with a 13-token prompt.
+    h = Harness(block_size=4, num_blocks=4, max_num_batched_tokens=8, max_num_seqs=4)
+    d = h.add("d", 3, max_tokens=10, priority=1, ignore_eos=True)
+    h.step()
+    p = h.add("p", 13, max_tokens=1, priority=0)
+    for _ in range(3):
+        h.step()
+    steps = [([(e.request.request_id, e.num_new_tokens, e.is_prefill) for e in pl.scheduled],
+              [r.request_id for r in pl.preempted], pl.kv_blocks_used) for pl in h.plans]
+    assert steps == [
+        ([("d", 3, True)], [], 1),
+        ([("d", 1, False), ("p", 7, True)], [], 3),
+        # d's position 4 takes the last free block; p shrinks to the 1 slot left in its own blocks
+        ([("d", 1, False), ("p", 1, True)], [], 4),
+        # p needs 2 more blocks: d's decode, already scheduled, is withdrawn and d is preempted
+        ([("p", 5, True)], ["d"], 4),
+    ]
+    assert h.plans[-1].num_decode_tokens == 0 and h.plans[-1].num_prefill_tokens == 5
+    h.run()
+    assert p.num_preemptions == 0 and d.num_preemptions == 1
+    assert d.output_token_ids == reference_output(d.prompt_token_ids, 10, None)
+
+
+def test_waiting_admission_keeps_priority_order_when_blocks_are_short():
+    h = Harness(block_size=4, num_blocks=6, max_num_batched_tokens=32)
+    hog = h.add("hog", 10, max_tokens=2, ignore_eos=True)  # 3 blocks, then 3 free
+    h.step()
+    big = h.add("big", 16, max_tokens=1, priority=0)  # needs 4 blocks: does not fit yet
+    small = h.add("small", 4, max_tokens=1, priority=1)  # would fit, but may not pass "big"
+    plan, _ = h.step()
+    assert [e.request.request_id for e in plan.scheduled] == ["hog"]
+    assert small.status is RequestStatus.WAITING and hog.is_finished
+    plan, _ = h.step()
+    assert [(e.request.request_id, e.num_new_tokens) for e in plan.scheduled] == [("big", 16), ("small", 4)]
+    assert big.is_finished and small.is_finished
+
+
 def test_update_finish_rules_and_times():
     h = Harness()
     h.clock.now = 100.0
