@@ -1,0 +1,180 @@
+"""Heatmaps from constructed per-SM data: exact JSON, decodable PNG, the API's errors,
+and the interactive page rendered by headless Chromium."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from aiohttp import web
+from PIL import Image
+
+from sightline.collector import heatmap as hm
+from sightline.collector.api import add_api_routes
+from sightline.collector.heatmap_page import render_page
+from sightline.instrumentation.exphist import relative_error
+from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
+from tests.support import free_port
+
+US = 1e-6
+# SM -> (value in slot T0-15 s, value in slot T0-5 s); None = the SM ran nothing then.
+CELLS = {0: (10 * US, 12 * US), 1: (10 * US, None), 2: (11 * US, 12 * US), 3: (40 * US, 44 * US)}
+N_PER_CELL = 50
+
+
+@pytest.fixture
+def aggregator():
+    agg = make_aggregator()
+    points = []
+    for sm, values in CELLS.items():
+        for value, t in zip(values, (T0_S - 15, T0_S - 5)):
+            if value is not None:
+                ex = (value, bytes([sm + 1]) * 16, bytes([sm + 1]) * 8)
+                points.append(otlp_cta_point(0, sm, "fa2_fwd", [value] * N_PER_CELL, t, exemplar=ex))
+    points.append(otlp_cta_point(1, 0, "other", [5 * US] * 3, T0_S - 5))
+    agg.consume_metrics(otlp_metrics(points))
+    return agg
+
+
+def test_time_sm_values_are_exact(aggregator):
+    h = hm.time_sm(aggregator, "0", "fa2_fwd", window_s=30)
+    d = json.loads(json.dumps(h.to_dict()))
+    assert d["kind"] == "time_sm" and d["sms"] == ["0", "1", "2", "3"]
+    assert d["times_unix_s"] == [T0_S - 20, T0_S - 10, T0_S]
+    # a cell of identical values is exact (quantiles never leave [min, max])
+    assert d["p99_s"] == [[v0, v1, None] for v0, v1 in
+                          ([CELLS[s][0], CELLS[s][1]] for s in range(4))]
+    assert d["counts"] == [[50, 50, 0], [50, 0, 0], [50, 50, 0], [50, 50, 0]]
+    assert d["exemplars"][3][1] == {"trace_id": "04" * 16, "span_id": "04" * 8, "value_s": 44 * US}
+    # window P99 per SM: SM0 100 values 10/12 us -> rank 99 is 12 us (within the bound)
+    hs = d["hotspot"]
+    assert hs["p99_s"]["1"] == 10 * US
+    assert hs["p99_s"]["0"] == pytest.approx(12 * US, rel=relative_error(8))
+    assert hs["hottest_sm"] == "3"
+    assert hs["ratio"] == pytest.approx(44 / 12, rel=2 * relative_error(8))
+    assert d["relative_error"] == relative_error(8)
+
+
+def test_sm_latency_counts_are_exact(aggregator):
+    h = hm.sm_latency(aggregator, "0", "fa2_fwd", window_s=30, max_bins=16)
+    edges = np.asarray(h.edges_s)
+    assert len(edges) - 1 <= 16 and all(len(row) == len(edges) - 1 for row in h.counts)
+    assert np.all(np.diff(edges) > 0)
+    for r, sm in enumerate(h.sms):
+        expected = np.zeros(len(edges) - 1, dtype=int)
+        for value in CELLS[int(sm)]:
+            if value is not None:
+                j = int(np.searchsorted(edges, value, side="left")) - 1  # (edges[j], edges[j+1]]
+                expected[j] += N_PER_CELL
+        assert h.counts[r] == expected.tolist(), sm
+    assert h.zero_counts == [0, 0, 0, 0]
+
+
+def test_png_decodes(aggregator):
+    for fn in (hm.time_sm, hm.sm_latency):
+        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator, "0", "fa2_fwd"))))
+        image.load()
+        assert image.format == "PNG" and image.width > 100 and image.height > 50
+        # some pixels carry the viridis extremes (the hottest/coolest cells)
+        colours = {c for _, c in image.getcolors(maxcolors=1 << 16)}
+        assert hm.colour(1.0) in colours and hm.colour(0.0) in colours
+
+
+class _Server:
+    """The API on a real aiohttp server on a free loopback port (own thread and loop)."""
+
+    def __init__(self, aggregator) -> None:
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(aggregator,), daemon=True)
+        self.thread.start()
+        assert self._ready.wait(10)
+
+    def _run(self, aggregator) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        add_api_routes(app, aggregator)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self.loop.run_forever()
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture
+def server(aggregator):
+    s = _Server(aggregator)
+    yield s
+    s.close()
+
+
+def _get(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.headers.get("Content-Type"), r.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type"), exc.read()
+
+
+def test_api_heatmap_routes_and_errors(server, aggregator):
+    status, ctype, body = _get(server.url("/api/v1/kernels"))
+    kernels = json.loads(body)["kernels"]
+    assert status == 200 and {(k["gpu"], k["kernel"], k["sms"]) for k in kernels} == {
+        ("0", "fa2_fwd", 4), ("1", "other", 1)}
+    status, _, body = _get(server.url("/api/v1/heatmap?gpu=0&kernel=fa2_fwd&window_s=30"))
+    assert status == 200
+    assert json.loads(body) == json.loads(json.dumps(hm.time_sm(aggregator, "0", "fa2_fwd", window_s=30).to_dict()))
+    status, ctype, body = _get(server.url("/api/v1/heatmap?gpu=1&kind=sm_latency&format=png"))
+    assert status == 200 and ctype == "image/png" and Image.open(io.BytesIO(body)).format == "PNG"
+    for query, param, code in (("kind=nope&gpu=0&kernel=fa2_fwd", "kind", 400),
+                               ("format=svg&gpu=0&kernel=fa2_fwd", "format", 400),
+                               ("window_s=-1&gpu=0&kernel=fa2_fwd", "window_s", 400),
+                               ("", "gpu", 400),  # two pairs exist: ambiguous
+                               ("gpu=7&kernel=fa2_fwd", "kernel", 404)):
+        status, ctype, body = _get(server.url("/api/v1/heatmap?" + query))
+        error = json.loads(body)["error"]
+        assert (status, error["code"], error["param"]) == (code, code, param), query
+        assert ctype.startswith("application/json")
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (scripts/setup.sh)")
+def test_page_renders_in_headless_chromium(server):
+    with tempfile.TemporaryDirectory() as profile:
+        dom = subprocess.run(
+            ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--virtual-time-budget=5000", "--dump-dom",
+             server.url("/api/v1/heatmap.html?window_s=30")],
+            capture_output=True, text=True, timeout=120).stdout
+    # the first (gpu 0, fa2_fwd, time_sm) view is drawn: 4 SMs x 3 slots
+    cells = re.findall(r'<rect class="cell"[^>]*>', dom)
+    assert len(cells) == 12, dom[-2000:]
+    assert sum('data-value="no CTAs' in c for c in cells) == 5  # 4 x 3 minus 7 cells with CTAs
+    assert 'data-sm="3"' in dom and "hotspot ratio" in dom
+    assert re.search(r'<select id="gpu">.*<option value="0">0</option><option value="1">1</option>', dom)
+
+
+def test_page_is_self_contained():
+    page = render_page([{"gpu": "0", "kernel": "</script><b>", "kind": "time_sm"}])
+    assert "</script><b>" not in page  # cannot break out of the data element
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in page
