@@ -4,13 +4,14 @@ Nothing here touches the SDK's global providers, so a process (or a test) may ho
 independent pipelines. Guarantees:
 
 - Spans leave through a :class:`CountingBatchSpanProcessor`: a bounded queue
-  (``max_queue_size``); when it is full the newest span is still queued and the oldest is
-  dropped (the SDK's deque policy), and every drop is counted. ``on_end`` costs a deque
-  append; export runs on the SDK's worker thread.
+  (``max_queue_size``); when it is full the span being ended is dropped and counted.
+  ``on_end`` costs a ``len`` and a deque append; export runs on the SDK's worker thread.
 - Exporters are wrapped (:class:`CountingSpanExporter`, :class:`CountingMetricExporter`):
   a failed export (after the SDK exporter's own retries with exponential backoff, bounded
   by ``export_timeout_s``) counts its spans as dropped and one export failure; an exception
   from an exporter is logged and turned into FAILURE, never raised into the application.
+  While the endpoint is down the worker backs off (0.5 s doubling to 5 s) instead of
+  spinning, so a dead collector costs the application queue appends, not CPU.
 - The counts are exposed as Prometheus counters named after
   ``semconv.TELEMETRY_*`` through :class:`TelemetryCounters`, a custom prometheus_client
   collector registered into the registry given (or a private one).
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +70,7 @@ logger = logging.getLogger(__name__)
 DROP_QUEUE_FULL = "queue_full"
 DROP_EXPORT_FAILED = "export_failed"
 DROP_SHUTDOWN = "already_shutdown"
+DROP_SHUTDOWN_TIMEOUT = "shutdown_timeout"
 
 
 class TelemetryCounters(Collector):
@@ -85,7 +88,13 @@ class TelemetryCounters(Collector):
         self.spans_dropped: dict[str, int] = {}
         self.export_failures: dict[str, int] = {}
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
-        self.registry.register(self)
+        try:
+            self.registry.register(self)
+        except ValueError:
+            # Another pipeline already exposes these names in this registry (e.g. a restart
+            # in one process): keep counting, but do not fail telemetry set-up over it.
+            logger.warning("sightline_telemetry_* counters already registered; this pipeline's "
+                           "counts are readable from Telemetry only")
 
     def add_exported(self, count: int) -> None:
         with self._lock:
@@ -148,14 +157,35 @@ class TelemetryCounters(Collector):
 
 
 class CountingSpanExporter(SpanExporter):
-    """Wraps a span exporter: counts outcomes, turns exceptions into logged FAILUREs."""
+    """Wraps a span exporter: counts outcomes, turns exceptions into logged FAILUREs, and
+    backs off while the endpoint is down.
 
-    def __init__(self, inner: SpanExporter, counters: TelemetryCounters) -> None:
+    The SDK exporter already retries one batch with exponential backoff until its timeout.
+    Without more, a down endpoint makes the worker fail batch after batch in a tight loop,
+    burning the CPU (and GIL) the application needs. After a failed batch this wrapper waits
+    (``backoff_initial_s``, doubling up to ``backoff_max_s``; interrupted by shutdown) before
+    trying the next one, so spans wait in the bounded queue — where overflow is counted —
+    and flow again when the endpoint returns. A success resets the backoff.
+    """
+
+    def __init__(self, inner: SpanExporter, counters: TelemetryCounters, *,
+                 backoff_initial_s: float = 0.5, backoff_max_s: float = 5.0) -> None:
         self.inner = inner
         self._counters = counters
         self._logged = False
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._stopping = threading.Event()
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        wait_s = self._retry_at - time.monotonic()
+        if wait_s > 0:
+            self._stopping.wait(wait_s)
+        if self._stopping.is_set():
+            self._counters.add_dropped(len(spans), DROP_SHUTDOWN_TIMEOUT)
+            return SpanExportResult.FAILURE
         try:
             result = self.inner.export(spans)
         except Exception:  # an exporter bug must not kill the worker or reach the app
@@ -165,13 +195,19 @@ class CountingSpanExporter(SpanExporter):
                                  type(self.inner).__name__)
             result = SpanExportResult.FAILURE
         if result is SpanExportResult.SUCCESS:
+            self._backoff_s = 0.0
+            self._retry_at = 0.0
             self._counters.add_exported(len(spans))
         else:
+            self._backoff_s = min(max(self._backoff_s * 2, self._backoff_initial_s),
+                                  self._backoff_max_s)
+            self._retry_at = time.monotonic() + self._backoff_s
             self._counters.add_failure("traces")
             self._counters.add_dropped(len(spans), DROP_EXPORT_FAILED)
         return result
 
     def shutdown(self) -> None:
+        self._stopping.set()
         try:
             self.inner.shutdown()
         except Exception:
@@ -271,16 +307,17 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
         self._max_queue = max_queue_size
         self._shutdown_timeout_millis = shutdown_timeout_millis
         inner = getattr(self, "_batch_processor", None)
-        self._fallback_queue = None
+        self._queue = getattr(inner, "_queue", None)
         if inner is not None and hasattr(inner, "_metrics"):
             inner._metrics = _DropCountingMetrics(inner._metrics, counters)
-        else:  # pragma: no cover - depends on SDK internals
-            self._fallback_queue = getattr(inner, "_queue", None)
 
     def on_end(self, span: ReadableSpan) -> None:
-        queue = self._fallback_queue
-        if queue is not None and len(queue) >= self._max_queue:  # pragma: no cover
+        # A full queue drops the newest span here (counted), rather than letting the SDK
+        # evict the oldest with a log call per span: same loss, a fraction of the cost.
+        queue = self._queue
+        if queue is not None and len(queue) >= self._max_queue:
             self._counters.add_dropped(1, DROP_QUEUE_FULL)
+            return
         super().on_end(span)
 
     def shutdown(self) -> None:
@@ -288,6 +325,12 @@ class CountingBatchSpanProcessor(BatchSpanProcessor):
             self._batch_processor.shutdown(timeout_millis=self._shutdown_timeout_millis)
         except TypeError:  # pragma: no cover - older SDKs without the argument
             super().shutdown()
+        # Spans still queued when the shutdown deadline passed are never exported: count them.
+        queue = getattr(self._batch_processor, "_queue", None)
+        if queue:
+            left = len(queue)
+            queue.clear()
+            self._counters.add_dropped(left, DROP_SHUTDOWN_TIMEOUT)
 
     @property
     def queue_length(self) -> int:
