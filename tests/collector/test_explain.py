@@ -1,0 +1,148 @@
+"""Slowest-request explanations and the trace store, against constructed traces whose
+phase times, steps, kernels and SMs are known exactly."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sightline.collector.explain import explain_slowest, trace_spans
+from sightline.collector.trace_store import TraceStoreConfig
+from sightline.instrumentation import semconv as sc
+from tests.collector.test_aggregator import (T0_S, make_aggregator, otlp_cta_point, otlp_metrics,
+                                             otlp_span, otlp_traces)
+from tests.collector.test_heatmap import _Server
+
+SERVER = 2
+
+
+def tid(kind: int, i: int) -> bytes:
+    return bytes([kind, i]) * 8
+
+
+def sid(kind: int, i: int, j: int = 0) -> bytes:
+    return bytes([kind, i, j, 0]) * 2
+
+
+def build(n: int = 10):
+    """n requests (e2e 0.1 .. n/10 s). Request i rides step i (linked from its prefill span)
+    and step 100+i (linked only from the step's side: the request's link cap was hit).
+    Step i runs kernels "k_small" (20 us) and "k_big" (i * 100 us, slowest SM = i % 7);
+    step 100+i runs one kernel with no slowest-SM attribute."""
+    spans = []
+    for i in range(1, n + 1):
+        e2e = i / 10
+        t0 = T0_S - 5
+        root_t, root_s = tid(1, i), sid(1, i)
+        spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, root_t, root_s, t0, t0 + e2e, {
+            sc.GEN_AI_REQUEST_MODEL: "tiny", sc.REQUEST_PRIORITY: i % 3, sc.REQUEST_E2E_S: e2e,
+            sc.REQUEST_TTFT_S: e2e / 4, sc.REQUEST_TPOT_S: 0.01,
+            sc.GEN_AI_RESPONSE_FINISH_REASONS: ["length"]}, kind=SERVER))
+        # queue e2e/8, prefill e2e/8, decode e2e/2 (two decode spans? one is enough), rest other
+        spans.append(otlp_span(sc.SPAN_QUEUE, root_t, sid(1, i, 1), t0, t0 + e2e / 8, parent=root_s))
+        spans.append(otlp_span(sc.SPAN_PREFILL, root_t, sid(1, i, 2), t0 + e2e / 8, t0 + e2e / 4,
+                               parent=root_s, links=[(tid(2, i), sid(2, i))]))
+        spans.append(otlp_span(sc.SPAN_DECODE, root_t, sid(1, i, 3), t0 + e2e / 4, t0 + 3 * e2e / 4,
+                               parent=root_s))
+        # step i (linked from the prefill span) with two kernels
+        spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(2, i), sid(2, i), t0 + e2e / 8, t0 + e2e / 4,
+                               {sc.STEP_ID: i, sc.STEP_BATCH_SIZE: 1, sc.STEP_PREFILL_TOKENS: 32,
+                                sc.STEP_DECODE_TOKENS: 0}, links=[(root_t, root_s)]))
+        for j, (name, dur, slowest) in enumerate((("k_small", 20e-6, None), ("k_big", i * 100e-6, i % 7)),
+                                                 start=1):
+            attrs = {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: name}
+            if slowest is not None:
+                attrs[sc.KERNEL_SLOWEST_SM] = slowest
+            spans.append(otlp_span(sc.SPAN_KERNEL_PREFIX + name, tid(2, i), sid(2, i, j), t0 + e2e / 8,
+                                   t0 + e2e / 8 + dur, attrs, parent=sid(2, i)))
+        # step 100+i links to the request only from its own side
+        spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, i), sid(3, i), t0 + e2e / 4, t0 + e2e / 2,
+                               {sc.STEP_ID: 100 + i, sc.STEP_BATCH_SIZE: 2, sc.STEP_PREFILL_TOKENS: 0,
+                                sc.STEP_DECODE_TOKENS: 2}, links=[(root_t, root_s)]))
+        spans.append(otlp_span(sc.SPAN_KERNEL_PREFIX + "k_dec", tid(3, i), sid(3, i, 1), t0 + e2e / 4,
+                               t0 + e2e / 4 + 5e-6, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: "k_dec"},
+                               parent=sid(3, i)))
+    return spans
+
+
+def test_slowest_requests_explained_exactly():
+    agg = make_aggregator()
+    spans = build()
+    assert agg.consume_traces(otlp_traces(spans[::-1])) == len(spans)  # order must not matter
+    result = explain_slowest(agg, quantile=0.8, limit=10, max_kernels=1)
+    assert result.requests_considered == 10
+    assert result.threshold_s == pytest.approx(0.8)  # rank ceil(0.8 * 10) = 8 of 0.1..1.0
+    assert [r.trace_id for r in result.requests] == [tid(1, i).hex() for i in (10, 9, 8)]
+    r = result.requests[0]
+    assert (r.model, r.priority, r.finish_reason) == ("tiny", "1", "length")
+    assert r.e2e_s == pytest.approx(1.0) and r.ttft_s == pytest.approx(0.25)
+    assert r.phases.queue_s == pytest.approx(0.125, abs=1e-6)
+    assert r.phases.prefill_s == pytest.approx(0.125, abs=1e-6)
+    assert r.phases.decode_s == pytest.approx(0.5, abs=1e-6)
+    assert r.phases.other_s == pytest.approx(0.25, abs=1e-6)
+    # both steps found: one through the prefill span's link, one through the step's own link
+    assert r.steps_total == 2
+    assert [s.step_id for s in r.steps] == [110, 10]  # slowest first (0.25 s vs 0.125 s)
+    assert [k.name for k in r.steps[1].kernels] == ["k_big"]  # max_kernels=1: the slowest
+    assert r.slowest_kernel.name == "k_big"
+    assert r.slowest_kernel.duration_s == pytest.approx(1e-3, abs=1e-6)
+    assert (r.slowest_sm.sm, r.slowest_sm.source) == ("3", "kernel_span")  # 10 % 7
+
+
+def test_slowest_sm_falls_back_to_per_sm_exemplars():
+    agg = make_aggregator()
+    spans = [s for s in build(2) if sc.KERNEL_SLOWEST_SM not in {kv.key for kv in s.attributes}]
+    agg.consume_traces(otlp_traces(spans))
+    # per-SM data: SM 9's slowest CTA points at request 2's prefill step span
+    agg.consume_metrics(otlp_metrics([
+        otlp_cta_point(0, 9, "k_big", [80e-6], T0_S - 4, exemplar=(80e-6, tid(2, 2), sid(2, 2))),
+        otlp_cta_point(0, 4, "k_big", [30e-6], T0_S - 4, exemplar=(30e-6, tid(2, 1), sid(2, 1))),
+    ]))
+    r = explain_slowest(agg, quantile=1.0, limit=1).requests[0]
+    assert r.trace_id == tid(1, 2).hex()
+    assert (r.slowest_sm.gpu, r.slowest_sm.sm, r.slowest_sm.kernel, r.slowest_sm.source) == (
+        "0", "9", "k_big", "sm_exemplar")
+    assert r.slowest_sm.value_s == 80e-6
+
+
+def test_trace_by_id_and_api(tmp_path):
+    agg = make_aggregator()
+    agg.consume_traces(otlp_traces(build(3)))
+    got = trace_spans(agg, tid(1, 2).hex())
+    assert [s["name"] for s in got["spans"]] == [sc.SPAN_HTTP_COMPLETIONS, sc.SPAN_QUEUE, sc.SPAN_PREFILL,
+                                                 sc.SPAN_DECODE]
+    assert got["linked_traces"] == sorted([tid(2, 2).hex(), tid(3, 2).hex()])
+    server = _Server(agg)
+    try:
+        with urllib.request.urlopen(server.url(f"/api/v1/traces/{tid(2, 3).hex()}"), timeout=10) as resp:
+            step = json.loads(resp.read())
+        assert [s["name"] for s in step["spans"]] == [sc.SPAN_ENGINE_STEP, "kernel k_small", "kernel k_big"]
+        assert step["spans"][2]["attributes"][sc.KERNEL_SLOWEST_SM] == 3
+        with urllib.request.urlopen(server.url("/api/v1/explain?quantile=0.5&limit=1"), timeout=10) as resp:
+            answer = json.loads(resp.read())
+        assert answer["threshold_s"] == pytest.approx(0.2)
+        assert [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        for query in ("quantile=1.5", "limit=0", "limit=2.5", "quantile=x"):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
+            assert err.value.code == 400 and "error" in json.loads(err.value.read())
+    finally:
+        server.close()
+
+
+def test_trace_store_bounds_and_eviction():
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_traces=6, max_spans_per_trace=3, max_spans=1000))
+    agg.consume_traces(otlp_traces(build(4)))  # 12 traces arrive: request i, step i, step 100+i
+    store = agg.store
+    assert len(store) == 6
+    # the oldest (requests/steps 1 and 2) went first; request 1's spans: 4 sent, 3 kept
+    assert store.get(tid(1, 1).hex()) is None and store.get(tid(1, 4).hex()) is not None
+    assert store.get(tid(1, 4).hex()).dropped_spans == 1 and store.dropped_spans == 4
+    assert store.evicted_traces == 6
+    # links to evicted traces are gone in both directions
+    assert all(t.trace_id not in (tid(1, 1).hex(), tid(2, 1).hex()) for t in store.linked(tid(3, 1).hex()))
+    assert set(store._linked) <= {t for t in store._traces} | {
+        peer for t in store._traces for peer in store._linked.get(t, ())}
