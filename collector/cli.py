@@ -1,12 +1,88 @@
-"""``sightline collector ...``, ``heatmap``, ``explain``, ``replay`` (placeholder)."""
+"""``sightline collector run`` and (through ``query_cli``) ``heatmap``, ``explain``, ``replay``.
+
+Module-level imports are the standard library only: ``sightline --help`` must stay
+instant and the collector must not pull in torch. The handler imports the collector.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+from sightline.collector.config import CollectorConfig  # stdlib-only module
+
+__all__ = ["register"]
+
+_D = {f.name: f.default for f in fields(CollectorConfig)}
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     collector = subcommands.add_parser("collector", help="the telemetry collector")
     collector_sub = collector.add_subparsers(dest="collector_command", required=True, metavar="COMMAND")
-    run = collector_sub.add_parser("run", help="run the collector")
-    run.set_defaults(handler=lambda args: print("collector run: not built yet") or 1)
+    run = collector_sub.add_parser(
+        "run",
+        help="run the collector (OTLP gRPC/HTTP + Zipkin receivers, /metrics, query API)",
+        description="Runs every receiver and the query port in one process until SIGTERM/SIGINT, "
+                    "then drains everything acknowledged into the aggregator and exits. Addresses "
+                    "default to 127.0.0.1; pass 0.0.0.0:PORT to listen on all interfaces. The ingest "
+                    "bearer token is read from --auth-token-file or the environment variable named "
+                    "by --auth-token-env (never from a flag value).",
+    )
+    add = run.add_argument
+    add("--otlp-grpc", default=_D["otlp_grpc_address"], metavar="HOST:PORT", help="OTLP/gRPC listen address")
+    add("--otlp-http", default=_D["otlp_http_address"], metavar="HOST:PORT",
+        help="OTLP/HTTP listen address (/v1/traces, /v1/metrics; protobuf and JSON)")
+    add("--zipkin", default=_D["zipkin_address"], metavar="HOST:PORT", help="Zipkin v2 listen address (/api/v2/spans)")
+    add("--http", default=_D["http_address"], metavar="HOST:PORT",
+        help="query port: /metrics, /healthz, /readyz, /api/v1/")
+    add("--max-request-bytes", type=int, default=_D["max_request_bytes"], help="largest request body on the wire (default %(default)s)")
+    add("--max-decompressed-bytes", type=int, default=_D["max_decompressed_bytes"],
+        help="largest body after gzip/deflate, and largest gRPC message (default %(default)s)")
+    add("--queue-max-items", type=int, default=_D["queue_max_items"],
+        help="spans+data points waiting for the aggregator before 429/RESOURCE_EXHAUSTED")
+    add("--queue-max-bytes", type=int, default=_D["queue_max_bytes"], help="payload bytes waiting, same effect")
+    add("--workers", type=int, default=_D["workers"], help="aggregator worker threads")
+    add("--retry-after-s", type=int, default=_D["retry_after_s"], help="retry hint sent with 429/RESOURCE_EXHAUSTED")
+    add("--shutdown-timeout-s", type=float, default=_D["shutdown_timeout_s"], help="how long the drain on SIGTERM may take")
+    add("--auth-token-file", type=Path, default=None, help="file holding the ingest bearer token")
+    add("--auth-token-env", default=_D["auth_token_env"],
+        help="environment variable holding the ingest bearer token (if set)")
+    add("--tls-cert-file", type=Path, default=None, help="PEM certificate for the ingest listeners")
+    add("--tls-key-file", type=Path, default=None, help="PEM private key for the ingest listeners")
+    add("--summary-file", type=Path, default=None,
+        help="write acknowledged-vs-aggregated totals as JSON here on exit")
+    add("--sink", choices=("aggregator", "discard"), default="aggregator",
+        help="'discard' skips aggregation (ingest benchmarks only)")
+    add("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    run.set_defaults(handler=_run)
+
+    from sightline.collector import query_cli  # heatmap, explain, replay (stdlib-only module level)
+
+    query_cli.register(subcommands)
+
+
+def _run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sightline.collector.app import run
+    config = CollectorConfig(
+        otlp_grpc_address=args.otlp_grpc,
+        otlp_http_address=args.otlp_http,
+        zipkin_address=args.zipkin,
+        http_address=args.http,
+        max_request_bytes=args.max_request_bytes,
+        max_decompressed_bytes=args.max_decompressed_bytes,
+        queue_max_items=args.queue_max_items,
+        queue_max_bytes=args.queue_max_bytes,
+        workers=args.workers,
+        retry_after_s=args.retry_after_s,
+        shutdown_timeout_s=args.shutdown_timeout_s,
+        auth_token_file=args.auth_token_file,
+        auth_token_env=args.auth_token_env,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
+        summary_file=args.summary_file,
+        sink=args.sink,
+    )
+    return run(config)

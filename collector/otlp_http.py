@@ -106,18 +106,31 @@ def decompress_bounded(raw: bytes, encoding: str, limit: int) -> bytes:
     # -15 = the raw deflate some clients send under that name.
     wbits_options = (31,) if encoding in ("gzip", "x-gzip") else (15, -15)
     for wbits in wbits_options:
-        decoder = zlib.decompressobj(wbits)
         try:
-            out = decoder.decompress(raw, limit + 1)
+            return _inflate(raw, wbits, limit, encoding)
         except zlib.error:
             continue
-        if len(out) > limit or decoder.unconsumed_tail:
-            raise IngestError(413, "too_large",
-                              f"decompressed body exceeds the {limit}-byte limit")
+    raise IngestError(400, "malformed", f"body is not valid {encoding} data")
+
+
+def _inflate(raw: bytes, wbits: int, limit: int, encoding: str) -> bytes:
+    # A gzip body may hold several members back to back (RFC 1952); each one is
+    # inflated with what is left of the limit, so the total stays capped.
+    parts: list[bytes] = []
+    produced = 0
+    pending = raw
+    while True:
+        decoder = zlib.decompressobj(wbits)
+        out = decoder.decompress(pending, limit - produced + 1)
+        produced += len(out)
+        if produced > limit or decoder.unconsumed_tail:
+            raise IngestError(413, "too_large", f"decompressed body exceeds the {limit}-byte limit")
         if not decoder.eof:
             raise IngestError(400, "malformed", f"truncated {encoding} body")
-        return out
-    raise IngestError(400, "malformed", f"body is not valid {encoding} data")
+        parts.append(out)
+        pending = decoder.unused_data
+        if not pending or wbits != 31:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 # -- counting ---------------------------------------------------------------------------
@@ -226,9 +239,15 @@ def error_response(error: IngestError, *, as_json: bool, retry_after_s: int) -> 
                         content_type=JSON_TYPE if as_json else "application/x-protobuf")
 
 
-def admit(pipeline: Pipeline, batch: Batch) -> None:
-    """Offers ``batch``; raises the 429/503 IngestError when the pipeline refuses it."""
-    verdict = pipeline.offer(batch)
+def admit(pipeline: Pipeline, batch: Batch | None) -> None:
+    """Offers ``batch``; raises the 429/503 IngestError when the pipeline refuses it.
+
+    ``batch=None`` only raises the refusal (the caller already knows there is no room).
+    """
+    if batch is None:
+        verdict = Admission.CLOSED if not pipeline.accepting else Admission.FULL
+    else:
+        verdict = pipeline.offer(batch)
     if verdict is Admission.ACCEPTED:
         return
     if verdict is Admission.FULL:
@@ -271,6 +290,9 @@ class OtlpHttpReceiver:
                 raise IngestError(415, "unsupported_media_type",
                                   f"Content-Type {content_type!r} is not application/x-protobuf "
                                   "or application/json")
+            # Overloaded: answer before reading and parsing the body (the cheap 429).
+            if not self._pipeline.has_room(request.content_length or 0):
+                admit(self._pipeline, None)
             body = await read_body(request, self._limits)
             if signal == "traces":
                 message = self._decode(body, ExportTraceServiceRequest, as_json)

@@ -144,6 +144,18 @@ class Pipeline:
         self._metrics.queue_depth.set(depth)
         return Admission.ACCEPTED
 
+    def has_room(self, size_bytes: int) -> bool:
+        """A lock-free hint (may be stale): is there room for ``size_bytes`` more?
+
+        Receivers call it before reading and parsing a body, so that overload is
+        answered cheaply; ``offer`` still makes the binding decision.
+        """
+        if self._closed:
+            return False
+        if self._items == 0:
+            return True
+        return self._items < self._max_items and self._bytes + size_bytes <= self._max_bytes
+
     @property
     def depth(self) -> int:
         """Spans + data points waiting (not counting batches being aggregated now)."""

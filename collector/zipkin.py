@@ -201,6 +201,8 @@ class ZipkinReceiver:
                 raise IngestError(415, "unsupported_media_type",
                                   f"Content-Type {request.content_type!r} is not application/json "
                                   "(Zipkin v2 JSON; proto3 is not supported)")
+            if not self._pipeline.has_room(request.content_length or 0):
+                admit(self._pipeline, None)  # overloaded: refuse before reading the body
             body = await read_body(request, self._limits)
             try:
                 document = json.loads(body)

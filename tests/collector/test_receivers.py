@@ -1,0 +1,333 @@
+"""Receivers against real clients: every span and data point sent is counted, exactly.
+
+Clients: the OpenTelemetry SDK's OTLP exporters (gRPC and HTTP/protobuf, with gzip),
+py-zipkin (Zipkin v2 JSON), and raw OTLP/JSON with hex ids. The count is read where an
+operator reads it: the collector's own /metrics
+(``sightline_collector_spans_received_total{receiver=...}``), and checked against what
+the aggregator was handed (the pipeline summary).
+
+The helpers at the top (``RunningCollector``, ``scrape``, ``trace_request``) are
+reused by test_robustness.py and test_rotel.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import threading
+import urllib.request
+from contextlib import contextmanager
+
+import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from sightline.collector.app import Collector
+from sightline.collector.config import CollectorConfig
+from sightline.collector.otlp_http import parse_otlp_json, to_otlp_json
+from sightline.collector.zipkin import zipkin_to_otlp
+from sightline.instrumentation import semconv as sc
+from tests.support import free_port
+
+# -- helpers (also used by the other collector tests) ------------------------------------
+
+
+class RunningCollector:
+    """A real Collector on free loopback ports, its asyncio loop on a background thread."""
+
+    def __init__(self, sink=None, **overrides) -> None:
+        ports = {name: free_port() for name in ("otlp_grpc", "otlp_http", "zipkin", "http")}
+        fields = {f"{name}_address": f"127.0.0.1:{port}" for name, port in ports.items()}
+        # a token in the developer's environment must not switch auth on in tests
+        fields["auth_token_env"] = "SIGHTLINE_TEST_TOKEN_NEVER_SET"
+        fields.update(overrides)
+        self.config = CollectorConfig(**fields)
+        self.loop = asyncio.new_event_loop()
+        self.collector = Collector(self.config, sink=sink)
+        self.ports = self.loop.run_until_complete(self.collector.start())
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.summary = None
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.otlp_http}"
+
+    @property
+    def zipkin_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.zipkin}/api/v2/spans"
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.ports.otlp_grpc}"
+
+    @property
+    def query_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}"
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        return scrape(self.query_url + "/metrics")
+
+    def received(self, receiver: str, what: str = "spans") -> float:
+        name = sc.COLLECTOR_SPANS_RECEIVED_TOTAL if what == "spans" else sc.COLLECTOR_DATAPOINTS_RECEIVED_TOTAL
+        return self.metrics()[(name + "_total", (("receiver", receiver),))]
+
+    def rejected(self, receiver: str, reason: str) -> float:
+        return self.metrics()[(sc.COLLECTOR_REJECTED_TOTAL + "_total",
+                               (("reason", reason), ("receiver", receiver)))]
+
+    def idle(self) -> None:
+        assert self.collector.pipeline.wait_idle(30), "pipeline did not drain"
+
+    def stop(self):
+        if self.summary is None:
+            future = asyncio.run_coroutine_threadsafe(self.collector.stop(), self.loop)
+            self.summary = future.result(60)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+        return self.summary
+
+
+@contextmanager
+def running_collector(sink=None, **overrides):
+    running = RunningCollector(sink=sink, **overrides)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """/metrics as {(sample name, sorted label pairs): value}."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def trace_request(n_spans: int, *, service: str = "bench", seed: int = 0,
+                  attributes: int = 6) -> ExportTraceServiceRequest:
+    """An export request of ``n_spans`` engine-like spans with distinct ids."""
+    request = ExportTraceServiceRequest()
+    rs = request.resource_spans.add()
+    kv = rs.resource.attributes.add()
+    kv.key, kv.value.string_value = sc.RESOURCE_SERVICE_NAME, service
+    scope = rs.scope_spans.add()
+    scope.scope.name = sc.INSTRUMENTATION_SCOPE
+    for i in range(n_spans):
+        span = scope.spans.add()
+        span.trace_id = (seed * 1_000_003 + i // 4 + 1).to_bytes(16, "big")
+        span.span_id = (seed * 1_000_003 + i + 1).to_bytes(8, "big")
+        span.name = sc.SPAN_DECODE
+        span.kind = trace_pb2.Span.SPAN_KIND_INTERNAL
+        span.start_time_unix_nano = 1_700_000_000_000_000_000 + i * 1000
+        span.end_time_unix_nano = span.start_time_unix_nano + 500_000
+        for k in range(attributes):
+            a = span.attributes.add()
+            a.key, a.value.int_value = f"sightline.test.attr{k}", k
+    return request
+
+
+def post(url: str, body: bytes, headers: dict[str, str], timeout: float = 10.0):
+    """POST; returns (status, headers, body) for 2xx and errors alike."""
+    req = urllib.request.Request(url, data=body, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()
+
+
+def sdk_tracer(exporter):
+    """An SDK TracerProvider exporting through ``exporter`` (flush with .shutdown())."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    provider = TracerProvider(resource=Resource.create({sc.RESOURCE_SERVICE_NAME: "test-sdk"}))
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_export_batch_size=128))
+    return provider
+
+
+def emit_spans(provider, n: int) -> None:
+    tracer = provider.get_tracer("sightline-test")
+    for i in range(n // 2):
+        with tracer.start_as_current_span("parent", attributes={"i": i}):
+            with tracer.start_as_current_span("child"):
+                pass
+    provider.shutdown()  # flushes; raises nothing, so the counts below are the check
+
+
+# -- tests -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def collector():
+    with running_collector() as running:
+        yield running
+
+
+def test_otel_sdk_grpc_exporter_spans_all_counted(collector):
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    before = collector.received(sc.RECEIVER_OTLP_GRPC)
+    exporter = OTLPSpanExporter(endpoint=collector.grpc_target, insecure=True)
+    emit_spans(sdk_tracer(exporter), 600)
+    assert collector.received(sc.RECEIVER_OTLP_GRPC) - before == 600
+
+
+def test_otel_sdk_http_exporter_gzip_spans_all_counted(collector):
+    from opentelemetry.exporter.otlp.proto.http import Compression
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+    before = collector.received(sc.RECEIVER_OTLP_HTTP)
+    exporter = OTLPSpanExporter(endpoint=collector.http_url + "/v1/traces", compression=Compression.Gzip)
+    emit_spans(sdk_tracer(exporter), 600)
+    assert collector.received(sc.RECEIVER_OTLP_HTTP) - before == 600
+    collector.idle()
+    summary = collector.collector.pipeline.summary
+    assert summary.spans_processed == summary.spans_acknowledged
+
+
+def test_otel_sdk_metric_exporter_data_points_counted(collector):
+    from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
+
+    before = collector.received(sc.RECEIVER_OTLP_HTTP, "points")
+    exporter = OTLPMetricExporter(endpoint=collector.http_url + "/v1/metrics")
+    reader = PeriodicExportingMetricReader(exporter, export_interval_millis=60_000)
+    provider = MeterProvider(metric_readers=[reader])
+    counter = provider.get_meter("t").create_counter("sightline.test.count")
+    for sm in range(5):  # 5 attribute sets -> 5 data points of one sum
+        counter.add(1, {"sm": sm})
+    histogram = provider.get_meter("t").create_histogram("sightline.test.hist")
+    for gpu in range(3):  # 3 more data points
+        histogram.record(0.5, {"gpu": gpu})
+    provider.shutdown()  # one final export of 8 points
+    assert collector.received(sc.RECEIVER_OTLP_HTTP, "points") - before == 8
+
+
+def test_py_zipkin_spans_all_counted(collector):
+    from py_zipkin.encoding import Encoding
+    from py_zipkin.transport import BaseTransportHandler
+    from py_zipkin.zipkin import zipkin_span
+
+    statuses = []
+
+    class HttpTransport(BaseTransportHandler):
+        def get_max_payload_bytes(self):
+            return None
+
+        def send(self, payload):
+            body = payload.encode() if isinstance(payload, str) else payload
+            statuses.append(post(collector.zipkin_url, body, {"Content-Type": "application/json"})[0])
+
+    before = collector.received(sc.RECEIVER_ZIPKIN)
+    for _ in range(20):  # 20 traces x 3 spans
+        with zipkin_span(service_name="zipkin-svc", span_name="root", transport_handler=HttpTransport(),
+                         sample_rate=100.0, encoding=Encoding.V2_JSON):
+            with zipkin_span(service_name="zipkin-svc", span_name="child-a"):
+                pass
+            with zipkin_span(service_name="zipkin-svc", span_name="child-b"):
+                pass
+    assert statuses and set(statuses) == {202}
+    assert collector.received(sc.RECEIVER_ZIPKIN) - before == 60
+
+
+def test_otlp_json_hex_ids_round_trip(collector):
+    document = {"resourceSpans": [{
+        "resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "json-svc"}}]},
+        "scopeSpans": [{"scope": {"name": "t"}, "spans": [
+            {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b174",
+             "parentSpanId": "eee19b7ec3c1b173", "name": "queue", "kind": 1,
+             "startTimeUnixNano": "1544712660000000000", "endTimeUnixNano": "1544712661000000000",
+             "attributes": [{"key": "sightline.request.priority", "value": {"intValue": "3"}}]},
+            {"traceId": "5b8efff798038103d269b633813fc60c", "spanId": "eee19b7ec3c1b175",
+             "name": "decode", "kind": "SPAN_KIND_INTERNAL",
+             "startTimeUnixNano": "1544712660000000000", "endTimeUnixNano": "1544712661000000000"},
+        ]}]}]}
+    parsed = parse_otlp_json(json.dumps(document).encode(), ExportTraceServiceRequest)
+    span = parsed.resource_spans[0].scope_spans[0].spans[0]
+    assert span.trace_id == bytes.fromhex("5b8efff798038103d269b633813fc60c")
+    assert span.span_id == bytes.fromhex("eee19b7ec3c1b174")
+    assert span.parent_span_id == bytes.fromhex("eee19b7ec3c1b173")
+    assert span.end_time_unix_nano - span.start_time_unix_nano == 10**9
+    assert to_otlp_json(parsed)["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["traceId"] == \
+        "5b8efff798038103d269b633813fc60c"
+
+    before = collector.received(sc.RECEIVER_OTLP_HTTP)
+    status, headers, body = post(collector.http_url + "/v1/traces", json.dumps(document).encode(),
+                                 {"Content-Type": "application/json"})
+    assert status == 200 and headers["Content-Type"].startswith("application/json")
+    assert json.loads(body) == {}
+    gz = gzip.compress(json.dumps(document).encode())
+    status, _, _ = post(collector.http_url + "/v1/traces", gz,
+                        {"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 200
+    assert collector.received(sc.RECEIVER_OTLP_HTTP) - before == 4
+
+
+def test_protobuf_response_is_export_response(collector):
+    status, headers, body = post(collector.http_url + "/v1/traces", trace_request(7).SerializeToString(),
+                                 {"Content-Type": "application/x-protobuf"})
+    assert status == 200 and headers["Content-Type"] == "application/x-protobuf"
+    response = ExportTraceServiceResponse.FromString(body)
+    assert not response.HasField("partial_success")
+
+
+def test_zipkin_conversion_fields():
+    document = [{
+        "traceId": "463ac35c9f6413ad", "id": "a2fb4a1d1a96d312", "parentId": "0020000000000001",
+        "name": "get /api", "kind": "SERVER", "timestamp": 1_700_000_000_123_456, "duration": 2_500,
+        "localEndpoint": {"serviceName": "frontend", "ipv4": "10.0.0.1", "port": 8080},
+        "remoteEndpoint": {"serviceName": "browser", "ipv4": "10.0.0.9"},
+        "tags": {"http.method": "GET", "error": "boom"}, "shared": True,
+        "annotations": [{"timestamp": 1_700_000_000_124_000, "value": "ws"}],
+    }, {
+        "traceId": "463ac35c9f6413ad48485a3953bb6124", "id": "b2fb4a1d1a96d312", "name": "db",
+        "kind": "CLIENT", "timestamp": 5, "duration": 1, "localEndpoint": {"serviceName": "backend"},
+    }]
+    request = zipkin_to_otlp(document)
+    assert len(request.resource_spans) == 2
+    rs = request.resource_spans[0]
+    assert rs.resource.attributes[0].key == "service.name"
+    assert rs.resource.attributes[0].value.string_value == "frontend"
+    span = rs.scope_spans[0].spans[0]
+    assert span.trace_id == bytes(8) + bytes.fromhex("463ac35c9f6413ad")
+    assert span.span_id == bytes.fromhex("a2fb4a1d1a96d312")
+    assert span.parent_span_id == bytes.fromhex("0020000000000001")
+    assert span.kind == trace_pb2.Span.SPAN_KIND_SERVER
+    assert span.start_time_unix_nano == 1_700_000_000_123_456_000
+    assert span.end_time_unix_nano - span.start_time_unix_nano == 2_500_000
+    attrs = {kv.key: kv.value for kv in span.attributes}
+    assert attrs["http.method"].string_value == "GET"
+    assert attrs[sc.ZIPKIN_SHARED].bool_value is True
+    assert attrs[sc.PEER_SERVICE].string_value == "browser"
+    assert attrs[sc.NETWORK_PEER_ADDRESS].string_value == "10.0.0.9"
+    assert attrs[sc.NETWORK_LOCAL_PORT].int_value == 8080
+    assert "error" not in attrs
+    assert span.status.code == trace_pb2.Status.STATUS_CODE_ERROR and span.status.message == "boom"
+    assert span.events[0].name == "ws" and span.events[0].time_unix_nano == 1_700_000_000_124_000_000
+    other = request.resource_spans[1].scope_spans[0].spans[0]
+    assert other.trace_id == bytes.fromhex("463ac35c9f6413ad48485a3953bb6124")
+    assert other.kind == trace_pb2.Span.SPAN_KIND_CLIENT and other.parent_span_id == b""
+
+
+def test_aggregator_saw_every_acknowledged_span(collector):
+    collector.idle()
+    summary = collector.collector.pipeline.summary
+    metrics = collector.metrics()
+    received = sum(metrics[(sc.COLLECTOR_SPANS_RECEIVED_TOTAL + "_total", (("receiver", r),))]
+                   for r in (sc.RECEIVER_OTLP_GRPC, sc.RECEIVER_OTLP_HTTP, sc.RECEIVER_ZIPKIN))
+    assert received == summary.spans_acknowledged == summary.spans_processed > 0
+    assert summary.spans_aggregated == summary.spans_processed  # the aggregator took every span
+    assert collector.collector.aggregator.spans_seen == summary.spans_processed
