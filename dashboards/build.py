@@ -23,6 +23,7 @@ __all__ = [
     "PanelQuery",
     "specs",
     "render_all",
+    "build_all",
     "write_all",
     "panel_queries",
     "substitute",
@@ -48,6 +49,11 @@ def specs() -> list[DashboardSpec]:
 def render_all() -> dict[str, str]:
     """``{file name: JSON text}`` for every dashboard (file name = ``<uid>.json``)."""
     return {f"{spec.uid}.json": to_json(build_dashboard(spec)) for spec in specs()}
+
+
+def build_all(out_dir: Path = DEFAULT_OUT) -> list[Path]:
+    """Same as :func:`write_all` (the name ``sightline demo`` calls)."""
+    return write_all(out_dir)
 
 
 def write_all(out_dir: Path = DEFAULT_OUT) -> list[Path]:

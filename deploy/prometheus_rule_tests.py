@@ -1,0 +1,397 @@
+"""``promtool test rules`` unit tests for every Sightline alert, firing and not firing.
+
+The cases are data (input series in promtool's expanding notation, evaluation times,
+the exact labels each alert must carry); series names come from ``semconv`` and the
+expected annotations from the rules themselves, so a rename cannot leave the tests
+behind. Written to ``deploy/prometheus/tests/*.yml`` by
+``python -m sightline.deploy.prometheus_rule_tests`` and run by
+``tests/deploy/test_rules.py``. Every alert has at least one case where it fires and
+one where it stays silent; :func:`coverage` says which.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from sightline.dashboards import promql as q
+from sightline.deploy import prometheus_rules as rules
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["AlertCheck", "Case", "TEST_DIR", "case_files", "render_test_files", "coverage", "write_all"]
+
+TEST_DIR = rules.RULES_PATH.parent / "tests"
+
+ENGINE = {"job": rules.JOB_ENGINE, "instance": "engine-0:8000"}
+COLLECTOR = {"job": rules.JOB_COLLECTOR, "instance": "collector-0:8889"}
+MODEL = {sc.LABEL_MODEL: "llama-tiny"}
+
+
+def series(metric: str, labels: dict[str, str]) -> str:
+    body = ",".join(f'{key}="{value}"' for key, value in sorted(labels.items()))
+    return f"{metric}{{{body}}}"
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertCheck:
+    """At ``eval_time``, alert ``alertname`` is firing exactly for ``firing`` label sets
+    (the expression's output labels; the rule's own labels are added automatically)."""
+
+    eval_time: str
+    alertname: str
+    firing: tuple[dict[str, str], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    input_series: tuple[tuple[str, str], ...]
+    checks: tuple[AlertCheck, ...]
+    interval: str = "1m"
+
+
+def _alerts_by_name() -> dict[str, rules.AlertRule]:
+    return {
+        rule.alert: rule
+        for group in rules.rule_groups()
+        for rule in group.rules
+        if isinstance(rule, rules.AlertRule)
+    }
+
+
+def _expected(check: AlertCheck) -> dict:
+    rule = _alerts_by_name()[check.alertname]
+    expected = []
+    for labels in check.firing:
+        full = {**labels, "severity": rule.severity, **dict(rule.labels)}
+        annotations = {
+            key: rules.render_annotation(value, full) for key, value in rule.annotations().items()
+        }
+        expected.append({"exp_labels": full, "exp_annotations": annotations})
+    return {"eval_time": check.eval_time, "alertname": check.alertname, "exp_alerts": expected}
+
+
+# ---------------------------------------------------------------------------------
+# SLO burn rates
+# ---------------------------------------------------------------------------------
+def _ttft(good: str, total: str) -> tuple[tuple[str, str], ...]:
+    le = q.le_value(rules.SloConfig().ttft_threshold_s)
+    labels = {**ENGINE, **MODEL}
+    return (
+        (series(q.bucket(sc.ENGINE_TTFT_SECONDS), {**labels, q.BUCKET_LABEL: le}), good),
+        (series(q.count(sc.ENGINE_TTFT_SECONDS), labels), total),
+    )
+
+
+def _errors(errors: str, finished: str, code: str = "500") -> tuple[tuple[str, str], ...]:
+    return (
+        (series(q.counter(sc.ENGINE_REQUEST_ERRORS_TOTAL), {**ENGINE, **MODEL, sc.LABEL_CODE: code}), errors),
+        (series(q.counter(sc.ENGINE_REQUESTS_TOTAL), {**ENGINE, **MODEL, sc.LABEL_FINISH_REASON: "stop"}), finished),
+    )
+
+
+def slo_cases() -> list[Case]:
+    return [
+        Case(
+            "ttft: half the requests over the threshold pages (and also tickets)",
+            _ttft(good="0+30x120", total="0+60x120"),
+            (
+                AlertCheck("70m", "SightlineTTFTBudgetBurnFast", (MODEL,)),
+                AlertCheck("70m", "SightlineTTFTBudgetBurnSlow", (MODEL,)),
+            ),
+        ),
+        Case(
+            "ttft: 0.5% over the threshold is within the 1% budget",
+            _ttft(good="0+199x240", total="0+200x240"),
+            (
+                AlertCheck("70m", "SightlineTTFTBudgetBurnFast"),
+                AlertCheck("230m", "SightlineTTFTBudgetBurnSlow"),
+            ),
+        ),
+        Case(
+            "ttft: a burn that stopped 30m ago does not page (short windows are clean)",
+            _ttft(good="0+30x60 1800+60x30", total="0+60x90"),
+            (AlertCheck("90m", "SightlineTTFTBudgetBurnFast"),),
+        ),
+        Case(
+            "ttft: a slow 5% burn tickets but does not page",
+            _ttft(good="0+190x240", total="0+200x240"),
+            (
+                AlertCheck("180m", "SightlineTTFTBudgetBurnFast"),
+                AlertCheck("180m", "SightlineTTFTBudgetBurnSlow", (MODEL,)),
+            ),
+        ),
+        Case(
+            "errors: 9% server errors page",
+            _errors(errors="0+10x120", finished="0+100x120"),
+            (AlertCheck("70m", "SightlineErrorsBudgetBurnFast", (MODEL,)),),
+        ),
+        Case(
+            "errors: client errors (400) never burn the budget",
+            _errors(errors="0+50x120", finished="0+100x120", code="400"),
+            (
+                AlertCheck("70m", "SightlineErrorsBudgetBurnFast"),
+                AlertCheck("110m", "SightlineErrorsBudgetBurnSlow"),
+            ),
+        ),
+        Case(
+            "errors: a 0.5% error ratio (5x budget) tickets but does not page",
+            _errors(errors="0+1x240", finished="0+199x240", code="429"),
+            (
+                AlertCheck("180m", "SightlineErrorsBudgetBurnFast"),
+                AlertCheck("180m", "SightlineErrorsBudgetBurnSlow", (MODEL,)),
+            ),
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------
+# Engine saturation and targets
+# ---------------------------------------------------------------------------------
+def engine_cases() -> list[Case]:
+    kv = series(sc.ENGINE_KV_USAGE, {**ENGINE, **MODEL})
+    waiting = series(sc.ENGINE_WAITING, {**ENGINE, **MODEL})
+    up_engine = series("up", ENGINE)
+    up_other = series("up", {"job": "node", "instance": "host:9100"})
+    return [
+        Case(
+            "kv cache at 97% for 20 minutes",
+            ((kv, "0.97x20"),),
+            (AlertCheck("15m", "SightlineKVCacheNearFull", ({**ENGINE, **MODEL},)),),
+        ),
+        Case(
+            "kv cache: a 5-minute spike, then 50%; a steady 90%",
+            ((kv, "0.97x5 0.5x15"), (series(sc.ENGINE_KV_USAGE, {**ENGINE, sc.LABEL_MODEL: "other"}), "0.9x20")),
+            (AlertCheck("15m", "SightlineKVCacheNearFull"),),
+        ),
+        Case(
+            "waiting queue growing by one request a minute",
+            ((waiting, "0+1x45"),),
+            (AlertCheck("40m", "SightlineWaitingQueueGrowing", ({**ENGINE, **MODEL},)),),
+        ),
+        Case(
+            "waiting queue long but stable",
+            ((waiting, "50x45"),),
+            (AlertCheck("40m", "SightlineWaitingQueueGrowing"),),
+        ),
+        Case(
+            "engine target down; another job's target down is not ours",
+            ((up_engine, "0x10"), (up_other, "0x10")),
+            (AlertCheck("8m", "SightlineTargetDown", (ENGINE,)),),
+        ),
+        Case(
+            "engine target up",
+            ((up_engine, "1x10"),),
+            (AlertCheck("8m", "SightlineTargetDown"),),
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------
+GPU_KERNEL = {sc.LABEL_GPU: "0", sc.LABEL_KERNEL: "fa2_decode"}
+
+
+def _sm_p99(values_per_sm: list[str]) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (series(sc.COLLECTOR_SM_CTA_P99_SECONDS, {**COLLECTOR, **GPU_KERNEL, sc.LABEL_SM: str(sm)}), values)
+        for sm, values in enumerate(values_per_sm)
+    )
+
+
+def _kernel_hist(le_1ms: str, le_10ms: str, total: str) -> tuple[tuple[str, str], ...]:
+    name = sc.COLLECTOR_KERNEL_DURATION_SECONDS
+    labels = {**COLLECTOR, **GPU_KERNEL}
+    return (
+        (series(q.bucket(name), {**labels, q.BUCKET_LABEL: q.le_value(0.001)}), le_1ms),
+        (series(q.bucket(name), {**labels, q.BUCKET_LABEL: q.le_value(0.01)}), le_10ms),
+        (series(q.bucket(name), {**labels, q.BUCKET_LABEL: "+Inf"}), total),
+        (series(q.count(name), labels), total),
+    )
+
+
+def gpu_cases() -> list[Case]:
+    memory = series(sc.GPU_MEMORY_USED_BYTES, {**ENGINE, sc.LABEL_GPU: "0"})
+    contexts = series(sc.GPU_CUDA_CONTEXTS, {**ENGINE, sc.LABEL_GPU: "0"})
+    gib, mib = 1 << 30, 1 << 20
+    day = 24 * 60
+    return [
+        Case(
+            "one SM at 5x the median CTA P99 for 20 minutes",
+            _sm_p99(["0.0001x25", "0.0001x25", "0.0001x25", "0.0005x25"]),
+            (AlertCheck("20m", "SightlineSMHotspot", (GPU_KERNEL,)),),
+        ),
+        Case(
+            "SMs within 1.4x of each other; a 10-minute hotspot",
+            _sm_p99(["0.0001x25", "0.00012x25", "0.0001x25", "0.00014x25"])
+            + tuple((s.replace('gpu="0"', 'gpu="1"'), v) for s, v in
+                    _sm_p99(["0.0001x25", "0.0001x25", "0.0001x25", "0.0005x10 0.0001x14"])),
+            (AlertCheck("20m", "SightlineSMHotspot"),),
+        ),
+        Case(
+            "GPU memory growing 100 MiB a minute",
+            ((memory, f"{10 * gib}+{100 * mib}x120"),),
+            (AlertCheck("100m", "SightlineGPUMemoryGrowing", ({**ENGINE, sc.LABEL_GPU: "0"},)),),
+        ),
+        Case(
+            "GPU memory flat; creeping 1 MiB a minute on 40 GiB",
+            ((memory, f"{40 * gib}x120"),
+             (memory.replace('gpu="0"', 'gpu="1"'), f"{40 * gib}+{mib}x120")),
+            (AlertCheck("100m", "SightlineGPUMemoryGrowing"),),
+        ),
+        Case(
+            "a new CUDA context every 10 minutes",
+            ((contexts, " ".join(f"{n}+0x9" for n in range(1, 10))),),
+            (AlertCheck("85m", "SightlineCUDAContextsGrowing", ({**ENGINE, sc.LABEL_GPU: "0"},)),),
+        ),
+        Case(
+            "contexts stable; one restart adds a single context",
+            ((contexts, "3x90"), (contexts.replace('gpu="0"', 'gpu="1"'), "3x40 4x50")),
+            (AlertCheck("85m", "SightlineCUDAContextsGrowing"),),
+        ),
+    ]
+
+
+def kernel_cases() -> list[Case]:
+    """Day-over-day comparisons need a day of samples: evaluated every 10 minutes to
+    keep promtool fast (the alert's ``for`` of 30m still spans three evaluations)."""
+    day = 24 * 60
+    return [
+        Case(
+            "kernel P99 10x slower than the same time yesterday",
+            _kernel_hist(le_1ms=f"0+100x{day} {100 * day}x60", le_10ms=f"0+100x{day + 60}",
+                         total=f"0+100x{day + 60}"),
+            (AlertCheck(f"{day + 50}m", "SightlineKernelP99Regression", (GPU_KERNEL,)),),
+        ),
+        Case(
+            "kernel P99 same as yesterday; no yesterday at all",
+            _kernel_hist(le_1ms=f"0+100x{day + 60}", le_10ms=f"0+100x{day + 60}", total=f"0+100x{day + 60}"),
+            (
+                AlertCheck(f"{day + 50}m", "SightlineKernelP99Regression"),
+                AlertCheck("50m", "SightlineKernelP99Regression"),
+            ),
+        ),
+    ]
+
+
+# ---------------------------------------------------------------------------------
+# Telemetry pipeline
+# ---------------------------------------------------------------------------------
+def pipeline_cases() -> list[Case]:
+    rejected_labels = {**COLLECTOR, sc.LABEL_RECEIVER: sc.RECEIVER_OTLP_HTTP, sc.LABEL_REASON: "too_large"}
+    rejected = series(q.counter(sc.COLLECTOR_REJECTED_TOTAL), rejected_labels)
+    dropped = series(q.counter(sc.COLLECTOR_DROPPED_TOTAL), {**COLLECTOR, sc.LABEL_REASON: "queue_full"})
+    agg_dropped = series(q.counter(sc.COLLECTOR_AGGREGATOR_DROPPED_TOTAL),
+                         {**COLLECTOR, sc.LABEL_REASON: "series_limit"})
+    failures = series(q.counter(sc.TELEMETRY_EXPORT_FAILURES_TOTAL), {**ENGINE, sc.LABEL_SIGNAL: "traces"})
+    spans_dropped = series(q.counter(sc.TELEMETRY_SPANS_DROPPED_TOTAL), ENGINE)
+    job_only = {"job": rules.JOB_COLLECTOR}
+    return [
+        Case(
+            "collector rejecting oversized OTLP/HTTP bodies",
+            ((rejected, "0+5x30"),),
+            (AlertCheck("20m", "SightlineCollectorRejecting",
+                        ({"job": rules.JOB_COLLECTOR, sc.LABEL_RECEIVER: sc.RECEIVER_OTLP_HTTP,
+                          sc.LABEL_REASON: "too_large"},)),),
+        ),
+        Case(
+            "collector rejected some data an hour ago, none now",
+            ((rejected, "7x30"),),
+            (AlertCheck("20m", "SightlineCollectorRejecting"),),
+        ),
+        Case(
+            "collector dropping in the pipeline queue and in the aggregator",
+            ((dropped, "0+3x20"), (agg_dropped, "0+1x20")),
+            (AlertCheck("15m", "SightlineCollectorDropping",
+                        ({**job_only, sc.LABEL_REASON: "queue_full"},
+                         {**job_only, sc.LABEL_REASON: "series_limit"})),),
+        ),
+        Case(
+            "collector drop counters flat",
+            ((dropped, "12x20"), (agg_dropped, "0x20")),
+            (AlertCheck("15m", "SightlineCollectorDropping"),),
+        ),
+        Case(
+            "engine exporter failing once a minute; spans dropped",
+            ((failures, "0+1x30"), (spans_dropped, "0+100x30")),
+            (
+                AlertCheck("20m", "SightlineTelemetryExportFailing", (ENGINE,)),
+                AlertCheck("20m", "SightlineTelemetrySpansDropped", (ENGINE,)),
+            ),
+        ),
+        Case(
+            "engine exporter healthy",
+            ((failures, "4x30"), (spans_dropped, "0x30")),
+            (
+                AlertCheck("20m", "SightlineTelemetryExportFailing"),
+                AlertCheck("20m", "SightlineTelemetrySpansDropped"),
+            ),
+        ),
+    ]
+
+
+def case_files() -> dict[str, tuple[str, list[Case]]]:
+    """``{file name: (evaluation interval, cases)}``: one file per alert family."""
+    return {
+        "slo.yml": ("5m", slo_cases()),
+        "engine.yml": ("1m", engine_cases()),
+        "gpu.yml": ("1m", gpu_cases()),
+        "kernels.yml": ("10m", kernel_cases()),
+        "pipeline.yml": ("1m", pipeline_cases()),
+    }
+
+
+def _document(evaluation_interval: str, cases: list[Case]) -> dict:
+    return {
+        "rule_files": [f"../{rules.RULES_PATH.name}"],
+        "evaluation_interval": evaluation_interval,
+        # Recording groups before the alert groups that read them: promtool's default
+        # order is a map's (random), which makes a rule read its input one interval late.
+        "group_eval_order": [group.name for group in rules.rule_groups()],
+        "tests": [
+            {
+                "name": case.name,
+                "interval": case.interval,
+                "input_series": [{"series": s, "values": v} for s, v in case.input_series],
+                "alert_rule_test": [_expected(check) for check in case.checks],
+            }
+            for case in cases
+        ],
+    }
+
+
+def render_test_files() -> dict[str, str]:
+    header = "# Generated by `python -m sightline.deploy.prometheus_rule_tests`; do not edit.\n"
+    return {
+        name: header + yaml.safe_dump(_document(interval, cases), sort_keys=False, width=10_000)
+        for name, (interval, cases) in case_files().items()
+    }
+
+
+def coverage() -> dict[str, tuple[bool, bool]]:
+    """``{alertname: (has a firing check, has a silent check)}`` for every alert rule."""
+    result = {name: (False, False) for name in _alerts_by_name()}
+    for _, cases in case_files().values():
+        for case in cases:
+            for check in case.checks:
+                fires, silent = result[check.alertname]
+                result[check.alertname] = (fires or bool(check.firing), silent or not check.firing)
+    return result
+
+
+def write_all() -> list[Path]:
+    TEST_DIR.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in render_test_files().items():
+        path = TEST_DIR / name
+        path.write_text(text, encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+if __name__ == "__main__":
+    for written in write_all():
+        print(written)

@@ -1,0 +1,490 @@
+"""Sightline's Prometheus recording and alerting rules, composed from ``semconv`` names.
+
+``deploy/prometheus/sightline-rules.yml`` and the Kubernetes ``PrometheusRule`` in
+``deploy/kubernetes/`` are both rendered from :func:`rule_groups`, so they cannot
+drift from each other or from the metric names; the tests fail when a committed file
+is stale. Regenerate with ``python -m sightline.deploy.prometheus_rules``.
+
+Alerts:
+
+- SLO burn rates (SRE workbook, multiwindow multi-burn-rate): a *page* when the error
+  budget burns 14.4x over 1h (confirmed over 5m) or 6x over 6h (confirmed over 30m),
+  a *ticket* at 3x over 1d (2h) or 1x over 3d (6h). Two SLOs: TTFT (the fraction of
+  requests whose TTFT exceeded the threshold, read from the histogram bucket whose
+  ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
+  (5xx and 429 over all requests).
+- Saturation: KV cache near full; waiting queue long and growing.
+- GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up
+  against the same hour a day earlier; device memory or CUDA contexts growing (leak).
+- Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
+  spans; a scrape target down.
+
+Every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
+``description`` and ``runbook_url`` annotations. Annotations use only ``$labels`` (no
+``$value``) so that unit tests can state them exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from sightline.dashboards import promql as q
+from sightline.instrumentation import semconv as sc
+
+__all__ = [
+    "SloConfig",
+    "RecordingRule",
+    "AlertRule",
+    "RuleGroup",
+    "RUNBOOK_BASE_URL",
+    "RULES_PATH",
+    "PROMETHEUS_RULE_PATH",
+    "JOB_ENGINE",
+    "JOB_COLLECTOR",
+    "rule_groups",
+    "alert_rules",
+    "render_rules_yaml",
+    "render_prometheus_rule",
+    "render_annotation",
+    "write_all",
+]
+
+_DEPLOY = Path(__file__).resolve().parent
+RULES_PATH = _DEPLOY / "prometheus" / "sightline-rules.yml"
+PROMETHEUS_RULE_PATH = _DEPLOY / "kubernetes" / "prometheusrule.yaml"
+RUNBOOK_DIR = _DEPLOY / "runbooks"
+# Where operators read the runbooks; point it at your fork's rendered docs.
+RUNBOOK_BASE_URL = "https://github.com/sightline/sightline/blob/main/deploy/runbooks"
+
+# Scrape job names (deploy/prometheus_config uses the same): the services' own names.
+JOB_ENGINE = sc.SERVICE_NAME_ENGINE
+JOB_COLLECTOR = sc.SERVICE_NAME_COLLECTOR
+
+Severity = Literal["page", "ticket"]
+# (long window, short window, burn-rate factor, severity) after the SRE workbook, ch. 5.
+BURN_WINDOWS: tuple[tuple[str, str, float, Severity], ...] = (
+    ("1h", "5m", 14.4, "page"),
+    ("6h", "30m", 6.0, "page"),
+    ("1d", "2h", 3.0, "ticket"),
+    ("3d", "6h", 1.0, "ticket"),
+)
+RATIO_WINDOWS = ("5m", "30m", "1h", "2h", "6h", "1d", "3d")
+# Server-side failures count against the error budget; client errors (4xx) do not,
+# except 429: the request was refused for lack of capacity.
+BUDGET_ERROR_CODES = "5..|429"
+
+
+@dataclasses.dataclass(frozen=True)
+class SloConfig:
+    """Objectives and thresholds. Ranges are checked; errors name the bad value."""
+
+    ttft_threshold_s: float = 1.0
+    ttft_objective: float = 0.99  # fraction of requests with TTFT <= threshold
+    availability_objective: float = 0.999  # fraction of requests without a server error
+    kv_usage_threshold: float = 0.95
+    waiting_threshold: int = 16
+    sm_hotspot_ratio: float = 2.0
+    kernel_regression_factor: float = 1.5
+    memory_growth_factor: float = 1.5  # predicted in 6h over now
+    context_growth: int = 2  # contexts above the last hour's minimum
+
+    def __post_init__(self) -> None:
+        if self.ttft_threshold_s not in sc.TTFT_BUCKETS_S:
+            raise ValueError(
+                f"ttft_threshold_s={self.ttft_threshold_s} is not a TTFT histogram bucket bound; "
+                f"allowed: {sc.TTFT_BUCKETS_S}"
+            )
+        for name in ("ttft_objective", "availability_objective"):
+            value = getattr(self, name)
+            if not 0.5 <= value < 1.0:
+                raise ValueError(f"{name}={value} is outside [0.5, 1)")
+        if not 0.0 < self.kv_usage_threshold <= 1.0:
+            raise ValueError(f"kv_usage_threshold={self.kv_usage_threshold} is outside (0, 1]")
+        if not 1 <= self.waiting_threshold <= 1_000_000:
+            raise ValueError(f"waiting_threshold={self.waiting_threshold} is outside 1..1000000")
+        for name in ("sm_hotspot_ratio", "kernel_regression_factor", "memory_growth_factor"):
+            value = getattr(self, name)
+            if not 1.0 < value <= 100.0:
+                raise ValueError(f"{name}={value} is outside (1, 100]")
+        if not 1 <= self.context_growth <= 1000:
+            raise ValueError(f"context_growth={self.context_growth} is outside 1..1000")
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordingRule:
+    record: str
+    expr: str
+
+    def to_dict(self) -> dict:
+        return {"record": self.record, "expr": self.expr}
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertRule:
+    """An alert; ``runbook`` is the stem of a file in ``deploy/runbooks/``."""
+
+    alert: str
+    expr: str
+    for_: str
+    severity: Severity
+    summary: str
+    description: str
+    runbook: str
+    labels: tuple[tuple[str, str], ...] = ()
+
+    def annotations(self, runbook_base_url: str = RUNBOOK_BASE_URL) -> dict[str, str]:
+        return {
+            "summary": self.summary,
+            "description": self.description,
+            "runbook_url": f"{runbook_base_url}/{self.runbook}.md",
+        }
+
+    def to_dict(self, runbook_base_url: str = RUNBOOK_BASE_URL) -> dict:
+        return {
+            "alert": self.alert,
+            "expr": self.expr,
+            "for": self.for_,
+            "labels": {"severity": self.severity, **dict(self.labels)},
+            "annotations": self.annotations(runbook_base_url),
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleGroup:
+    name: str
+    rules: tuple[RecordingRule | AlertRule, ...]
+    interval: str | None = None
+
+    def to_dict(self, runbook_base_url: str = RUNBOOK_BASE_URL) -> dict:
+        group: dict = {"name": self.name}
+        if self.interval:
+            group["interval"] = self.interval
+        group["rules"] = [
+            rule.to_dict(runbook_base_url) if isinstance(rule, AlertRule) else rule.to_dict() for rule in self.rules
+        ]
+        return group
+
+
+def _g(value: float) -> str:
+    return f"{value:g}"
+
+
+# ---------------------------------------------------------------------------------
+# Recording rules
+# ---------------------------------------------------------------------------------
+def _ttft_bad_ratio(window: str, slo: SloConfig) -> str:
+    by = (sc.LABEL_MODEL,)
+    le = {q.BUCKET_LABEL: q.le_value(slo.ttft_threshold_s)}
+    good = q.sum_by(by, q.rate(q.selector(q.bucket(sc.ENGINE_TTFT_SECONDS), le), window))
+    total = q.sum_by(by, q.rate(q.count(sc.ENGINE_TTFT_SECONDS), window))
+    return f"1 - ({good} / {total})"
+
+
+def _error_ratio(window: str) -> str:
+    by = (sc.LABEL_MODEL,)
+    errors = f'{q.counter(sc.ENGINE_REQUEST_ERRORS_TOTAL)}{{{sc.LABEL_CODE}=~"{BUDGET_ERROR_CODES}"}}'
+    errors_rate = q.sum_by(by, q.rate(errors, window))
+    finished_rate = q.sum_by(by, q.rate(q.counter(sc.ENGINE_REQUESTS_TOTAL), window))
+    # Errored requests never reach a finish reason, so all requests = finished + errors.
+    return f"{errors_rate} / ({finished_rate} + {errors_rate})"
+
+
+def recording_groups(slo: SloConfig) -> list[RuleGroup]:
+    sm_p99 = sc.COLLECTOR_SM_CTA_P99_SECONDS
+    gpu_kernel = (sc.LABEL_GPU, sc.LABEL_KERNEL)
+    latency = RuleGroup(
+        "sightline-recording",
+        (
+            RecordingRule(sc.RULE_TTFT_P99,
+                          q.histogram_quantile(0.99, sc.ENGINE_TTFT_SECONDS, (sc.LABEL_MODEL,), window="5m")),
+            RecordingRule(sc.RULE_KERNEL_P99,
+                          q.histogram_quantile(0.99, sc.COLLECTOR_KERNEL_DURATION_SECONDS, gpu_kernel, window="5m")),
+            RecordingRule(sc.RULE_SM_HOTSPOT,
+                          f"{q.aggregate('max', gpu_kernel, sm_p99)} / {q.aggregate('quantile', gpu_kernel, sm_p99, 0.5)}"),
+        ),
+    )
+    slo_ratios = RuleGroup(
+        "sightline-slo-ratios",
+        tuple(
+            RecordingRule(f"{sc.RULE_TTFT_SLO_BAD_RATIO_PREFIX}{window}", _ttft_bad_ratio(window, slo))
+            for window in RATIO_WINDOWS
+        )
+        + tuple(RecordingRule(f"{sc.RULE_ERROR_RATIO_PREFIX}{window}", _error_ratio(window)) for window in RATIO_WINDOWS),
+    )
+    return [latency, slo_ratios]
+
+
+# ---------------------------------------------------------------------------------
+# Alerts
+# ---------------------------------------------------------------------------------
+def _burn_alerts(slo_name: str, prefix: str, budget: float, what: str, runbook: str) -> list[AlertRule]:
+    alerts = []
+    for severity in ("page", "ticket"):
+        clauses = [
+            f"({prefix}{long} > {_g(factor * budget)} and {prefix}{short} > {_g(factor * budget)})"
+            for long, short, factor, sev in BURN_WINDOWS
+            if sev == severity
+        ]
+        windows = " or ".join(f"{long}/{short} at {_g(factor)}x" for long, short, factor, sev in BURN_WINDOWS
+                              if sev == severity)
+        alerts.append(
+            AlertRule(
+                alert=f"Sightline{slo_name}BudgetBurn{'Fast' if severity == 'page' else 'Slow'}",
+                expr="\n or\n".join(clauses),
+                for_="2m" if severity == "page" else "15m",
+                severity=severity,  # type: ignore[arg-type]
+                summary=f"{what} error budget burning {'fast' if severity == 'page' else 'steadily'} "
+                "for model {{ $labels.model }}",
+                description=f"{what}: the error budget ({_g(budget * 100)}% of requests) is being spent "
+                f"faster than the SLO allows (windows {windows}). At this rate it is gone "
+                f"{'within days' if severity == 'page' else 'before the 30-day period ends'}.",
+                runbook=runbook,
+                labels=(("slo", slo_name.lower()),),
+            )
+        )
+    return alerts
+
+
+def alert_rules(slo: SloConfig) -> list[RuleGroup]:
+    ttft_budget = 1.0 - slo.ttft_objective
+    error_budget = 1.0 - slo.availability_objective
+    slo_alerts = RuleGroup(
+        "sightline-slo-alerts",
+        tuple(
+            _burn_alerts("TTFT", sc.RULE_TTFT_SLO_BAD_RATIO_PREFIX, ttft_budget,
+                         f"TTFT SLO ({_g(slo.ttft_objective * 100)}% of requests within {_g(slo.ttft_threshold_s)}s)",
+                         "ttft-slo-burn")
+            + _burn_alerts("Errors", sc.RULE_ERROR_RATIO_PREFIX, error_budget,
+                           f"Availability SLO ({_g(slo.availability_objective * 100)}% of requests without a "
+                           "server error)", "error-budget-burn")
+        ),
+    )
+    waiting = sc.ENGINE_WAITING
+    engine = RuleGroup(
+        "sightline-engine-alerts",
+        (
+            AlertRule(
+                alert="SightlineKVCacheNearFull",
+                expr=f"{sc.ENGINE_KV_USAGE} > {_g(slo.kv_usage_threshold)}",
+                for_="10m",
+                severity="ticket",
+                summary="KV cache of {{ $labels.instance }} above "
+                f"{_g(slo.kv_usage_threshold * 100)}% for 10 minutes",
+                description="New requests wait for blocks and running ones get preempted (recomputed). "
+                "Check preemptions and queue time on the Overview dashboard.",
+                runbook="kv-cache-near-full",
+            ),
+            AlertRule(
+                alert="SightlineWaitingQueueGrowing",
+                expr=f"{waiting} > {slo.waiting_threshold} and deriv({waiting}[15m]) > 0",
+                for_="15m",
+                severity="ticket",
+                summary="Waiting queue of {{ $labels.instance }} long and still growing",
+                description=f"More than {slo.waiting_threshold} requests wait and the queue has grown over the "
+                "last 15 minutes: arrivals exceed what the engine serves. Queue time (and TTFT) will keep rising.",
+                runbook="waiting-queue-growing",
+            ),
+            AlertRule(
+                alert="SightlineTargetDown",
+                expr=f'up{{job=~"{JOB_ENGINE}|{JOB_COLLECTOR}"}} == 0',
+                for_="5m",
+                severity="page",
+                summary="{{ $labels.job }} at {{ $labels.instance }} is not answering scrapes",
+                description="Prometheus could not scrape the target for 5 minutes: the process is down, "
+                "hung or unreachable. Every other Sightline alert about it is blind meanwhile.",
+                runbook="target-down",
+            ),
+        ),
+    )
+    sm_p99_threshold = f"{sc.RULE_SM_HOTSPOT} > {_g(slo.sm_hotspot_ratio)}"
+    memory = sc.GPU_MEMORY_USED_BYTES
+    contexts = sc.GPU_CUDA_CONTEXTS
+    gpu = RuleGroup(
+        "sightline-gpu-alerts",
+        (
+            AlertRule(
+                alert="SightlineSMHotspot",
+                expr=sm_p99_threshold,
+                for_="15m",
+                severity="ticket",
+                summary="GPU {{ $labels.gpu }}: one SM's CTA P99 far above the median SM's "
+                "({{ $labels.kernel }})",
+                description=f"The slowest SM's CTA-duration P99 has stayed above {_g(slo.sm_hotspot_ratio)}x "
+                "the median SM's for 15 minutes. See the per-SM heatmap on the GPU dashboard.",
+                runbook="sm-hotspot",
+            ),
+            AlertRule(
+                alert="SightlineKernelP99Regression",
+                expr=f"{sc.RULE_KERNEL_P99} > {_g(slo.kernel_regression_factor)} * ({sc.RULE_KERNEL_P99} offset 1d)",
+                for_="30m",
+                severity="ticket",
+                summary="Kernel {{ $labels.kernel }} on GPU {{ $labels.gpu }} slower than a day ago",
+                description=f"The kernel's duration P99 has been above {_g(slo.kernel_regression_factor)}x its "
+                "value at the same time yesterday for 30 minutes (deploy, driver, clocks, input shapes?).",
+                runbook="kernel-p99-regression",
+            ),
+            AlertRule(
+                alert="SightlineGPUMemoryGrowing",
+                expr=f"deriv({memory}[1h]) > 0 and predict_linear({memory}[1h], 6 * 3600) > "
+                f"{_g(slo.memory_growth_factor)} * {memory}",
+                for_="30m",
+                severity="ticket",
+                summary="GPU {{ $labels.gpu }} memory growing steadily (leak?)",
+                description=f"Used memory has grown over the last hour and, at that rate, will reach "
+                f"{_g(slo.memory_growth_factor)}x today's level within 6 hours.",
+                runbook="gpu-memory-leak",
+            ),
+            AlertRule(
+                alert="SightlineCUDAContextsGrowing",
+                expr=f"{contexts} - min_over_time({contexts}[1h]) >= {slo.context_growth} "
+                f"and deriv({contexts}[1h]) > 0",
+                for_="30m",
+                severity="ticket",
+                summary="GPU {{ $labels.gpu }}: CUDA contexts keep growing",
+                description=f"At least {slo.context_growth} more processes hold a CUDA context than an hour "
+                "ago, and the count is rising: workers that exit without releasing the device, or a leak.",
+                runbook="gpu-memory-leak",
+            ),
+        ),
+    )
+
+    def rate_above_zero(name: str, by: tuple[str, ...]) -> str:
+        return f"{q.sum_by(by, q.rate(q.counter(name), '5m'))} > 0"
+
+    pipeline = RuleGroup(
+        "sightline-pipeline-alerts",
+        (
+            AlertRule(
+                alert="SightlineCollectorRejecting",
+                expr=rate_above_zero(sc.COLLECTOR_REJECTED_TOTAL, ("job", sc.LABEL_RECEIVER, sc.LABEL_REASON)),
+                for_="10m",
+                severity="ticket",
+                summary="Collector refusing telemetry on {{ $labels.receiver }} ({{ $labels.reason }})",
+                description="Senders get errors (400/413/429/401) and their telemetry is lost unless they retry. "
+                "The reason label says which limit or check refuses it.",
+                runbook="collector-losing-data",
+            ),
+            AlertRule(
+                alert="SightlineCollectorDropping",
+                expr=f"{rate_above_zero(sc.COLLECTOR_DROPPED_TOTAL, ('job', sc.LABEL_REASON))}\n or\n"
+                f"{rate_above_zero(sc.COLLECTOR_AGGREGATOR_DROPPED_TOTAL, ('job', sc.LABEL_REASON))}",
+                for_="5m",
+                severity="ticket",
+                summary="Collector dropping accepted telemetry ({{ $labels.reason }})",
+                description="Data the collector acknowledged is being discarded, so heatmaps and percentiles "
+                "undercount. See the Pipeline health dashboard.",
+                runbook="collector-losing-data",
+            ),
+            AlertRule(
+                alert="SightlineTelemetryExportFailing",
+                expr=rate_above_zero(sc.TELEMETRY_EXPORT_FAILURES_TOTAL, ("job", "instance")),
+                for_="10m",
+                severity="ticket",
+                summary="Engine {{ $labels.instance }} failing to export telemetry",
+                description="The engine's OTLP exporters keep failing (sidecar or collector unreachable, "
+                "refusing, or timing out). Traces and per-SM histograms from this engine are missing.",
+                runbook="telemetry-export-failing",
+            ),
+            AlertRule(
+                alert="SightlineTelemetrySpansDropped",
+                expr=rate_above_zero(sc.TELEMETRY_SPANS_DROPPED_TOTAL, ("job", "instance")),
+                for_="15m",
+                severity="ticket",
+                summary="Engine {{ $labels.instance }} dropping spans before export",
+                description="The engine's span queue is full: spans are produced faster than exported. "
+                "Requests are unaffected; their traces are incomplete.",
+                runbook="telemetry-export-failing",
+            ),
+        ),
+    )
+    return [slo_alerts, engine, gpu, pipeline]
+
+
+def rule_groups(slo: SloConfig | None = None) -> list[RuleGroup]:
+    """All groups: recording rules first (alerts read them)."""
+    slo = slo or SloConfig()
+    return recording_groups(slo) + alert_rules(slo)
+
+
+# ---------------------------------------------------------------------------------
+# Rendering
+# ---------------------------------------------------------------------------------
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+_HEADER = "# Generated by `python -m sightline.deploy.prometheus_rules` from semconv names; do not edit.\n"
+
+
+def _dump(document: dict) -> str:
+    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=10_000, allow_unicode=True)
+
+
+def rules_document(slo: SloConfig | None = None, runbook_base_url: str = RUNBOOK_BASE_URL) -> dict:
+    return {"groups": [group.to_dict(runbook_base_url) for group in rule_groups(slo)]}
+
+
+def render_rules_yaml(slo: SloConfig | None = None, runbook_base_url: str = RUNBOOK_BASE_URL) -> str:
+    """The Prometheus rule file (``rule_files:`` entry) as YAML text."""
+    return _HEADER + _dump(rules_document(slo, runbook_base_url))
+
+
+def render_prometheus_rule(
+    slo: SloConfig | None = None,
+    runbook_base_url: str = RUNBOOK_BASE_URL,
+    namespace: str = "sightline",
+) -> str:
+    """The same groups as a Prometheus Operator ``PrometheusRule`` custom resource."""
+    manifest = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {
+            "name": "sightline-rules",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/part-of": "sightline", "release": "prometheus"},
+        },
+        "spec": rules_document(slo, runbook_base_url),
+    }
+    return _HEADER + _dump(manifest)
+
+
+_LABEL_REF = re.compile(r"\{\{\s*\$labels\.(\w+)\s*\}\}")
+
+
+def render_annotation(template: str, labels: dict[str, str]) -> str:
+    """``template`` with ``{{ $labels.x }}`` replaced as Prometheus does (missing -> "")."""
+    return _LABEL_REF.sub(lambda match: labels.get(match.group(1), ""), template)
+
+
+def write_all() -> list[Path]:
+    """Writes the rule file and the PrometheusRule manifest; returns their paths."""
+    RULES_PATH.parent.mkdir(parents=True, exist_ok=True)
+    PROMETHEUS_RULE_PATH.parent.mkdir(parents=True, exist_ok=True)
+    RULES_PATH.write_text(render_rules_yaml(), encoding="utf-8")
+    PROMETHEUS_RULE_PATH.write_text(render_prometheus_rule(), encoding="utf-8")
+    return [RULES_PATH, PROMETHEUS_RULE_PATH]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write Sightline's Prometheus rules (YAML and PrometheusRule).")
+    parser.parse_args(argv)
+    for path in write_all():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
