@@ -39,7 +39,7 @@ def _add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where the engine runs (default: cuda when a GPU is present)")
     parser.add_argument("--model", default=None,
-                        help="engine model preset (default: tiny on the CPU, small on a GPU)")
+                        help="engine model preset (default: tiny on the CPU, llama-1b on a GPU)")
     parser.add_argument("--trace-level", default=None,
                         choices=("off", "requests", "steps", "kernels"),
                         help="engine telemetry level (default: steps on the CPU, kernels on a GPU)")

@@ -172,6 +172,7 @@ class ManagedProcess:
         self.popen = popen
         self.log_path = log_path
         self.started_at_s = time.monotonic()
+        self.stopped = False
         self._pump = pump
 
     @property
@@ -226,6 +227,8 @@ class ManagedProcess:
 
     def stop(self, timeout_s: float | None = None) -> int | None:
         """SIGTERM to the process group, SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.stopped:  # never signal a group id that may since have been reused
+            return self.popen.returncode
         timeout_s = self.spec.stop_timeout_s if timeout_s is None else timeout_s
         if self.alive:
             _signal_group(self.popen.pid, signal.SIGTERM)
@@ -237,6 +240,7 @@ class ManagedProcess:
         # The leader is gone; anything left in its group (orphaned grandchildren) goes too.
         _signal_group(self.popen.pid, signal.SIGKILL)
         self._pump.join(timeout=2)
+        self.stopped = True
         return self.popen.returncode
 
 
@@ -331,8 +335,10 @@ class Supervisor:
         """Stops every child, last started first; returns exit codes by name. Idempotent."""
         codes: dict[str, int | None] = {}
         for proc in reversed(self._processes):
+            already = proc.stopped
             codes[proc.name] = proc.stop()
-            self._write_combined(proc.name, f"stopped, exit code {codes[proc.name]}")
+            if not already:
+                self._write_combined(proc.name, f"stopped, exit code {codes[proc.name]}")
         return codes
 
     def close(self) -> None:

@@ -85,7 +85,7 @@ class StackConfig:
     ports: dict[str, int] = field(default_factory=dict)  # keys of DEFAULT_PORTS
     # engine
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    model: str | None = None  # None: "tiny" on the CPU, "small" on a GPU
+    model: str | None = None  # None: "tiny" on the CPU, "llama-1b" on a GPU
     trace_level: str | None = None  # None: "steps" on the CPU, "kernels" on a GPU
     engine_args: tuple[str, ...] = ()
     telemetry_export_interval_s: float = 1.0
@@ -131,7 +131,7 @@ class StackConfig:
 
     @property
     def resolved_model(self) -> str:
-        return self.model or ("small" if self.resolved_device == "cuda" else "tiny")
+        return self.model or ("llama-1b" if self.resolved_device == "cuda" else "tiny")
 
     @property
     def resolved_trace_level(self) -> str:

@@ -1,0 +1,352 @@
+"""``sightline demo``: the whole pipeline on this machine, in a few minutes, then a summary.
+
+Steps (each prints one line as it goes):
+
+1. Bring the local stack up (deploy/stack.py): engine, rotel, collector, Prometheus,
+   Alertmanager. CPU + the ``tiny`` model by default; CUDA + ``llama-1b`` when a GPU is
+   present (then the engine traces kernels and per-SM CTA timings itself).
+2. Drive a mixed-priority streamed load (deploy/load.py) with a progress line.
+3. Without a GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz)
+   into the collector so that the per-SM heatmaps have real GPU data; the summary says
+   plainly that this data is recorded, not from this machine.
+4. Ask the collector to explain the slowest requests (``/api/v1/explain``), fetch the
+   heatmaps (PNG + HTML), build the dashboards' JSON, and write a summary.
+
+Outputs under ``out_dir`` (default ``sightline-out/``): ``summary.txt``, ``summary.json``,
+``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``.
+Cost on 2 CPU cores with the defaults (36 requests x 16 tokens): about 1-2 minutes, most
+of it the engine's start and the CPU forward passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal
+
+from sightline.deploy.load import LoadConfig, LoadResult, format_summary, run_load_sync
+from sightline.deploy.stack import Stack, StackConfig, format_urls
+
+__all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture"]
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+CAPTURES_DIR = _REPO_ROOT / "deploy" / "captures"
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    out_dir: Path = Path("sightline-out")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    model: str | None = None
+    trace_level: str | None = None
+    requests: int = 36
+    concurrency: int = 6
+    priorities: tuple[int, ...] = (0, 1, 2)
+    max_tokens: int = 16
+    stream: bool = True
+    capture: Path | None = None  # None: the newest deploy/captures/h200-*.jsonl.gz
+    slowest: int = 3
+    telemetry_settle_s: float = 20.0  # how long to wait for spans to reach the collector
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.slowest <= 50:
+            raise ValueError(f"DemoConfig.slowest={self.slowest} must be in [0, 50]")
+        if not 0 < self.telemetry_settle_s <= 600:
+            raise ValueError(f"DemoConfig.telemetry_settle_s={self.telemetry_settle_s} "
+                             "must be in (0, 600]")
+        if self.capture is not None and not Path(self.capture).is_file():
+            raise ValueError(f"DemoConfig.capture={str(self.capture)!r} is not a file")
+
+
+@dataclass
+class DemoReport:
+    """What the demo produced; ``files`` maps a description to a path under out_dir."""
+
+    out_dir: Path
+    device: str
+    model: str
+    load: LoadResult
+    gpu_data_source: str  # "live" | "recorded H200 capture <path>" | "none: <why>"
+    explanations: list[dict[str, Any]] = field(default_factory=list)
+    files: dict[str, Path] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def find_capture() -> Path | None:
+    """The newest recorded H200 capture in deploy/captures/, or None."""
+    captures = sorted(CAPTURES_DIR.glob("h200-*.jsonl.gz"))
+    return captures[-1] if captures else None
+
+
+def _get(url: str, timeout_s: float = 10.0) -> tuple[int, bytes, str]:
+    request = urllib.request.Request(url, headers={"Accept": "*/*"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return response.status, response.read(), response.headers.get("Content-Type", "")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read(), exc.headers.get("Content-Type", "")
+
+
+def _get_json(url: str, timeout_s: float = 10.0) -> Any:
+    status, body, _ = _get(url, timeout_s)
+    if status != 200:
+        raise RuntimeError(f"GET {url} answered {status}: {body[:300]!r}")
+    return json.loads(body)
+
+
+class _Say:
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.start = time.monotonic()
+
+    def __call__(self, text: str) -> None:
+        self.stream.write(f"[{time.monotonic() - self.start:6.1f}s] {text}\n")
+        self.stream.flush()
+
+
+def _wait_for_traces(collector_url: str, trace_ids: list[str], timeout_s: float) -> int:
+    """Polls the collector's trace store until it has ``trace_ids``; returns how many it has."""
+    deadline = time.monotonic() + timeout_s
+    found: set[str] = set()
+    while True:
+        for trace_id in trace_ids:
+            if trace_id in found:
+                continue
+            status, _, _ = _get(f"{collector_url}/api/v1/traces/{trace_id}", timeout_s=5)
+            if status == 200:
+                found.add(trace_id)
+        if len(found) == len(trace_ids) or time.monotonic() > deadline:
+            return len(found)
+        time.sleep(0.5)
+
+
+def _explained(collector_url: str, keep, limit: int) -> dict[str, Any]:
+    """The collector's explanation of every stored request (slowest first), filtered by
+    ``keep(trace_id)`` and cut to ``limit``; same shape as ``/api/v1/explain``."""
+    result = _get_json(f"{collector_url}/api/v1/explain?quantile=0&limit=1000", timeout_s=60)
+    chosen = [r for r in result.get("requests", []) if keep(r.get("trace_id", ""))][:limit]
+    return dict(result, requests=chosen, requests_considered=len(
+        [r for r in result.get("requests", []) if keep(r.get("trace_id", ""))]))
+
+
+def _format_explanation(result: dict[str, Any]) -> str:
+    from sightline.collector.query_cli import format_explanation
+
+    try:
+        return format_explanation(result)
+    except (KeyError, TypeError):  # an answer of another shape: show it raw, not crash
+        return json.dumps(result, indent=2)[:4000]
+
+
+def _replay_capture(capture: Path, otlp_http_url: str) -> str:
+    from sightline.collector.replay import HttpSink, ReplayConfig, replay
+
+    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=0.0, rebase=True))
+    return (f"{result.exports} exports ({result.spans} spans, {result.data_points} data points) "
+            f"in {result.duration_s:.1f}s")
+
+
+def _fetch_heatmaps(collector_url: str, folder: Path) -> list[Path]:
+    """Both views of every (gpu, kernel) with per-SM data, as PNG and HTML, plus index.html."""
+    folder.mkdir(parents=True, exist_ok=True)
+    kernels = _get_json(f"{collector_url}/api/v1/kernels").get("kernels", [])
+    written: list[Path] = []
+    for entry in kernels:
+        if entry.get("source") != "sm_probe":
+            continue
+        for kind in ("time_sm", "sm_latency"):
+            for fmt in ("png", "html"):
+                query = urllib.parse.urlencode({"gpu": entry["gpu"], "kernel": entry["kernel"],
+                                                "kind": kind, "format": fmt})
+                status, body, _ = _get(f"{collector_url}/api/v1/heatmap?{query}", timeout_s=60)
+                if status != 200:
+                    continue
+                path = folder / f"gpu{_slug(str(entry['gpu']))}-{_slug(entry['kernel'])}-{kind}.{fmt}"
+                path.write_bytes(body)
+                written.append(path)
+    if written:
+        status, body, _ = _get(f"{collector_url}/api/v1/heatmap.html", timeout_s=60)
+        if status == 200:
+            (folder / "index.html").write_bytes(body)
+            written.append(folder / "index.html")
+    return written
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:80].strip("_") or "x"
+
+
+def _build_dashboards(folder: Path) -> list[Path]:
+    from sightline.dashboards.build import build_all
+
+    return list(build_all(folder))
+
+
+def _prometheus_value(prometheus_url: str, expr: str) -> float | None:
+    query = urllib.parse.urlencode({"query": expr})
+    try:
+        answer = _get_json(f"{prometheus_url}/api/v1/query?{query}")
+    except (RuntimeError, OSError, ValueError):
+        return None
+    result = answer.get("data", {}).get("result", [])
+    return float(result[0]["value"][1]) if result else None
+
+
+def _wait_prometheus(prometheus_url: str, expr: str, want: float, timeout_s: float) -> float | None:
+    deadline = time.monotonic() + timeout_s
+    value = None
+    while time.monotonic() < deadline:
+        value = _prometheus_value(prometheus_url, expr)
+        if value is not None and value >= want:
+            return value
+        time.sleep(0.5)
+    return value
+
+
+def _firing_alerts(alertmanager_url: str) -> list[str]:
+    try:
+        alerts = _get_json(f"{alertmanager_url}/api/v2/alerts")
+    except (RuntimeError, OSError, ValueError):
+        return []
+    return sorted({a.get("labels", {}).get("alertname", "?") for a in alerts})
+
+
+def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
+         progress: IO[str] | None = sys.stderr) -> DemoReport:
+    """Runs the demo and returns its report (the stack is stopped on return)."""
+    say = _Say(stream)
+    out = Path(config.out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stack_config = StackConfig(run_dir=out, device=config.device, model=config.model,
+                               trace_level=config.trace_level, prefer_default_ports=False)
+    stack = Stack(stack_config)
+    device, model = stack_config.resolved_device, stack_config.resolved_model
+    say(f"starting the stack: engine ({model} on {device}), rotel, collector, Prometheus, "
+        f"Alertmanager; logs in {stack.log_dir}")
+    stack.start(on_started=lambda name, seconds: say(f"  {name} ready ({seconds:.1f}s)"))
+    try:
+        p = stack.ports
+        say("up:\n" + format_urls(stack.urls()))
+        load_config = LoadConfig(url=p.engine_url, requests=config.requests,
+                                 concurrency=config.concurrency, priorities=config.priorities,
+                                 max_tokens=config.max_tokens, stream=config.stream)
+        say(f"load: {config.requests} streamed completions, priorities "
+            f"{','.join(map(str, config.priorities))}, {config.concurrency} in flight, "
+            f"{config.max_tokens} tokens each")
+        result = run_load_sync(load_config, progress=progress)
+        report = DemoReport(out_dir=out, device=device, model=model, load=result,
+                            gpu_data_source="")
+        stack.check()
+        records_path = out / "requests.jsonl"
+        with open(records_path, "w", encoding="utf-8") as fh:
+            for record in result.records:
+                fh.write(json.dumps(dataclasses.asdict(record)) + "\n")
+        report.files["per-request records"] = records_path
+
+        ours = {r.trace_id for r in result.records}
+        slow = result.slowest(max(config.slowest, 1))
+        have = _wait_for_traces(p.collector_url, [r.trace_id for r in slow],
+                                config.telemetry_settle_s)
+        say(f"collector holds {have}/{len(slow)} of the slowest requests' traces")
+        explain_dir = out / "explain"
+        explain_dir.mkdir(exist_ok=True)
+        local = _explained(p.collector_url, lambda t: t in ours, config.slowest)
+        report.explanations.append({"source": "this run", **local})
+        (explain_dir / "this-run.json").write_text(json.dumps(local, indent=2))
+        (explain_dir / "this-run.txt").write_text(_format_explanation(local) + "\n")
+        report.files["slowest requests of this run explained"] = explain_dir / "this-run.txt"
+
+        if device == "cuda":
+            report.gpu_data_source = "live: this machine's GPU, traced by the engine"
+        else:
+            capture = config.capture or find_capture()
+            if capture is None:
+                report.gpu_data_source = ("none: no GPU here and no recorded capture in "
+                                          f"{CAPTURES_DIR}")
+            else:
+                say(f"no GPU here: replaying the recorded H200 capture {capture.name} into the "
+                    "collector for the per-SM views")
+                summary = _replay_capture(capture, f"http://{p.host}:{p.collector_http}")
+                say(f"  replayed {summary}")
+                report.gpu_data_source = f"recorded H200 capture {capture}"
+                gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
+                report.explanations.append({"source": f"recorded capture {capture.name}", **gpu})
+                (explain_dir / "h200-capture.json").write_text(json.dumps(gpu, indent=2))
+                (explain_dir / "h200-capture.txt").write_text(_format_explanation(gpu) + "\n")
+                report.files["slowest recorded H200 requests explained"] = (
+                    explain_dir / "h200-capture.txt")
+
+        heatmaps = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        if heatmaps:
+            report.files["per-SM heatmaps (PNG + HTML)"] = out / "heatmaps"
+        else:
+            report.notes.append("no per-SM data reached the collector, so no heatmaps")
+        dashboards = _build_dashboards(out / "dashboards")
+        report.files["Grafana dashboards (JSON)"] = out / "dashboards"
+
+        seen = _wait_prometheus(p.prometheus_url, "sum(sightline_engine_requests_total)",
+                                config.requests, timeout_s=15)
+        report.notes.append(f"Prometheus scraped the engine: {seen or 0:.0f} requests counted "
+                            f"(sent {config.requests})")
+        firing = _firing_alerts(p.alertmanager_url)
+        report.notes.append("Alertmanager: " + (f"firing {', '.join(firing)}" if firing
+                                                 else "no alerts firing"))
+        report.notes.append(f"{len(dashboards)} dashboards, {len(heatmaps)} heatmap files")
+    finally:
+        say("stopping the stack")
+        stack.stop()
+    report.files["logs"] = stack.log_dir
+    _write_summary(report, out)
+    report.files["summary"] = out / "summary.txt"
+    return report
+
+
+def _summary_text(report: DemoReport) -> str:
+    lines = [f"Sightline demo: engine {report.model} on {report.device}", "",
+             "Client-side latency per priority (lower priority number = more urgent):",
+             format_summary(report.load.summary), ""]
+    for explanation in report.explanations:
+        source = explanation["source"]
+        body = {k: v for k, v in explanation.items() if k != "source"}
+        lines.append(f"Slowest requests explained ({source}):")
+        lines.append(_format_explanation(body))
+        lines.append("")
+    lines.append(f"Per-SM data (kernels, SMs, heatmaps) comes from: {report.gpu_data_source}")
+    if report.device != "cuda":
+        lines.append("  This machine has no GPU: the engine ran on the CPU, so its requests are "
+                     "explained down to engine steps only; kernel and per-SM figures above and "
+                     "the heatmaps are from the recorded H200 capture, not from this run.")
+    lines.extend(f"- {note}" for note in report.notes)
+    return "\n".join(lines)
+
+
+def _write_summary(report: DemoReport, out: Path) -> None:
+    (out / "summary.txt").write_text(_summary_text(report) + "\n")
+    payload = {
+        "device": report.device,
+        "model": report.model,
+        "gpu_data_source": report.gpu_data_source,
+        "load": dataclasses.asdict(report.load.summary),
+        "explanations": report.explanations,
+        "files": {k: str(v) for k, v in report.files.items()},
+        "notes": report.notes,
+    }
+    (out / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def run_demo(config: DemoConfig, *, stream: IO[str] = sys.stdout) -> int:
+    """``sightline demo``: runs, prints the summary and where everything is; exit code."""
+    report = demo(config, stream=stream)
+    stream.write("\n" + _summary_text(report) + "\n\nWritten:\n")
+    width = max(len(k) for k in report.files)
+    for what, path in report.files.items():
+        stream.write(f"  {what:<{width}}  {path}\n")
+    stream.flush()
+    return 0 if report.load.summary.errors == 0 else 1
