@@ -18,8 +18,11 @@ Guarantees and costs:
   call site, and carries on (a broken trace is lost, the request is not).
 - Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
   the engine thread both touch it); the SDK tracer is thread-safe.
-- Costs when on (CPU, measured by bench/tracing_overhead.py): a span is a few µs of
-  Python; ending it is a deque append (export happens on the SDK worker thread).
+- Costs when on (bench/tracing_overhead.py; bench/results/tracing_overhead_cpu.json): a
+  request's six spans cost about 17 bare SDK spans of CPU (the SDK's attribute checks and
+  sampling dominate); a step costs one span plus ~3 µs-class work per linked request, since
+  ``link_step`` only appends to a list and phase spans are made, links and all, when they
+  close. Export runs on the SDK worker thread, never on the caller's.
 - Prompt and completion text are recorded only when ``capture_content`` is set.
 Timestamps given explicitly are Unix-epoch nanoseconds (``time.time_ns()``).
 """
@@ -73,15 +76,22 @@ def span_name_for(method: str, route: str) -> str:
 
 
 class _Phase:
-    """One open phase span and its link budget."""
+    """An open phase. Its span is made when the phase closes, with every link at once.
 
-    __slots__ = ("span", "links", "links_dropped")
+    Why deferred: a decode phase rides hundreds of steps; ``Span.add_link`` per step costs
+    the engine loop ~6 µs per request per step, while passing the collected links to
+    ``start_span`` at close costs about half that, off the per-step path. Phase spans have
+    no children, so nothing needs their span id while they are open.
+    """
 
-    def __init__(self, span) -> None:
-        self.span = span
-        self.links = 0
+    __slots__ = ("name", "start_ns", "links", "links_dropped", "events")
+
+    def __init__(self, name: str, start_ns: int) -> None:
+        self.name = name
+        self.start_ns = start_ns
+        self.links: list[Link] = []
         self.links_dropped = 0
-
+        self.events: list[tuple[str, dict | None, int]] | None = None
 
 class StepTrace:
     """One ``engine.step`` span (a root span, linked to the requests it served).
@@ -90,12 +100,14 @@ class StepTrace:
     ``context`` is the OTel context to parent kernel spans on.
     """
 
-    __slots__ = ("_span", "step_id", "span_context", "context", "start_time_ns", "end_time_ns")
+    __slots__ = ("_span", "step_id", "span_context", "context", "start_time_ns", "end_time_ns",
+                 "link")
 
     def __init__(self, span, step_id: int, start_time_ns: int) -> None:
         self._span = span
         self.step_id = step_id
         self.span_context: SpanContext = span.get_span_context()
+        self.link = Link(self.span_context)  # shared by the phase spans that rode this step
         self.context: Context = trace.set_span_in_context(span, Context())
         self.start_time_ns = start_time_ns
         self.end_time_ns: int | None = None
@@ -135,6 +147,7 @@ class RequestTrace:
     __slots__ = (
         "_telemetry", "_tracer", "_span", "_ctx", "_lock", "_open", "_finished",
         "_first_token_seen", "_preemptions", "_link_cap", "request_id", "span_context",
+        "link",
     )
 
     def __init__(self, telemetry: "Telemetry", span, parent: Context, request_id: str) -> None:
@@ -150,6 +163,8 @@ class RequestTrace:
         self._link_cap = telemetry.config.max_links_per_span
         self.request_id = request_id
         self.span_context: SpanContext = span.get_span_context()
+        # Made once, shared by every step span that links here (links are immutable).
+        self.link = Link(self.span_context)
 
     # -- context for downstream calls ----------------------------------------------
     @property
@@ -184,12 +199,8 @@ class RequestTrace:
             with self._lock:
                 if self._finished or name in self._open:
                     return
-                span = self._tracer.start_span(
-                    name,
-                    context=self._ctx,
-                    start_time=start_time_ns if start_time_ns is not None else time.time_ns(),
-                )
-                self._open[name] = _Phase(span)
+                self._open[name] = _Phase(
+                    name, start_time_ns if start_time_ns is not None else time.time_ns())
         except Exception:
             _report("RequestTrace.start_phase")
 
@@ -208,13 +219,21 @@ class RequestTrace:
         except Exception:
             _report("RequestTrace.end_phase")
 
-    @staticmethod
-    def _close(phase: _Phase, attributes: Mapping[str, Any] | None, end_time_ns: int | None) -> None:
-        if attributes:
-            phase.span.set_attributes(attributes)
+    def _close(self, phase: _Phase, attributes: Mapping[str, Any] | None,
+               end_time_ns: int | None) -> None:
+        """Emits the phase span (caller holds the lock)."""
+        attrs = dict(attributes) if attributes else None
         if phase.links_dropped:
-            phase.span.set_attribute(semconv.SPAN_LINKS_DROPPED, phase.links_dropped)
-        phase.span.end(end_time=end_time_ns)
+            attrs = attrs or {}
+            attrs[semconv.SPAN_LINKS_DROPPED] = phase.links_dropped
+        span = self._tracer.start_span(
+            phase.name, context=self._ctx, attributes=attrs, links=phase.links or None,
+            start_time=phase.start_ns,
+        )
+        if phase.events:
+            for name, event_attrs, stamp in phase.events:
+                span.add_event(name, event_attrs, timestamp=stamp)
+        span.end(end_time=end_time_ns if end_time_ns is not None else time.time_ns())
 
     def link_step(self, step: "StepTrace | None") -> None:
         """Links the open prefill (else decode) span to ``step``; capped, overflow counted."""
@@ -225,9 +244,8 @@ class RequestTrace:
                 phase = self._open.get(semconv.SPAN_PREFILL) or self._open.get(semconv.SPAN_DECODE)
                 if phase is None:
                     return
-                if phase.links < self._link_cap:
-                    phase.span.add_link(step.span_context)
-                    phase.links += 1
+                if len(phase.links) < self._link_cap:
+                    phase.links.append(step.link)
                 else:
                     phase.links_dropped += 1
         except Exception:
@@ -248,7 +266,7 @@ class RequestTrace:
                     phase = self._open.pop(name, None)
                     if phase is not None:
                         open_name = name
-                        phase.span.add_event(semconv.EVENT_PREEMPTED, timestamp=now)
+                        phase.events = [(semconv.EVENT_PREEMPTED, None, now)]
                         self._close(phase, None, now)
                 self._span.add_event(
                     semconv.EVENT_PREEMPTED,
@@ -522,7 +540,7 @@ class Telemetry:
                 if request is None:
                     continue
                 if len(links) < cap:
-                    links.append(Link(request.span_context))
+                    links.append(request.link)
                 else:
                     dropped += 1
             attrs: dict[str, Any] = {
