@@ -19,9 +19,10 @@ Guarantees: per-SM quantiles within ``relative_error(scale)`` of the exact rank 
 at scale 6, see :mod:`.windows`); memory bounded whatever arrives: at most
 ``max_sm_series + 1`` per-SM windows (the extra one is the overflow series that absorbs
 every new key past the limit, counted in ``overflow``), likewise for kernels, requests
-and steps; per-window memory as stated in :mod:`.windows`. Timestamps further than
-``max_future_s`` ahead of the wall clock are clamped to it; points older than the ring
-are refused (``reason="late"``).
+and steps; per-window memory as stated in :mod:`.windows`. Timestamps ahead of the
+collector's clock (producer clock skew) are clamped to it, so they are visible at once;
+per-SM points older than the window horizon can never be queried and are refused
+(``reason="late"``); late spans still count in the cumulative Prometheus histograms.
 
 Thread-safety: one lock around each export request and each query snapshot. Cost per
 span: one dict lookup on the name, a pass over its attributes only for the spans that
@@ -65,7 +66,6 @@ class AggregationConfig:
     max_kernel_series: int = 1_024
     max_request_series: int = 512
     max_step_series: int = 16
-    max_future_s: float = 60.0
     store_traces: bool = True
     trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
 
@@ -77,8 +77,6 @@ class AggregationConfig:
             value = getattr(self, name)
             if not 1 <= value <= 1_000_000:
                 raise ValueError(f"{name}={value} is outside [1, 1000000]")
-        if not 0 <= self.max_future_s <= 86_400:
-            raise ValueError(f"max_future_s={self.max_future_s} is outside [0, 86400]")
 
 
 class _SmSeries:
@@ -335,7 +333,7 @@ class Aggregator:
 
     def _time(self, unix_nano: int, now: float) -> float:
         t = unix_nano / 1e9
-        if t > now + self.config.max_future_s or t <= 0:
+        if t > now or t <= 0:
             t = now
         if t > self.newest_data_s:
             self.newest_data_s = t
@@ -477,6 +475,9 @@ class Aggregator:
             if hist.count == 0:
                 return 1
         t = self._time(point.time_unix_nano, now)
+        if t <= now - self._wc.horizon_s:
+            self._drop("late")
+            return 0
         key = (gpu, sm, kernel)
         series = self._sm.get(key)
         if series is None:

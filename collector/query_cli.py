@@ -79,7 +79,7 @@ def _get(url: str, timeout_s: float = 30.0) -> bytes:
 
 
 def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80].strip("_") or "kernel"
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)[:80] or "kernel"
 
 
 def _heatmap(args: argparse.Namespace) -> int:
