@@ -224,8 +224,9 @@ class SmExemplar:
 
 @dataclass
 class CtaHistograms:
-    """Per-(gpu, sm, kernel) exponential histograms of CTA durations (seconds), cumulative,
-    plus per-key exemplars (slowest CTA and its step span) reset by ``take_exemplars``.
+    """Per-(gpu, sm, kernel) exponential histograms of CTA durations (seconds) plus per-key
+    exemplars (slowest CTA and its step span); ``take`` returns both and starts afresh
+    (delta export), ``snapshot`` copies without resetting.
 
     Cost: ``add`` is O(n log n) in the batch's CTAs (numpy sort), plus one vectorized
     ``ExpHistogram.record`` per (SM, kernel) group present in the batch. Thread-safe."""
@@ -268,6 +269,14 @@ class CtaHistograms:
         """Copies of the cumulative histograms (safe to read while ``add`` runs)."""
         with self._lock:
             return {k: h.copy() for k, h in self.histograms.items()}
+
+    def take(self) -> tuple[dict[tuple[int, int, str], ExpHistogram],
+                            dict[tuple[int, int, str], SmExemplar]]:
+        """Histograms and exemplars since the last ``take`` (delta), and resets both."""
+        with self._lock:
+            hists, self.histograms = self.histograms, {}
+            exemplars, self.exemplars = self.exemplars, {}
+        return hists, exemplars
 
     def take_exemplars(self) -> dict[tuple[int, int, str], SmExemplar]:
         """The exemplars since the last call; starts a new exemplar interval."""

@@ -31,12 +31,12 @@ from sightline.instrumentation.sm_probe import PROBE_OFF, probe_begin, probe_cta
 
 __all__ = ["KERNEL_NAME", "choose_num_splits", "paged_decode_attention_triton"]
 
-KERNEL_NAME = "sightline_paged_decode"
+KERNEL_NAME = "sightline_paged_decode"  # the jit function name: CUPTI reports it
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_decode_split_kernel(
+def sightline_paged_decode(
     Q, K, V, O, TABLES, LENS, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
     stride_tb, stride_ob, stride_oh, qk_scale, split_len,
@@ -102,7 +102,7 @@ def _paged_decode_split_kernel(
 
 
 @triton.jit
-def _paged_decode_reduce_kernel(O, PART_O, PART_LSE, stride_ob, stride_oh,
+def sightline_paged_decode_reduce(O, PART_O, PART_LSE, stride_ob, stride_oh,
                                 HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                                 SPLITS_P2: tl.constexpr):
     head = tl.program_id(0)
@@ -190,7 +190,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         reserved = probe.reserve(KERNEL_NAME, num_splits * hkv * batch)
         if reserved is not None:
             probe_ptr, base, mode = probe.buffer, reserved, probe.mode
-    _paged_decode_split_kernel[grid](
+    sightline_paged_decode[grid](
         q, k_cache, v_cache, o, block_tables, context_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
@@ -199,7 +199,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         BLOCK_N=block_n, NUM_SPLITS=num_splits, PROBE=mode,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if num_splits > 1:
-        _paged_decode_reduce_kernel[(hq, batch)](
+        sightline_paged_decode_reduce[(hq, batch)](
             o, part_o, part_lse, o.stride(0), o.stride(1), HEAD_DIM=d, NUM_SPLITS=num_splits,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return o

@@ -1,0 +1,448 @@
+"""GPU telemetry for an engine's steps: kernel spans (CUPTI) and per-SM CTA histograms.
+
+Contract (TEAM.md): ``GpuTelemetry.create(telemetry, device_index)`` -> instance or None;
+``.probe`` goes to the attention ops (None = off); ``begin_step(step_trace)`` /
+``end_step(step_trace)`` bracket each engine step on the engine thread; ``shutdown()``.
+
+On the engine thread each step costs: a CUPTI external-correlation push and pop, one
+device-side copy of the step's probe records (24 bytes per CTA, stream-ordered) and a
+queue put. Everything else happens on one worker thread:
+
+1. The step's probe records come to the host (the copy waits for the step's kernels,
+   off the request path) and are reduced — vectorized, see ``sm_probe`` — into per-(gpu,
+   SM, kernel) exponential histograms, always on, with an exemplar per key pointing at
+   the step span whose CTA on that SM was slowest in the export interval.
+2. CUPTI records arrive after the step (CUPTI's thread, a queue); the worker joins them to
+   steps by external id and, once a step has settled (``settle_s`` after its end), decides:
+   kernel spans are emitted for a sampled fraction of steps (``kernel_sample_ratio``) and
+   for every step slower than the P99 of the recent ``tail_window_steps`` (tail-biased:
+   the slow steps are the ones someone will ask about). Kernel spans are children of the
+   step span, timestamped with the GPU's start/end, with grid, block, registers, shared
+   memory, stream, device, and for probed kernels SMs used, waves, slowest SM, CTAs and
+   CTA-duration spread.
+3. Every ``export_interval_s`` the histograms go out as OTLP metric
+   ``gpu.kernel.cta.duration`` (unit s, delta temporality) through the OTLP metric
+   exporter of the telemetry's config, and into its capture file when one is set.
+
+Failure model: every public method swallows and logs its own errors (telemetry errors
+never reach a request); a full work queue drops the step's GPU data and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import semconv
+from .cupti_tracer import CuptiTracer, KernelRecord
+from .sm_probe import CtaHistograms, LaunchFacts, SmProbe, launch_facts
+
+__all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
+
+logger = logging.getLogger(__name__)
+_SPAN_NAME_MAX = 160
+
+
+@dataclass(frozen=True)
+class GpuTelemetryConfig:
+    """Knobs of the GPU telemetry; ranges checked, errors name the bad value."""
+
+    kernel_sample_ratio: float = 0.01   # fraction of steps whose kernels become spans
+    tail_quantile: float = 0.99         # steps slower than this quantile are always traced
+    tail_window_steps: int = 1024       # recent steps the quantile is taken over
+    tail_min_steps: int = 64            # no tail rule before this many steps
+    settle_s: float = 0.3               # wait after a step for its CUPTI records
+    cupti: bool = True                  # kernel spans (CUPTI)
+    probe: bool = True                  # per-CTA SM probe in our Triton kernels
+    probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
+    export_interval_s: float = 10.0
+    max_pending_steps: int = 4096
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.kernel_sample_ratio <= 1.0:
+            raise ValueError(f"kernel_sample_ratio={self.kernel_sample_ratio} not in [0, 1]")
+        if not 0.5 <= self.tail_quantile <= 1.0:
+            raise ValueError(f"tail_quantile={self.tail_quantile} not in [0.5, 1]")
+        if not 8 <= self.tail_window_steps <= 1_000_000:
+            raise ValueError(f"tail_window_steps={self.tail_window_steps} not in [8, 1e6]")
+        if not 1 <= self.tail_min_steps <= self.tail_window_steps:
+            raise ValueError(f"tail_min_steps={self.tail_min_steps} not in "
+                             f"[1, tail_window_steps={self.tail_window_steps}]")
+        if not 0.0 <= self.settle_s <= 60.0:
+            raise ValueError(f"settle_s={self.settle_s} not in [0, 60]")
+        if not 1 <= self.probe_capacity_ctas <= 1 << 26:
+            raise ValueError(f"probe_capacity_ctas={self.probe_capacity_ctas} not in [1, 2**26]")
+        if not 0.01 <= self.export_interval_s <= 3600:
+            raise ValueError(f"export_interval_s={self.export_interval_s} not in [0.01, 3600]")
+        if not 1 <= self.max_pending_steps <= 1_000_000:
+            raise ValueError(f"max_pending_steps={self.max_pending_steps} not in [1, 1e6]")
+
+
+class TailPolicy:
+    """Decides per step: "tail" if slower than the recent quantile, else "sampled" with
+    probability ``ratio``, else "" (no kernel spans). The quantile is over the previous
+    ``window`` steps (the current one excluded); O(window) per decision."""
+
+    def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
+                 rng: random.Random) -> None:
+        self.ratio, self.quantile, self.min_steps, self.rng = ratio, quantile, min_steps, rng
+        self._recent: deque[float] = deque(maxlen=window)
+
+    def threshold(self) -> float | None:
+        if len(self._recent) < self.min_steps:
+            return None
+        return float(np.quantile(np.fromiter(self._recent, float), self.quantile,
+                                 method="higher"))
+
+    def decide(self, duration_s: float) -> str:
+        limit = self.threshold()
+        self._recent.append(duration_s)
+        if limit is not None and duration_s > limit:
+            return "tail"
+        if self.ratio > 0.0 and self.rng.random() < self.ratio:
+            return "sampled"
+        return ""
+
+
+@dataclass
+class GpuTelemetryStats:
+    steps: int = 0
+    steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
+    steps_traced_sampled: int = 0
+    steps_traced_tail: int = 0
+    kernel_spans: int = 0
+    kernels_seen: int = 0
+    kernels_unmatched: int = 0      # CUPTI kernels with no known step (outside steps, late)
+    ctas_recorded: int = 0
+    idle_ctas: int = 0
+    probe_launches_dropped: int = 0
+    metric_exports: int = 0
+    export_failures: int = 0
+    errors: int = 0
+
+
+@dataclass
+class _Step:
+    ext_id: int
+    step_id: int
+    span_context: object
+    start_ns: int
+    end_ns: int
+    pending: object | None                     # PendingCtas
+    facts: list[LaunchFacts] = field(default_factory=list)
+    kernels: list[KernelRecord] = field(default_factory=list)
+
+
+class GpuTelemetry:
+    """See the module docstring. Create with ``GpuTelemetry.create``."""
+
+    def __init__(self, telemetry, device_index: int = 0,
+                 config: GpuTelemetryConfig | None = None, metric_exporters=None) -> None:
+        self.telemetry = telemetry
+        self.device_index = device_index
+        if config is None:
+            ratio = getattr(getattr(telemetry, "config", None), "kernel_sample_ratio", 0.01)
+            config = GpuTelemetryConfig(kernel_sample_ratio=ratio)
+        self.config = config
+        self.stats = GpuTelemetryStats()
+        self.histograms = CtaHistograms()
+        self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
+                                 config.tail_window_steps, config.tail_min_steps,
+                                 random.Random(config.seed))
+        self.tracer = CuptiTracer() if config.cupti else None
+        if self.tracer is not None and not self.tracer.start():
+            logger.warning("GPU telemetry continues without kernel spans: %s",
+                           self.tracer.unavailable_reason)
+        self.probe: SmProbe | None = None
+        if config.probe:
+            self.probe = SmProbe(f"cuda:{device_index}", config.probe_capacity_ctas,
+                                 gpu_id=device_index)
+        self._exporters = (list(metric_exporters) if metric_exporters is not None
+                           else _exporters_from(telemetry))
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
+        self._next_ext = 1
+        self._open: int | None = None
+        self._awaiting: dict[int, _Step] = {}
+        self._interval_start_ns = time.time_ns()
+        self._last_export = time.monotonic()
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="sightline-gpu-telemetry",
+                                        daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def create(cls, telemetry, device_index: int = 0, config: GpuTelemetryConfig | None = None,
+               metric_exporters=None) -> GpuTelemetry | None:
+        """An instance, or None (logged why) without CUDA or below the KERNELS level."""
+        if telemetry is None or not getattr(telemetry, "kernels_on", False):
+            logger.info("GPU telemetry off: the trace level is below 'kernels'")
+            return None
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                logger.info("GPU telemetry off: no CUDA device")
+                return None
+        except ImportError:
+            logger.info("GPU telemetry off: torch is not installed")
+            return None
+        try:
+            return cls(telemetry, device_index, config, metric_exporters)
+        except Exception:
+            logger.exception("GPU telemetry could not start; continuing without it")
+            return None
+
+    @property
+    def kernel_spans_available(self) -> bool:
+        return self.tracer is not None and self.tracer.available
+
+    # -- engine thread ----------------------------------------------------------------
+    def begin_step(self, step_trace) -> None:
+        """Tags the step's CUDA launches (CUPTI external correlation)."""
+        if step_trace is None:
+            return
+        try:
+            ext = self._next_ext
+            self._next_ext += 1
+            self._open = ext
+            if self.tracer is not None:
+                self.tracer.push(ext)
+        except Exception:
+            self.stats.errors += 1
+            logger.exception("GpuTelemetry.begin_step failed")
+
+    def end_step(self, step_trace) -> None:
+        """Closes the step's tag and hands its GPU data to the worker (no device sync)."""
+        if step_trace is None or self._open is None:
+            return
+        try:
+            ext, self._open = self._open, None
+            if self.tracer is not None:
+                self.tracer.pop()
+            ctx = step_trace.span_context
+            pending = None
+            if self.probe is not None:
+                pending = self.probe.end_step(ctx.trace_id, ctx.span_id)
+            end_ns = step_trace.end_time_ns or time.time_ns()
+            step = _Step(ext, step_trace.step_id, ctx, step_trace.start_time_ns, end_ns, pending)
+            self.stats.steps += 1
+            try:
+                self._queue.put_nowait(step)
+            except queue.Full:
+                self.stats.steps_dropped += 1
+        except Exception:
+            self.stats.errors += 1
+            logger.exception("GpuTelemetry.end_step failed")
+
+    def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
+        """Settles every step handed over so far (CUPTI flushed, spans emitted) and, with
+        ``export``, exports the histograms now. Blocks; for tests, benchmarks, shutdown."""
+        done = threading.Event()
+        try:
+            self._queue.put(("flush", export, done), timeout=timeout_s)
+        except queue.Full:
+            return False
+        return done.wait(timeout_s)
+
+    def shutdown(self) -> None:
+        try:
+            self.flush(export=True)
+        finally:
+            self._stop.set()
+            self._worker.join(timeout=10)
+            if self.tracer is not None:
+                self.tracer.stop()
+
+    # -- worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                item = None
+            try:
+                if isinstance(item, _Step):
+                    self._take_step(item)
+                    continue   # take every queued step before matching kernels
+                if isinstance(item, tuple):
+                    _, export, done = item
+                    self._match(flush=True)
+                    self._settle(force=True)
+                    if export:
+                        self._export()
+                    done.set()
+                    continue
+                self._match(flush=False)
+                self._settle(force=False)
+                if time.monotonic() - self._last_export >= self.config.export_interval_s:
+                    self._export()
+            except Exception:
+                self.stats.errors += 1
+                logger.exception("GPU telemetry worker step failed")
+
+    def _take_step(self, step: _Step) -> None:
+        if step.pending is not None:
+            batch = step.pending.wait()          # waits for the step's kernels (here only)
+            step.pending = None
+            self.stats.ctas_recorded += self.histograms.add(batch, step.end_ns)
+            self.stats.idle_ctas += batch.idle_ctas
+            step.facts = launch_facts(batch)
+        if self.probe is not None:
+            self.stats.probe_launches_dropped = self.probe.dropped_launches
+        self._awaiting[step.ext_id] = step
+
+    def _match(self, flush: bool) -> None:
+        if self.tracer is None or not self.tracer.available:
+            return
+        batch = self.tracer.drain(flush=flush)
+        for k in batch.kernels:
+            self.stats.kernels_seen += 1
+            step = self._awaiting.get(k.external_id) if k.external_id is not None else None
+            if step is None:
+                self.stats.kernels_unmatched += 1
+            else:
+                step.kernels.append(k)
+
+    def _settle(self, force: bool) -> None:
+        if not self._awaiting:
+            return
+        cutoff = time.time_ns() - int(self.config.settle_s * 1e9)
+        for ext in sorted(self._awaiting):
+            step = self._awaiting[ext]
+            if not force and step.end_ns > cutoff:
+                break
+            del self._awaiting[ext]
+            reason = self.policy.decide((step.end_ns - step.start_ns) * 1e-9)
+            if reason and step.kernels:
+                if reason == "tail":
+                    self.stats.steps_traced_tail += 1
+                else:
+                    self.stats.steps_traced_sampled += 1
+                self._emit_spans(step, reason)
+
+    def _emit_spans(self, step: _Step, reason: str) -> None:
+        from opentelemetry import trace
+        from opentelemetry.trace import NonRecordingSpan, SpanKind
+
+        tracer = self.telemetry.tracer
+        parent = trace.set_span_in_context(NonRecordingSpan(step.span_context))
+        # pair the i-th probed launch of a kernel with its i-th CUPTI record (launch order)
+        facts_by_name: dict[str, deque[LaunchFacts]] = {}
+        for f in step.facts:
+            facts_by_name.setdefault(f.kernel_name, deque()).append(f)
+        for k in sorted(step.kernels, key=lambda r: r.correlation_id):
+            attrs = {
+                semconv.CUDA_KERNEL_NAME: k.name,
+                semconv.CUDA_GRID: f"{k.grid[0]},{k.grid[1]},{k.grid[2]}",
+                semconv.CUDA_BLOCK: f"{k.block[0]},{k.block[1]},{k.block[2]}",
+                semconv.CUDA_REGISTERS: k.registers_per_thread,
+                semconv.CUDA_SHARED_MEMORY_BYTES: k.shared_memory_bytes,
+                semconv.CUDA_STREAM: k.stream_id,
+                semconv.CUDA_DEVICE: k.device_id,
+                semconv.CUDA_CORRELATION_ID: k.correlation_id,
+                semconv.HW_GPU_ID: self.device_index,
+                semconv.STEP_ID: step.step_id,
+                semconv.STEP_TRACE_REASON: reason,
+            }
+            queue_ = facts_by_name.get(k.name)
+            if queue_:
+                f = queue_.popleft()
+                attrs.update({semconv.KERNEL_CTAS: f.ctas, semconv.KERNEL_SMS_USED: f.sms_used,
+                              semconv.KERNEL_WAVES: f.waves,
+                              semconv.KERNEL_SLOWEST_SM: f.slowest_sm,
+                              semconv.KERNEL_CTA_SPREAD: round(f.cta_spread, 4)})
+            span = tracer.start_span((semconv.SPAN_KERNEL_PREFIX + k.name)[:_SPAN_NAME_MAX],
+                                     context=parent, kind=SpanKind.INTERNAL, attributes=attrs,
+                                     start_time=k.start_ns)
+            span.end(end_time=k.end_ns)
+            self.stats.kernel_spans += 1
+
+    def _export(self) -> None:
+        self._last_export = time.monotonic()
+        hists, exemplars = self.histograms.take()
+        now = time.time_ns()
+        start, self._interval_start_ns = self._interval_start_ns, now
+        if not hists or not self._exporters:
+            return
+        data = build_cta_metrics(hists, exemplars, start, now, _resource_of(self.telemetry))
+        for exporter in self._exporters:
+            try:
+                result = exporter.export(data)
+                ok = getattr(result, "name", "SUCCESS") == "SUCCESS"
+            except Exception:
+                logger.exception("exporting %s failed", semconv.METRIC_CTA_DURATION)
+                ok = False
+            self.stats.metric_exports += 1
+            if not ok:
+                self.stats.export_failures += 1
+
+
+def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource):
+    """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
+    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step)."""
+    from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
+                                                  ExponentialHistogram,
+                                                  ExponentialHistogramDataPoint, Metric,
+                                                  MetricsData, ResourceMetrics, ScopeMetrics)
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+    try:
+        from opentelemetry.sdk.metrics import Exemplar
+    except ImportError:
+        from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
+    points = []
+    for (gpu, sm, kernel), h in sorted(hists.items()):
+        ex = exemplars.get((gpu, sm, kernel))
+        ex_list = []
+        if ex is not None and ex.trace_id and ex.span_id:
+            ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
+                                    ex.trace_id))
+        points.append(ExponentialHistogramDataPoint(
+            attributes={semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm,
+                        semconv.ATTR_KERNEL_NAME: kernel},
+            start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,
+            scale=h.scale, zero_count=h.zero_count,
+            positive=Buckets(offset=h.offset, bucket_counts=[int(c) for c in h.counts]),
+            negative=Buckets(offset=0, bucket_counts=[]), flags=0,
+            min=h.min if h.count else 0.0, max=h.max if h.count else 0.0, exemplars=ex_list))
+    metric = Metric(name=semconv.METRIC_CTA_DURATION,
+                    description="Duration of each CTA of probed kernels, per SM",
+                    unit=semconv.METRIC_CTA_DURATION_UNIT,
+                    data=ExponentialHistogram(data_points=points,
+                                              aggregation_temporality=AggregationTemporality.DELTA))
+    scope = ScopeMetrics(scope=InstrumentationScope(semconv.INSTRUMENTATION_SCOPE),
+                         metrics=[metric], schema_url="")
+    return MetricsData(resource_metrics=[ResourceMetrics(resource=resource,
+                                                         scope_metrics=[scope], schema_url="")])
+
+
+def _resource_of(telemetry):
+    from opentelemetry.sdk.resources import Resource
+    provider = getattr(telemetry, "tracer_provider", None)
+    return getattr(provider, "resource", None) or Resource.create({})
+
+
+def _exporters_from(telemetry) -> list:
+    """The telemetry's own metric destinations: OTLP (per its config) and its capture file."""
+    out = []
+    config = getattr(telemetry, "config", None)
+    providers = getattr(telemetry, "providers", None)
+    if config is None or not getattr(config, "metrics_enabled", True):
+        return out
+    try:
+        if config.exporter == "otlp":
+            from .otel_setup import _otlp_metric_exporter
+            out.append(_otlp_metric_exporter(config))
+        writer = getattr(providers, "capture_writer", None)
+        if writer is not None:
+            from .capture import CaptureMetricExporter
+            out.append(CaptureMetricExporter(writer))
+    except Exception:
+        logger.exception("could not build the per-SM metric exporters")
+    return out

@@ -1,0 +1,140 @@
+"""CUPTI kernel tracer and GpuTelemetry: a clear answer without CUPTI on the CPU; on a GPU,
+real kernel records joined to steps, kernel spans under the step span, per-SM metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
+
+
+def test_tracer_without_cupti_says_why_and_stays_inert():
+    ok, _ = cupti_available()
+    if ok:
+        pytest.skip("cupti-python is installed here")
+    tracer = CuptiTracer()
+    assert tracer.start() is False
+    assert "cupti-python is not usable" in tracer.unavailable_reason
+    tracer.push(1)
+    tracer.pop()
+    batch = tracer.drain(flush=True)
+    assert batch.kernels == [] and batch.memcpys == [] and batch.dropped_records == 0
+
+
+def test_config_ranges_name_the_bad_value():
+    with pytest.raises(ValueError, match="kernel_sample_ratio=1.5"):
+        GpuTelemetryConfig(kernel_sample_ratio=1.5)
+    with pytest.raises(ValueError, match="tail_min_steps=0"):
+        GpuTelemetryConfig(tail_min_steps=0)
+
+
+def test_create_returns_none_below_kernels_level_or_without_cuda():
+    from sightline.instrumentation.tracing import Telemetry
+    assert GpuTelemetry.create(Telemetry.disabled(), 0) is None
+    assert GpuTelemetry.create(None, 0) is None
+
+
+@pytest.mark.gpu
+def test_cupti_records_kernels_with_external_ids():
+    import torch
+    ok, why = cupti_available()
+    if not ok:
+        pytest.skip(why)
+    tracer = CuptiTracer()
+    assert tracer.start(), tracer.unavailable_reason
+    try:
+        x = torch.randn(1024, 1024, device="cuda")
+        torch.cuda.synchronize()
+        tracer.drain(flush=True)
+        tracer.push(41)
+        y = x @ x
+        tracer.pop()
+        tracer.push(42)
+        z = (y + 1).relu()
+        tracer.pop()
+        torch.cuda.synchronize()
+        batch = tracer.drain(flush=True)
+    finally:
+        tracer.stop()
+    by_ext = {}
+    for k in batch.kernels:
+        by_ext.setdefault(k.external_id, []).append(k)
+    assert 41 in by_ext and 42 in by_ext, [(k.name, k.external_id) for k in batch.kernels]
+    for k in by_ext[41] + by_ext[42]:
+        assert k.end_ns > k.start_ns and k.device_id == 0
+        assert k.grid[0] >= 1 and k.block[0] >= 1 and k.registers_per_thread > 0
+    assert by_ext[41][0].end_ns <= by_ext[42][0].start_ns + 1000
+    del z
+
+
+@pytest.mark.gpu
+def test_second_subscriber_is_refused_clearly():
+    import torch
+    ok, why = cupti_available()
+    if not ok:
+        pytest.skip(why)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+        tracer = CuptiTracer()
+        assert tracer.start() is False
+        assert "torch.profiler" in tracer.unavailable_reason
+
+
+@pytest.mark.gpu
+def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
+    import torch
+    from opentelemetry.sdk.metrics.export import MetricExportResult
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sightline.engine.kernels.attention import paged_decode_attention, prefill_attention
+    from sightline.instrumentation import semconv
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+
+    class Sink:
+        def __init__(self):
+            self.data = []
+
+        def export(self, data, **_):
+            self.data.append(data)
+            return MetricExportResult.SUCCESS
+
+    spans = InMemorySpanExporter()
+    tel = Telemetry.start(TelemetryConfig(level="kernels", exporter="none",
+                                          schedule_delay_s=0.05), span_exporters=[spans])
+    sink = Sink()
+    gpu = GpuTelemetry.create(tel, 0, GpuTelemetryConfig(kernel_sample_ratio=1.0, settle_s=0.0),
+                              metric_exporters=[sink])
+    assert gpu is not None and gpu.probe is not None
+    q = torch.randn(512, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
+    prefill_attention(q, k, k, cu, cu, 512, 512, 0.088)   # tune/compile outside the steps
+    torch.cuda.synchronize()
+    steps = []
+    for i in range(3):
+        st = tel.start_step(i, requests=[])
+        gpu.begin_step(st)
+        prefill_attention(q, k, k, cu, cu, 512, 512, 0.088, probe=gpu.probe)
+        st.end()
+        gpu.end_step(st)
+        steps.append(st)
+    assert gpu.flush(timeout_s=60)
+    tel.force_flush()
+    finished = spans.get_finished_spans()
+    kernel_spans = [s for s in finished if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+    assert gpu.kernel_spans_available, gpu.tracer.unavailable_reason
+    assert len([s for s in kernel_spans
+                if s.attributes[semconv.CUDA_KERNEL_NAME] == "sightline_fa2_prefill"]) == 3
+    step_ids = {st.span_context.span_id for st in steps}
+    for s in kernel_spans:
+        assert s.parent.span_id in step_ids
+        assert s.end_time > s.start_time
+    fa = [s for s in kernel_spans if s.attributes[semconv.CUDA_KERNEL_NAME] == "sightline_fa2_prefill"]
+    assert all(s.attributes[semconv.KERNEL_SMS_USED] > 0 for s in fa)
+    points = [p for d in sink.data for rm in d.resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics for p in m.data.data_points]
+    assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
+    assert all(p.exemplars and p.exemplars[0].span_id in step_ids for p in points)
+    gpu.shutdown()
+    tel.shutdown()

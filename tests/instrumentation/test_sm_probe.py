@@ -1,0 +1,194 @@
+"""SM probe host side against exact answers on synthetic CTA records; the real probe on a GPU."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from sightline.instrumentation import semconv
+from sightline.instrumentation.exphist import ExpHistogram
+from sightline.instrumentation.gpu_telemetry import TailPolicy, build_cta_metrics
+from sightline.instrumentation.sm_probe import CtaBatch, CtaHistograms, launch_facts
+
+
+def _synthetic(seed: int, launches: list[tuple[str, int]], num_sms: int = 132, idle_every=0):
+    rng = np.random.default_rng(seed)
+    n = sum(c for _, c in launches)
+    sm = rng.integers(0, num_sms, n)
+    start = rng.integers(10**12, 10**12 + 10**6, n)
+    dur = rng.integers(32, 10**6, n)
+    records = np.stack([sm, start, start + dur], axis=1).astype(np.int64)
+    if idle_every:
+        records[::idle_every] = (-1, 0, 0)
+    return records
+
+
+def _facts_by_loop(records, launches):
+    """The obvious per-CTA Python loop: the oracle for the vectorized reduction."""
+    out, i = [], 0
+    for name, n in launches:
+        rows = [r for r in records[i:i + n] if r[0] >= 0]
+        i += n
+        durs = [r[2] - r[1] for r in rows]
+        per_sm: dict[int, int] = {}
+        for r in rows:
+            per_sm[r[0]] = per_sm.get(r[0], 0) + 1
+        order = sorted(range(len(rows)), key=lambda j: durs[j])
+        slow = order[-1]
+        med = durs[order[(len(rows) - 1) // 2]]
+        out.append(dict(kernel_name=name, ctas=len(rows), sms_used=len(per_sm),
+                        waves=max(per_sm.values()), max_cta_s=durs[slow] * 1e-9,
+                        median_cta_s=med * 1e-9, start_ns=min(r[1] for r in rows),
+                        end_ns=max(r[2] for r in rows), slowest_dur=durs[slow]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_launch_facts_match_a_per_cta_loop(seed):
+    launches = [("sightline_fa2_prefill", 4096), ("gemm", 77), ("sightline_paged_decode", 1024)]
+    records = _synthetic(seed, launches, idle_every=7 if seed % 2 else 0)
+    batch = CtaBatch.from_records(records, launches, gpu_id=3)
+    facts = launch_facts(batch)
+    expect = _facts_by_loop(records, launches)
+    assert batch.idle_ctas == (int((records[:, 0] < 0).sum()))
+    for f, e in zip(facts, expect):
+        assert f.kernel_name == e["kernel_name"] and f.ctas == e["ctas"]
+        assert f.sms_used == e["sms_used"] and f.waves == e["waves"]
+        assert f.start_ns == e["start_ns"] and f.end_ns == e["end_ns"]
+        assert f.max_cta_s == pytest.approx(e["max_cta_s"], rel=1e-12)
+        assert f.median_cta_s == pytest.approx(e["median_cta_s"], rel=1e-12)
+        assert f.cta_spread == pytest.approx(e["max_cta_s"] / e["median_cta_s"], rel=1e-12)
+        # the slowest SM ran a CTA of exactly the maximum duration
+        li = batch.launch_names.index(f.kernel_name)
+        mine = batch.launch_index == li
+        durs = (batch.end_ns - batch.start_ns)[mine]
+        assert e["slowest_dur"] in durs[batch.sm_id[mine] == f.slowest_sm]
+
+
+def test_launch_facts_small_exact():
+    # two launches; durations 10,20,30 on SMs 5,5,9 and 7 on SM 1
+    records = np.array([[5, 100, 110], [5, 110, 130], [9, 100, 130], [1, 200, 207]])
+    batch = CtaBatch.from_records(records, [("a", 3), ("b", 1)])
+    a, b = launch_facts(batch)
+    assert (a.ctas, a.sms_used, a.waves, a.slowest_sm) == (3, 2, 2, 9)
+    assert a.median_cta_s == pytest.approx(20e-9) and a.max_cta_s == pytest.approx(30e-9)
+    assert a.cta_spread == pytest.approx(1.5) and (a.start_ns, a.end_ns) == (100, 130)
+    assert (b.ctas, b.sms_used, b.waves, b.slowest_sm, b.cta_spread) == (1, 1, 1, 1, 1.0)
+
+
+def test_record_count_mismatch_is_an_error():
+    with pytest.raises(ValueError, match="3 records for launches totalling 4"):
+        CtaBatch.from_records(np.zeros((3, 3)), [("a", 4)])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cta_histograms_equal_per_group_histograms_and_exemplars(seed):
+    launches = [("k1", 3000), ("k2", 500), ("k1", 1200)]
+    records = _synthetic(seed, launches, num_sms=16)
+    hists = CtaHistograms()
+    batch = CtaBatch.from_records(records, launches, gpu_id=1, trace_id=11, span_id=22)
+    assert hists.add(batch, time_unix_nano=5) == 4700
+    # second step: a different span; only its own slower CTAs may take exemplars
+    records2 = _synthetic(seed + 100, launches, num_sms=16)
+    batch2 = CtaBatch.from_records(records2, launches, gpu_id=1, trace_id=33, span_id=44)
+    hists.add(batch2, time_unix_nano=6)
+    names = np.array([n for n, c in launches for _ in range(c)])
+    snap = hists.snapshot()
+    both = np.concatenate([records, records2])
+    both_names = np.concatenate([names, names])
+    for (gpu, sm, kernel), h in snap.items():
+        assert gpu == 1
+        sel = (both[:, 0] == sm) & (both_names == kernel)
+        ref = ExpHistogram(scale=h.scale)
+        ref.record((both[sel, 2] - both[sel, 1]) * 1e-9)
+        assert h.count == ref.count and h.offset == ref.offset
+        assert np.array_equal(h.counts, ref.counts)
+        assert h.max == pytest.approx(ref.max) and h.sum == pytest.approx(ref.sum)
+    assert sum(h.count for h in snap.values()) == 9400
+    hs, exemplars = hists.take()
+    assert hists.snapshot() == {} and len(hs) == len(snap)
+    for (gpu, sm, kernel), ex in exemplars.items():
+        s1 = (records[:, 0] == sm) & (names == kernel)
+        s2 = (records2[:, 0] == sm) & (names == kernel)
+        m1 = (records[s1, 2] - records[s1, 1]).max(initial=0) * 1e-9
+        m2 = (records2[s2, 2] - records2[s2, 1]).max(initial=0) * 1e-9
+        assert ex.value_s == pytest.approx(max(m1, m2))
+        assert (ex.trace_id, ex.span_id) == ((11, 22) if m1 >= m2 else (33, 44))
+
+
+def test_cta_metrics_encode_to_otlp_with_exemplars():
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.resources import Resource
+
+    records = np.array([[4, 0, 1000], [4, 0, 3000], [7, 0, 2000]])
+    hists = CtaHistograms()
+    hists.add(CtaBatch.from_records(records, [("k", 3)], gpu_id=0, trace_id=0xAB, span_id=0xCD),
+              time_unix_nano=99)
+    h, ex = hists.take()
+    req = encode_metrics(build_cta_metrics(h, ex, 10, 20, Resource.create({"a": "b"})))
+    metric = req.resource_metrics[0].scope_metrics[0].metrics[0]
+    assert metric.name == semconv.METRIC_CTA_DURATION and metric.unit == "s"
+    points = metric.exponential_histogram.data_points
+    assert metric.exponential_histogram.aggregation_temporality == 1  # DELTA
+    by_sm = {}
+    for p in points:
+        attrs = {kv.key: kv.value for kv in p.attributes}
+        by_sm[attrs[semconv.ATTR_SM_ID].int_value] = p
+        assert attrs[semconv.ATTR_KERNEL_NAME].string_value == "k"
+        assert (p.start_time_unix_nano, p.time_unix_nano) == (10, 20)
+    assert sorted(by_sm) == [4, 7]
+    p4 = by_sm[4]
+    assert p4.count == 2 and p4.sum == pytest.approx(4e-6) and p4.max == pytest.approx(3e-6)
+    assert sum(p4.positive.bucket_counts) == 2
+    assert len(p4.exemplars) == 1 and p4.exemplars[0].as_double == pytest.approx(3e-6)
+    assert p4.exemplars[0].trace_id == (0xAB).to_bytes(16, "big")
+    assert p4.exemplars[0].span_id == (0xCD).to_bytes(8, "big")
+
+
+def test_tail_policy_traces_every_step_above_recent_p99():
+    policy = TailPolicy(ratio=0.0, quantile=0.99, window=100, min_steps=50,
+                        rng=random.Random(0))
+    decisions = [policy.decide(0.010) for _ in range(49)]
+    assert decisions == [""] * 49               # too few steps for a tail rule, ratio 0
+    assert policy.decide(0.5) == ""             # 50th step: still no threshold before it
+    for i in range(100):
+        policy.decide(0.010 + (i % 10) * 1e-4)  # window now 100 steps in 10.0..10.9 ms
+    assert policy.threshold() == pytest.approx(0.0109)
+    assert policy.decide(0.0109) == ""          # equal to P99 is not slower
+    assert policy.decide(0.0111) == "tail"
+
+
+def test_tail_policy_samples_the_configured_fraction():
+    policy = TailPolicy(ratio=0.25, quantile=1.0, window=16, min_steps=16,
+                        rng=random.Random(7))
+    decisions = [policy.decide(0.01) for _ in range(20000)]
+    assert decisions.count("tail") == 0
+    assert abs(decisions.count("sampled") / 20000 - 0.25) < 0.015
+
+
+@pytest.mark.gpu
+def test_real_probe_on_gpu_records_every_cta():
+    import torch
+
+    from sightline.engine.kernels.prefill_attention import prefill_attention_triton
+    from sightline.instrumentation.sm_probe import SmProbe
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [1000, 37, 2048]
+    t = sum(lens)
+    q = torch.randn(t, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, 1000, 1037, 3085], dtype=torch.int32, device="cuda")
+    probe = SmProbe("cuda", capacity_ctas=1 << 16)
+    cfg = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3}
+    prefill_attention_triton(q, k, v, cu, cu, 2048, 2048, 0.088, probe=probe, config=cfg)
+    batch = probe.end_step(1, 2).wait()
+    # grid 16 m-tiles x 32 heads x 3 seqs; active tiles: 8 + 1 + 16 per head
+    assert batch.launch_ctas.tolist() == [25 * 32] and batch.idle_ctas == (48 - 25) * 32
+    assert batch.sm_id.min() >= 0 and batch.sm_id.max() < num_sms
+    assert (batch.end_ns > batch.start_ns).all()
+    facts = launch_facts(batch)[0]
+    assert facts.sms_used == num_sms and facts.cta_spread >= 1.0
