@@ -153,6 +153,10 @@ class TelemetryConfig:
         object.__setattr__(self, "resource_attributes", dict(self.resource_attributes))
         for endpoint_name in ("otlp_endpoint", "otlp_traces_endpoint", "otlp_metrics_endpoint"):
             value = getattr(self, endpoint_name)
+            if value is not None and "://" not in value:
+                # "collector:4317" as the gRPC exporters accept it: plaintext http.
+                value = "http://" + value
+                object.__setattr__(self, endpoint_name, value)
             if value is not None:
                 parsed = urllib.parse.urlparse(value)
                 if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -211,6 +215,7 @@ class TelemetryConfig:
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
+        sources: dict[str, str] = {}  # field -> the variable it came from, for error messages
 
         def get(name: str) -> str | None:
             value = env.get(name)
@@ -226,6 +231,7 @@ class TelemetryConfig:
                 values[key] = convert(raw)
             except ValueError as exc:
                 raise ValueError(f"{var}={raw!r}: {exc}") from None
+            sources[key] = f"{var}={raw!r}"
 
         put("level", "SIGHTLINE_TRACE_LEVEL", TraceLevel.parse)
         if (get("OTEL_SDK_DISABLED") or "").lower() == "true":
@@ -272,7 +278,14 @@ class TelemetryConfig:
                 names = ", ".join(f.name for f in dataclasses.fields(cls))
                 raise TypeError(f"unknown TelemetryConfig field {key!r}; fields are {names}")
             values[key] = value
-        return cls(**values)
+            sources.pop(key, None)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            field_name = str(exc).split(" ", 1)[0]
+            if field_name in sources:
+                raise ValueError(f"{sources[field_name]}: {exc}") from None
+            raise
 
 
 def _check_range(name: str, value: float, lo: float, hi: float) -> None:

@@ -63,6 +63,8 @@ __all__ = [
     "build_providers",
     "build_sampler",
     "build_resource",
+    "build_otlp_span_exporter",
+    "build_otlp_metric_exporter",
 ]
 
 logger = logging.getLogger(__name__)
@@ -427,6 +429,16 @@ def _otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
         timeout=config.export_timeout_s,
         preferred_temporality=temporality,
     )
+
+
+def build_otlp_span_exporter(config: TelemetryConfig) -> SpanExporter:
+    """The SDK OTLP span exporter for ``config`` (gRPC or HTTP/protobuf, timeout set)."""
+    return _otlp_span_exporter(config)
+
+
+def build_otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
+    """The SDK OTLP metric exporter for ``config`` (temporality per ``metrics_temporality``)."""
+    return _otlp_metric_exporter(config)
 
 
 @dataclass

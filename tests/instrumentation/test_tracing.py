@@ -537,8 +537,13 @@ def test_config_env_precedence_and_errors():
         {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://x:1/custom", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"})
     assert traces_only.traces_endpoint == "http://x:1/custom"
     assert TelemetryConfig.from_env({}).traces_endpoint == "http://localhost:4317"
+    assert TelemetryConfig(otlp_endpoint="collector:4317").traces_endpoint == "http://collector:4317"
+    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_ENDPOINT='ftp://x': otlp_endpoint 'ftp://x' is not"):
+        TelemetryConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://x"})
+    with pytest.raises(ValueError, match=r"OTEL_TRACES_SAMPLER_ARG='2': sampler_arg 2.0 is not"):
+        TelemetryConfig.from_env({"OTEL_TRACES_SAMPLER_ARG": "2"})
     assert TelemetryConfig.from_env({"OTEL_SDK_DISABLED": "true"}).level is TraceLevel.OFF
-    with pytest.raises(ValueError, match=r"'udp'.*grpc\|http/protobuf"):
+    with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL='udp': .*'udp'.*grpc\|http/protobuf"):
         TelemetryConfig.from_env({"OTEL_EXPORTER_OTLP_PROTOCOL": "udp"})
     with pytest.raises(ValueError, match=r"OTEL_BSP_MAX_QUEUE_SIZE='many'"):
         TelemetryConfig.from_env({"OTEL_BSP_MAX_QUEUE_SIZE": "many"})
@@ -551,3 +556,27 @@ def test_config_env_precedence_and_errors():
     with pytest.raises(TypeError, match="unknown TelemetryConfig field 'levle'"):
         TelemetryConfig.from_env({}, levle="off")
     assert TraceLevel.parse("steps") is TraceLevel.STEPS and TraceLevel.parse(3) is TraceLevel.KERNELS
+
+
+def test_sampling_decisions_are_honoured(sink):
+    endpoint = f"http://127.0.0.1:{sink.port}"
+    never = _start(endpoint, "grpc", level=TraceLevel.REQUESTS, sampler="always_off")
+    req = never.start_request(route="/v1/completions", headers={}, model="m",
+                              operation="text_completion", request_id="sampled-out", priority=0)
+    assert req is not None and not req.span_context.trace_flags.sampled
+    req.start_phase(semconv.SPAN_QUEUE)
+    req.finish(status_code=200, finish_reason="stop", input_tokens=1, output_tokens=1)
+    never.shutdown()
+    # parent-based: the caller's "not sampled" flag is followed, its "sampled" flag too
+    follow = _start(endpoint, "grpc", level=TraceLevel.REQUESTS)
+    for request_id, flags in (("parent-unsampled", "00"), ("parent-sampled", "01")):
+        req = follow.start_request(
+            route="/v1/completions", model="m", operation="text_completion",
+            request_id=request_id, priority=0,
+            headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-{flags}"})
+        req.finish(status_code=200, finish_reason="stop", input_tokens=1, output_tokens=1)
+    follow.shutdown()
+    # both requests share the caller's trace id: only the sampled one may be in it
+    assert [s.name for _, s in sink.wait_spans("parent-sampled", 1)] == [semconv.SPAN_HTTP_COMPLETIONS]
+    assert sink.spans("sampled-out") == [] and sink.spans("parent-unsampled") == []
+    assert never.exported_spans() == 0 and never.dropped_spans() == 0
