@@ -11,14 +11,19 @@ the budget in this order:
    a less urgent request never jumps ahead of a more urgent one.
 
 Urgency: lower ``priority`` is more urgent; a request's effective priority is
-``priority - floor(seconds since arrival / aging_s)``, so everything eventually becomes most
-urgent (no starvation); ties go to the earlier arrival (FIFO within a class).
+``priority - floor(seconds since arrival / aging_s)``; ties go to the earlier arrival (FIFO
+within a class). Everyone ages alike, so a priority gap of ``k`` is a head start of about
+``k * aging_s`` seconds of arrival time: a request is never passed by one that arrived
+``(its priority - other's priority) * aging_s`` seconds or more after it (no starvation).
 
-When a running request needs a block and none is free, the least urgent running request not
-yet scheduled in this step (possibly the requester itself) is preempted by recompute: its
-blocks are freed, ``num_computed_tokens`` drops to 0, it returns to the waiting queue with
-``num_preemptions += 1``, and a later prefill covers all of ``all_token_ids``. A request never
-preempts a more urgent one, so the most urgent running request always makes progress.
+When a running request needs a block and none is free (a split prefill first shrinks its
+chunk to the room it has), the least urgent running request that is either not yet scheduled
+in this step or less urgent than the requester is preempted by recompute (a scheduled victim's
+entry is withdrawn and its tokens refunded). The victim may be the requester itself. Its blocks
+are freed, ``num_computed_tokens`` drops to 0, it returns to the waiting queue with
+``num_preemptions += 1`` and is listed in ``StepPlan.preempted``; a later prefill covers all
+of ``all_token_ids``. A request never loses its blocks to a less urgent one, so the most urgent
+running request always makes progress. Waiting requests never preempt running ones.
 
 Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
 never exceeded; outputs with preemption equal outputs without; every finished or aborted
@@ -152,7 +157,9 @@ class Scheduler:
         return self.kv_cache.num_blocks * self.kv_cache.block_size + 1
 
     def add(self, request: Request) -> None:
-        """Queue a new request. Raises QueueFullError (queue at max_waiting) or ValueError (unusable request)."""
+        """Queue a new request. Raises ValueError (unusable: duplicate id, not fresh, or longer than
+        the whole cache could ever hold) or QueueFullError (queue at max_waiting). Preempted
+        requests re-enter the queue without this bound, so num_waiting may briefly exceed it."""
         if request.request_id in self._live:
             raise ValueError(f"request id {request.request_id!r} is already queued or running")
         if request.status is not RequestStatus.WAITING or request.block_ids or request.num_computed_tokens:

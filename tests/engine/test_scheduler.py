@@ -70,7 +70,8 @@ class Harness:
         self.sched.add(r)
         return r
 
-    def step(self) -> tuple[StepPlan, list[Request]]:
+    def step(self, between=None) -> tuple[StepPlan, list[Request]]:
+        """One engine step; ``between(plan)`` runs after schedule() and before the model (e.g. an abort)."""
         plan = self.sched.schedule()
         self.plans.append(plan)
         assert plan.num_prefill_tokens + plan.num_decode_tokens <= self.config.max_num_batched_tokens
@@ -81,12 +82,16 @@ class Harness:
         for r in plan.preempted:
             assert r.status is RequestStatus.WAITING and r.block_ids == [] and r.num_computed_tokens == 0
         self.kv.check_invariants()
+        if between is not None:
+            between(plan)
         for src, dst in self.kv.take_pending_copies():
             bs = self.kv.block_size
             self.cache[dst * bs:(dst + 1) * bs] = self.cache[src * bs:(src + 1) * bs]
         sampled = {}
         for e in plan.scheduled:
             r = e.request
+            if r.is_finished:  # finished between schedule() and the model: the runner skips it
+                continue
             assert e.num_new_tokens >= 1 and e.computed_before == r.num_computed_tokens
             assert e.is_prefill == (e.num_new_tokens > 1 or r.num_output_tokens == 0 or e.computed_before < r.num_tokens - 1)
             for pos, tok in zip(range(e.computed_before, e.end), r.token_ids(e.computed_before, e.end)):
@@ -364,7 +369,11 @@ def test_randomized_operations_keep_invariants_and_outputs():
             expected = None if r.is_finished else r
             assert h.sched.finish(r.request_id, reason) is expected
         else:
-            plan, _ = h.step()
+            def abort_one(plan: StepPlan) -> None:
+                if plan.scheduled and rng.random() < 0.05:
+                    victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
+                    assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
+            plan, _ = h.step(between=abort_one)
             n_preempt += len(plan.preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
         assert h.sched.num_waiting + h.sched.num_running == sum(not r.is_finished for r in live)
@@ -375,10 +384,11 @@ def test_randomized_operations_keep_invariants_and_outputs():
     done += live
     assert not h.sched.has_work and h.kv.num_used_blocks == 0
     h.kv.check_invariants()
-    assert n_preempt > 20 and n_full > 0  # the run did exercise preemption and the queue bound
+    # the run did exercise preemption and the queue bound
+    assert n_preempt > 20 and n_full > 0, f"exercise: {n_preempt} preemptions, {n_full} full-queue rejections"
     natural = [r for r in done if r.finish_reason is FinishReason.LENGTH or
                (r.finish_reason is FinishReason.STOP and r.output_token_ids[-1:] == [eos] and not r.sampling.ignore_eos)]
-    assert len(natural) > 100
+    assert len(natural) > 100, f"exercise: {len(natural)} natural finishes"
     for r in natural:
         assert r.output_token_ids == reference_output(r.prompt_token_ids, r.sampling.max_tokens, eos,
                                                       r.sampling.ignore_eos), r.request_id
