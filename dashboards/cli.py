@@ -15,9 +15,13 @@ __all__ = ["register"]
 
 def _build(args: argparse.Namespace) -> int:
     from sightline.dashboards.build import write_all
+    from sightline.dashboards.provisioning import write_provisioning
 
     for path in write_all(Path(args.out)):
         print(path)
+    if args.provisioning_out:
+        for path in write_provisioning(Path(args.provisioning_out)):
+            print(path)
     return 0
 
 
@@ -40,6 +44,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     build = dashboards_sub.add_parser("build", help="write the dashboards' JSON (commit it)")
     default_out = Path(__file__).resolve().parent / "json"
     build.add_argument("--out", default=str(default_out), help=f"output folder (default: {default_out})")
+    default_provisioning = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "provisioning"
+    build.add_argument("--provisioning-out", default=str(default_provisioning),
+                       help="Grafana provisioning folder (datasources, dashboard provider); '' to skip "
+                       f"(default: {default_provisioning})")
     build.set_defaults(handler=_build)
 
     publish = dashboards_sub.add_parser(

@@ -13,6 +13,7 @@ histogram as ``<name>_bucket`` (cumulative, label ``le``), ``<name>_count`` and
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
 from sightline.instrumentation import semconv
@@ -31,6 +32,7 @@ __all__ = [
     "mean",
     "le_value",
     "known_metric_names",
+    "is_known_metric",
     "known_label_names",
 ]
 
@@ -155,9 +157,23 @@ def known_metric_names() -> frozenset[str]:
     for base in bases:
         names.update(base + suffix for suffix in _HISTOGRAM_SUFFIXES)
     names.update(
-        value for key, value in vars(semconv).items() if key.startswith("RULE_") and isinstance(value, str)
+        value
+        for key, value in vars(semconv).items()
+        if key.startswith("RULE_") and not key.endswith("_PREFIX") and isinstance(value, str)
     )
     return frozenset(names)
+
+
+_WINDOW_SUFFIX = re.compile(r"\d+[smhdwy]")
+
+
+def is_known_metric(name: str) -> bool:
+    """True for a name in :func:`known_metric_names` or a windowed recording rule
+    (a ``RULE_*_PREFIX`` followed by a duration such as ``5m`` or ``3d``)."""
+    if name in known_metric_names():
+        return True
+    prefixes = [value for key, value in vars(semconv).items() if key.startswith("RULE_") and key.endswith("_PREFIX")]
+    return any(name.startswith(prefix) and _WINDOW_SUFFIX.fullmatch(name[len(prefix):]) for prefix in prefixes)
 
 
 def known_label_names() -> frozenset[str]:

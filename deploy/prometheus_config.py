@@ -1,0 +1,160 @@
+"""``prometheus.yml`` for Sightline: scrape the engine and the collector, load the rules,
+send alerts to Alertmanager.
+
+:func:`render_prometheus_config` is what ``sightline up`` (deploy/stack.py) calls with the
+ports it picked; the committed ``deploy/prometheus/prometheus.yml`` (local defaults) and
+``deploy/compose/prometheus.yml`` (compose service names) are rendered by the same
+function (``python -m sightline.deploy.prometheus_config``) and checked by
+``promtool check config`` in the tests.
+
+Exemplars (trace ids on histogram buckets) are only kept when Prometheus runs with
+``--enable-feature=exemplar-storage``; that is a command-line flag, not configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import yaml
+
+from sightline.deploy.prometheus_rules import JOB_COLLECTOR, JOB_ENGINE, RULES_PATH
+
+__all__ = [
+    "EXEMPLAR_FLAG",
+    "LOCAL_CONFIG_PATH",
+    "COMPOSE_CONFIG_PATH",
+    "render_prometheus_config",
+    "write_all",
+]
+
+EXEMPLAR_FLAG = "--enable-feature=exemplar-storage"
+LOCAL_CONFIG_PATH = RULES_PATH.parent / "prometheus.yml"
+COMPOSE_CONFIG_PATH = RULES_PATH.parent.parent / "compose" / "prometheus.yml"
+
+_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+_JOB = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+def _check_target(target: str, what: str) -> str:
+    match = _HOST_PORT.match(target)
+    if not match or not 0 < int(match.group(2)) <= 65535:
+        raise ValueError(f"{what}: {target!r} is not host:port with a port in 1..65535")
+    return target
+
+
+def _check_interval(name: str, seconds: float) -> str:
+    if not 0.1 <= seconds <= 3600:
+        raise ValueError(f"{name}={seconds} is outside 0.1..3600 seconds")
+    return f"{seconds:g}s" if float(seconds).is_integer() else f"{round(seconds * 1000)}ms"
+
+
+def _alertmanager_from_url(url: str) -> dict:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"alertmanager_url {url!r} is not an http(s) URL")
+    entry: dict = {"scheme": parts.scheme, "static_configs": [{"targets": [_check_target(parts.netloc, "alertmanager_url")]}]}
+    if parts.path and parts.path != "/":
+        entry["path_prefix"] = parts.path
+    return entry
+
+
+def render_prometheus_config(
+    targets: Mapping[str, str | Sequence[str]],
+    rule_files: Sequence[str | Path] = (),
+    alertmanagers: Sequence[str] = (),
+    *,
+    alertmanager_url: str | None = None,
+    scrape_interval_s: float = 15.0,
+    evaluation_interval_s: float = 15.0,
+    scrape_timeout_s: float | None = None,
+    external_labels: Mapping[str, str] | None = None,
+) -> str:
+    """``prometheus.yml`` text.
+
+    ``targets``: ``{job name: "host:port" or ["host:port", ...]}`` (``/metrics`` over
+    http); ``rule_files``: paths (relative ones resolve against the config file's
+    folder); ``alertmanagers``: ``host:port`` entries, and/or ``alertmanager_url``
+    (``http://host:port[/prefix]``). Raises ValueError naming a bad target or interval.
+    """
+    scrape = _check_interval("scrape_interval_s", scrape_interval_s)
+    timeout_s = min(scrape_interval_s, 10.0) if scrape_timeout_s is None else scrape_timeout_s
+    if timeout_s > scrape_interval_s:
+        raise ValueError(f"scrape_timeout_s={timeout_s} exceeds scrape_interval_s={scrape_interval_s}")
+    global_section: dict = {
+        "scrape_interval": scrape,
+        "scrape_timeout": _check_interval("scrape_timeout_s", timeout_s),
+        "evaluation_interval": _check_interval("evaluation_interval_s", evaluation_interval_s),
+    }
+    if external_labels:
+        global_section["external_labels"] = dict(external_labels)
+    jobs = []
+    for job, job_targets in targets.items():
+        if not _JOB.match(job):
+            raise ValueError(f"job name {job!r} is not a valid Prometheus job name")
+        listed = [job_targets] if isinstance(job_targets, str) else list(job_targets)
+        if not listed:
+            raise ValueError(f"job {job!r} has no targets")
+        jobs.append(
+            {
+                "job_name": job,
+                "metrics_path": "/metrics",
+                "static_configs": [{"targets": [_check_target(t, f"job {job!r}") for t in listed]}],
+            }
+        )
+    config: dict = {"global": global_section}
+    managers = []
+    if alertmanagers:
+        managers.append(
+            {"static_configs": [{"targets": [_check_target(t, "alertmanagers") for t in alertmanagers]}]}
+        )
+    if alertmanager_url:
+        managers.append(_alertmanager_from_url(alertmanager_url))
+    if managers:
+        config["alerting"] = {"alertmanagers": managers}
+    if rule_files:
+        config["rule_files"] = [str(path) for path in rule_files]
+    config["scrape_configs"] = jobs
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+_HEADER = "# Generated by `python -m sightline.deploy.prometheus_config`; do not edit.\n"
+
+
+def render_local() -> str:
+    """The local stack's defaults: engine :8000, collector :8889, Alertmanager :9093."""
+    return _HEADER + render_prometheus_config(
+        {JOB_ENGINE: "127.0.0.1:8000", JOB_COLLECTOR: "127.0.0.1:8889"},
+        rule_files=[RULES_PATH.name],
+        alertmanagers=["127.0.0.1:9093"],
+    )
+
+
+def render_compose() -> str:
+    """deploy/compose: the services' DNS names; rules mounted next to the config."""
+    return _HEADER + render_prometheus_config(
+        {JOB_ENGINE: "engine:8000", JOB_COLLECTOR: "collector:8889"},
+        rule_files=[f"/etc/prometheus/{RULES_PATH.name}"],
+        alertmanagers=["alertmanager:9093"],
+    )
+
+
+def write_all() -> list[Path]:
+    LOCAL_CONFIG_PATH.write_text(render_local(), encoding="utf-8")
+    COMPOSE_CONFIG_PATH.parent.mkdir(parents=True, exist_ok=True)
+    COMPOSE_CONFIG_PATH.write_text(render_compose(), encoding="utf-8")
+    return [LOCAL_CONFIG_PATH, COMPOSE_CONFIG_PATH]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description="Write Sightline's committed prometheus.yml files.").parse_args(argv)
+    for path in write_all():
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
