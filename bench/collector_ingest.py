@@ -1,0 +1,363 @@
+"""OTLP/HTTP protobuf ingest: spans/s per core and memory, Sightline's collector vs rotel.
+
+Same payloads, same load generator, one run, side by side:
+
+* ``sightline-ingest``: ``sightline collector run --sink discard`` — receivers, limits,
+  parse, count, queue; the aggregator replaced by a discard sink. The counterpart of
+* ``rotel-blackhole``: ``rotel-agent start --exporter blackhole`` (a Rust collector
+  that receives, decodes and batches, then drops).
+* ``sightline-full``: ``sightline collector run`` with the real aggregator behind the
+  bounded queue; its acknowledged rate is what the aggregator sustains (the rest is
+  answered 429, which the loader counts and retries later).
+
+Method: a separate process serves; this process posts pre-serialized
+``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
+attributes each) over ``--connections`` keep-alive connections for ``--seconds``, after
+a warm-up. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
+process used in the window (user + system, from /proc), so it does not depend on how
+many cores the machine lends the server while the loader competes for them. Wall-clock
+spans/s is reported too. Each target runs ``--repeats`` times, interleaved; medians.
+Peak RSS is the server's VmHWM at the end.
+
+Results: bench/results/collector_ingest.json and .md (with the git commit).
+Run: ``.venv/bin/python bench/collector_ingest.py`` (about a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class RunResult:
+    target: str
+    repeat: int
+    seconds: float
+    spans_acked: int
+    requests_acked: int
+    requests_429: int
+    requests_failed: int
+    server_cpu_s: float
+    spans_per_s_wall: float
+    spans_per_cpu_s: float
+    spans_aggregated: int | None  # sightline-full: acked in the window minus queue growth
+    aggregated_per_cpu_s: float | None
+    server_rss_mib: float
+    server_peak_rss_mib: float
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cpu_s(pid: int) -> float:
+    """user + system CPU seconds of ``pid`` and all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _status_mib(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def make_payloads(n_requests: int, spans_per_request: int) -> list[bytes]:
+    """Engine-like spans: decode/step names, 16/8-byte ids, 6 attributes each."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    names = ("queue", "prefill", "decode", "engine.step", "detokenize", "POST /v1/completions")
+    payloads = []
+    for r in range(n_requests):
+        request = ExportTraceServiceRequest()
+        rs = request.resource_spans.add()
+        kv = rs.resource.attributes.add()
+        kv.key, kv.value.string_value = "service.name", "sightline-engine"
+        scope = rs.scope_spans.add()
+        scope.scope.name = "sightline"
+        for i in range(spans_per_request):
+            span = scope.spans.add()
+            span.trace_id = os.urandom(16)
+            span.span_id = os.urandom(8)
+            span.parent_span_id = os.urandom(8)
+            span.name = names[i % len(names)]
+            span.kind = 1
+            span.start_time_unix_nano = time.time_ns()
+            span.end_time_unix_nano = span.start_time_unix_nano + 1_000_000 + i
+            for key, value in (("gen_ai.request.model", "tiny-llama"), ("sightline.request.priority", 1),
+                               ("sightline.step.id", r * spans_per_request + i),
+                               ("sightline.step.batch_size", 32), ("gen_ai.usage.output_tokens", 128),
+                               ("sightline.request.id", f"req-{r}-{i}")):
+                a = span.attributes.add()
+                a.key = key
+                if isinstance(value, str):
+                    a.value.string_value = value
+                else:
+                    a.value.int_value = value
+        payloads.append(request.SerializeToString())
+    return payloads
+
+
+class Server:
+    """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
+
+    def __init__(self, target: str, workdir: Path) -> None:
+        self.target = target
+        http_port, grpc_port = _free_port(), _free_port()
+        self.log = workdir / f"{target}.log"
+        env = dict(os.environ)
+        env.pop("SIGHTLINE_COLLECTOR_TOKEN", None)
+        if target.startswith("sightline"):
+            query_port = _free_port()
+            command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
+                       "--otlp-http", f"127.0.0.1:{http_port}", "--otlp-grpc", f"127.0.0.1:{grpc_port}",
+                       "--zipkin", f"127.0.0.1:{_free_port()}", "--http", f"127.0.0.1:{query_port}",
+                       "--log-level", "WARNING",
+                       "--sink", "discard" if target == "sightline-ingest" else "aggregator"]
+            ready = f"http://127.0.0.1:{query_port}/readyz"
+            self.metrics_url = f"http://127.0.0.1:{query_port}/metrics"
+        else:
+            import rotel
+
+            command = [str(Path(rotel.__file__).parent / "rotel-agent"), "start",
+                       "--otlp-http-endpoint", f"127.0.0.1:{http_port}",
+                       "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
+                       "--pid-file", str(workdir / "rotel.pid"), "--log-file", str(workdir / "rotel-agent.log"),
+                       "--exporter", "blackhole"]
+            ready = None
+            self.metrics_url = None
+        self.url = f"http://127.0.0.1:{http_port}/v1/traces"
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+        deadline = time.monotonic() + 30
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{target} exited: {self.log.read_text()[-2000:]}")
+            try:
+                if ready:
+                    urllib.request.urlopen(ready, timeout=1).close()
+                else:
+                    socket.create_connection(("127.0.0.1", http_port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def _queue_depth(metrics_url: str | None) -> float:
+    if metrics_url is None:
+        return 0.0
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("sightline_collector_queue_depth "):
+                return float(line.split()[1])
+    return 0.0
+
+
+async def _load(url: str, payloads: list[bytes], spans_per_request: int, connections: int,
+                warmup_s: float, seconds: float, pid: int, metrics_url: str | None) -> tuple:
+    headers = {"Content-Type": "application/x-protobuf"}
+    counts = {"acked": 0, "429": 0, "failed": 0}
+    measuring = False
+    stop_at = time.monotonic() + warmup_s + seconds
+
+    async def sender(session: aiohttp.ClientSession, k: int) -> None:
+        i = k
+        while time.monotonic() < stop_at:
+            body = payloads[i % len(payloads)]
+            i += connections
+            try:
+                async with session.post(url, data=body, headers=headers) as response:
+                    await response.read()
+                    status = response.status
+            except aiohttp.ClientError:
+                status = -1
+            if not measuring:
+                continue
+            if status == 200:
+                counts["acked"] += 1
+            elif status == 429:
+                counts["429"] += 1
+                await asyncio.sleep(0.01)
+            else:
+                counts["failed"] += 1
+
+    connector = aiohttp.TCPConnector(limit=connections)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = [asyncio.create_task(sender(session, k)) for k in range(connections)]
+        await asyncio.sleep(warmup_s)
+        depth0 = await asyncio.to_thread(_queue_depth, metrics_url)
+        measuring = True
+        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        await asyncio.sleep(seconds)
+        cpu1, t1 = _cpu_s(pid), time.monotonic()
+        measuring = False
+        depth1 = await asyncio.to_thread(_queue_depth, metrics_url)
+        await asyncio.gather(*tasks)
+    return counts, cpu1 - cpu0, t1 - t0, depth1 - depth0
+
+
+def run_once(target: str, repeat: int, payloads: list[bytes], args, workdir: Path) -> RunResult:
+    server = Server(target, workdir)
+    try:
+        counts, cpu_s, wall_s, depth_growth = asyncio.run(_load(
+            server.url, payloads, args.spans_per_request, args.connections, args.warmup_s,
+            args.seconds, server.process.pid, server.metrics_url))
+        rss = _status_mib(server.process.pid, "VmRSS")
+        peak = _status_mib(server.process.pid, "VmHWM")
+    finally:
+        server.stop()
+    spans = counts["acked"] * args.spans_per_request
+    aggregated = int(spans - depth_growth) if target == "sightline-full" else None
+    return RunResult(target, repeat, round(wall_s, 3), spans, counts["acked"], counts["429"], counts["failed"],
+                     round(cpu_s, 3), round(spans / wall_s), round(spans / cpu_s) if cpu_s else 0,
+                     aggregated, round(aggregated / cpu_s) if aggregated is not None and cpu_s else None,
+                     round(rss, 1), round(peak, 1))
+
+
+def _git_commit() -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "collector", "bench/collector_ingest.py"],
+                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _in_process_parse_us(payload: bytes, repeats: int = 50) -> dict[str, float]:
+    """Where the receiver's protobuf time goes, without HTTP: parse, and count."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    from sightline.collector.otlp_http import count_spans
+
+    parse = count = float("inf")
+    for _ in range(5):  # best of 5: the machine is shared, the minimum is the cost
+        t = time.thread_time()
+        for _ in range(repeats):
+            message = ExportTraceServiceRequest.FromString(payload)
+        parse = min(parse, (time.thread_time() - t) / repeats)
+        t = time.thread_time()
+        for _ in range(repeats):
+            count_spans(message)
+        count = min(count, (time.thread_time() - t) / repeats)
+    return {"parse_us_per_request": round(parse * 1e6, 1), "count_us_per_request": round(count * 1e6, 1)}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--targets", default="sightline-ingest,rotel-blackhole,sightline-full")
+    parser.add_argument("--spans-per-request", type=int, default=512, help="the OTel SDK's default batch")
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--seconds", type=float, default=4.0)
+    parser.add_argument("--warmup-s", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS / "collector_ingest")
+    args = parser.parse_args(argv)
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    payloads = make_payloads(16, args.spans_per_request)
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    runs: list[RunResult] = []
+    for repeat in range(args.repeats):
+        for target in targets:  # interleaved, so drift in machine load hits every target
+            result = run_once(target, repeat, payloads, args, workdir)
+            print(json.dumps(asdict(result)), flush=True)
+            runs.append(result)
+    summary = {}
+    for target in targets:
+        mine = [r for r in runs if r.target == target]
+        summary[target] = {
+            "median_spans_per_cpu_s": statistics.median(r.spans_per_cpu_s for r in mine),
+            "median_spans_per_s_wall": statistics.median(r.spans_per_s_wall for r in mine),
+            "median_server_cpu_cores": round(statistics.median(r.server_cpu_s / r.seconds for r in mine), 2),
+            "median_peak_rss_mib": statistics.median(r.server_peak_rss_mib for r in mine),
+            "median_aggregated_per_cpu_s": (statistics.median(r.aggregated_per_cpu_s for r in mine)
+                                            if mine[0].aggregated_per_cpu_s is not None else None),
+            "requests_429": sum(r.requests_429 for r in mine),
+            "requests_failed": sum(r.requests_failed for r in mine),
+        }
+    from google.protobuf.internal import api_implementation
+
+    document = {
+        "benchmark": "collector_ingest",
+        "git_commit": _git_commit(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                    "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
+        "method": {"spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
+                   "connections": args.connections, "seconds": args.seconds, "warmup_s": args.warmup_s,
+                   "repeats": args.repeats,
+                   "spans_per_core": "spans acknowledged / server CPU seconds (user+system, all threads)"},
+        "receiver_protobuf_cost": _in_process_parse_us(payloads[0]),
+        "summary": summary,
+        "runs": [asdict(r) for r in runs],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
+    lines = [
+        "# Collector ingest: OTLP/HTTP protobuf",
+        "",
+        f"commit `{document['git_commit']}`, {document['date_utc']}, {os.cpu_count()} CPUs (shared), "
+        f"Python {platform.python_version()}, protobuf {api_implementation.Type()}; "
+        f"{args.spans_per_request} spans/request ({len(payloads[0])} B), {args.connections} connections, "
+        f"{args.repeats} x {args.seconds:g} s per target, medians.",
+        "",
+        "| target | acked spans/s per core | acked spans/s wall | aggregated spans/s per core | "
+        "server cores busy | peak RSS MiB | 429s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for target, s in summary.items():
+        aggregated = s["median_aggregated_per_cpu_s"]
+        lines.append(f"| {target} | {s['median_spans_per_cpu_s']:,.0f} | {s['median_spans_per_s_wall']:,.0f} | "
+                     f"{'-' if aggregated is None else f'{aggregated:,.0f}'} | "
+                     f"{s['median_server_cpu_cores']} | {s['median_peak_rss_mib']:.0f} | {s['requests_429']} |")
+    cost = document["receiver_protobuf_cost"]
+    lines += [
+        "",
+        f"Receiver protobuf cost per {args.spans_per_request}-span request (in-process thread CPU time, no HTTP, best of 5): "
+        f"parse {cost['parse_us_per_request']} µs, count {cost['count_us_per_request']} µs.",
+        "",
+        "spans/s per core = spans acknowledged (HTTP 200) / server CPU seconds in the window. "
+        "`sightline-full` acknowledges into its bounded queue (100,000 spans by default) and answers 429 "
+        "once it is full; its aggregated spans/s per core counts only what left the queue into the "
+        "aggregator in the window (acked minus queue growth), the ingest and aggregation CPU together.",
+        "Command: `.venv/bin/python bench/collector_ingest.py`",
+    ]
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
