@@ -1,12 +1,78 @@
-"""``sightline engine ...`` subcommands (placeholder until the engine lands)."""
+"""``sightline engine serve``: the OpenAI-compatible reference engine.
+
+Module-level imports are standard library only (``sightline --help`` stays instant and the
+collector machine needs no torch); the handler imports the engine. Telemetry settings follow
+argument > ``OTEL_*``/``SIGHTLINE_*`` environment > default (``TelemetryConfig.from_env``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+
+__all__ = ["register"]
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
     engine = subcommands.add_parser("engine", help="the reference inference engine")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True, metavar="COMMAND")
-    serve = engine_sub.add_parser("serve", help="serve the OpenAI-compatible API")
-    serve.set_defaults(handler=lambda args: print("engine serve: not built yet") or 1)
+    serve = engine_sub.add_parser(
+        "serve", help="serve the OpenAI-compatible API",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+                    "SIGTERM drains in-flight requests, then exits.")
+    serve.add_argument("--model", default="tiny",
+                       help="preset (tiny, llama-1b, llama-8b: random weights) or a local HF-style "
+                            "directory with config.json and *.safetensors (default: tiny)")
+    serve.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    serve.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    serve.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV cache size on the CPU")
+    serve.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="fraction of GPU memory for weights, activations and KV cache")
+    serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit")
+    serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step")
+    serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound (HTTP 429 past it)")
+    serve.add_argument("--aging-s", type=float, default=10.0,
+                       help="a waiting request gains one priority level per this many seconds")
+    serve.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
+    serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may finish after SIGTERM")
+    serve.add_argument("--trace-level", choices=("off", "requests", "steps", "kernels"), default=None,
+                       help="tracing depth (default: SIGHTLINE_TRACE_LEVEL, else requests)")
+    serve.add_argument("--otlp-endpoint", default=None,
+                       help="OTLP endpoint URL (default: OTEL_EXPORTER_OTLP_ENDPOINT)")
+    serve.add_argument("--otlp-protocol", choices=("grpc", "http/protobuf"), default=None,
+                       help="default: OTEL_EXPORTER_OTLP_PROTOCOL, else grpc")
+    serve.add_argument("--capture-content", action="store_true", default=None,
+                       help="record prompt and completion text on spans (off by default)")
+    serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    serve.set_defaults(handler=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from sightline.engine.config import EngineConfig
+    from sightline.engine.scheduler import SchedulerConfig
+    from sightline.engine.server import serve
+    from sightline.instrumentation.config import TelemetryConfig
+
+    telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
+                                         otlp_protocol=args.otlp_protocol,
+                                         capture_content=args.capture_content)
+    config = EngineConfig(
+        model=args.model, served_model_name=args.served_model_name, device=args.device,
+        dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_waiting=args.max_waiting, aging_s=args.aging_s),
+        attention_backend=args.attention_backend, cpu_threads=args.cpu_threads, host=args.host,
+        port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry)
+    return serve(config)

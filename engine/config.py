@@ -190,6 +190,9 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
+    # keeps (oversubscribed OpenMP threads spin and stall every step).
+    cpu_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
@@ -212,6 +215,8 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              "auto|triton|torch")
+        if self.cpu_threads is not None:
+            _check_int("cpu_threads", self.cpu_threads, 1, 1024)
         _check_int("port", self.port, 0, 65535)
         _check_float("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if not isinstance(self.scheduler, SchedulerConfig):

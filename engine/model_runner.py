@@ -14,6 +14,7 @@ sampled rows) has run; on the CPU, ``kv_cache_gib``.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -78,6 +79,8 @@ class ModelRunner:
         self.gpu_telemetry = gpu_telemetry
         self.backend = config.attention_backend
         self._pin = self.device.type == "cuda"
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         start = time.monotonic()
         self.model = build_model(model_config, self.device, self.dtype, seed=config.seed)
         self.sampler = Sampler(self.device, config.seed)

@@ -1,0 +1,263 @@
+"""The OpenAI wire format: request parsing with validation, response and SSE chunk bodies.
+
+Parsing turns a JSON body into a typed request or raises ``ProtocolError`` carrying the HTTP
+status and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``; the
+message names the bad value and what is allowed. Supported: ``/v1/completions`` and
+``/v1/chat/completions`` with max_tokens (chat: also max_completion_tokens), temperature,
+top_p, seed, stop, stream, stream_options.include_usage, and the extensions ignore_eos and
+priority (int, lower = more urgent). Features this engine does not have (n > 1, logprobs,
+penalties, tools, batch prompts) are refused with a 400 that says so, never ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sightline.engine.tokenizer import ChatMessage
+
+__all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error_body",
+           "parse_completion_request", "parse_chat_request", "completion_response",
+           "chat_response", "completion_chunk", "chat_chunk", "usage_chunk", "sse", "SSE_DONE"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+MAX_STOP_SEQUENCES = 4
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ProtocolError(Exception):
+    """A request the server refuses; ``body()`` is the OpenAI error JSON."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass
+class _Common:
+    model: str
+    max_tokens: int | None = None  # None: the API's default (16 for completions, context for chat)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    priority: int = 0
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class CompletionRequest(_Common):
+    prompt: str | list[int] = ""
+
+
+@dataclass
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = field(default_factory=list)
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value > hi or (value <= lo if lo_open else value < lo):
+        raise ProtocolError(f"{name}={value!r} is not a number in {'(' if lo_open else '['}{lo}, {hi}]",
+                            param=name, code="invalid_value")
+    return float(value)
+
+
+def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ProtocolError(f"model={model!r} must be a non-empty string", param="model",
+                            code="invalid_value")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise ProtocolError(f"n={n!r} is not supported: this engine returns one choice per request (n=1)",
+                            param="n", code="unsupported_value")
+    for name, neutral in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
+                          ("best_of", (None, 1)), ("suffix", (None, "")),
+                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
+                          ("logit_bias", (None, {})), ("tools", (None, [])), ("response_format", (None,))):
+        if name in body and body[name] not in neutral:
+            raise ProtocolError(f"{name}={body[name]!r} is not supported by this engine", param=name,
+                                code="unsupported_parameter")
+    max_tokens = None
+    for key in max_tokens_keys:
+        value = body.get(key)
+        if value is None:
+            continue
+        if not _is_int(value) or value < 1:
+            raise ProtocolError(f"{key}={value!r} must be an integer >= 1", param=key, code="invalid_value")
+        max_tokens = value
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise ProtocolError(f"seed={seed!r} must be an integer", param="seed", code="invalid_value")
+    stop = body.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,) if stop else ()
+    elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_SEQUENCES:
+        stops = tuple(stop)
+    else:
+        raise ProtocolError(f"stop={stop!r} must be a string or a list of at most {MAX_STOP_SEQUENCES} "
+                            "non-empty strings", param="stop", code="invalid_value")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise ProtocolError(f"ignore_eos={ignore_eos!r} must be a boolean", param="ignore_eos",
+                            code="invalid_value")
+    priority = body.get("priority", 0)
+    if priority is None:
+        priority = 0
+    if not _is_int(priority) or not -(2**31) <= priority < 2**31:
+        raise ProtocolError(f"priority={priority!r} must be an integer (lower is more urgent)",
+                            param="priority", code="invalid_value")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ProtocolError(f"stream={stream!r} must be a boolean", param="stream", code="invalid_value")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise ProtocolError(f"stream_options={options!r} must be an object like "
+                                '{"include_usage": true}', param="stream_options", code="invalid_value")
+        if not stream:
+            raise ProtocolError("stream_options is only allowed when stream is true",
+                                param="stream_options", code="invalid_value")
+        include_usage = options.get("include_usage", False)
+    return dict(model=model, max_tokens=max_tokens,
+                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
+                seed=seed % 2**63 if seed is not None else None, stop=stops, ignore_eos=ignore_eos,
+                priority=priority, stream=stream, include_usage=include_usage)
+
+
+def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, list):
+        if not prompt or not all(_is_int(t) and t >= 0 for t in prompt):
+            raise ProtocolError("prompt must be a string, or a non-empty list of token ids; batches of "
+                                f"several prompts are not supported (got a list of {len(prompt)})",
+                                param="prompt", code="invalid_value")
+    elif not isinstance(prompt, str):
+        raise ProtocolError(f"prompt={prompt!r} must be a string or a list of token ids", param="prompt",
+                            code="invalid_value")
+    return CompletionRequest(prompt=prompt, **_common(body, ("max_tokens",)))
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProtocolError("messages must be a non-empty list of {role, content} objects",
+                            param="messages", code="invalid_value")
+    parsed = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            role = message.get("role") if isinstance(message, dict) else message
+            raise ProtocolError(f"messages[{i}].role={role!r} is not one of {'|'.join(_ROLES)}",
+                                param=f"messages[{i}].role", code="invalid_value")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: only text ones
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ProtocolError(f"messages[{i}].content parts must be text parts, got {part!r}",
+                                        param=f"messages[{i}].content", code="invalid_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None and message["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ProtocolError(f"messages[{i}].content={content!r} must be a string",
+                                param=f"messages[{i}].content", code="invalid_value")
+        parsed.append(ChatMessage(message["role"], content))
+    return ChatCompletionRequest(messages=parsed,
+                                 **_common(body, ("max_tokens", "max_completion_tokens")))
+
+
+# ---- responses -------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_response(response_id: str, model: str, created: int, text: str,
+                        finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def chat_response(response_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                  prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def completion_chunk(response_id: str, model: str, created: int, text: str,
+                     finish_reason: str | None, include_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(response_id: str, model: str, created: int, delta: dict[str, str],
+               finish_reason: str | None, include_usage: bool) -> dict:
+    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(response_id: str, model: str, created: int, chat: bool, prompt_tokens: int,
+                completion_tokens: int) -> dict:
+    """The extra last chunk of ``stream_options.include_usage``: no choices, the totals."""
+    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model, "choices": [],
+            "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def now_s() -> int:
+    return int(time.time())
