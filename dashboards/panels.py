@@ -42,6 +42,7 @@ __all__ = [
     "DashboardSpec",
     "build_dashboard",
     "to_json",
+    "all_queries",
 ]
 
 # Datasource uids shared with deploy/grafana provisioning (dashboards.provisioning).

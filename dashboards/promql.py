@@ -31,6 +31,7 @@ __all__ = [
     "histogram_quantile",
     "mean",
     "le_value",
+    "series_names",
     "known_metric_names",
     "is_known_metric",
     "known_label_names",
@@ -181,3 +182,29 @@ def known_label_names() -> frozenset[str]:
     target labels Prometheus adds itself (``job``, ``instance``)."""
     labels = {value for key, value in vars(semconv).items() if key.startswith("LABEL_")}
     return frozenset(labels | {BUCKET_LABEL, "job", "instance", "slo", "window"})
+
+
+_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
+_KEYWORDS = frozenset({"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right",
+                       "offset", "bool"})
+
+
+def series_names(expr: str) -> set[str]:
+    """Series names in a PromQL expression (best effort, for tests): identifiers outside
+    label matchers, strings, range selectors and grouping clauses that are not
+    functions, keywords or parts of numbers."""
+    text = re.sub(r'"[^"]*"', '""', expr)
+    text = re.sub(r"\{[^}]*\}", "", text)
+    text = re.sub(r"\[[^\]]*\]", "", text)
+    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
+    names = set()
+    for match in _IDENT.finditer(text):
+        word = match.group(0)
+        if word in _KEYWORDS or text[match.end():].lstrip().startswith("("):
+            continue
+        if match.start() and (text[match.start() - 1].isdigit() or text[match.start() - 1] == "."):
+            continue  # the "e" of 1e-05
+        if word in ("Inf", "NaN", "inf", "nan"):
+            continue
+        names.add(word)
+    return names

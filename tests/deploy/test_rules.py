@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -68,35 +67,12 @@ def test_every_alert_has_severity_annotations_and_runbook():
         "SightlineTTFTBudgetBurnFast", "SightlineErrorsBudgetBurnFast", "SightlineTargetDown"}
 
 
-_IDENT = re.compile(r"[A-Za-z_:][A-Za-z0-9_:]*")
-_KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "offset", "bool"}
-
-
-def metric_names(expr: str) -> set[str]:
-    """Series names in a PromQL expression: identifiers outside label matchers, strings,
-    ranges and grouping clauses that are not functions, keywords or numbers."""
-    text = re.sub(r'"[^"]*"', '""', expr)
-    text = re.sub(r"\{[^}]*\}", "", text)
-    text = re.sub(r"\[[^\]]*\]", "", text)
-    text = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", text)
-    names = set()
-    for match in _IDENT.finditer(text):
-        word = match.group(0)
-        after = text[match.end():].lstrip()
-        if word in _KEYWORDS or after.startswith("(") or re.fullmatch(r"\d.*|e\d+|Inf|NaN", word):
-            continue
-        if text[max(0, match.start() - 1)].isdigit():  # the "e" of 1e-05
-            continue
-        names.add(word)
-    return names
-
-
 def test_rules_use_only_semconv_names():
     document = yaml.safe_load(RULES.read_text())
     used = set()
     for group in document["groups"]:
         for rule in group["rules"]:
-            used |= metric_names(rule["expr"])
+            used |= promql.series_names(rule["expr"])
             if "record" in rule:
                 assert promql.is_known_metric(rule["record"]), rule["record"]
     assert len(used) > 20, f"the name extraction found too little: {used}"
@@ -104,9 +80,9 @@ def test_rules_use_only_semconv_names():
     assert not unknown, f"names not in semconv: {unknown}"
 
 
-def test_metric_name_extraction():
-    assert metric_names('histogram_quantile(0.99, sum by (model, le) (rate(a_bucket{le="1.0"}[5m]))) > 1e-05') == {"a_bucket"}
-    assert metric_names("x:y:z offset 1d / ignoring(le) group_left max by (sm) (b)") == {"x:y:z", "b"}
+def test_series_name_extraction():
+    assert promql.series_names('histogram_quantile(0.99, sum by (model, le) (rate(a_bucket{le="1.0"}[5m]))) > 1e-05') == {"a_bucket"}
+    assert promql.series_names("x:y:z offset 1d / ignoring(le) group_left max by (sm) (b)") == {"x:y:z", "b"}
 
 
 @needs_promtool
