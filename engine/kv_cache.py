@@ -91,6 +91,7 @@ class KVCacheManager:
         self._free: deque[int] = deque(range(config.num_blocks))
         self._holders: dict[int, Request] = {}  # id(request) -> request, for check_invariants
         self._pending_copies: list[tuple[int, int]] = []
+        self._num_shared = 0  # blocks with ref count > 1; 0 (no forks) skips the copy-on-write scan
 
     # ---- capacity -----------------------------------------------------------------------------
     @property
@@ -139,6 +140,7 @@ class KVCacheManager:
             src = request.block_ids[index]
             dst = self._take()
             self._ref_counts[src] -= 1  # still > 0: another holder keeps it
+            self._num_shared -= self._ref_counts[src] == 1
             request.block_ids[index] = dst
             self._pending_copies.append((src, dst))
         need_total = -(-end // self.block_size)
@@ -160,6 +162,8 @@ class KVCacheManager:
             self._ref_counts[block_id] = count
             if count == 0:
                 self._free.append(block_id)
+            elif count == 1:
+                self._num_shared -= 1
         request.block_ids.clear()
         self._holders.pop(id(request), None)
 
@@ -175,6 +179,7 @@ class KVCacheManager:
             raise ValueError(f"cannot fork request {parent.request_id} into itself")
         for block_id in parent.block_ids:
             self._ref_counts[block_id] += 1
+            self._num_shared += self._ref_counts[block_id] == 2
         child.block_ids = list(parent.block_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         if child.block_ids:
@@ -217,6 +222,9 @@ class KVCacheManager:
             raise AssertionError("negative ref count")
         if len(free) + len(used) != self.num_blocks:
             raise AssertionError(f"free {len(free)} + used {len(used)} != total {self.num_blocks}")
+        shared = sum(c > 1 for c in self._ref_counts)
+        if shared != self._num_shared:
+            raise AssertionError(f"{shared} blocks are shared, the counter says {self._num_shared}")
         both = free.intersection(used)
         if both:
             raise AssertionError(f"blocks both free and used: {sorted(both)[:8]}")
@@ -239,7 +247,7 @@ class KVCacheManager:
     def _shared_in_write_range(self, request: Request, end: int) -> list[int]:
         """Indices of shared blocks that positions [num_computed_tokens, end) would write into."""
         start = request.num_computed_tokens
-        if end <= start:
+        if end <= start or self._num_shared == 0:
             return []
         first = start // self.block_size
         last = min(len(request.block_ids), -(-end // self.block_size))

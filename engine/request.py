@@ -105,6 +105,8 @@ class Request:
             raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least 1 token, got 0")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        if not _is_real(self.arrival_time_s):
+            raise ValueError(f"arrival_time_s must be a finite number, got {self.arrival_time_s!r}")
 
     @property
     def num_prompt_tokens(self) -> int:

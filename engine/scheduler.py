@@ -34,6 +34,8 @@ a given clock; not thread-safe (the engine loop is the only caller).
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable
@@ -128,7 +130,7 @@ class Scheduler:
         self.config = config
         self.kv_cache = kv_cache
         self.clock = clock
-        self._waiting: list[Request] = []
+        self._waiting = _WaitingQueue()
         self._running: list[Request] = []
         self._live: dict[str, Request] = {}
         self._order: dict[int, int] = {}  # id(request) -> admission number: the last tie-breaker
@@ -151,6 +153,15 @@ class Scheduler:
     def get(self, request_id: str) -> Request | None:
         """The live (waiting or running) request with this id, if any."""
         return self._live.get(request_id)
+
+    def waiting_requests(self) -> list[Request]:
+        """The waiting requests, most urgent first at the clock's current time (O(W log C))."""
+        now = self.clock()
+        return list(self._waiting.in_order(lambda r: self.urgency_key(r, now)))
+
+    def running_requests(self) -> list[Request]:
+        """The running requests, in no particular order (a copy)."""
+        return list(self._running)
 
     def max_request_tokens(self) -> int:
         """Largest prompt + max_tokens the cache can ever hold for one request (KV of all but the last token)."""
@@ -175,7 +186,7 @@ class Scheduler:
         self._order[id(request)] = self._next_order
         self._next_order += 1
         self._live[request.request_id] = request
-        self._waiting.append(request)
+        self._waiting.add(request, self._order[id(request)])
 
     def effective_priority(self, request: Request, now: float) -> int:
         """``priority - floor(waited / aging_s)``, never above ``priority``."""
@@ -210,7 +221,7 @@ class Scheduler:
                 if num_new > 0:
                     step.add(self._schedule_chunk(request, num_new, is_prefill))
 
-        if step.budget > 0 and self._waiting:
+        if step.budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             self._admit_waiting(step, now)
 
         plan = StepPlan(
@@ -230,9 +241,8 @@ class Scheduler:
     def _admit_waiting(self, step: _StepBuilder, now: float) -> None:
         """Move waiting requests to running, most urgent first, while budget, seats and blocks last."""
         just_preempted = {id(r) for r in step.preempted}
-        self._waiting.sort(key=lambda r: self.urgency_key(r, now))
-        admitted: set[int] = set()
-        for request in self._waiting:
+        admitted: list[Request] = []
+        for request in self._waiting.in_order(lambda r: self.urgency_key(r, now)):
             if step.budget == 0 or len(self._running) >= self.config.max_num_seqs:
                 break
             if id(request) in just_preempted:
@@ -244,10 +254,10 @@ class Scheduler:
             if request.first_scheduled_time_s is None:
                 request.first_scheduled_time_s = now
             self._running.append(request)
-            admitted.add(id(request))
+            admitted.append(request)
             step.add(self._schedule_chunk(request, num_new, True))
-        if admitted:
-            self._waiting = [r for r in self._waiting if id(r) not in admitted]
+        for request in admitted:
+            self._waiting.remove(request)
 
     def update(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
         """Apply a finished step: advance computed tokens, append sampled tokens, finish requests.
@@ -333,7 +343,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self._running.remove(request)
-        self._waiting.append(request)
+        self._waiting.add(request, self._order[id(request)])
 
     def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
         if request.status is RequestStatus.RUNNING:
@@ -346,6 +356,44 @@ class Scheduler:
         request.finish_time_s = now
         self._live.pop(request.request_id, None)
         self._order.pop(id(request), None)
+
+
+class _WaitingQueue:
+    """Waiting requests, one list per priority class, each in (arrival, admission) order.
+
+    Everyone ages alike, so within a class that order is the urgency order at any moment; the
+    global urgency order is then a lazy merge of the class lists. Cost: O(log W) to add or
+    remove (plus a list shift), O(C + k log C) to take the k most urgent of C classes -- instead
+    of re-sorting all W waiting requests every step.
+    """
+
+    def __init__(self) -> None:
+        self._classes: dict[int, list[tuple[float, int, Request]]] = {}
+        self._where: dict[int, tuple[int, float, int]] = {}  # id(request) -> (class, arrival, order)
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def add(self, request: Request, order: int) -> None:
+        where = (request.priority, request.arrival_time_s, order)
+        self._where[id(request)] = where
+        bisect.insort(self._classes.setdefault(where[0], []), (where[1], where[2], request))
+        self._size += 1
+
+    def remove(self, request: Request) -> None:
+        cls, arrival, order = self._where.pop(id(request))
+        entries = self._classes[cls]
+        index = bisect.bisect_left(entries, (arrival, order))
+        del entries[index]
+        if not entries:
+            del self._classes[cls]
+        self._size -= 1
+
+    def in_order(self, key: Callable[[Request], tuple[int, float, int]]):
+        """Iterate the requests most urgent first (do not add or remove while iterating)."""
+        streams = ((entry[2] for entry in entries) for entries in self._classes.values())
+        return heapq.merge(*streams, key=key)
 
 
 class _StepBuilder:

@@ -376,6 +376,10 @@ def test_randomized_operations_keep_invariants_and_outputs():
             plan, _ = h.step(between=abort_one)
             n_preempt += len(plan.preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
+        if op % 50 == 0:  # the lazy per-class merge agrees with a full sort by urgency
+            waiting = h.sched.waiting_requests()
+            assert waiting == sorted(waiting, key=lambda r: h.sched.urgency_key(r, h.clock.now))
+            assert len(waiting) == h.sched.num_waiting
         assert h.sched.num_waiting + h.sched.num_running == sum(not r.is_finished for r in live)
         done += [r for r in live if r.is_finished]
         live = [r for r in live if not r.is_finished]
