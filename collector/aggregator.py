@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
-from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, SpanRecord, TraceStore,
-                                             TraceStoreConfig, any_value)
+from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, TraceStore, TraceStoreConfig,
+                                             any_value)
 from sightline.collector.windows import Exemplar, SlidingHistogram, WindowConfig
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
@@ -165,9 +165,10 @@ class Aggregator:
         self.spans_seen = 0
         self.points_seen = 0
         self.newest_data_s = 0.0
-        self._handlers = {name: self._on_request for name in REQUEST_SPAN_NAMES}
-        self._handlers[sc.SPAN_ENGINE_STEP] = self._on_step
-        self._handlers_lower = {k.lower(): v for k, v in self._handlers.items()}
+        handlers = {name: self._on_request for name in REQUEST_SPAN_NAMES}
+        handlers[sc.SPAN_ENGINE_STEP] = self._on_step
+        # Zipkin-born spans often arrive lower-cased; one lookup covers both spellings.
+        self._handlers = {**{k.lower(): v for k, v in handlers.items()}, **handlers}
 
     # -- public: ingest -------------------------------------------------------------
     def consume_traces(self, request) -> int:
@@ -255,7 +256,7 @@ class Aggregator:
             return {sm: s.window.window(now_s, last_s) for (g, sm, k), s in self._sm.items()
                     if g == gpu and k == kernel}
 
-    def sm_exemplar_for_spans(self, span_ids: set[str]) -> tuple[str, str, str, Exemplar] | None:
+    def sm_exemplar_for_spans(self, span_ids: set[bytes]) -> tuple[str, str, str, Exemplar] | None:
         """The slowest per-SM exemplar (still in a window) that points at one of ``span_ids``."""
         best = None
         with self._lock:
@@ -320,16 +321,13 @@ class Aggregator:
     def _on_span(self, span, service: str, now: float) -> None:
         name = span.name
         handler = self._handlers.get(name)
+        e2e = None
         if handler is not None:
-            handler(span, now)
+            e2e = handler(span, now)
         elif name.startswith(sc.SPAN_KERNEL_PREFIX):
             self._on_kernel(span, now)
-        else:
-            handler = self._handlers_lower.get(name.lower())
-            if handler is not None:
-                handler(span, now)
         if self.config.store_traces:
-            self.store.add(SpanRecord.from_proto(span, service))
+            self.store.add(span, service, e2e)
 
     def _time(self, unix_nano: int, now: float) -> float:
         t = unix_nano / 1e9
@@ -339,7 +337,7 @@ class Aggregator:
             self.newest_data_s = t
         return t
 
-    def _on_request(self, span, now: float) -> None:
+    def _on_request(self, span, now: float) -> float:
         got: dict[str, object] = {}
         for kv in span.attributes:
             if kv.key in _REQUEST_KEYS:
@@ -366,16 +364,15 @@ class Aggregator:
         e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
         if e2e is None:
             e2e = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
-        ex = Exemplar(e2e, span.trace_id.hex(), span.span_id.hex(), span.end_time_unix_nano)
+        trace_id, span_id, end_ns = span.trace_id, span.span_id, span.end_time_unix_nano
         for family, attr in (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S),
                              ("queue", sc.REQUEST_QUEUE_S)):
             if attr in got:
                 value = _num(got[attr])
                 if value is not None and value >= 0 and math.isfinite(value):
-                    series[family].record(value, t, Exemplar(value, ex.trace_id, ex.span_id,
-                                                             ex.time_unix_nano))
+                    series[family].record(value, t, Exemplar(value, trace_id, span_id, end_ns))
         if e2e >= 0 and math.isfinite(e2e):
-            series["e2e"].record(e2e, t, ex)
+            series["e2e"].record(e2e, t, Exemplar(e2e, trace_id, span_id, end_ns))
         if sc.ERROR_TYPE in got or span.status.code == 2:
             reason = "error"
         elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
@@ -384,6 +381,7 @@ class Aggregator:
             reason = "unknown"
         total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
         self._requests_total[total_key] = self._requests_total.get(total_key, 0) + 1
+        return e2e
 
     def _on_step(self, span, now: float) -> None:
         prefill = decode = 0.0
@@ -428,7 +426,7 @@ class Aggregator:
     def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
         duration = max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
         t = self._time(span.end_time_unix_nano, now)
-        series.record(duration, t, Exemplar(duration, span.trace_id.hex(), span.span_id.hex(),
+        series.record(duration, t, Exemplar(duration, span.trace_id, span.span_id,
                                             span.end_time_unix_nano))
 
     # -- per-SM metric points ---------------------------------------------------------------
@@ -491,7 +489,7 @@ class Aggregator:
         for e in point.exemplars:
             value = e.as_double if e.WhichOneof("value") == "as_double" else float(e.as_int)
             if exemplar is None or value > exemplar.value:
-                exemplar = Exemplar(value, e.trace_id.hex(), e.span_id.hex(), e.time_unix_nano)
+                exemplar = Exemplar(value, e.trace_id, e.span_id, e.time_unix_nano)
         if not series.window.add_histogram(hist, t, exemplar):
             self._drop("late")
             return 0

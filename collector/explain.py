@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from sightline.collector.trace_store import SpanRecord, TraceStore
+from sightline.collector.trace_store import StoredSpan, TraceStore
 from sightline.instrumentation import semconv as sc
 
 __all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
@@ -114,9 +114,9 @@ def _i(value) -> int | None:
     return int(f) if f is not None and math.isfinite(f) else None
 
 
-def e2e_of(root: SpanRecord) -> float:
-    value = _f(root.attributes.get(sc.REQUEST_E2E_S))
-    return value if value is not None else root.duration_s
+def e2e_of(root: StoredSpan) -> float:
+    """The request's e2e latency as the aggregator read it at ingest (else the span's)."""
+    return root.e2e_s if root.e2e_s is not None else root.duration_s
 
 
 def trace_spans(aggregator, trace_id: str) -> dict | None:
@@ -126,9 +126,9 @@ def trace_spans(aggregator, trace_id: str) -> dict | None:
         if trace is None:
             return None
         spans = sorted(trace.spans, key=lambda s: (s.start_time_unix_nano, s.span_id))
-        return {"trace_id": trace.trace_id, "dropped_spans": trace.dropped_spans,
-                "spans": [s.to_dict() for s in spans],
-                "linked_traces": [t.trace_id for t in store.linked(trace.trace_id)]}
+        return {"trace_id": trace.trace_id.hex(), "dropped_spans": trace.dropped_spans,
+                "spans": [s.record().to_dict() for s in spans],
+                "linked_traces": [t.trace_id.hex() for t in store.linked(trace.trace_id)]}
     return aggregator.with_store(read)
 
 
@@ -148,17 +148,17 @@ def explain_slowest(aggregator, quantile: float = 0.99, limit: int = 10,
         threshold = e2e_of(ranked[max(1, math.ceil(quantile * len(ranked))) - 1])
         chosen = [r for r in reversed(ranked) if e2e_of(r) >= threshold][:limit]
         out = [_explain_one(store, root, max_steps, max_kernels) for root in chosen]
-        return Explanation(quantile, threshold, len(roots), out), out
+        return Explanation(quantile, threshold, len(roots), [r for r, _ in out]), out
 
     explanation, requests = aggregator.with_store(read)
-    for req in requests:  # per-SM fallbacks read the aggregator, outside the store lock
+    for req, step_ids in requests:  # per-SM fallbacks read the aggregator, outside the store lock
         if req.slowest_sm is None:
-            req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req)
+            req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req, step_ids)
     return explanation
 
 
-def _explain_one(store: TraceStore, root: SpanRecord, max_steps: int,
-                 max_kernels: int) -> RequestExplanation:
+def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
+                 max_kernels: int) -> tuple[RequestExplanation, set[bytes]]:
     trace = store.get(root.trace_id)
     spans = trace.spans if trace else [root]
     totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
@@ -184,7 +184,8 @@ def _explain_one(store: TraceStore, root: SpanRecord, max_steps: int,
                     kernels.append(_kernel_summary(k))
         kernels.sort(key=lambda k: -k.duration_s)
         a = step.attributes
-        summaries.append(StepSummary(step.trace_id, step.span_id, _i(a.get(sc.STEP_ID)), step.duration_s,
+        summaries.append(StepSummary(step.trace_id.hex(), step.span_id.hex(), _i(a.get(sc.STEP_ID)),
+                                     step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels))
     all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
@@ -202,17 +203,17 @@ def _explain_one(store: TraceStore, root: SpanRecord, max_steps: int,
         reasons = reasons[0] if reasons else None
     model = attrs.get(sc.GEN_AI_REQUEST_MODEL, attrs.get(sc.GEN_AI_RESPONSE_MODEL, "unknown"))
     return RequestExplanation(
-        trace_id=root.trace_id, span_id=root.span_id, name=root.name, model=str(model),
+        trace_id=root.trace_id.hex(), span_id=root.span_id.hex(), name=root.name, model=str(model),
         priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
         steps_total=len(summaries), steps=summaries[:max_steps], slowest_kernel=slowest_kernel,
-        slowest_sm=slowest_sm)
+        slowest_sm=slowest_sm), {step.span_id for step in steps}
 
 
-def _steps_of(store: TraceStore, trace_id: str, spans: list[SpanRecord]) -> list[SpanRecord]:
+def _steps_of(store: TraceStore, trace_id: bytes, spans: list[StoredSpan]) -> list[StoredSpan]:
     """The step spans linked from this trace's spans, or linking to them (deduplicated)."""
-    found: dict[str, SpanRecord] = {}
+    found: dict[bytes, StoredSpan] = {}
     for s in spans:
         for linked_trace, linked_span in s.links:
             other = store.get(linked_trace)
@@ -229,7 +230,7 @@ def _steps_of(store: TraceStore, trace_id: str, spans: list[SpanRecord]) -> list
     return list(found.values())
 
 
-def _kernel_summary(span: SpanRecord) -> KernelSummary:
+def _kernel_summary(span: StoredSpan) -> KernelSummary:
     a = span.attributes
     name = a.get(sc.CUDA_KERNEL_NAME) or span.name[len(sc.SPAN_KERNEL_PREFIX):]
     gpu = a.get(sc.HW_GPU_ID, a.get(sc.CUDA_DEVICE, "unknown"))
@@ -237,12 +238,12 @@ def _kernel_summary(span: SpanRecord) -> KernelSummary:
     if isinstance(slowest, float) and slowest.is_integer():
         slowest = int(slowest)
     return KernelSummary(str(name), str(gpu if not isinstance(gpu, float) else int(gpu)),
-                         span.duration_s, span.trace_id, span.span_id,
+                         span.duration_s, span.trace_id.hex(), span.span_id.hex(),
                          None if slowest is None else str(slowest), _f(a.get(sc.KERNEL_CTA_SPREAD)))
 
 
-def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation) -> SlowestSm | None:
-    step_ids = {s.span_id for s in req.steps}
+def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation,
+                             step_ids: set[bytes]) -> SlowestSm | None:
     if step_ids:
         hit = aggregator.sm_exemplar_for_spans(step_ids)
         if hit is not None:

@@ -85,7 +85,7 @@ class ClassicHistogram:
             cumulative += n
             if ex is not None:
                 out.append((le, cumulative, PromExemplar(
-                    {semconv.EXEMPLAR_TRACE_ID_LABEL: ex.trace_id, "span_id": ex.span_id}, ex.value,
+                    {semconv.EXEMPLAR_TRACE_ID_LABEL: ex.trace_id.hex(), "span_id": ex.span_id.hex()}, ex.value,
                     ex.time_unix_nano / 1e9 if ex.time_unix_nano else None)))
             else:
                 out.append((le, cumulative))

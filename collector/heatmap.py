@@ -128,7 +128,8 @@ def time_sm(aggregator, gpu: str, kernel: str, now_s: float | None = None,
             p99[r][c] = hist.quantile(0.99)
             counts[r][c] = hist.count
             if ex is not None:
-                exemplars[r][c] = {"trace_id": ex.trace_id, "span_id": ex.span_id, "value_s": ex.value}
+                exemplars[r][c] = {"trace_id": ex.trace_id.hex(), "span_id": ex.span_id.hex(),
+                                     "value_s": ex.value}
             worst_scale = hist.scale if worst_scale is None else min(worst_scale, hist.scale)
             total.merge(hist)
         merged[sm] = total

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -65,13 +66,13 @@ class WindowConfig:
         return int(math.floor(t_s / self.slot_s))
 
 
-@dataclass(frozen=True)
-class Exemplar:
-    """One observed value with the trace and span that produced it (hex ids)."""
+class Exemplar(NamedTuple):
+    """One observed value with the trace and span that produced it (raw OTLP id bytes;
+    ``.hex()`` them for output). A tuple: built on every recorded span, so it must be cheap."""
 
     value: float
-    trace_id: str
-    span_id: str
+    trace_id: bytes
+    span_id: bytes
     time_unix_nano: int = 0
 
 
@@ -87,13 +88,14 @@ class _Slot:
 class SlidingHistogram:
     """A ring of per-slot exponential histograms; see the module docstring."""
 
-    __slots__ = ("config", "_slots", "_pending", "_pending_epoch", "newest_epoch")
+    __slots__ = ("config", "_slots", "_pending", "_pending_epoch", "_pending_exemplar", "newest_epoch")
 
     def __init__(self, config: WindowConfig) -> None:
         self.config = config
         self._slots: list[_Slot | None] = [None] * config.num_slots
         self._pending: list[float] = []
         self._pending_epoch = -1
+        self._pending_exemplar: Exemplar | None = None
         self.newest_epoch = -1
 
     # -- writing --------------------------------------------------------------------
@@ -103,19 +105,18 @@ class SlidingHistogram:
 
     def record(self, value: float, t_s: float, exemplar: Exemplar | None = None) -> bool:
         """Adds one value observed at ``t_s``; False (nothing kept) if it is too late."""
-        epoch = self.config.epoch(t_s)
-        if epoch <= self.newest_epoch - self.config.num_slots:
-            return False
+        epoch = int(t_s // self.config.slot_s)
         if epoch != self._pending_epoch:
+            if epoch <= self.newest_epoch - self.config.num_slots:
+                return False
             self._flush()
             self._pending_epoch = epoch
+            if epoch > self.newest_epoch:
+                self.newest_epoch = epoch
         self._pending.append(value)
-        if epoch > self.newest_epoch:
-            self.newest_epoch = epoch
-        if exemplar is not None:
-            slot = self._slot_for(epoch)
-            if slot.exemplar is None or exemplar.value >= slot.exemplar.value:
-                slot.exemplar = exemplar
+        if exemplar is not None and (self._pending_exemplar is None
+                                     or exemplar.value >= self._pending_exemplar.value):
+            self._pending_exemplar = exemplar
         if len(self._pending) >= self.config.flush_every:
             self._flush()
         return True
@@ -150,6 +151,7 @@ class SlidingHistogram:
                 if slot.hist.count]
 
     def slowest_exemplar(self, now_s: float, last_s: float) -> Exemplar | None:
+        self._flush()
         best: Exemplar | None = None
         for _, slot in self._live(now_s, last_s):
             if slot.exemplar is not None and (best is None or slot.exemplar.value > best.value):
@@ -158,6 +160,7 @@ class SlidingHistogram:
 
     def exemplars(self) -> list[Exemplar]:
         """The slowest exemplar of every slot still in the ring."""
+        self._flush()
         return [slot.exemplar for slot in self._slots if slot is not None and slot.exemplar is not None]
 
     def nbytes(self) -> int:
@@ -192,8 +195,11 @@ class SlidingHistogram:
     def _flush(self) -> None:
         if not self._pending:
             return
-        epoch, values = self._pending_epoch, self._pending
-        self._pending = []
+        epoch, values, exemplar = self._pending_epoch, self._pending, self._pending_exemplar
+        self._pending, self._pending_exemplar = [], None
         if epoch <= self.newest_epoch - self.config.num_slots:
             return  # the ring moved past these while they waited
-        self._slot_for(epoch).hist.record(np.asarray(values, dtype=np.float64))
+        slot = self._slot_for(epoch)
+        slot.hist.record(np.asarray(values, dtype=np.float64))
+        if exemplar is not None and (slot.exemplar is None or exemplar.value >= slot.exemplar.value):
+            slot.exemplar = exemplar

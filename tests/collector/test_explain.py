@@ -143,6 +143,9 @@ def test_trace_store_bounds_and_eviction():
     assert store.get(tid(1, 4).hex()).dropped_spans == 1 and store.dropped_spans == 4
     assert store.evicted_traces == 6
     # links to evicted traces are gone in both directions
-    assert all(t.trace_id not in (tid(1, 1).hex(), tid(2, 1).hex()) for t in store.linked(tid(3, 1).hex()))
-    assert set(store._linked) <= {t for t in store._traces} | {
-        peer for t in store._traces for peer in store._linked.get(t, ())}
+    assert [t.trace_id for t in store.linked(tid(1, 3))] == [tid(2, 3), tid(3, 3)]
+    assert [t.trace_id for t in store.linked(tid(3, 4))] == [tid(1, 4)]
+    assert store.linked(tid(1, 1)) == [] and store.linked(tid(2, 2)) == []
+    evicted = {tid(k, i) for k in (1, 2, 3) for i in (1, 2)}
+    assert not evicted & set(store._linked)
+    assert not any(evicted & peers for peers in store._linked.values())
