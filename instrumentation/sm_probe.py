@@ -351,6 +351,10 @@ class SmProbe:
     def pending_ctas(self) -> int:
         return self._used
 
+    def discard(self) -> None:
+        """Forgets this step's reservations without reading them (benchmarks)."""
+        self._launches, self._used = [], 0
+
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
         """Snapshots this step's records (a device copy, stream-ordered) and resets the
         slots; None when nothing was probed. Costs one small copy kernel launch."""

@@ -147,9 +147,11 @@ def _num_sms(device: torch.device) -> int:
 def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, context_lens: torch.Tensor,
                                   softmax_scale: float, probe=None, num_splits: int | None = None,
-                                  config: dict | None = None) -> torch.Tensor:
+                                  config: dict | None = None,
+                                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Launches pass 1 (and pass 2 when split). ``num_splits``/``config`` ({BLOCK_N,
-    num_warps, num_stages}) override the heuristics (benchmarks use them)."""
+    num_warps, num_stages}) override the heuristics (benchmarks use them); ``out`` receives
+    the result."""
     batch, hq, d = q.shape
     num_blocks, page, hkv, _ = k_cache.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -165,7 +167,9 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                          f"{context_lens.dtype}: need torch.int32")
     if block_tables.stride(1) != 1:
         raise ValueError("block_tables must be contiguous along max_blocks")
-    o = torch.empty_like(q)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out{tuple(out.shape)} {out.dtype} must match q{tuple(q.shape)} {q.dtype}")
+    o = torch.empty_like(q) if out is None else out
     if batch == 0:
         return o
     group = hq // hkv

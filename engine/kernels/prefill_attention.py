@@ -158,9 +158,11 @@ def tuned_configs() -> dict[tuple, dict]:
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                              max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
-                             probe=None, config: dict | None = None) -> torch.Tensor:
+                             probe=None, config: dict | None = None,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
     """Launches the kernel. ``config`` ({BLOCK_M, BLOCK_N, num_warps, num_stages}) skips
-    tuning (benchmarks use it); ``probe`` is an ``SmProbe`` or None.
+    tuning (benchmarks use it); ``probe`` is an ``SmProbe`` or None; ``out`` (shaped and
+    typed like q) receives the result (tests poison it to prove every row is written).
 
     Tuning: the first call for a (sequence bucket, head dim, group, dtype) key times every
     candidate with ``triton.testing.do_bench`` on the call's own inputs, probe off, and
@@ -180,7 +182,9 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if max_seqlen_q < 0 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} must be >= 0")
     batch = cu_seqlens_q.shape[0] - 1
-    o = torch.empty_like(q)
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out{tuple(out.shape)} {out.dtype} must match q{tuple(q.shape)} {q.dtype}")
+    o = torch.empty_like(q) if out is None else out
     if tq == 0 or batch == 0 or max_seqlen_q == 0:
         return o
     seq_bucket = min(1 << max(6, (max_seqlen_q - 1).bit_length()), 16384)
