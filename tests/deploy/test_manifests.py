@@ -1,0 +1,201 @@
+"""Kubernetes manifests and the compose file: valid, consistent with each other and with
+the code they run.
+
+- every built-in Kubernetes object validates against the bundled OpenAPI schema
+  (kubernetes-validate, strict: unknown fields fail); CRDs (PrometheusRule,
+  ServiceMonitor) have no schema there and are skipped *explicitly*; the
+  PrometheusRule's rules are checked by promtool instead and equal
+  deploy/prometheus/sightline-rules.yml;
+- references resolve: ConfigMaps mounted, Service selectors and named ports, the HPA's
+  target and metric (a semconv name), the gateway's DNS resolver (the headless Service);
+- the otelcol configs' pipelines only name defined components, and the gateway routes
+  spans by trace id and metrics by resource;
+- every container command parses with the real ``sightline`` CLI;
+- compose parses, has every service, and every file it mounts or builds from exists.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from sightline.deploy import prometheus_rules
+from sightline.instrumentation import semconv as sc
+
+REPO = Path(__file__).resolve().parents[2]
+K8S = REPO / "deploy" / "kubernetes"
+COMPOSE = REPO / "deploy" / "compose" / "compose.yaml"
+CRD_KINDS = {"PrometheusRule", "ServiceMonitor"}  # Prometheus Operator CRDs: no bundled schema
+PROMTOOL = shutil.which("promtool")
+
+
+def _documents() -> list[tuple[str, dict]]:
+    documents = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for document in yaml.safe_load_all(path.read_text()):
+            if document:
+                documents.append((path.name, document))
+    return documents
+
+
+def _by_kind(kind: str) -> dict[str, dict]:
+    return {doc["metadata"]["name"]: doc for _, doc in _documents() if doc["kind"] == kind}
+
+
+def test_builtin_objects_validate_against_the_kubernetes_schema():
+    version = kubernetes_validate.latest_version()
+    validated, skipped = [], []
+    for filename, document in _documents():
+        name = f"{filename}:{document['kind']}/{document['metadata']['name']}"
+        if document["kind"] in CRD_KINDS:
+            skipped.append(name)
+            continue
+        kubernetes_validate.validate(document, version, strict=True)  # raises ValidationError
+        validated.append(name)
+    kinds = {name.split(":")[1].split("/")[0] for name in validated}
+    assert kinds == {"Namespace", "ConfigMap", "Deployment", "Service", "HorizontalPodAutoscaler"}
+    assert len(skipped) == 3, skipped  # one PrometheusRule, two ServiceMonitors
+
+
+def test_the_schema_check_can_fail():
+    deployment = dict(_by_kind("Deployment")["sightline-engine"])
+    deployment["spec"] = {**deployment["spec"], "replicas": "one"}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_prometheus_rule_equals_the_rule_file():
+    rule = _by_kind("PrometheusRule")["sightline-rules"]
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"] == yaml.safe_load(prometheus_rules.RULES_PATH.read_text())
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (scripts/setup.sh installs it)")
+def test_prometheus_rule_passes_promtool(tmp_path):
+    path = tmp_path / "rules.yml"
+    path.write_text(yaml.safe_dump(_by_kind("PrometheusRule")["sightline-rules"]["spec"]))
+    result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _pod_spec(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def test_references_resolve():
+    deployments, services, configmaps = _by_kind("Deployment"), _by_kind("Service"), _by_kind("ConfigMap")
+    assert set(deployments) == {"sightline-engine", "sightline-otel-gateway", "sightline-collector"}
+    for name, deployment in deployments.items():
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), name
+        for volume in _pod_spec(deployment).get("volumes", []):
+            assert volume["configMap"]["name"] in configmaps, (name, volume)
+    for name, service in services.items():
+        matching = [d for d in deployments.values()
+                    if service["spec"]["selector"].items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matching) == 1, name
+        port_names = {p["name"] for c in _pod_spec(matching[0])["containers"] for p in c.get("ports", [])}
+        for port in service["spec"]["ports"]:
+            assert port["targetPort"] in port_names, (name, port)
+    engine = _pod_spec(deployments["sightline-engine"])
+    assert [c["name"] for c in engine["containers"]] == ["engine", "otelcol"]  # the sidecar
+    assert services["sightline-collector-otlp"]["spec"]["clusterIP"] == "None"  # headless, for the DNS resolver
+
+
+def test_hpa_scales_the_engine_on_queue_depth():
+    hpa = _by_kind("HorizontalPodAutoscaler")["sightline-engine"]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "sightline-engine"}
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == sc.ENGINE_WAITING
+
+
+def _otelcol_config(configmap: str) -> dict:
+    return yaml.safe_load(_by_kind("ConfigMap")[configmap]["data"]["config.yaml"])
+
+
+def _check_pipelines(config: dict) -> None:
+    for pipeline, spec in config["service"]["pipelines"].items():
+        for section in ("receivers", "processors", "exporters"):
+            for component in spec.get(section, []):
+                assert component in config[section], (pipeline, section, component)
+    for extension in config["service"].get("extensions", []):
+        assert extension in config["extensions"]
+
+
+def test_gateway_load_balances_by_trace_id_and_resource():
+    config = _otelcol_config("sightline-otel-gateway")
+    _check_pipelines(config)
+    pipelines = config["service"]["pipelines"]
+    traces = config["exporters"][pipelines["traces"]["exporters"][0]]
+    metrics = config["exporters"][pipelines["metrics"]["exporters"][0]]
+    assert traces["routing_key"] == "traceID"
+    assert metrics["routing_key"] == "resource"
+    headless = _by_kind("Service")["sightline-collector-otlp"]
+    for exporter in (traces, metrics):
+        resolver = exporter["resolver"]["dns"]
+        assert resolver["hostname"] == f"{headless['metadata']['name']}.{headless['metadata']['namespace']}.svc.cluster.local"
+        assert resolver["port"] == headless["spec"]["ports"][0]["port"]
+
+
+def test_sidecar_forwards_to_the_gateway():
+    config = _otelcol_config("sightline-engine-otelcol")
+    _check_pipelines(config)
+    gateway = _by_kind("Service")["sightline-otel-gateway"]
+    endpoint = config["exporters"]["otlp"]["endpoint"]
+    assert endpoint == f"sightline-otel-gateway.{gateway['metadata']['namespace']}.svc.cluster.local:4317"
+    engine = _pod_spec(_by_kind("Deployment")["sightline-engine"])["containers"][0]
+    env = {e["name"]: e.get("value") for e in engine["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://127.0.0.1:4317"
+    assert config["receivers"]["otlp"]["protocols"]["grpc"]["endpoint"] == "127.0.0.1:4317"
+
+
+def _parses_with_sightline(argv: list[str]) -> None:
+    from sightline.deploy.cli import build_parser
+
+    assert argv[0] == "sightline"
+    build_parser().parse_args(argv[1:])  # SystemExit on an unknown flag
+
+
+def test_container_commands_parse_with_the_real_cli():
+    for name in ("sightline-engine", "sightline-collector"):
+        container = _pod_spec(_by_kind("Deployment")[name])["containers"][0]
+        _parses_with_sightline(container["args"])
+    compose = yaml.safe_load(COMPOSE.read_text())
+    for service in ("engine", "collector"):
+        _parses_with_sightline(compose["services"][service]["command"])
+
+
+def test_compose_services_and_files():
+    compose = yaml.safe_load(COMPOSE.read_text())
+    services = compose["services"]
+    assert set(services) == {"engine", "otelcol", "collector", "prometheus", "alertmanager", "grafana", "tempo"}
+    assert services["otelcol"]["network_mode"] == "service:engine"  # a sidecar: shares the engine's localhost
+    base = COMPOSE.parent
+    mounted = 0
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            host = volume.split(":")[0]
+            if host.startswith((".", "/")):
+                assert (base / host).resolve().exists(), (name, volume)
+                mounted += 1
+        build = service.get("build")
+        if build:
+            context = (base / build["context"]).resolve()
+            assert (context / build["dockerfile"]).is_file(), name
+            assert (context / "pyproject.toml").is_file()
+        for dependency in service.get("depends_on", []):
+            assert dependency in services, (name, dependency)
+    assert mounted == 7
+    otelcol = yaml.safe_load((base / "otelcol.yaml").read_text())
+    _check_pipelines(otelcol)
+    assert "otlp/tempo" in otelcol["service"]["pipelines"]["traces"]["exporters"]  # exemplar links resolve
+    prometheus = yaml.safe_load((base / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]}
+    assert jobs == {sc.SERVICE_NAME_ENGINE: ["engine:8000"], sc.SERVICE_NAME_COLLECTOR: ["collector:8889"]}
+    assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
