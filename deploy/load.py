@@ -5,7 +5,8 @@ Drives ``requests`` completions through the official ``openai`` async client wit
 priority gets an exact, known share), and measures on the client side:
 
 * TTFT: request sent -> first streamed chunk carrying a token;
-* TPOT: (e2e - TTFT) / (output tokens - 1), the mean gap between later tokens;
+* TPOT: (e2e - TTFT) / (output tokens - 1), the mean gap between later tokens (tokens
+  counted from the server's streamed usage when it sends one, else from chunks);
 * e2e: request sent -> stream closed.
 
 Each request carries a W3C ``traceparent`` that this module generates, so that its trace
@@ -252,7 +253,6 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
         kwargs["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     ttft = None
-    last_token_at = None
     chunks_with_tokens = 0
     usage_tokens = None
     finish_reason = None
@@ -275,7 +275,6 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
                         if ttft is None:
                             ttft = now - start
                         chunks_with_tokens += 1
-                        last_token_at = now
                     if choice.finish_reason is not None:
                         finish_reason = choice.finish_reason
         else:
@@ -294,8 +293,10 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
     if not config.stream:
         ttft = e2e  # without streaming the first token arrives with the last
     tpot = None
-    if config.stream and ttft is not None and tokens > 1 and last_token_at is not None:
-        tpot = (last_token_at - start - ttft) / (tokens - 1)
+    if config.stream and ttft is not None and tokens > 1:
+        # Over e2e, not the last content chunk: a server may hold back tokens that end
+        # inside a multi-byte character and send them together, so chunks != tokens.
+        tpot = (e2e - ttft) / (tokens - 1)
     return RequestRecord(index=index, priority=priority, status="ok", trace_id=trace_id,
                          e2e_s=e2e, ttft_s=ttft, tpot_s=tpot, output_tokens=tokens,
                          finish_reason=finish_reason, http_status=200)

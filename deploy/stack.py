@@ -254,13 +254,14 @@ class Stack:
     def render_prometheus_config(self) -> str:
         """prometheus.yml: scrape the engine and the collector, rules, Alertmanager."""
         from sightline.deploy.prometheus_config import render_prometheus_config
+        from sightline.deploy.prometheus_rules import JOB_COLLECTOR, JOB_ENGINE
 
         p = self.ports
         targets = {}
         if "engine" in self.config.components:
-            targets["sightline-engine"] = f"{p.host}:{p.engine}"
+            targets[JOB_ENGINE] = f"{p.host}:{p.engine}"
         if "collector" in self.config.components:
-            targets["sightline-collector"] = f"{p.host}:{p.collector_api}"
+            targets[JOB_COLLECTOR] = f"{p.host}:{p.collector_api}"
         alertmanagers = ([f"{p.host}:{p.alertmanager}"]
                          if "alertmanager" in self.config.components else [])
         return render_prometheus_config(
