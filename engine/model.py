@@ -8,7 +8,7 @@ packed-varlen causal attention for the prefill part, paged attention for the dec
 Only the positions that yield a token go through the vocabulary projection.
 
 Weights are either random (seeded, created directly on the target device: no host copy of
-16 GB for ``llama-8b``) or read from a local HF-style directory's ``*.safetensors``.
+the 16 GB of ``llama-8b``) or read from a local HF-style directory's ``*.safetensors``.
 Costs: the forward allocates activations ``O(T * hidden)``; no host-device sync happens inside.
 """
 
@@ -83,11 +83,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
+class Linear(nn.Module):
+    """``y = x W^T`` (no bias). The weight is left uninitialized: ``build_model`` fills it, so no
+    throw-away default init runs (that costs seconds for llama-8b, and imports torch._refs
+    when done on the meta device)."""
+
+    def __init__(self, in_features: int, out_features: int, dev: dict) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **dev))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, dev: dict) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, **dev))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, dim]
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, dev: dict) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, **dev))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         xf = x.float()
@@ -96,15 +118,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dev: dict) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # q, k, v as one matmul: rows [q | k | v] (HF's three matrices are concatenated at load).
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, dev)
+        self.o_proj = Linear(self.q_size, config.hidden_size, dev)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
@@ -144,11 +166,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dev: dict) -> None:
         super().__init__()
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dev)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dev)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
@@ -156,12 +178,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, dev: dict) -> None:
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
+        self.attn = Attention(config, dev)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
+        self.mlp = MLP(config, dev)
 
     def forward(self, x, cos, sin, meta, kv_cache):
         x = x + self.attn(self.input_norm(x), cos, sin, meta, kv_cache)
@@ -171,16 +193,18 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Token ids in, next-token logits (float32) out, for the positions that sample."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False)
-        # RoPE tables are plain attributes, not buffers: they are rebuilt on the device by
-        # ``build_model`` rather than materialized from the meta device.
+        dev = {"device": device, "dtype": dtype}
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dev)
+        self.layers = nn.ModuleList(DecoderLayer(config, dev) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
+        self.lm_head = None if config.tie_word_embeddings else Linear(
+            config.hidden_size, config.vocab_size, dev)
+        # RoPE tables: plain attributes set by ``build_model``, float32 whatever the weights'
+        # dtype (bf16 angles would lose position precision past a few hundred tokens).
         self.rope_cos: torch.Tensor | None = None  # [P, D/2] float32
         self.rope_sin: torch.Tensor | None = None
 
@@ -275,9 +299,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     """Creates the model straight on ``device`` (meta first: no CPU copy), then fills weights:
     from ``config.path`` when set, else random normal(0, init_std) from ``seed``."""
     device = torch.device(device)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config).to(dtype)  # dtype change on meta costs nothing
-    model = model.to_empty(device=device)
+    model = LlamaForCausalLM(config, device, dtype)  # uninitialized memory, filled below
     if config.path:
         _load_hf_weights(model, Path(config.path), device)
     else:
