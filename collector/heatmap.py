@@ -120,7 +120,7 @@ def time_sm(aggregator, gpu: str, kernel: str, now_s: float | None = None,
     merged: dict[str, ExpHistogram] = {}
     worst_scale = None
     for r, sm in enumerate(sms):
-        total = ExpHistogram(max_buckets=wc.max_buckets)
+        total = wc.new_histogram()
         for epoch, hist, ex in slots[sm]:
             c = column.get(epoch)
             if c is None or not hist.count:

@@ -7,18 +7,19 @@ the slots of the last ``N`` seconds. Because exponential histograms merge exactl
 (bucket counts add, the finer side is downscaled), the merged window answers a quantile
 with the same guarantee as one histogram fed every value:
 
-Accuracy: the value at rank ``ceil(q * count)`` within ``relative_error(scale)``, i.e.
-0.54 % at scale 6 or finer. A slot starts at scale 8 (0.14 %) and only halves its
-resolution when the values it holds span more than ``max_buckets`` buckets: with the
-default 512 buckets, scale 6 holds a 256x range (e.g. 1 us .. 256 us) and scale 5 a
-65,536x range. The window's answer carries the scale it was computed at, so callers can
-report the bound that applies (``relative_error(hist.scale)``).
+Accuracy: the value at rank ``ceil(q * count)`` within ``relative_error(scale)``. Slots
+start at scale 6 (0.54 %) and keep it while the values of one slot span at most
+``max_buckets`` buckets: with the default 1,024 that is 16 octaves (a 65,536x range,
+e.g. 1 us .. 65 ms); only a wider slot halves its resolution (scale 5, 1.08 %). A
+merged window answers at the coarsest scale among its slots; callers report the bound
+that applies (``relative_error(hist.scale)``).
 
 Memory: at most ``num_slots * (max_buckets * 8 + ~400)`` bytes per series, whatever
-arrives (default 18 slots x 512 buckets: <= 81 KiB; a typical CTA distribution spanning
-8x uses ~200 buckets, ~30 KiB), plus a pending list of at most ``flush_every`` floats.
-Timestamps older than the ring (``num_slots * slot_s`` behind the newest slot) are
-refused and counted by the caller, so a late or replayed point never grows memory.
+arrives (default 18 slots x 1,024 buckets: <= 155 KiB); a typical CTA distribution
+spanning 10x in a slot uses ~215 buckets (1.7 KiB), ~31 KiB per series for 18 slots;
+plus a pending list of at most ``flush_every`` floats. Timestamps older than the ring
+(``num_slots * slot_s`` behind the newest slot) are refused and counted by the caller,
+so a late or replayed point never grows memory.
 
 Cost: ``record`` of one scalar is a list append (values are folded into the histogram
 ``flush_every`` at a time with one vectorized ``ExpHistogram.record``); ``add_buckets``
@@ -44,7 +45,8 @@ class WindowConfig:
 
     slot_s: float = 10.0
     num_slots: int = 18
-    max_buckets: int = 512
+    max_buckets: int = 1024
+    initial_scale: int = 6
     flush_every: int = 256
 
     def __post_init__(self) -> None:
@@ -54,8 +56,13 @@ class WindowConfig:
             raise ValueError(f"num_slots={self.num_slots} is outside [1, 1440]")
         if not 32 <= self.max_buckets <= 8192:
             raise ValueError(f"max_buckets={self.max_buckets} is outside [32, 8192]")
+        if not 0 <= self.initial_scale <= 20:
+            raise ValueError(f"initial_scale={self.initial_scale} is outside [0, 20]")
         if not 1 <= self.flush_every <= 65536:
             raise ValueError(f"flush_every={self.flush_every} is outside [1, 65536]")
+
+    def new_histogram(self) -> ExpHistogram:
+        return ExpHistogram(scale=self.initial_scale, max_buckets=self.max_buckets)
 
     @property
     def horizon_s(self) -> float:
@@ -139,7 +146,7 @@ class SlidingHistogram:
     def window(self, now_s: float, last_s: float) -> ExpHistogram:
         """All values of the slots overlapping ``(now_s - last_s, now_s]``, merged."""
         self._flush()
-        merged = ExpHistogram(max_buckets=self.config.max_buckets)
+        merged = self.config.new_histogram()
         for _, slot in self._live(now_s, last_s):
             merged.merge(slot.hist)
         return merged
@@ -188,7 +195,7 @@ class SlidingHistogram:
         slot = self._slots[i]
         if slot is None or slot.epoch != epoch:
             # Reuse the ring position: the old slot is past the horizon.
-            slot = _Slot(epoch, ExpHistogram(max_buckets=self.config.max_buckets))
+            slot = _Slot(epoch, self.config.new_histogram())
             self._slots[i] = slot
         return slot
 

@@ -209,7 +209,7 @@ def test_span_series_and_prometheus_exposition():
              if s.name.endswith("_total")}
     assert total[(("finish_reason", "stop"), ("model", "m"), ("priority", "0"))] == 3
     p99 = {s.labels["sm"]: s.value for s in fams[sc.COLLECTOR_SM_CTA_P99_SECONDS].samples}
-    assert p99["5"] == pytest.approx(90e-6, rel=relative_error(7))  # 9x range: scale 7
+    assert p99["5"] == pytest.approx(90e-6, rel=relative_error(6))  # windows answer at scale 6
     assert sc.COLLECTOR_SM_HOTSPOT_RATIO in fams
     step_count = [s.value for s in fams[sc.COLLECTOR_STEP_DURATION_SECONDS].samples
                   if s.name.endswith("_count") and s.labels["phase"] == "decode"]
