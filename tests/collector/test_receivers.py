@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import json
 import threading
+import time
 import urllib.request
 from contextlib import contextmanager
 
@@ -331,3 +332,41 @@ def test_aggregator_saw_every_acknowledged_span(collector):
     assert received == summary.spans_acknowledged == summary.spans_processed > 0
     assert summary.spans_aggregated == summary.spans_processed  # the aggregator took every span
     assert collector.collector.aggregator.spans_seen == summary.spans_processed
+
+
+def test_metrics_endpoint_speaks_openmetrics_with_exemplars(collector):
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    document = {"resourceSpans": [{"scopeSpans": [{"spans": [{
+        "traceId": trace_id, "spanId": "b7ad6b7169203331", "name": sc.SPAN_HTTP_COMPLETIONS, "kind": 2,
+        "startTimeUnixNano": str(time.time_ns() - 10**9), "endTimeUnixNano": str(time.time_ns()),
+        "attributes": [{"key": sc.GEN_AI_REQUEST_MODEL, "value": {"stringValue": "exemplar-model"}},
+                       {"key": sc.REQUEST_PRIORITY, "value": {"intValue": "0"}},
+                       {"key": sc.REQUEST_TTFT_S, "value": {"doubleValue": 0.05}}]}]}]}]}
+    assert post(collector.http_url + "/v1/traces", json.dumps(document).encode(),
+                {"Content-Type": "application/json"})[0] == 200
+    collector.idle()
+    request = urllib.request.Request(collector.query_url + "/metrics",
+                                     headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("application/openmetrics-text")
+        text = response.read().decode()
+    assert text.rstrip().endswith("# EOF")
+    ttft_lines = [line for line in text.splitlines()
+                  if line.startswith(sc.COLLECTOR_REQUEST_TTFT_SECONDS + "_bucket") and "exemplar-model" in line]
+    assert any(f'{sc.EXEMPLAR_TRACE_ID_LABEL}="{trace_id}"' in line for line in ttft_lines), ttft_lines
+    with urllib.request.urlopen(collector.query_url + "/metrics", timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        assert trace_id not in response.read().decode()  # classic text format has no exemplars
+
+
+def test_config_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match=r"queue_max_items=0 is outside"):
+        CollectorConfig(queue_max_items=0)
+    with pytest.raises(ValueError, match=r"otlp_http_address.*'localhost'"):
+        CollectorConfig(otlp_http_address="localhost")
+    with pytest.raises(ValueError, match=r"port 70000"):
+        CollectorConfig(zipkin_address="127.0.0.1:70000")
+    with pytest.raises(ValueError, match=r"max_decompressed_bytes=2048 is below max_request_bytes"):
+        CollectorConfig(max_request_bytes=4096, max_decompressed_bytes=2048)
+    with pytest.raises(ValueError, match=r"give both or neither"):
+        CollectorConfig(tls_cert_file="/etc/hostname")
