@@ -17,7 +17,10 @@ calls, in ns per call.
 At level ``off`` the engine's pattern is timed: the call returns None and the caller
 branches on it.
 
-Run: ``.venv/bin/python bench/tracing_overhead.py`` (writes
+With ``--engine``: the tiny model's engine loop (offline, CPU) at levels off, requests and
+steps, same requests, interleaved repeats; wall time, ms per step, overhead vs off.
+
+Run: ``.venv/bin/python bench/tracing_overhead.py --engine`` (writes
 bench/results/tracing_overhead_cpu.json with the git commit).
 """
 
@@ -131,6 +134,76 @@ def _measure(fn, iterations: int, repeats: int) -> dict:
             "iterations": iterations}
 
 
+def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: int,
+                      repeats: int) -> list[dict]:
+    """The tiny model on the CPU, offline (no HTTP), at each level: wall time of the engine
+    loop for ``num_requests`` requests of ``max_tokens`` tokens each, median of ``repeats``.
+
+    Requests are traced the way the server does it (start_request, engine phases and steps,
+    finish). Levels are interleaved within each repeat so that drift on a shared machine
+    hits them alike.
+    """
+    from sightline.engine.config import EngineConfig
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.engine.request import SamplingParams
+
+    engines = {}
+    for level in levels:
+        telemetry = _telemetry(level)
+        engines[level] = (LLMEngine(EngineConfig(model="tiny", device="cpu"), telemetry), telemetry)
+    prompt = list(range(1, 33))
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    runs: dict[TraceLevel, list[tuple[float, int, float]]] = {level: [] for level in levels}
+
+    def one_run(engine, telemetry) -> tuple[float, int, float]:
+        traces = []
+        steps = 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(num_requests):
+            request_id = engine.new_request_id("bench")
+            trace = telemetry.start_request(route="/v1/completions", headers={}, model="tiny",
+                                            operation="text_completion", request_id=request_id,
+                                            priority=0)
+            engine.add_request(request_id, prompt, sampling, trace=trace)
+            traces.append(trace)
+        while engine.scheduler.has_work:
+            engine.step()
+            steps += 1
+        for trace in traces:
+            if trace is not None:
+                trace.finish(status_code=200, finish_reason="length", input_tokens=len(prompt),
+                             output_tokens=max_tokens)
+        return time.perf_counter() - t0, steps, time.process_time() - c0
+
+    for engine, telemetry in engines.values():  # warm-up
+        one_run(engine, telemetry)
+    for _ in range(repeats):
+        for level in levels:
+            runs[level].append(one_run(*engines[level]))
+    out = []
+    for level in levels:
+        walls = [w for w, _, _ in runs[level]]
+        cpus = [c for _, _, c in runs[level]]
+        steps = runs[level][0][1]
+        median = statistics.median(walls)
+        out.append({"level": level.name.lower(), "requests": num_requests,
+                    "max_tokens": max_tokens, "steps": steps,
+                    "wall_s_median": round(median, 4), "wall_s_runs": [round(w, 4) for w in walls],
+                    "process_cpu_s_median": round(statistics.median(cpus), 4),
+                    "process_cpu_s_runs": [round(c, 4) for c in cpus],
+                    "ms_per_step_median": round(median / steps * 1000, 3),
+                    "output_tokens_per_s": round(num_requests * max_tokens / median, 1),
+                    "spans_dropped": engines[level][1].dropped_spans()})
+    for engine, telemetry in engines.values():
+        engine.shutdown()
+        telemetry.shutdown()
+    base, base_cpu = out[0]["wall_s_median"], out[0]["process_cpu_s_median"]
+    for row in out:
+        row["overhead_vs_off_pct"] = round((row["wall_s_median"] / base - 1) * 100, 2)
+        row["cpu_overhead_vs_off_pct"] = round((row["process_cpu_s_median"] / base_cpu - 1) * 100, 2)
+    return out
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
@@ -145,6 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--engine", action="store_true",
+                        help="also compare the tiny model's engine loop at each level (CPU)")
+    parser.add_argument("--engine-requests", type=int, default=16)
+    parser.add_argument("--engine-tokens", type=int, default=32)
+    parser.add_argument("--engine-repeats", type=int, default=5)
     args = parser.parse_args(argv)
 
     results = []
@@ -167,6 +245,16 @@ def main(argv: list[str] | None = None) -> int:
         telemetry.shutdown()
         assert telemetry.dropped_spans() == 0, "bench queue overflowed; raise max_queue_size"
 
+    engine_results = None
+    if args.engine:
+        engine_results = engine_comparison(
+            [TraceLevel.OFF, TraceLevel.REQUESTS, TraceLevel.STEPS],
+            args.engine_requests, args.engine_tokens, args.engine_repeats)
+        for row in engine_results:
+            print(f"engine {row['level']:9s} {row['wall_s_median']:8.3f} s "
+                  f"({row['ms_per_step_median']:.2f} ms/step, {row['output_tokens_per_s']} tok/s, "
+                  f"{row['overhead_vs_off_pct']:+.2f}% wall, {row['cpu_overhead_vs_off_pct']:+.2f}% CPU vs off)")
+
     from opentelemetry.sdk.version import __version__ as sdk_version
 
     record = {
@@ -181,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                   "BatchSpanProcessor into a discarding exporter",
         "repeats": args.repeats,
         "results": results,
+        "engine": engine_results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
