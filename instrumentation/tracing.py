@@ -19,12 +19,32 @@ Guarantees and costs:
 - Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
   the engine thread both touch it); the SDK tracer is thread-safe.
 - Costs when on (bench/tracing_overhead.py; bench/results/tracing_overhead_cpu.json): a
-  request's six spans cost about 17 bare SDK spans of CPU (the SDK's attribute checks and
-  sampling dominate); a step costs one span plus ~3 µs-class work per linked request, since
-  ``link_step`` only appends to a list and phase spans are made, links and all, when they
-  close. Export runs on the SDK worker thread, never on the caller's.
+  request's six spans cost the CPU of roughly 12-22 bare SDK spans (the SDK's attribute
+  checks and sampling dominate); a step costs one span plus a few µs per linked request,
+  since ``link_step`` only appends to a list and phase spans are made, links and all, when
+  they close. Export runs on the SDK worker thread, never on the caller's.
 - Prompt and completion text are recorded only when ``capture_content`` is set.
 Timestamps given explicitly are Unix-epoch nanoseconds (``time.time_ns()``).
+
+Use in a server (any framework; ``headers`` is any str->str mapping)::
+
+    telemetry = Telemetry.start(TelemetryConfig.from_env())      # once, at start-up
+    trace = telemetry.start_request(route="/v1/completions", headers=request.headers,
+                                    model=name, operation="text_completion",
+                                    request_id=rid, priority=0)   # None when off
+    if trace is not None:
+        trace.start_phase("queue")
+    ...                                                           # engine loop thread:
+    step = telemetry.start_step(step_id, requests=traces, attributes={...})
+    if step is not None:
+        for t in traces:
+            if t is not None:
+                t.link_step(step)
+    ...
+    if trace is not None:
+        trace.finish(status_code=200, finish_reason="stop", input_tokens=n_in,
+                     output_tokens=n_out, ttft_s=ttft, tpot_s=tpot, queue_s=q, e2e_s=e2e)
+    telemetry.shutdown()                                          # flushes, bounded
 """
 
 from __future__ import annotations
