@@ -512,6 +512,10 @@ class Telemetry:
             return None
         try:
             parent = self.propagator.extract(headers)
+        except Exception:  # odd header values (bytes, None): trace the request anyway
+            _report("Telemetry.start_request extract")
+            parent = Context()
+        try:
             attrs: dict[str, Any] = {
                 semconv.HTTP_REQUEST_METHOD: method,
                 semconv.HTTP_ROUTE: route,

@@ -443,12 +443,16 @@ def test_exporter_exceptions_never_reach_the_caller(caplog):
     req = telemetry.start_request(route="/x", headers={"traceparent": "garbage"}, model="m",
                                   operation="chat", request_id="broken", priority=0)
     assert req is not None and req.span_context.is_valid  # bad traceparent: a fresh trace
+    odd = telemetry.start_request(route="/x", headers={"traceparent": b"\xff", "b3": None},
+                                  model="m", operation="chat", request_id="odd", priority=0)
+    assert odd is not None and odd.span_context.is_valid  # undecodable headers: still traced
+    odd.finish(status_code=200, finish_reason="stop", input_tokens=1, output_tokens=1)
     req.set_attributes({"bad": object()})  # the SDK rejects the value; nothing raises
     req.finish(status_code=200, finish_reason="stop", input_tokens=1, output_tokens=1)
     assert telemetry.force_flush()
     telemetry.shutdown()
-    assert telemetry.export_failures() == 1
-    assert telemetry.dropped_spans() == 1
+    assert telemetry.export_failures() >= 1  # one batch or two, by timing
+    assert telemetry.dropped_spans() == 2
 
 
 def test_threads_share_one_request_trace(sink):
@@ -582,3 +586,24 @@ def test_sampling_decisions_are_honoured(sink):
     assert [s.name for _, s in sink.wait_spans("parent-sampled", 1)] == [semconv.SPAN_HTTP_COMPLETIONS]
     assert sink.spans("sampled-out") == [] and sink.spans("parent-unsampled") == []
     assert never.exported_spans() == 0 and never.dropped_spans() == 0
+
+
+def test_downstream_calls_continue_the_request():
+    telemetry = Telemetry.start(TelemetryConfig(
+        level=TraceLevel.REQUESTS, exporter="none", metrics_enabled=False,
+        propagators=("tracecontext", "baggage", "b3")))
+    req = telemetry.start_request(
+        route="/v1/completions", model="m", operation="text_completion", request_id="down",
+        headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "baggage": "tenant=acme"})
+    sc = req.span_context
+    headers = req.inject()
+    assert headers == {
+        "traceparent": f"00-{TRACE_ID}-{sc.span_id:016x}-01",
+        "baggage": "tenant=acme",
+        "b3": f"{TRACE_ID}-{sc.span_id:016x}-1",
+    }
+    assert telemetry.inject(context=req.context) == headers
+    req.finish(status_code=200, finish_reason="stop", input_tokens=1, output_tokens=1)
+    telemetry.shutdown()
+    assert telemetry.start_request(route="/x", headers={}, model="m", operation="chat",
+                                   request_id="after", priority=0) is None  # shut down: off
