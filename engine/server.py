@@ -22,8 +22,11 @@ import contextlib
 import json
 import logging
 import signal
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -38,7 +41,7 @@ from sightline.engine.request import SamplingParams
 from sightline.engine.tokenizer import apply_chat_template
 from sightline.instrumentation import semconv as sc
 
-__all__ = ["EngineServer", "serve"]
+__all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +276,29 @@ class EngineServer:
         await asyncio.to_thread(self.engine.shutdown)
 
 
-async def _serve(config: EngineConfig, ready=None) -> int:
+@dataclass
+class RunningServer:
+    """A server started by ``serve_in_thread``: its port, engine, and a way to stop it."""
+
+    port: int
+    engine: LLMEngine
+    server: EngineServer
+    loop: asyncio.AbstractEventLoop
+    stop_event: asyncio.Event
+    thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Same path as SIGTERM: drain, abort leftovers, flush telemetry; joins the thread."""
+        self.loop.call_soon_threadsafe(self.stop_event.set)
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None) -> int:
     from sightline.instrumentation.tracing import Telemetry
 
     telemetry = Telemetry.start(config.telemetry) if config.telemetry is not None else Telemetry.disabled()
@@ -292,14 +317,16 @@ async def _serve(config: EngineConfig, ready=None) -> int:
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
              engine.max_model_len, telemetry.config.level.name.lower())
-    print(f"sightline engine: serving {engine.model_name} on http://{config.host}:{port}", flush=True)
-    if ready is not None:
-        ready(port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, stop.set)
+    if on_ready is not None:
+        on_ready(RunningServer(port, engine, server, loop, stop))
+    else:
+        print(f"sightline engine: serving {engine.model_name} on http://{config.host}:{port}", flush=True)
     try:
         await stop.wait()
     finally:
@@ -313,5 +340,33 @@ async def _serve(config: EngineConfig, ready=None) -> int:
 
 
 def serve(config: EngineConfig) -> int:
-    """Runs the server until SIGTERM/SIGINT; returns the process exit code."""
+    """Runs the server in this (main) thread until SIGTERM/SIGINT; returns the exit code."""
     return asyncio.run(_serve(config))
+
+
+def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0) -> RunningServer:
+    """Starts the server on a daemon thread with its own event loop; returns once it listens.
+    Raises whatever start-up raised (bad model path, port in use, ...)."""
+    ready: list[RunningServer] = []
+    failed: list[BaseException] = []
+    event = threading.Event()
+
+    def on_ready(running: RunningServer) -> None:
+        ready.append(running)
+        event.set()
+
+    def main() -> None:
+        try:
+            asyncio.run(_serve(config, on_ready))
+        except BaseException as exc:  # reported to the caller below
+            failed.append(exc)
+            event.set()
+
+    thread = threading.Thread(target=main, name="sightline-server", daemon=True)
+    thread.start()
+    if not event.wait(timeout_s):
+        raise TimeoutError(f"the engine server did not start within {timeout_s} s")
+    if failed:
+        raise failed[0]
+    ready[0].thread = thread
+    return ready[0]

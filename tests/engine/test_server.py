@@ -1,0 +1,338 @@
+"""The engine's OpenAI-compatible server, driven by the official ``openai`` SDK.
+
+The main server is the real CLI (``sightline engine serve``) in a subprocess on a free port;
+its texts are checked against an in-process offline engine with the same seed (exact tokens,
+not "looks plausible"). A second, in-process server with a one-slot queue shows 429. The
+load test runs 200 concurrent streams of mixed priorities, then aborts 100 streams mid-way and
+checks through /metrics that every KV block came back. The last test sends SIGTERM and checks
+the drain: 503 for new work, in-flight requests complete, exit code 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sightline.engine.config import EngineConfig
+from sightline.engine.llm_engine import LLMEngine
+from sightline.engine.request import SamplingParams
+from sightline.engine.scheduler import SchedulerConfig
+from sightline.engine.tokenizer import ByteTokenizer, ChatMessage, apply_chat_template
+from sightline.instrumentation import semconv as sc
+from tests.support import free_port, wait_for_http
+
+MODEL = "tiny"
+KV_GIB = 0.05
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = dict(os.environ, SIGHTLINE_TRACE_LEVEL="off")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "engine", "serve", "--model", MODEL,
+         "--device", "cpu", "--port", str(port), "--kv-cache-gib", str(KV_GIB), "--trace-level", "off",
+         "--max-num-seqs", "64", "--shutdown-timeout", "60", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/health", timeout_s=120, process=proc)
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Same weights as the server (same preset and seed), driven step by step in-process."""
+    return LLMEngine(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=KV_GIB))
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def _greedy_text(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> str:
+    [request] = engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                             ignore_eos=True))
+    return engine.tokenizer.decode(request.output_token_ids)
+
+
+def _metrics(url: str) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    labels = {"model": MODEL, **labels}
+    return _metrics(url).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def _post_raw(url: str, path: str, data: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+# ---- API behaviour --------------------------------------------------------------------------------
+def test_models_and_health(server):
+    _, url = server
+    models = _client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    with urllib.request.urlopen(url + "/health", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+
+
+def test_completion_matches_offline_engine(server, offline):
+    _, url = server
+    result = _client(url).completions.create(model=MODEL, prompt="Hello, Sightline", max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True})
+    prompt_ids = ByteTokenizer().encode("Hello, Sightline")
+    assert result.object == "text_completion"
+    assert result.usage.prompt_tokens == len(prompt_ids) == 17
+    assert result.usage.completion_tokens == 12 and result.usage.total_tokens == 29
+    assert result.choices[0].finish_reason == "length"
+    assert result.choices[0].text == _greedy_text(offline, prompt_ids, 12)
+
+
+def test_streamed_chat_with_usage(server, offline):
+    _, url = server
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo ✓"}]
+    stream = _client(url).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=20, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1] and chunks[-1].choices == []
+    prompt_ids = ByteTokenizer().encode(apply_chat_template([ChatMessage(**m) for m in messages]))
+    assert usage_chunks[0].usage.prompt_tokens == len(prompt_ids)
+    assert usage_chunks[0].usage.completion_tokens == 20
+    assert text == _greedy_text(offline, prompt_ids, 20)
+    # The same request unstreamed gives the same text.
+    whole = _client(url).chat.completions.create(model=MODEL, messages=messages, max_tokens=20,
+                                                 temperature=0, extra_body={"ignore_eos": True})
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+
+
+def test_stop_strings(server, offline):
+    _, url = server
+    client = _client(url)
+    prompt = "Stop strings: "
+    full = _greedy_text(offline, ByteTokenizer().encode(prompt), 48)
+    # A two-character window of the greedy text, first occurring past its start: the reply must
+    # end right before its first occurrence, streamed or not.
+    stop = next(full[i:i + 2] for i in range(2, len(full) - 1)
+                if "\ufffd" not in full[i:i + 2] and full.find(full[i:i + 2]) == i)
+    expected = full[:full.index(stop)]
+    result = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                       stop=[stop, "never-there"], extra_body={"ignore_eos": True})
+    assert result.choices[0].finish_reason == "stop"
+    assert result.choices[0].text == expected
+    streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=48, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_determinism(server):
+    _, url = server
+    client = _client(url)
+
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Roll the dice", max_tokens=24,
+                                         temperature=1.0, top_p=0.95, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert len({first, sample(1235), sample(1236)}) == 3
+
+
+BAD_REQUESTS = [  # (route, body, status, param, code)
+    ("completions", {"prompt": "x", "n": 2}, 400, "n", "unsupported_value"),
+    ("completions", {"prompt": "x", "temperature": 5}, 400, "temperature", "invalid_value"),
+    ("completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "invalid_value"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+    ("completions", {"prompt": "x", "max_tokens": 100000}, 400, "max_tokens", "context_length_exceeded"),
+    ("completions", {"prompt": "x" * 3000}, 400, "max_tokens", "context_length_exceeded"),
+    ("completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
+    ("completions", {"prompt": "x", "priority": "high"}, 400, "priority", "invalid_value"),
+    ("completions", {"prompt": "x", "seed": 1.5}, 400, "seed", "invalid_value"),
+    ("completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "unsupported_parameter"),
+    ("completions", {"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ("completions", {"prompt": [1, 2, 99999]}, 400, "prompt", "invalid_value"),
+    ("completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "invalid_value"),
+    ("chat", {"messages": []}, 400, "messages", "invalid_value"),
+    ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role", "invalid_value"),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n", "unsupported_value"),
+]
+
+
+@pytest.mark.parametrize("route,body,status,param,code", BAD_REQUESTS,
+                         ids=[f"{r}-{p}-{c}" for r, _, _, p, c in BAD_REQUESTS])
+def test_openai_shaped_errors(server, route, body, status, param, code):
+    _, url = server
+    client = _client(url)
+    before = _metric(url, sc.ENGINE_REQUEST_ERRORS_TOTAL + "_total", code=str(status))
+    create = client.completions.create if route == "completions" else client.chat.completions.create
+    if route == "chat":
+        body.setdefault("messages", [{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError) as info:
+        # extra_body carries even invalid types past the SDK's own typing, as raw JSON would
+        create(model=MODEL, extra_body=body, **({"messages": body.pop("messages")} if route == "chat"
+                                                  else {"prompt": body.pop("prompt")}))
+    error = info.value.body
+    assert info.value.status_code == status
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["code"] == code
+    assert error["message"]
+    assert _metric(url, sc.ENGINE_REQUEST_ERRORS_TOTAL + "_total", code=str(status)) == before + 1
+
+
+def test_malformed_json_and_unknown_model_and_route(server):
+    _, url = server
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": ')
+    assert status == 400 and body["error"]["code"] == "invalid_json"
+    assert "not valid JSON" in body["error"]["message"]
+    status, body = _post_raw(url, "/v1/completions", b'[1, 2]')
+    assert status == 400 and "JSON object" in body["error"]["message"]
+    with pytest.raises(openai.NotFoundError) as info:
+        _client(url).completions.create(model="gpt-9", prompt="x")
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    status, body = _post_raw(url, "/v1/embeddings", b"{}")
+    assert status == 404 and body["error"]["code"] == "not_found"
+    # Still serving after all that.
+    assert _client(url).completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_queue_full_is_429():
+    from sightline.engine.server import serve_in_thread
+
+    config = EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0, shutdown_timeout_s=5,
+                          scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256,
+                                                    max_waiting=1))
+    running = serve_in_thread(config)
+    try:
+        client = _client(running.url)
+        long = dict(model=MODEL, max_tokens=500, stream=True, extra_body={"ignore_eos": True})
+        first = client.completions.create(prompt="one", **long)
+        next(iter(first))  # running: the one slot is taken
+        second = client.completions.create(prompt="two", **long)  # waits: the queue's one place
+        deadline = time.monotonic() + 10
+        while running.engine.scheduler.num_waiting != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=MODEL, prompt="three", max_tokens=4)
+        assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+        assert info.value.body["type"] == "rate_limit_error"
+        first.close()
+        second.close()
+        deadline = time.monotonic() + 20
+        while running.engine.num_live and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert running.engine.num_live == 0 and running.engine.kv_cache.num_used_blocks == 0
+        assert client.completions.create(model=MODEL, prompt="four", max_tokens=3,
+                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+    finally:
+        running.stop()
+
+
+# ---- load -------------------------------------------------------------------------------------------
+def test_load_200_streams_then_100_aborts_leak_nothing(server):
+    _, url = server
+    aborts_before = _metric(url, sc.ENGINE_REQUESTS_TOTAL + "_total", finish_reason="abort")
+    length_before = _metric(url, sc.ENGINE_REQUESTS_TOTAL + "_total", finish_reason="length")
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+        async def complete(i):
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"request {i}"}], max_tokens=6,
+                temperature=0.8, seed=i, stream=True, stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True, "priority": i % 4})
+            finish, usage = None, None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+                for choice in chunk.choices:
+                    finish = choice.finish_reason or finish
+            return finish, usage.completion_tokens if usage else None
+
+        async def abort(i):
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"abort {i}", max_tokens=400, stream=True,
+                extra_body={"ignore_eos": True, "priority": i % 3})
+            async for _ in stream:
+                break  # mid-stream: one chunk in, then hang up
+            await stream.close()
+
+        done = await asyncio.gather(*(complete(i) for i in range(200)))
+        await asyncio.gather(*(abort(i) for i in range(100)))
+        await client.close()
+        return done
+
+    started = time.monotonic()
+    done = asyncio.run(run())
+    assert done == [("length", 6)] * 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        values = _metrics(url)
+        key = (("model", MODEL),)
+        if (values[(sc.ENGINE_KV_USAGE, key)], values[(sc.ENGINE_RUNNING, key)],
+                values[(sc.ENGINE_WAITING, key)]) == (0.0, 0.0, 0.0):
+            break
+        time.sleep(0.1)
+    assert values[(sc.ENGINE_KV_USAGE, key)] == 0.0, "KV blocks leaked"
+    assert values[(sc.ENGINE_RUNNING, key)] == 0.0 and values[(sc.ENGINE_WAITING, key)] == 0.0
+    assert _metric(url, sc.ENGINE_REQUESTS_TOTAL + "_total", finish_reason="abort") == aborts_before + 100
+    assert _metric(url, sc.ENGINE_REQUESTS_TOTAL + "_total", finish_reason="length") == length_before + 200
+    print(f"load: 200 streams + 100 aborts in {time.monotonic() - started:.1f} s")
+
+
+# ---- shutdown (keep last: it stops the module's server) -------------------------------------------
+def test_sigterm_drains_then_exits(server):
+    proc, url = server
+    client = _client(url)
+    stream = client.completions.create(model=MODEL, prompt="long", max_tokens=40, stream=True,
+                                       extra_body={"ignore_eos": True})
+    iterator = iter(stream)
+    first = next(iterator)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    status = None
+    while time.monotonic() < deadline:
+        status, body = _post_raw(url, "/v1/completions", json.dumps({"model": MODEL, "prompt": "x"}).encode())
+        if status == 503:
+            break
+        time.sleep(0.05)
+    assert status == 503 and body["error"]["code"] == "shutting_down"
+    rest = list(iterator)
+    assert rest[-1].choices[0].finish_reason == "length"  # the in-flight request completed
+    assert first.choices
+    assert proc.wait(60) == 0
