@@ -121,8 +121,8 @@ def spec() -> DashboardSpec:
                 title="Engine step duration (traces)",
                 unit="s",
                 queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_STEP_DURATION_SECONDS),
-                          f"P{round(quantile * 100)}", exemplar=True)
+                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_STEP_DURATION_SECONDS, (sc.LABEL_PHASE,)),
+                          f"P{round(quantile * 100)} {{{{{sc.LABEL_PHASE}}}}}", exemplar=True)
                     for quantile in (0.5, 0.99)
                 ),
             ),

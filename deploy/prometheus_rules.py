@@ -189,8 +189,10 @@ def _ttft_bad_ratio(window: str, slo: SloConfig) -> str:
 def _error_ratio(window: str) -> str:
     by = (sc.LABEL_MODEL,)
     errors = f'{q.counter(sc.ENGINE_REQUEST_ERRORS_TOTAL)}{{{sc.LABEL_CODE}=~"{BUDGET_ERROR_CODES}"}}'
-    errors_rate = q.sum_by(by, q.rate(errors, window))
     finished_rate = q.sum_by(by, q.rate(q.counter(sc.ENGINE_REQUESTS_TOTAL), window))
+    # A model without a single budget error has no error series: count it as 0 (not
+    # absent), so the ratio reads 0 rather than "no data".
+    errors_rate = f"({q.sum_by(by, q.rate(errors, window))} or 0 * {finished_rate})"
     # Errored requests never reach a finish reason, so all requests = finished + errors.
     return f"{errors_rate} / ({finished_rate} + {errors_rate})"
 
