@@ -112,6 +112,8 @@ class OtlpGrpcReceiver:
         if not self._auth.allows_grpc(context.invocation_metadata()):
             metrics.rejected(name, "unauthenticated")
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+        if not self._pipeline.has_room(len(body)):  # overloaded: refuse before parsing
+            await self._refuse(context, self._pipeline.accepting)
         try:
             if signal == "traces":
                 message = ExportTraceServiceRequest.FromString(body)
@@ -129,12 +131,16 @@ class OtlpGrpcReceiver:
             else:
                 metrics.accepted(name, 0, items)
             return
-        if verdict is Admission.FULL:
-            metrics.rejected(name, "over_capacity")
+        await self._refuse(context, verdict is Admission.FULL)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, full: bool) -> None:
+        """Aborts with RESOURCE_EXHAUSTED (queue full) or UNAVAILABLE (shutting down)."""
+        if full:
+            self._metrics.rejected(self.receiver, "over_capacity")
             text = "collector queue is full; retry later"
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, text,
                                 _retry_trailer(code_pb2.RESOURCE_EXHAUSTED, text, self._retry_after_s))
-        metrics.rejected(name, "shutting_down")
+        self._metrics.rejected(self.receiver, "shutting_down")
         text = "collector is shutting down"
         await context.abort(grpc.StatusCode.UNAVAILABLE, text,
                             _retry_trailer(code_pb2.UNAVAILABLE, text, self._retry_after_s))
