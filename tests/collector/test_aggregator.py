@@ -234,3 +234,34 @@ def test_concurrent_ingest_counts_everything():
         t.join()
     assert sum(h.count for h in agg.sm_windows("0", "k", last_s=60).values()) == 4 * 50 * 10
     assert agg.spans_seen == 200 and agg.latency_window("e2e", ("m", "0")).count == 200
+
+
+def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
+    """The producer's own code path (instrumentation/gpu_telemetry.build_cta_metrics, SDK
+    data points encoded by the OTLP exporter's encoder) into the aggregator."""
+    from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+    from opentelemetry.sdk.resources import Resource
+
+    from sightline.instrumentation.gpu_telemetry import build_cta_metrics
+    from sightline.instrumentation.sm_probe import SmExemplar
+
+    rng = np.random.default_rng(5)
+    values = {(0, sm, "attn_fwd"): rng.lognormal(math.log(30e-6), 0.3, 500) for sm in range(4)}
+    hists = {}
+    for key, v in values.items():
+        hists[key] = ExpHistogram()
+        hists[key].record(v)
+    exemplars = {(0, 2, "attn_fwd"): SmExemplar(float(values[(0, 2, "attn_fwd")].max()), int((T0_S - 2) * 1e9),
+                                                 0x1234, 0x99)}
+    data = build_cta_metrics(hists, exemplars, int((T0_S - 10) * 1e9), int((T0_S - 2) * 1e9),
+                             Resource.create({"service.name": sc.SERVICE_NAME_ENGINE}))
+    agg = make_aggregator()
+    assert agg.consume_metrics(encode_metrics(data)) == 4
+    windows = agg.sm_windows("0", "attn_fwd", last_s=60)
+    for (gpu, sm, kernel), v in values.items():
+        h = windows[str(sm)]
+        assert h.count == v.size
+        want = exact_quantile(v, 0.99)
+        assert abs(h.quantile(0.99) - want) / want <= relative_error(h.scale)
+    [(gpu, sm, kernel, ex)] = [agg.sm_exemplar_for_spans({(0x99).to_bytes(8, "big")})]
+    assert (gpu, sm, kernel, ex.trace_id) == ("0", "2", "attn_fwd", (0x1234).to_bytes(16, "big"))

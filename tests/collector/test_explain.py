@@ -149,3 +149,62 @@ def test_trace_store_bounds_and_eviction():
     evicted = {tid(k, i) for k in (1, 2, 3) for i in (1, 2)}
     assert not evicted & set(store._linked)
     assert not any(evicted & peers for peers in store._linked.values())
+
+
+def test_explains_spans_from_the_real_tracing_api(tmp_path):
+    """Spans made by instrumentation/tracing.py (request phases, steps linked both ways)
+    through its capture exporter, replayed: the slowest request's steps and phases."""
+    from sightline.collector.aggregator import Aggregator
+    from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry, TraceLevel
+
+    capture = tmp_path / "engine.jsonl"
+    telemetry = Telemetry.start(TelemetryConfig(level=TraceLevel.STEPS, exporter="none",
+                                                capture_path=str(capture), metrics_enabled=False))
+    assert telemetry.steps_on
+    ns = 1_000_000
+    t0 = __import__("time").time_ns() - 10_000 * ns
+    reqs = []
+    for i in range(3):
+        r = telemetry.start_request(route="/v1/completions", headers={}, model="tiny",
+                                    operation="text_completion", request_id=f"r{i}", priority=i)
+        r.start_phase(sc.SPAN_QUEUE, start_time_ns=t0)
+        r.end_phase(sc.SPAN_QUEUE, end_time_ns=t0 + (i + 1) * ns)
+        r.start_phase(sc.SPAN_PREFILL, start_time_ns=t0 + (i + 1) * ns)
+        reqs.append(r)
+    # step 0: prefill of all three; steps 1..3: decodes, request i rides i+1 of them
+    step = telemetry.start_step(0, requests=reqs, attributes={sc.STEP_PREFILL_TOKENS: 30},
+                                start_time_ns=t0 + 3 * ns)
+    for r in reqs:
+        r.link_step(step)
+    step.end(end_time_ns=t0 + 8 * ns)
+    for r in reqs:
+        r.end_phase(sc.SPAN_PREFILL, end_time_ns=t0 + 8 * ns)
+        r.start_phase(sc.SPAN_DECODE, start_time_ns=t0 + 8 * ns)
+    for s in range(1, 4):
+        riding = [r for i, r in enumerate(reqs) if i + 1 >= s]
+        step = telemetry.start_step(s, requests=riding, attributes={sc.STEP_DECODE_TOKENS: len(riding)},
+                                    start_time_ns=t0 + (8 + 2 * s) * ns)
+        for r in riding:
+            r.link_step(step)
+        step.end(end_time_ns=t0 + (9 + 2 * s) * ns)
+    for i, r in enumerate(reqs):
+        end = t0 + (10 + 2 * (i + 1)) * ns
+        r.end_phase(sc.SPAN_DECODE, end_time_ns=end)
+        r.finish(status_code=200, finish_reason="length", input_tokens=10, output_tokens=i + 1,
+                 ttft_s=0.008, tpot_s=0.002, queue_s=(i + 1) / 1000, e2e_s=(end - t0) / 1e9,
+                 preemptions=0, end_time_ns=end)
+    telemetry.shutdown()
+
+    agg = Aggregator()
+    replay(capture, AggregatorSink(agg), ReplayConfig())
+    result = explain_slowest(agg, quantile=0.0, limit=3, max_steps=10)  # all three, slowest first
+    assert result.requests_considered == 3
+    slowest = result.requests[0]
+    assert slowest.priority == "2" and slowest.e2e_s == pytest.approx(0.016)
+    assert sorted(s.step_id for s in slowest.steps) == [0, 1, 2, 3]
+    assert slowest.phases.queue_s == pytest.approx(0.003) and slowest.phases.prefill_s == pytest.approx(0.005)
+    assert slowest.phases.decode_s == pytest.approx(0.008)
+    assert [r.steps_total for r in result.requests] == [4, 3, 2]
+    assert agg.latency_window("queue", ("tiny", "1")).count == 1
