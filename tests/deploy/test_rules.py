@@ -5,7 +5,8 @@
 - ``promtool check rules`` and ``promtool test rules`` on every unit-test file, which
   cover every alert firing and not firing;
 - a rule with a changed threshold makes its unit test fail (the tests can fail);
-- ``promtool check config`` and ``amtool check-config`` on rendered configs;
+- ``promtool check config`` and ``amtool check-config`` on rendered configs; a real
+  Alertmanager delivers page and ticket alerts to a webhook listener and inhibits;
 - every alert has severity/summary/description/runbook_url, and the runbook exists.
 """
 
@@ -178,3 +179,66 @@ def test_alertmanager_routes_by_severity(tmp_path):
 def test_alertmanager_config_rejects_bad_url():
     with pytest.raises(ValueError, match="webhook_url='ftp://x'"):
         alertmanager_config.render_alertmanager_config("ftp://x")
+
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+
+
+@pytest.mark.skipif(ALERTMANAGER is None, reason="Alertmanager not installed (scripts/setup.sh installs it)")
+def test_real_alertmanager_routes_and_inhibits(tmp_path):
+    """A real Alertmanager with the rendered config delivers to a real webhook listener:
+    the page alert to the page URL, an unrelated ticket to the ticket URL, and the ticket
+    burn alert of the same SLO and model is inhibited by the page one."""
+    import json
+    import threading
+    import time
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from tests.support import free_port, wait_for_http
+
+    received: list[tuple[str, dict]] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's naming)
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append((self.path, body))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    hook = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=hook.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{hook.server_address[1]}"
+    config = alertmanager_config.render_alertmanager_config(
+        f"{base}/page", ticket_webhook_url=f"{base}/ticket", group_wait_s=0.5, group_interval_s=1)
+    (tmp_path / "alertmanager.yml").write_text(config)
+    port = free_port()
+    process = subprocess.Popen(
+        [ALERTMANAGER, f"--config.file={tmp_path / 'alertmanager.yml'}", f"--storage.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_http(f"http://127.0.0.1:{port}/-/ready", timeout_s=30, process=process)
+        common = {"model": "llama-tiny", "job": "sightline-engine", "instance": "engine-0:8000"}
+        alerts = [
+            {"alertname": "SightlineTTFTBudgetBurnFast", "severity": "page", "slo": "ttft", **common},
+            {"alertname": "SightlineTTFTBudgetBurnSlow", "severity": "ticket", "slo": "ttft", **common},
+            {"alertname": "SightlineSMHotspot", "severity": "ticket", "gpu": "0", "kernel": "fa2"},
+        ]
+        payload = json.dumps([{"labels": labels, "annotations": {"summary": "test"}} for labels in alerts]).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v2/alerts", data=payload,
+                                         headers={"Content-Type": "application/json"})
+        assert urllib.request.urlopen(request, timeout=10).status == 200
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and len({path for path, _ in received}) < 2:
+            time.sleep(0.2)
+        time.sleep(2)  # would-be deliveries of the inhibited alert have had their chance
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+        hook.shutdown()
+    delivered = {(path, alert["labels"]["alertname"]) for path, body in received for alert in body["alerts"]}
+    assert delivered == {("/page", "SightlineTTFTBudgetBurnFast"), ("/ticket", "SightlineSMHotspot")}
