@@ -35,7 +35,8 @@ from sightline.engine.scheduler import QueueFullError, Scheduler, StepPlan
 from sightline.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 from sightline.instrumentation import semconv as sc
 
-__all__ = ["LLMEngine", "RequestOutput", "RequestStream", "EngineStoppedError", "QueueFullError"]
+__all__ = ["LLMEngine", "RequestOutput", "RequestStream", "StepStats", "EngineStoppedError",
+           "QueueFullError"]
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,17 @@ class _Live:
     stopped: bool = False  # a stop string ended it
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """What the last ``step()`` did (for benchmarks and logs)."""
+
+    step_id: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
+    duration_s: float  # schedule + model + sampling + update + detokenize
+
+
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, output in batch:
         stream.queue.put_nowait(output)
@@ -136,6 +148,7 @@ class LLMEngine:
         self._accepting = True
         self._next_id = 0
         self._last_plan_nonempty = False
+        self.last_step: StepStats | None = None
 
     def _gpu_telemetry(self):
         """Kernel tracing (E3's GpuTelemetry) only at level kernels on CUDA; None otherwise."""
@@ -298,7 +311,10 @@ class LLMEngine:
             step_trace.end()
         outputs += self._process_tokens(plan, sampled, finished)
         m = self.metrics
-        m.c_step.observe(time.perf_counter() - t0)
+        duration = time.perf_counter() - t0
+        self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
+                                   len(plan.scheduled), duration)
+        m.c_step.observe(duration)
         m.c_step_tokens.observe(plan.num_scheduled_tokens)
         m.c_generation_tokens.inc(len(sampled))
         self._record_gauges()
