@@ -201,7 +201,7 @@ def test_otel_sdk_http_exporter_gzip_spans_all_counted(collector):
 def test_otel_sdk_metric_exporter_data_points_counted(collector):
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
     from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, PeriodicExportingMetricReader
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
     before = collector.received(sc.RECEIVER_OTLP_HTTP, "points")
     exporter = OTLPMetricExporter(endpoint=collector.http_url + "/v1/metrics")

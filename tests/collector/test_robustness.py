@@ -4,7 +4,8 @@ One collector (real receivers, real aggregator behind a gate the test can close)
 malformed, oversized, compressed-bomb, wrongly typed, unauthenticated and over-capacity
 requests; every refusal is checked in the protocol's own shape and counted by reason in
 /metrics, exactly. Afterwards the same collector still serves and counts real SDK
-exports exactly. Two more tests run ``sightline collector run`` as a process: SIGTERM
+exports exactly. Two more tests run ``sightline collector run`` as a process (with torch made
+unimportable, as on a collector-only machine): SIGTERM
 under load (acknowledged == aggregated, from the collector's exit summary) and peak
 memory under a sustained overload (VmHWM under a bound while 429s are flowing).
 """
@@ -125,6 +126,12 @@ def test_oversized_is_413_and_resource_exhausted(col):
     assert status == 413
     code, _ = _grpc_export(col, trace_request(6000).SerializeToString())  # > 1 MiB decompressed limit
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # gzip on the wire: small compressed, over the limit once inflated (gRPC core checks that)
+    inflated = trace_request(1).SerializeToString() + b"\x0a\x00" * (700 * KiB)  # 716,800 empty ResourceSpans
+    with grpc.insecure_channel(col.grpc_target, compression=grpc.Compression.Gzip) as channel:
+        with pytest.raises(grpc.RpcError) as failure:
+            channel.unary_unary(TRACE_EXPORT)(inflated, timeout=10, metadata=(("authorization", f"Bearer {TOKEN}"),))
+    assert failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert _rejected(col, "otlp_http", "too_large") - before == 2
 
 
@@ -266,7 +273,9 @@ def urllib_open(url):
 def _start_process(tmp_path, *extra):
     ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
     summary = tmp_path / "summary.json"
-    command = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())",
+    # torch and triton made unimportable: the collector must run on a machine without them.
+    command = [sys.executable, "-c", "import sys; sys.modules['torch'] = sys.modules['triton'] = None; "
+               "from sightline.deploy.cli import main; sys.exit(main())",
                "collector", "run", "--otlp-grpc", f"127.0.0.1:{ports['grpc']}",
                "--otlp-http", f"127.0.0.1:{ports['http']}", "--zipkin", f"127.0.0.1:{ports['zipkin']}",
                "--http", f"127.0.0.1:{ports['query']}", "--summary-file", str(summary),
