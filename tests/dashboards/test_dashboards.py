@@ -18,7 +18,6 @@ import shutil
 import subprocess
 import urllib.parse
 import urllib.request
-from pathlib import Path
 
 import pytest
 import yaml
