@@ -394,5 +394,7 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
     assert refused > 0, "the load did not overload the collector; the bound was not exercised"
     summary = json.loads(summary_path.read_text())
     assert summary["spans_processed"] == summary["spans_acknowledged"] == sum(acked)
-    # queue <= 4 MiB encoded (~15 MiB parsed) + in-flight bodies + what the aggregator keeps
-    assert peak_mib - baseline_mib < 300, f"peak RSS {peak_mib:.0f} MiB from a {baseline_mib:.0f} MiB baseline"
+    # The bound from configuration: queue <= 4 MiB encoded (~15 MiB parsed), in-flight
+    # bodies (4 senders x 1.1 MB, raw + parsed), and the aggregator's own bounded trace
+    # store (200,000 spans at ~1 KiB by default, E6's bound; 3 s of load fills a fraction).
+    assert peak_mib - baseline_mib < 350, f"peak RSS {peak_mib:.0f} MiB from a {baseline_mib:.0f} MiB baseline"
