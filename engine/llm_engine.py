@@ -430,6 +430,8 @@ class LLMEngine:
         reason = request.finish_reason.value if request.finish_reason else FinishReason.ABORT.value
         trace = live.trace
         if trace is not None:
+            for phase in (sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE):
+                trace.end_phase(phase)
             trace.start_phase(sc.SPAN_DETOKENIZE)
         if not live.stopped and reason != FinishReason.ABORT.value:
             # Bytes held back as an incomplete character are final now (U+FFFD if still bad).
@@ -438,8 +440,6 @@ class LLMEngine:
         output = self._delta(live, final=True)
         if trace is not None:
             trace.end_phase(sc.SPAN_DETOKENIZE)
-            for phase in (sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE):
-                trace.end_phase(phase)
         output.finished, output.finish_reason, output.error = True, reason, error
         output.num_preemptions = request.num_preemptions
         arrival, end = request.arrival_time_s, request.finish_time_s or time.monotonic()

@@ -298,10 +298,12 @@ class RunningServer:
             self.thread.join(timeout_s)
 
 
-async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None) -> int:
+async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
+                 telemetry=None) -> int:
     from sightline.instrumentation.tracing import Telemetry
 
-    telemetry = Telemetry.start(config.telemetry) if config.telemetry is not None else Telemetry.disabled()
+    if telemetry is None:
+        telemetry = Telemetry.start(config.telemetry) if config.telemetry is not None else Telemetry.disabled()
     try:
         engine = await asyncio.to_thread(LLMEngine, config, telemetry)
     except BaseException:
@@ -344,9 +346,11 @@ def serve(config: EngineConfig) -> int:
     return asyncio.run(_serve(config))
 
 
-def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0) -> RunningServer:
+def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None) -> RunningServer:
     """Starts the server on a daemon thread with its own event loop; returns once it listens.
-    Raises whatever start-up raised (bad model path, port in use, ...)."""
+    ``telemetry``: a started Telemetry to use instead of one built from ``config.telemetry``
+    (the server shuts it down when it stops). Raises whatever start-up raised (bad model
+    path, port in use, ...)."""
     ready: list[RunningServer] = []
     failed: list[BaseException] = []
     event = threading.Event()
@@ -357,7 +361,7 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0) -> RunningSe
 
     def main() -> None:
         try:
-            asyncio.run(_serve(config, on_ready))
+            asyncio.run(_serve(config, on_ready, telemetry))
         except BaseException as exc:  # reported to the caller below
             failed.append(exc)
             event.set()
