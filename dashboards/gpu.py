@@ -157,8 +157,10 @@ def spec() -> DashboardSpec:
         title="Sightline / GPU",
         description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, GPU memory and contexts.",
         variables=(
-            Variable(sc.LABEL_GPU, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_GPU),
-            Variable(sc.LABEL_KERNEL, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_KERNEL, depends=(sc.LABEL_GPU,)),
+            Variable(sc.LABEL_GPU, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_GPU,
+                     also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS), sc.GPU_MEMORY_USED_BYTES)),
+            Variable(sc.LABEL_KERNEL, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_KERNEL, depends=(sc.LABEL_GPU,),
+                     also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS),)),
         ),
         rows=(per_sm, kernels, memory),
     )

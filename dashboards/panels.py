@@ -114,17 +114,28 @@ class Variable:
 
     Multi-value with "All" meaning the regex ``.*``, so queries select with ``=~``.
     ``depends`` names variables that narrow this one (``kernel`` depends on ``gpu``).
+    ``also`` lists more metrics whose values of ``label`` belong in the list (a
+    ``__name__`` regex: kernels seen only by CUPTI, GPUs seen only by NVML).
     """
 
     name: str
     metric: str
     label: str
     depends: tuple[str, ...] = ()
+    also: tuple[str, ...] = ()
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        return (self.metric, *self.also)
 
     @property
     def query(self) -> str:
-        matchers = ",".join(f'{name}=~"${name}"' for name in self.depends)
-        series = f"{self.metric}{{{matchers}}}" if matchers else self.metric
+        matchers = [f'{name}=~"${name}"' for name in self.depends]
+        if self.also:
+            matchers.insert(0, f'__name__=~"{"|".join(self.metrics)}"')
+            series = f"{{{','.join(matchers)}}}"
+        else:
+            series = f"{self.metric}{{{','.join(matchers)}}}" if matchers else self.metric
         return f"label_values({series}, {self.label})"
 
 

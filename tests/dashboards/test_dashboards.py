@@ -70,10 +70,15 @@ def test_four_dashboards_with_their_variables():
     assert variables["sightline-gpu"] == [sc.LABEL_GPU, sc.LABEL_KERNEL]
     for dashboard in dashboards.values():
         for variable in dashboard.get("templating", {}).get("list", []):
-            match = re.fullmatch(r"label_values\((\w+)(\{.*\})?, (\w+)\)", variable["query"])
+            match = re.fullmatch(r"label_values\((\w*)(\{.*\})?, (\w+)\)", variable["query"])
             assert match, variable["query"]
-            assert promql.is_known_metric(match.group(1)) and match.group(3) in promql.known_label_names()
+            names = [match.group(1)] if match.group(1) else \
+                re.search(r'__name__=~"([^"]+)"', match.group(2)).group(1).split("|")
+            assert all(promql.is_known_metric(name) for name in names), names
+            assert match.group(3) in promql.known_label_names()
             assert variable["allValue"] == ".*" and variable["multi"] and variable["includeAll"]
+    kernel = next(v for v in dashboards["sightline-gpu"]["templating"]["list"] if v["name"] == sc.LABEL_KERNEL)
+    assert promql.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS) in kernel["query"]  # CUPTI-only kernels too
 
 
 def test_every_panel_has_a_query_and_fits_the_grid():
@@ -199,6 +204,19 @@ def test_every_panel_query_parses_in_prometheus(prometheus_url):
         assert answer["status"] == "success", (uid, title, expr, answer.get("error"))
     for uid, title, expr in build.panel_queries(value="0", rate_interval="30s", range_="5m"):
         assert _query(prometheus_url, expr)["status"] == "success", (uid, title, expr)
+
+
+def test_every_variable_selector_is_accepted_by_prometheus(prometheus_url):
+    """Grafana resolves label_values(selector, label) through /api/v1/series?match[]=selector."""
+    checked = 0
+    for spec in build.specs():
+        for variable in spec.variables:
+            selector = build.substitute(re.fullmatch(r"label_values\((.*), \w+\)", variable.query).group(1))
+            query = urllib.parse.urlencode({"match[]": selector})
+            with urllib.request.urlopen(f"{prometheus_url}/api/v1/series?{query}", timeout=10) as response:
+                assert json.loads(response.read())["status"] == "success", selector
+            checked += 1
+    assert checked == 5
 
 
 def test_publish_plan_is_idempotent_and_overwrites_by_uid():
