@@ -1,0 +1,278 @@
+"""The Done-when end-to-end: the whole local stack as real processes.
+
+engine (tiny, CPU) -> rotel -> collector <- Prometheus -> Alertmanager -> a webhook here.
+Load goes in through the openai SDK; then every panel query of every dashboard runs
+against the real Prometheus and must return data (GPU panels get theirs from the
+recorded H200 capture, replayed into the collector), and an alert must reach the webhook
+through the real Alertmanager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from sightline.deploy.load import LoadConfig, run_load_sync
+from sightline.deploy.processes import free_port
+from sightline.deploy.stack import Stack, StackConfig, default_rules_files
+from sightline.instrumentation import semconv as sc
+
+pytestmark = pytest.mark.slow
+
+REQUESTS = 12
+TEST_ALERT = "SightlineStackTestRequestsServed"
+
+
+class Webhook:
+    """A tiny aiohttp server in a thread: Alertmanager's webhook receiver (a real peer)."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/alerts"
+        self.bodies: list[dict] = []
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    async def _receive(self, request: web.Request) -> web.Response:
+        self.bodies.append(await request.json())
+        return web.Response(text="ok")
+
+    def _run(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_post("/alerts", self._receive)
+        runner = web.AppRunner(app)
+        self._loop.run_until_complete(runner.setup())
+        self._loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+        self._loop.run_until_complete(runner.cleanup())
+
+    def __enter__(self) -> Webhook:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def alerts(self) -> list[dict]:
+        return [alert for body in list(self.bodies) for alert in body.get("alerts", [])]
+
+
+def _test_rules(folder: Path) -> Path:
+    """A rule certain to fire under any load: the engine has served a request."""
+    path = folder / "stack-test-rules.yml"
+    path.write_text(
+        "groups:\n"
+        "  - name: sightline-stack-test\n"
+        "    interval: 1s\n"
+        "    rules:\n"
+        f"      - alert: {TEST_ALERT}\n"
+        "        expr: sum(sightline_engine_requests_total) > 0\n"
+        "        labels:\n"
+        "          severity: info\n"
+        "        annotations:\n"
+        "          summary: the engine served requests during the stack test\n")
+    return path
+
+
+def _alertmanager_yaml(webhook_url: str):
+    def render(ports) -> str:
+        from sightline.deploy.alertmanager_config import render_alertmanager_config
+
+        return render_alertmanager_config(webhook_url=webhook_url, group_wait_s=1,
+                                          group_interval_s=1, repeat_interval_s=3600)
+    return render
+
+
+def _query(prometheus_url: str, expr: str) -> dict:
+    url = f"{prometheus_url}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    with Webhook() as hook:
+        yield hook
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, webhook):
+    run_dir = tmp_path_factory.mktemp("stack")
+    config = StackConfig(
+        run_dir=run_dir, device="cpu", model="tiny", trace_level="steps",
+        rules_files=(*default_rules_files(), _test_rules(run_dir)),
+        alert_webhook_url=webhook.url, alertmanager_config=_alertmanager_yaml(webhook.url),
+        scrape_interval_s=1.0, health_timeout_s=240)
+    with Stack(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def loaded(stack):
+    """The load every test below relies on, sent once; plus the H200 capture replayed."""
+    result = run_load_sync(LoadConfig(url=stack.ports.engine_url, requests=REQUESTS,
+                                      concurrency=4, priorities=(0, 1, 2), max_tokens=8),
+                           progress=None)
+    assert result.summary.errors == 0, [r.error for r in result.records]
+    # Two refused requests (unknown model -> 404), so the error panels have series.
+    refused = run_load_sync(LoadConfig(url=stack.ports.engine_url, requests=2, concurrency=1,
+                                       model="no-such-model", max_tokens=2), progress=None)
+    assert [r.http_status for r in refused.records] == [404, 404]
+    from sightline.deploy.demo import find_capture
+
+    capture = find_capture()
+    if capture is not None:
+        from sightline.collector.replay import HttpSink, replay
+
+        replay(capture, HttpSink(f"http://127.0.0.1:{stack.ports.collector_http}"))
+    return result, capture
+
+
+def test_spans_reach_the_collector_through_rotel(stack, loaded):
+    result, _ = loaded
+    missing = {r.trace_id for r in result.records}
+    deadline = time.monotonic() + 30
+    while missing and time.monotonic() < deadline:
+        for trace_id in list(missing):
+            try:
+                with urllib.request.urlopen(
+                        f"{stack.ports.collector_url}/api/v1/traces/{trace_id}", timeout=5) as r:
+                    spans = json.loads(r.read())["spans"]
+                if any(s["name"].startswith("POST /v1/") for s in spans):
+                    missing.discard(trace_id)
+            except urllib.error.HTTPError:
+                pass
+        time.sleep(0.5)
+    assert not missing, f"{len(missing)} of {REQUESTS} request traces never reached the collector"
+
+
+def test_prometheus_counts_exactly_the_requests_sent(stack, loaded):
+    deadline = time.monotonic() + 30
+    engine = collector = None
+    while time.monotonic() < deadline:
+        engine = _query(stack.ports.prometheus_url, "sum(sightline_engine_requests_total)")
+        collector = _query(stack.ports.prometheus_url, "sum(sightline_requests_total)")
+        values = [float(a["data"]["result"][0]["value"][1]) if a["data"]["result"] else None
+                  for a in (engine, collector)]
+        if values == [REQUESTS, REQUESTS]:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"Prometheus never saw {REQUESTS} requests from both: {engine} {collector}")
+    # The priorities the client sent arrive as the collector's priority label, exactly.
+    by_priority = _query(stack.ports.prometheus_url, "sum by (priority) (sightline_requests_total)")
+    counts = {r["metric"]["priority"]: float(r["value"][1]) for r in by_priority["data"]["result"]}
+    assert counts == {"0": REQUESTS / 3, "1": REQUESTS / 3, "2": REQUESTS / 3}
+
+
+# Panels that cannot have data in this test, each with the reason; every other panel
+# query must return data. A query is matched by the metric names it contains.
+_NVML_ONLY = (sc.GPU_MEMORY_USED_BYTES, sc.GPU_PROCESS_MEMORY_BYTES, sc.GPU_CUDA_CONTEXTS)
+_EVENT_ONLY = ("sightline_collector_aggregator_dropped_total",
+               sc.COLLECTOR_SERIES_OVERFLOW_TOTAL + "_total",
+               sc.TELEMETRY_SPANS_DROPPED_TOTAL + "_total",
+               sc.TELEMETRY_EXPORT_FAILURES_TOTAL + "_total")
+_GPU_DATA = (sc.COLLECTOR_SM_CTA_DURATION_SECONDS, sc.COLLECTOR_SM_CTA_P99_SECONDS,
+             sc.COLLECTOR_SM_HOTSPOT_RATIO, sc.COLLECTOR_KERNEL_DURATION_SECONDS,
+             sc.RULE_SM_HOTSPOT, "sightline:kernel_duration_seconds")
+
+
+def _why_no_data(expr: str, have_capture: bool) -> str | None:
+    """None when ``expr`` must return data here; else why it cannot."""
+    if " offset 1d" in expr:
+        return "compares with a day earlier; a fresh Prometheus holds no day-old samples"
+    if any(name in expr for name in _NVML_ONLY):
+        return "NVML gauges of a live GPU's engine; a replayed capture carries no NVML"
+    if any(name in expr for name in _EVENT_ONLY):
+        return "labelled counter with no series until its first event (drop/overflow/failure)"
+    if not have_capture and any(name in expr for name in _GPU_DATA):
+        return "GPU data: deploy/captures/h200-*.jsonl.gz is not committed yet"
+    return None
+
+
+def test_every_panel_query_returns_data(stack, loaded):
+    from sightline.dashboards.build import panel_queries
+
+    _, capture = loaded
+    queries = panel_queries(".*", rate_interval="1m", range_="5m", interval="2s")
+    assert len(queries) > 20
+    exempt = {q.expr: why for q in queries if (why := _why_no_data(q.expr, capture is not None))}
+    must = [q for q in queries if q.expr not in exempt]
+    deadline = time.monotonic() + 60
+    while True:
+        failing: dict[str, str] = {}
+        for q in queries:
+            answer = _query(stack.ports.prometheus_url, q.expr)
+            where = f"{q.dashboard_uid} / {q.panel_title}: {q.expr}"
+            if answer.get("status") != "success":
+                failing[where] = f"error: {answer.get('error')}"  # exempt or not: must parse
+            elif not answer["data"]["result"] and q.expr not in exempt:
+                failing[where] = "no data"
+        if not failing or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert not failing, "\n".join(f"{k} -> {v}" for k, v in failing.items())
+    # The exemptions other than the missing capture stay few; the rest is covered.
+    assert len([w for w in exempt.values() if "captures" not in w]) <= 8, exempt
+    assert len(must) >= 40
+
+
+def test_an_alert_reaches_the_webhook_through_alertmanager(stack, loaded, webhook):
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        fired = [a for a in webhook.alerts() if a["labels"].get("alertname") == TEST_ALERT]
+        if fired:
+            assert fired[0]["status"] == "firing"
+            assert fired[0]["labels"]["severity"] == "info"
+            return
+        time.sleep(0.5)
+    pytest.fail(f"no {TEST_ALERT} at the webhook; got {webhook.bodies}")
+
+
+def test_sightline_up_starts_and_stops_cleanly_on_sigterm(tmp_path):
+    """The CLI path: ``sightline up`` prints its URLs, and SIGTERM stops every child."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "up", "--free-ports", "--without", "engine",
+         "--run-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    deadline = time.monotonic() + 120
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Prometheus" in line and "http://" in line:
+                break
+            assert time.monotonic() < deadline, "".join(lines)
+        assert proc.poll() is None, "".join(lines)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, "".join(lines) + proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = (tmp_path / "logs" / "combined.log").read_text()
+    started = [line for line in log.splitlines() if "started pid" in line]
+    assert len(started) == 4  # collector, rotel, alertmanager, prometheus
+    for line in started:
+        pid = int(line.split("started pid ")[1].split(":")[0])
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
