@@ -18,7 +18,9 @@ At level ``off`` the engine's pattern is timed: the call returns None and the ca
 branches on it.
 
 With ``--engine``: the tiny model's engine loop (offline, CPU) at levels off, requests and
-steps, same requests, interleaved repeats; wall time, ms per step, overhead vs off.
+steps, same requests, interleaved repeats; wall time, ms per step, overhead vs off. On a
+shared machine run-to-run noise can exceed the tracing cost, so separate runs also time
+the tracing calls in place (``in_situ_*``: wall time spent inside them, an upper bound).
 
 Run: ``.venv/bin/python bench/tracing_overhead.py --engine`` (writes
 bench/results/tracing_overhead_cpu.json with the git commit).
@@ -134,6 +136,57 @@ def _measure(fn, iterations: int, repeats: int) -> dict:
             "iterations": iterations}
 
 
+class _InSituTimer:
+    """Times every tracing call the engine makes, in place (wall ns inside the calls).
+
+    Patches the public methods of Telemetry, RequestTrace and StepTrace with a timing
+    wrapper for the duration of a ``with`` block. The wrapper's own cost (two
+    ``perf_counter_ns`` calls, ~0.1-0.3 µs) is included, so the figure is an upper bound.
+    """
+
+    METHODS = {
+        "Telemetry": ("start_request", "start_step"),
+        "RequestTrace": ("start_phase", "end_phase", "link_step", "preempted", "first_token",
+                         "finish"),
+        "StepTrace": ("end",),
+    }
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+        self._saved: list[tuple[type, str, object]] = []
+
+    def __enter__(self) -> "_InSituTimer":
+        from sightline.instrumentation import tracing
+
+        for class_name, names in self.METHODS.items():
+            cls = getattr(tracing, class_name)
+            for name in names:
+                original = getattr(cls, name)
+                self._saved.append((cls, name, original))
+                setattr(cls, name, self._wrap(original))
+        return self
+
+    def _wrap(self, fn):
+        timer = self
+        clock = time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.ns += clock() - t0
+                timer.calls += 1
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()
+
+
 def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: int,
                       repeats: int) -> list[dict]:
     """The tiny model on the CPU, offline (no HTTP), at each level: wall time of the engine
@@ -177,9 +230,14 @@ def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: i
 
     for engine, telemetry in engines.values():  # warm-up
         one_run(engine, telemetry)
+    in_situ: dict[TraceLevel, list[tuple[int, int, float]]] = {level: [] for level in levels}
     for _ in range(repeats):
         for level in levels:
             runs[level].append(one_run(*engines[level]))
+        for level in levels:  # separate timed runs, so the wrapper never inflates the above
+            with _InSituTimer() as timer:
+                wall, _, _ = one_run(*engines[level])
+            in_situ[level].append((timer.ns, timer.calls, wall))
     out = []
     for level in levels:
         walls = [w for w, _, _ in runs[level]]
@@ -193,6 +251,12 @@ def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: i
                     "process_cpu_s_runs": [round(c, 4) for c in cpus],
                     "ms_per_step_median": round(median / steps * 1000, 3),
                     "output_tokens_per_s": round(num_requests * max_tokens / median, 1),
+                    # time inside tracing calls during real engine runs (upper bound)
+                    "in_situ_tracing_ms_per_run_median": round(
+                        statistics.median(ns for ns, _, _ in in_situ[level]) / 1e6, 3),
+                    "in_situ_tracing_calls_per_run": in_situ[level][0][1],
+                    "in_situ_tracing_share_of_loop_pct_median": round(statistics.median(
+                        100 * ns / 1e9 / wall for ns, _, wall in in_situ[level]), 3),
                     "spans_dropped": engines[level][1].dropped_spans()})
     for engine, telemetry in engines.values():
         engine.shutdown()
@@ -253,7 +317,10 @@ def main(argv: list[str] | None = None) -> int:
         for row in engine_results:
             print(f"engine {row['level']:9s} {row['wall_s_median']:8.3f} s "
                   f"({row['ms_per_step_median']:.2f} ms/step, {row['output_tokens_per_s']} tok/s, "
-                  f"{row['overhead_vs_off_pct']:+.2f}% wall, {row['cpu_overhead_vs_off_pct']:+.2f}% CPU vs off)")
+                  f"{row['overhead_vs_off_pct']:+.2f}% wall, {row['cpu_overhead_vs_off_pct']:+.2f}% CPU vs off; "
+                  f"in situ {row['in_situ_tracing_ms_per_run_median']} ms in "
+                  f"{row['in_situ_tracing_calls_per_run']} tracing calls = "
+                  f"{row['in_situ_tracing_share_of_loop_pct_median']}% of the loop)")
 
     from opentelemetry.sdk.version import __version__ as sdk_version
 
