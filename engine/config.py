@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sightline.engine.scheduler import SchedulerConfig
+from sightline.instrumentation.config import TelemetryConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
 
@@ -196,7 +197,7 @@ class EngineConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
-    telemetry: Any = None  # instrumentation.config.TelemetryConfig; None = tracing off
+    telemetry: TelemetryConfig | None = None  # None: tracing off
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -221,6 +222,8 @@ class EngineConfig:
         _check_float("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
+        if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):
+            raise ValueError(f"telemetry={self.telemetry!r} must be a TelemetryConfig or None")
 
     @property
     def model_name(self) -> str:

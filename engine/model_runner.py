@@ -232,7 +232,7 @@ class ModelRunner:
             prefill_kv_slots=d_kv_slots if gather else None,
             block_tables=d_tables.int().view(len(decodes), max_blocks) if decodes else None,
             context_lens=d_ctx.int() if decodes else None,
-            probe=None if self.gpu_telemetry is None else self.gpu_telemetry.probe,
+            probe=None,  # set by execute() for steps whose GPU data is collected
             backend=self.backend,
         )
         sampling = SamplingBatch(
@@ -248,15 +248,17 @@ class ModelRunner:
         if plan.is_empty:
             return {}
         batch = self.prepare(plan)
-        gpu = self.gpu_telemetry
-        if gpu is not None and step_trace is not None:
+        gpu = self.gpu_telemetry if step_trace is not None else None
+        if gpu is not None:
+            # The SM probe is drained by end_step: kernels may only write to it between the two.
+            batch.meta.probe = gpu.probe
             gpu.begin_step(step_trace)
         try:
             logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
                                 batch.logits_indices)  # [S, V]
             tokens = self.sampler.sample(logits, batch.sampling).tolist() if batch.sampled_request_ids else []
         finally:
-            if gpu is not None and step_trace is not None:
+            if gpu is not None:
                 gpu.end_step(step_trace)
         return dict(zip(batch.sampled_request_ids, tokens))
 

@@ -16,6 +16,7 @@ from sightline.engine.model import AttentionMetadata, build_model
 from sightline.engine.model_runner import ModelRunner
 from sightline.engine.request import Request, SamplingParams
 from sightline.engine.scheduler import Scheduler, SchedulerConfig
+from sightline.engine.tokenizer import ByteTokenizer
 
 SMALL = ModelConfig(name="small", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2,
                     num_heads=8, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
@@ -195,3 +196,56 @@ def test_cached_steps_match_full_recompute(tmp_path):
         want = _naive_logits(cfg, state, full[:-1])[r.num_prompt_tokens - 1:].argmax(-1).tolist()
         assert r.output_token_ids == want, r.request_id
     assert kv.num_used_blocks == 0
+
+
+# ---- sampling and detokenization ---------------------------------------------------------------
+def _batch(temps, top_ps, gens):
+    from sightline.engine.sampling import SamplingBatch
+    return SamplingBatch(torch.tensor(temps, dtype=torch.float32), torch.tensor(top_ps, dtype=torch.float32),
+                         gens, all(t == 0 for t in temps), any(p < 1 for p in top_ps))
+
+
+def test_sampler_greedy_top_p_and_per_request_seeds():
+    from sightline.engine.sampling import Sampler
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(20000, 1)  # [S, 4]
+    # Greedy rows ignore the noise entirely.
+    assert sampler.sample(logits[:3], _batch([0.0] * 3, [1.0] * 3, [None] * 3)).tolist() == [0, 0, 0]
+    # top_p=0.8 keeps {0, 1} (the mass strictly before token 2 is 0.8): 0.625 / 0.375 after renormalizing.
+    drawn = sampler.sample(logits, _batch([1.0] * 20000, [0.8] * 20000, [None] * 20000))
+    freq = torch.bincount(drawn, minlength=4).double() / 20000
+    assert freq[2] == 0 and freq[3] == 0
+    assert abs(freq[0].item() - 0.625) < 0.015
+    # Without top_p every token appears at its probability (temperature 1).
+    drawn = sampler.sample(logits, _batch([1.0] * 20000, [1.0] * 20000, [None] * 20000))
+    freq = torch.bincount(drawn, minlength=4).double() / 20000
+    torch.testing.assert_close(freq, probs.double(), atol=0.015, rtol=0)
+    # A seeded request draws the same tokens whatever shares its batch.
+    wide = torch.randn(6, 512)
+    alone = [sampler.sample(wide[2:3], _batch([0.9], [0.95], [sampler.generator_for("a", 42)])).item()
+             for _ in range(5)]
+    sampler.release("a")
+    mixed = []
+    for _ in range(5):
+        gens = [None, sampler.generator_for("b", 7), sampler.generator_for("a", 42), None, None, None]
+        mixed.append(sampler.sample(wide, _batch([1.0, 0.5, 0.9, 0.0, 1.0, 1.0], [1.0, 0.9, 0.95, 1.0, 0.5, 1.0],
+                                                 gens))[2].item())
+    assert mixed == alone and len(set(alone)) > 1
+    sampler.release("a"), sampler.release("b")
+    assert sampler.num_generators == 0
+
+
+def test_incremental_detokenizer_never_splits_a_character():
+    from sightline.engine.tokenizer import IncrementalDetokenizer
+    tok = ByteTokenizer()
+    text = "héllo ✓ 日本 🙂!"
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push(t) for t in tok.encode(text, add_bos=False)]
+    assert "".join(deltas) + detok.flush() == text
+    assert all("\ufffd" not in d for d in deltas)
+    assert deltas[1] == "" and deltas[2] == "é"  # 0xC3 waits for 0xA9
+    # Specials and ids past the byte range decode to nothing; a dangling lead byte flushes as U+FFFD.
+    detok = IncrementalDetokenizer(tok)
+    assert [detok.push(t) for t in (ByteTokenizer.BOS, 300, ord("a"), 0xE2)] == ["", "", "a", ""]
+    assert detok.flush() == "\ufffd"
