@@ -79,10 +79,12 @@ class Collector:
                                  max_bytes=config.queue_max_bytes, workers=config.workers)
         auth = TokenAuth(config.read_auth_token())
         limits = IngestLimits(config.max_request_bytes, config.max_decompressed_bytes,
-                              config.retry_after_s)
+                              config.retry_after_s, config.max_inflight_requests,
+                              config.request_timeout_s)
         self._grpc = OtlpGrpcReceiver(self.pipeline, self.metrics, auth,
                                       max_message_bytes=config.max_decompressed_bytes,
-                                      retry_after_s=config.retry_after_s)
+                                      retry_after_s=config.retry_after_s,
+                                      max_concurrent_rpcs=config.max_inflight_requests)
         self._otlp_http = OtlpHttpReceiver(self.pipeline, self.metrics, auth, limits)
         self._zipkin = ZipkinReceiver(self.pipeline, self.metrics, auth, limits)
         self._ingest_runners: list[web.AppRunner] = []

@@ -44,6 +44,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="spans+data points waiting for the aggregator before 429/RESOURCE_EXHAUSTED")
     add("--queue-max-bytes", type=int, default=_D["queue_max_bytes"], help="payload bytes waiting, same effect")
     add("--workers", type=int, default=_D["workers"], help="aggregator worker threads")
+    add("--max-inflight-requests", type=int, default=_D["max_inflight_requests"],
+        help="export requests read/parsed at once per listener before 429/RESOURCE_EXHAUSTED")
+    add("--request-timeout-s", type=float, default=_D["request_timeout_s"],
+        help="a request body must arrive within this many seconds (else 408)")
     add("--retry-after-s", type=int, default=_D["retry_after_s"], help="retry hint sent with 429/RESOURCE_EXHAUSTED")
     add("--shutdown-timeout-s", type=float, default=_D["shutdown_timeout_s"], help="how long the drain on SIGTERM may take")
     add("--auth-token-file", type=Path, default=None, help="file holding the ingest bearer token")
@@ -76,6 +80,8 @@ def _run(args: argparse.Namespace) -> int:
         queue_max_items=args.queue_max_items,
         queue_max_bytes=args.queue_max_bytes,
         workers=args.workers,
+        max_inflight_requests=args.max_inflight_requests,
+        request_timeout_s=args.request_timeout_s,
         retry_after_s=args.retry_after_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         auth_token_file=args.auth_token_file,

@@ -67,6 +67,11 @@ class CollectorConfig:
       of ``retry_after_s``. A parsed request occupies about 3.7x its encoded size in
       memory (upb, measured on engine-like spans), so the default 32 MiB is ~120 MiB
       resident at most.
+    - ``max_inflight_requests``: export requests being read/parsed at once, per
+      listener (gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at
+      once. With the body limits this bounds the memory of requests not yet queued.
+    - ``request_timeout_s``: a body that has not fully arrived by then -> 408 (a slow or
+      stalled sender cannot hold a slot forever).
     """
 
     otlp_grpc_address: str = "127.0.0.1:4317"
@@ -78,6 +83,8 @@ class CollectorConfig:
     queue_max_items: int = 100_000
     queue_max_bytes: int = 32 * MiB
     workers: int = 1
+    max_inflight_requests: int = 64
+    request_timeout_s: float = 30.0
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
     auth_token_file: Path | None = None
@@ -102,6 +109,8 @@ class CollectorConfig:
         _check_range("queue_max_items", self.queue_max_items, 1, 100_000_000)
         _check_range("queue_max_bytes", self.queue_max_bytes, 1024, 64 * 1024 * MiB)
         _check_range("workers", self.workers, 1, 64)
+        _check_range("max_inflight_requests", self.max_inflight_requests, 1, 100_000)
+        _check_range("request_timeout_s", self.request_timeout_s, 0.1, 3600.0)
         _check_range("retry_after_s", self.retry_after_s, 1, 3600)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):

@@ -56,12 +56,13 @@ class OtlpGrpcReceiver:
     receiver = sc.RECEIVER_OTLP_GRPC
 
     def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, auth: TokenAuth, *,
-                 max_message_bytes: int, retry_after_s: int) -> None:
+                 max_message_bytes: int, retry_after_s: int, max_concurrent_rpcs: int = 64) -> None:
         self._pipeline = pipeline
         self._metrics = metrics
         self._auth = auth
         self._retry_after_s = retry_after_s
         self._max_message_bytes = max_message_bytes
+        self._max_concurrent_rpcs = max_concurrent_rpcs
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -81,7 +82,8 @@ class OtlpGrpcReceiver:
             ("grpc.max_send_message_length", 1024 * 1024),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=options)
+        # Beyond maximum_concurrent_rpcs gRPC answers RESOURCE_EXHAUSTED itself.
+        self.server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self._max_concurrent_rpcs)
         self.server.add_generic_rpc_handlers(self.handlers())
         target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if credentials is None:

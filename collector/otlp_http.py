@@ -9,7 +9,9 @@ Behaviour (OTLP/HTTP specification 1.x):
   here, in one bounded call: at most ``max_decompressed_bytes`` are ever produced, so a
   gzip bomb costs that much memory and then answers 413.
 - Body over ``max_request_bytes`` (by Content-Length, or while reading a chunked body)
-  -> 413. Undecodable body -> 400. Queue over capacity -> 429 with ``Retry-After``;
+  -> 413; a body still incomplete after ``request_timeout_s`` -> 408. Undecodable body
+  -> 400. Queue over capacity, or ``max_inflight_requests`` already being read -> 429
+  with ``Retry-After``;
   collector shutting down -> 503 with ``Retry-After``; bad token -> 401.
 - OTLP/JSON: trace and span ids are hex strings (not base64 as in protobuf's canonical
   JSON mapping); ``parse_otlp_json`` converts them before ``json_format`` sees them.
@@ -21,6 +23,7 @@ touched). Nothing else reads the message before the aggregator does.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -49,6 +52,7 @@ from sightline.instrumentation import semconv as sc
 __all__ = [
     "IngestError",
     "IngestLimits",
+    "InflightLimit",
     "OtlpHttpReceiver",
     "count_data_points",
     "count_spans",
@@ -68,6 +72,25 @@ class IngestLimits:
     max_request_bytes: int
     max_decompressed_bytes: int
     retry_after_s: int
+    max_inflight_requests: int = 64
+    request_timeout_s: float = 30.0
+
+
+class InflightLimit:
+    """Counts export requests in progress on one listener (event-loop thread only: no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.current = 0
+
+    def try_enter(self) -> bool:
+        if self.current >= self.limit:
+            return False
+        self.current += 1
+        return True
+
+    def leave(self) -> None:
+        self.current -= 1
 
 
 class IngestError(Exception):
@@ -92,9 +115,12 @@ async def read_body(request: web.Request, limits: IngestLimits) -> bytes:
         raise IngestError(415, "unsupported_media_type",
                           f"Content-Encoding {encoding!r} is not gzip, deflate or identity")
     try:
-        raw = await request.read()  # aiohttp stops at client_max_size
+        # aiohttp stops reading at client_max_size; wait_for keeps Python 3.10 working
+        raw = await asyncio.wait_for(request.read(), limits.request_timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise IngestError(413, "too_large", f"body exceeds the {limits.max_request_bytes}-byte limit") from None
+    except asyncio.TimeoutError:
+        raise IngestError(408, "timeout", f"body did not arrive within {limits.request_timeout_s} s") from None
     if encoding in ("identity", ""):
         return raw
     return decompress_bounded(raw, encoding, limits.max_decompressed_bytes)
@@ -218,6 +244,7 @@ def _status_body(code: int, message: str, *, as_json: bool, retry_after_s: int |
 _GRPC_CODE_FOR_HTTP = {
     400: code_pb2.INVALID_ARGUMENT,
     401: code_pb2.UNAUTHENTICATED,
+    408: code_pb2.DEADLINE_EXCEEDED,
     413: code_pb2.RESOURCE_EXHAUSTED,
     415: code_pb2.INVALID_ARGUMENT,
     429: code_pb2.RESOURCE_EXHAUSTED,
@@ -267,6 +294,7 @@ class OtlpHttpReceiver:
         self._metrics = metrics
         self._auth = auth
         self._limits = limits
+        self._inflight = InflightLimit(limits.max_inflight_requests)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self._limits.max_request_bytes)
@@ -281,8 +309,18 @@ class OtlpHttpReceiver:
         return await self._export(request, "metrics")
 
     async def _export(self, request: web.Request, signal: str) -> web.Response:
+        as_json = request.content_type == JSON_TYPE
+        if not self._inflight.try_enter():
+            self._metrics.rejected(self.receiver, "over_capacity")
+            return error_response(IngestError(429, "over_capacity", "too many export requests in progress"),
+                                  as_json=as_json, retry_after_s=self._limits.retry_after_s)
+        try:
+            return await self._export_one(request, signal, as_json)
+        finally:
+            self._inflight.leave()
+
+    async def _export_one(self, request: web.Request, signal: str, as_json: bool) -> web.Response:
         content_type = request.content_type
-        as_json = content_type == JSON_TYPE
         try:
             if not self._auth.allows(request.headers.get("Authorization")):
                 raise IngestError(401, "unauthenticated", "missing or wrong bearer token")

@@ -8,7 +8,7 @@ What each series means (names from ``instrumentation.semconv``):
   data points.
 - ``sightline_collector_rejected_total{receiver,reason}``: *requests* refused, by reason
   (``malformed``, ``too_large``, ``unsupported_media_type``, ``over_capacity``,
-  ``unauthenticated``, ``shutting_down``).
+  ``unauthenticated``, ``shutting_down``, ``timeout``).
 - ``sightline_collector_dropped_total{reason}``: spans+data points that were
   acknowledged and then not aggregated (``aggregator_error``, ``shutdown_timeout``).
   Zero in a healthy collector: this is the number a client would call "lost".
@@ -37,6 +37,7 @@ REJECT_REASONS = (
     "over_capacity",
     "unauthenticated",
     "shutting_down",
+    "timeout",
 )
 PROCESSING_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                         0.5, 1.0, 2.5)

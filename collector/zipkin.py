@@ -36,7 +36,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from sightline.collector.auth import TokenAuth
-from sightline.collector.otlp_http import IngestError, IngestLimits, admit, read_body
+from sightline.collector.otlp_http import IngestError, IngestLimits, InflightLimit, admit, read_body
 from sightline.collector.pipeline import Batch, Pipeline
 from sightline.collector.self_metrics import SelfMetrics
 from sightline.instrumentation import semconv as sc
@@ -187,6 +187,7 @@ class ZipkinReceiver:
         self._metrics = metrics
         self._auth = auth
         self._limits = limits
+        self._inflight = InflightLimit(limits.max_inflight_requests)
 
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self._limits.max_request_bytes)
@@ -194,6 +195,23 @@ class ZipkinReceiver:
         return app
 
     async def spans(self, request: web.Request) -> web.Response:
+        if not self._inflight.try_enter():
+            return self._refusal(IngestError(429, "over_capacity", "too many requests in progress"))
+        try:
+            return await self._spans(request)
+        finally:
+            self._inflight.leave()
+
+    def _refusal(self, error: IngestError) -> web.Response:
+        self._metrics.rejected(self.receiver, error.reason)
+        headers = {}
+        if error.status in (429, 503):
+            headers["Retry-After"] = str(self._limits.retry_after_s)
+        if error.status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
+        return web.Response(status=error.status, text=error.message + "\n", headers=headers)
+
+    async def _spans(self, request: web.Request) -> web.Response:
         try:
             if not self._auth.allows(request.headers.get("Authorization")):
                 raise IngestError(401, "unauthenticated", "missing or wrong bearer token")
@@ -212,12 +230,6 @@ class ZipkinReceiver:
             items = len(document)
             admit(self._pipeline, Batch("traces", message, items, len(body), self.receiver))
         except IngestError as error:
-            self._metrics.rejected(self.receiver, error.reason)
-            headers = {}
-            if error.status in (429, 503):
-                headers["Retry-After"] = str(self._limits.retry_after_s)
-            if error.status == 401:
-                headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
-            return web.Response(status=error.status, text=error.message + "\n", headers=headers)
+            return self._refusal(error)
         self._metrics.accepted(self.receiver, items, 0)
         return web.Response(status=202)

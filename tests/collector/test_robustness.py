@@ -17,6 +17,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,8 +29,8 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import (RunningCollector, emit_spans, post, scrape, sdk_tracer,
-                                            trace_request)
+from tests.collector.test_receivers import (RunningCollector, emit_spans, post, running_collector, scrape,
+                                            sdk_tracer, trace_request)
 from tests.support import free_port, wait_for_http
 
 TOKEN = "s3cret-token-for-tests"
@@ -398,3 +399,27 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
     # bodies (4 senders x 1.1 MB, raw + parsed), and the aggregator's own bounded trace
     # store (200,000 spans at ~1 KiB by default, E6's bound; 3 s of load fills a fraction).
     assert peak_mib - baseline_mib < 350, f"peak RSS {peak_mib:.0f} MiB from a {baseline_mib:.0f} MiB baseline"
+
+
+def _partial_request(port: int, path: str) -> socket.socket:
+    """Headers promising 10,000 bytes, then only 10: a stalled sender holding a slot."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-protobuf\r\n"
+                 f"Content-Length: 10000\r\n\r\n".encode() + b"\0" * 10)
+    return sock
+
+
+def test_stalled_senders_hold_no_slot_forever():
+    with running_collector(max_inflight_requests=2, request_timeout_s=1.0) as col:
+        stalled = [_partial_request(col.ports.otlp_http, "/v1/traces") for _ in range(2)]
+        time.sleep(0.2)  # both are inside the handler, reading
+        body = trace_request(5).SerializeToString()
+        status, headers, _ = post(col.http_url + "/v1/traces", body, {"Content-Type": "application/x-protobuf"})
+        assert status == 429 and headers["Retry-After"] == "1"
+        for sock in stalled:  # after request_timeout_s: 408, and the slots are free again
+            assert sock.recv(200).startswith(b"HTTP/1.1 408")
+            sock.close()
+        assert post(col.http_url + "/v1/traces", body, {"Content-Type": "application/x-protobuf"})[0] == 200
+        assert col.received("otlp_http") == 5
+        assert col.rejected("otlp_http", "timeout") == 2
+        assert col.rejected("otlp_http", "over_capacity") == 1
