@@ -65,7 +65,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     demo.add_argument("--out", type=Path, default=Path("sightline-out"),
                       help="output folder (default sightline-out/)")
     _add_engine_flags(demo)
-    _add_load_flags(demo, requests=36, concurrency=6, max_tokens=16)
+    _add_load_flags(demo, requests=36, concurrency=12, max_tokens=16)
+    demo.add_argument("--max-num-seqs", type=int, default=4,
+                      help="engine batch limit, below the concurrency so that requests queue "
+                           "and priorities matter (default 4)")
     demo.add_argument("--capture", type=Path, default=None,
                       help="recorded GPU capture to replay without a GPU "
                            "(default: the newest deploy/captures/h200-*.jsonl.gz)")
@@ -177,5 +180,5 @@ def _demo(args: argparse.Namespace) -> int:
                         trace_level=args.trace_level, requests=args.requests,
                         concurrency=args.concurrency, priorities=args.priorities,
                         max_tokens=args.max_tokens, stream=args.stream, capture=args.capture,
-                        slowest=args.slowest)
+                        slowest=args.slowest, max_num_seqs=args.max_num_seqs)
     return run_demo(config)

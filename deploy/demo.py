@@ -47,7 +47,10 @@ class DemoConfig:
     model: str | None = None
     trace_level: str | None = None
     requests: int = 36
-    concurrency: int = 6
+    concurrency: int = 12
+    # The engine runs at most this many requests per step, so that a load above it queues
+    # and the priority scheduler visibly serves priority 0 first. None: engine default.
+    max_num_seqs: int | None = 4
     priorities: tuple[int, ...] = (0, 1, 2)
     max_tokens: int = 16
     stream: bool = True
@@ -61,6 +64,8 @@ class DemoConfig:
         if not 0 < self.telemetry_settle_s <= 600:
             raise ValueError(f"DemoConfig.telemetry_settle_s={self.telemetry_settle_s} "
                              "must be in (0, 600]")
+        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= 4096:
+            raise ValueError(f"DemoConfig.max_num_seqs={self.max_num_seqs} must be in [1, 4096]")
         if self.capture is not None and not Path(self.capture).is_file():
             raise ValueError(f"DemoConfig.capture={str(self.capture)!r} is not a file")
 
@@ -112,15 +117,19 @@ class _Say:
 
 
 def _wait_for_traces(collector_url: str, trace_ids: list[str], timeout_s: float) -> int:
-    """Polls the collector's trace store until it has ``trace_ids``; returns how many it has."""
+    """Polls the collector's trace store until it holds the request spans of ``trace_ids``;
+    returns how many it has."""
     deadline = time.monotonic() + timeout_s
     found: set[str] = set()
     while True:
         for trace_id in trace_ids:
             if trace_id in found:
                 continue
-            status, _, _ = _get(f"{collector_url}/api/v1/traces/{trace_id}", timeout_s=5)
-            if status == 200:
+            status, body, _ = _get(f"{collector_url}/api/v1/traces/{trace_id}", timeout_s=5)
+            # Complete once the request's SERVER span (OTLP kind 2) is in: it ends, so
+            # it is exported, after all of its phases.
+            if status == 200 and any(span.get("kind") == 2
+                                     for span in json.loads(body).get("spans", [])):
                 found.add(trace_id)
         if len(found) == len(trace_ids) or time.monotonic() > deadline:
             return len(found)
@@ -131,18 +140,24 @@ def _explained(collector_url: str, keep, limit: int) -> dict[str, Any]:
     """The collector's explanation of every stored request (slowest first), filtered by
     ``keep(trace_id)`` and cut to ``limit``; same shape as ``/api/v1/explain``."""
     result = _get_json(f"{collector_url}/api/v1/explain?quantile=0&limit=1000", timeout_s=60)
-    chosen = [r for r in result.get("requests", []) if keep(r.get("trace_id", ""))][:limit]
-    return dict(result, requests=chosen, requests_considered=len(
-        [r for r in result.get("requests", []) if keep(r.get("trace_id", ""))]))
+    kept = [r for r in result.get("requests", []) if keep(r.get("trace_id", ""))]
+    return dict(result, requests=kept[:limit], requests_considered=len(kept))
 
 
 def _format_explanation(result: dict[str, Any]) -> str:
+    """The collector's own text rendering, under a header that says what was selected."""
     from sightline.collector.query_cli import format_explanation
 
     try:
-        return format_explanation(result)
+        text = format_explanation(result)
     except (KeyError, TypeError):  # an answer of another shape: show it raw, not crash
         return json.dumps(result, indent=2)[:4000]
+    if not result.get("requests"):
+        return text
+    # Its first line names a quantile; these were chosen as the slowest N instead.
+    body = text.split("\n", 1)[1] if "\n" in text else ""
+    return (f"the {len(result['requests'])} slowest (end to end) of "
+            f"{result['requests_considered']} requests:" + "\n" + body.lstrip("\n"))
 
 
 def _replay_capture(capture: Path, otlp_http_url: str) -> str:
@@ -224,8 +239,11 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
     say = _Say(stream)
     out = Path(config.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    engine_args = (("--max-num-seqs", str(config.max_num_seqs))
+                   if config.max_num_seqs is not None else ())
     stack_config = StackConfig(run_dir=out, device=config.device, model=config.model,
-                               trace_level=config.trace_level, prefer_default_ports=False)
+                               trace_level=config.trace_level, prefer_default_ports=False,
+                               engine_args=engine_args)
     stack = Stack(stack_config)
     device, model = stack_config.resolved_device, stack_config.resolved_model
     say(f"starting the stack: engine ({model} on {device}), rotel, collector, Prometheus, "
@@ -251,10 +269,9 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         report.files["per-request records"] = records_path
 
         ours = {r.trace_id for r in result.records}
-        slow = result.slowest(max(config.slowest, 1))
-        have = _wait_for_traces(p.collector_url, [r.trace_id for r in slow],
-                                config.telemetry_settle_s)
-        say(f"collector holds {have}/{len(slow)} of the slowest requests' traces")
+        finished = [r.trace_id for r in result.records if r.status == "ok"]
+        have = _wait_for_traces(p.collector_url, finished, config.telemetry_settle_s)
+        say(f"collector holds the traces of {have}/{len(finished)} requests")
         explain_dir = out / "explain"
         explain_dir.mkdir(exist_ok=True)
         local = _explained(p.collector_url, lambda t: t in ours, config.slowest)
@@ -305,6 +322,7 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
     report.files["logs"] = stack.log_dir
     _write_summary(report, out)
     report.files["summary"] = out / "summary.txt"
+    report.files["summary (JSON)"] = out / "summary.json"
     return report
 
 
@@ -320,9 +338,12 @@ def _summary_text(report: DemoReport) -> str:
         lines.append("")
     lines.append(f"Per-SM data (kernels, SMs, heatmaps) comes from: {report.gpu_data_source}")
     if report.device != "cuda":
-        lines.append("  This machine has no GPU: the engine ran on the CPU, so its requests are "
-                     "explained down to engine steps only; kernel and per-SM figures above and "
-                     "the heatmaps are from the recorded H200 capture, not from this run.")
+        recorded = report.gpu_data_source.startswith("recorded")
+        lines.append("  This machine has no GPU: the engine ran on the CPU, so this run's requests "
+                     "are explained down to engine steps only (no CUDA kernels, no SMs)."
+                     + (" Every kernel and per-SM figure above, and the heatmaps, come from the "
+                        "recorded H200 capture replayed into the collector, not from this run."
+                        if recorded else ""))
     lines.extend(f"- {note}" for note in report.notes)
     return "\n".join(lines)
 

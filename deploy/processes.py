@@ -262,7 +262,7 @@ class Supervisor:
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.combined_log_path = self.log_dir / "combined.log"
-        self._combined = open(self.combined_log_path, "a", buffering=1, encoding="utf-8")
+        self._combined = open(self.combined_log_path, "w", buffering=1, encoding="utf-8")
         self._combined_lock = threading.Lock()
         self._echo = echo
         self._processes: list[ManagedProcess] = []
