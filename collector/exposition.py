@@ -65,8 +65,7 @@ class ClassicHistogram:
             points = 2.0 * upper / (hist.base + 1.0)
             where = np.searchsorted(np.asarray(self.bounds), points, side="left")
             binned = np.bincount(where, weights=hist.counts[nonzero], minlength=len(self.counts))
-            for i in np.flatnonzero(binned):
-                self.counts[int(i)] += int(binned[i])
+            self.counts = [a + int(b) for a, b in zip(self.counts, binned.tolist())]
         if exemplar is not None:
             self.exemplars[bisect.bisect_left(self.bounds, exemplar.value)] = exemplar
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from sightline.instrumentation.exphist import ExpHistogram
 
-__all__ = ["Exemplar", "SlidingHistogram", "WindowConfig"]
+__all__ = ["Exemplar", "SlidingHistogram", "WindowConfig", "merge_all"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,39 @@ class Exemplar(NamedTuple):
     trace_id: bytes
     span_id: bytes
     time_unix_nano: int = 0
+
+
+def merge_all(hists: list[ExpHistogram], config: WindowConfig) -> ExpHistogram:
+    """One histogram holding all of ``hists`` (exact: counts add at the coarsest scale).
+
+    Histograms that share a scale (the usual case: every slot at scale 6) are added as
+    array slices in one pass; otherwise it falls back to pairwise ``merge``."""
+    if not hists:
+        return config.new_histogram()
+    scale = hists[0].scale
+    if any(h.scale != scale for h in hists):
+        merged = config.new_histogram()
+        for h in hists:
+            merged.merge(h)
+        return merged
+    with_counts = [h for h in hists if h.counts.size]
+    if with_counts:
+        lo = min(h.offset for h in with_counts)
+        hi = max(h.offset + h.counts.size for h in with_counts)
+    else:
+        lo = hi = 0
+    if hi - lo > config.max_buckets:  # too wide together: let merge downscale
+        merged = config.new_histogram()
+        for h in hists:
+            merged.merge(h)
+        return merged
+    counts = np.zeros(hi - lo, dtype=np.int64)
+    for h in with_counts:
+        counts[h.offset - lo:h.offset - lo + h.counts.size] += h.counts
+    return ExpHistogram(scale=scale, max_buckets=config.max_buckets, offset=lo, counts=counts,
+                        zero_count=sum(h.zero_count for h in hists), count=sum(h.count for h in hists),
+                        sum=sum(h.sum for h in hists), min=min(h.min for h in hists),
+                        max=max(h.max for h in hists))
 
 
 class _Slot:
@@ -146,10 +179,8 @@ class SlidingHistogram:
     def window(self, now_s: float, last_s: float) -> ExpHistogram:
         """All values of the slots overlapping ``(now_s - last_s, now_s]``, merged."""
         self._flush()
-        merged = self.config.new_histogram()
-        for _, slot in self._live(now_s, last_s):
-            merged.merge(slot.hist)
-        return merged
+        hists = [slot.hist for _, slot in self._live(now_s, last_s) if slot.hist.count]
+        return merge_all(hists, self.config)
 
     def slots(self, now_s: float, last_s: float) -> list[tuple[int, ExpHistogram, Exemplar | None]]:
         """``(epoch, histogram, slowest exemplar)`` of each non-empty slot, oldest first."""

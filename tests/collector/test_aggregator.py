@@ -265,3 +265,18 @@ def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
         assert abs(h.quantile(0.99) - want) / want <= relative_error(h.scale)
     [(gpu, sm, kernel, ex)] = [agg.sm_exemplar_for_spans({(0x99).to_bytes(8, "big")})]
     assert (gpu, sm, kernel, ex.trace_id) == ("0", "2", "attn_fwd", (0x1234).to_bytes(16, "big"))
+
+
+def test_span_series_cardinality_limits():
+    agg = make_aggregator(max_kernel_series=2, max_request_series=1, expose_sm_histograms=False)
+    spans = [otlp_span(sc.SPAN_KERNEL_PREFIX + f"k{i}", b"\x01" * 16, bytes([i + 1]) * 8, T0_S - 2, T0_S - 1.5,
+                       {sc.HW_GPU_ID: 0}) for i in range(5)]
+    spans += [_request_span(bytes([i + 1]) * 16, b"\x02" * 8, 0.1, 0.01, model=f"m{i}") for i in range(3)]
+    agg.consume_traces(otlp_traces(spans))
+    assert agg.series_counts()["kernel"] == 3 and agg.series_counts()["request"] == 2
+    assert agg.overflow == {"kernel": 3, "request": 2}
+    over = (sc.OVERFLOW_LABEL_VALUE, sc.OVERFLOW_LABEL_VALUE)
+    assert agg.latency_window("kernel", over).count == 3 and agg.latency_window("e2e", over).count == 2
+    assert [k["kernel"] for k in agg.kernels()] == ["k0", "k1", sc.OVERFLOW_LABEL_VALUE]
+    snap = agg.exposition_snapshot()
+    assert snap.sm_classic == {} and snap.requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
