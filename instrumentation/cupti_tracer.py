@@ -217,6 +217,19 @@ class CuptiTracer:
             if CuptiTracer._active is self:
                 CuptiTracer._active = None
 
+    def pause(self) -> None:
+        """Disables the activity kinds (no records, no CUPTI cost) but keeps the tracer;
+        ``resume`` re-enables them. Benchmarks use this to compare with tracing off."""
+        if self.available:
+            self._cupti.activity_flush_all(1)
+            for kind in self._kinds:
+                self._cupti.activity_disable(kind)
+
+    def resume(self) -> None:
+        if self.available:
+            for kind in self._kinds:
+                self._cupti.activity_enable(kind)
+
     # -- engine thread ----------------------------------------------------------------
     def push(self, external_id: int) -> None:
         """Tags the calling thread's following CUDA launches with ``external_id``."""

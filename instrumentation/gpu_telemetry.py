@@ -8,10 +8,11 @@ On the engine thread each step costs: a CUPTI external-correlation push and pop,
 device-side copy of the step's probe records (24 bytes per CTA, stream-ordered) and a
 queue put. Everything else happens on one worker thread:
 
-1. The step's probe records come to the host (the copy waits for the step's kernels,
-   off the request path) and are reduced — vectorized, see ``sm_probe`` — into per-(gpu,
-   SM, kernel) exponential histograms, always on, with an exemplar per key pointing at
-   the step span whose CTA on that SM was slowest in the export interval.
+1. The step's probe records are reduced ON THE GPU (``sm_histograms``: a handful of torch
+   ops on the worker's own stream, ordered after the step by an event; no host sync) into
+   per-(gpu, SM, kernel) exponential histograms, always on, with an exemplar per key
+   pointing at the step span whose CTA on that SM was slowest in the export interval.
+   Records come to the host only for steps whose kernel spans are emitted.
 2. CUPTI records arrive after the step (CUPTI's thread, a queue); the worker joins them to
    steps by external id and, once a step has settled (``settle_s`` after its end), decides:
    kernel spans are emitted for a sampled fraction of steps (``kernel_sample_ratio``) and
@@ -42,7 +43,7 @@ import numpy as np
 
 from . import semconv
 from .cupti_tracer import CuptiTracer, KernelRecord
-from .sm_probe import CtaHistograms, LaunchFacts, SmProbe, launch_facts
+from .sm_probe import LaunchFacts, SmProbe, launch_facts
 
 __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
 
@@ -121,8 +122,7 @@ class GpuTelemetryStats:
     kernel_spans: int = 0
     kernels_seen: int = 0
     kernels_unmatched: int = 0      # CUPTI kernels with no known step (outside steps, late)
-    ctas_recorded: int = 0
-    idle_ctas: int = 0
+    ctas_probed: int = 0            # grid CTAs of probed launches (idle ones included)
     probe_launches_dropped: int = 0
     metric_exports: int = 0
     export_failures: int = 0
@@ -137,7 +137,7 @@ class _Step:
     start_ns: int
     end_ns: int
     pending: object | None                     # PendingCtas
-    facts: list[LaunchFacts] = field(default_factory=list)
+    ctas: object | None = None                 # PendingCtas; to the host only if traced
     kernels: list[KernelRecord] = field(default_factory=list)
 
 
@@ -153,7 +153,6 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(kernel_sample_ratio=ratio)
         self.config = config
         self.stats = GpuTelemetryStats()
-        self.histograms = CtaHistograms()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
                                  random.Random(config.seed))
@@ -162,9 +161,17 @@ class GpuTelemetry:
             logger.warning("GPU telemetry continues without kernel spans: %s",
                            self.tracer.unavailable_reason)
         self.probe: SmProbe | None = None
+        self.histograms = None
+        self._side = None
         if config.probe:
-            self.probe = SmProbe(f"cuda:{device_index}", config.probe_capacity_ctas,
-                                 gpu_id=device_index)
+            import torch
+
+            from .sm_histograms import DeviceCtaHistograms
+            device = torch.device(f"cuda:{device_index}")
+            self.probe = SmProbe(device, config.probe_capacity_ctas, gpu_id=device_index)
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
+            self._side = torch.cuda.Stream(device=device)
         self._exporters = (list(metric_exporters) if metric_exporters is not None
                            else _exporters_from(telemetry))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
@@ -288,12 +295,17 @@ class GpuTelemetry:
                 logger.exception("GPU telemetry worker step failed")
 
     def _take_step(self, step: _Step) -> None:
-        if step.pending is not None:
-            batch = step.pending.wait()          # waits for the step's kernels (here only)
-            step.pending = None
-            self.stats.ctas_recorded += self.histograms.add(batch, step.end_ns)
-            self.stats.idle_ctas += batch.idle_ctas
-            step.facts = launch_facts(batch)
+        pending, step.pending = step.pending, None
+        if pending is not None and self.histograms is not None:
+            import torch
+            with torch.cuda.stream(self._side):
+                if pending.event is not None:
+                    self._side.wait_event(pending.event)   # after the step's kernels
+                pending.snapshot.record_stream(self._side)
+                self.histograms.add(pending.snapshot, pending.launches, pending.trace_id,
+                                    pending.span_id, step.end_ns)
+            self.stats.ctas_probed += sum(n for _, n in pending.launches)
+            step.ctas = pending
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
         self._awaiting[step.ext_id] = step
@@ -335,7 +347,7 @@ class GpuTelemetry:
         parent = trace.set_span_in_context(NonRecordingSpan(step.span_context))
         # pair the i-th probed launch of a kernel with its i-th CUPTI record (launch order)
         facts_by_name: dict[str, deque[LaunchFacts]] = {}
-        for f in step.facts:
+        for f in self._facts(step):
             facts_by_name.setdefault(f.kernel_name, deque()).append(f)
         for k in sorted(step.kernels, key=lambda r: r.correlation_id):
             attrs = {
@@ -364,9 +376,20 @@ class GpuTelemetry:
             span.end(end_time=k.end_ns)
             self.stats.kernel_spans += 1
 
+    def _facts(self, step: _Step) -> list[LaunchFacts]:
+        if step.ctas is None:
+            return []
+        import torch
+        with torch.cuda.stream(self._side):   # the side stream already waited for the step
+            return launch_facts(step.ctas.wait())
+
     def _export(self) -> None:
         self._last_export = time.monotonic()
-        hists, exemplars = self.histograms.take()
+        if self.histograms is None:
+            return
+        import torch
+        with torch.cuda.stream(self._side):
+            hists, exemplars = self.histograms.take()
         now = time.time_ns()
         start, self._interval_start_ns = self._interval_start_ns, now
         if not hists or not self._exporters:

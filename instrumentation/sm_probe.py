@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .exphist import ExpHistogram
+from .exphist import ExpHistogram, bucket_indices
 
 __all__ = [
     "PROBE_FAKE", "PROBE_HW", "PROBE_OFF", "RECORD_WORDS",
@@ -50,6 +50,7 @@ PROBE_HW = 1
 PROBE_FAKE = 2
 RECORD_WORDS = 3  # int64 words per CTA: smid, start_ns, end_ns
 _FAKE_NUM_SMS = 8
+_SM_STRIDE = 1024   # SM ids are < 1024 on every NVIDIA GPU so far (H200: 132)
 
 try:  # the device helpers need Triton; the host-side reduction does not
     import triton
@@ -173,42 +174,37 @@ class LaunchFacts:
 
 
 def launch_facts(batch: CtaBatch) -> list[LaunchFacts]:
-    """Per-launch facts, vectorized over CTAs (one Python step per launch to box results)."""
+    """Per-launch facts, vectorized over CTAs (one Python step per launch to box results).
+
+    Relies on ``CtaBatch``'s layout: each launch's CTAs are contiguous, in launch order.
+    Cost: one int64 argsort of the CTAs plus a few linear passes."""
     n_launch = len(batch.launch_names)
     if n_launch == 0:
         return []
     li = batch.launch_index
     dur = batch.end_ns - batch.start_ns
-    # distinct (launch, sm) pairs -> SMs used per launch and CTAs per SM
-    pair = li * 4096 + batch.sm_id
-    pairs, per_pair = np.unique(pair, return_counts=True)
-    pair_launch = pairs // 4096
-    sms_used = np.bincount(pair_launch, minlength=n_launch)
-    waves = np.zeros(n_launch, dtype=np.int64)
-    np.maximum.at(waves, pair_launch, per_pair)
-    # sort by (launch, duration): the last of each launch is its slowest CTA
-    order = np.lexsort((dur, li))
+    per_sm = np.bincount(li * _SM_STRIDE + batch.sm_id,
+                         minlength=n_launch * _SM_STRIDE).reshape(n_launch, _SM_STRIDE)
+    sms_used = (per_sm > 0).sum(axis=1)
+    waves = per_sm.max(axis=1)
+    # launches are contiguous, so one sort by (launch, duration) orders every segment
+    order = np.argsort(li * (1 << 40) + np.clip(dur, 0, (1 << 40) - 1), kind="stable")
     ends = np.cumsum(batch.launch_ctas)
     starts = ends - batch.launch_ctas
-    has = batch.launch_ctas > 0
-    last = order[np.maximum(ends - 1, 0)]
-    median = order[starts + np.maximum(batch.launch_ctas - 1, 0) // 2]
-    first_start = np.full(n_launch, np.iinfo(np.int64).max)
-    np.minimum.at(first_start, li, batch.start_ns)
-    last_end = np.full(n_launch, np.iinfo(np.int64).min)
-    np.maximum.at(last_end, li, batch.end_ns)
     out = []
     for i in range(n_launch):
-        if not has[i]:
+        n = int(batch.launch_ctas[i])
+        if n == 0:
             out.append(LaunchFacts(batch.launch_names[i], 0, 0, 0, -1, 0.0, 0.0, 0.0, 0, 0))
             continue
-        mx, md = float(dur[last[i]]) * 1e-9, float(dur[median[i]]) * 1e-9
+        a, b = int(starts[i]), int(ends[i])
+        last, median = order[b - 1], order[a + (n - 1) // 2]
+        mx, md = float(dur[last]) * 1e-9, float(dur[median]) * 1e-9
         out.append(LaunchFacts(
-            kernel_name=batch.launch_names[i], ctas=int(batch.launch_ctas[i]),
-            sms_used=int(sms_used[i]), waves=int(waves[i]),
-            slowest_sm=int(batch.sm_id[last[i]]), max_cta_s=mx, median_cta_s=md,
-            cta_spread=mx / md if md > 0 else 0.0,
-            start_ns=int(first_start[i]), end_ns=int(last_end[i])))
+            kernel_name=batch.launch_names[i], ctas=n, sms_used=int(sms_used[i]),
+            waves=int(waves[i]), slowest_sm=int(batch.sm_id[last]), max_cta_s=mx,
+            median_cta_s=md, cta_spread=mx / md if md > 0 else 0.0,
+            start_ns=int(batch.start_ns[a:b].min()), end_ns=int(batch.end_ns[a:b].max())))
     return out
 
 
@@ -222,66 +218,173 @@ class SmExemplar:
     span_id: int
 
 
-@dataclass
+class _GpuState:
+    """Dense per-(kernel, SM) exemplar arrays and not-yet-reduced CTA durations of one GPU."""
+
+    def __init__(self) -> None:
+        self.ex_value = np.zeros(0)                      # [K * _SM_STRIDE], -inf = none
+        self.ex_time = np.zeros(0, dtype=np.int64)
+        self.ex_trace = np.zeros(0, dtype=object)
+        self.ex_span = np.zeros(0, dtype=object)
+        self.pending_keys: list[np.ndarray] = []
+        self.pending_durs: list[np.ndarray] = []
+        self.pending_n = 0
+
+    def grow(self, size: int) -> None:
+        old = self.ex_value.size
+        if size <= old:
+            return
+        pad = size - old
+        self.ex_value = np.concatenate([self.ex_value, np.full(pad, -np.inf)])
+        self.ex_time = np.concatenate([self.ex_time, np.zeros(pad, dtype=np.int64)])
+        self.ex_trace = np.concatenate([self.ex_trace, np.zeros(pad, dtype=object)])
+        self.ex_span = np.concatenate([self.ex_span, np.zeros(pad, dtype=object)])
+
+    def reset_exemplars(self) -> None:
+        self.ex_value[:] = -np.inf
+
+
 class CtaHistograms:
     """Per-(gpu, sm, kernel) exponential histograms of CTA durations (seconds) plus per-key
     exemplars (slowest CTA and its step span); ``take`` returns both and starts afresh
     (delta export), ``snapshot`` copies without resetting.
 
-    Cost: ``add`` is O(n log n) in the batch's CTAs (numpy sort), plus one vectorized
-    ``ExpHistogram.record`` per (SM, kernel) group present in the batch. Thread-safe."""
+    Cost: ``add`` is O(n) vectorized numpy per batch (exemplar maxima through dense
+    per-(kernel, SM) arrays; durations are buffered). The reduction — one vectorized
+    bucket mapping and one ``bincount`` over (group, bucket) for all buffered CTAs, then one
+    ``ExpHistogram.add_buckets`` per (SM, kernel) group — runs once per
+    ``reduce_every_ctas`` buffered CTAs or at ``snapshot``/``take``, not per step.
+    Memory: 16 bytes per buffered CTA.
+    Thread-safe."""
 
-    scale: int = 8
-    histograms: dict[tuple[int, int, str], ExpHistogram] = field(default_factory=dict)
-    exemplars: dict[tuple[int, int, str], SmExemplar] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    def __init__(self, scale: int = 8, reduce_every_ctas: int = 1 << 21) -> None:
+        self.scale = scale
+        self.reduce_every_ctas = reduce_every_ctas
+        self.histograms: dict[tuple[int, int, str], ExpHistogram] = {}
+        self._names: dict[str, int] = {}
+        self._name_list: list[str] = []
+        self._gpus: dict[int, _GpuState] = {}
+        self._lock = threading.Lock()
 
     def add(self, batch: CtaBatch, time_unix_nano: int = 0) -> int:
         """Records every CTA of ``batch``; returns the number of CTAs recorded."""
         if batch.num_ctas == 0:
             return 0
-        names = np.asarray(batch.launch_names, dtype=object)
-        uniq_names, name_of_launch = np.unique(names, return_inverse=True)
-        kernel_idx = name_of_launch.reshape(-1)[batch.launch_index]
-        dur = batch.duration_s
-        key = kernel_idx.astype(np.int64) * 4096 + batch.sm_id
-        order = np.argsort(key, kind="stable")
-        key_sorted, dur_sorted = key[order], dur[order]
-        cuts = np.flatnonzero(np.diff(key_sorted)) + 1
-        bounds = np.concatenate(([0], cuts, [key_sorted.size]))
         with self._lock:
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                k = int(key_sorted[a])
-                hkey = (batch.gpu_id, k % 4096, str(uniq_names[k // 4096]))
-                hist = self.histograms.get(hkey)
-                if hist is None:
-                    hist = self.histograms[hkey] = ExpHistogram(scale=self.scale)
-                values = dur_sorted[a:b]
-                hist.record(values)
-                slowest = float(values.max())
-                ex = self.exemplars.get(hkey)
-                if ex is None or slowest > ex.value_s:
-                    self.exemplars[hkey] = SmExemplar(slowest, time_unix_nano,
-                                                      batch.trace_id, batch.span_id)
+            idx = np.empty(len(batch.launch_names), dtype=np.int64)
+            for i, name in enumerate(batch.launch_names):       # per launch, not per CTA
+                k = self._names.get(name)
+                if k is None:
+                    k = self._names[name] = len(self._name_list)
+                    self._name_list.append(name)
+                idx[i] = k
+            keys = idx[batch.launch_index] * _SM_STRIDE + batch.sm_id
+            durs = batch.duration_s
+            state = self._gpus.get(batch.gpu_id)
+            if state is None:
+                state = self._gpus[batch.gpu_id] = _GpuState()
+            state.grow(len(self._name_list) * _SM_STRIDE)
+            top = np.full(state.ex_value.size, -np.inf)
+            np.maximum.at(top, keys, durs)
+            better = top > state.ex_value
+            if better.any():
+                state.ex_value[better] = top[better]
+                state.ex_time[better] = time_unix_nano
+                state.ex_trace[better] = batch.trace_id
+                state.ex_span[better] = batch.span_id
+            state.pending_keys.append(keys)
+            state.pending_durs.append(durs)
+            state.pending_n += keys.size
+            if state.pending_n >= self.reduce_every_ctas:
+                self._reduce(batch.gpu_id, state)
         return batch.num_ctas
 
+    def _reduce(self, gpu_id: int, state: _GpuState) -> None:
+        """Buffered CTAs -> histograms: one vectorized bucket mapping and one ``bincount``
+        over (group, bucket) for all CTAs, then one ``ExpHistogram.add_buckets`` per group."""
+        if state.pending_n == 0:
+            return
+        keys = np.concatenate(state.pending_keys)
+        durs = np.maximum(np.concatenate(state.pending_durs), 0.0)
+        state.pending_keys, state.pending_durs, state.pending_n = [], [], 0
+        present = np.bincount(keys)
+        group_keys = np.flatnonzero(present)                  # sorted (kernel, SM) keys
+        lookup = np.zeros(present.size, dtype=np.int64)
+        lookup[group_keys] = np.arange(group_keys.size)
+        group = lookup[keys]
+        ng = group_keys.size
+        count = present[group_keys]
+        total = np.bincount(group, weights=durs, minlength=ng)
+        low = np.full(ng, np.inf)
+        high = np.full(ng, -np.inf)
+        np.minimum.at(low, group, durs)
+        np.maximum.at(high, group, durs)
+        positive = durs > 0
+        zeros = np.bincount(group[~positive], minlength=ng)
+        scale = self.scale
+        pos_group, pos = group[positive], durs[positive]
+        if pos.size:
+            idx = bucket_indices(pos, scale)
+            lo, hi = int(idx.min()), int(idx.max())
+            while ng * (hi - lo + 1) > (1 << 24):              # keep the dense table < 128 MiB
+                scale -= 1
+                idx = bucket_indices(pos, scale)
+                lo, hi = int(idx.min()), int(idx.max())
+            span = hi - lo + 1
+            table = np.bincount(pos_group * span + (idx - lo), minlength=ng * span)
+            table = table.reshape(ng, span)
+        for g in range(ng):                                   # per (SM, kernel) group
+            k = int(group_keys[g])
+            hkey = (gpu_id, k % _SM_STRIDE, self._name_list[k // _SM_STRIDE])
+            hist = self.histograms.get(hkey)
+            if hist is None:
+                hist = self.histograms[hkey] = ExpHistogram(scale=self.scale)
+            if pos.size:
+                row = table[g]
+                nz = np.flatnonzero(row)
+                first, last = (int(nz[0]), int(nz[-1])) if nz.size else (0, -1)
+                counts = row[first:last + 1]
+            else:
+                first, counts = 0, np.zeros(0, dtype=np.int64)
+            hist.add_buckets(scale, lo + first if pos.size else 0, counts, int(zeros[g]),
+                             int(count[g]), float(total[g]), float(low[g]), float(high[g]))
+
+    def _reduce_all(self) -> None:
+        for gpu_id, state in self._gpus.items():
+            self._reduce(gpu_id, state)
+
+    def _exemplars(self) -> dict[tuple[int, int, str], SmExemplar]:
+        out = {}
+        for gpu_id, state in self._gpus.items():
+            for i in np.flatnonzero(np.isfinite(state.ex_value)):
+                out[(gpu_id, int(i) % _SM_STRIDE, self._name_list[int(i) // _SM_STRIDE])] = \
+                    SmExemplar(float(state.ex_value[i]), int(state.ex_time[i]),
+                               int(state.ex_trace[i]), int(state.ex_span[i]))
+        return out
+
     def snapshot(self) -> dict[tuple[int, int, str], ExpHistogram]:
-        """Copies of the cumulative histograms (safe to read while ``add`` runs)."""
+        """Copies of the histograms since the last ``take`` (reduces what is buffered)."""
         with self._lock:
+            self._reduce_all()
             return {k: h.copy() for k, h in self.histograms.items()}
 
     def take(self) -> tuple[dict[tuple[int, int, str], ExpHistogram],
                             dict[tuple[int, int, str], SmExemplar]]:
         """Histograms and exemplars since the last ``take`` (delta), and resets both."""
         with self._lock:
+            self._reduce_all()
             hists, self.histograms = self.histograms, {}
-            exemplars, self.exemplars = self.exemplars, {}
+            exemplars = self._exemplars()
+            for state in self._gpus.values():
+                state.reset_exemplars()
         return hists, exemplars
 
     def take_exemplars(self) -> dict[tuple[int, int, str], SmExemplar]:
         """The exemplars since the last call; starts a new exemplar interval."""
         with self._lock:
-            out, self.exemplars = self.exemplars, {}
+            out = self._exemplars()
+            for state in self._gpus.values():
+                state.reset_exemplars()
         return out
 
 
@@ -291,17 +394,22 @@ class PendingCtas:
     """One step's records on their way to the host; ``wait()`` returns the ``CtaBatch``."""
 
     def __init__(self, snapshot, launches: list[tuple[str, int]], gpu_id: int, fake: bool,
-                 trace_id: int, span_id: int) -> None:
-        self._snapshot = snapshot            # device tensor [n, 3] int64 (its own copy)
-        self._launches = launches
+                 trace_id: int, span_id: int, event=None) -> None:
+        self.snapshot = snapshot             # device tensor [n * 3] int64 (its own copy)
+        self.launches = launches
+        self.event = event                   # CUDA event after the copy (None on the CPU)
+        self.trace_id, self.span_id = trace_id, span_id
         self._meta = (gpu_id, fake, trace_id, span_id)
+        self._batch: CtaBatch | None = None
 
     def wait(self) -> CtaBatch:
         """Blocks until the step's kernels finished; copies 24 bytes per CTA to the host."""
-        gpu_id, fake, trace_id, span_id = self._meta
-        records = self._snapshot.cpu().numpy()
-        return CtaBatch.from_records(records, self._launches, gpu_id=gpu_id, fake=fake,
-                                     trace_id=trace_id, span_id=span_id)
+        if self._batch is None:
+            gpu_id, fake, trace_id, span_id = self._meta
+            records = self.snapshot.cpu().numpy()
+            self._batch = CtaBatch.from_records(records, self.launches, gpu_id=gpu_id,
+                                                fake=fake, trace_id=trace_id, span_id=span_id)
+        return self._batch
 
 
 class SmProbe:
@@ -361,7 +469,12 @@ class SmProbe:
         if self._used == 0:
             return None
         snapshot = self.buffer[: self._used * RECORD_WORDS].clone()
+        event = None
+        if self.device.type == "cuda":
+            import torch
+            event = torch.cuda.Event()
+            event.record()                   # on the launching (current) stream
         pending = PendingCtas(snapshot, self._launches, self.gpu_id, self.fake,
-                              trace_id, span_id)
+                              trace_id, span_id, event)
         self._launches, self._used = [], 0
         return pending

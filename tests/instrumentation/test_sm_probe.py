@@ -83,11 +83,11 @@ def test_record_count_mismatch_is_an_error():
         CtaBatch.from_records(np.zeros((3, 3)), [("a", 4)])
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_cta_histograms_equal_per_group_histograms_and_exemplars(seed):
+@pytest.mark.parametrize("seed,reduce_every", [(0, 1 << 21), (1, 1 << 21), (2, 1000), (3, 1)])
+def test_cta_histograms_equal_per_group_histograms_and_exemplars(seed, reduce_every):
     launches = [("k1", 3000), ("k2", 500), ("k1", 1200)]
     records = _synthetic(seed, launches, num_sms=16)
-    hists = CtaHistograms()
+    hists = CtaHistograms(reduce_every_ctas=reduce_every)
     batch = CtaBatch.from_records(records, launches, gpu_id=1, trace_id=11, span_id=22)
     assert hists.add(batch, time_unix_nano=5) == 4700
     # second step: a different span; only its own slower CTAs may take exemplars
@@ -192,3 +192,37 @@ def test_real_probe_on_gpu_records_every_cta():
     assert (batch.end_ns > batch.start_ns).all()
     facts = launch_facts(batch)[0]
     assert facts.sms_used == num_sms and facts.cta_spread >= 1.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_device_histograms_equal_the_numpy_reduction(seed):
+    """The torch (on-device) reduction, run here on CPU tensors, against the numpy one."""
+    import torch
+
+    from sightline.instrumentation.sm_histograms import DeviceCtaHistograms, torch_bucket_indices
+    from sightline.instrumentation.exphist import bucket_indices
+
+    vals = np.concatenate([np.random.default_rng(seed).random(1000) * 1e-3, [2.0**-20, 0.5, 1e-9]])
+    assert np.array_equal(torch_bucket_indices(torch.from_numpy(vals), 6).numpy(),
+                          bucket_indices(vals, 6))
+    launches = [("k1", 3000), ("k2", 500), ("k1", 1200)]
+    steps = [(_synthetic(seed + 10 * i, launches, num_sms=16, idle_every=5 if i else 0), i + 1)
+             for i in range(3)]
+    steps[0][0][3, 2] = steps[0][0][3, 1]          # one zero-length CTA
+    dev = DeviceCtaHistograms("cpu", gpu_id=2, num_sms=16, scale=6)
+    ref = CtaHistograms(scale=6)
+    for records, tag in steps:
+        dev.add(torch.from_numpy(records.reshape(-1).copy()), launches, trace_id=tag * 100,
+                span_id=tag, time_unix_nano=tag)
+        ref.add(CtaBatch.from_records(records, launches, gpu_id=2, trace_id=tag * 100,
+                                      span_id=tag), time_unix_nano=tag)
+    got, got_ex = dev.take()
+    want, want_ex = ref.take()
+    assert set(got) == set(want) and len(got) == 32
+    for key, h in want.items():
+        g = got[key]
+        assert (g.scale, g.offset, g.count, g.zero_count) == (h.scale, h.offset, h.count, h.zero_count)
+        assert np.array_equal(g.counts, h.counts)
+        assert g.sum == pytest.approx(h.sum) and g.min == h.min and g.max == h.max
+        assert got_ex[key] == want_ex[key]
+    assert dev.take() == ({}, {})                   # delta: nothing since the last take

@@ -1,0 +1,358 @@
+"""What Sightline's telemetry costs a real engine run, side by side in one process.
+
+    python bench/overhead.py --mode levels   --out bench/results   # GPU: llama-8b shape
+    python bench/overhead.py --mode profiler --out bench/results   # torch.profiler reference
+    python bench/overhead.py --mode capture  --capture deploy/captures/h200-x.jsonl.gz
+    python bench/overhead.py --mode report   --out bench/results   # markdown from the JSONs
+
+``levels``: ONE engine (the llama-8b shape, random weights, bf16) serves the same workload
+— ``--requests`` concurrent requests of ``--prompt`` prompt tokens and ``--output`` output
+tokens (ignore_eos), offline (no HTTP) — under each configuration, interleaved within each
+repeat so drift hits all alike:
+
+* ``off``            tracing off (the branch only)
+* ``requests+steps`` request and step spans (level ``steps``)
+* ``+kernel spans``  level ``kernels``: CUPTI on, kernel spans for sampled + tail steps,
+                     SM probe off
+* ``+sm probe``      the same with the per-CTA SM probe in the attention kernels (per-SM
+                     histograms reduced on the worker thread)
+
+Spans go to an exporter that discards them (the cost measured is the instrumentation's,
+not the network's). Output tokens/s is the median over repeats; ratios are against
+``off``. Then the engine's throughput with telemetry off at 1, 16 and 64 concurrent
+requests.
+
+``profiler``: a separate process (CUPTI allows one activity subscriber), the same engine and
+workload with telemetry off, plain vs inside ``torch.profiler.profile(CPU+CUDA)``;
+the profiler's post-processing at exit is timed apart.
+
+``capture``: a short real run at level ``kernels`` with the SM probe, written through
+instrumentation/capture.py into an OTLP JSONL capture for ``sightline replay``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+
+class DiscardExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, spans):
+        self.spans += len(spans)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+
+@dataclass
+class RunResult:
+    wall_s: float
+    steps: int
+    output_tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+
+def _commit() -> str:
+    env = os.environ.get("SIGHTLINE_COMMIT")
+    if env:
+        return env
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except Exception:
+        return "unknown"
+
+
+def _device_name(device: str) -> str:
+    import torch
+    if device != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or "cpu"
+
+
+def _telemetry(level: str, **overrides):
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+    if level == "off":
+        return Telemetry.disabled(), None
+    sink = DiscardExporter()
+    cfg = TelemetryConfig(level=level, exporter="none", **overrides)
+    return Telemetry.start(cfg, span_exporters=[sink]), sink
+
+
+def _engine(args, telemetry):
+    from sightline.engine.config import EngineConfig
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.engine.scheduler import SchedulerConfig
+    config = EngineConfig(model=args.model, device=args.device,
+                          scheduler=SchedulerConfig(max_num_seqs=max(64, args.requests)))
+    return LLMEngine(config, telemetry)
+
+
+def _prompts(n: int, length: int, seed: int, vocab: int) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    hi = max(3, min(vocab - 1, 100_000))
+    return [[rng.randrange(2, hi) for _ in range(length)] for _ in range(n)]
+
+
+def run_once(engine, telemetry, n: int, prompt_len: int, output_len: int, seed: int) -> RunResult:
+    """Adds n requests at once (traced as the server would), steps until all finish."""
+    from sightline.engine.request import SamplingParams
+    prompts = _prompts(n, prompt_len, seed, engine.model_config.vocab_size)
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    traces = []
+    t0 = time.perf_counter()
+    for prompt in prompts:
+        rid = engine.new_request_id("bench")
+        trace = telemetry.start_request(route="/v1/completions", headers={}, model=args_model[0],
+                                        operation="text_completion", request_id=rid, priority=0)
+        engine.add_request(rid, prompt, sampling, trace=trace)
+        traces.append(trace)
+    steps = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        steps += 1
+    wall = time.perf_counter() - t0
+    for trace in traces:
+        if trace is not None:
+            trace.finish(status_code=200, finish_reason="length", input_tokens=prompt_len,
+                         output_tokens=output_len, ttft_s=None, tpot_s=None, queue_s=None,
+                         e2e_s=wall, preemptions=0)
+    return RunResult(wall, steps, n * output_len)
+
+
+args_model = ["llama-8b"]   # the model name put on request spans
+
+
+def _sync(device: str) -> None:
+    import torch
+    if device != "cpu" and torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def mode_levels(args) -> dict:
+    tels = {lvl: _telemetry(lvl) for lvl in ("off", "steps", "kernels")}
+    engine = _engine(args, tels["kernels"][0])
+    gpu = engine.gpu_telemetry
+    probe = gpu.probe if gpu is not None else None
+    tracer = gpu.tracer if gpu is not None else None
+    configs = [("off", "off", False, False), ("requests+steps", "steps", False, False),
+               ("+kernel spans", "kernels", True, False), ("+sm probe", "kernels", True, True)]
+
+    def apply(level: str, kernels: bool, with_probe: bool) -> None:
+        engine.telemetry = tels[level][0]
+        g = gpu if kernels else None
+        engine.gpu_telemetry = engine.runner.gpu_telemetry = g
+        if gpu is not None:
+            gpu.probe = probe if with_probe else None
+            if tracer is not None and tracer.available:
+                tracer.resume() if kernels else tracer.pause()
+
+    def settle() -> None:
+        _sync(args.device)
+        if gpu is not None:
+            gpu.flush(timeout_s=120, export=False)
+
+    out = {"configs": [], "workload": {"requests": args.requests, "prompt": args.prompt,
+                                       "output": args.output, "repeats": args.repeats}}
+    if tracer is not None and tracer.available:
+        tracer.pause()   # start from 'off'
+    runs: dict[str, list[RunResult]] = {name: [] for name, *_ in configs}
+    stats_before = {}
+    for name, level, kernels, with_probe in configs:            # warm-up, one each
+        apply(level, kernels, with_probe)
+        run_once(engine, tels[level][0], args.requests, args.prompt, args.output, seed=0)
+        settle()
+    for rep in range(args.repeats):
+        for name, level, kernels, with_probe in configs:
+            apply(level, kernels, with_probe)
+            if gpu is not None and name not in stats_before:
+                stats_before[name] = dict(gpu.stats.__dict__)
+            runs[name].append(run_once(engine, tels[level][0], args.requests, args.prompt,
+                                       args.output, seed=rep + 1))
+            settle()
+            print(f"rep {rep} {name}: {runs[name][-1].tokens_per_s:.0f} tok/s "
+                  f"({runs[name][-1].steps} steps)", flush=True)
+    base = statistics.median(r.tokens_per_s for r in runs["off"])
+    for name, level, kernels, with_probe in configs:
+        tps = [r.tokens_per_s for r in runs[name]]
+        med = statistics.median(tps)
+        out["configs"].append({"config": name, "tokens_per_s_median": med, "tokens_per_s_runs": tps,
+                               "ratio_vs_off": med / base, "steps": runs[name][0].steps,
+                               "ms_per_step_median": 1000 * statistics.median(
+                                   r.wall_s / r.steps for r in runs[name])})
+    if gpu is not None:
+        st = gpu.stats.__dict__
+        out["gpu_telemetry_stats_total"] = dict(st)
+        out["cupti"] = {"available": gpu.kernel_spans_available,
+                        "reason": tracer.unavailable_reason if tracer is not None else "off"}
+    out["spans_exported"] = {lvl: (sink.spans if sink else 0) for lvl, (_, sink) in tels.items()}
+    # throughput with telemetry off at several concurrencies
+    apply("off", False, False)
+    out["throughput_off"] = []
+    for n in args.batches:
+        res = [run_once(engine, tels["off"][0], n, args.prompt, args.output, seed=100 + n)
+               for _ in range(2)]
+        best = statistics.median(r.tokens_per_s for r in res)
+        out["throughput_off"].append({"concurrency": n, "tokens_per_s_median": best,
+                                      "runs": [r.tokens_per_s for r in res],
+                                      "ms_per_step_median": 1000 * statistics.median(
+                                          r.wall_s / r.steps for r in res)})
+        print(f"throughput off, {n} concurrent: {best:.0f} tok/s", flush=True)
+    apply("kernels", True, True)
+    engine.shutdown()
+    for tel, _ in tels.values():
+        tel.shutdown()
+    return out
+
+
+def mode_profiler(args) -> dict:
+    import torch
+    tel, _ = _telemetry("off")
+    engine = _engine(args, tel)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device != "cpu" and torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    plain, prof, exit_s, events = [], [], [], []
+    run_once(engine, tel, args.requests, args.prompt, args.output, seed=0)      # warm-up
+    for rep in range(args.repeats):
+        _sync(args.device)
+        plain.append(run_once(engine, tel, args.requests, args.prompt, args.output, seed=rep + 1))
+        _sync(args.device)
+        p = torch.profiler.profile(activities=acts)
+        p.__enter__()
+        r = run_once(engine, tel, args.requests, args.prompt, args.output, seed=rep + 1)
+        _sync(args.device)
+        r.wall_s = r.wall_s  # the engine loop only; the profiler's exit is timed apart
+        t = time.perf_counter()
+        p.__exit__(None, None, None)
+        exit_s.append(time.perf_counter() - t)
+        try:
+            events.append(sum(1 for e in p.events() if e.device_type.name == "CUDA"))
+        except Exception:
+            events.append(-1)
+        prof.append(r)
+        print(f"rep {rep}: plain {plain[-1].tokens_per_s:.0f} tok/s, profiled "
+              f"{r.tokens_per_s:.0f} tok/s, profiler exit {exit_s[-1]:.1f} s", flush=True)
+    engine.shutdown()
+    base = statistics.median(r.tokens_per_s for r in plain)
+    med = statistics.median(r.tokens_per_s for r in prof)
+    return {"workload": {"requests": args.requests, "prompt": args.prompt, "output": args.output,
+                         "repeats": args.repeats},
+            "plain_tokens_per_s_median": base, "profiled_tokens_per_s_median": med,
+            "ratio_vs_plain": med / base, "profiler_exit_s": exit_s,
+            "cuda_events_recorded": events}
+
+
+def mode_capture(args) -> dict:
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+    path = Path(args.capture)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tel = Telemetry.start(TelemetryConfig(level="kernels", exporter="none", capture_path=str(path),
+                                          kernel_sample_ratio=args.capture_ratio,
+                                          service_name="sightline-engine",
+                                          resource_attributes={"host.name": "lent-h200",
+                                                               "sightline.capture": "bench/overhead.py"}))
+    engine = _engine(args, tel)
+    gpu = engine.gpu_telemetry
+    results = [run_once(engine, tel, args.requests, args.prompt, args.output, seed=s)
+               for s in range(args.repeats)]
+    stats = dict(gpu.stats.__dict__) if gpu is not None else None
+    engine.shutdown()          # flushes kernel spans and the per-SM histograms
+    tel.shutdown()
+    return {"capture": str(path), "bytes": path.stat().st_size if path.exists() else 0,
+            "runs": [r.tokens_per_s for r in results], "gpu_telemetry_stats": stats,
+            "cupti": None if gpu is None else gpu.kernel_spans_available}
+
+
+def report(out_dir: Path) -> str:
+    lines = ["# Telemetry overhead on a real engine run", ""]
+    for f in sorted(out_dir.glob("overhead-*.json")):
+        r = json.loads(f.read_text())
+        lines += [f"## {f.name}", "", f"device {r['device']}, commit `{r['commit']}`, "
+                  f"{r['time_utc']}, command `{r['command']}`", ""]
+        body = r["result"]
+        if r["mode"] == "levels":
+            w = body["workload"]
+            lines += [f"{w['requests']} concurrent requests, prompt {w['prompt']}, output "
+                      f"{w['output']} tokens, median of {w['repeats']} interleaved repeats.", "",
+                      "| config | output tok/s | vs off | ms/step |", "|---|---|---|---|"]
+            for c in body["configs"]:
+                lines.append(f"| {c['config']} | {c['tokens_per_s_median']:.0f} | "
+                             f"{c['ratio_vs_off']:.3f} | {c['ms_per_step_median']:.2f} |")
+            if "cupti" in body:
+                lines += ["", f"CUPTI: {body['cupti']}; GPU telemetry totals: "
+                          f"{body.get('gpu_telemetry_stats_total')}"]
+            lines += ["", "| concurrency (telemetry off) | output tok/s | ms/step |", "|---|---|---|"]
+            for t in body["throughput_off"]:
+                lines.append(f"| {t['concurrency']} | {t['tokens_per_s_median']:.0f} | "
+                             f"{t['ms_per_step_median']:.2f} |")
+        elif r["mode"] == "profiler":
+            lines += [f"torch.profiler (CPU+CUDA) vs plain: {body['profiled_tokens_per_s_median']:.0f}"
+                      f" vs {body['plain_tokens_per_s_median']:.0f} tok/s = "
+                      f"{body['ratio_vs_plain']:.3f}; profiler exit (post-processing) "
+                      f"{', '.join(f'{x:.1f}' for x in body['profiler_exit_s'])} s; CUDA events "
+                      f"{body['cuda_events_recorded']}."]
+        elif r["mode"] == "capture":
+            lines += [f"capture {body['capture']}: {body['bytes']} bytes; runs tok/s "
+                      f"{[round(x) for x in body['runs']]}; CUPTI {body['cupti']}; stats "
+                      f"{body['gpu_telemetry_stats']}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mode", choices=("levels", "profiler", "capture", "report"), required=True)
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--output", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--capture", default=None)
+    ap.add_argument("--capture-ratio", type=float, default=0.05)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.mode == "report":
+        md = report(out)
+        (out / "overhead.md").write_text(md)
+        print(md)
+        return 0
+    args_model[0] = args.model
+    t0 = time.time()
+    result = {"levels": mode_levels, "profiler": mode_profiler, "capture": mode_capture}[args.mode](args)
+    rec = {"mode": args.mode, "commit": _commit(), "device": _device_name(args.device),
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "wall_s": time.time() - t0, "result": result}
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"overhead-{args.mode}-{rec['device'].replace(' ', '-').lower()}-{rec['commit'][:8]}.json"
+    (out / name).write_text(json.dumps(rec, indent=1, default=str))
+    print(json.dumps({k: v for k, v in rec.items() if k != "result"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
