@@ -46,6 +46,8 @@ __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 log = logging.getLogger(__name__)
 
 _CLIENT_GONE = "client_disconnected"
+# The response id (also the engine's request id and the span attribute sightline.request.id).
+REQUEST_ID_HEADER = "X-Request-Id"
 
 
 def _json_response(payload: dict, status: int = 200) -> web.Response:
@@ -197,7 +199,8 @@ class EngineServer:
         try:
             if params.stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+                                                       "Cache-Control": "no-cache",
+                                                       REQUEST_ID_HEADER: response_id})
                 await response.prepare(http)
                 if chat:
                     await response.write(sse(chat_chunk(response_id, self.model, created,
@@ -233,8 +236,10 @@ class EngineServer:
             if response is None:
                 build = chat_response if chat else completion_response
                 self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
-                return _json_response(build(response_id, self.model, created, text, finished.finish_reason,
-                                            finished.num_prompt_tokens, finished.num_output_tokens))
+                reply = _json_response(build(response_id, self.model, created, text, finished.finish_reason,
+                                             finished.num_prompt_tokens, finished.num_output_tokens))
+                reply.headers[REQUEST_ID_HEADER] = response_id
+                return reply
             if params.include_usage:
                 await response.write(sse(usage_chunk(response_id, self.model, created, chat,
                                                      finished.num_prompt_tokens, finished.num_output_tokens)))

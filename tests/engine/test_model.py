@@ -284,3 +284,29 @@ def test_engine_on_triton_kernels_matches_torch_path():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["triton"] == out["torch"] and len(out["torch"]) == 2
+
+
+def test_checkpoint_dir_with_tokenizer_json(tmp_path):
+    """A local HF-style directory: config.json + safetensors + tokenizer.json (read by the
+    optional ``tokenizers`` package) serves text through the engine, EOS id from config.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.engine.tokenizer import HFTokenizer, load_tokenizer
+
+    corpus = ["the quick brown fox jumps over the lazy dog", "sightline traces every step"] * 50
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    tok.decoder = tokenizers.decoders.Metaspace()
+    tok.train_from_iterator(corpus, tokenizers.trainers.BpeTrainer(
+        vocab_size=97, special_tokens=["<unk>", "<s>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    _write_hf_dir(tmp_path, SMALL, _hf_state(SMALL, seed=2))  # bos 1, eos [2, 3] -> 2
+    loaded = load_tokenizer(str(tmp_path), 1, 2)
+    assert isinstance(loaded, HFTokenizer)
+    ids = loaded.encode("the lazy fox")
+    assert ids[0] == 1 and max(ids) < 97 and loaded.decode(ids) == "the lazy fox"
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", kv_cache_gib=0.001))
+    assert engine.model_name == tmp_path.name and engine.eos_token_id == 2
+    [done] = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
+    assert 1 <= len(done.output_token_ids) <= 8
+    assert done.finish_reason.value == ("stop" if done.output_token_ids[-1] == 2 else "length")

@@ -231,34 +231,43 @@ def test_malformed_json_and_unknown_model_and_route(server):
     assert _client(url).completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 
 
-def test_queue_full_is_429():
+def test_queue_full_is_429_and_priority_orders_the_queue():
+    from sightline.engine.request import RequestStatus
     from sightline.engine.server import serve_in_thread
 
     config = EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0, shutdown_timeout_s=5,
                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256,
-                                                    max_waiting=1))
+                                                    max_waiting=2))
     running = serve_in_thread(config)
     try:
         client = _client(running.url)
+        scheduler = running.engine.scheduler
         long = dict(model=MODEL, max_tokens=500, stream=True, extra_body={"ignore_eos": True})
         first = client.completions.create(prompt="one", **long)
         next(iter(first))  # running: the one slot is taken
-        second = client.completions.create(prompt="two", **long)  # waits: the queue's one place
-        deadline = time.monotonic() + 10
-        while running.engine.scheduler.num_waiting != 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        lax = client.completions.create(prompt="two", model=MODEL, max_tokens=500, stream=True,
+                                        extra_body={"ignore_eos": True, "priority": 5})
+        urgent = client.completions.create(prompt="three", model=MODEL, max_tokens=500, stream=True,
+                                           extra_body={"ignore_eos": True, "priority": -1})
+        lax_id, urgent_id = (s.response.headers["x-request-id"] for s in (lax, urgent))
+        assert scheduler.get(lax_id).status is RequestStatus.WAITING
+        assert scheduler.get(urgent_id).status is RequestStatus.WAITING
         with pytest.raises(openai.RateLimitError) as info:
-            client.completions.create(model=MODEL, prompt="three", max_tokens=4)
+            client.completions.create(model=MODEL, prompt="four", max_tokens=4)
         assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
         assert info.value.body["type"] == "rate_limit_error"
-        first.close()
-        second.close()
+        first.close()  # the slot frees: the more urgent request gets it although it came later
+        next(iter(urgent))
+        assert scheduler.get(lax_id).status is RequestStatus.WAITING
+        lax.close()
+        urgent.close()
         deadline = time.monotonic() + 20
         while running.engine.num_live and time.monotonic() < deadline:
             time.sleep(0.02)
         assert running.engine.num_live == 0 and running.engine.kv_cache.num_used_blocks == 0
-        assert client.completions.create(model=MODEL, prompt="four", max_tokens=3,
-                                         extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+        result = client.completions.create(model=MODEL, prompt="five", max_tokens=3,
+                                           extra_body={"ignore_eos": True})
+        assert result.usage.completion_tokens == 3
     finally:
         running.stop()
 
