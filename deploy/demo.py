@@ -80,6 +80,7 @@ class DemoReport:
     load: LoadResult
     gpu_data_source: str  # "live" | "recorded H200 capture <path>" | "none: <why>"
     explanations: list[dict[str, Any]] = field(default_factory=list)
+    hotspots: list[str] = field(default_factory=list)  # one line per (gpu, kernel)
     files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -168,30 +169,50 @@ def _replay_capture(capture: Path, otlp_http_url: str) -> str:
             f"in {result.duration_s:.1f}s")
 
 
-def _fetch_heatmaps(collector_url: str, folder: Path) -> list[Path]:
-    """Both views of every (gpu, kernel) with per-SM data, as PNG and HTML, plus index.html."""
+def _fetch_heatmaps(collector_url: str, folder: Path) -> tuple[list[Path], list[str]]:
+    """Both views of every (gpu, kernel) with per-SM data, as PNG and HTML, plus index.html;
+    and one line per (gpu, kernel) naming its hottest SM (from the JSON view)."""
     folder.mkdir(parents=True, exist_ok=True)
     kernels = _get_json(f"{collector_url}/api/v1/kernels").get("kernels", [])
     written: list[Path] = []
+    hotspots: list[str] = []
     for entry in kernels:
         if entry.get("source") != "sm_probe":
             continue
+        pair = {"gpu": entry["gpu"], "kernel": entry["kernel"]}
         for kind in ("time_sm", "sm_latency"):
             for fmt in ("png", "html"):
-                query = urllib.parse.urlencode({"gpu": entry["gpu"], "kernel": entry["kernel"],
-                                                "kind": kind, "format": fmt})
+                query = urllib.parse.urlencode({**pair, "kind": kind, "format": fmt})
                 status, body, _ = _get(f"{collector_url}/api/v1/heatmap?{query}", timeout_s=60)
                 if status != 200:
                     continue
                 path = folder / f"gpu{_slug(str(entry['gpu']))}-{_slug(entry['kernel'])}-{kind}.{fmt}"
                 path.write_bytes(body)
                 written.append(path)
+        query = urllib.parse.urlencode({**pair, "kind": "sm_latency", "format": "json"})
+        status, body, _ = _get(f"{collector_url}/api/v1/heatmap?{query}", timeout_s=60)
+        if status == 200:
+            line = _hotspot_line(json.loads(body))
+            if line:
+                hotspots.append(line)
     if written:
         status, body, _ = _get(f"{collector_url}/api/v1/heatmap.html", timeout_s=60)
         if status == 200:
             (folder / "index.html").write_bytes(body)
             written.append(folder / "index.html")
-    return written
+    return written, hotspots
+
+
+def _hotspot_line(heatmap: dict[str, Any]) -> str | None:
+    spot = heatmap.get("hotspot") or {}
+    sm, median, ratio = spot.get("hottest_sm"), spot.get("median_p99_s"), spot.get("ratio")
+    if sm is None or median is None or ratio is None:
+        return None
+    p99 = (spot.get("p99_s") or {}).get(sm)
+    p99_text = f"{p99 * 1e6:.1f} us" if p99 is not None else "?"
+    return (f"GPU {heatmap.get('gpu')} {str(heatmap.get('kernel'))[:60]}: hottest SM {sm}, CTA P99 "
+            f"{p99_text} = {ratio:.2f}x the median SM's {median * 1e6:.1f} us "
+            f"({len(heatmap.get('sms', []))} SMs)")
 
 
 def _slug(text: str) -> str:
@@ -284,15 +305,16 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
             report.gpu_data_source = "live: this machine's GPU, traced by the engine"
         else:
             capture = config.capture or find_capture()
+            label = "recorded H200 capture" if config.capture is None else "recorded GPU capture"
             if capture is None:
                 report.gpu_data_source = ("none: no GPU here and no recorded capture in "
                                           f"{CAPTURES_DIR}")
             else:
-                say(f"no GPU here: replaying the recorded H200 capture {capture.name} into the "
-                    "collector for the per-SM views")
+                say(f"no GPU here: replaying the {label} {capture.name} into the collector "
+                    "for the per-SM views")
                 summary = _replay_capture(capture, f"http://{p.host}:{p.collector_http}")
                 say(f"  replayed {summary}")
-                report.gpu_data_source = f"recorded H200 capture {capture}"
+                report.gpu_data_source = f"{label} {capture}"
                 gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
                 report.explanations.append({"source": f"recorded capture {capture.name}", **gpu})
                 (explain_dir / "h200-capture.json").write_text(json.dumps(gpu, indent=2))
@@ -300,7 +322,8 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
                 report.files["slowest recorded H200 requests explained"] = (
                     explain_dir / "h200-capture.txt")
 
-        heatmaps = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        heatmaps, hotspots = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        report.hotspots.extend(hotspots)
         if heatmaps:
             report.files["per-SM heatmaps (PNG + HTML)"] = out / "heatmaps"
         else:
@@ -336,13 +359,18 @@ def _summary_text(report: DemoReport) -> str:
         lines.append(f"Slowest requests explained ({source}):")
         lines.append(_format_explanation(body))
         lines.append("")
+    if report.hotspots:
+        lines.append("Per-SM CTA latency hotspots (P99 per SM over the collector's window):")
+        lines.extend(f"  {line}" for line in report.hotspots)
+        lines.append("")
     lines.append(f"Per-SM data (kernels, SMs, heatmaps) comes from: {report.gpu_data_source}")
     if report.device != "cuda":
         recorded = report.gpu_data_source.startswith("recorded")
+        label = report.gpu_data_source.rsplit(" ", 1)[0]
         lines.append("  This machine has no GPU: the engine ran on the CPU, so this run's requests "
                      "are explained down to engine steps only (no CUDA kernels, no SMs)."
-                     + (" Every kernel and per-SM figure above, and the heatmaps, come from the "
-                        "recorded H200 capture replayed into the collector, not from this run."
+                     + (f" Every kernel and per-SM figure above, and the heatmaps, come from the "
+                        f"{label} replayed into the collector, not from this run."
                         if recorded else ""))
     lines.extend(f"- {note}" for note in report.notes)
     return "\n".join(lines)
