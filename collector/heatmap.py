@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -229,6 +230,15 @@ def render_png(heatmap: TimeSmHeatmap | SmLatencyHeatmap) -> bytes:
     bar_h = cell_h * max(rows, 1)
     for i in range(bar_h):
         draw.line([bar_x, top + i, bar_x + 14, top + i], fill=colour(1.0 - i / max(bar_h - 1, 1)))
+    if isinstance(heatmap, TimeSmHeatmap) and heatmap.times_unix_s:
+        first = time.strftime("%H:%M:%S", time.gmtime(heatmap.times_unix_s[0]))
+        last = time.strftime("%H:%M:%S", time.gmtime(heatmap.times_unix_s[-1]))
+        axis = f"time (UTC, {heatmap.slot_s:g} s slots) {first} .. {last}"
+    elif isinstance(heatmap, SmLatencyHeatmap) and heatmap.edges_s:
+        axis = f"CTA duration {heatmap.edges_s[0] * 1e6:.3g} us .. {heatmap.edges_s[-1] * 1e6:.3g} us (log)"
+    else:
+        axis = ""
+    draw.text((left, top + cell_h * max(rows, 1) + 6), axis, fill=(0, 0, 0))
     unit = "s" if isinstance(heatmap, TimeSmHeatmap) else "log10 n"
     draw.text((bar_x + 18, top), f"{vmax:.3g}", fill=(0, 0, 0))
     draw.text((bar_x + 18, top + bar_h - 10), f"{vmin:.3g}", fill=(0, 0, 0))

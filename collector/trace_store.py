@@ -31,7 +31,9 @@ from sightline.instrumentation import semconv
 
 __all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig", "any_value", "REQUEST_SPAN_NAMES"]
 
-REQUEST_SPAN_NAMES = frozenset({semconv.SPAN_HTTP_COMPLETIONS, semconv.SPAN_HTTP_CHAT_COMPLETIONS})
+# Zipkin-born spans often arrive lower-cased, so both spellings name a request root.
+REQUEST_SPAN_NAMES = frozenset(n for name in (semconv.SPAN_HTTP_COMPLETIONS, semconv.SPAN_HTTP_CHAT_COMPLETIONS)
+                               for n in (name, name.lower()))
 
 
 @dataclass(frozen=True)
