@@ -260,7 +260,7 @@ class LLMEngine:
                     return
             try:
                 did_work = self.step_and_deliver()
-            except Exception:  # never let the loop die; the step's requests were failed
+            except Exception:  # never let the loop die (a failed model step fails its requests)
                 log.exception("engine step failed")
                 did_work = True
             if not did_work:

@@ -72,3 +72,55 @@ def test_request_and_step_spans():
     step_ids = [s.context.span_id for s in steps]
     assert [link.context.span_id for link in phases[sc.SPAN_PREFILL].links] == step_ids[:1]
     assert [link.context.span_id for link in phases[sc.SPAN_DECODE].links] == step_ids[1:]
+
+
+def test_preempted_request_spans():
+    """KV pressure preempts requests: each preemption is an event, the recompute opens new
+    queue and prefill spans, and every request still ends with one detokenize span."""
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.engine.request import SamplingParams
+    from sightline.engine.scheduler import SchedulerConfig
+
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry.start(TelemetryConfig(level="steps", exporter="none", metrics_enabled=False),
+                                span_exporters=[exporter])
+    # 9 blocks of 16 tokens for 4 requests of 30 + 20 tokens: someone must give blocks back.
+    engine = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_gib=9 * 32768 / 2**30,
+                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)),
+                       telemetry)
+    assert engine.runner.num_blocks == 9
+    traces = {}
+    for i in range(4):
+        request_id = f"p{i}"
+        traces[request_id] = telemetry.start_request(route="/v1/completions", headers={}, model="tiny",
+                                                     operation="text_completion", request_id=request_id,
+                                                     priority=i)
+        engine.add_request(request_id, list(range(1, 31)), SamplingParams(max_tokens=20, temperature=0.0,
+                                                                          ignore_eos=True),
+                           priority=i, trace=traces[request_id])
+    finals = {}
+    while engine.scheduler.has_work:
+        for _, output in engine.step():
+            if output.finished:
+                finals[output.request_id] = output
+    for request_id, output in finals.items():
+        traces[request_id].finish(status_code=200, finish_reason=output.finish_reason,
+                                  input_tokens=output.num_prompt_tokens, output_tokens=output.num_output_tokens,
+                                  preemptions=output.num_preemptions)
+    telemetry.shutdown()
+    assert sorted(finals) == ["p0", "p1", "p2", "p3"]
+    assert all(o.finish_reason == "length" and o.num_output_tokens == 20 for o in finals.values())
+    preempted = {rid: o.num_preemptions for rid, o in finals.items() if o.num_preemptions}
+    assert preempted, "the KV budget was meant to force preemption"
+    spans = exporter.get_finished_spans()
+    for request_id, output in finals.items():
+        [server] = [s for s in spans if s.name == sc.SPAN_HTTP_COMPLETIONS
+                    and s.attributes[sc.REQUEST_ID] == request_id]
+        children = [s for s in spans if s.parent is not None and s.parent.span_id == server.context.span_id]
+        names = [s.name for s in sorted(children, key=lambda s: s.start_time)]
+        n = output.num_preemptions
+        assert names.count(sc.SPAN_QUEUE) == 1 + n and names.count(sc.SPAN_PREFILL) >= 1 + n
+        assert names.count(sc.SPAN_DETOKENIZE) == 1 and names[-1] == sc.SPAN_DETOKENIZE
+        events = [e.name for e in server.events]
+        assert events.count(sc.EVENT_PREEMPTED) == n and events.count(sc.EVENT_FIRST_TOKEN) == 1
+        assert server.attributes[sc.REQUEST_PREEMPTIONS] == n
