@@ -387,12 +387,17 @@ class Aggregator:
         return e2e
 
     def _on_step(self, span, now: float) -> None:
-        prefill = decode = 0.0
+        prefill = decode = None
         for kv in span.attributes:
-            if kv.key == sc.STEP_PREFILL_TOKENS:
+            key = kv.key
+            if key == sc.STEP_PREFILL_TOKENS:
                 prefill = _num(kv.value) or 0.0
-            elif kv.key == sc.STEP_DECODE_TOKENS:
+                if decode is not None:
+                    break
+            elif key == sc.STEP_DECODE_TOKENS:
                 decode = _num(kv.value) or 0.0
+                if prefill is not None:
+                    break
         phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
         series = self._steps.get(phase)
         if series is None:
@@ -405,16 +410,20 @@ class Aggregator:
         self._record_duration(series, span, now)
 
     def _on_kernel(self, span, now: float) -> None:
-        gpu = kernel = None
-        for kv in span.attributes:
+        gpu = device = kernel = None
+        for kv in span.attributes:  # kernel spans carry a dozen attributes: stop at the two
             key = kv.key
             if key == sc.HW_GPU_ID:
                 gpu = _label(kv.value)
+                if kernel is not None:
+                    break
             elif key == sc.CUDA_KERNEL_NAME:
                 kernel = kv.value.string_value
-            elif key == sc.CUDA_DEVICE and gpu is None:
-                gpu = _label(kv.value)
-        key = (gpu or "unknown", kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):])
+                if gpu is not None:
+                    break
+            elif key == sc.CUDA_DEVICE:
+                device = _label(kv.value)
+        key = (gpu or device or "unknown", kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):])
         series = self._kernels.get(key)
         if series is None:
             if len(self._kernels) >= self.config.max_kernel_series:
