@@ -31,7 +31,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -351,15 +351,3 @@ class Supervisor:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    @staticmethod
-    def which(program: str, extra: Sequence[Path] = ()) -> str | None:
-        """``program``'s path: next to this Python (the venv's bin) first, then ``$PATH``."""
-        import shutil
-
-        candidates = [Path(sys.executable).parent, *extra]
-        for folder in candidates:
-            path = folder / program
-            if path.is_file() and os.access(path, os.X_OK):
-                return str(path)
-        return shutil.which(program)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sightline.deploy.processes import HealthCheck, ProcessSpec, Supervisor, free_ports
+from sightline.deploy.processes import (HealthCheck, ProcessFailedError, ProcessSpec, Supervisor,
+                                        free_ports)
 
 __all__ = [
     "DEFAULT_PORTS",
@@ -279,83 +280,84 @@ class Stack:
     # -- process specs -----------------------------------------------------------------
     def specs(self) -> list[ProcessSpec]:
         """The processes to start, in start order."""
+        builders: dict[str, Callable[[], ProcessSpec]] = {
+            "collector": self._collector_spec, "rotel": self._rotel_spec,
+            "alertmanager": self._alertmanager_spec, "prometheus": self._prometheus_spec,
+            "engine": self._engine_spec,
+        }
+        return [builders[name]() for name in COMPONENTS if name in self.config.components]
+
+    def _spec(self, name: str, argv: tuple[str, ...], health: HealthCheck,
+              env: dict[str, str] | None = None) -> ProcessSpec:
+        return ProcessSpec(name=name, argv=argv, env=env or {}, health=health,
+                           stop_timeout_s=self.config.stop_timeout_s)
+
+    def _collector_spec(self) -> ProcessSpec:
+        p = self.ports
+        return self._spec("collector", _sightline_argv(
+            "collector", "run",
+            "--otlp-grpc", f"{p.host}:{p.collector_grpc}",
+            "--otlp-http", f"{p.host}:{p.collector_http}",
+            "--zipkin", f"{p.host}:{p.collector_zipkin}",
+            "--http", f"{p.host}:{p.collector_api}"),
+            HealthCheck(http_url=f"{p.collector_url}/readyz", timeout_s=self.config.health_timeout_s))
+
+    def _rotel_spec(self) -> ProcessSpec:
+        p = self.ports
+        return self._spec("rotel", (
+            _rotel_binary(), "start",
+            "--otlp-grpc-endpoint", f"{p.host}:{p.rotel_grpc}",
+            "--otlp-http-endpoint", f"{p.host}:{p.rotel_http}",
+            # rotel wants a URL here (a bare host:port fails to parse).
+            "--otlp-exporter-endpoint", p.collector_grpc_endpoint,
+            "--otlp-exporter-protocol", "grpc",
+            "--batch-timeout", "200ms"),
+            # rotel has no health route: its gRPC port accepting is the signal.
+            HealthCheck(tcp_address=(p.host, p.rotel_grpc), timeout_s=self.config.health_timeout_s),
+            env={"NO_COLOR": "1"})
+
+    def _alertmanager_spec(self) -> ProcessSpec:
+        p, folder = self.ports, self.run_dir / "alertmanager"
+        return self._spec("alertmanager", (
+            _need_binary("prometheus-alertmanager"),
+            f"--config.file={folder / 'alertmanager.yml'}",
+            f"--storage.path={folder / 'data'}",
+            f"--web.listen-address={p.host}:{p.alertmanager}",
+            "--cluster.listen-address="),  # a single local instance: no gossip port
+            HealthCheck(http_url=f"{p.alertmanager_url}/-/ready",
+                        timeout_s=self.config.health_timeout_s))
+
+    def _prometheus_spec(self) -> ProcessSpec:
+        p, folder = self.ports, self.run_dir / "prometheus"
+        return self._spec("prometheus", (
+            _need_binary("prometheus"),
+            f"--config.file={folder / 'prometheus.yml'}",
+            f"--storage.tsdb.path={folder / 'data'}",
+            f"--web.listen-address={p.host}:{p.prometheus}",
+            "--enable-feature=exemplar-storage",
+            "--web.enable-lifecycle"),
+            HealthCheck(http_url=f"{p.prometheus_url}/-/ready",
+                        timeout_s=self.config.health_timeout_s))
+
+    def _engine_spec(self) -> ProcessSpec:
         p, c = self.ports, self.config
-        timeout = c.health_timeout_s
-        specs: list[ProcessSpec] = []
-        for name in COMPONENTS:
-            if name not in c.components:
-                continue
-            if name == "collector":
-                specs.append(ProcessSpec(
-                    name="collector",
-                    argv=_sightline_argv(
-                        "collector", "run",
-                        "--otlp-grpc", f"{p.host}:{p.collector_grpc}",
-                        "--otlp-http", f"{p.host}:{p.collector_http}",
-                        "--zipkin", f"{p.host}:{p.collector_zipkin}",
-                        "--http", f"{p.host}:{p.collector_api}"),
-                    health=HealthCheck(http_url=f"{p.collector_url}/readyz", timeout_s=timeout),
-                    stop_timeout_s=c.stop_timeout_s))
-            elif name == "rotel":
-                specs.append(ProcessSpec(
-                    name="rotel",
-                    argv=(_rotel_binary(), "start",
-                          "--otlp-grpc-endpoint", f"{p.host}:{p.rotel_grpc}",
-                          "--otlp-http-endpoint", f"{p.host}:{p.rotel_http}",
-                          # rotel wants a URL here (a bare host:port fails to parse).
-                          "--otlp-exporter-endpoint", p.collector_grpc_endpoint,
-                          "--otlp-exporter-protocol", "grpc",
-                          "--batch-timeout", "200ms"),
-                    env={"NO_COLOR": "1"},
-                    health=HealthCheck(tcp_address=(p.host, p.rotel_grpc), timeout_s=timeout),
-                    stop_timeout_s=c.stop_timeout_s))
-            elif name == "alertmanager":
-                folder = self.run_dir / "alertmanager"
-                specs.append(ProcessSpec(
-                    name="alertmanager",
-                    argv=(_need_binary("prometheus-alertmanager"),
-                          f"--config.file={folder / 'alertmanager.yml'}",
-                          f"--storage.path={folder / 'data'}",
-                          f"--web.listen-address={p.host}:{p.alertmanager}",
-                          "--cluster.listen-address="),
-                    health=HealthCheck(http_url=f"{p.alertmanager_url}/-/ready", timeout_s=timeout),
-                    stop_timeout_s=c.stop_timeout_s))
-            elif name == "prometheus":
-                folder = self.run_dir / "prometheus"
-                specs.append(ProcessSpec(
-                    name="prometheus",
-                    argv=(_need_binary("prometheus"),
-                          f"--config.file={folder / 'prometheus.yml'}",
-                          f"--storage.tsdb.path={folder / 'data'}",
-                          f"--web.listen-address={p.host}:{p.prometheus}",
-                          "--enable-feature=exemplar-storage",
-                          "--web.enable-lifecycle"),
-                    health=HealthCheck(http_url=f"{p.prometheus_url}/-/ready", timeout_s=timeout),
-                    stop_timeout_s=c.stop_timeout_s))
-            elif name == "engine":
-                exporter = (p.rotel_grpc_endpoint if "rotel" in c.components
-                            else p.collector_grpc_endpoint)
-                interval_ms = str(int(c.telemetry_export_interval_s * 1000))
-                env = {
-                    "SIGHTLINE_TRACE_LEVEL": c.resolved_trace_level,
-                    "OTEL_EXPORTER_OTLP_ENDPOINT": exporter,
-                    "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
-                    "OTEL_EXPORTER_OTLP_INSECURE": "true",
-                    "OTEL_BSP_SCHEDULE_DELAY": interval_ms,
-                    "OTEL_METRIC_EXPORT_INTERVAL": interval_ms,
-                }
-                if "collector" not in c.components and "rotel" not in c.components:
-                    env["SIGHTLINE_TRACE_LEVEL"] = "off"
-                specs.append(ProcessSpec(
-                    name="engine",
-                    argv=_sightline_argv(
-                        "engine", "serve", "--host", p.host, "--port", str(p.engine),
-                        "--model", c.resolved_model, "--device", c.resolved_device,
-                        *c.engine_args),
-                    env=env,
-                    health=HealthCheck(http_url=f"{p.engine_url}/health", timeout_s=timeout),
-                    stop_timeout_s=c.stop_timeout_s))
-        return specs
+        exporter = p.rotel_grpc_endpoint if "rotel" in c.components else p.collector_grpc_endpoint
+        interval_ms = str(int(c.telemetry_export_interval_s * 1000))
+        telemetry_sink = "collector" in c.components or "rotel" in c.components
+        env = {
+            "SIGHTLINE_TRACE_LEVEL": c.resolved_trace_level if telemetry_sink else "off",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": exporter,
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            # Short export intervals: a local run wants its spans at the collector in ~1 s.
+            "OTEL_BSP_SCHEDULE_DELAY": interval_ms,
+            "OTEL_METRIC_EXPORT_INTERVAL": interval_ms,
+        }
+        return self._spec("engine", _sightline_argv(
+            "engine", "serve", "--host", p.host, "--port", str(p.engine),
+            "--model", c.resolved_model, "--device", c.resolved_device, *c.engine_args),
+            HealthCheck(http_url=f"{p.engine_url}/health", timeout_s=c.health_timeout_s),
+            env=env)
 
     # -- lifecycle ---------------------------------------------------------------------
     def prepare(self) -> None:
@@ -387,8 +389,6 @@ class Stack:
 
     def check(self) -> None:
         """Raises ``ProcessFailedError`` naming any component that has exited."""
-        from sightline.deploy.processes import ProcessFailedError
-
         if self.supervisor is None:
             return
         dead = self.supervisor.failed()
