@@ -107,3 +107,22 @@ def test_errors_are_recorded_not_raised(engine_url):
     summary = summarize(result.records, 1.0)
     assert (summary.ok, summary.errors) == (0, 2)
     assert summary.ttft is None
+
+
+def test_cli_prints_the_table_and_writes_records(engine_url, tmp_path):
+    import json
+    import subprocess
+
+    records = tmp_path / "records.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "sightline.deploy.cli", "load", "--url", engine_url, "--requests", "4",
+         "--concurrency", "2", "--priorities", "0,2", "--max-tokens", "3", "--records", str(records)],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in records.read_text().splitlines()]
+    assert [r["priority"] for r in lines] == [0, 2, 0, 2]
+    assert all(r["status"] == "ok" for r in lines)
+    rows = [line.split() for line in result.stdout.splitlines()]
+    assert [row[:3] for row in rows if row and row[0] in ("0", "2", "all")] == [
+        ["0", "2", "0"], ["2", "2", "0"], ["all", "4", "0"]]
+    assert "load [" in result.stderr  # the progress display
