@@ -43,7 +43,7 @@ import numpy as np
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
 from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, TraceStore, TraceStoreConfig,
                                              any_value)
-from sightline.collector.windows import Exemplar, SlidingHistogram, WindowConfig
+from sightline.collector.windows import Exemplar, SlidingHistogram, WindowConfig, subtract_cumulative
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
@@ -478,7 +478,7 @@ class Aggregator:
             while len(self._cumulative) > 2 * self.config.max_sm_series:
                 self._cumulative.popitem(last=False)
             if prev is not None and prev[0] == point.start_time_unix_nano:
-                delta = _subtract(hist, prev[1])
+                delta = subtract_cumulative(hist, prev[1])
                 if delta is None:  # a reset without a new start time: take it whole
                     delta = hist
                 hist = delta
@@ -528,30 +528,3 @@ class Aggregator:
         hist.add_buckets(point.scale, offset, counts, zeros, int(point.count), float(point.sum),
                          float(minimum), float(maximum))
         return hist
-
-
-def _subtract(cur: ExpHistogram, prev: ExpHistogram) -> ExpHistogram | None:
-    """``cur - prev`` of two cumulative histograms, or None if ``cur`` is not a superset."""
-    if cur.count < prev.count or cur.zero_count < prev.zero_count:
-        return None
-    scale = min(cur.scale, prev.scale)
-    out = ExpHistogram(scale=scale, max_buckets=cur.max_buckets)
-    diffs = {}
-    for hist, sign in ((cur, 1), (prev, -1)):
-        nz = np.flatnonzero(hist.counts)
-        if nz.size:
-            idx = (hist.offset + nz) >> (hist.scale - scale)
-            diffs[sign] = (idx, hist.counts[nz] * sign)
-    if not diffs:
-        counts, offset = np.zeros(0, dtype=np.int64), 0
-    else:
-        all_idx = np.concatenate([d[0] for d in diffs.values()])
-        offset = int(all_idx.min())
-        counts = np.zeros(int(all_idx.max()) - offset + 1, dtype=np.int64)
-        for idx, vals in diffs.values():
-            np.add.at(counts, idx - offset, vals)
-        if (counts < 0).any():
-            return None
-    out.add_buckets(scale, offset, counts, cur.zero_count - prev.zero_count,
-                    cur.count - prev.count, cur.sum - prev.sum, cur.min, cur.max)
-    return out

@@ -170,3 +170,9 @@ def add_api_routes(app: web.Application, aggregator) -> None:
     app.router.add_get("/api/v1/heatmap.html", heatmap_page)
     app.router.add_get("/api/v1/explain", explain)
     app.router.add_get("/api/v1/traces/{trace_id}", trace)
+
+    async def unknown(request: web.Request) -> web.Response:
+        return _error(404, f"no route {request.path}; see /api/v1/kernels, /api/v1/heatmap, "
+                           "/api/v1/heatmap.html, /api/v1/explain, /api/v1/traces/{trace_id}")
+
+    app.router.add_get("/api/v1/{tail:.*}", unknown)

@@ -36,7 +36,7 @@ import numpy as np
 
 from sightline.instrumentation.exphist import ExpHistogram
 
-__all__ = ["Exemplar", "SlidingHistogram", "WindowConfig", "merge_all"]
+__all__ = ["Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,34 @@ def merge_all(hists: list[ExpHistogram], config: WindowConfig) -> ExpHistogram:
                         zero_count=sum(h.zero_count for h in hists), count=sum(h.count for h in hists),
                         sum=sum(h.sum for h in hists), min=min(h.min for h in hists),
                         max=max(h.max for h in hists))
+
+
+def subtract_cumulative(cur: ExpHistogram, prev: ExpHistogram) -> ExpHistogram | None:
+    """``cur - prev`` of two cumulative histograms of one stream (exact, at the coarser
+    scale), or None when ``cur`` is not a superset of ``prev`` (the stream was reset)."""
+    if cur.count < prev.count or cur.zero_count < prev.zero_count:
+        return None
+    scale = min(cur.scale, prev.scale)
+    out = ExpHistogram(scale=scale, max_buckets=cur.max_buckets)
+    diffs = {}
+    for hist, sign in ((cur, 1), (prev, -1)):
+        nz = np.flatnonzero(hist.counts)
+        if nz.size:
+            idx = (hist.offset + nz) >> (hist.scale - scale)
+            diffs[sign] = (idx, hist.counts[nz] * sign)
+    if not diffs:
+        counts, offset = np.zeros(0, dtype=np.int64), 0
+    else:
+        all_idx = np.concatenate([d[0] for d in diffs.values()])
+        offset = int(all_idx.min())
+        counts = np.zeros(int(all_idx.max()) - offset + 1, dtype=np.int64)
+        for idx, vals in diffs.values():
+            np.add.at(counts, idx - offset, vals)
+        if (counts < 0).any():
+            return None
+    out.add_buckets(scale, offset, counts, cur.zero_count - prev.zero_count,
+                    cur.count - prev.count, cur.sum - prev.sum, cur.min, cur.max)
+    return out
 
 
 class _Slot:

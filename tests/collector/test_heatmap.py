@@ -154,6 +154,8 @@ def test_api_heatmap_routes_and_errors(server, aggregator):
         error = json.loads(body)["error"]
         assert (status, error["code"], error["param"]) == (code, code, param), query
         assert ctype.startswith("application/json")
+    status, ctype, body = _get(server.url("/api/v1/nope"))
+    assert status == 404 and json.loads(body)["error"]["code"] == 404
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs chromium (scripts/setup.sh)")
