@@ -280,3 +280,18 @@ def test_span_series_cardinality_limits():
     assert [k["kernel"] for k in agg.kernels()] == ["k0", "k1", sc.OVERFLOW_LABEL_VALUE]
     snap = agg.exposition_snapshot()
     assert snap.sm_classic == {} and snap.requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
+
+
+def test_cumulative_stream_downscaled_between_exports_and_reset():
+    agg = make_aggregator()
+    a = np.full(10, 10e-6)
+    b = np.full(5, 30e-6)
+    p1 = otlp_cta_point(0, 1, "k", a, T0_S - 30, scale=8, start_s=T0_S - 100)
+    p2 = otlp_cta_point(0, 1, "k", np.concatenate([a, b]), T0_S - 20, scale=5, start_s=T0_S - 100)  # SDK downscaled
+    p3 = otlp_cta_point(0, 1, "k", np.full(7, 50e-6), T0_S - 10, scale=8, start_s=T0_S - 15)  # restarted
+    for p in (p1, p2, p3):
+        assert agg.consume_metrics(otlp_metrics([p], cumulative=True)) == 1
+    slots = agg.sm_slots("0", "k", last_s=60)["1"]
+    assert [h.count for _, h, _ in slots] == [10, 5, 7]
+    assert slots[1][1].sum == pytest.approx(5 * 30e-6)
+    assert slots[1][1].quantile(1.0) == 30e-6  # a delta keeps the stream's max as its clamp
