@@ -272,6 +272,41 @@ def test_queue_full_is_429_and_priority_orders_the_queue():
         running.stop()
 
 
+def test_failed_model_step_is_a_500_and_the_server_goes_on():
+    from sightline.engine.server import serve_in_thread
+
+    running = serve_in_thread(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0,
+                                           shutdown_timeout_s=5))
+    try:
+        client = _client(running.url)
+        runner = running.engine.runner
+        real_execute = runner.execute
+        failures = []
+
+        def fail_twice(plan, step_trace=None):  # a device error, as CUDA would raise it
+            if len(failures) < 2:
+                failures.append(plan.step_id)
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return real_execute(plan, step_trace)
+
+        runner.execute = fail_twice
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="boom", max_tokens=4)
+        assert info.value.status_code == 500 and info.value.body["code"] == "engine_error"
+        assert "illegal memory access" in info.value.body["message"]
+        # Streamed: the 200 head is gone already, so the failure arrives as an SSE error event,
+        # which the SDK raises.
+        with pytest.raises(openai.APIError, match="illegal memory access"):
+            list(client.completions.create(model=MODEL, prompt="boom", max_tokens=4, stream=True))
+        runner.execute = real_execute
+        assert running.engine.kv_cache.num_used_blocks == 0 and running.engine.num_live == 0
+        ok = client.completions.create(model=MODEL, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
+        assert ok.usage.completion_tokens == 3 and len(failures) == 2
+        assert _metric(running.url, sc.ENGINE_REQUEST_ERRORS_TOTAL + "_total", code="500") == 2
+    finally:
+        running.stop()
+
+
 # ---- load -------------------------------------------------------------------------------------------
 def test_load_200_streams_then_100_aborts_leak_nothing(server):
     _, url = server
