@@ -8,7 +8,9 @@ pinned and non-blocking on CUDA); the only host-device sync is reading the sampl
 
 KV budget: on CUDA, ``gpu_memory_utilization * total`` minus what is already in use once the
 weights are loaded and a full-size step (``max_num_batched_tokens`` tokens, ``max_num_seqs``
-sampled rows) has run; on the CPU, ``kv_cache_gib``.
+sampled rows) has run; on the CPU, ``kv_cache_gib``. Either is capped at what
+``max_num_seqs`` sequences of ``max_model_len`` tokens can use (no point zeroing 100 GB for the
+tiny model) and at 2**31 elements per layer's K or V (int32 indexing in kernels).
 """
 
 from __future__ import annotations
@@ -113,6 +115,15 @@ class ModelRunner:
             current = torch.cuda.memory_allocated(self.device)
             budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
             blocks = int(max(budget, 0)) // self.bytes_per_block
+        # Caps: more blocks than max_num_seqs full-length sequences can never be in use, and
+        # one layer's K (or V) cache stays under 2**31 elements so kernels may index it in int32.
+        mc = self.model_config
+        limit = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        useful = self.config.scheduler.max_num_seqs * -(-limit // self.block_size)
+        int32_cap = (2**31 - 1) // (self.block_size * mc.num_kv_heads * mc.head_dim)
+        if blocks > min(useful, int32_cap):
+            log.info("KV cache capped at %d blocks (budget allowed %d)", min(useful, int32_cap), blocks)
+            blocks = min(useful, int32_cap)
         if blocks < 2:
             raise RuntimeError(f"the KV budget holds {blocks} blocks of {self.bytes_per_block} bytes; "
                                "raise --kv-cache-gib / --gpu-memory-utilization or pick a smaller model")
