@@ -142,6 +142,11 @@ class EngineServer:
                 trace.finish(status_code=exc.status, finish_reason=None, input_tokens=0, output_tokens=0,
                              error_type=exc.code or exc.type)
             raise
+        except Exception as exc:  # a bug: the middleware answers 500; the span must still end
+            if trace is not None:
+                trace.finish(status_code=500, finish_reason=None, input_tokens=0, output_tokens=0,
+                             error_type=type(exc).__name__)
+            raise
 
     async def _run(self, http: web.Request, params, chat: bool, response_id: str, trace):
         engine = self.engine
