@@ -31,6 +31,7 @@ feed a distribution, and one store record.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -49,10 +50,12 @@ from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
 __all__ = ["AggregationConfig", "Aggregator", "ExpositionSnapshot", "SmKey"]
 
+log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 SmKey = tuple[str, str, str]  # (gpu, sm, kernel)
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _MAX_POINT_BUCKETS = 16_384
+_MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
 _SPAN_KIND_SERVER = 2
 
 
@@ -187,7 +190,11 @@ class Aggregator:
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         n += 1
-                        self._on_span(span, service, now)
+                        try:
+                            self._on_span(span, service, now)
+                        except Exception:  # one odd span must not cost the rest of the batch
+                            self._drop("malformed_span")
+                            log.debug("span %r refused", span.name, exc_info=True)
             self.spans_seen += n
         return n
 
@@ -207,7 +214,11 @@ class Aggregator:
                             data = metric.exponential_histogram
                             cumulative = data.aggregation_temporality == _CUMULATIVE
                             for point in data.data_points:
-                                taken += self._on_cta_point(point, cumulative, resource_key, now)
+                                try:
+                                    taken += self._on_cta_point(point, cumulative, resource_key, now)
+                                except Exception:  # keep the batch's other points
+                                    self._drop("malformed_point")
+                                    log.debug("CTA point refused", exc_info=True)
                         elif kind == "histogram":
                             self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
                         else:
@@ -469,6 +480,15 @@ class Aggregator:
         if int(counts.sum()) + int(point.zero_count) + int(sum(point.negative.bucket_counts)) != point.count:
             self._drop("inconsistent_count")
             return 0
+        nonzero = np.flatnonzero(counts)
+        if nonzero.size:
+            # Durations outside 2**-40 s (~1 ps) .. 2**20 s (12 days) are not durations; refusing
+            # them keeps every merge within ExpHistogram's scale range (it would raise).
+            step = 2.0 ** -point.scale
+            if ((point.positive.offset + int(nonzero[0])) * step < _MIN_LOG2_S
+                    or (point.positive.offset + int(nonzero[-1]) + 1) * step > _MAX_LOG2_S):
+                self._drop("out_of_range")
+                return 0
         hist = self._point_hist(point, counts)
         if cumulative:
             stream = (resource_key, gpu, sm, kernel)
@@ -511,9 +531,10 @@ class Aggregator:
     def _point_hist(self, point, counts: np.ndarray) -> ExpHistogram:
         """The point as an ExpHistogram at its own scale (bounded to ``max_buckets``)."""
         offset = point.positive.offset
-        if point.HasField("min") and point.HasField("max"):
+        if (point.HasField("min") and point.HasField("max")
+                and 0.0 <= point.min <= point.max < math.inf):
             minimum, maximum = point.min, point.max
-        else:
+        else:  # absent or nonsense: the bounds of the outermost non-empty buckets
             nonzero = np.flatnonzero(counts)
             step = 2.0 ** -point.scale
             minimum = 2.0 ** ((offset + nonzero[0]) * step) if nonzero.size else 0.0

@@ -295,3 +295,18 @@ def test_cumulative_stream_downscaled_between_exports_and_reset():
     assert [h.count for _, h, _ in slots] == [10, 5, 7]
     assert slots[1][1].sum == pytest.approx(5 * 30e-6)
     assert slots[1][1].quantile(1.0) == 30e-6  # a delta keeps the stream's max as its clamp
+
+
+def test_points_outside_any_duration_range_are_refused_and_the_batch_kept():
+    agg = make_aggregator()
+    far = []
+    for offset in (-(2 ** 31) + 1, 2 ** 31 - 2):  # 2**32 buckets apart at scale 0: no scale >= -10 fits
+        p = otlp_cta_point(0, 1, "k", [1e-5], T0_S - 1)
+        p.scale, p.positive.offset, p.min, p.max = 0, offset, 1e-5, 1e-5
+        del p.positive.bucket_counts[:]
+        p.positive.bucket_counts.append(1)
+        far.append(p)
+    good = otlp_cta_point(0, 2, "k", [1e-5] * 3, T0_S - 1)
+    assert agg.consume_metrics(otlp_metrics([far[0], far[1], good])) == 1
+    assert agg.dropped == {"out_of_range": 2}
+    assert agg.sm_windows("0", "k", last_s=60)["2"].count == 3
