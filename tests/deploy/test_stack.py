@@ -148,6 +148,18 @@ def loaded(stack):
     return result, capture
 
 
+def _capture_trace_ids(capture) -> set[str]:
+    from sightline.instrumentation.capture import read_capture
+
+    ids = set()
+    for record in read_capture(capture):
+        if record.signal == "traces":
+            for resource_spans in record.request.resource_spans:
+                for scope_spans in resource_spans.scope_spans:
+                    ids.update(span.trace_id.hex() for span in scope_spans.spans)
+    return ids
+
+
 def test_spans_reach_the_collector_through_rotel(stack, loaded):
     result, _ = loaded
     missing = {r.trace_id for r in result.records}
@@ -183,6 +195,32 @@ def test_prometheus_counts_exactly_the_requests_sent(stack, loaded):
     by_priority = _query(stack.ports.prometheus_url, "sum by (priority) (sightline_requests_total)")
     counts = {r["metric"]["priority"]: float(r["value"][1]) for r in by_priority["data"]["result"]}
     assert counts == {"0": REQUESTS / 3, "1": REQUESTS / 3, "2": REQUESTS / 3}
+
+
+def test_exemplars_lead_from_prometheus_back_to_the_clients_requests(stack, loaded):
+    """Exemplar storage is on: a TTFT bucket's exemplar carries the trace id that the load
+    generator put in that request's traceparent, under that request's priority label."""
+    result, capture = loaded
+    priority_of = {r.trace_id: r.priority for r in result.records}
+    replayed = _capture_trace_ids(capture) if capture is not None else set()
+    name = sc.COLLECTOR_REQUEST_TTFT_SECONDS + "_bucket"
+    now = time.time()
+    query = urllib.parse.urlencode({"query": name, "start": now - 600, "end": now + 60})
+    deadline = time.monotonic() + 30
+    while True:
+        with urllib.request.urlopen(f"{stack.ports.prometheus_url}/api/v1/query_exemplars?{query}",
+                                    timeout=30) as response:
+            series = json.loads(response.read())["data"]
+        pairs = [(s["seriesLabels"]["priority"], e["labels"][sc.EXEMPLAR_TRACE_ID_LABEL])
+                 for s in series for e in s["exemplars"]
+                 if e["labels"][sc.EXEMPLAR_TRACE_ID_LABEL] not in replayed]
+        if pairs or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert pairs, f"no exemplars on {name}"
+    for priority, trace_id in pairs:
+        assert trace_id in priority_of, trace_id
+        assert int(priority) == priority_of[trace_id]
 
 
 # Panels that cannot have data in this test, each with the reason; every other panel
