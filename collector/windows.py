@@ -167,10 +167,6 @@ class SlidingHistogram:
         self.newest_epoch = -1
 
     # -- writing --------------------------------------------------------------------
-    def accepts(self, t_s: float) -> bool:
-        """False when ``t_s`` is older than the ring (the caller counts it as late)."""
-        return self.config.epoch(t_s) > self.newest_epoch - self.config.num_slots
-
     def record(self, value: float, t_s: float, exemplar: Exemplar | None = None) -> bool:
         """Adds one value observed at ``t_s``; False (nothing kept) if it is too late."""
         epoch = int(t_s // self.config.slot_s)
@@ -215,14 +211,6 @@ class SlidingHistogram:
         self._flush()
         return [(epoch, slot.hist, slot.exemplar) for epoch, slot in self._live(now_s, last_s)
                 if slot.hist.count]
-
-    def slowest_exemplar(self, now_s: float, last_s: float) -> Exemplar | None:
-        self._flush()
-        best: Exemplar | None = None
-        for _, slot in self._live(now_s, last_s):
-            if slot.exemplar is not None and (best is None or slot.exemplar.value > best.value):
-                best = slot.exemplar
-        return best
 
     def exemplars(self) -> list[Exemplar]:
         """The slowest exemplar of every slot still in the ring."""

@@ -310,3 +310,31 @@ def test_points_outside_any_duration_range_are_refused_and_the_batch_kept():
     assert agg.consume_metrics(otlp_metrics([far[0], far[1], good])) == 1
     assert agg.dropped == {"out_of_range": 2}
     assert agg.sm_windows("0", "k", last_s=60)["2"].count == 3
+
+
+def test_sliding_window_ring_selection_and_late_values():
+    from sightline.collector.windows import Exemplar, SlidingHistogram, merge_all
+
+    wc = WindowConfig(slot_s=1.0, num_slots=3, flush_every=2)
+    w = SlidingHistogram(wc)
+    for t in range(6):  # value t+1 at time t + 0.5, three times each
+        for _ in range(3):
+            assert w.record(float(t + 1), t + 0.5, Exemplar(float(t + 1), b"t" * 16, bytes([t]) * 8))
+    assert not w.record(9.0, 2.5)  # older than the ring (slots 3, 4, 5 remain)
+    assert [(e, h.count, h.min) for e, h, _ in w.slots(now_s=5.9, last_s=3)] == [(3, 3, 4.0), (4, 3, 5.0), (5, 3, 6.0)]
+    assert [e for e, _, _ in w.slots(now_s=5.9, last_s=2)] == [4, 5]
+    merged = w.window(now_s=5.9, last_s=10)  # capped at the ring
+    assert (merged.count, merged.min, merged.max, merged.sum) == (9, 4.0, 6.0, 45.0)
+    assert merged.quantile(0.5) == pytest.approx(5.0, rel=relative_error(merged.scale))
+    assert max(w.exemplars(), key=lambda e: e.value).span_id == bytes([5]) * 8
+    assert w.window(now_s=100.0, last_s=30).count == 0  # all slots too old for that query
+    # merge_all agrees with pairwise merges, also across scales
+    a, b = ExpHistogram(scale=6), ExpHistogram(scale=4)
+    a.record([1.0, 2.0, 3.0])
+    b.record([2.5, 100.0])
+    fast = merge_all([a], wc)
+    slow = ExpHistogram(scale=6)
+    slow.merge(a)
+    assert (fast.scale, fast.offset, fast.counts.tolist()) == (slow.scale, slow.offset, slow.counts.tolist())
+    both = merge_all([a, b], wc)
+    assert both.count == 5 and both.scale == 4 and both.quantile(1.0) == 100.0
