@@ -208,3 +208,13 @@ def test_explains_spans_from_the_real_tracing_api(tmp_path):
     assert slowest.phases.decode_s == pytest.approx(0.008)
     assert [r.steps_total for r in result.requests] == [4, 3, 2]
     assert agg.latency_window("queue", ("tiny", "1")).count == 1
+
+
+def test_trace_store_total_span_bound():
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_traces=1000, max_spans_per_trace=100, max_spans=10))
+    spans = build(4)  # 36 spans in 12 traces of 1..4 spans
+    agg.consume_traces(otlp_traces(spans))
+    store = agg.store
+    assert store.num_spans <= 10 and store.num_spans == sum(len(t.spans) for t in store._traces.values())
+    # the newest traces are the ones kept
+    assert store.get(tid(3, 4)) is not None and store.get(tid(1, 1)) is None
