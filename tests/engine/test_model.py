@@ -310,3 +310,65 @@ def test_checkpoint_dir_with_tokenizer_json(tmp_path):
     [done] = engine.generate([ids], SamplingParams(max_tokens=8, temperature=0.0))
     assert 1 <= len(done.output_token_ids) <= 8
     assert done.finish_reason.value == ("stop" if done.output_token_ids[-1] == 2 else "length")
+
+
+def test_paged_prefill_then_decode_logits_equal_full_sequence_logits():
+    """Logits, not just argmax: a prompt prefilled in two chunks (the second attends to the
+    first through the paged cache), then decoded one token at a time next to another
+    sequence's prefill, equal the cache-less full-sequence logits at every position."""
+    cfg = PRESETS["tiny"]
+    model = build_model(cfg, "cpu", torch.float32, seed=3)
+    bs, hkv, d = 4, cfg.num_kv_heads, cfg.head_dim
+    cache = torch.zeros(cfg.num_layers, 2, 32, bs, hkv, d)
+    rng = random.Random(5)
+    seq_a = [rng.randrange(512) for _ in range(19)]
+    seq_b = [rng.randrange(512) for _ in range(7)]
+    blocks_a = rng.sample(range(32), 5)  # scattered pages: 5 * 4 slots >= 19 tokens
+    blocks_b = [b for b in range(32) if b not in blocks_a][:2]
+
+    def slots(blocks, start, end):
+        return [blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def full(seq):
+        n = len(seq)
+        return model(torch.tensor(seq), torch.arange(n), _prefill_meta([n]))  # [n, V]
+
+    def step(prefills, decodes):
+        """prefills: [(seq, blocks, start, end)], decodes: [(seq, blocks, pos)] -> logits of every token."""
+        ids, pos, sl, cu_q, cu_k, kv = [], [], [], [0], [0], []
+        for seq, blocks, start, end in prefills:
+            ids += seq[start:end]
+            pos += range(start, end)
+            sl += slots(blocks, start, end)
+            cu_q.append(cu_q[-1] + end - start)
+            cu_k.append(cu_k[-1] + end)
+            kv += slots(blocks, 0, end)
+        n_pre = len(ids)
+        tables, lens = [], []
+        for seq, blocks, p in decodes:
+            ids.append(seq[p])
+            pos.append(p)
+            sl += slots(blocks, p, p + 1)
+            tables.append(blocks + [0] * (5 - len(blocks)))
+            lens.append(p + 1)
+        meta = AttentionMetadata(
+            num_prefill_tokens=n_pre, slot_mapping=torch.tensor(sl),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32) if prefills else None,
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32) if prefills else None,
+            max_seqlen_q=max((e - s for _, _, s, e in prefills), default=0),
+            max_seqlen_k=max((e for *_, e in prefills), default=0),
+            prefill_kv_slots=torch.tensor(kv) if any(s > 0 for _, _, s, _ in prefills) else None,
+            block_tables=torch.tensor(tables, dtype=torch.int32) if decodes else None,
+            context_lens=torch.tensor(lens, dtype=torch.int32) if decodes else None, backend="torch")
+        return model(torch.tensor(ids), torch.tensor(pos), meta, cache)
+
+    want_a, want_b = full(seq_a), full(seq_b)
+    got = step([(seq_a, blocks_a, 0, 10)], [])
+    torch.testing.assert_close(got, want_a[:10], rtol=1e-4, atol=1e-4)
+    got = step([(seq_a, blocks_a, 10, 15)], [])  # chunk over a cached prefix
+    torch.testing.assert_close(got, want_a[10:15], rtol=1e-4, atol=1e-4)
+    for p in range(15, 19):  # decodes of a, batched with b's prefill chunks
+        s, e = 2 * (p - 15), min(7, 2 * (p - 15) + 2)
+        got = step([(seq_b, blocks_b, s, e)], [(seq_a, blocks_a, p)])
+        torch.testing.assert_close(got[e - s:], want_a[p:p + 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(got[:e - s], want_b[s:e], rtol=1e-4, atol=1e-4)
