@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import sys
 import time
 import urllib.error
@@ -260,11 +261,13 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
     say = _Say(stream)
     out = Path(config.out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    for stale in ("heatmaps", "explain"):  # the demo's own folders: no leftovers of a last run
+        shutil.rmtree(out / stale, ignore_errors=True)
     engine_args = (("--max-num-seqs", str(config.max_num_seqs))
                    if config.max_num_seqs is not None else ())
     stack_config = StackConfig(run_dir=out, device=config.device, model=config.model,
                                trace_level=config.trace_level, prefer_default_ports=False,
-                               engine_args=engine_args)
+                               engine_args=engine_args, fresh_data=True)
     stack = Stack(stack_config)
     device, model = stack_config.resolved_device, stack_config.resolved_model
     say(f"starting the stack: engine ({model} on {device}), rotel, collector, Prometheus, "

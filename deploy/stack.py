@@ -95,6 +95,7 @@ class StackConfig:
     rules_files: tuple[Path, ...] | None = None  # None: default_rules_files()
     alert_webhook_url: str | None = None
     alertmanager_config: Callable[[StackPorts], str] | None = None  # YAML text; None: rendered
+    fresh_data: bool = False  # wipe Prometheus' and Alertmanager's data of earlier runs
     health_timeout_s: float = 180.0
     stop_timeout_s: float = 15.0
     echo_logs: bool = False
@@ -363,6 +364,11 @@ class Stack:
     def prepare(self) -> None:
         """Creates the run folder and writes the rendered configuration files."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.fresh_data:
+            # An earlier run's series (other ports, so other instance labels) would still
+            # answer instant queries for 5 minutes after a restart.
+            for name in ("prometheus", "alertmanager"):
+                shutil.rmtree(self.run_dir / name / "data", ignore_errors=True)
         if "prometheus" in self.config.components:
             folder = self.run_dir / "prometheus"
             folder.mkdir(parents=True, exist_ok=True)
