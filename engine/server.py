@@ -11,7 +11,8 @@ keeps serving after every one of them. A client that disconnects (mid-stream or 
 has its request aborted, so its KV blocks return to the pool before the next engine step.
 
 Shutdown (SIGTERM/SIGINT): new requests get 503 and ``/health`` turns 503, in-flight requests
-get up to ``shutdown_timeout_s`` to finish, the rest are aborted, then telemetry is flushed.
+get up to ``shutdown_timeout_s`` to finish (a second signal cuts that short), the rest are
+aborted, then telemetry is flushed.
 The event loop runs in the main thread, the engine loop in its own thread.
 """
 
@@ -275,14 +276,16 @@ class EngineServer:
                      error_type=error_type)
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    async def drain(self, timeout_s: float) -> None:
-        """Refuse new work, give live requests ``timeout_s`` to finish, abort the rest."""
+    async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:
+        """Refuse new work, give live requests ``timeout_s`` to finish (or until ``force`` is
+        set: a second SIGTERM), then abort the rest."""
         self.draining = True
         self.engine.stop_accepting()
-        idle = await asyncio.to_thread(self.engine.wait_idle, timeout_s)
-        if not idle:
-            log.warning("shutdown: %d requests still live after %.1f s; aborting them",
-                        self.engine.num_live, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while self.engine.num_live and time.monotonic() < deadline and not (force and force.is_set()):
+            await asyncio.sleep(0.02)
+        if self.engine.num_live:
+            log.warning("shutdown: aborting %d live requests", self.engine.num_live)
         await asyncio.to_thread(self.engine.shutdown)
 
 
@@ -329,12 +332,12 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
              engine.max_model_len, telemetry.config.level.name.lower())
-    stop = asyncio.Event()
+    stop, force = asyncio.Event(), asyncio.Event()  # first signal drains, a second one aborts
     loop = asyncio.get_running_loop()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
     if on_ready is not None:
         on_ready(RunningServer(port, engine, server, loop, stop))
     else:
@@ -344,7 +347,7 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     finally:
         log.info("shutting down: draining for up to %.1f s", config.shutdown_timeout_s)
         started = time.monotonic()
-        await server.drain(config.shutdown_timeout_s)
+        await server.drain(config.shutdown_timeout_s, force)
         await runner.cleanup()
         await asyncio.to_thread(telemetry.shutdown)
         log.info("stopped in %.1f s", time.monotonic() - started)
