@@ -152,7 +152,14 @@ def _up(args: argparse.Namespace) -> int:
         stack.start(on_started=lambda name, s: print(f"  {name} ready in {s:.1f}s",
                                                       file=sys.stderr))
         print("Sightline is up:")
-        print(format_urls(stack.urls()), flush=True)
+        print(format_urls(stack.urls()))
+        p = stack.ports
+        if "engine" in config.components:
+            print(f"Try:\n  sightline load --url {p.engine_url} --requests 64 --concurrency 16")
+        if "collector" in config.components:
+            print(f"  sightline explain --url {p.collector_url}\n"
+                  f"  sightline heatmap --url {p.collector_url} --out heatmaps/")
+        sys.stdout.flush()
         print("Ctrl-C stops everything.", file=sys.stderr)
         while True:
             stack.check()  # a component that dies takes the stack down, loudly

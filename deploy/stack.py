@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -139,7 +139,7 @@ class StackConfig:
     def resolved_trace_level(self) -> str:
         return self.trace_level or ("kernels" if self.resolved_device == "cuda" else "steps")
 
-    def resolve_ports(self) -> StackPorts:
+    def resolve_ports(self, defaults: Mapping[str, int] = DEFAULT_PORTS) -> StackPorts:
         """Concrete ports: given > documented default (if preferred and free) > free."""
         chosen: dict[str, int] = {}
         needed = [k for k in DEFAULT_PORTS if self.ports.get(k, 0) == 0]
@@ -148,8 +148,8 @@ class StackConfig:
                 chosen[key] = port
         if self.prefer_default_ports:
             for key in list(needed):
-                if _port_free(self.host, DEFAULT_PORTS[key]):
-                    chosen[key] = DEFAULT_PORTS[key]
+                if _port_free(self.host, defaults[key]):
+                    chosen[key] = defaults[key]
                     needed.remove(key)
         for key, port in zip(needed, free_ports(len(needed), self.host) if needed else []):
             chosen[key] = port

@@ -314,3 +314,30 @@ def test_sightline_up_starts_and_stops_cleanly_on_sigterm(tmp_path):
         pid = int(line.split("started pid ")[1].split(":")[0])
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_stack_config_checks_and_port_resolution():
+    from sightline.deploy.stack import DEFAULT_PORTS
+
+    with pytest.raises(ValueError, match=r"unknown keys \['engin'\]"):
+        StackConfig(ports={"engin": 1})
+    with pytest.raises(ValueError, match=r"ports\['engine'\]=70000"):
+        StackConfig(ports={"engine": 70000})
+    with pytest.raises(ValueError, match="scrape_interval_s=0"):
+        StackConfig(scrape_interval_s=0)
+    with pytest.raises(ValueError, match="components has \\['grafana'\\]"):
+        StackConfig(components=("grafana",))
+    fixed = free_port()
+    ports = StackConfig(ports={"engine": fixed}).resolve_ports()
+    values = [getattr(ports, key) for key in DEFAULT_PORTS]
+    assert ports.engine == fixed and len(set(values)) == len(values)
+    # Documented defaults when free; a taken one falls back to a free port.
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = StackConfig(prefer_default_ports=True).resolve_ports(
+            defaults={**DEFAULT_PORTS, "prometheus": busy})
+    assert ports.prometheus != busy
