@@ -112,6 +112,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return _json({"kernels": aggregator.kernels()})
 
     async def heatmap(request: web.Request) -> web.Response:
+        base = f"{request.scheme}://{request.host}"
         try:
             kind = _choice(request, "kind", _KINDS)
             fmt = _choice(request, "format", _FORMATS)
@@ -126,7 +127,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             if fmt == "png":
                 return hm.render_png(result)
             if fmt == "html":
-                return render_page([result.to_dict()], title=f"GPU {gpu} {kernel}")
+                return render_page([result.to_dict()], title=f"GPU {gpu} {kernel}", api_base=base)
             return result.to_dict()
 
         body = await run(build)
@@ -141,7 +142,8 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             window_s = _float(request, "window_s", None, 1e-3, horizon)
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
-        page = await run(lambda: render_page(all_heatmaps(aggregator, window_s)))
+        base = f"{request.scheme}://{request.host}"
+        page = await run(lambda: render_page(all_heatmaps(aggregator, window_s), api_base=base))
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:

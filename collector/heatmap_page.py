@@ -4,7 +4,8 @@
 ``SmLatencyHeatmap.to_dict()``) in one HTML file with inline CSS and JavaScript that
 draws an SVG grid of ``rect.cell`` elements (one per SM x column), a GPU, kernel and
 view selector, and a hover tooltip with the SM, the column (time or latency bucket) and
-the value. The page works opened from disk (``sightline heatmap --out``) or served by
+the value; a click on a cell opens the trace of the step whose CTA was slowest there
+(``/api/v1/traces/{id}``). The page works opened from disk (``sightline heatmap --out``) or served by
 ``/api/v1/heatmap.html``. Size: about 40 bytes per cell of JSON; the SVG holds one
 element per cell (132 SMs x 18 slots = 2,376).
 """
@@ -29,6 +30,7 @@ rect.cell:hover { stroke: #000; stroke-width: 1; }
 
 _JS = r"""
 const DATA = JSON.parse(document.getElementById('heatmap-data').textContent);
+const API_BASE = document.body.dataset.apiBase || '';
 const $ = (id) => document.getElementById(id);
 const VIRIDIS = [[68,1,84],[59,82,139],[33,145,140],[94,201,98],[253,231,37]];
 function colour(t) {
@@ -90,6 +92,12 @@ function draw() {
         e.dataset.col = fmtS(d.edges_s[c]) + ' .. ' + fmtS(d.edges_s[c + 1]);
         e.dataset.value = v + ' CTAs';
       }
+      const ex = time && d.exemplars ? d.exemplars[r][c] : null;
+      if (ex) {
+        e.dataset.trace = ex.trace_id;
+        e.dataset.value += '\nslowest CTA ' + fmtS(ex.value_s) + ', step trace ' + ex.trace_id.slice(0, 16) + '...';
+        e.style.cursor = 'pointer';
+      }
       const score = hs.scores ? hs.scores[d.sms[r]] : undefined;
       if (score !== undefined) e.dataset.value += '\nhotspot score ' + score.toFixed(3);
       svg.appendChild(e);
@@ -118,20 +126,27 @@ $('grid').addEventListener('mousemove', (ev) => {
   tip.style.display = 'block';
 });
 $('grid').addEventListener('mouseleave', () => { tip.style.display = 'none'; });
+// A click on a cell with an exemplar opens the trace of the step whose CTA was slowest.
+$('grid').addEventListener('click', (ev) => {
+  const trace = ev.target.dataset && ev.target.dataset.trace;
+  if (trace) window.open(API_BASE + '/api/v1/traces/' + trace, '_blank');
+});
 for (const id of ['gpu', 'kernel', 'kind']) $(id).addEventListener('change', () => { refreshSelectors(); draw(); });
 refreshSelectors(); draw();
 """
 
 
-def render_page(heatmaps: list[dict], title: str = "Sightline per-SM heatmaps") -> str:
-    """One HTML document embedding ``heatmaps`` (dicts from ``to_dict()``)."""
+def render_page(heatmaps: list[dict], title: str = "Sightline per-SM heatmaps", api_base: str = "") -> str:
+    """One HTML document embedding ``heatmaps`` (dicts from ``to_dict()``). ``api_base``
+    (e.g. ``http://127.0.0.1:8889``) is where a click on a cell looks its trace up; empty
+    means the page's own origin."""
     # "</" must not appear inside the script element; JSON allows "<\/" for it.
     payload = json.dumps(heatmaps, separators=(",", ":"), allow_nan=False,
                          default=_json_default).replace("</", "<\\/")
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_CSS}</style></head>
-<body>
+<body data-api-base="{html.escape(api_base)}">
 <header><strong>{html.escape(title)}</strong>
 <label>GPU <select id="gpu"></select></label>
 <label>kernel <select id="kernel"></select></label>
