@@ -13,7 +13,7 @@ Two views per (GPU, kernel), both read from the aggregator's per-SM sliding wind
 
 Hotspot score of an SM: its P99 over the whole window divided by the median of all SMs'
 P99s; the kernel's hotspot ratio is the largest score (what
-``sightline_sm_hotspot_ratio`` exports). Cost: one window merge per SM and slot.
+``sightline_sm_hotspot_ratio`` exports); ``time_sm`` also gives that ratio per slot. Cost: one window merge per SM and slot.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -55,6 +55,8 @@ class TimeSmHeatmap:
     exemplars: list[list[dict | None]]  # slowest CTA's step span, where known
     hotspot: HotspotSummary
     relative_error: float
+    # per column: slowest SM's P99 / median SM's P99 in that slot (None: no CTAs)
+    hotspot_ratio_by_time: list[float | None] = field(default_factory=list)
     kind: str = "time_sm"
 
     def to_dict(self) -> dict:
@@ -136,10 +138,16 @@ def time_sm(aggregator, gpu: str, kernel: str, now_s: float | None = None,
         merged[sm] = total
         if total.count:
             worst_scale = total.scale if worst_scale is None else min(worst_scale, total.scale)
+    by_time = []
+    for c in range(n):
+        column = [p99[r][c] for r in range(len(sms)) if p99[r][c] is not None]
+        median = float(np.median(column)) if column else 0.0
+        by_time.append(max(column) / median if median > 0 else None)
     return TimeSmHeatmap(gpu=gpu, kernel=kernel, slot_s=wc.slot_s,
                          times_unix_s=[e * wc.slot_s for e in epochs], sms=sms, p99_s=p99,
                          counts=counts, exemplars=exemplars, hotspot=hotspots(merged),
-                         relative_error=relative_error(worst_scale) if worst_scale is not None else 0.0)
+                         relative_error=relative_error(worst_scale) if worst_scale is not None else 0.0,
+                         hotspot_ratio_by_time=by_time)
 
 
 def sm_latency(aggregator, gpu: str, kernel: str, now_s: float | None = None,

@@ -63,6 +63,8 @@ def test_time_sm_values_are_exact(aggregator):
     assert hs["hottest_sm"] == "3"
     assert hs["ratio"] == pytest.approx(44 / 12, rel=2 * relative_error(6))
     assert d["relative_error"] == relative_error(6)
+    # per slot: 40 / median(10, 10, 11, 40) and 44 / median(12, 12, 44); the empty slot None
+    assert d["hotspot_ratio_by_time"] == [pytest.approx(40 / 10.5, rel=1e-12), pytest.approx(44 / 12, rel=1e-12), None]
 
 
 def test_sm_latency_counts_are_exact(aggregator):
