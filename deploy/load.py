@@ -285,7 +285,9 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
         return RequestRecord(index=index, priority=priority, status="error", trace_id=trace_id,
                              e2e_s=time.perf_counter() - start, http_status=exc.status_code,
                              error=f"{type(exc).__name__}: {exc.message}"[:300])
-    except (openai.APIError, asyncio.TimeoutError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - connection drops mid-stream surface as httpx errors
+        # Recorded, not raised: one broken request must not end the run (cancellation,
+        # a BaseException, still propagates).
         return RequestRecord(index=index, priority=priority, status="error", trace_id=trace_id,
                              e2e_s=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {exc}"[:300])

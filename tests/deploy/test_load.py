@@ -126,3 +126,12 @@ def test_cli_prints_the_table_and_writes_records(engine_url, tmp_path):
     assert [row[:3] for row in rows if row and row[0] in ("0", "2", "all")] == [
         ["0", "2", "0"], ["2", "2", "0"], ["all", "4", "0"]]
     assert "load [" in result.stderr  # the progress display
+
+
+def test_unreachable_server_is_recorded_per_request():
+    closed = free_port()  # nothing listens here
+    result = run_load_sync(LoadConfig(url=f"http://127.0.0.1:{closed}", requests=3, concurrency=3,
+                                      model="tiny", max_tokens=2, timeout_s=10), progress=None)
+    assert [r.status for r in result.records] == ["error"] * 3
+    assert all(r.http_status is None and "Connection" in r.error for r in result.records)
+    assert (result.summary.ok, result.summary.errors) == (0, 3)
