@@ -56,7 +56,9 @@ SmKey = tuple[str, str, str]  # (gpu, sm, kernel)
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _MAX_POINT_BUCKETS = 16_384
 _MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
-_SPAN_KIND_SERVER = 2
+_MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
+# finish_reason values the counter keeps; anything else is "other" (bounded cardinality)
+_FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "unknown", "tool_calls", "content_filter"})
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def _label(value) -> str:
         v = v[0] if v else ""
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    return str(v)
+    return str(v)[:_MAX_LABEL_CHARS]
 
 
 _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
@@ -391,6 +393,8 @@ class Aggregator:
             reason = "error"
         elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
             reason = _label(got[sc.GEN_AI_RESPONSE_FINISH_REASONS]) or "unknown"
+            if reason not in _FINISH_REASONS:
+                reason = "other"
         else:
             reason = "unknown"
         total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
@@ -429,12 +433,13 @@ class Aggregator:
                 if kernel is not None:
                     break
             elif key == sc.CUDA_KERNEL_NAME:
-                kernel = kv.value.string_value
+                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
                 if gpu is not None:
                     break
             elif key == sc.CUDA_DEVICE:
                 device = _label(kv.value)
-        key = (gpu or device or "unknown", kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):])
+        key = (gpu or device or "unknown",
+               kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):len(sc.SPAN_KERNEL_PREFIX) + _MAX_LABEL_CHARS])
         series = self._kernels.get(key)
         if series is None:
             if len(self._kernels) >= self.config.max_kernel_series:

@@ -251,7 +251,8 @@ def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation,
             return SlowestSm(gpu, sm, kernel, "sm_exemplar", ex.value)
     if req.slowest_kernel is not None:
         k = req.slowest_kernel
-        windows = aggregator.sm_windows(k.gpu, k.name, last_s=aggregator.config.window.horizon_s)
+        # series keys keep the first 256 characters of a kernel name (aggregator label cap)
+        windows = aggregator.sm_windows(k.gpu, k.name[:256], last_s=aggregator.config.window.horizon_s)
         if windows:
             best = max((sm for sm, h in windows.items() if h.count),
                        key=lambda sm: windows[sm].quantile(0.99), default=None)

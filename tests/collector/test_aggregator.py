@@ -338,3 +338,16 @@ def test_sliding_window_ring_selection_and_late_values():
     assert (fast.scale, fast.offset, fast.counts.tolist()) == (slow.scale, slow.offset, slow.counts.tolist())
     both = merge_all([a, b], wc)
     assert both.count == 5 and both.scale == 4 and both.quantile(1.0) == 100.0
+
+
+def test_label_values_are_bounded():
+    agg = make_aggregator()
+    long_kernel = "void flash_fwd<" + "x" * 1000 + ">"
+    spans = [_request_span(b"\x01" * 16, b"\x01" * 8, 0.1, 0.01, reason="made-up-reason"),
+             _request_span(b"\x02" * 16, b"\x02" * 8, 0.1, 0.01, reason="length"),
+             otlp_span(sc.SPAN_KERNEL_PREFIX + long_kernel, b"\x03" * 16, b"\x03" * 8, T0_S - 2, T0_S - 1.9,
+                       {sc.HW_GPU_ID: 1, sc.CUDA_KERNEL_NAME: long_kernel})]
+    agg.consume_traces(otlp_traces(spans))
+    assert agg.exposition_snapshot().requests_total == {("m", "0", "other"): 1, ("m", "0", "length"): 1}
+    [kernel] = agg.kernels()
+    assert (kernel["gpu"], kernel["kernel"]) == ("1", long_kernel[:256])
