@@ -149,22 +149,36 @@ def _sync(device: str) -> None:
 
 
 def mode_levels(args) -> dict:
+    t_start = time.perf_counter()
     tels = {lvl: _telemetry(lvl) for lvl in ("off", "steps", "kernels")}
     engine = _engine(args, tels["kernels"][0])
+    print(f"[{time.perf_counter() - t_start:.1f}s] engine ready", flush=True)
     gpu = engine.gpu_telemetry
     probe = gpu.probe if gpu is not None else None
     tracer = gpu.tracer if gpu is not None else None
-    configs = [("off", "off", False, False), ("requests+steps", "steps", False, False),
-               ("+kernel spans", "kernels", True, False), ("+sm probe", "kernels", True, True)]
+    cupti_ok = tracer is not None and tracer.available
+    # name, level, GpuTelemetry on, CUPTI: None (paused) | "kernels" (kernel records only)
+    # | "all" (kernel + API + external correlation records), probe on
+    configs = [("off", "off", False, None, False),
+               ("requests+steps", "steps", False, None, False),
+               ("+sm probe only", "kernels", True, None, True),
+               ("+cupti kernel records only", "kernels", True, "kernels", False),
+               ("+kernel spans", "kernels", True, "all", False),
+               ("+kernel spans +sm probe", "kernels", True, "all", True)]
+    state = {"cupti": "all" if cupti_ok else None}
 
-    def apply(level: str, kernels: bool, with_probe: bool) -> None:
+    def apply(level: str, on: bool, cupti: str | None, with_probe: bool) -> None:
         engine.telemetry = tels[level][0]
-        g = gpu if kernels else None
+        g = gpu if on else None
         engine.gpu_telemetry = engine.runner.gpu_telemetry = g
         if gpu is not None:
             gpu.probe = probe if with_probe else None
-            if tracer is not None and tracer.available:
-                tracer.resume() if kernels else tracer.pause()
+        if cupti_ok and cupti != state["cupti"]:
+            if state["cupti"] is not None:
+                tracer.pause()
+            if cupti is not None:
+                tracer.resume(api_records=cupti == "all")
+            state["cupti"] = cupti
 
     def settle() -> None:
         _sync(args.device)
@@ -173,40 +187,51 @@ def mode_levels(args) -> dict:
 
     out = {"configs": [], "workload": {"requests": args.requests, "prompt": args.prompt,
                                        "output": args.output, "repeats": args.repeats}}
-    if tracer is not None and tracer.available:
-        tracer.pause()   # start from 'off'
-    runs: dict[str, list[RunResult]] = {name: [] for name, *_ in configs}
-    stats_before = {}
-    for name, level, kernels, with_probe in configs:            # warm-up, one each
-        apply(level, kernels, with_probe)
-        run_once(engine, tels[level][0], args.requests, args.prompt, args.output, seed=0)
-        settle()
-    for rep in range(args.repeats):
-        for name, level, kernels, with_probe in configs:
-            apply(level, kernels, with_probe)
-            if gpu is not None and name not in stats_before:
-                stats_before[name] = dict(gpu.stats.__dict__)
-            runs[name].append(run_once(engine, tels[level][0], args.requests, args.prompt,
-                                       args.output, seed=rep + 1))
+    runs: dict[str, list[RunResult]] = {c[0]: [] for c in configs}
+    stats: dict[str, dict] = {}
+    for rep in range(args.repeats + 1):                        # repeat 0 is the warm-up
+        for name, level, on, cupti, with_probe in configs:
+            apply(level, on, cupti, with_probe)
+            before = dict(gpu.stats.__dict__) if gpu is not None else {}
+            r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output,
+                         seed=rep)
             settle()
-            print(f"rep {rep} {name}: {runs[name][-1].tokens_per_s:.0f} tok/s "
-                  f"({runs[name][-1].steps} steps)", flush=True)
+            if gpu is not None and rep > 0:
+                delta = {k: v - before.get(k, 0) for k, v in gpu.stats.__dict__.items()}
+                acc = stats.setdefault(name, {})
+                for k, v in delta.items():
+                    acc[k] = acc.get(k, 0) + v
+            if rep > 0:
+                runs[name].append(r)
+            extra = ""
+            if gpu is not None and on:
+                st = gpu.stats
+                extra = (f" | engine-thread {1000 * (st.engine_thread_s - before['engine_thread_s']):.0f} ms,"
+                         f" worker probe/match/settle {1000 * (st.worker_probe_s - before['worker_probe_s']):.0f}/"
+                         f"{1000 * (st.worker_match_s - before['worker_match_s']):.0f}/"
+                         f"{1000 * (st.worker_settle_s - before['worker_settle_s']):.0f} ms")
+                if tracer is not None:
+                    extra += f", cupti cb {tracer.callback_s:.2f} s total, {tracer.records_seen} records"
+            print(f"[{time.perf_counter() - t_start:.1f}s] rep {rep} {name}: "
+                  f"{r.tokens_per_s:.0f} tok/s, {r.steps} steps, "
+                  f"{1000 * r.wall_s / r.steps:.1f} ms/step{extra}", flush=True)
     base = statistics.median(r.tokens_per_s for r in runs["off"])
-    for name, level, kernels, with_probe in configs:
+    for name, *_ in configs:
         tps = [r.tokens_per_s for r in runs[name]]
         med = statistics.median(tps)
         out["configs"].append({"config": name, "tokens_per_s_median": med, "tokens_per_s_runs": tps,
                                "ratio_vs_off": med / base, "steps": runs[name][0].steps,
                                "ms_per_step_median": 1000 * statistics.median(
-                                   r.wall_s / r.steps for r in runs[name])})
+                                   r.wall_s / r.steps for r in runs[name]),
+                               "gpu_telemetry_stats": stats.get(name)})
     if gpu is not None:
-        st = gpu.stats.__dict__
-        out["gpu_telemetry_stats_total"] = dict(st)
-        out["cupti"] = {"available": gpu.kernel_spans_available,
-                        "reason": tracer.unavailable_reason if tracer is not None else "off"}
+        out["cupti"] = {"available": cupti_ok,
+                        "reason": tracer.unavailable_reason if tracer is not None else "off",
+                        "records_seen": getattr(tracer, "records_seen", None),
+                        "callback_s": getattr(tracer, "callback_s", None),
+                        "buffers": getattr(tracer, "buffers_completed", None)}
     out["spans_exported"] = {lvl: (sink.spans if sink else 0) for lvl, (_, sink) in tels.items()}
-    # throughput with telemetry off at several concurrencies
-    apply("off", False, False)
+    apply("off", False, None, False)
     out["throughput_off"] = []
     for n in args.batches:
         res = [run_once(engine, tels["off"][0], n, args.prompt, args.output, seed=100 + n)
@@ -216,8 +241,9 @@ def mode_levels(args) -> dict:
                                       "runs": [r.tokens_per_s for r in res],
                                       "ms_per_step_median": 1000 * statistics.median(
                                           r.wall_s / r.steps for r in res)})
-        print(f"throughput off, {n} concurrent: {best:.0f} tok/s", flush=True)
-    apply("kernels", True, True)
+        print(f"[{time.perf_counter() - t_start:.1f}s] throughput off, {n} concurrent: "
+              f"{best:.0f} tok/s", flush=True)
+    apply("kernels", True, "all" if cupti_ok else None, True)
     engine.shutdown()
     for tel, _ in tels.values():
         tel.shutdown()
@@ -272,13 +298,19 @@ def mode_capture(args) -> dict:
                                           service_name="sightline-engine",
                                           resource_attributes={"host.name": "lent-h200",
                                                                "sightline.capture": "bench/overhead.py"}))
+    t_start = time.perf_counter()
     engine = _engine(args, tel)
+    print(f"[{time.perf_counter() - t_start:.1f}s] engine ready", flush=True)
     gpu = engine.gpu_telemetry
-    results = [run_once(engine, tel, args.requests, args.prompt, args.output, seed=s)
-               for s in range(args.repeats)]
+    results = []
+    for s in range(args.repeats):
+        results.append(run_once(engine, tel, args.requests, args.prompt, args.output, seed=s))
+        print(f"[{time.perf_counter() - t_start:.1f}s] run {s}: {results[-1].tokens_per_s:.0f} "
+              f"tok/s, {results[-1].steps} steps", flush=True)
     stats = dict(gpu.stats.__dict__) if gpu is not None else None
     engine.shutdown()          # flushes kernel spans and the per-SM histograms
     tel.shutdown()
+    print(f"[{time.perf_counter() - t_start:.1f}s] capture closed", flush=True)
     return {"capture": str(path), "bytes": path.stat().st_size if path.exists() else 0,
             "runs": [r.tokens_per_s for r in results], "gpu_telemetry_stats": stats,
             "cupti": None if gpu is None else gpu.kernel_spans_available}

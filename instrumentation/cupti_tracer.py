@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -136,6 +137,8 @@ class CuptiTracer:
         self.unavailable_reason = "not started"
         self.dropped_records = 0
         self.buffers_completed = 0
+        self.records_seen = 0
+        self.callback_s = 0.0      # time in our buffer-completed callback (CUPTI's thread)
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue_records)
         self._ext: OrderedDict[int, int] = OrderedDict()   # correlation id -> external id
         self._unmatched: list = []
@@ -225,10 +228,16 @@ class CuptiTracer:
             for kind in self._kinds:
                 self._cupti.activity_disable(kind)
 
-    def resume(self) -> None:
+    def resume(self, api_records: bool = True) -> None:
+        """Re-enables the kinds; ``api_records=False`` leaves RUNTIME, DRIVER and
+        EXTERNAL_CORRELATION off (kernel records only, no step matching) — benchmarks use
+        it to separate the cost of API records from that of kernel records."""
         if self.available:
+            api = {self._cupti.ActivityKind.RUNTIME, self._cupti.ActivityKind.DRIVER,
+                   self._cupti.ActivityKind.EXTERNAL_CORRELATION}
             for kind in self._kinds:
-                self._cupti.activity_enable(kind)
+                if api_records or kind not in api:
+                    self._cupti.activity_enable(kind)
 
     # -- engine thread ----------------------------------------------------------------
     def push(self, external_id: int) -> None:
@@ -251,6 +260,7 @@ class CuptiTracer:
         return self.buffer_bytes, 0
 
     def _buffer_completed(self, activities) -> None:
+        t0 = time.perf_counter()
         try:
             cupti = self._cupti
             k_kernel = cupti.ActivityKind.CONCURRENT_KERNEL
@@ -279,8 +289,10 @@ class CuptiTracer:
                 except queue.Full:
                     self.dropped_records += 1
             self._api_calls += api
+            self.records_seen += len(activities)
         except Exception:  # never raise into CUPTI's thread
             logger.exception("CUPTI buffer processing failed")
+        self.callback_s += time.perf_counter() - t0
 
     # -- consumer ---------------------------------------------------------------------
     def flush(self) -> None:

@@ -127,6 +127,10 @@ class GpuTelemetryStats:
     metric_exports: int = 0
     export_failures: int = 0
     errors: int = 0
+    engine_thread_s: float = 0.0    # time spent in begin_step/end_step (the request path)
+    worker_probe_s: float = 0.0     # worker: enqueueing the on-GPU histogram reduction
+    worker_match_s: float = 0.0     # worker: draining CUPTI and joining kernels to steps
+    worker_settle_s: float = 0.0    # worker: policy decisions and kernel spans
 
 
 @dataclass
@@ -215,6 +219,7 @@ class GpuTelemetry:
         """Tags the step's CUDA launches (CUPTI external correlation)."""
         if step_trace is None:
             return
+        t0 = time.perf_counter()
         try:
             ext = self._next_ext
             self._next_ext += 1
@@ -224,11 +229,13 @@ class GpuTelemetry:
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.begin_step failed")
+        self.stats.engine_thread_s += time.perf_counter() - t0
 
     def end_step(self, step_trace) -> None:
         """Closes the step's tag and hands its GPU data to the worker (no device sync)."""
         if step_trace is None or self._open is None:
             return
+        t0 = time.perf_counter()
         try:
             ext, self._open = self._open, None
             if self.tracer is not None:
@@ -247,6 +254,7 @@ class GpuTelemetry:
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
+        self.stats.engine_thread_s += time.perf_counter() - t0
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Settles every step handed over so far (CUPTI flushed, spans emitted) and, with
@@ -275,8 +283,10 @@ class GpuTelemetry:
             except queue.Empty:
                 item = None
             try:
+                t0 = time.perf_counter()
                 if isinstance(item, _Step):
                     self._take_step(item)
+                    self.stats.worker_probe_s += time.perf_counter() - t0
                     continue   # take every queued step before matching kernels
                 if isinstance(item, tuple):
                     _, export, done = item
@@ -287,7 +297,10 @@ class GpuTelemetry:
                     done.set()
                     continue
                 self._match(flush=False)
+                t1 = time.perf_counter()
                 self._settle(force=False)
+                self.stats.worker_match_s += t1 - t0
+                self.stats.worker_settle_s += time.perf_counter() - t1
                 if time.monotonic() - self._last_export >= self.config.export_interval_s:
                     self._export()
             except Exception:

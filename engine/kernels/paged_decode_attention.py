@@ -39,10 +39,10 @@ _LOG2E = 1.4426950408889634
 def sightline_paged_decode(
     Q, K, V, O, TABLES, LENS, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
-    stride_tb, stride_ob, stride_oh, qk_scale, split_len,
+    stride_tb, stride_ob, stride_oh, qk_scale, split_len, num_splits,
     probe_ptr, probe_base,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PROBE: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, PROBE: tl.constexpr,
 ):
     if PROBE != 0:
         t0 = probe_begin(PROBE)
@@ -88,12 +88,12 @@ def sightline_paged_decode(
 
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(O + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(O.dtype.element_ty), mask=head_ok[:, None])
     else:
-        # partials laid out [B, Hq, NUM_SPLITS, D] and [B, Hq, NUM_SPLITS], contiguous
-        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        # partials laid out [B, Hq, num_splits, D] and [B, Hq, num_splits], contiguous
+        row = (seq.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(PART_O + row[:, None] * HEAD_DIM + offs_d[None, :], out, mask=head_ok[:, None])
         lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
         tl.store(PART_LSE + row, lse, mask=head_ok)
@@ -102,20 +102,19 @@ def sightline_paged_decode(
 
 
 @triton.jit
-def sightline_paged_decode_reduce(O, PART_O, PART_LSE, stride_ob, stride_oh,
-                                HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                                SPLITS_P2: tl.constexpr):
+def sightline_paged_decode_reduce(O, PART_O, PART_LSE, stride_ob, stride_oh, num_splits,
+                                  HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
     head = tl.program_id(0)
     seq = tl.program_id(1)
     row = seq.to(tl.int64) * tl.num_programs(0) + head
     offs_s = tl.arange(0, SPLITS_P2)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    lse = tl.load(PART_LSE + row * NUM_SPLITS + offs_s, mask=s_ok, other=float("-inf"))
+    s_ok = offs_s < num_splits
+    lse = tl.load(PART_LSE + row * num_splits + offs_s, mask=s_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)   # empty context: all weights 0
     w = tl.math.exp2(lse - top)
-    parts = tl.load(PART_O + (row * NUM_SPLITS + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+    parts = tl.load(PART_O + (row * num_splits + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     out = tl.sum(parts * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
@@ -198,12 +197,12 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         q, k_cache, v_cache, o, block_tables, context_lens, part_o, part_lse,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        o.stride(0), o.stride(1), softmax_scale * _LOG2E, split_len, probe_ptr, base,
+        o.stride(0), o.stride(1), softmax_scale * _LOG2E, split_len, num_splits, probe_ptr, base,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=d, PAGE=page,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, PROBE=mode,
+        BLOCK_N=block_n, SPLIT=num_splits > 1, PROBE=mode,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if num_splits > 1:
         sightline_paged_decode_reduce[(hq, batch)](
-            o, part_o, part_lse, o.stride(0), o.stride(1), HEAD_DIM=d, NUM_SPLITS=num_splits,
+            o, part_o, part_lse, o.stride(0), o.stride(1), num_splits, HEAD_DIM=d,
             SPLITS_P2=max(2, triton.next_power_of_2(num_splits)), num_warps=4)
     return o

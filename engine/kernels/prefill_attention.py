@@ -150,6 +150,20 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _fixed_config() -> dict | None:
+    """``SIGHTLINE_FA2_PREFILL_CONFIG=BLOCK_M,BLOCK_N,warps,stages`` skips tuning (saves
+    ~7 compiles at start-up); a malformed value is an error that names it."""
+    raw = os.environ.get("SIGHTLINE_FA2_PREFILL_CONFIG")
+    if not raw:
+        return None
+    try:
+        bm, bn, w, st = (int(x) for x in raw.split(","))
+    except ValueError:
+        raise ValueError(f"SIGHTLINE_FA2_PREFILL_CONFIG={raw!r}; expected "
+                         "BLOCK_M,BLOCK_N,num_warps,num_stages e.g. 128,64,8,3") from None
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+
+
 def tuned_configs() -> dict[tuple, dict]:
     """The configs chosen so far (for benchmark reports)."""
     return dict(_tuned)
@@ -208,6 +222,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if config is None:
         if _interpreting():
             config = _INTERPRET_CONFIG
+        elif _fixed_config() is not None:
+            config = _fixed_config()
         else:
             key = (seq_bucket, d, group, q.dtype)
             config = _tuned.get(key)
