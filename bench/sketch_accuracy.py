@@ -181,6 +181,88 @@ def run_distribution(name: str, fn, samples: int, seed: int) -> Row:
                single.memory_bytes() / N_SMS)
 
 
+# -- ingest cost ------------------------------------------------------------------------------
+def _span_mix(n_requests: int, seed: int = 11):
+    """An engine-like export: per request 6 request-tree spans; one engine.step span per
+    4 requests x 16 decode steps, linked to its requests; 1 in 10 steps with 20 kernel
+    spans carrying CUPTI-like attributes."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
+    rng = np.random.default_rng(seed)
+    req = ExportTraceServiceRequest()
+    spans = req.resource_spans.add().scope_spans.add().spans
+    t0 = int(T_S * 1e9) - 5_000_000_000
+
+    def span(name, tid, sid, parent=b"", attrs=(), links=(), dur=1_000_000):
+        s = spans.add(name=name, trace_id=tid, span_id=sid, parent_span_id=parent,
+                      start_time_unix_nano=t0, end_time_unix_nano=t0 + dur)
+        s.attributes.extend([kv(k, v) for k, v in attrs])
+        s.links.extend([trace_pb2.Span.Link(trace_id=t, span_id=i) for t, i in links])
+
+    roots = []
+    for r in range(n_requests):
+        tid, sid = rng.bytes(16), rng.bytes(8)
+        roots.append((tid, sid))
+        span(sc.SPAN_HTTP_COMPLETIONS, tid, sid, attrs=[
+            (sc.GEN_AI_REQUEST_MODEL, "llama"), (sc.REQUEST_PRIORITY, r % 3), (sc.HTTP_RESPONSE_STATUS_CODE, 200),
+            (sc.GEN_AI_USAGE_INPUT_TOKENS, 128), (sc.GEN_AI_USAGE_OUTPUT_TOKENS, 16)], dur=200_000_000)
+        for phase in sc.REQUEST_PHASE_SPANS:
+            span(phase, tid, rng.bytes(8), parent=sid)
+    for s in range(n_requests // 4 * 16):
+        tid, sid = rng.bytes(16), rng.bytes(8)
+        riders = roots[(s // 16) * 4:(s // 16) * 4 + 4]
+        span(sc.SPAN_ENGINE_STEP, tid, sid, attrs=[(sc.STEP_ID, s), (sc.STEP_BATCH_SIZE, 4),
+                                                   (sc.STEP_PREFILL_TOKENS, 0), (sc.STEP_DECODE_TOKENS, 4)],
+             links=riders, dur=int(rng.integers(2, 9)) * 1_000_000)
+        if s % 10 == 0:
+            for k in range(20):
+                span(sc.SPAN_KERNEL_PREFIX + f"kernel_{k}", tid, rng.bytes(8), parent=sid, attrs=[
+                    (sc.CUDA_KERNEL_NAME, f"kernel_{k}"), (sc.HW_GPU_ID, 0), (sc.CUDA_DEVICE, 0),
+                    (sc.CUDA_GRID, "132,1,1"), (sc.CUDA_BLOCK, "128,1,1"), (sc.CUDA_REGISTERS, 96),
+                    (sc.CUDA_SHARED_MEMORY_BYTES, 49152), (sc.CUDA_STREAM, 7), (sc.CUDA_CORRELATION_ID, k),
+                    (sc.KERNEL_SMS_USED, 132), (sc.KERNEL_WAVES, 1), (sc.KERNEL_SLOWEST_SM, k % 132)],
+                     dur=int(rng.integers(5, 200)) * 1_000)
+    return req
+
+
+def measure_ingest(repeats: int = 5) -> dict:
+    """CPU seconds (process time, best of ``repeats``) per span and per CTA point."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    body = _span_mix(200).SerializeToString()
+    n_spans = len(ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans)
+    out = {"spans_per_export": n_spans}
+    from sightline.collector.trace_store import TraceStoreConfig
+
+    modes = {"with_trace_store": AggregationConfig(),
+             "with_deferred_trace_store": AggregationConfig(trace_store=TraceStoreConfig(defer_index=True)),
+             "without_trace_store": AggregationConfig(store_traces=False)}
+    for mode, config in modes.items():
+        best = math.inf
+        for _ in range(repeats):
+            agg = Aggregator(config, clock=lambda: T_S)
+            t = time.process_time()
+            for _ in range(5):
+                agg.consume_traces(ExportTraceServiceRequest.FromString(body))
+            best = min(best, (time.process_time() - t) / (5 * n_spans))
+        out[f"spans_per_cpu_s_{mode}"] = 1.0 / best
+    rng = np.random.default_rng(4)
+    bodies = [export_for({sm: rng.lognormal(math.log(25e-6), 0.3, 64) for sm in range(N_SMS)}, T_S - 1)
+              .SerializeToString() for _ in range(4)]
+    best = math.inf
+    for _ in range(repeats):
+        agg = Aggregator(AggregationConfig(), clock=lambda: T_S)
+        t = time.process_time()
+        for b in bodies:
+            agg.consume_metrics(ExportMetricsServiceRequest.FromString(b))
+        best = min(best, (time.process_time() - t) / (len(bodies) * N_SMS))
+    out["cta_points_per_cpu_s"] = 1.0 / best
+    out["what"] = ("Aggregator.consume_* alone, protobuf parse included, one thread; "
+                   f"mix per export: {n_spans} spans (request trees, linked steps, 10 % of steps with 20 kernel spans)")
+    return out
+
+
 # -- freshness --------------------------------------------------------------------------------
 def measure_freshness(trials: int) -> dict:
     sys.path.insert(0, str(ROOT))
@@ -251,6 +333,7 @@ def main() -> int:
         "rows": [r.__dict__ for r in rows],
         "goal_met": all(r.sketch_max_rel_err <= 0.01 and r.replicas_max_rel_err_vs_exact <= 0.01 for r in rows),
     }
+    result["ingest"] = measure_ingest()
     if args.freshness:
         result["freshness"] = measure_freshness(args.freshness_trials)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -275,6 +358,12 @@ def main() -> int:
                   "because exponential-histogram merges are exact at a common scale.",
               "", f"Goal (sketch and merged replicas within 1 % of exact on every SM): "
                   f"{'met' if result['goal_met'] else 'NOT met'}."]
+    g = result["ingest"]
+    lines += ["", f"Ingest cost ({g['what']}; CPU time, best of 5, on {platform.machine()} shared with other work): "
+                  f"{g['spans_per_cpu_s_with_trace_store']:,.0f} spans/CPU-s with the trace store indexing "
+                  f"at ingest (default), {g['spans_per_cpu_s_with_deferred_trace_store']:,.0f} with "
+                  f"`defer_index`, {g['spans_per_cpu_s_without_trace_store']:,.0f} without a store; "
+                  f"{g['cta_points_per_cpu_s']:,.0f} per-SM points/CPU-s."]
     if "freshness" in result:
         f = result["freshness"]
         lines += ["", f"Freshness ({f['trials']} exports of {f['ctas_per_export']} CTAs over {f['sms_per_export']} SMs "

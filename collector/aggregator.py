@@ -12,8 +12,8 @@ Inputs (one form: the receivers convert Zipkin to OTLP first):
   (``reason="explicit_bucket_histogram"``).
 * Spans, dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
   queue time by (model, priority); ``engine.step`` spans give step durations by phase;
-  ``kernel ...`` spans give kernel durations by (gpu, kernel). Every span also goes to
-  the :class:`~.trace_store.TraceStore` (bounded) for explanations.
+  ``kernel ...`` spans give kernel durations by (gpu, kernel). Every export request also
+  goes to the :class:`~.trace_store.TraceStore` (bounded; indexed when first queried).
 
 Guarantees: per-SM quantiles within ``relative_error(scale)`` of the exact rank (0.54 %
 at scale 6, see :mod:`.windows`); memory bounded whatever arrives: at most
@@ -24,9 +24,10 @@ collector's clock (producer clock skew) are clamped to it, so they are visible a
 per-SM points older than the window horizon can never be queried and are refused
 (``reason="late"``); late spans still count in the cumulative Prometheus histograms.
 
-Thread-safety: one lock around each export request and each query snapshot. Cost per
-span: one dict lookup on the name, a pass over its attributes only for the spans that
-feed a distribution, and one store record.
+Thread-safety: one lock around each export request and each query snapshot (the trace
+store has its own). Cost per span: one dict lookup on the name and a pass over its
+attributes only for the spans that feed a distribution; the trace store costs O(1) per
+export request at ingest.
 """
 
 from __future__ import annotations
@@ -184,20 +185,17 @@ class Aggregator:
         with self._lock:
             now = self.clock()
             for rs in request.resource_spans:
-                service = ""
-                for kv in rs.resource.attributes:
-                    if kv.key == "service.name":
-                        service = kv.value.string_value
-                        break
                 for ss in rs.scope_spans:
                     for span in ss.spans:
                         n += 1
                         try:
-                            self._on_span(span, service, now)
+                            self._on_span(span, now)
                         except Exception:  # one odd span must not cost the rest of the batch
                             self._drop("malformed_span")
                             log.debug("span %r refused", span.name, exc_info=True)
             self.spans_seen += n
+        if self.config.store_traces:
+            self.store.add_request(request)  # O(1); the store has its own lock
         return n
 
     def consume_metrics(self, request) -> int:
@@ -296,9 +294,8 @@ class Aggregator:
             return series.window.window(now_s, last_s) if series else ExpHistogram()
 
     def with_store(self, fn):
-        """Runs ``fn(store)`` under the lock (explanations read the store this way)."""
-        with self._lock:
-            return fn(self.store)
+        """Runs ``fn(store)`` on the caught-up trace store under its lock (explanations)."""
+        return self.store.read(fn)
 
     def exposition_snapshot(self) -> ExpositionSnapshot:
         now_s = self.clock()
@@ -334,16 +331,13 @@ class Aggregator:
                     "cumulative_streams": len(self._cumulative)}
 
     # -- spans ----------------------------------------------------------------------
-    def _on_span(self, span, service: str, now: float) -> None:
+    def _on_span(self, span, now: float) -> None:
         name = span.name
         handler = self._handlers.get(name)
-        e2e = None
         if handler is not None:
-            e2e = handler(span, now)
+            handler(span, now)
         elif name.startswith(sc.SPAN_KERNEL_PREFIX):
             self._on_kernel(span, now)
-        if self.config.store_traces:
-            self.store.add(span, service, e2e)
 
     def _time(self, unix_nano: int, now: float) -> float:
         t = unix_nano / 1e9
@@ -353,7 +347,7 @@ class Aggregator:
             self.newest_data_s = t
         return t
 
-    def _on_request(self, span, now: float) -> float:
+    def _on_request(self, span, now: float) -> None:
         got: dict[str, object] = {}
         for kv in span.attributes:
             if kv.key in _REQUEST_KEYS:
@@ -399,7 +393,6 @@ class Aggregator:
             reason = "unknown"
         total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
         self._requests_total[total_key] = self._requests_total.get(total_key, 0) + 1
-        return e2e
 
     def _on_step(self, span, now: float) -> None:
         prefill = decode = None

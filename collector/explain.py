@@ -115,8 +115,8 @@ def _i(value) -> int | None:
 
 
 def e2e_of(root: StoredSpan) -> float:
-    """The request's e2e latency as the aggregator read it at ingest (else the span's)."""
-    return root.e2e_s if root.e2e_s is not None else root.duration_s
+    """The request's e2e latency: its ``sightline.request.e2e_s`` (else the span's)."""
+    return root.e2e_s
 
 
 def trace_spans(aggregator, trace_id: str) -> dict | None:

@@ -1,30 +1,39 @@
 """A bounded store of recent traces, indexed for request roots, steps and span links.
 
-Each span is kept as its own protobuf bytes plus the few fields navigation needs (ids,
-name, times, links); attributes are decoded only for the spans a query returns.
+``add_request`` takes a parsed export request and indexes it (trace id -> spans, request
+roots, steps, links), keeping each span as its own protobuf encoding (decoded again only
+for the spans a query returns). With ``defer_index`` it only encodes the request (one C
+call) and queues it; the index is built from the queue when a query first needs it
+(:meth:`TraceStore.read`), a bounded chunk at a time so a long backlog never holds the
+lock for long.
 
 Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one
-trace and ``max_spans`` spans in all; when a bound is reached the *oldest trace* (by
-first arrival) is evicted whole, and spans beyond a trace's own bound are counted in
-``Trace.dropped_spans`` rather than kept. Memory is therefore about
-``max_spans * (~450 B + the span's encoded size)``: the defaults (200,000 spans of
-~300 B) stay under ~150 MiB.
+trace, ``max_spans`` indexed spans and ``max_bytes`` encoded bytes (queued requests plus
+kept spans) in all; when a bound is reached the *oldest trace* (by first indexing) is
+evicted whole, then the oldest queued requests; spans beyond a trace's own bound are
+counted in ``dropped_spans``. Memory is about ``max_bytes`` plus ~350 B of index per kept
+span (defaults: 48 MiB, 200,000 spans: under ~120 MiB).
 
 Links are followed both ways: a request's prefill/decode spans link to the steps they
 rode, and every ``engine.step`` span links back to the request spans it served, so the
 store keeps ``linked[trace] -> traces`` in both directions from whichever side arrives.
 A link to a trace that was evicted (or never arrived) is simply not returned.
 
-Cost per span: one ``SerializeToString`` and a few dict operations; the caller holds
-the lock (the aggregator's).
+Thread-safety: one lock of its own (ingest never waits for the aggregator's). Cost per
+span: one ``SerializeToString``, a small object and a few dict operations, paid on the
+ingest path by default, on the query path with ``defer_index`` (ingest then costs one
+``SerializeToString`` of the whole request).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from sightline.instrumentation import semconv
@@ -41,6 +50,11 @@ class TraceStoreConfig:
     max_traces: int = 20_000
     max_spans_per_trace: int = 4_096
     max_spans: int = 200_000
+    max_bytes: int = 48 * 1024 * 1024  # encoded size of the export requests held
+    # False: index each request as it arrives (cost on the ingest path, ~half the
+    # aggregator's per-span time). True: queue it, index on the first query (ingest O(1)).
+    defer_index: bool = False
+    index_chunk_spans: int = 20_000  # spans indexed per lock hold while catching up
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_traces <= 10_000_000:
@@ -49,6 +63,10 @@ class TraceStoreConfig:
             raise ValueError(f"max_spans_per_trace={self.max_spans_per_trace} is outside [1, 1000000]")
         if not 1 <= self.max_spans <= 100_000_000:
             raise ValueError(f"max_spans={self.max_spans} is outside [1, 100000000]")
+        if not 1024 <= self.max_bytes <= 1 << 40:
+            raise ValueError(f"max_bytes={self.max_bytes} is outside [1024, 2**40]")
+        if not 1 <= self.index_chunk_spans <= 10_000_000:
+            raise ValueError(f"index_chunk_spans={self.index_chunk_spans} is outside [1, 10000000]")
 
 
 def any_value(value) -> Any:
@@ -98,27 +116,23 @@ class SpanRecord:
 
 
 class StoredSpan:
-    """A span as kept: its trace id, name and links (what indexing needs at ingest), the
-    rest as the span's own protobuf bytes, decoded on first access (a query) and cached.
-    Ids are raw bytes."""
+    """A kept span: its trace id, name and links (what indexing needs) plus the span's
+    own protobuf encoding, decoded when a query reads it. Nothing decoded is cached (but a
+    root's e2e, a float), so queries never grow the store's memory. Ids are bytes."""
 
-    __slots__ = ("trace_id", "name", "links", "raw", "service_name", "e2e_s", "_span", "_record")
+    __slots__ = ("trace_id", "name", "links", "raw", "service_name", "_e2e_s")
 
-    def __init__(self, span, service_name: str = "", e2e_s: float | None = None) -> None:
+    def __init__(self, span, service_name: str = "") -> None:
         self.trace_id: bytes = span.trace_id
         self.name: str = span.name
         self.links: tuple[tuple[bytes, bytes], ...] = (
             tuple((link.trace_id, link.span_id) for link in span.links) if len(span.links) else ())
         self.raw: bytes = span.SerializeToString()
         self.service_name = service_name
-        self.e2e_s = e2e_s
-        self._span = None
-        self._record: SpanRecord | None = None
+        self._e2e_s: float | None = None
 
     def _proto(self):
-        if self._span is None:
-            self._span = Span.FromString(self.raw)
-        return self._span
+        return Span.FromString(self.raw)
 
     @property
     def span_id(self) -> bytes:
@@ -141,18 +155,27 @@ class StoredSpan:
         span = self._proto()
         return max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
 
+    @property
+    def e2e_s(self) -> float:
+        """A request root's e2e latency: its ``sightline.request.e2e_s``, else its duration."""
+        if self._e2e_s is None:
+            value = self.attributes.get(semconv.REQUEST_E2E_S)
+            try:
+                self._e2e_s = float(value) if value is not None else self.duration_s
+            except (TypeError, ValueError):
+                self._e2e_s = self.duration_s
+        return self._e2e_s
+
     def record(self) -> SpanRecord:
-        """The decoded span (cached)."""
-        if self._record is None:
-            span = self._proto()
-            self._record = SpanRecord(
-                trace_id=self.trace_id.hex(), span_id=span.span_id.hex(),
-                parent_span_id=span.parent_span_id.hex(), name=self.name, kind=int(span.kind),
-                start_time_unix_nano=int(span.start_time_unix_nano),
-                end_time_unix_nano=int(span.end_time_unix_nano), status_code=int(span.status.code),
-                attributes={kv.key: any_value(kv.value) for kv in span.attributes},
-                links=tuple((t.hex(), s.hex()) for t, s in self.links), service_name=self.service_name)
-        return self._record
+        """The decoded span."""
+        span = self._proto()
+        return SpanRecord(
+            trace_id=self.trace_id.hex(), span_id=span.span_id.hex(),
+            parent_span_id=span.parent_span_id.hex(), name=self.name, kind=int(span.kind),
+            start_time_unix_nano=int(span.start_time_unix_nano),
+            end_time_unix_nano=int(span.end_time_unix_nano), status_code=int(span.status.code),
+            attributes={kv.key: any_value(kv.value) for kv in span.attributes},
+            links=tuple((t.hex(), s.hex()) for t, s in self.links), service_name=self.service_name)
 
     @property
     def attributes(self) -> dict[str, Any]:
@@ -168,45 +191,47 @@ class Trace:
     step_spans: list[StoredSpan] = field(default_factory=list)
 
 
+T = TypeVar("T")
+
+
 class TraceStore:
     """Recent traces by id, oldest evicted first; see the module docstring."""
 
     def __init__(self, config: TraceStoreConfig | None = None) -> None:
         self.config = config or TraceStoreConfig()
+        self._lock = threading.Lock()
+        self._pending: deque[bytes] = deque()  # encoded requests waiting (defer_index)
         self._traces: OrderedDict[bytes, Trace] = OrderedDict()
         self._linked: dict[bytes, set[bytes]] = {}
         self._num_spans = 0
+        self.held_bytes = 0  # encoded bytes: queued requests + kept spans
         self.evicted_traces = 0
         self.dropped_spans = 0
+        self.dropped_requests = 0  # queued requests evicted (bytes bound) before indexing
 
     # -- writing --------------------------------------------------------------------
-    def add(self, span, service_name: str = "", e2e_s: float | None = None) -> None:
-        """Keeps one OTLP ``Span`` (``e2e_s``: a request root's latency, for ranking)."""
-        trace_id = span.trace_id
-        trace = self._traces.get(trace_id)
-        if trace is None:
-            trace = Trace(trace_id)
-            self._traces[trace_id] = trace
-        if len(trace.spans) >= self.config.max_spans_per_trace:
-            trace.dropped_spans += 1
-            self.dropped_spans += 1
-            return
-        stored = StoredSpan(span, service_name, e2e_s)
-        trace.spans.append(stored)
-        self._num_spans += 1
-        name = stored.name
-        if name in REQUEST_SPAN_NAMES:
-            trace.request_root = stored
-        elif name == semconv.SPAN_ENGINE_STEP:
-            trace.step_spans.append(stored)
-        for linked_trace, _ in stored.links:
-            if linked_trace != trace_id:
-                self._link(trace_id, linked_trace)
-                self._link(linked_trace, trace_id)
-        if len(self._traces) > self.config.max_traces or self._num_spans > self.config.max_spans:
-            self._evict()
+    def add_request(self, request) -> None:
+        """Takes an ``ExportTraceServiceRequest``: indexed now, or with ``defer_index``
+        encoded (one C call) and queued, to be indexed on the next query."""
+        if self.config.defer_index:
+            encoded = request.SerializeToString()
+            with self._lock:
+                self._pending.append(encoded)
+                self.held_bytes += len(encoded)
+                self._evict()
+        else:
+            with self._lock:
+                self._index_request(request)
 
     # -- reading --------------------------------------------------------------------
+    def read(self, fn: Callable[[TraceStore], T]) -> T:
+        """Indexes what is queued (a chunk per lock hold), then runs ``fn(store)`` under the
+        lock; what ``fn`` returns must not reference the store's records mutably."""
+        while True:
+            with self._lock:
+                if self._index_some(self.config.index_chunk_spans):
+                    return fn(self)
+
     def get(self, trace_id: str | bytes) -> Trace | None:
         if isinstance(trace_id, str):
             try:
@@ -234,7 +259,56 @@ class TraceStore:
     def num_spans(self) -> int:
         return self._num_spans
 
-    # -- internals ------------------------------------------------------------------
+    # -- internals (under the lock) -------------------------------------------------------
+    def _index_some(self, budget: int) -> bool:
+        """Indexes queued requests until about ``budget`` spans are done; True when none is left."""
+        while self._pending and budget > 0:
+            encoded = self._pending.popleft()
+            self.held_bytes -= len(encoded)
+            budget -= self._index_request(ExportTraceServiceRequest.FromString(encoded))
+        return not self._pending
+
+    def _index_request(self, request) -> int:
+        n = 0
+        for rs in request.resource_spans:
+            service = ""
+            for kv in rs.resource.attributes:
+                if kv.key == "service.name":
+                    service = kv.value.string_value
+                    break
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    self._add(span, service)
+                    n += 1
+        return n
+
+    def _add(self, span, service_name: str) -> None:
+        trace_id = span.trace_id
+        trace = self._traces.get(trace_id)
+        if trace is None:
+            trace = Trace(trace_id)
+            self._traces[trace_id] = trace
+        if len(trace.spans) >= self.config.max_spans_per_trace:
+            trace.dropped_spans += 1
+            self.dropped_spans += 1
+            return
+        stored = StoredSpan(span, service_name)
+        trace.spans.append(stored)
+        self._num_spans += 1
+        self.held_bytes += len(stored.raw)
+        name = stored.name
+        if name in REQUEST_SPAN_NAMES:
+            trace.request_root = stored
+        elif name == semconv.SPAN_ENGINE_STEP:
+            trace.step_spans.append(stored)
+        for linked_trace, _ in stored.links:
+            if linked_trace != trace_id:
+                self._link(trace_id, linked_trace)
+                self._link(linked_trace, trace_id)
+        cfg = self.config
+        if len(self._traces) > cfg.max_traces or self._num_spans > cfg.max_spans or self.held_bytes > cfg.max_bytes:
+            self._evict()
+
     def _link(self, a: bytes, b: bytes) -> None:
         peers = self._linked.get(a)
         if peers is None:
@@ -243,14 +317,23 @@ class TraceStore:
             peers.add(b)
 
     def _evict(self) -> None:
-        while (len(self._traces) > self.config.max_traces
-               or self._num_spans > self.config.max_spans) and len(self._traces) > 1:
-            trace_id, trace = self._traces.popitem(last=False)
-            self._num_spans -= len(trace.spans)
-            self.evicted_traces += 1
-            for peer in self._linked.pop(trace_id, ()):
-                peers = self._linked.get(peer)
-                if peers is not None:
-                    peers.discard(trace_id)
-                    if not peers and peer not in self._traces:
-                        del self._linked[peer]
+        cfg = self.config
+        # Queued requests are newer than anything indexed: indexed traces go first.
+        while self._traces and (len(self._traces) > cfg.max_traces or self._num_spans > cfg.max_spans
+                                or self.held_bytes > cfg.max_bytes):
+            self._evict_oldest_trace()
+        while self.held_bytes > cfg.max_bytes and len(self._pending) > 1:
+            self.held_bytes -= len(self._pending.popleft())
+            self.dropped_requests += 1
+
+    def _evict_oldest_trace(self) -> None:
+        trace_id, trace = self._traces.popitem(last=False)
+        self._num_spans -= len(trace.spans)
+        self.held_bytes -= sum(len(s.raw) for s in trace.spans)
+        self.evicted_traces += 1
+        for peer in self._linked.pop(trace_id, ()):
+            peers = self._linked.get(peer)
+            if peers is not None:
+                peers.discard(trace_id)
+                if not peers and peer not in self._traces:
+                    del self._linked[peer]

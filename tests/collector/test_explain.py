@@ -215,6 +215,49 @@ def test_trace_store_total_span_bound():
     spans = build(4)  # 36 spans in 12 traces of 1..4 spans
     agg.consume_traces(otlp_traces(spans))
     store = agg.store
+    store.read(lambda s: None)
     assert store.num_spans <= 10 and store.num_spans == sum(len(t.spans) for t in store._traces.values())
     # the newest traces are the ones kept
     assert store.get(tid(3, 4)) is not None and store.get(tid(1, 1)) is None
+
+
+def _held(store) -> int:
+    """What held_bytes must be: queued encoded requests plus every kept span's encoding."""
+    return sum(map(len, store._pending)) + sum(len(s.raw) for t in store._traces.values() for s in t.spans)
+
+
+def test_trace_store_deferred_indexing_byte_bound_and_chunks():
+    one = otlp_traces(build(1))  # one request tree + its two steps: ~1.5 KB encoded
+    size = one.ByteSize()
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 3 * size), index_chunk_spans=5,
+                                                       defer_index=True))
+    for i in range(10):
+        spans = [otlp_span(s.name, bytes([i]) + s.trace_id[1:], s.span_id, T0_S - 5, T0_S - 4,
+                           parent=s.parent_span_id,
+                           links=[(bytes([i]) + l.trace_id[1:], l.span_id) for l in s.links])
+                 for s in build(1)]
+        agg.consume_traces(otlp_traces(spans))
+        assert agg.store.held_bytes <= 3 * size  # queued requests dropped oldest-first
+    store = agg.store
+    assert len(store) == 0 and store.num_spans == 0  # only queued so far: indexed on first read
+    assert store.dropped_requests > 0
+    assert store.held_bytes == _held(store)
+    store.read(lambda s: None)  # 5 spans per lock hold, until caught up
+    assert not store._pending and store.held_bytes == _held(store) <= 3 * size
+    # the newest request's tree is there, linked both ways
+    newest = bytes([9]) + tid(1, 1)[1:]
+    assert store.get(newest) is not None
+    assert len(store.linked(newest)) == 2
+    result = explain_slowest(agg, quantile=1.0, limit=1)
+    assert result.requests[0].steps_total == 2
+
+
+def test_trace_store_byte_bound_when_indexing_eagerly():
+    size = otlp_traces(build(1)).ByteSize()
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size)))
+    for i in range(6):
+        agg.consume_traces(otlp_traces(build(1)))
+        store = agg.store
+        assert store.held_bytes == _held(store) <= 2 * size
+        assert not store._pending
+    assert store.evicted_traces > 0
