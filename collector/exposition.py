@@ -11,7 +11,10 @@ classic bound. Memory: one int per bound and one exemplar slot per bound.
 family from a snapshot taken under the aggregator's lock, so a scrape never sees a
 half-applied export. Exemplars (trace and span ids) are attached per bucket, the latest
 (or, for per-SM data, the slowest) one seen; they appear in the OpenMetrics format only.
-Cost of a scrape: one window merge per per-SM series for the P99 gauge.
+Cost of a scrape: one window merge per per-SM series for the P99 gauge, and 19 lines
+per per-SM classic histogram: 8 GPUs x 132 SMs x 4 kernels made an ~84,000-line, ~3 s
+scrape on this project's shared 2-core machine (``expose_sm_histograms=False`` leaves the
+gauges and drops those lines).
 """
 
 from __future__ import annotations
