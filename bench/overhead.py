@@ -229,7 +229,8 @@ def mode_levels(args) -> dict:
                         "reason": tracer.unavailable_reason if tracer is not None else "off",
                         "records_seen": getattr(tracer, "records_seen", None),
                         "callback_s": getattr(tracer, "callback_s", None),
-                        "buffers": getattr(tracer, "buffers_completed", None)}
+                        "buffers": getattr(tracer, "buffers_completed", None),
+                        "api_cbids_disabled": getattr(tracer, "api_cbids_disabled", None)}
     out["spans_exported"] = {lvl: (sink.spans if sink else 0) for lvl, (_, sink) in tels.items()}
     apply("off", False, None, False)
     out["throughput_off"] = []
