@@ -45,7 +45,8 @@ import numpy as np
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
 from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, TraceStore, TraceStoreConfig,
                                              any_value)
-from sightline.collector.windows import Exemplar, SlidingHistogram, WindowConfig, subtract_cumulative
+from sightline.collector.windows import (Exemplar, SlidingHistogram, WindowConfig, merge_all,
+                                         subtract_cumulative)
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
@@ -268,6 +269,19 @@ class Aggregator:
         with self._lock:
             return {sm: s.window.window(now_s, last_s) for (g, sm, k), s in self._sm.items()
                     if g == gpu and k == kernel}
+
+    def sm_windows_between(self, start_s: float, end_s: float) -> dict[tuple[str, str], dict[str, ExpHistogram]]:
+        """Per (gpu, kernel), per SM: the slots overlapping ``[start_s, end_s]``, merged."""
+        wc = self._wc
+        first = wc.epoch(start_s)
+        last_s = max(end_s - start_s, 0.0) + wc.slot_s
+        out: dict[tuple[str, str], dict[str, ExpHistogram]] = {}
+        with self._lock:
+            for (gpu, sm, kernel), series in self._sm.items():
+                hists = [h for e, h, _ in series.window.slots(end_s, last_s) if e >= first]
+                if hists:
+                    out.setdefault((gpu, kernel), {})[sm] = merge_all(hists, wc)
+        return out
 
     def sm_exemplar_for_spans(self, span_ids: set[bytes]) -> tuple[str, str, str, Exemplar] | None:
         """The slowest per-SM exemplar (still in a window) that points at one of ``span_ids``."""

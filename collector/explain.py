@@ -12,8 +12,9 @@ request at or above it, slowest first:
 * in those steps, the slowest kernel spans (children of the step span);
 * the slowest SM, from the first source that knows: the slowest kernel span's
   ``sightline.kernel.slowest_sm`` attribute, else a per-SM histogram exemplar pointing
-  at one of the request's step spans, else the SM with the highest P99 of the slowest
-  kernel over the aggregator's window.
+  at one of the request's step spans, else the SM whose P99 stood out most (over the
+  median SM's) in the per-SM window slots overlapping the request (in the slowest
+  kernel's series when kernel spans named one).
 
 Explanations only cover what the bounded store still holds: a step evicted (or never
 received, e.g. kernel spans that were not sampled) is absent, never invented.
@@ -25,6 +26,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+
+import numpy as np
 
 from sightline.collector.trace_store import StoredSpan, TraceStore
 from sightline.instrumentation import semconv as sc
@@ -70,7 +73,8 @@ class SlowestSm:
     sm: str
     kernel: str
     source: str  # "kernel_span" | "sm_exemplar" | "sm_window"
-    value_s: float | None
+    value_s: float | None  # its P99 CTA duration (sm_window) or slowest CTA (sm_exemplar)
+    score: float | None = None  # sm_window: its P99 / the median SM's P99 over the request
 
 
 @dataclass
@@ -78,6 +82,8 @@ class RequestExplanation:
     trace_id: str
     span_id: str
     name: str
+    start_time_unix_nano: int
+    end_time_unix_nano: int
     model: str
     priority: str
     e2e_s: float
@@ -203,7 +209,9 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         reasons = reasons[0] if reasons else None
     model = attrs.get(sc.GEN_AI_REQUEST_MODEL, attrs.get(sc.GEN_AI_RESPONSE_MODEL, "unknown"))
     return RequestExplanation(
-        trace_id=root.trace_id.hex(), span_id=root.span_id.hex(), name=root.name, model=str(model),
+        trace_id=root.trace_id.hex(), span_id=root.span_id.hex(), name=root.name,
+        start_time_unix_nano=root.start_time_unix_nano, end_time_unix_nano=root.end_time_unix_nano,
+        model=str(model),
         priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
@@ -249,13 +257,23 @@ def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation,
         if hit is not None:
             gpu, sm, kernel, ex = hit
             return SlowestSm(gpu, sm, kernel, "sm_exemplar", ex.value)
-    if req.slowest_kernel is not None:
-        k = req.slowest_kernel
-        # series keys keep the first 256 characters of a kernel name (aggregator label cap)
-        windows = aggregator.sm_windows(k.gpu, k.name[:256], last_s=aggregator.config.window.horizon_s)
-        if windows:
-            best = max((sm for sm, h in windows.items() if h.count),
-                       key=lambda sm: windows[sm].quantile(0.99), default=None)
-            if best is not None:
-                return SlowestSm(k.gpu, best, k.name, "sm_window", windows[best].quantile(0.99))
-    return None
+    # The SM that stood out most (P99 over the median SM's) while the request ran, in the
+    # slowest kernel seen if any, else in any kernel with per-SM data then.
+    only = None
+    if req.slowest_kernel is not None:  # series keys keep 256 characters of a kernel name
+        only = (req.slowest_kernel.gpu, req.slowest_kernel.name[:256])
+    per_pair = aggregator.sm_windows_between(req.start_time_unix_nano / 1e9, req.end_time_unix_nano / 1e9)
+    best = None
+    for (gpu, kernel), per_sm in per_pair.items():
+        if only is not None and (gpu, kernel) != only:
+            continue
+        p99 = {sm: h.quantile(0.99) for sm, h in per_sm.items() if h.count}
+        if not p99:
+            continue
+        median = float(np.median(list(p99.values())))
+        for sm, value in p99.items():
+            score = value / median if median > 0 else None
+            rank = (score or 0.0, value)
+            if best is None or rank > best[0]:
+                best = (rank, SlowestSm(gpu, sm, kernel, "sm_window", value, score))
+    return best[1] if best else None

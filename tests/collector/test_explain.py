@@ -261,3 +261,20 @@ def test_trace_store_byte_bound_when_indexing_eagerly():
         assert store.held_bytes == _held(store) <= 2 * size
         assert not store._pending
     assert store.evicted_traces > 0
+
+
+def test_slowest_sm_while_the_request_ran_without_kernel_spans_or_exemplars():
+    agg = make_aggregator()
+    spans = [s for s in build(1) if not s.name.startswith(sc.SPAN_KERNEL_PREFIX)]
+    agg.consume_traces(otlp_traces(spans))  # request 1 ran T0-5 .. T0-4.9
+    points = [otlp_cta_point(0, sm, "attn", [20e-6 * (3 if sm == 5 else 1)] * 10, T0_S - 4.95) for sm in range(8)]
+    # another kernel with a larger absolute P99 but evenly spread: not the stand-out
+    points += [otlp_cta_point(0, sm, "mlp", [90e-6] * 10, T0_S - 4.95) for sm in range(8)]
+    # long before the request: SM 2 was far slower, but that is not this request's time
+    points += [otlp_cta_point(0, 2, "attn", [900e-6] * 10, T0_S - 60)]
+    agg.consume_metrics(otlp_metrics(points))
+    r = explain_slowest(agg, quantile=1.0, limit=1).requests[0]
+    assert r.slowest_kernel is None
+    s = r.slowest_sm
+    assert (s.gpu, s.sm, s.kernel, s.source) == ("0", "5", "attn", "sm_window")
+    assert s.value_s == 20e-6 * 3 and s.score == pytest.approx(3.0)
