@@ -130,7 +130,8 @@ def format_explanation(result: dict) -> str:
                 lines.append(f"      {k['name'][:70]}  gpu {k['gpu']}  {k['duration_s'] * 1e6:.1f} us{sm}")
         if r["slowest_sm"]:
             s = r["slowest_sm"]
-            value = "" if s["value_s"] is None else f" ({s['value_s'] * 1e6:.1f} us)"
+            value = "" if s["value_s"] is None else f" ({s['value_s'] * 1e6:.1f} us"
+            value += f", {s['score']:.2f}x the median SM)" if s.get("score") else (")" if value else "")
             lines.append(f"  slowest SM: gpu {s['gpu']} SM {s['sm']} in {s['kernel'][:60]}{value} "
                          f"[from {s['source']}]")
     return "\n".join(lines)
