@@ -185,8 +185,9 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         step_trace = store.get(step.trace_id)
         kernels = []
         if step_trace is not None:
+            step_id = step.span_id  # spans decode on access: read each id once
             for k in step_trace.spans:
-                if k.parent_span_id == step.span_id and k.name.startswith(sc.SPAN_KERNEL_PREFIX):
+                if k.name.startswith(sc.SPAN_KERNEL_PREFIX) and k.parent_span_id == step_id:
                     kernels.append(_kernel_summary(k))
         kernels.sort(key=lambda k: -k.duration_s)
         a = step.attributes
@@ -228,8 +229,9 @@ def _steps_of(store: TraceStore, trace_id: bytes, spans: list[StoredSpan]) -> li
             if other is None:
                 continue
             for step in other.step_spans:
-                if step.span_id == linked_span:
-                    found[step.span_id] = step
+                step_id = step.span_id
+                if step_id == linked_span:
+                    found[step_id] = step
     own = {s.span_id for s in spans}
     for other in store.linked(trace_id):
         for step in other.step_spans:
