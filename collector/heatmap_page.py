@@ -71,7 +71,7 @@ function draw() {
   const ch = Math.max(3, Math.min(14, Math.floor(700 / Math.max(rows, 1))));
   const left = 60, top = 10;
   svg.setAttribute('width', left + cw * cols + 20);
-  svg.setAttribute('height', top + ch * rows + 40);
+  svg.setAttribute('height', top + ch * rows + 60);
   const tf = time ? (v => v) : (v => Math.log10(v));
   const vals = grid.flat().filter(v => v !== null && v > 0).map(tf);
   const lo = vals.length ? Math.min(...vals) : 0, hi = vals.length ? Math.max(...vals) : 1, span = (hi - lo) || 1;
@@ -110,9 +110,28 @@ function draw() {
   });
   const label = document.createElementNS(NS, 'text');
   label.setAttribute('class', 'axis'); label.setAttribute('x', left); label.setAttribute('y', top + rows * ch + 20);
-  label.textContent = time ? `time (${d.slot_s} s slots) -> colour: P99 CTA duration ${fmtS(time ? hi : 0)} max`
-                           : 'CTA duration bucket -> colour: log10(count)';
+  label.textContent = time ? `time (${d.slot_s} s slots) -> colour: P99 CTA duration`
+                           : 'CTA duration bucket -> colour: CTA count (log scale)';
   svg.appendChild(label);
+  // Colour legend: the viridis ramp from the smallest to the largest value shown.
+  const legend = document.createElementNS(NS, 'g');
+  legend.setAttribute('id', 'legend');
+  const lx = left, ly = top + rows * ch + 28, steps = 50, lw = 200;
+  for (let i = 0; i < steps; i++) {
+    const r = document.createElementNS(NS, 'rect');
+    r.setAttribute('x', lx + i * lw / steps); r.setAttribute('y', ly);
+    r.setAttribute('width', lw / steps + 0.5); r.setAttribute('height', 8);
+    r.setAttribute('fill', colour(i / (steps - 1)));
+    legend.appendChild(r);
+  }
+  const fmtV = (v) => time ? fmtS(v) : Math.round(Math.pow(10, v)) + ' CTAs';
+  for (const [x, v, anchor] of [[lx, lo, 'start'], [lx + lw, hi, 'end']]) {
+    const t = document.createElementNS(NS, 'text');
+    t.setAttribute('class', 'axis'); t.setAttribute('x', x); t.setAttribute('y', ly + 20);
+    t.setAttribute('text-anchor', anchor); t.textContent = vals.length ? fmtV(v) : '-';
+    legend.appendChild(t);
+  }
+  svg.appendChild(legend);
   $('summary').textContent = `GPU ${d.gpu} · ${d.kernel} · ${rows} SMs · hotspot ratio ` +
     (hs.ratio ? hs.ratio.toFixed(3) + ' (SM ' + hs.hottest_sm + ')' : '-') +
     ` · quantile error <= ${(100 * d.relative_error).toFixed(2)} %`;
