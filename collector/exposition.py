@@ -20,6 +20,7 @@ gauges and drops those lines).
 from __future__ import annotations
 
 import bisect
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -62,12 +63,12 @@ class ClassicHistogram:
         self.count += hist.count
         self.sum += hist.sum
         self.counts[0] += hist.zero_count
-        nonzero = np.flatnonzero(hist.counts)
-        if nonzero.size:
-            upper = np.exp2((hist.offset + nonzero + 1) * 2.0 ** -hist.scale)
-            points = 2.0 * upper / (hist.base + 1.0)
-            where = np.searchsorted(np.asarray(self.bounds), points, side="left")
-            binned = np.bincount(where, weights=hist.counts[nonzero], minlength=len(self.counts))
+        if hist.counts.size:
+            # Bucket i goes to classic bucket #{bounds < its point}: with the first bucket
+            # index past each bound (cached per scale), that is one cumsum and a gather.
+            cut = np.clip(_first_bucket_above(self.bounds, hist.scale) - hist.offset, 0, hist.counts.size)
+            cumulative = np.concatenate(([0], np.cumsum(hist.counts)))
+            binned = np.diff(cumulative[np.concatenate(([0], cut, [hist.counts.size]))])
             self.counts = [a + int(b) for a, b in zip(self.counts, binned.tolist())]
         if exemplar is not None:
             self.exemplars[bisect.bisect_left(self.bounds, exemplar.value)] = exemplar
@@ -92,6 +93,26 @@ class ClassicHistogram:
             else:
                 out.append((le, cumulative))
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _first_bucket_above(bounds: tuple[float, ...], scale: int) -> np.ndarray:
+    """Per bound ``b``: the smallest bucket index at ``scale`` whose point (the value a
+    quantile answers for it, ``2 * upper / (base + 1)``) is above ``b``."""
+    base = 2.0 ** (2.0 ** -scale)
+
+    def point(i: int) -> float:
+        return 2.0 * 2.0 ** ((i + 1) * 2.0 ** -scale) / (base + 1.0)
+
+    out = []
+    for b in bounds:
+        i = math.floor(math.log2(b * (base + 1.0) / 2.0) * 2.0 ** scale) - 2
+        while point(i) <= b:  # settle float rounding with the very formula used for points
+            i += 1
+        while point(i - 1) > b:
+            i -= 1
+        out.append(i)
+    return np.asarray(out, dtype=np.int64)
 
 
 def _le(bound: float) -> str:

@@ -351,3 +351,25 @@ def test_label_values_are_bounded():
     assert agg.exposition_snapshot().requests_total == {("m", "0", "other"): 1, ("m", "0", "length"): 1}
     [kernel] = agg.kernels()
     assert (kernel["gpu"], kernel["kernel"]) == ("1", long_kernel[:256])
+
+
+def test_classic_rebinning_matches_binning_each_bucket_point():
+    from sightline.collector.exposition import ClassicHistogram
+
+    rng = np.random.default_rng(9)
+    bounds = sc.CTA_BUCKETS_S
+    for scale in (-2, 0, 3, 6, 8, 12):
+        for _ in range(5):
+            h = ExpHistogram(scale=scale, max_buckets=100_000)
+            h.record(np.exp(rng.uniform(math.log(2e-7), math.log(0.5), 3000)))
+            h.zero_count += 7
+            h.count += 7
+            got = ClassicHistogram(bounds)
+            got.add_exp(h)
+            want = [0] * (len(bounds) + 1)
+            want[0] += h.zero_count
+            for i, c in enumerate(h.counts):
+                point = 2.0 * 2.0 ** ((h.offset + i + 1) * 2.0 ** -h.scale) / (h.base + 1.0)
+                want[int(np.searchsorted(np.asarray(bounds), point, side="left"))] += int(c)
+            assert got.counts == want, scale
+            assert sum(got.counts) == h.count
