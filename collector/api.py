@@ -7,7 +7,8 @@ Routes (all GET):
   — one heatmap (:mod:`.heatmap`); ``gpu``/``kernel`` may be left out when only one
   pair exists.
 * ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
-* ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`).
+* ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`);
+  ``/api/v1/explain?trace_id=...`` — one request explained (e.g. an exemplar's trace).
 * ``/api/v1/traces/{trace_id}`` — the stored spans of one trace (32 hex digits).
 
 Bad parameters answer 400 with ``{"error": {"code": 400, "param": ..., "message": ...}}``;
@@ -18,6 +19,7 @@ computed on the default thread pool so the event loop keeps receiving telemetry.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import re
@@ -147,6 +149,15 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:
+        trace_id = request.query.get("trace_id")
+        if trace_id is not None:  # one request, e.g. from an exemplar
+            if not _TRACE_ID.match(trace_id):
+                return _error(400, f"trace_id={trace_id!r} is not 32 hex digits", "trace_id")
+            one = await run(explain_mod.explain_trace, aggregator, trace_id.lower())
+            if one is None:
+                return _error(404, f"no request trace {trace_id} in the store (never received, evicted, "
+                                   "or not a request's trace)", "trace_id")
+            return _json(dataclasses.asdict(one))
         try:
             quantile = _float(request, "quantile", 0.99, 0.0, 1.0)
             limit = _float(request, "limit", 10, 1, 1000)

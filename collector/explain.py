@@ -1,6 +1,7 @@
 """Why was a request slow: phase breakdown, the steps it rode, their kernels and SMs.
 
-``explain_slowest(aggregator, quantile, limit)`` takes the request root spans in the
+``explain_trace(aggregator, trace_id)`` explains one request (say, a Prometheus
+exemplar's trace id). ``explain_slowest(aggregator, quantile, limit)`` takes the request root spans in the
 trace store, finds the exact value at rank ``ceil(quantile * n)`` of their end-to-end
 latencies (exact: the store holds every one of them, no sketch), and explains each
 request at or above it, slowest first:
@@ -33,7 +34,7 @@ from sightline.collector.trace_store import StoredSpan, TraceStore
 from sightline.instrumentation import semconv as sc
 
 __all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
-           "explain_slowest", "trace_spans"]
+           "explain_slowest", "explain_trace", "trace_spans"]
 
 
 @dataclass
@@ -136,6 +137,25 @@ def trace_spans(aggregator, trace_id: str) -> dict | None:
                 "spans": [s.record().to_dict() for s in spans],
                 "linked_traces": [t.trace_id.hex() for t in store.linked(trace.trace_id)]}
     return aggregator.with_store(read)
+
+
+def explain_trace(aggregator, trace_id: str, max_steps: int = 5,
+                  max_kernels: int = 3) -> RequestExplanation | None:
+    """One request explained by its trace id (e.g. from a Prometheus exemplar); None when
+    the store holds no request root for it (never received, evicted, or not a request)."""
+    def read(store: TraceStore):
+        trace = store.get(trace_id)
+        if trace is None or trace.request_root is None:
+            return None
+        return _explain_one(store, trace.request_root, max_steps, max_kernels)
+
+    found = aggregator.with_store(read)
+    if found is None:
+        return None
+    req, step_ids = found
+    if req.slowest_sm is None:
+        req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req, step_ids)
+    return req
 
 
 def explain_slowest(aggregator, quantile: float = 0.99, limit: int = 10,

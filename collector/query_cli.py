@@ -44,6 +44,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     explain.add_argument("--url", default="http://127.0.0.1:8889", help="collector query port (default %(default)s)")
     explain.add_argument("--quantile", type=float, default=0.99, help="latency quantile (default %(default)s)")
     explain.add_argument("--limit", type=int, default=5, help="at most this many requests (default %(default)s)")
+    explain.add_argument("--trace-id", default=None, help="explain this one request (32 hex digits), "
+                                                          "e.g. from a Prometheus exemplar")
     explain.add_argument("--json", action="store_true", help="print the API's JSON instead of text")
     explain.set_defaults(handler=_explain)
 
@@ -112,8 +114,9 @@ def format_explanation(result: dict) -> str:
     if not result["requests"]:
         return f"no requests in the trace store (considered {result['requests_considered']})"
     ms = lambda v: "-" if v is None else f"{v * 1e3:.1f} ms"  # noqa: E731
-    lines.append(f"P{result['quantile'] * 100:g} of e2e over {result['requests_considered']} stored requests: "
-                 f"{ms(result['threshold_s'])}")
+    if result["quantile"] is not None:
+        lines.append(f"P{result['quantile'] * 100:g} of e2e over {result['requests_considered']} stored "
+                     f"requests: {ms(result['threshold_s'])}")
     for r in result["requests"]:
         p = r["phases"]
         lines.append(f"\ntrace {r['trace_id']}  {r['name']}  model={r['model']} priority={r['priority']}")
@@ -138,6 +141,12 @@ def format_explanation(result: dict) -> str:
 
 
 def _explain(args: argparse.Namespace) -> int:
+    if args.trace_id:
+        query = urllib.parse.urlencode({"trace_id": args.trace_id})
+        one = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{query}"))
+        result = {"quantile": None, "threshold_s": None, "requests_considered": 1, "requests": [one]}
+        print(json.dumps(one, indent=2) if args.json else format_explanation(result))
+        return 0
     query = urllib.parse.urlencode({"quantile": args.quantile, "limit": args.limit})
     result = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{query}"))
     print(json.dumps(result, indent=2) if args.json else format_explanation(result))

@@ -125,6 +125,14 @@ def test_trace_by_id_and_api(tmp_path):
             answer = json.loads(resp.read())
         assert answer["threshold_s"] == pytest.approx(0.2)
         assert [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        with urllib.request.urlopen(server.url(f"/api/v1/explain?trace_id={tid(1, 2).hex()}"), timeout=10) as resp:
+            one = json.loads(resp.read())
+        assert one["trace_id"] == tid(1, 2).hex() and one["e2e_s"] == pytest.approx(0.2)
+        assert sorted(s["step_id"] for s in one["steps"]) == [2, 102]
+        for query, code in ((f"trace_id={tid(2, 2).hex()}", 404), ("trace_id=" + "f" * 32, 404), ("trace_id=xyz", 400)):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
+            assert err.value.code == code and json.loads(err.value.read())["error"]["param"] == "trace_id"
         for query in ("quantile=1.5", "limit=0", "limit=2.5", "quantile=x"):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)

@@ -168,6 +168,10 @@ def test_replay_into_collector_process_then_heatmap_and_explain(tmp_path, captur
         done = _cli("explain", "--url", query, "--quantile", "0.9", "--limit", "1")
         assert done.returncode == 0, done.stderr
         assert max(e2e, key=e2e.get) in done.stdout and "steps ridden: 1" in done.stdout
+        fastest = min(e2e, key=e2e.get)
+        done = _cli("explain", "--url", query, "--trace-id", fastest)
+        assert done.returncode == 0, done.stderr
+        assert f"trace {fastest}" in done.stdout and "steps ridden: 1" in done.stdout
         with urllib.request.urlopen(query + "/metrics", timeout=5) as r:
             metrics = r.read().decode()
         assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="0",kernel="{KERNEL}",sm="4"}}' in metrics
