@@ -65,7 +65,8 @@ class CollectorConfig:
       the aggregator holds at most this many spans+data points and this many payload
       bytes; beyond either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint
       of ``retry_after_s``. A parsed request occupies about 3.7x its encoded size in
-      memory (upb, measured on engine-like spans), so the default 32 MiB is ~120 MiB
+      memory (upb, measured on engine-like spans), and protobuf trace requests keep their
+      encoding too (the trace store takes it), so the default 32 MiB is ~150 MiB
       resident at most.
     - ``max_inflight_requests``: export requests being read/parsed at once, per
       listener (gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at

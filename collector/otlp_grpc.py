@@ -126,7 +126,8 @@ class OtlpGrpcReceiver:
         except (DecodeError, ValueError) as exc:
             metrics.rejected(name, "malformed")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {signal} export request: {exc}")
-        verdict = self._pipeline.offer(Batch(signal, message, items, len(body), name))
+        verdict = self._pipeline.offer(Batch(signal, message, items, len(body), name,
+                                             body if signal == "traces" else None))
         if verdict is Admission.ACCEPTED:
             if signal == "traces":
                 metrics.accepted(name, items, 0)

@@ -338,7 +338,8 @@ class OtlpHttpReceiver:
             else:
                 message = self._decode(body, ExportMetricsServiceRequest, as_json)
                 items = count_data_points(message)
-            admit(self._pipeline, Batch(signal, message, items, len(body), self.receiver))
+            admit(self._pipeline, Batch(signal, message, items, len(body), self.receiver,
+                                        body if signal == "traces" and not as_json else None))
         except IngestError as error:
             self._metrics.rejected(self.receiver, error.reason)
             return error_response(error, as_json=as_json, retry_after_s=self._limits.retry_after_s)

@@ -40,7 +40,7 @@ Signal = Literal["traces", "metrics"]
 class Sink(Protocol):
     """What the pipeline feeds: the aggregator (or ``DiscardSink`` in benchmarks)."""
 
-    def consume_traces(self, request: Any) -> int: ...
+    def consume_traces(self, request: Any, encoded: bytes | None = None) -> int: ...
 
     def consume_metrics(self, request: Any) -> int: ...
 
@@ -48,7 +48,7 @@ class Sink(Protocol):
 class DiscardSink:
     """Accepts and forgets (reports 0 aggregated). The counterpart of rotel's blackhole exporter."""
 
-    def consume_traces(self, request: Any) -> int:
+    def consume_traces(self, request: Any, encoded: bytes | None = None) -> int:
         return 0
 
     def consume_metrics(self, request: Any) -> int:
@@ -61,7 +61,9 @@ class Batch:
 
     ``request`` is the parsed ExportTraceServiceRequest / ExportMetricsServiceRequest;
     ``items`` its span or data-point count (counted once, by the receiver);
-    ``size_bytes`` the decoded payload size, the queue's memory accounting unit.
+    ``size_bytes`` the decoded payload size, the queue's memory accounting unit;
+    ``encoded`` the protobuf bytes ``request`` was parsed from (None for JSON and Zipkin),
+    handed to the sink so the trace store keeps them instead of encoding the request again.
     """
 
     signal: Signal
@@ -69,6 +71,7 @@ class Batch:
     items: int
     size_bytes: int
     receiver: str
+    encoded: bytes | None = None
 
 
 class Admission(enum.Enum):
@@ -230,7 +233,10 @@ class Pipeline:
         started = time.perf_counter()
         try:
             if batch.signal == "traces":
-                counted = self._sink.consume_traces(batch.request)
+                if batch.encoded is None:
+                    counted = self._sink.consume_traces(batch.request)
+                else:
+                    counted = self._sink.consume_traces(batch.request, batch.encoded)
             else:
                 counted = self._sink.consume_metrics(batch.request)
         except Exception:  # the aggregator's bug must not kill the worker

@@ -145,6 +145,7 @@ def test_trace_store_bounds_and_eviction():
     agg = make_aggregator(trace_store=TraceStoreConfig(max_traces=6, max_spans_per_trace=3, max_spans=1000))
     agg.consume_traces(otlp_traces(build(4)))  # 12 traces arrive: request i, step i, step 100+i
     store = agg.store
+    store.read(lambda s: None)  # indexing is deferred to the first query by default
     assert len(store) == 6
     # the oldest (requests/steps 1 and 2) went first; request 1's spans: 4 sent, 3 kept
     assert store.get(tid(1, 1).hex()) is None and store.get(tid(1, 4).hex()) is not None
@@ -262,7 +263,7 @@ def test_trace_store_deferred_indexing_byte_bound_and_chunks():
 
 def test_trace_store_byte_bound_when_indexing_eagerly():
     size = otlp_traces(build(1)).ByteSize()
-    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size)))
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size), defer_index=False))
     for i in range(6):
         agg.consume_traces(otlp_traces(build(1)))
         store = agg.store
