@@ -116,14 +116,23 @@ class CuptiTracer:
 
     ``start()`` -> bool; ``push(id)`` / ``pop()`` around launches; ``drain()`` ->
     ``TraceBatch``; ``stop()``. ``max_queue_records`` bounds memory held between drains;
-    ``max_unmatched`` bounds kernels kept while their correlation record is in flight."""
+    ``max_unmatched`` bounds kernels kept while their correlation record is in flight.
+
+    Buffers are small (256 KiB) on purpose. Seen on the H200: CUPTI's periodic flush hands
+    over completed buffers only, and the launching thread's API / external-correlation
+    records sit in their buffer until it fills — with 8 MiB buffers kernels could not be
+    joined to their steps for many seconds. A forced flush (``activity_flush_all(1)``)
+    every 0.3 s fixed the join but slowed the engine about five-fold (the callback's Python
+    runs while CUPTI holds the lock every CUDA call needs), so it is used only on explicit
+    ``flush``/``stop``. Small buffers complete about once per engine step instead. (The
+    256 KiB setting itself has not been measured on the GPU yet.)"""
 
     _active: CuptiTracer | None = None   # the one started instance in this process
     _class_lock = threading.Lock()
 
-    def __init__(self, buffer_bytes: int = 8 << 20, flush_period_ms: int = 100,
+    def __init__(self, buffer_bytes: int = 256 << 10, flush_period_ms: int = 100,
                  max_queue_records: int = 1 << 20, max_unmatched: int = 1 << 16,
-                 memcpy: bool = True, hold_drains: int = 3, api_filter: bool = True) -> None:
+                 memcpy: bool = True, hold_drains: int = 40, api_filter: bool = True) -> None:
         if buffer_bytes < 1 << 16:
             raise ValueError(f"buffer_bytes={buffer_bytes} must be >= 65536")
         if not 0 <= flush_period_ms <= 60_000:

@@ -59,7 +59,7 @@ class GpuTelemetryConfig:
     tail_quantile: float = 0.99         # steps slower than this quantile are always traced
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
-    settle_s: float = 0.3               # wait after a step for its CUPTI records
+    settle_s: float = 1.0               # wait after a step for its CUPTI records
     cupti: bool = True                  # kernel spans (CUPTI)
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
@@ -184,7 +184,6 @@ class GpuTelemetry:
         self._awaiting: dict[int, _Step] = {}
         self._interval_start_ns = time.time_ns()
         self._last_export = time.monotonic()
-        self._last_forced_flush = 0.0
         self._stop = threading.Event()
         self._worker = threading.Thread(target=self._run, name="sightline-gpu-telemetry",
                                         daemon=True)
@@ -297,7 +296,7 @@ class GpuTelemetry:
                         self._export()
                     done.set()
                     continue
-                self._match(flush=self._flush_due())
+                self._match(flush=False)
                 t1 = time.perf_counter()
                 self._settle(force=False)
                 self.stats.worker_match_s += t1 - t0
@@ -307,24 +306,6 @@ class GpuTelemetry:
             except Exception:
                 self.stats.errors += 1
                 logger.exception("GPU telemetry worker step failed")
-
-    def _flush_due(self) -> bool:
-        """A forced CUPTI flush at most every ``settle_s``, once a step is due to settle.
-
-        Measured on the H200: CUPTI delivers kernel records with its periodic flush but
-        the API / external-correlation records of the launching thread only when their
-        buffer fills or on a forced flush, so without this the kernels of a finished step
-        could not be joined to it in time."""
-        if not self._awaiting or self.tracer is None or not self.tracer.available:
-            return False
-        now = time.monotonic()
-        if now - self._last_forced_flush < self.config.settle_s:
-            return False
-        cutoff = time.time_ns() - int(self.config.settle_s * 1e9)
-        if min(step.end_ns for step in self._awaiting.values()) > cutoff:
-            return False
-        self._last_forced_flush = now
-        return True
 
     def _take_step(self, step: _Step) -> None:
         pending, step.pending = step.pending, None
