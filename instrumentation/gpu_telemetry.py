@@ -13,11 +13,13 @@ queue put. Everything else happens on one worker thread:
    per-(gpu, SM, kernel) exponential histograms, always on, with an exemplar per key
    pointing at the step span whose CTA on that SM was slowest in the export interval.
    Records come to the host only for steps whose kernel spans are emitted.
-2. CUPTI records arrive after the step (CUPTI's thread, a queue); the worker joins them to
-   steps by external id and, once a step has settled (``settle_s`` after its end), decides:
-   kernel spans are emitted for a sampled fraction of steps (``kernel_sample_ratio``) and
-   for every step slower than the P99 of the recent ``tail_window_steps`` (tail-biased:
-   the slow steps are the ones someone will ask about). Kernel spans are children of the
+2. The policy decides per step as soon as the worker takes it (its wall duration is known
+   then): kernel spans for a sampled fraction of steps (``kernel_sample_ratio``) and for
+   every step slower than the P99 of the recent ``tail_window_steps`` (tail-biased: the
+   slow steps are the ones someone will ask about). CUPTI records arrive later (CUPTI's
+   thread, a queue); the worker joins them to the traced steps by external id and emits
+   the spans once a step's records went quiet (``settle_s``) or ``max_wait_s`` passed;
+   untraced steps' kernels are only counted. Kernel spans are children of the
    step span, timestamped with the GPU's start/end, with grid, block, registers, shared
    memory, stream, device, and for probed kernels SMs used, waves, slowest SM, CTAs and
    CTA-duration spread.
@@ -59,7 +61,8 @@ class GpuTelemetryConfig:
     tail_quantile: float = 0.99         # steps slower than this quantile are always traced
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
-    settle_s: float = 1.0               # wait after a step for its CUPTI records
+    settle_s: float = 1.0               # quiet time after a traced step's last CUPTI record
+    max_wait_s: float = 10.0            # give up waiting for a traced step's records
     cupti: bool = True                  # kernel spans (CUPTI)
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
@@ -79,6 +82,8 @@ class GpuTelemetryConfig:
                              f"[1, tail_window_steps={self.tail_window_steps}]")
         if not 0.0 <= self.settle_s <= 60.0:
             raise ValueError(f"settle_s={self.settle_s} not in [0, 60]")
+        if not self.settle_s <= self.max_wait_s <= 600.0:
+            raise ValueError(f"max_wait_s={self.max_wait_s} not in [settle_s={self.settle_s}, 600]")
         if not 1 <= self.probe_capacity_ctas <= 1 << 26:
             raise ValueError(f"probe_capacity_ctas={self.probe_capacity_ctas} not in [1, 2**26]")
         if not 0.01 <= self.export_interval_s <= 3600:
@@ -122,6 +127,7 @@ class GpuTelemetryStats:
     kernel_spans: int = 0
     kernels_seen: int = 0
     kernels_unmatched: int = 0      # CUPTI kernels with no known step (outside steps, late)
+    kernels_skipped: int = 0        # kernels of steps the policy did not trace
     ctas_probed: int = 0            # grid CTAs of probed launches (idle ones included)
     probe_launches_dropped: int = 0
     metric_exports: int = 0
@@ -142,6 +148,8 @@ class _Step:
     end_ns: int
     pending: object | None                     # PendingCtas
     ctas: object | None = None                 # PendingCtas; to the host only if traced
+    reason: str = ""                           # "sampled" | "tail" | "" (decided on arrival)
+    last_match_ns: int = 0                     # wall time a kernel was last joined to it
     kernels: list[KernelRecord] = field(default_factory=list)
 
 
@@ -181,7 +189,9 @@ class GpuTelemetry:
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
         self._next_ext = 1
         self._open: int | None = None
-        self._awaiting: dict[int, _Step] = {}
+        self._awaiting: dict[int, _Step] = {}     # traced steps waiting for CUPTI records
+        self._skipped: deque[int] = deque()        # recent untraced steps' external ids
+        self._skipped_set: set[int] = set()
         self._interval_start_ns = time.time_ns()
         self._last_export = time.monotonic()
         self._stop = threading.Event()
@@ -321,30 +331,49 @@ class GpuTelemetry:
             step.ctas = pending
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
-        self._awaiting[step.ext_id] = step
+        # The step's duration is known now, so the policy decides before its CUPTI records
+        # arrive: untraced steps are not kept, their kernels are only counted.
+        step.reason = self.policy.decide((step.end_ns - step.start_ns) * 1e-9)
+        if step.reason and self.tracer is not None and self.tracer.available:
+            self._awaiting[step.ext_id] = step
+        else:
+            self._skipped.append(step.ext_id)
+            self._skipped_set.add(step.ext_id)
+            while len(self._skipped) > 4 * self.config.max_pending_steps:
+                self._skipped_set.discard(self._skipped.popleft())
 
     def _match(self, flush: bool) -> None:
         if self.tracer is None or not self.tracer.available:
             return
         batch = self.tracer.drain(flush=flush)
+        now = time.time_ns()
         for k in batch.kernels:
             self.stats.kernels_seen += 1
             step = self._awaiting.get(k.external_id) if k.external_id is not None else None
-            if step is None:
-                self.stats.kernels_unmatched += 1
-            else:
+            if step is not None:
                 step.kernels.append(k)
+                step.last_match_ns = now
+            elif k.external_id in self._skipped_set:
+                self.stats.kernels_skipped += 1
+            else:
+                self.stats.kernels_unmatched += 1
 
     def _settle(self, force: bool) -> None:
+        """Emits a traced step's kernel spans once its records went quiet for ``settle_s``
+        (CUPTI may deliver them in several buffers, seconds late), or at ``max_wait_s``."""
         if not self._awaiting:
             return
-        cutoff = time.time_ns() - int(self.config.settle_s * 1e9)
+        now = time.time_ns()
+        quiet, limit = int(self.config.settle_s * 1e9), int(self.config.max_wait_s * 1e9)
         for ext in sorted(self._awaiting):
             step = self._awaiting[ext]
-            if not force and step.end_ns > cutoff:
-                break
+            waited = now - step.end_ns
+            ready = force or waited >= limit or (
+                step.kernels and waited >= quiet and now - step.last_match_ns >= quiet)
+            if not ready:
+                continue
             del self._awaiting[ext]
-            reason = self.policy.decide((step.end_ns - step.start_ns) * 1e-9)
+            reason = step.reason
             if reason and step.kernels:
                 if reason == "tail":
                     self.stats.steps_traced_tail += 1

@@ -138,3 +138,116 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     assert all(p.exemplars and p.exemplars[0].span_id in step_ids for p in points)
     gpu.shutdown()
     tel.shutdown()
+
+
+class _FeedTracer:
+    """Feeds prepared CUPTI batches to GpuTelemetry's worker (CUPTI cannot run on the CPU;
+    this checks the join / settle / span logic, the GPU tests check CUPTI itself)."""
+
+    available = True
+    unavailable_reason = ""
+
+    def __init__(self) -> None:
+        import queue
+        self.batches: queue.Queue = queue.Queue()
+        self.pushed: list[int] = []
+
+    def push(self, ext: int) -> None:
+        self.pushed.append(ext)
+
+    def pop(self) -> None:
+        pass
+
+    def drain(self, flush: bool = False):
+        import queue
+
+        from sightline.instrumentation.cupti_tracer import TraceBatch
+        try:
+            return self.batches.get_nowait()
+        except queue.Empty:
+            return TraceBatch([], [], 0, 0)
+
+    def stop(self) -> None:
+        pass
+
+
+def _kernel(name, ext, start, corr):
+    from sightline.instrumentation.cupti_tracer import KernelRecord
+    return KernelRecord(name, start, start + 1000, (4, 2, 1), (128, 1, 1), 90, 1024, 2048, 7, 0,
+                        corr, ext)
+
+
+def _gpu_with_feed(ratio: float, **cfg):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+    spans = InMemorySpanExporter()
+    tel = Telemetry.start(TelemetryConfig(level="kernels", exporter="none", schedule_delay_s=0.05),
+                          span_exporters=[spans])
+    gpu = GpuTelemetry(tel, 0, GpuTelemetryConfig(cupti=False, probe=False, seed=1,
+                                                  kernel_sample_ratio=ratio, **cfg),
+                       metric_exporters=[])
+    feed = gpu.tracer = _FeedTracer()
+    return tel, gpu, feed, spans
+
+
+def _wait(cond, timeout_s=5.0):
+    import time
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.01)
+    return cond()
+
+
+def test_kernels_join_their_steps_even_when_records_come_late():
+    import time
+
+    from sightline.instrumentation import semconv
+    from sightline.instrumentation.cupti_tracer import TraceBatch
+    tel, gpu, feed, spans = _gpu_with_feed(1.0, settle_s=1.0, max_wait_s=3.0)
+    steps = []
+    for i in range(3):
+        st = tel.start_step(i, requests=[])
+        gpu.begin_step(st)
+        st.end()
+        gpu.end_step(st)
+        steps.append(st)
+    assert feed.pushed == [1, 2, 3]
+    t0 = time.time_ns()
+    feed.batches.put(TraceBatch([_kernel("a", 1, t0, 10), _kernel("b", 1, t0 + 2000, 11),
+                                 _kernel("c", 2, t0 + 4000, 12), _kernel("x", 99, t0, 13),
+                                 _kernel("y", None, t0, 14)], [], 0, 0))
+    time.sleep(0.1)                     # step 2's second kernel arrives in a later buffer
+    feed.batches.put(TraceBatch([_kernel("d", 2, t0 + 6000, 15)], [], 0, 0))
+    assert _wait(lambda: gpu.stats.kernel_spans == 4 and not gpu._awaiting, timeout_s=10.0)
+    tel.force_flush()
+    kernel_spans = sorted((s for s in spans.get_finished_spans()
+                           if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)),
+                          key=lambda s: s.attributes[semconv.CUDA_CORRELATION_ID])
+    assert [s.name for s in kernel_spans] == ["kernel a", "kernel b", "kernel c", "kernel d"]
+    parents = [s.parent.span_id for s in kernel_spans]
+    assert parents == [steps[0].span_context.span_id] * 2 + [steps[1].span_context.span_id] * 2
+    a = kernel_spans[0]
+    assert (a.start_time, a.end_time) == (t0, t0 + 1000)
+    assert a.attributes[semconv.CUDA_GRID] == "4,2,1"
+    assert a.attributes[semconv.CUDA_SHARED_MEMORY_BYTES] == 3072
+    assert a.attributes[semconv.STEP_TRACE_REASON] == "sampled"
+    assert gpu.stats.kernels_unmatched == 2 and gpu.stats.steps_traced_sampled == 2
+    gpu.shutdown()
+    tel.shutdown()
+
+
+def test_untraced_steps_keep_nothing_and_count_their_kernels():
+    from sightline.instrumentation.cupti_tracer import TraceBatch
+    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=0.1)
+    st = tel.start_step(0, requests=[])
+    gpu.begin_step(st)
+    st.end()
+    gpu.end_step(st)
+    assert _wait(lambda: 1 in gpu._skipped_set)
+    feed.batches.put(TraceBatch([_kernel("a", 1, 5, 1), _kernel("b", 1, 9, 2)], [], 0, 0))
+    assert _wait(lambda: gpu.stats.kernels_skipped == 2)
+    assert gpu.stats.kernel_spans == 0 and not gpu._awaiting
+    gpu.shutdown()
+    tel.shutdown()
