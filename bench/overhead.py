@@ -10,12 +10,15 @@
 tokens (ignore_eos), offline (no HTTP) — under each configuration, interleaved within each
 repeat so drift hits all alike:
 
-* ``off``            tracing off (the branch only)
-* ``requests+steps`` request and step spans (level ``steps``)
-* ``+kernel spans``  level ``kernels``: CUPTI on, kernel spans for sampled + tail steps,
-                     SM probe off
-* ``+sm probe``      the same with the per-CTA SM probe in the attention kernels (per-SM
-                     histograms reduced on the worker thread)
+* ``off``                         tracing off (the branch only)
+* ``requests+steps``              request and step spans (level ``steps``)
+* ``+sm probe only``              level ``kernels`` machinery with CUPTI paused: the per-CTA
+                                  SM probe and its on-GPU histograms
+* ``+cupti kernel records only``  CUPTI kernel records without API/correlation records
+                                  (no step join): the cost of recording kernels
+* ``+kernel spans``               CUPTI with launch-API and correlation records, kernel
+                                  spans for sampled + tail steps, probe off
+* ``+kernel spans +sm probe``     everything
 
 Spans go to an exporter that discards them (the cost measured is the instrumentation's,
 not the network's). Output tokens/s is the median over repeats; ratios are against
