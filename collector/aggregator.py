@@ -39,19 +39,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
-from sightline.collector.trace_store import (REQUEST_SPAN_NAMES, TraceStore, TraceStoreConfig,
-                                             any_value)
-from sightline.collector.windows import (Exemplar, SlidingHistogram, WindowConfig, merge_all,
-                                         subtract_cumulative)
+from sightline.collector.trace_store import REQUEST_SPAN_NAMES, TraceStore, any_value
+from sightline.collector.windows import Exemplar, SlidingHistogram, merge_all, subtract_cumulative
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
-__all__ = ["AggregationConfig", "Aggregator", "ExpositionSnapshot", "SmKey"]
+__all__ = ["AggregationConfig", "Aggregator", "ExpositionSnapshot", "SmKey", "WindowConfig"]
 
 log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
@@ -65,32 +64,6 @@ _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
 _exemplar = functools.partial(tuple.__new__, Exemplar)
 # finish_reason values the counter keeps; anything else is "other" (bounded cardinality)
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "unknown", "tool_calls", "content_filter"})
-
-
-@dataclass(frozen=True)
-class AggregationConfig:
-    """Limits and windows of the aggregator; every bound is checked on construction."""
-
-    window: WindowConfig = field(default_factory=WindowConfig)
-    gauge_window_s: float = 60.0
-    max_sm_series: int = 8_192
-    max_kernel_series: int = 1_024
-    max_request_series: int = 512
-    max_step_series: int = 16
-    store_traces: bool = True
-    # 19 exposition lines per (gpu, SM, kernel): ~80k lines for 8 GPUs x 132 SMs x 4
-    # kernels (a ~3 s scrape). Off leaves the P99 gauges and hotspot ratios.
-    expose_sm_histograms: bool = True
-    trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.gauge_window_s <= self.window.horizon_s:
-            raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
-                             f"(0, {self.window.horizon_s}] (the window horizon)")
-        for name in ("max_sm_series", "max_kernel_series", "max_request_series", "max_step_series"):
-            value = getattr(self, name)
-            if not 1 <= value <= 1_000_000:
-                raise ValueError(f"{name}={value} is outside [1, 1000000]")
 
 
 class _SmSeries:

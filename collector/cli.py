@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from dataclasses import fields
 from pathlib import Path
 
+from sightline.collector.aggregation_config import (AggregationConfig, TraceStoreConfig,  # stdlib-only
+                                                    WindowConfig)
 from sightline.collector.config import CollectorConfig  # stdlib-only module
 
-__all__ = ["register"]
+__all__ = ["aggregation_config", "register"]
 
 _D = {f.name: f.default for f in fields(CollectorConfig)}
+_W, _A, _T = WindowConfig(), AggregationConfig(), TraceStoreConfig()
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -60,6 +64,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add("--sink", choices=("aggregator", "discard"), default="aggregator",
         help="'discard' skips aggregation (ingest benchmarks only)")
     add("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    _add_aggregation_flags(run)
     run.set_defaults(handler=_run)
 
     from sightline.collector import query_cli  # heatmap, explain, replay (stdlib-only module level)
@@ -67,10 +72,69 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     query_cli.register(subcommands)
 
 
+def _add_aggregation_flags(run: argparse.ArgumentParser) -> None:
+    group = run.add_argument_group(
+        "aggregation", "windows, cardinality limits and the trace store; each value is checked on start "
+                       "and an out-of-range one is refused with the allowed range (exit status 2)")
+    add = group.add_argument
+    add("--window-slot-s", type=float, default=_W.slot_s, metavar="SECONDS",
+        help="length of one window slot: the time resolution of heatmaps and quantiles (default %(default)s)")
+    add("--window-slots", type=int, default=_W.num_slots, metavar="N",
+        help="slots kept per series; slots x slot length is the horizon, older data is refused (default %(default)s)")
+    add("--gauge-window-s", type=float, default=_A.gauge_window_s, metavar="SECONDS",
+        help="window of the per-SM P99 gauges and hotspot ratios, at most the horizon (default %(default)s)")
+    add("--max-sm-series", type=int, default=_A.max_sm_series, metavar="N",
+        help="(gpu, SM, kernel) series; more fold into one overflow series, counted (default %(default)s)")
+    add("--max-kernel-series", type=int, default=_A.max_kernel_series, metavar="N",
+        help="(gpu, kernel) series from kernel spans (default %(default)s)")
+    add("--max-request-series", type=int, default=_A.max_request_series, metavar="N",
+        help="(model, priority) series from request spans (default %(default)s)")
+    add("--max-step-series", type=int, default=_A.max_step_series, metavar="N",
+        help="step-phase series from engine.step spans (default %(default)s)")
+    add("--expose-sm-histograms", action=argparse.BooleanOptionalAction, default=_A.expose_sm_histograms,
+        help="per-SM CTA histograms on /metrics (19 lines per GPU x SM x kernel); off keeps the P99 "
+             "gauges and hotspot ratios (default on)")
+    add("--trace-store", choices=("deferred", "eager", "off"), default="deferred" if _T.defer_index else "eager",
+        help="recent-trace store behind explain and /api/v1/traces: indexed on the first query (deferred, "
+             "cheapest ingest), as spans arrive (eager), or none (default %(default)s)")
+    add("--trace-store-max-traces", type=int, default=_T.max_traces, metavar="N",
+        help="traces kept, oldest evicted first (default %(default)s)")
+    add("--trace-store-max-spans", type=int, default=_T.max_spans, metavar="N",
+        help="spans kept in all (default %(default)s)")
+    add("--trace-store-max-bytes", type=int, default=_T.max_bytes, metavar="BYTES",
+        help="encoded bytes kept in all (default %(default)s)")
+
+
+def aggregation_config(args: argparse.Namespace) -> AggregationConfig:
+    """The ``AggregationConfig`` the aggregation flags describe (ValueError names a bad one)."""
+    return AggregationConfig(
+        window=WindowConfig(slot_s=args.window_slot_s, num_slots=args.window_slots),
+        gauge_window_s=args.gauge_window_s,
+        max_sm_series=args.max_sm_series,
+        max_kernel_series=args.max_kernel_series,
+        max_request_series=args.max_request_series,
+        max_step_series=args.max_step_series,
+        store_traces=args.trace_store != "off",
+        expose_sm_histograms=args.expose_sm_histograms,
+        trace_store=TraceStoreConfig(max_traces=args.trace_store_max_traces, max_spans=args.trace_store_max_spans,
+                                     max_bytes=args.trace_store_max_bytes,
+                                     defer_index=args.trace_store != "eager"),
+    )
+
+
 def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config, aggregation = _collector_config(args), aggregation_config(args)
+    except ValueError as error:  # a bad flag value: say which, like argparse does
+        print(f"sightline collector run: error: {error}", file=sys.stderr)
+        return 2
     from sightline.collector.app import run
-    config = CollectorConfig(
+    return run(config, aggregation)
+
+
+def _collector_config(args: argparse.Namespace) -> CollectorConfig:
+    return CollectorConfig(
         otlp_grpc_address=args.otlp_grpc,
         otlp_http_address=args.otlp_http,
         zipkin_address=args.zipkin,
@@ -91,4 +155,3 @@ def _run(args: argparse.Namespace) -> int:
         summary_file=args.summary_file,
         sink=args.sink,
     )
-    return run(config)

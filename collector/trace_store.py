@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from sightline.collector.aggregation_config import TraceStoreConfig
 from sightline.instrumentation import semconv
 
 __all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig", "any_value", "REQUEST_SPAN_NAMES"]
@@ -43,31 +44,6 @@ __all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig"
 # Zipkin-born spans often arrive lower-cased, so both spellings name a request root.
 REQUEST_SPAN_NAMES = frozenset(n for name in (semconv.SPAN_HTTP_COMPLETIONS, semconv.SPAN_HTTP_CHAT_COMPLETIONS)
                                for n in (name, name.lower()))
-
-
-@dataclass(frozen=True)
-class TraceStoreConfig:
-    max_traces: int = 20_000
-    max_spans_per_trace: int = 4_096
-    max_spans: int = 200_000
-    max_bytes: int = 48 * 1024 * 1024  # encoded size of the export requests held
-    # True: queue each request as it arrived (its encoding), index on the first query
-    # (ingest O(1) per request). False: index each request as it arrives (several µs per
-    # span on the ingest path: more than all of the aggregation).
-    defer_index: bool = True
-    index_chunk_spans: int = 20_000  # spans indexed per lock hold while catching up
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_traces <= 10_000_000:
-            raise ValueError(f"max_traces={self.max_traces} is outside [1, 10000000]")
-        if not 1 <= self.max_spans_per_trace <= 1_000_000:
-            raise ValueError(f"max_spans_per_trace={self.max_spans_per_trace} is outside [1, 1000000]")
-        if not 1 <= self.max_spans <= 100_000_000:
-            raise ValueError(f"max_spans={self.max_spans} is outside [1, 100000000]")
-        if not 1024 <= self.max_bytes <= 1 << 40:
-            raise ValueError(f"max_bytes={self.max_bytes} is outside [1024, 2**40]")
-        if not 1 <= self.index_chunk_spans <= 10_000_000:
-            raise ValueError(f"index_chunk_spans={self.index_chunk_spans} is outside [1, 10000000]")
 
 
 def any_value(value) -> Any:

@@ -29,48 +29,14 @@ is one numpy merge. Not thread-safe by itself: the aggregator holds one lock aro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
+from sightline.collector.aggregation_config import WindowConfig
 from sightline.instrumentation.exphist import ExpHistogram
 
 __all__ = ["Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
-
-
-@dataclass(frozen=True)
-class WindowConfig:
-    """Shape of every sliding window: ``num_slots`` slots of ``slot_s`` seconds."""
-
-    slot_s: float = 10.0
-    num_slots: int = 18
-    max_buckets: int = 1024
-    initial_scale: int = 6
-    flush_every: int = 256
-
-    def __post_init__(self) -> None:
-        if not 0.01 <= self.slot_s <= 3600.0:
-            raise ValueError(f"slot_s={self.slot_s} is outside [0.01, 3600]")
-        if not 1 <= self.num_slots <= 1440:
-            raise ValueError(f"num_slots={self.num_slots} is outside [1, 1440]")
-        if not 32 <= self.max_buckets <= 8192:
-            raise ValueError(f"max_buckets={self.max_buckets} is outside [32, 8192]")
-        if not 0 <= self.initial_scale <= 20:
-            raise ValueError(f"initial_scale={self.initial_scale} is outside [0, 20]")
-        if not 1 <= self.flush_every <= 65536:
-            raise ValueError(f"flush_every={self.flush_every} is outside [1, 65536]")
-
-    def new_histogram(self) -> ExpHistogram:
-        return ExpHistogram(scale=self.initial_scale, max_buckets=self.max_buckets)
-
-    @property
-    def horizon_s(self) -> float:
-        return self.slot_s * self.num_slots
-
-    def epoch(self, t_s: float) -> int:
-        """The slot number (since the Unix epoch) holding time ``t_s``."""
-        return int(math.floor(t_s / self.slot_s))
 
 
 class Exemplar(NamedTuple):

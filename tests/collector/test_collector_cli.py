@@ -1,0 +1,101 @@
+"""``sightline collector run``'s aggregation flags: parsed into the exact config, bad
+values refused naming the allowed range, and the settings in force in a real process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from sightline.collector.aggregation_config import AggregationConfig, TraceStoreConfig, WindowConfig
+from sightline.collector.cli import aggregation_config
+from sightline.deploy.cli import build_parser, main
+from sightline.instrumentation import semconv as sc
+from tests.collector.test_aggregator import otlp_cta_point, otlp_metrics
+from tests.collector.test_receivers import scrape
+from tests.support import free_port, wait_for_http
+
+
+def _args(*flags: str):
+    return build_parser().parse_args(["collector", "run", *flags])
+
+
+def test_defaults_are_the_dataclass_defaults():
+    assert aggregation_config(_args()) == AggregationConfig()
+
+
+def test_flags_map_onto_the_config():
+    got = aggregation_config(_args(
+        "--window-slot-s", "2.5", "--window-slots", "40", "--gauge-window-s", "30",
+        "--max-sm-series", "100", "--max-kernel-series", "7", "--max-request-series", "8",
+        "--max-step-series", "3", "--no-expose-sm-histograms", "--trace-store", "eager",
+        "--trace-store-max-traces", "50", "--trace-store-max-spans", "500", "--trace-store-max-bytes", "65536"))
+    assert got == AggregationConfig(
+        window=WindowConfig(slot_s=2.5, num_slots=40), gauge_window_s=30.0, max_sm_series=100,
+        max_kernel_series=7, max_request_series=8, max_step_series=3, expose_sm_histograms=False,
+        trace_store=TraceStoreConfig(max_traces=50, max_spans=500, max_bytes=65536, defer_index=False))
+    assert aggregation_config(_args("--trace-store", "off")).store_traces is False
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--window-slots", "0"), "num_slots=0 is outside [1, 1440]"),
+    (("--window-slot-s", "0.001"), "slot_s=0.001 is outside [0.01, 3600]"),
+    (("--gauge-window-s", "500"), "gauge_window_s=500.0 is outside (0, 180.0]"),
+    (("--window-slot-s", "1", "--window-slots", "30", "--gauge-window-s", "31"), "gauge_window_s=31.0 is outside (0, 30.0]"),
+    (("--max-sm-series", "0"), "max_sm_series=0 is outside [1, 1000000]"),
+    (("--max-request-series", "2000000"), "max_request_series=2000000 is outside [1, 1000000]"),
+    (("--trace-store-max-bytes", "10"), "max_bytes=10 is outside [1024, 2**40]"),
+])
+def test_out_of_range_values_are_refused_by_name(flags, message, capsys):
+    assert main(["collector", "run", "--http", f"127.0.0.1:{free_port()}", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_untyped_values_are_argparse_errors(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["collector", "run", "--window-slots", "many"])
+    assert exit_.value.code == 2 and "invalid int value: 'many'" in capsys.readouterr().err
+
+
+def test_settings_in_force_in_a_running_collector(tmp_path):
+    """2 SM series at most, no per-SM histogram lines: 3 SMs sent -> 2 gauges + overflow."""
+    ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
+    env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
+         "--otlp-grpc", f"127.0.0.1:{ports['grpc']}", "--otlp-http", f"127.0.0.1:{ports['http']}",
+         "--zipkin", f"127.0.0.1:{ports['zipkin']}", "--http", f"127.0.0.1:{ports['query']}",
+         "--log-level", "WARNING", "--max-sm-series", "2", "--no-expose-sm-histograms",
+         "--window-slot-s", "1", "--window-slots", "30", "--gauge-window-s", "30"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_for_http(f"http://127.0.0.1:{ports['query']}/readyz", 30, process)
+        now = time.time()
+        body = otlp_metrics([otlp_cta_point(0, sm, "attn", [1e-5 * (sm + 1)] * 10, now) for sm in range(3)])
+        request = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/metrics", data=body.SerializeToString(),
+                                         headers={"Content-Type": "application/x-protobuf"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.status == 200
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = scrape(f"http://127.0.0.1:{ports['query']}/metrics")
+            p99 = {dict(labels)["sm"]: v for (name, labels), v in metrics.items()
+                   if name == sc.COLLECTOR_SM_CTA_P99_SECONDS}
+            if len(p99) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert set(p99) == {"0", "1", sc.OVERFLOW_LABEL_VALUE}
+        assert metrics[(sc.COLLECTOR_SERIES_OVERFLOW_TOTAL + "_total", (("family", "sm_cta"),))] == 1
+        assert not any(name.startswith(sc.COLLECTOR_SM_CTA_DURATION_SECONDS) for name, _ in metrics)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
