@@ -86,7 +86,7 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     from opentelemetry.sdk.metrics.export import MetricExportResult
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from sightline.engine.kernels.attention import paged_decode_attention, prefill_attention
+    from sightline.engine.kernels.attention import prefill_attention
     from sightline.instrumentation import semconv
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.tracing import Telemetry
