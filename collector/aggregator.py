@@ -139,6 +139,8 @@ def _label(value) -> str:
 _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
                            sc.REQUEST_TTFT_S, sc.REQUEST_TPOT_S, sc.REQUEST_QUEUE_S, sc.REQUEST_E2E_S,
                            sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
+_MODEL, _RESPONSE_MODEL, _PRIORITY = sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY
+_PREFILL_TOKENS, _DECODE_TOKENS = sc.STEP_PREFILL_TOKENS, sc.STEP_DECODE_TOKENS
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
 
 
@@ -366,13 +368,16 @@ class Aggregator:
 
     def _on_request(self, span, now: float) -> None:
         got: dict[str, object] = {}
-        for kv in span.attributes:
-            if kv.key in _REQUEST_KEYS:
-                got[kv.key] = kv.value
-        model = _label(got[sc.GEN_AI_REQUEST_MODEL]) if sc.GEN_AI_REQUEST_MODEL in got else (
-            _label(got[sc.GEN_AI_RESPONSE_MODEL]) if sc.GEN_AI_RESPONSE_MODEL in got else "unknown")
-        priority = _label(got[sc.REQUEST_PRIORITY]) if sc.REQUEST_PRIORITY in got else "unknown"
-        key = (model, priority)
+        for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
+            key = kv.key
+            if key in _REQUEST_KEYS:
+                got[key] = kv.value
+        value = got.get(_MODEL)
+        if value is None:
+            value = got.get(_RESPONSE_MODEL)
+        model = _label(value) if value is not None else "unknown"
+        value = got.get(_PRIORITY)
+        key = (model, _label(value) if value is not None else "unknown")
         series = self._requests.get(key)
         if series is None:
             if len(self._requests) >= self.config.max_request_series:
@@ -415,11 +420,11 @@ class Aggregator:
         prefill = decode = None
         for kv in span.attributes:
             key = kv.key
-            if key == sc.STEP_PREFILL_TOKENS:
+            if key == _PREFILL_TOKENS:
                 prefill = _num(kv.value) or 0.0
                 if decode is not None:
                     break
-            elif key == sc.STEP_DECODE_TOKENS:
+            elif key == _DECODE_TOKENS:
                 decode = _num(kv.value) or 0.0
                 if prefill is not None:
                     break
