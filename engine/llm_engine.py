@@ -139,6 +139,7 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(KVCacheConfig(config.block_size, self.runner.num_blocks))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.metrics = EngineMetrics(self.model_name)
+        self._watch_gpu_health()
         self._lock = threading.Lock()  # guards the scheduler and the inboxes
         self._wake = threading.Condition(self._lock)
         self._aborts: list[str] = []
@@ -149,6 +150,18 @@ class LLMEngine:
         self._next_id = 0
         self._last_plan_nonempty = False
         self.last_step: StepStats | None = None
+
+    def _watch_gpu_health(self) -> None:
+        """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever
+        the trace level: a leak must raise an alert even with tracing off."""
+        if self.runner.device.type != "cuda":
+            return
+        try:
+            reason = self.metrics.watch_gpu(self.runner.device.index or 0)
+        except Exception as exc:  # NVML trouble never stops the engine
+            reason = str(exc)
+        if reason:
+            log.warning("GPU memory/context metrics unavailable: %s", reason)
 
     def _gpu_telemetry(self):
         """Kernel tracing (E3's GpuTelemetry) only at level kernels on CUDA; None otherwise."""

@@ -80,6 +80,17 @@ class EngineMetrics:
             child = self._errors[code] = self.request_errors.labels(self.model, str(code))
         child.inc()
 
+    def watch_gpu(self, device_index: int) -> str | None:
+        """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this
+        registry, read at scrape time. Returns why they are unavailable, or None."""
+        from sightline.instrumentation.nvml import NvmlCollector
+
+        collector = NvmlCollector([device_index])
+        if not collector.available:
+            return collector.unavailable_reason
+        self.registry.register(collector)
+        return None
+
     def exposition(self, extra: Iterable[CollectorRegistry | None] = ()) -> bytes:
         """The registry in Prometheus text format, followed by ``extra`` registries (e.g. the
         tracer's ``sightline_telemetry_*`` counters)."""
