@@ -1,11 +1,13 @@
 """A bounded store of recent traces, indexed for request roots, steps and span links.
 
-``add_request`` takes a parsed export request and indexes it (trace id -> spans, request
-roots, steps, links), keeping each span as its own protobuf encoding (decoded again only
-for the spans a query returns). With ``defer_index`` it only encodes the request (one C
-call) and queues it; the index is built from the queue when a query first needs it
+``add_request`` takes a parsed export request. With ``defer_index`` (the default) it
+queues the request's encoding — the bytes it was received as when the caller passes
+them, else one ``SerializeToString`` — and the index (trace id -> spans, request roots,
+steps, links) is built from the queue when a query first needs it
 (:meth:`TraceStore.read`), a bounded chunk at a time so a long backlog never holds the
-lock for long.
+lock for long. Without it, each request is indexed as it arrives. Either way each kept
+span is held as its own protobuf encoding, decoded again only for the spans a query
+returns.
 
 Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one
 trace, ``max_spans`` indexed spans and ``max_bytes`` encoded bytes (queued requests plus
@@ -20,9 +22,10 @@ store keeps ``linked[trace] -> traces`` in both directions from whichever side a
 A link to a trace that was evicted (or never arrived) is simply not returned.
 
 Thread-safety: one lock of its own (ingest never waits for the aggregator's). Cost per
-span: one ``SerializeToString``, a small object and a few dict operations, paid on the
-ingest path by default, on the query path with ``defer_index`` (ingest then costs one
-``SerializeToString`` of the whole request).
+span: one ``SerializeToString``, a small object and a few dict operations (~5 µs), paid
+on the query path with ``defer_index`` (ingest then costs a deque append, or one
+``SerializeToString`` of the whole request when no encoding comes with it), on the
+ingest path without.
 """
 
 from __future__ import annotations
