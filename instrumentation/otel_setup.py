@@ -146,6 +146,12 @@ class TelemetryCounters(Collector):
             "Spans lost inside the engine: queue full, export failed, or after shutdown.",
             labels=[semconv.LABEL_REASON],
         )
+        # The known reasons and signals are present at 0 from the start, so that rate() and
+        # increase() (alerts, dashboards) see the first loss instead of a new series.
+        for reason in (DROP_QUEUE_FULL, DROP_EXPORT_FAILED, DROP_SHUTDOWN, DROP_SHUTDOWN_TIMEOUT):
+            dropped.setdefault(reason, 0)
+        for signal in ("traces", "metrics"):
+            failures.setdefault(signal, 0)
         for reason, count in sorted(dropped.items()):
             fam_dropped.add_metric([reason], count)
         fam_failures = CounterMetricFamily(

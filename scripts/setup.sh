@@ -39,13 +39,13 @@ want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
     exit 0
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -qq --disable-pip-version-check --upgrade pip
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     # No CUDA here: the CPU build of torch, not a multi-GB CUDA one.
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0"
+    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check "torch==2.13.0"
 fi
 extras="engine,dashboards,test"
 command -v nvidia-smi >/dev/null 2>&1 && extras="$extras,gpu"
-"$VENV/bin/python" -m pip install -q -e ".[$extras]"
+"$VENV/bin/python" -m pip install -qq --disable-pip-version-check -e ".[$extras]"
 echo "$want" > "$STAMP"
 echo "setup: done ($VENV)"
