@@ -123,6 +123,17 @@ def make_payloads(n_requests: int, spans_per_request: int) -> list[bytes]:
     return payloads
 
 
+def make_engine_mix_payloads(n_payloads: int) -> tuple[list[bytes], int]:
+    """``sketch_accuracy``'s engine-like exports (28 requests each: 520 spans), distinct ids."""
+    sys.path.insert(0, str(ROOT))
+    from bench.sketch_accuracy import _span_mix
+
+    requests = [_span_mix(28, seed=100 + i) for i in range(n_payloads)]
+    counts = {len(r.resource_spans[0].scope_spans[0].spans) for r in requests}
+    assert len(counts) == 1, counts
+    return [r.SerializeToString() for r in requests], counts.pop()
+
+
 class Server:
     """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
 
@@ -284,6 +295,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="sightline-e2e,rotel-blackhole,sightline-ingest,sightline-e2e-eager")
     parser.add_argument("--spans-per-request", type=int, default=512, help="the OTel SDK's default batch")
+    parser.add_argument("--mix", choices=("simple", "engine"), default="simple",
+                        help="simple: 6 span names cycling, 6 attributes each; engine: bench/sketch_accuracy.py's "
+                             "engine-like export (request trees, linked steps, 1 in 10 steps with 20 kernel spans "
+                             "of 12 attributes), 520 spans per request")
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)
@@ -291,7 +306,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "collector_ingest")
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
-    payloads = make_payloads(16, args.spans_per_request)
+    if args.mix == "engine":
+        payloads, args.spans_per_request = make_engine_mix_payloads(16)
+    else:
+        payloads = make_payloads(16, args.spans_per_request)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
     runs: list[RunResult] = []
@@ -327,7 +345,7 @@ def main(argv=None) -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
-        "method": {"spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
+        "method": {"mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
                    "connections": args.connections, "seconds": args.seconds, "warmup_s": args.warmup_s,
                    "repeats": args.repeats,
                    "spans_per_core": "spans acknowledged / server CPU seconds (user+system, all threads)"},
@@ -342,7 +360,7 @@ def main(argv=None) -> int:
         "",
         f"commit `{document['git_commit']}`, {document['date_utc']}, {os.cpu_count()} CPUs (shared), "
         f"Python {platform.python_version()}, protobuf {api_implementation.Type()}; "
-        f"{args.spans_per_request} spans/request ({len(payloads[0])} B), {args.connections} connections, "
+        f"{args.mix} mix, {args.spans_per_request} spans/request ({len(payloads[0])} B), {args.connections} connections, "
         f"{args.repeats} x {args.seconds:g} s per target, medians.",
         "",
         "| target | what runs | spans/s per core (median) | min .. max | acked spans/s wall | "
@@ -372,7 +390,8 @@ def main(argv=None) -> int:
         "(bounded: 48 MiB of encoded requests by default). The default trace store keeps each request's "
         "encoding and indexes it on the first query (explain, /api/v1/traces), so that cost is paid at "
         "query time, not here; `sightline-e2e-eager` pays it on ingest.",
-        "Command: `.venv/bin/python bench/collector_ingest.py`",
+        "Command: `.venv/bin/python bench/collector_ingest.py" + (
+            f" --mix {args.mix} --out bench/results/{args.out.name}`" if args.mix != "simple" else "`"),
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -37,6 +37,7 @@ import logging
 import math
 import threading
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -88,9 +89,15 @@ class _LatencySeries:
         self.window.record(value, t_s, exemplar)
 
     def record_span(self, value: float, t_s: float, trace_id: bytes, span_id: bytes, end_ns: int) -> None:
-        """``record`` with the exemplar built here (the span hot path: one tuple)."""
+        """``record`` with the exemplar built here: the span hot path (most spans of a busy
+        engine land here), so ``ClassicHistogram.record`` is inlined (one call less)."""
         exemplar = _exemplar((value, trace_id, span_id, end_ns))
-        self.classic.record(value, exemplar)
+        classic = self.classic
+        i = bisect_left(classic.bounds, value)  # Prometheus buckets are "<= le"
+        classic.counts[i] += 1
+        classic.sum += value
+        classic.count += 1
+        classic.exemplars[i] = exemplar
         self.window.record(value, t_s, exemplar)
 
 
@@ -469,7 +476,12 @@ class Aggregator:
     def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
         end_ns = span.end_time_unix_nano
         duration = max(0, end_ns - span.start_time_unix_nano) / 1e9
-        series.record_span(duration, self._time(end_ns, now), span.trace_id, span.span_id, end_ns)
+        t = end_ns / 1e9  # self._time inlined: most recorded spans pass here
+        if t > now or t <= 0:
+            t = now
+        if t > self.newest_data_s:
+            self.newest_data_s = t
+        series.record_span(duration, t, span.trace_id, span.span_id, end_ns)
 
     # -- per-SM metric points ---------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:

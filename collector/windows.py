@@ -122,10 +122,12 @@ class _Slot:
 class SlidingHistogram:
     """A ring of per-slot exponential histograms; see the module docstring."""
 
-    __slots__ = ("config", "_slots", "_pending", "_pending_epoch", "_pending_exemplar", "newest_epoch")
+    __slots__ = ("config", "_slots", "_pending", "_pending_epoch", "_pending_exemplar", "newest_epoch",
+                 "_slot_s", "_flush_every")
 
     def __init__(self, config: WindowConfig) -> None:
         self.config = config
+        self._slot_s, self._flush_every = config.slot_s, config.flush_every  # read on every record
         self._slots: list[_Slot | None] = [None] * config.num_slots
         self._pending: list[float] = []
         self._pending_epoch = -1
@@ -135,7 +137,7 @@ class SlidingHistogram:
     # -- writing --------------------------------------------------------------------
     def record(self, value: float, t_s: float, exemplar: Exemplar | None = None) -> bool:
         """Adds one value observed at ``t_s``; False (nothing kept) if it is too late."""
-        epoch = int(t_s // self.config.slot_s)
+        epoch = int(t_s // self._slot_s)
         if epoch != self._pending_epoch:
             if epoch <= self.newest_epoch - self.config.num_slots:
                 return False
@@ -143,11 +145,13 @@ class SlidingHistogram:
             self._pending_epoch = epoch
             if epoch > self.newest_epoch:
                 self.newest_epoch = epoch
-        self._pending.append(value)
-        if exemplar is not None and (self._pending_exemplar is None
-                                     or exemplar.value >= self._pending_exemplar.value):
-            self._pending_exemplar = exemplar
-        if len(self._pending) >= self.config.flush_every:
+        pending = self._pending
+        pending.append(value)
+        if exemplar is not None:
+            best = self._pending_exemplar
+            if best is None or exemplar[0] >= best[0]:  # [0]: the value (tuple index, no property)
+                self._pending_exemplar = exemplar
+        if len(pending) >= self._flush_every:
             self._flush()
         return True
 

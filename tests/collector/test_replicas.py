@@ -138,13 +138,16 @@ def test_three_replicas_routed_by_resource_equal_one(tmp_path):
 
         rng = np.random.default_rng(7)
         raw: dict[tuple[str, str, str], list[float]] = {}
-        endpoints = [str(http) for _, http, _ in replicas]
+        # Ring points from stable replica names (the exporter hashes its backends' hostnames),
+        # not from the free ports: the split is the same on every run (2 GPUs per replica).
+        port_of = {f"replica-{i}": http for i, (_, http, _) in enumerate(replicas)}
+        endpoints = list(port_of)
         routed_gpus: dict[str, set[str]] = {}
         for _ in range(ROUNDS):
             request = _export_round(rng, time.time(), raw)
             _post(single[1], request)
             for endpoint, part in route_by_resource(request, endpoints).items():
-                _post(int(endpoint), part)
+                _post(port_of[endpoint], part)
                 routed_gpus.setdefault(endpoint, set()).update(
                     kv.value.string_value for rm in part.resource_metrics for kv in rm.resource.attributes
                     if kv.key == "service.instance.id")
