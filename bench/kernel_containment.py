@@ -1,0 +1,42 @@
+"""Share of kernel spans lying inside their parent step span's time, from a capture.
+
+The contract: kernel spans (CUPTI, GPU timestamps) are children of their ``engine.step``
+span and lie inside its time in at least 99.9 % of cases.
+
+    python bench/kernel_containment.py deploy/captures/h200-20261130.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from sightline.instrumentation import semconv
+from sightline.instrumentation.capture import read_capture
+
+
+def containment(path: str) -> dict:
+    steps: dict[bytes, tuple[int, int]] = {}
+    children: list[tuple[bytes, int, int]] = []
+    for signal, _, request in read_capture(path):
+        if signal != "traces":
+            continue
+        for resource_spans in request.resource_spans:
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    if span.name == semconv.SPAN_ENGINE_STEP:
+                        steps[span.span_id] = (span.start_time_unix_nano, span.end_time_unix_nano)
+                    elif span.parent_span_id:
+                        children.append((span.parent_span_id, span.start_time_unix_nano,
+                                         span.end_time_unix_nano))
+    kernels = [(parent, start, end) for parent, start, end in children if parent in steps]
+    inside = sum(1 for parent, start, end in kernels
+                 if steps[parent][0] <= start and end <= steps[parent][1])
+    return {"capture": path, "steps": len(steps), "kernel_spans": len(kernels),
+            "inside_step": inside, "fraction_inside": inside / len(kernels) if kernels else None}
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("capture")
+    print(json.dumps(containment(parser.parse_args().capture), indent=1))
