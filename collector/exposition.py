@@ -198,12 +198,20 @@ class AggregatorCollector:
                 ratio = hotspot_ratio(list(per_sm.values()))
                 if not math.isnan(ratio):
                     hotspot.add_metric([gpu, name], ratio)
-            for family, n in snap.overflow.items():
+            # Present at 0 from the start, so that rate() and increase() (alerts, the
+            # pipeline dashboard) see the first overflow or refusal.
+            for family, n in sorted({**dict.fromkeys(OVERFLOW_FAMILIES, 0), **snap.overflow}.items()):
                 overflow.add_metric([family], n)
-            for reason, n in snap.dropped.items():
+            for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
         yield from fams.values()
         yield from (requests_total, kernel, step, sm_hist, sm_p99, hotspot, overflow, dropped)
+
+
+OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")
+DROP_REASONS = ("malformed_span", "malformed_point", "explicit_bucket_histogram",
+                "unsupported_metric_type", "missing_attributes", "bad_scale", "too_many_buckets",
+                "inconsistent_count", "out_of_range", "late")
 
 
 def hotspot_ratio(p99s: list[float]) -> float:
