@@ -45,7 +45,11 @@ from pathlib import Path
 
 import aiohttp
 
-ROOT = Path(__file__).resolve().parent.parent
+if __package__:  # imported as bench.<name>
+    from bench._meta import ROOT, git_commit, utc_now
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _meta import ROOT, git_commit, utc_now
+
 RESULTS = ROOT / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -261,17 +265,6 @@ def run_once(target: str, repeat: int, payloads: list[bytes], args, workdir: Pat
                      round(rss, 1), round(peak, 1))
 
 
-def _git_commit() -> str:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "collector", "bench/collector_ingest.py"],
-                               cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        return commit + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _in_process_parse_us(payload: bytes, repeats: int = 50) -> dict[str, float]:
     """Where the receiver's protobuf time goes, without HTTP: parse, and count."""
     from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -341,8 +334,8 @@ def main(argv=None) -> int:
 
     document = {
         "benchmark": "collector_ingest",
-        "git_commit": _git_commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": git_commit(dirty_paths=("collector", "bench/collector_ingest.py")),
+        "date_utc": utc_now(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
         "method": {"mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),

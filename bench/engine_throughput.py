@@ -25,7 +25,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -37,13 +36,10 @@ from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except Exception:
-        return "unknown"
+if __package__:  # imported as bench.<name>
+    from bench._meta import device_name, git_commit, utc_now
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _meta import device_name, git_commit, utc_now
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -124,14 +120,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{result['decode_tokens_per_s']} tok/s, decode step median "
               f"{result['decode_step_ms_median']} ms (p90 {result['decode_step_ms_p90']})", flush=True)
 
-    device_name = (torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda"
-                   else platform.processor() or platform.machine())
     report = {
         "benchmark": "engine_throughput",
-        "git_commit": _commit(),
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": git_commit(),
+        "date_utc": utc_now(),
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
-        "machine": {"device": str(runner.device), "device_name": device_name,
+        "machine": {"device": str(runner.device), "device_name": device_name(runner.device),
                     "cpus": os.cpu_count(), "torch": torch.__version__,
                     "torch_threads": torch.get_num_threads(), "python": platform.python_version()},
         "model": args.model,

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,18 +39,12 @@ from sightline.engine.kernels.reference import (paged_decode_attention_ref,
                                                  prefill_attention_ref)
 from sightline.instrumentation.sm_probe import SmProbe, launch_facts
 
+if __package__:  # imported as bench.<name>
+    from bench._meta import git_commit, utc_now
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _meta import git_commit, utc_now
+
 SCALE = 1.0 / math.sqrt(128)
-
-
-def _commit() -> str:
-    env = os.environ.get("SIGHTLINE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
 
 
 def _rel(o: torch.Tensor, r: torch.Tensor) -> float:
@@ -338,7 +330,7 @@ def main(argv=None) -> int:
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
         return 2
     props = torch.cuda.get_device_properties(0)
-    res = {"commit": _commit(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res = {"commit": git_commit(), "time_utc": utc_now(),
            "device": {"name": props.name, "sms": props.multi_processor_count,
                       "torch": torch.__version__, "triton": triton.__version__,
                       "python": platform.python_version()}}

@@ -37,28 +37,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-
-
-class DiscardExporter(SpanExporter):
-    def __init__(self) -> None:
-        self.spans = 0
-
-    def export(self, spans):
-        self.spans += len(spans)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self):
-        pass
+if __package__:  # imported as bench.<name>
+    from bench._discard import DiscardExporter
+    from bench._meta import device_name, git_commit, utc_now
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _discard import DiscardExporter
+    from _meta import device_name, git_commit, utc_now
 
 
 @dataclass
@@ -70,24 +60,6 @@ class RunResult:
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.wall_s
-
-
-def _commit() -> str:
-    env = os.environ.get("SIGHTLINE_COMMIT")
-    if env:
-        return env
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except Exception:
-        return "unknown"
-
-
-def _device_name(device: str) -> str:
-    import torch
-    if device != "cpu" and torch.cuda.is_available():
-        return torch.cuda.get_device_name(0)
-    return platform.processor() or "cpu"
 
 
 def _telemetry(level: str, **overrides):
@@ -379,8 +351,8 @@ def main(argv=None) -> int:
     args_model[0] = args.model
     t0 = time.time()
     result = {"levels": mode_levels, "profiler": mode_profiler, "capture": mode_capture}[args.mode](args)
-    rec = {"mode": args.mode, "commit": _commit(), "device": _device_name(args.device),
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    rec = {"mode": args.mode, "commit": git_commit(), "device": device_name(args.device, cpu_fallback="cpu"),
+           "time_utc": utc_now(),
            "command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "wall_s": time.time() - t0, "result": result}
     out.mkdir(parents=True, exist_ok=True)

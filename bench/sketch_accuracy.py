@@ -43,7 +43,11 @@ from sightline.collector.aggregator import AggregationConfig, Aggregator
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
 
-ROOT = Path(__file__).resolve().parents[1]
+if __package__:  # imported as bench.<name>
+    from bench._meta import ROOT, git_commit, utc_now
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _meta import ROOT, git_commit, utc_now
+
 RESULTS = ROOT / "bench" / "results"
 N_SMS = 132
 KERNEL = "fa2_fwd"
@@ -325,10 +329,9 @@ def main() -> int:
     t0 = time.perf_counter()
     rows = [run_distribution(name, fn, args.samples, seed) for seed, (name, fn) in enumerate(DISTRIBUTIONS.items())]
     elapsed = time.perf_counter() - t0
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit(short=True)
     result = {
-        "bench": "sketch_accuracy", "git_commit": commit, "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "bench": "sketch_accuracy", "git_commit": commit, "date_utc": utc_now(),
         "machine": platform.platform(), "python": platform.python_version(), "sms": N_SMS,
         "quantile": 0.99, "window": {"slot_s": 10.0, "max_buckets": AggregationConfig().window.max_buckets},
         "prometheus_buckets_s": list(sc.CTA_BUCKETS_S), "seconds": elapsed,

@@ -33,32 +33,22 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
-
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.config import TelemetryConfig, TraceLevel
 from sightline.instrumentation.tracing import Telemetry
 
+if __package__:  # imported as bench.<name>
+    from bench._discard import DiscardExporter
+    from bench._meta import git_commit
+else:  # run as python bench/<name>.py: this folder is sys.path[0]
+    from _discard import DiscardExporter
+    from _meta import git_commit
+
 RESULTS = Path(__file__).parent / "results" / "tracing_overhead_cpu.json"
 PHASES = semconv.REQUEST_PHASE_SPANS
-
-
-class DiscardExporter(SpanExporter):
-    """Accepts and forgets spans (stands where the OTLP exporter would be)."""
-
-    def __init__(self) -> None:
-        self.spans = 0
-
-    def export(self, spans):
-        self.spans += len(spans)
-        return SpanExportResult.SUCCESS
-
-    def shutdown(self):
-        pass
 
 
 def _telemetry(level: TraceLevel) -> Telemetry:
@@ -268,14 +258,6 @@ def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: i
     return out
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iterations", type=int, default=2000)
@@ -326,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
     record = {
         "benchmark": "tracing_overhead_cpu",
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
         "time_unix": int(time.time()),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "cpu_count": os.cpu_count(), "python": platform.python_version(),

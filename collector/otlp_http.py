@@ -29,7 +29,7 @@ import binascii
 import json
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from google.protobuf import json_format
@@ -50,6 +50,8 @@ from sightline.collector.self_metrics import SelfMetrics
 from sightline.instrumentation import semconv as sc
 
 __all__ = [
+    "Handler",
+    "HttpIngestReceiver",
     "IngestError",
     "IngestLimits",
     "InflightLimit",
@@ -65,6 +67,7 @@ PROTOBUF_TYPES = frozenset({"application/x-protobuf", "application/protobuf"})
 JSON_TYPE = "application/json"
 # OTLP/JSON carries these as hex; protobuf's JSON mapping expects base64 for bytes.
 _HEX_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True)
@@ -282,11 +285,13 @@ def admit(pipeline: Pipeline, batch: Batch | None) -> None:
     raise IngestError(503, "shutting_down", "collector is shutting down")
 
 
-# -- the receiver -----------------------------------------------------------------------
-class OtlpHttpReceiver:
-    """aiohttp handlers for /v1/traces and /v1/metrics; ``build_app`` makes the app."""
+# -- the receivers ----------------------------------------------------------------------
+class HttpIngestReceiver:
+    """What every HTTP ingest receiver holds (pipeline, self-metrics, auth, limits, its own
+    in-flight count) and its aiohttp app: one POST route per ``routes()`` entry, bodies
+    capped at ``max_request_bytes`` by aiohttp itself."""
 
-    receiver = sc.RECEIVER_OTLP_HTTP
+    receiver: str  # the self-metric label, from semconv
 
     def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, auth: TokenAuth,
                  limits: IngestLimits) -> None:
@@ -296,11 +301,24 @@ class OtlpHttpReceiver:
         self._limits = limits
         self._inflight = InflightLimit(limits.max_inflight_requests)
 
+    def routes(self) -> list[tuple[str, Handler]]:
+        """(path, handler) pairs to serve with POST."""
+        raise NotImplementedError
+
     def build_app(self) -> web.Application:
         app = web.Application(client_max_size=self._limits.max_request_bytes)
-        app.router.add_post("/v1/traces", self.traces)
-        app.router.add_post("/v1/metrics", self.metrics)
+        for path, handler in self.routes():
+            app.router.add_post(path, handler)
         return app
+
+
+class OtlpHttpReceiver(HttpIngestReceiver):
+    """aiohttp handlers for /v1/traces and /v1/metrics; ``build_app`` makes the app."""
+
+    receiver = sc.RECEIVER_OTLP_HTTP
+
+    def routes(self) -> list[tuple[str, Handler]]:
+        return [("/v1/traces", self.traces), ("/v1/metrics", self.metrics)]
 
     async def traces(self, request: web.Request) -> web.Response:
         return await self._export(request, "traces")

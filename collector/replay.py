@@ -147,22 +147,10 @@ def rebase_request(signal: str, request, shift_ns: int) -> None:
                         ex.time_unix_nano = max(0, ex.time_unix_nano + shift_ns)
 
 
-def _count(signal: str, request) -> int:
-    if signal == "traces":
-        return sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-    n = 0
-    for rm in request.resource_metrics:
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                kind = metric.WhichOneof("data")
-                if kind is not None:
-                    n += len(getattr(metric, kind).data_points)
-    return n
-
-
 def replay(path: str | Path, sink, config: ReplayConfig | None = None,
            clock_ns=time.time_ns) -> ReplayResult:
     """Sends every export of the capture at ``path`` to ``sink``; see the module docstring."""
+    from sightline.collector.otlp_http import count_data_points, count_spans
     from sightline.instrumentation.capture import read_capture
 
     config = config or ReplayConfig()
@@ -191,9 +179,9 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
             raise RuntimeError(f"capture line {line_no} ({signal}): {exc}") from exc
         result.exports += 1
         if signal == "traces":
-            result.spans += _count(signal, request)
+            result.spans += count_spans(request)
         else:
-            result.data_points += _count(signal, request)
+            result.data_points += count_data_points(request)
     result.retries = sink.retries
     result.duration_s = time.monotonic() - start_wall
     return result

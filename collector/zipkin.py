@@ -35,10 +35,8 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from sightline.collector.auth import TokenAuth
-from sightline.collector.otlp_http import IngestError, IngestLimits, InflightLimit, admit, read_body
-from sightline.collector.pipeline import Batch, Pipeline
-from sightline.collector.self_metrics import SelfMetrics
+from sightline.collector.otlp_http import Handler, HttpIngestReceiver, IngestError, admit, read_body
+from sightline.collector.pipeline import Batch
 from sightline.instrumentation import semconv as sc
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
@@ -176,23 +174,13 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
     return request
 
 
-class ZipkinReceiver:
+class ZipkinReceiver(HttpIngestReceiver):
     """aiohttp handler for ``POST /api/v2/spans``."""
 
     receiver = sc.RECEIVER_ZIPKIN
 
-    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, auth: TokenAuth,
-                 limits: IngestLimits) -> None:
-        self._pipeline = pipeline
-        self._metrics = metrics
-        self._auth = auth
-        self._limits = limits
-        self._inflight = InflightLimit(limits.max_inflight_requests)
-
-    def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=self._limits.max_request_bytes)
-        app.router.add_post("/api/v2/spans", self.spans)
-        return app
+    def routes(self) -> list[tuple[str, Handler]]:
+        return [("/api/v2/spans", self.spans)]
 
     async def spans(self, request: web.Request) -> web.Response:
         if not self._inflight.try_enter():
