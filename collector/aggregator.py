@@ -9,7 +9,7 @@ Inputs (one form: the receivers convert Zipkin to OTLP first):
   deltas against the previous point of the same stream (resource + attributes + start
   time). Explicit-bucket histograms of that metric cannot be merged into exponential
   sketches without losing the error bound, so they are refused and counted
-  (``reason="explicit_bucket_histogram"``).
+  (``reason="explicit_bucket_histogram"``); each point is checked by :mod:`.otlp_points`.
 * Spans, dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
   queue time by (model, priority); ``engine.step`` spans give step durations by phase;
   ``kernel ...`` spans give kernel durations by (gpu, kernel). Every export request also
@@ -40,16 +40,15 @@ import time
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
-
-import numpy as np
 
 from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
-from sightline.collector.exposition import AggregatorCollector, ClassicHistogram
-from sightline.collector.trace_store import REQUEST_SPAN_NAMES, TraceStore, any_value
+from sightline.collector.exposition import AggregatorCollector, ClassicHistogram, ExpositionSnapshot
+from sightline.collector.otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, PointRefused,
+                                             cta_point_histogram, label as _label, num as _num)
+from sightline.collector.trace_store import REQUEST_SPAN_NAMES, TraceStore
 from sightline.collector.windows import Exemplar, SlidingHistogram, merge_all, subtract_cumulative
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
+from sightline.instrumentation.exphist import ExpHistogram
 
 __all__ = ["AggregationConfig", "Aggregator", "ExpositionSnapshot", "SmKey", "WindowConfig"]
 
@@ -57,9 +56,6 @@ log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 SmKey = tuple[str, str, str]  # (gpu, sm, kernel)
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
-_MAX_POINT_BUCKETS = 16_384
-_MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
-_MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
 _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
 # Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
 _exemplar = functools.partial(tuple.__new__, Exemplar)
@@ -99,48 +95,6 @@ class _LatencySeries:
         classic.count += 1
         classic.exemplars[i] = exemplar
         self.window.record(value, t_s, exemplar)
-
-
-@dataclass
-class ExpositionSnapshot:
-    """Copies of everything the Prometheus collector writes (taken under the lock)."""
-
-    requests: dict[tuple[str, str], dict[str, ClassicHistogram]]
-    requests_total: dict[tuple[str, str, str], int]
-    kernels: dict[tuple[str, str], ClassicHistogram]
-    steps: dict[str, ClassicHistogram]
-    sm_classic: dict[SmKey, ClassicHistogram]
-    sm_p99: dict[tuple[str, str], dict[str, float]]
-    overflow: dict[str, int]
-    dropped: dict[str, int]
-
-
-def _num(value) -> float | None:
-    which = value.WhichOneof("value")
-    if which == "double_value":
-        return value.double_value
-    if which == "int_value":
-        return float(value.int_value)
-    if which == "string_value":
-        try:
-            return float(value.string_value)
-        except ValueError:
-            return None
-    return None
-
-
-def _label(value) -> str:
-    which = value.WhichOneof("value")
-    if which == "string_value":  # the usual cases first, without any_value's generality
-        return value.string_value[:_MAX_LABEL_CHARS]
-    if which == "int_value":
-        return str(value.int_value)
-    v = any_value(value)
-    if isinstance(v, list):
-        v = v[0] if v else ""
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    return str(v)[:_MAX_LABEL_CHARS]
 
 
 _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
@@ -501,26 +455,11 @@ class Aggregator:
             self._drop("missing_attributes")
             return 0
         gpu = gpu or "0"
-        if not MIN_SCALE <= point.scale <= MAX_SCALE:
-            self._drop("bad_scale")
+        try:
+            hist = cta_point_histogram(point, self._wc.max_buckets)
+        except PointRefused as refused:
+            self._drop(refused.reason)
             return 0
-        counts = np.asarray(point.positive.bucket_counts, dtype=np.int64)
-        if counts.size > _MAX_POINT_BUCKETS:
-            self._drop("too_many_buckets")
-            return 0
-        if int(counts.sum()) + int(point.zero_count) + int(sum(point.negative.bucket_counts)) != point.count:
-            self._drop("inconsistent_count")
-            return 0
-        nonzero = np.flatnonzero(counts)
-        if nonzero.size:
-            # Durations outside 2**-40 s (~1 ps) .. 2**20 s (12 days) are not durations; refusing
-            # them keeps every merge within ExpHistogram's scale range (it would raise).
-            step = 2.0 ** -point.scale
-            if ((point.positive.offset + int(nonzero[0])) * step < _MIN_LOG2_S
-                    or (point.positive.offset + int(nonzero[-1]) + 1) * step > _MAX_LOG2_S):
-                self._drop("out_of_range")
-                return 0
-        hist = self._point_hist(point, counts)
         if cumulative:
             stream = (resource_key, gpu, sm, kernel)
             prev = self._cumulative.get(stream)
@@ -558,25 +497,3 @@ class Aggregator:
             return 0
         series.classic.add_exp(hist, exemplar)
         return 1
-
-    def _point_hist(self, point, counts: np.ndarray) -> ExpHistogram:
-        """The point as an ExpHistogram at its own scale (bounded to ``max_buckets``)."""
-        offset = point.positive.offset
-        if (point.HasField("min") and point.HasField("max")
-                and 0.0 <= point.min <= point.max < math.inf):
-            minimum, maximum = point.min, point.max
-        else:  # absent or nonsense: the bounds of the outermost non-empty buckets
-            nonzero = np.flatnonzero(counts)
-            step = 2.0 ** -point.scale
-            minimum = 2.0 ** ((offset + nonzero[0]) * step) if nonzero.size else 0.0
-            maximum = 2.0 ** ((offset + nonzero[-1] + 1) * step) if nonzero.size else 0.0
-        zeros = int(point.zero_count) + int(sum(point.negative.bucket_counts))
-        if counts.size <= self._wc.max_buckets:
-            # Adopt the arrays as they are: no copy, no re-bucketing (the common case).
-            return ExpHistogram(scale=point.scale, max_buckets=self._wc.max_buckets, offset=offset,
-                                counts=counts, zero_count=zeros, count=int(point.count),
-                                sum=float(point.sum), min=float(minimum), max=float(maximum))
-        hist = ExpHistogram(max_buckets=self._wc.max_buckets)
-        hist.add_buckets(point.scale, offset, counts, zeros, int(point.count), float(point.sum),
-                         float(minimum), float(maximum))
-        return hist

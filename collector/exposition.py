@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,7 +36,7 @@ from sightline.instrumentation.exphist import ExpHistogram
 if TYPE_CHECKING:
     from sightline.collector.aggregator import Aggregator
 
-__all__ = ["AggregatorCollector", "ClassicHistogram"]
+__all__ = ["AggregatorCollector", "ClassicHistogram", "ExpositionSnapshot"]
 
 
 class ClassicHistogram:
@@ -123,6 +124,20 @@ def _first_bucket_above(bounds: tuple[float, ...], scale: int) -> tuple[int, ...
 
 def _le(bound: float) -> str:
     return repr(float(bound))
+
+
+@dataclass
+class ExpositionSnapshot:
+    """Copies of everything the Prometheus collector writes (taken under the lock)."""
+
+    requests: dict[tuple[str, str], dict[str, ClassicHistogram]]
+    requests_total: dict[tuple[str, str, str], int]
+    kernels: dict[tuple[str, str], ClassicHistogram]
+    steps: dict[str, ClassicHistogram]
+    sm_classic: dict[tuple[str, str, str], ClassicHistogram]  # (gpu, sm, kernel)
+    sm_p99: dict[tuple[str, str], dict[str, float]]
+    overflow: dict[str, int]
+    dropped: dict[str, int]
 
 
 class AggregatorCollector:

@@ -25,7 +25,8 @@ queue put. Everything else happens on one worker thread:
    CTA-duration spread.
 3. Every ``export_interval_s`` the histograms go out as OTLP metric
    ``gpu.kernel.cta.duration`` (unit s, delta temporality) through the OTLP metric
-   exporter of the telemetry's config, and into its capture file when one is set.
+   exporter of the telemetry's config, and into its capture file when one is set
+   (the metric's OTLP form and destinations: ``cta_metrics.py``).
 
 Failure model: every public method swallows and logs its own errors (telemetry errors
 never reach a request); a full work queue drops the step's GPU data and counts it.
@@ -44,10 +45,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import semconv
+from .cta_metrics import build_cta_metrics, metric_exporters_from, resource_of
 from .cupti_tracer import CuptiTracer, KernelRecord
 from .sm_probe import LaunchFacts, SmProbe, launch_facts
 
-__all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
+__all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy", "build_cta_metrics"]
 
 logger = logging.getLogger(__name__)
 _SPAN_NAME_MAX = 160
@@ -185,7 +187,7 @@ class GpuTelemetry:
             self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
             self._side = torch.cuda.Stream(device=device)
         self._exporters = (list(metric_exporters) if metric_exporters is not None
-                           else _exporters_from(telemetry))
+                           else metric_exporters_from(telemetry))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
         self._next_ext = 1
         self._open: int | None = None
@@ -436,7 +438,7 @@ class GpuTelemetry:
         start, self._interval_start_ns = self._interval_start_ns, now
         if not hists or not self._exporters:
             return
-        data = build_cta_metrics(hists, exemplars, start, now, _resource_of(self.telemetry))
+        data = build_cta_metrics(hists, exemplars, start, now, resource_of(self.telemetry))
         for exporter in self._exporters:
             try:
                 result = exporter.export(data)
@@ -447,67 +449,3 @@ class GpuTelemetry:
             self.stats.metric_exports += 1
             if not ok:
                 self.stats.export_failures += 1
-
-
-def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource):
-    """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
-    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step)."""
-    from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
-                                                  ExponentialHistogram,
-                                                  ExponentialHistogramDataPoint, Metric,
-                                                  MetricsData, ResourceMetrics, ScopeMetrics)
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-    try:
-        from opentelemetry.sdk.metrics import Exemplar
-    except ImportError:
-        from opentelemetry.sdk.metrics._internal.exemplar import Exemplar
-    points = []
-    for (gpu, sm, kernel), h in sorted(hists.items()):
-        ex = exemplars.get((gpu, sm, kernel))
-        ex_list = []
-        if ex is not None and ex.trace_id and ex.span_id:
-            ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
-                                    ex.trace_id))
-        points.append(ExponentialHistogramDataPoint(
-            attributes={semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm,
-                        semconv.ATTR_KERNEL_NAME: kernel},
-            start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,
-            scale=h.scale, zero_count=h.zero_count,
-            positive=Buckets(offset=h.offset, bucket_counts=[int(c) for c in h.counts]),
-            negative=Buckets(offset=0, bucket_counts=[]), flags=0,
-            min=h.min if h.count else 0.0, max=h.max if h.count else 0.0, exemplars=ex_list))
-    metric = Metric(name=semconv.METRIC_CTA_DURATION,
-                    description="Duration of each CTA of probed kernels, per SM",
-                    unit=semconv.METRIC_CTA_DURATION_UNIT,
-                    data=ExponentialHistogram(data_points=points,
-                                              aggregation_temporality=AggregationTemporality.DELTA))
-    scope = ScopeMetrics(scope=InstrumentationScope(semconv.INSTRUMENTATION_SCOPE),
-                         metrics=[metric], schema_url="")
-    return MetricsData(resource_metrics=[ResourceMetrics(resource=resource,
-                                                         scope_metrics=[scope], schema_url="")])
-
-
-def _resource_of(telemetry):
-    from opentelemetry.sdk.resources import Resource
-    provider = getattr(telemetry, "tracer_provider", None)
-    return getattr(provider, "resource", None) or Resource.create({})
-
-
-def _exporters_from(telemetry) -> list:
-    """The telemetry's own metric destinations: OTLP (per its config) and its capture file."""
-    out = []
-    config = getattr(telemetry, "config", None)
-    providers = getattr(telemetry, "providers", None)
-    if config is None or not getattr(config, "metrics_enabled", True):
-        return out
-    try:
-        if config.exporter == "otlp":
-            from .otel_setup import _otlp_metric_exporter
-            out.append(_otlp_metric_exporter(config))
-        writer = getattr(providers, "capture_writer", None)
-        if writer is not None:
-            from .capture import CaptureMetricExporter
-            out.append(CaptureMetricExporter(writer))
-    except Exception:
-        logger.exception("could not build the per-SM metric exporters")
-    return out

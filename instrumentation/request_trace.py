@@ -1,0 +1,346 @@
+"""The span handles behind :mod:`sightline.instrumentation.tracing`: one request's trace
+(:class:`RequestTrace`: the server span and its phase spans) and one engine step's span
+(:class:`StepTrace`). Made by :class:`~sightline.instrumentation.tracing.Telemetry`, never
+directly.
+
+Guarantees and costs:
+
+- Every public method catches, logs once per call site (:func:`report_error`) and carries
+  on: a broken trace is lost, the request is not.
+- Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
+  the engine thread both touch it); a :class:`StepTrace` is touched by the engine thread.
+- ``link_step`` only appends a shared ``Link`` to a list; phase spans are made, links and
+  all, when they close (see :class:`_Phase`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+
+from sightline.instrumentation import semconv
+
+if TYPE_CHECKING:
+    from sightline.instrumentation.tracing import Telemetry
+
+__all__ = ["RequestTrace", "StepTrace"]
+
+# The facade's logger: one name to configure for all of tracing.
+logger = logging.getLogger("sightline.instrumentation.tracing")
+
+_LINKED_PHASES = (semconv.SPAN_PREFILL, semconv.SPAN_DECODE)
+_reported: set[str] = set()
+_reported_lock = threading.Lock()
+
+
+def report_error(where: str) -> None:
+    """Logs the exception being handled, once per call site, and swallows it."""
+    with _reported_lock:
+        first = where not in _reported
+        _reported.add(where)
+    if first:
+        logger.exception("telemetry error in %s (logged once; tracing continues)", where)
+
+
+class _Phase:
+    """An open phase. Its span is made when the phase closes, with every link at once.
+
+    Why deferred: a decode phase rides hundreds of steps; ``Span.add_link`` per step costs
+    the engine loop ~6 µs per request per step, while passing the collected links to
+    ``start_span`` at close costs about half that, off the per-step path. Phase spans have
+    no children, so nothing needs their span id while they are open.
+    """
+
+    __slots__ = ("name", "start_ns", "links", "links_dropped", "events")
+
+    def __init__(self, name: str, start_ns: int) -> None:
+        self.name = name
+        self.start_ns = start_ns
+        self.links: list[Link] = []
+        self.links_dropped = 0
+        self.events: list[tuple[str, dict | None, int]] | None = None
+
+class StepTrace:
+    """One ``engine.step`` span (a root span, linked to the requests it served).
+
+    ``start_time_ns`` / ``end_time_ns`` are Unix-epoch ns; ``duration_s`` is None until ended.
+    ``context`` is the OTel context to parent kernel spans on.
+    """
+
+    __slots__ = ("_span", "step_id", "span_context", "context", "start_time_ns", "end_time_ns",
+                 "link")
+
+    def __init__(self, span, step_id: int, start_time_ns: int) -> None:
+        self._span = span
+        self.step_id = step_id
+        self.span_context: SpanContext = span.get_span_context()
+        self.link = Link(self.span_context)  # shared by the phase spans that rode this step
+        self.context: Context = trace.set_span_in_context(span, Context())
+        self.start_time_ns = start_time_ns
+        self.end_time_ns: int | None = None
+
+    @property
+    def span(self):
+        return self._span
+
+    @property
+    def duration_s(self) -> float | None:
+        if self.end_time_ns is None:
+            return None
+        return (self.end_time_ns - self.start_time_ns) / 1e9
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        try:
+            self._span.set_attributes(attributes)
+        except Exception:
+            report_error("StepTrace.set_attributes")
+
+    def end(self, attributes: Mapping[str, Any] | None = None, end_time_ns: int | None = None) -> None:
+        """Ends the step span (idempotent)."""
+        try:
+            if self.end_time_ns is not None:
+                return
+            self.end_time_ns = end_time_ns if end_time_ns is not None else time.time_ns()
+            if attributes:
+                self._span.set_attributes(attributes)
+            self._span.end(end_time=self.end_time_ns)
+        except Exception:
+            report_error("StepTrace.end")
+
+
+class RequestTrace:
+    """The spans of one request. Every method is thread-safe and never raises."""
+
+    __slots__ = (
+        "_telemetry", "_tracer", "_span", "_ctx", "_lock", "_open", "_finished",
+        "_first_token_seen", "_preemptions", "_link_cap", "request_id", "span_context",
+        "link",
+    )
+
+    def __init__(self, telemetry: "Telemetry", span, parent: Context, request_id: str) -> None:
+        self._telemetry = telemetry
+        self._tracer = telemetry.tracer
+        self._span = span
+        self._ctx = trace.set_span_in_context(span, parent)
+        self._lock = threading.Lock()
+        self._open: dict[str, _Phase] = {}
+        self._finished = False
+        self._first_token_seen = False
+        self._preemptions = 0
+        self._link_cap = telemetry.config.max_links_per_span
+        self.request_id = request_id
+        self.span_context: SpanContext = span.get_span_context()
+        # Made once, shared by every step span that links here (links are immutable).
+        self.link = Link(self.span_context)
+
+    # -- context for downstream calls ----------------------------------------------
+    @property
+    def context(self) -> Context:
+        """Context with the server span current (carries the caller's baggage too)."""
+        return self._ctx
+
+    @property
+    def span(self):
+        return self._span
+
+    @property
+    def is_finished(self) -> bool:
+        return self._finished
+
+    def inject(self, headers: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+        """Headers that continue this request's trace in a downstream call."""
+        try:
+            return self._telemetry.propagator.inject(headers, self._ctx)
+        except Exception:
+            report_error("RequestTrace.inject")
+            return {} if headers is None else headers
+
+    # -- phases ---------------------------------------------------------------------
+    def start_phase(self, name: str, start_time_ns: int | None = None) -> None:
+        """Opens child span ``name`` (no-op if one of that name is open or the request finished).
+
+        A phase may be opened again after it ended (a preempted request is re-queued and
+        recomputed): that makes a second span of the same name.
+        """
+        try:
+            with self._lock:
+                if self._finished or name in self._open:
+                    return
+                self._open[name] = _Phase(
+                    name, start_time_ns if start_time_ns is not None else time.time_ns())
+        except Exception:
+            report_error("RequestTrace.start_phase")
+
+    def end_phase(
+        self,
+        name: str,
+        attributes: Mapping[str, Any] | None = None,
+        end_time_ns: int | None = None,
+    ) -> None:
+        """Closes phase ``name`` if open (otherwise no-op)."""
+        try:
+            with self._lock:
+                phase = self._open.pop(name, None)
+                if phase is not None:
+                    self._close(phase, attributes, end_time_ns)
+        except Exception:
+            report_error("RequestTrace.end_phase")
+
+    def _close(self, phase: _Phase, attributes: Mapping[str, Any] | None,
+               end_time_ns: int | None) -> None:
+        """Emits the phase span (caller holds the lock)."""
+        attrs = dict(attributes) if attributes else None
+        if phase.links_dropped:
+            attrs = attrs or {}
+            attrs[semconv.SPAN_LINKS_DROPPED] = phase.links_dropped
+        span = self._tracer.start_span(
+            phase.name, context=self._ctx, attributes=attrs, links=phase.links or None,
+            start_time=phase.start_ns,
+        )
+        if phase.events:
+            for name, event_attrs, stamp in phase.events:
+                span.add_event(name, event_attrs, timestamp=stamp)
+        span.end(end_time=end_time_ns if end_time_ns is not None else time.time_ns())
+
+    def link_step(self, step: "StepTrace | None") -> None:
+        """Links the open prefill (else decode) span to ``step``; capped, overflow counted."""
+        if step is None:
+            return
+        try:
+            with self._lock:
+                phase = self._open.get(semconv.SPAN_PREFILL) or self._open.get(semconv.SPAN_DECODE)
+                if phase is None:
+                    return
+                if len(phase.links) < self._link_cap:
+                    phase.links.append(step.link)
+                else:
+                    phase.links_dropped += 1
+        except Exception:
+            report_error("RequestTrace.link_step")
+
+    # -- events ---------------------------------------------------------------------
+    def preempted(self) -> None:
+        """Records a preemption: an event on the server span and on the open prefill/decode
+        span, which is then ended (the recompute opens new phase spans)."""
+        try:
+            with self._lock:
+                if self._finished:
+                    return
+                self._preemptions += 1
+                now = time.time_ns()
+                open_name = ""
+                for name in _LINKED_PHASES:
+                    phase = self._open.pop(name, None)
+                    if phase is not None:
+                        open_name = name
+                        phase.events = [(semconv.EVENT_PREEMPTED, None, now)]
+                        self._close(phase, None, now)
+                self._span.add_event(
+                    semconv.EVENT_PREEMPTED,
+                    {semconv.PHASE_NAME: open_name, semconv.REQUEST_PREEMPTIONS: self._preemptions},
+                    timestamp=now,
+                )
+        except Exception:
+            report_error("RequestTrace.preempted")
+
+    def first_token(self, time_ns: int | None = None) -> None:
+        """Marks the first output token (an event on the server span; once)."""
+        try:
+            with self._lock:
+                if self._finished or self._first_token_seen:
+                    return
+                self._first_token_seen = True
+                self._span.add_event(
+                    semconv.EVENT_FIRST_TOKEN,
+                    timestamp=time_ns if time_ns is not None else time.time_ns(),
+                )
+        except Exception:
+            report_error("RequestTrace.first_token")
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        """Extra attributes on the server span (e.g. sampling parameters)."""
+        try:
+            with self._lock:
+                if not self._finished:
+                    self._span.set_attributes(attributes)
+        except Exception:
+            report_error("RequestTrace.set_attributes")
+
+    def set_content(self, prompt: str | None, completion: str | None) -> None:
+        """Records prompt/completion text; a no-op unless ``capture_content`` (opt-in)."""
+        config = self._telemetry.config
+        if not config.capture_content:
+            return
+        try:
+            limit = config.content_max_chars
+            with self._lock:
+                if self._finished:
+                    return
+                if prompt is not None:
+                    self._span.set_attribute(semconv.GEN_AI_PROMPT, prompt[:limit])
+                if completion is not None:
+                    self._span.set_attribute(semconv.GEN_AI_COMPLETION, completion[:limit])
+        except Exception:
+            report_error("RequestTrace.set_content")
+
+    # -- the end ------------------------------------------------------------------
+    def finish(
+        self,
+        *,
+        status_code: int,
+        finish_reason: str | None,
+        input_tokens: int,
+        output_tokens: int,
+        ttft_s: float | None = None,
+        tpot_s: float | None = None,
+        queue_s: float | None = None,
+        e2e_s: float | None = None,
+        preemptions: int | None = None,
+        error_type: str | None = None,
+        end_time_ns: int | None = None,
+    ) -> None:
+        """Ends every open phase and the server span with the request's outcome (once)."""
+        try:
+            with self._lock:
+                if self._finished:
+                    return
+                self._finished = True
+                now = end_time_ns if end_time_ns is not None else time.time_ns()
+                for phase in self._open.values():
+                    self._close(phase, None, now)
+                self._open.clear()
+                attrs: dict[str, Any] = {
+                    semconv.HTTP_RESPONSE_STATUS_CODE: int(status_code),
+                    semconv.GEN_AI_USAGE_INPUT_TOKENS: int(input_tokens),
+                    semconv.GEN_AI_USAGE_OUTPUT_TOKENS: int(output_tokens),
+                    semconv.REQUEST_PREEMPTIONS: int(
+                        self._preemptions if preemptions is None else preemptions
+                    ),
+                }
+                if finish_reason is not None:
+                    attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (str(finish_reason),)
+                if ttft_s is not None:
+                    attrs[semconv.REQUEST_TTFT_S] = float(ttft_s)
+                if tpot_s is not None:
+                    attrs[semconv.REQUEST_TPOT_S] = float(tpot_s)
+                if queue_s is not None:
+                    attrs[semconv.REQUEST_QUEUE_S] = float(queue_s)
+                if e2e_s is not None:
+                    attrs[semconv.REQUEST_E2E_S] = float(e2e_s)
+                if error_type is not None:
+                    attrs[semconv.ERROR_TYPE] = str(error_type)
+                self._span.set_attributes(attrs)
+                # Server spans: 5xx is an error, 4xx is the client's (HTTP semconv); an error
+                # after a 2xx head (e.g. mid-stream) is ours.
+                if status_code >= 500 or (error_type is not None and status_code < 400):
+                    self._span.set_status(Status(StatusCode.ERROR, error_type or str(status_code)))
+                self._span.end(end_time=now)
+        except Exception:
+            report_error("RequestTrace.finish")
