@@ -129,6 +129,25 @@ def server(aggregator):
     s.close()
 
 
+def test_png_title_keeps_its_word_gaps(aggregator):
+    """Every space of the title shows as a blank gap of >= 3 px columns (Pillow's 10 px
+    default font drew "P99 CTAduration, GPU0": 4 gaps for 5 spaces); letters sit closer."""
+    for fn, title in ((hm.time_sm, "P99 CTA duration, GPU 0, fa2_fwd"),
+                      (hm.sm_latency, "CTA count by duration, GPU 0, fa2_fwd")):
+        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator, "0", "fa2_fwd")))).convert("L")
+        band = range(0, 24)  # the title's rows, above the first cell row (top = 28)
+        ink = [any(image.getpixel((x, y)) < 128 for y in band) for x in range(image.width)]
+        columns = [x for x, dark in enumerate(ink) if dark]
+        gaps, blank = 0, 0
+        for x in range(columns[0], columns[-1] + 1):
+            if ink[x]:
+                gaps += blank >= 3
+                blank = 0
+            else:
+                blank += 1
+        assert gaps == title.count(" "), (fn.__name__, gaps)
+
+
 def _get(url: str):
     try:
         with urllib.request.urlopen(url, timeout=10) as r:
