@@ -72,29 +72,53 @@ class _SmSeries:
 
 
 class _LatencySeries:
-    """A classic histogram for Prometheus and a window for quantile queries."""
+    """A classic histogram for Prometheus and a window for quantile queries.
 
-    __slots__ = ("window", "classic")
+    Spans of one export request are gathered per series (``add``: two list appends, the
+    span kept for its ids) and folded in by ``flush`` at the end of that request, or when
+    a span falls into another window slot: one window call per batch, and exemplar objects
+    only for the classic buckets the batch touched (the latest span of each) and for the
+    window (the slowest span) -- the same state as recording each span on its own."""
+
+    __slots__ = ("window", "classic", "values", "spans", "epoch")
 
     def __init__(self, config: WindowConfig, bounds: tuple[float, ...]) -> None:
         self.window = SlidingHistogram(config)
         self.classic = ClassicHistogram(bounds)
+        self.values: list[float] = []  # pending, in arrival order, all in slot ``epoch``
+        self.spans: list = []  # the span of each pending value (its ids become exemplars)
+        self.epoch = -1
 
-    def record(self, value: float, t_s: float, exemplar: Exemplar) -> None:
-        self.classic.record(value, exemplar)
-        self.window.record(value, t_s, exemplar)
-
-    def record_span(self, value: float, t_s: float, trace_id: bytes, span_id: bytes, end_ns: int) -> None:
-        """``record`` with the exemplar built here: the span hot path (most spans of a busy
-        engine land here), so ``ClassicHistogram.record`` is inlined (one call less)."""
-        exemplar = _exemplar((value, trace_id, span_id, end_ns))
+    def flush(self) -> None:
+        values, spans = self.values, self.spans
+        if not values:
+            return
+        self.values, self.spans = [], []
         classic = self.classic
-        i = bisect_left(classic.bounds, value)  # Prometheus buckets are "<= le"
-        classic.counts[i] += 1
-        classic.sum += value
-        classic.count += 1
-        classic.exemplars[i] = exemplar
-        self.window.record(value, t_s, exemplar)
+        bounds, counts = classic.bounds, classic.counts
+        total = classic.sum
+        latest: dict[int, int] = {}  # classic bucket -> index of its latest value
+        best_i, best = 0, values[0]
+        for i, value in enumerate(values):
+            b = bisect_left(bounds, value)  # Prometheus buckets are "<= le"
+            counts[b] += 1
+            total += value
+            latest[b] = i
+            if value >= best:
+                best_i, best = i, value
+        classic.sum = total
+        classic.count += len(values)
+        exemplars = classic.exemplars
+        for b, i in latest.items():
+            span = spans[i]
+            exemplars[b] = _exemplar((values[i], span.trace_id, span.span_id, span.end_time_unix_nano))
+        i = latest.get(bisect_left(bounds, best))
+        if i != best_i:
+            span = spans[best_i]
+            slowest = _exemplar((best, span.trace_id, span.span_id, span.end_time_unix_nano))
+        else:
+            slowest = exemplars[bisect_left(bounds, best)]
+        self.window.record_many(values, self.epoch, slowest)
 
 
 _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
@@ -102,6 +126,7 @@ _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc
                            sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _MODEL, _RESPONSE_MODEL, _PRIORITY = sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY
 _PREFILL_TOKENS, _DECODE_TOKENS = sc.STEP_PREFILL_TOKENS, sc.STEP_DECODE_TOKENS
+_KERNEL_NAME, _GPU_ID, _KP = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID, len(sc.SPAN_KERNEL_PREFIX)
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
 
 
@@ -132,6 +157,12 @@ class Aggregator:
         # Zipkin-born spans arrive with; kernel names are learnt as they come (bounded).
         self._dispatch: dict[str, Callable | None] = {name: self._on_request for name in REQUEST_SPAN_NAMES}
         self._dispatch[sc.SPAN_ENGINE_STEP] = self._on_step
+        self._slot_s = wc.slot_s
+        self._touched: dict[_LatencySeries, None] = {}  # series with pending values (this request)
+        # Where the attributes read on hot spans were last found: producers write them in
+        # one order, so one indexed read usually hits; a miss scans (and learns).
+        self._kernel_pos = self._gpu_pos = 0
+        self._prefill_pos, self._decode_pos = 0, 1
 
     # -- public: ingest -------------------------------------------------------------
     def consume_traces(self, request, encoded: bytes | None = None) -> int:
@@ -143,25 +174,77 @@ class Aggregator:
         lookup on its name, and a handler only for request roots, steps and kernels."""
         n = 0
         dispatch = self._dispatch
+        on_kernel = self._on_kernel
+        kernels = self._kernels
+        slot_s = self._slot_s
         with self._lock:
             now = self.clock()
-            for rs in request.resource_spans:
-                for ss in rs.scope_spans:
-                    spans = ss.spans
-                    n += len(spans)
-                    for span in spans:
-                        name = span.name
-                        try:
-                            handler = dispatch[name]
-                        except KeyError:
-                            handler = self._learn_name(name)
-                        if handler is None:
-                            continue
-                        try:
-                            handler(span, now)
-                        except Exception:  # one odd span must not cost the rest of the batch
-                            self._drop("malformed_span")
-                            log.debug("span %r refused", name, exc_info=True)
+            touched = self._touched = {}
+            newest = self.newest_data_s
+            try:
+                for rs in request.resource_spans:
+                    for ss in rs.scope_spans:
+                        spans = ss.spans
+                        n += len(spans)
+                        for span in spans:
+                            name = span.name
+                            try:
+                                handler = dispatch[name]
+                            except KeyError:
+                                handler = self._learn_name(name)
+                            if handler is None:
+                                continue
+                            try:
+                                if handler is not on_kernel:
+                                    handler(span, now)
+                                    continue
+                                # Kernel spans (often half of all spans): _on_kernel and
+                                # _record_duration inlined for the usual case, the two
+                                # attributes where they were last found.
+                                attrs = span.attributes
+                                k = len(attrs)
+                                i, j = self._kernel_pos, self._gpu_pos
+                                if i >= k or j >= k:
+                                    on_kernel(span, now)
+                                    continue
+                                kv = attrs[i]
+                                if kv.key != _KERNEL_NAME:
+                                    on_kernel(span, now)
+                                    continue
+                                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
+                                kv = attrs[j]
+                                if not kernel or kv.key != _GPU_ID:
+                                    on_kernel(span, now)
+                                    continue
+                                series = kernels.get((_label(kv.value), kernel))
+                                if series is None:
+                                    on_kernel(span, now)
+                                    continue
+                                end_ns = span.end_time_unix_nano
+                                duration = end_ns - span.start_time_unix_nano
+                                t = end_ns / 1e9
+                                if t > now or t <= 0:
+                                    t = now
+                                if t > newest:
+                                    newest = t
+                                epoch = int(t // slot_s)
+                                if epoch != series.epoch:
+                                    series.flush()
+                                    series.epoch = epoch
+                                values = series.values
+                                if not values:
+                                    touched[series] = None
+                                values.append((duration if duration > 0 else 0) / 1e9)
+                                series.spans.append(span)
+                            except Exception:  # one odd span must not cost the rest of the batch
+                                self._drop("malformed_span")
+                                log.debug("span %r refused", name, exc_info=True)
+            finally:
+                if newest > self.newest_data_s:
+                    self.newest_data_s = newest
+                for series in self._touched:  # one batch per touched series (see _LatencySeries)
+                    series.flush()
+                self._touched = {}
             self.spans_seen += n
         if self.config.store_traces:
             self.store.add_request(request, encoded)  # O(1) when deferred; its own lock
@@ -358,14 +441,14 @@ class Aggregator:
         e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
         if e2e is None:
             e2e = max(0, end_ns - span.start_time_unix_nano) / 1e9
-        trace_id, span_id = span.trace_id, span.span_id
+        epoch = int(t // self._slot_s)
         for family, attr in _REQUEST_FAMILIES:
             if attr in got:
                 value = _num(got[attr])
                 if value is not None and value >= 0 and math.isfinite(value):
-                    series[family].record_span(value, t, trace_id, span_id, end_ns)
+                    self._pend(series[family], value, epoch, span)
         if e2e >= 0 and math.isfinite(e2e):
-            series["e2e"].record_span(e2e, t, trace_id, span_id, end_ns)
+            self._pend(series["e2e"], e2e, epoch, span)
         if sc.ERROR_TYPE in got or span.status.code == 2:
             reason = "error"
         elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
@@ -378,17 +461,31 @@ class Aggregator:
         self._requests_total[total_key] = self._requests_total.get(total_key, 0) + 1
 
     def _on_step(self, span, now: float) -> None:
+        attrs = span.attributes
+        n = len(attrs)
+        i, j = self._prefill_pos, self._decode_pos
+        if i < n and j < n:
+            kv, kv2 = attrs[i], attrs[j]
+            if kv.key == _PREFILL_TOKENS and kv2.key == _DECODE_TOKENS:
+                prefill, decode = _num(kv.value) or 0.0, _num(kv2.value) or 0.0
+                self._on_step_phase(span, now, prefill, decode)
+                return
         prefill = decode = None
-        for kv in span.attributes:
+        for k, kv in enumerate(attrs):
             key = kv.key
             if key == _PREFILL_TOKENS:
                 prefill = _num(kv.value) or 0.0
+                self._prefill_pos = k
                 if decode is not None:
                     break
             elif key == _DECODE_TOKENS:
                 decode = _num(kv.value) or 0.0
+                self._decode_pos = k
                 if prefill is not None:
                     break
+        self._on_step_phase(span, now, prefill, decode)
+
+    def _on_step_phase(self, span, now: float, prefill, decode) -> None:
         phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
         series = self._steps.get(phase)
         if series is None:
@@ -401,21 +498,22 @@ class Aggregator:
         self._record_duration(series, span, now)
 
     def _on_kernel(self, span, now: float) -> None:
-        gpu = device = kernel = None
-        for kv in span.attributes:  # kernel spans carry a dozen attributes: stop at the two
-            key = kv.key
-            if key == sc.HW_GPU_ID:
-                gpu = _label(kv.value)
-                if kernel is not None:
-                    break
-            elif key == sc.CUDA_KERNEL_NAME:
+        attrs = span.attributes  # kernel spans carry a dozen attributes: read the two by position
+        n = len(attrs)
+        kernel = gpu = None
+        i = self._kernel_pos
+        if i < n:
+            kv = attrs[i]
+            if kv.key == _KERNEL_NAME:
                 kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
-                if gpu is not None:
-                    break
-            elif key == sc.CUDA_DEVICE:
-                device = _label(kv.value)
-        key = (gpu or device or "unknown",
-               kernel or span.name[len(sc.SPAN_KERNEL_PREFIX):len(sc.SPAN_KERNEL_PREFIX) + _MAX_LABEL_CHARS])
+        i = self._gpu_pos
+        if kernel and i < n:
+            kv = attrs[i]
+            if kv.key == _GPU_ID:
+                gpu = _label(kv.value)
+        if not gpu:  # a miss (or an odd value): scan, as the producer's order may differ
+            gpu, kernel = self._scan_kernel(attrs)
+        key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
         series = self._kernels.get(key)
         if series is None:
             if len(self._kernels) >= self.config.max_kernel_series:
@@ -427,6 +525,24 @@ class Aggregator:
                     0.2, 0.5, 1.0))
         self._record_duration(series, span, now)
 
+    def _scan_kernel(self, attrs) -> tuple[str, str | None]:
+        gpu = device = kernel = None
+        for k, kv in enumerate(attrs):
+            key = kv.key
+            if key == _GPU_ID:
+                gpu = _label(kv.value)
+                self._gpu_pos = k
+                if kernel is not None:
+                    break
+            elif key == _KERNEL_NAME:
+                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
+                self._kernel_pos = k
+                if gpu is not None:
+                    break
+            elif key == sc.CUDA_DEVICE:
+                device = _label(kv.value)
+        return gpu or device or "unknown", kernel
+
     def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
         end_ns = span.end_time_unix_nano
         duration = max(0, end_ns - span.start_time_unix_nano) / 1e9
@@ -435,7 +551,25 @@ class Aggregator:
             t = now
         if t > self.newest_data_s:
             self.newest_data_s = t
-        series.record_span(duration, t, span.trace_id, span.span_id, end_ns)
+        epoch = int(t // self._slot_s)
+        if epoch != series.epoch:
+            series.flush()
+            series.epoch = epoch
+        values = series.values
+        if not values:
+            self._touched[series] = None
+        values.append(duration)
+        series.spans.append(span)
+
+    def _pend(self, series: _LatencySeries, value: float, epoch: int, span) -> None:
+        if epoch != series.epoch:
+            series.flush()
+            series.epoch = epoch
+        values = series.values
+        if not values:
+            self._touched[series] = None
+        values.append(value)
+        series.spans.append(span)
 
     # -- per-SM metric points ---------------------------------------------------------------
     def _drop(self, reason: str, n: int = 1) -> None:

@@ -155,6 +155,37 @@ class SlidingHistogram:
             self._flush()
         return True
 
+    def record_many(self, values: list[float], epoch: int, exemplar: Exemplar | None = None) -> bool:
+        """Adds ``values`` all observed in slot ``epoch`` (``int(t_s // slot_s)``), with the
+        slowest of them as ``exemplar``; False (nothing kept) if that slot is too late.
+
+        The same result as ``record`` called once per value (the same values are folded
+        into the histogram at the same ``flush_every`` boundaries), at one call per batch."""
+        if epoch != self._pending_epoch:
+            if epoch <= self.newest_epoch - self.config.num_slots:
+                return False
+            self._flush()
+            self._pending_epoch = epoch
+            if epoch > self.newest_epoch:
+                self.newest_epoch = epoch
+        pending, flush_every = self._pending, self._flush_every
+        start, n = 0, len(values)
+        while n - start >= flush_every - len(pending):  # fill up to each flush boundary exactly
+            take = flush_every - len(pending)
+            pending.extend(values[start:start + take])
+            start += take
+            self._flush()
+            pending = self._pending
+        if start < n:
+            pending.extend(values[start:] if start else values)
+        if exemplar is not None:
+            best = self._pending_exemplar
+            if best is None or exemplar[0] >= best[0]:
+                self._pending_exemplar = exemplar
+            if not pending:  # everything went out above: the slot takes it now
+                self._flush_exemplar(epoch)
+        return True
+
     def add_histogram(self, hist: ExpHistogram, t_s: float,
                       exemplar: Exemplar | None = None) -> bool:
         """Merges a whole histogram observed at ``t_s``; False if it is too late."""
@@ -226,4 +257,12 @@ class SlidingHistogram:
         slot = self._slot_for(epoch)
         slot.hist.record(np.asarray(values, dtype=np.float64))
         if exemplar is not None and (slot.exemplar is None or exemplar.value >= slot.exemplar.value):
+            slot.exemplar = exemplar
+
+    def _flush_exemplar(self, epoch: int) -> None:
+        exemplar, self._pending_exemplar = self._pending_exemplar, None
+        if exemplar is None or epoch <= self.newest_epoch - self.config.num_slots:
+            return
+        slot = self._slot_for(epoch)
+        if slot.exemplar is None or exemplar.value >= slot.exemplar.value:
             slot.exemplar = exemplar
