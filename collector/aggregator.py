@@ -57,10 +57,24 @@ OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 SmKey = tuple[str, str, str]  # (gpu, sm, kernel)
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
+_REQUEST, _STEP, _KERNEL = 1, 2, 3  # span kinds a handler exists for (0: none)
+_KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
+_LEAN_MIN_KERNEL_SHARE_INV = 5  # lean parse when >= 1/5 of the spans look like kernel spans
 # Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
 _exemplar = functools.partial(tuple.__new__, Exemplar)
 # finish_reason values the counter keeps; anything else is "other" (bounded cardinality)
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "unknown", "tool_calls", "content_filter"})
+
+
+def _kernel_spans_estimate(encoded: bytes) -> float:
+    """Kernel span names in ``encoded``, counted in 4 evenly spread 4 KiB samples and scaled
+    (~15 us for a 150 KB request; counting it all costs ~100 us)."""
+    size = len(encoded)
+    if size <= 4 * 4096:
+        return encoded.count(_KERNEL_NAME_BYTES)
+    step = size // 4
+    hits = sum(encoded.count(_KERNEL_NAME_BYTES, i * step, i * step + 4096) for i in range(4))
+    return hits * size / (4 * 4096)
 
 
 class _SmSeries:
@@ -132,6 +146,8 @@ _KERNEL_NAME, _GPU_ID, _KP = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID, len(sc.SPAN_KERN
 _HOT_ATTRIBUTES: dict[str, Callable] = {
     sc.CUDA_KERNEL_NAME: lambda v: v.string_value[:_MAX_LABEL_CHARS], sc.HW_GPU_ID: _label,
     sc.CUDA_DEVICE: _label, _PREFILL_TOKENS: lambda v: _num(v) or 0.0, _DECODE_TOKENS: lambda v: _num(v) or 0.0}
+_REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
+_HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
 
@@ -161,9 +177,11 @@ class Aggregator:
         # Span name -> handler, or None for the names no distribution needs (most spans:
         # queue, prefill, decode, ...). REQUEST_SPAN_NAMES holds the lower-cased spellings
         # Zipkin-born spans arrive with; kernel names are learnt as they come (bounded).
-        self._dispatch: dict[str, Callable | None] = {name: self._on_request for name in REQUEST_SPAN_NAMES}
-        self._dispatch[sc.SPAN_ENGINE_STEP] = self._on_step
-        self._kernel_handler = self._on_kernel  # one bound method: consume_traces tests identity
+        self._dispatch: dict[str, int] = {name: _REQUEST for name in REQUEST_SPAN_NAMES}
+        self._dispatch[sc.SPAN_ENGINE_STEP] = _STEP
+        # Handlers by kind, for spans read from the lean parse and from the full request.
+        self._lean_handlers = (None, self._on_request, self._on_step, self._on_kernel)
+        self._full_handlers = (None, self._on_request_full, self._on_step_full, self._on_kernel_full)
         self._slot_s = wc.slot_s
         self._touched: dict[_LatencySeries, None] = {}  # series with pending values (this request)
         # Where the attributes read on hot spans were last found: producers write them in
@@ -183,13 +201,20 @@ class Aggregator:
         attributes of the full form costs several times that. One lock hold per export
         request; per span one dict lookup on its name, and a handler only for request roots,
         steps and kernels."""
-        if encoded is None:
+        if encoded is None and self.config.store_traces and self.config.trace_store.defer_index:
             encoded = request.SerializeToString()  # the trace store would encode it anyway
-        lean = LeanTraceRequest.FromString(encoded)
+        # The lean parse pays off when many spans have attributes to read: kernel spans.
+        # (A byte count: it only picks the faster path, both give the same state.)
+        total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if encoded is not None and _kernel_spans_estimate(encoded) * _LEAN_MIN_KERNEL_SHARE_INV >= total:
+            source, handlers = LeanTraceRequest.FromString(encoded), self._lean_handlers
+        else:
+            source, handlers = request, self._full_handlers
         cache = self._attr_cache
         n = 0
         dispatch = self._dispatch
-        on_kernel = self._kernel_handler
+        on_kernel = handlers[_KERNEL]
+        inline_kernels = handlers is self._lean_handlers
         kernels = self._kernels
         slot_s = self._slot_s
         with self._lock:
@@ -197,21 +222,21 @@ class Aggregator:
             touched = self._touched = {}
             newest = self.newest_data_s
             try:
-                for rs in lean.resource_spans:
+                for rs in source.resource_spans:
                     for ss in rs.scope_spans:
                         spans = ss.spans
                         n += len(spans)
                         for span in spans:
                             name = span.name
                             try:
-                                handler = dispatch[name]
+                                kind = dispatch[name]
                             except KeyError:
-                                handler = self._learn_name(name)
-                            if handler is None:
+                                kind = self._learn_name(name)
+                            if not kind:
                                 continue
                             try:
-                                if handler is not on_kernel:
-                                    handler(span, now)
+                                if kind != _KERNEL or not inline_kernels:
+                                    handlers[kind](span, now)
                                     continue
                                 # Kernel spans (often half of all spans): _on_kernel and
                                 # _record_duration inlined for the usual case, the two
@@ -411,8 +436,8 @@ class Aggregator:
                     "cumulative_streams": len(self._cumulative)}
 
     # -- spans ----------------------------------------------------------------------
-    def _learn_name(self, name: str) -> Callable | None:
-        handler = self._kernel_handler if name.startswith(sc.SPAN_KERNEL_PREFIX) else None
+    def _learn_name(self, name: str) -> int:
+        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else 0
         if len(self._dispatch) < _MAX_DISPATCH_NAMES:  # past it, names are tested each time
             self._dispatch[name] = handler
         return handler
@@ -425,12 +450,25 @@ class Aggregator:
             self.newest_data_s = t
         return t
 
+    def _on_request_full(self, span, now: float) -> None:
+        got: dict[str, object] = {}
+        for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
+            key = kv.key
+            if key in _REQUEST_KEYS:
+                got[key] = kv.value
+        self._on_request_attributes(span, now, got)
+
     def _on_request(self, span, now: float) -> None:
         got: dict[str, object] = {}
-        for raw in span.attributes:  # encoded KeyValues (lean span): decode each once
+        for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _REQUEST_KEY_BYTES:
+                continue  # key first and short (the encoders' way): not wanted, told from its bytes
             key, value = decode_attribute(raw)
             if key in _REQUEST_KEYS:
                 got[key] = value
+        self._on_request_attributes(span, now, got)
+
+    def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
         value = got.get(_MODEL)
         if value is None:
             value = got.get(_RESPONSE_MODEL)
@@ -475,6 +513,20 @@ class Aggregator:
         total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
         self._requests_total[total_key] = self._requests_total.get(total_key, 0) + 1
 
+    def _on_step_full(self, span, now: float) -> None:
+        prefill = decode = None
+        for kv in span.attributes:
+            key = kv.key
+            if key == _PREFILL_TOKENS:
+                prefill = _num(kv.value) or 0.0
+                if decode is not None:
+                    break
+            elif key == _DECODE_TOKENS:
+                decode = _num(kv.value) or 0.0
+                if prefill is not None:
+                    break
+        self._on_step_phase(span, now, prefill, decode)
+
     def _on_step(self, span, now: float) -> None:
         attrs = span.attributes
         n = len(attrs)
@@ -512,10 +564,29 @@ class Aggregator:
                 series = self._steps[phase] = _LatencySeries(self._wc, sc.STEP_BUCKETS_S)
         self._record_duration(series, span, now)
 
+    def _on_kernel_full(self, span, now: float) -> None:
+        gpu = device = kernel = None
+        for kv in span.attributes:  # kernel spans carry a dozen attributes: stop at the two
+            key = kv.key
+            if key == _GPU_ID:
+                gpu = _label(kv.value)
+                if kernel is not None:
+                    break
+            elif key == _KERNEL_NAME:
+                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
+                if gpu is not None:
+                    break
+            elif key == sc.CUDA_DEVICE:
+                device = _label(kv.value)
+        self._on_kernel_labels(span, now, gpu or device or "unknown", kernel)
+
     def _on_kernel(self, span, now: float) -> None:
         # The slow path of consume_traces's inlined one: a position missed, an odd value, or
         # a new series. Scans (learning positions and caching attributes).
         gpu, kernel = self._scan_kernel(span.attributes)
+        self._on_kernel_labels(span, now, gpu, kernel)
+
+    def _on_kernel_labels(self, span, now: float, gpu: str, kernel: str | None) -> None:
         key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
         series = self._kernels.get(key)
         if series is None:
@@ -551,6 +622,10 @@ class Aggregator:
         ``_HOT_ATTRIBUTES`` (``(key, None)`` for the others)."""
         hit = self._attr_cache.get(raw)
         if hit is None:
+            # Key first, short (the encoders' way): a key that is not hot is told from its
+            # bytes, without decoding (unique values such as ids would only churn the cache).
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _HOT_KEY_BYTES:
+                return "", None
             key, value = decode_attribute(raw)
             read = _HOT_ATTRIBUTES.get(key)
             if read is None:
