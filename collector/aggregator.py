@@ -25,9 +25,16 @@ per-SM points older than the window horizon can never be queried and are refused
 (``reason="late"``); late spans still count in the cumulative Prometheus histograms.
 
 Thread-safety: one lock around each export request and each query snapshot (the trace
-store has its own). Cost per span: one dict lookup on the name and a pass over its
-attributes only for the spans that feed a distribution; the trace store costs O(1) per
-export request at ingest.
+store has its own). Cost per span: one dict lookup on the name, and for the spans that
+feed a distribution a read of the few attributes they need; values are gathered per series
+and folded in once per export request (:class:`_LatencySeries`). With upb every nested
+message read from Python builds a wrapper object, so when many spans are kernel spans
+(>= 1/5, estimated from the encoding's bytes) the spans are read from a lean re-parse of the
+encoding instead (``otlp_points.LeanTraceRequest``: attributes as raw bytes, the hot ones
+decoded once and cached; kernel name and GPU id read at the positions they were last found).
+Measured in-process on bench/sketch_accuracy.py's engine-like mix (46 % kernel spans): ~2.9 us
+per span against ~4.3 us reading the full form. The trace store costs O(1) per export
+request at ingest.
 """
 
 from __future__ import annotations
