@@ -213,10 +213,12 @@ class Aggregator:
         # The lean parse pays off when many spans have attributes to read: kernel spans.
         # (A byte count: it only picks the faster path, both give the same state.)
         total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        source, handlers = request, self._full_handlers
         if encoded is not None and _kernel_spans_estimate(encoded) * _LEAN_MIN_KERNEL_SHARE_INV >= total:
-            source, handlers = LeanTraceRequest.FromString(encoded), self._lean_handlers
-        else:
-            source, handlers = request, self._full_handlers
+            try:
+                source, handlers = LeanTraceRequest.FromString(encoded), self._lean_handlers
+            except Exception:  # not the encoding of ``request`` (a caller's mistake): read the full form
+                log.debug("encoding refused by the lean parse", exc_info=True)
         cache = self._attr_cache
         n = 0
         dispatch = self._dispatch
