@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import platform
+import shlex
 import socket
 import statistics
 import subprocess
@@ -383,8 +384,8 @@ def main(argv=None) -> int:
         "(bounded: 48 MiB of encoded requests by default). The default trace store keeps each request's "
         "encoding and indexes it on the first query (explain, /api/v1/traces), so that cost is paid at "
         "query time, not here; `sightline-e2e-eager` pays it on ingest.",
-        "Command: `.venv/bin/python bench/collector_ingest.py" + (
-            f" --mix {args.mix} --out bench/results/{args.out.name}`" if args.mix != "simple" else "`"),
+        "Command: `.venv/bin/python bench/collector_ingest.py" + "".join(
+            " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`",
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
