@@ -1,0 +1,489 @@
+"""Span-derived distributions: the name dispatch, the handlers that read request, step and
+kernel spans, and the per-series batches they feed.
+
+Spans are dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
+queue time by (model, priority); ``engine.step`` spans give step durations by phase;
+``kernel ...`` spans give kernel durations by (gpu, kernel). Memory is bounded whatever
+arrives: at most ``max_{request,kernel,step}_series + 1`` series each (the extra one is the
+overflow series that absorbs every new key past the limit, counted in ``overflow``).
+Timestamps ahead of the collector's clock are clamped to it; late spans still count in the
+cumulative Prometheus histograms.
+
+Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
+read of the few attributes they need; values are gathered per series and folded in once per
+export request (:class:`_LatencySeries`). With upb every nested message read from Python
+builds a wrapper object, so when many spans are kernel spans (>= 1/5, estimated from the
+encoding's bytes) the spans are read from a lean re-parse of the encoding instead
+(``otlp_points.LeanTraceRequest``: attributes as raw bytes, the hot ones decoded once and
+cached; kernel name and GPU id read at the positions they were last found). Both handler
+sets (full form and lean) leave the same state.
+
+Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
+:meth:`SpanSeries.consume` and around every read of the series.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from bisect import bisect_left
+from collections.abc import Callable
+
+from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
+from sightline.collector.exposition import ClassicHistogram
+from sightline.collector.otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, decode_attribute,
+                                             label as _label, num as _num)
+from sightline.collector.trace_store import REQUEST_SPAN_NAMES
+from sightline.collector.windows import Exemplar, SlidingHistogram
+from sightline.instrumentation import semconv as sc
+
+__all__ = ["SpanSeries"]
+
+log = logging.getLogger(__name__)
+OVERFLOW = sc.OVERFLOW_LABEL_VALUE
+
+_MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
+_REQUEST, _STEP, _KERNEL = 1, 2, 3  # span kinds a handler exists for (0: none)
+_KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
+_LEAN_MIN_KERNEL_SHARE_INV = 5  # lean parse when >= 1/5 of the spans look like kernel spans
+# Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
+_exemplar = functools.partial(tuple.__new__, Exemplar)
+# finish_reason values the counter keeps; anything else is "other" (bounded cardinality)
+_FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "unknown", "tool_calls", "content_filter"})
+
+
+def _kernel_spans_estimate(encoded: bytes) -> float:
+    """Kernel span names in ``encoded``, counted in 4 evenly spread 4 KiB samples and scaled
+    (~15 us for a 150 KB request; counting it all costs ~100 us)."""
+    size = len(encoded)
+    if size <= 4 * 4096:
+        return encoded.count(_KERNEL_NAME_BYTES)
+    step = size // 4
+    hits = sum(encoded.count(_KERNEL_NAME_BYTES, i * step, i * step + 4096) for i in range(4))
+    return hits * size / (4 * 4096)
+
+
+class _LatencySeries:
+    """A classic histogram for Prometheus and a window for quantile queries.
+
+    Spans of one export request are gathered per series (``add``: two list appends, the
+    span kept for its ids) and folded in by ``flush`` at the end of that request, or when
+    a span falls into another window slot: one window call per batch, and exemplar objects
+    only for the classic buckets the batch touched (the latest span of each) and for the
+    window (the slowest span) -- the same state as recording each span on its own."""
+
+    __slots__ = ("window", "classic", "values", "spans", "epoch")
+
+    def __init__(self, config: WindowConfig, bounds: tuple[float, ...]) -> None:
+        self.window = SlidingHistogram(config)
+        self.classic = ClassicHistogram(bounds)
+        self.values: list[float] = []  # pending, in arrival order, all in slot ``epoch``
+        self.spans: list = []  # the span of each pending value (its ids become exemplars)
+        self.epoch = -1
+
+    def flush(self) -> None:
+        values, spans = self.values, self.spans
+        if not values:
+            return
+        self.values, self.spans = [], []
+        classic = self.classic
+        bounds, counts = classic.bounds, classic.counts
+        total = classic.sum
+        latest: dict[int, int] = {}  # classic bucket -> index of its latest value
+        best_i, best = 0, values[0]
+        for i, value in enumerate(values):
+            b = bisect_left(bounds, value)  # Prometheus buckets are "<= le"
+            counts[b] += 1
+            total += value
+            latest[b] = i
+            if value >= best:
+                best_i, best = i, value
+        classic.sum = total
+        classic.count += len(values)
+        exemplars = classic.exemplars
+        for b, i in latest.items():
+            span = spans[i]
+            exemplars[b] = _exemplar((values[i], span.trace_id, span.span_id, span.end_time_unix_nano))
+        i = latest.get(bisect_left(bounds, best))
+        if i != best_i:
+            span = spans[best_i]
+            slowest = _exemplar((best, span.trace_id, span.span_id, span.end_time_unix_nano))
+        else:
+            slowest = exemplars[bisect_left(bounds, best)]
+        self.window.record_many(values, self.epoch, slowest)
+
+
+_REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
+                           sc.REQUEST_TTFT_S, sc.REQUEST_TPOT_S, sc.REQUEST_QUEUE_S, sc.REQUEST_E2E_S,
+                           sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
+_MODEL, _RESPONSE_MODEL, _PRIORITY = sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY
+_PREFILL_TOKENS, _DECODE_TOKENS = sc.STEP_PREFILL_TOKENS, sc.STEP_DECODE_TOKENS
+_KERNEL_NAME, _GPU_ID, _KP = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID, len(sc.SPAN_KERNEL_PREFIX)
+# Attributes whose decoded form is cached by their encoding (values repeat: kernel names,
+# GPU ids, token counts), with what the handlers read from each.
+_HOT_ATTRIBUTES: dict[str, Callable] = {
+    sc.CUDA_KERNEL_NAME: lambda v: v.string_value[:_MAX_LABEL_CHARS], sc.HW_GPU_ID: _label,
+    sc.CUDA_DEVICE: _label, _PREFILL_TOKENS: lambda v: _num(v) or 0.0, _DECODE_TOKENS: lambda v: _num(v) or 0.0}
+_REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
+_HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
+_MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
+_REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
+
+
+class SpanSeries:
+    """The span-derived series (``requests``, ``requests_total``, ``kernels``, ``steps``) and
+    the handlers that fill them. ``overflow`` and ``dropped`` are the owner's counters, passed
+    in and added to here (families ``request``/``kernel``/``step``, reason ``malformed_span``).
+    """
+
+    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int]) -> None:
+        self.config = config
+        wc = config.window
+        self._wc = wc
+        self.overflow = overflow
+        self.dropped = dropped
+        self.kernels: dict[tuple[str, str], _LatencySeries] = {}
+        self.requests: dict[tuple[str, str], dict[str, _LatencySeries]] = {}
+        self.requests_total: dict[tuple[str, str, str], int] = {}
+        self.steps: dict[str, _LatencySeries] = {}
+        self.newest_data_s = 0.0  # newest span end time taken (clamped to the clock)
+        # Span name -> handler, or None for the names no distribution needs (most spans:
+        # queue, prefill, decode, ...). REQUEST_SPAN_NAMES holds the lower-cased spellings
+        # Zipkin-born spans arrive with; kernel names are learnt as they come (bounded).
+        self._dispatch: dict[str, int] = {name: _REQUEST for name in REQUEST_SPAN_NAMES}
+        self._dispatch[sc.SPAN_ENGINE_STEP] = _STEP
+        # Handlers by kind, for spans read from the lean parse and from the full request.
+        self._lean_handlers = (None, self._on_request, self._on_step, self._on_kernel)
+        self._full_handlers = (None, self._on_request_full, self._on_step_full, self._on_kernel_full)
+        self._slot_s = wc.slot_s
+        self._touched: dict[_LatencySeries, None] = {}  # series with pending values (this request)
+        # Where the attributes read on hot spans were last found: producers write them in
+        # one order, so one indexed read usually hits; a miss scans (and learns).
+        self._kernel_pos = self._gpu_pos = 0
+        self._prefill_pos, self._decode_pos = 0, 1
+        self._attr_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, decoded)
+
+    def source(self, request, encoded: bytes | None) -> tuple[object, bool]:
+        """What to read the spans from: ``(lean re-parse of encoded, True)`` when enough spans
+        look like kernel spans, else ``(request, False)``. Needs no lock."""
+        # The lean parse pays off when many spans have attributes to read: kernel spans.
+        # (A byte count: it only picks the faster path, both give the same state.)
+        total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
+        if encoded is not None and _kernel_spans_estimate(encoded) * _LEAN_MIN_KERNEL_SHARE_INV >= total:
+            try:
+                return LeanTraceRequest.FromString(encoded), True
+            except Exception:  # not the encoding of ``request`` (a caller's mistake): read the full form
+                log.debug("encoding refused by the lean parse", exc_info=True)
+        return request, False
+
+    def consume(self, source, lean: bool, now: float) -> int:
+        """Takes every span of ``source`` (from :meth:`source`); returns the number of spans
+        seen. Pending values are flushed before returning, even when an error escapes."""
+        handlers = self._lean_handlers if lean else self._full_handlers
+        cache = self._attr_cache
+        n = 0
+        dispatch = self._dispatch
+        on_kernel = handlers[_KERNEL]
+        inline_kernels = lean
+        kernels = self.kernels
+        slot_s = self._slot_s
+        touched = self._touched = {}
+        newest = self.newest_data_s
+        try:
+            for rs in source.resource_spans:
+                for ss in rs.scope_spans:
+                    spans = ss.spans
+                    n += len(spans)
+                    for span in spans:
+                        name = span.name
+                        try:
+                            kind = dispatch[name]
+                        except KeyError:
+                            kind = self._learn_name(name)
+                        if not kind:
+                            continue
+                        try:
+                            if kind != _KERNEL or not inline_kernels:
+                                handlers[kind](span, now)
+                                continue
+                            # Kernel spans (often half of all spans): _on_kernel and
+                            # _record_duration inlined for the usual case, the two
+                            # attributes where they were last found.
+                            attrs = span.attributes
+                            k = len(attrs)
+                            i, j = self._kernel_pos, self._gpu_pos
+                            if i >= k or j >= k:
+                                on_kernel(span, now)
+                                continue
+                            hit = cache.get(attrs[i])
+                            if hit is None or hit[0] != _KERNEL_NAME or not hit[1]:
+                                on_kernel(span, now)
+                                continue
+                            kernel = hit[1]
+                            hit = cache.get(attrs[j])
+                            if hit is None or hit[0] != _GPU_ID or not hit[1]:
+                                on_kernel(span, now)
+                                continue
+                            series = kernels.get((hit[1], kernel))
+                            if series is None:
+                                on_kernel(span, now)
+                                continue
+                            end_ns = span.end_time_unix_nano
+                            duration = end_ns - span.start_time_unix_nano
+                            t = end_ns / 1e9
+                            if t > now or t <= 0:
+                                t = now
+                            if t > newest:
+                                newest = t
+                            epoch = int(t // slot_s)
+                            if epoch != series.epoch:
+                                series.flush()
+                                series.epoch = epoch
+                            values = series.values
+                            if not values:
+                                touched[series] = None
+                            values.append((duration if duration > 0 else 0) / 1e9)
+                            series.spans.append(span)
+                        except Exception:  # one odd span must not cost the rest of the batch
+                            self._drop("malformed_span")
+                            log.debug("span %r refused", name, exc_info=True)
+        finally:
+            if newest > self.newest_data_s:
+                self.newest_data_s = newest
+            for series in self._touched:  # one batch per touched series (see _LatencySeries)
+                series.flush()
+            self._touched = {}
+        return n
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    # -- spans ----------------------------------------------------------------------
+    def _learn_name(self, name: str) -> int:
+        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else 0
+        if len(self._dispatch) < _MAX_DISPATCH_NAMES:  # past it, names are tested each time
+            self._dispatch[name] = handler
+        return handler
+
+    def _time(self, unix_nano: int, now: float) -> float:
+        t = unix_nano / 1e9
+        if t > now or t <= 0:
+            t = now
+        if t > self.newest_data_s:
+            self.newest_data_s = t
+        return t
+
+    def _on_request_full(self, span, now: float) -> None:
+        got: dict[str, object] = {}
+        for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
+            key = kv.key
+            if key in _REQUEST_KEYS:
+                got[key] = kv.value
+        self._on_request_attributes(span, now, got)
+
+    def _on_request(self, span, now: float) -> None:
+        got: dict[str, object] = {}
+        for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _REQUEST_KEY_BYTES:
+                continue  # key first and short (the encoders' way): not wanted, told from its bytes
+            key, value = decode_attribute(raw)
+            if key in _REQUEST_KEYS:
+                got[key] = value
+        self._on_request_attributes(span, now, got)
+
+    def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
+        value = got.get(_MODEL)
+        if value is None:
+            value = got.get(_RESPONSE_MODEL)
+        model = _label(value) if value is not None else "unknown"
+        value = got.get(_PRIORITY)
+        key = (model, _label(value) if value is not None else "unknown")
+        series = self.requests.get(key)
+        if series is None:
+            if len(self.requests) >= self.config.max_request_series:
+                key = (OVERFLOW, OVERFLOW)
+                self.overflow["request"] = self.overflow.get("request", 0) + 1
+                series = self.requests.get(key)
+            if series is None:
+                wc = self._wc
+                series = self.requests[key] = {
+                    "ttft": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                    "tpot": _LatencySeries(wc, sc.TPOT_BUCKETS_S),
+                    "e2e": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                    "queue": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
+                }
+        end_ns = span.end_time_unix_nano
+        t = self._time(end_ns, now)
+        e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
+        if e2e is None:
+            e2e = max(0, end_ns - span.start_time_unix_nano) / 1e9
+        epoch = int(t // self._slot_s)
+        for family, attr in _REQUEST_FAMILIES:
+            if attr in got:
+                value = _num(got[attr])
+                if value is not None and value >= 0 and math.isfinite(value):
+                    self._pend(series[family], value, epoch, span)
+        if e2e >= 0 and math.isfinite(e2e):
+            self._pend(series["e2e"], e2e, epoch, span)
+        if sc.ERROR_TYPE in got or span.status.code == 2:
+            reason = "error"
+        elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
+            reason = _label(got[sc.GEN_AI_RESPONSE_FINISH_REASONS]) or "unknown"
+            if reason not in _FINISH_REASONS:
+                reason = "other"
+        else:
+            reason = "unknown"
+        total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
+        self.requests_total[total_key] = self.requests_total.get(total_key, 0) + 1
+
+    def _on_step_full(self, span, now: float) -> None:
+        prefill = decode = None
+        for kv in span.attributes:
+            key = kv.key
+            if key == _PREFILL_TOKENS:
+                prefill = _num(kv.value) or 0.0
+                if decode is not None:
+                    break
+            elif key == _DECODE_TOKENS:
+                decode = _num(kv.value) or 0.0
+                if prefill is not None:
+                    break
+        self._on_step_phase(span, now, prefill, decode)
+
+    def _on_step(self, span, now: float) -> None:
+        attrs = span.attributes
+        n = len(attrs)
+        i, j = self._prefill_pos, self._decode_pos
+        if i < n and j < n:
+            cache = self._attr_cache
+            hit, hit2 = cache.get(attrs[i]), cache.get(attrs[j])
+            if hit is not None and hit2 is not None and hit[0] == _PREFILL_TOKENS and hit2[0] == _DECODE_TOKENS:
+                self._on_step_phase(span, now, hit[1], hit2[1])
+                return
+        prefill = decode = None
+        for k, raw in enumerate(attrs):
+            key, value = self._hot_attribute(raw)
+            if key == _PREFILL_TOKENS:
+                prefill = value
+                self._prefill_pos = k
+                if decode is not None:
+                    break
+            elif key == _DECODE_TOKENS:
+                decode = value
+                self._decode_pos = k
+                if prefill is not None:
+                    break
+        self._on_step_phase(span, now, prefill, decode)
+
+    def _on_step_phase(self, span, now: float, prefill, decode) -> None:
+        phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+        series = self.steps.get(phase)
+        if series is None:
+            if len(self.steps) >= self.config.max_step_series:  # only with odd phases
+                phase = OVERFLOW
+                self.overflow["step"] = self.overflow.get("step", 0) + 1
+            series = self.steps.get(phase)
+            if series is None:
+                series = self.steps[phase] = _LatencySeries(self._wc, sc.STEP_BUCKETS_S)
+        self._record_duration(series, span, now)
+
+    def _on_kernel_full(self, span, now: float) -> None:
+        gpu = device = kernel = None
+        for kv in span.attributes:  # kernel spans carry a dozen attributes: stop at the two
+            key = kv.key
+            if key == _GPU_ID:
+                gpu = _label(kv.value)
+                if kernel is not None:
+                    break
+            elif key == _KERNEL_NAME:
+                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
+                if gpu is not None:
+                    break
+            elif key == sc.CUDA_DEVICE:
+                device = _label(kv.value)
+        self._on_kernel_labels(span, now, gpu or device or "unknown", kernel)
+
+    def _on_kernel(self, span, now: float) -> None:
+        # The slow path of consume_traces's inlined one: a position missed, an odd value, or
+        # a new series. Scans (learning positions and caching attributes).
+        gpu, kernel = self._scan_kernel(span.attributes)
+        self._on_kernel_labels(span, now, gpu, kernel)
+
+    def _on_kernel_labels(self, span, now: float, gpu: str, kernel: str | None) -> None:
+        key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
+        series = self.kernels.get(key)
+        if series is None:
+            if len(self.kernels) >= self.config.max_kernel_series:
+                key = (OVERFLOW, OVERFLOW)
+                self.overflow["kernel"] = self.overflow.get("kernel", 0) + 1
+                series = self.kernels.get(key)
+            if series is None:
+                series = self.kernels[key] = _LatencySeries(self._wc, sc.CTA_BUCKETS_S + (
+                    0.2, 0.5, 1.0))
+        self._record_duration(series, span, now)
+
+    def _scan_kernel(self, attrs) -> tuple[str, str | None]:
+        gpu = device = kernel = None
+        for k, raw in enumerate(attrs):
+            key, value = self._hot_attribute(raw)
+            if key == _GPU_ID:
+                gpu = value
+                self._gpu_pos = k
+                if kernel is not None:
+                    break
+            elif key == _KERNEL_NAME:
+                kernel = value
+                self._kernel_pos = k
+                if gpu is not None:
+                    break
+            elif key == sc.CUDA_DEVICE:
+                device = value
+        return gpu or device or "unknown", kernel
+
+    def _hot_attribute(self, raw: bytes) -> tuple[str, object]:
+        """``(key, what the handlers read)`` of an encoded attribute, cached for the keys in
+        ``_HOT_ATTRIBUTES`` (``(key, None)`` for the others)."""
+        hit = self._attr_cache.get(raw)
+        if hit is None:
+            # Key first, short (the encoders' way): a key that is not hot is told from its
+            # bytes, without decoding (unique values such as ids would only churn the cache).
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _HOT_KEY_BYTES:
+                return "", None
+            key, value = decode_attribute(raw)
+            read = _HOT_ATTRIBUTES.get(key)
+            if read is None:
+                return key, None
+            hit = (key, read(value))
+            if len(self._attr_cache) >= _MAX_ATTRIBUTE_CACHE:
+                self._attr_cache.clear()
+            self._attr_cache[raw] = hit
+        return hit
+
+    def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
+        end_ns = span.end_time_unix_nano
+        duration = max(0, end_ns - span.start_time_unix_nano) / 1e9
+        t = end_ns / 1e9  # self._time inlined: most recorded spans pass here
+        if t > now or t <= 0:
+            t = now
+        if t > self.newest_data_s:
+            self.newest_data_s = t
+        epoch = int(t // self._slot_s)
+        if epoch != series.epoch:
+            series.flush()
+            series.epoch = epoch
+        values = series.values
+        if not values:
+            self._touched[series] = None
+        values.append(duration)
+        series.spans.append(span)
+
+    def _pend(self, series: _LatencySeries, value: float, epoch: int, span) -> None:
+        if epoch != series.epoch:
+            series.flush()
+            series.epoch = epoch
+        values = series.values
+        if not values:
+            self._touched[series] = None
+        values.append(value)
+        series.spans.append(span)
