@@ -71,7 +71,7 @@ function draw() {
   const ch = Math.max(3, Math.min(14, Math.floor(700 / Math.max(rows, 1))));
   const left = 60, top = 10;
   svg.setAttribute('width', left + cw * cols + 20);
-  svg.setAttribute('height', top + ch * rows + 60);
+  svg.setAttribute('height', top + ch * rows + 70);
   const tf = time ? (v => v) : (v => Math.log10(v));
   const vals = grid.flat().filter(v => v !== null && v > 0).map(tf);
   const lo = vals.length ? Math.min(...vals) : 0, hi = vals.length ? Math.max(...vals) : 1, span = (hi - lo) || 1;
@@ -108,15 +108,25 @@ function draw() {
       t.textContent = 'SM ' + d.sms[r]; svg.appendChild(t);
     }
   });
+  // Column ticks: latency bucket lower edges, or slot start times, about eight across.
+  const every = Math.max(1, Math.ceil(cols / 8));
+  for (let c = 0; c < cols; c += every) {
+    const t = document.createElementNS(NS, 'text');
+    t.setAttribute('class', 'axis tick'); t.setAttribute('x', left + c * cw);
+    t.setAttribute('y', top + rows * ch + 12);
+    t.textContent = time ? new Date(d.times_unix_s[c] * 1000).toISOString().slice(11, 19)
+                         : fmtS(d.edges_s[c]);
+    svg.appendChild(t);
+  }
   const label = document.createElementNS(NS, 'text');
-  label.setAttribute('class', 'axis'); label.setAttribute('x', left); label.setAttribute('y', top + rows * ch + 20);
+  label.setAttribute('class', 'axis'); label.setAttribute('x', left); label.setAttribute('y', top + rows * ch + 30);
   label.textContent = time ? `time (${d.slot_s} s slots) -> colour: P99 CTA duration`
                            : 'CTA duration bucket -> colour: CTA count (log scale)';
   svg.appendChild(label);
   // Colour legend: the viridis ramp from the smallest to the largest value shown.
   const legend = document.createElementNS(NS, 'g');
   legend.setAttribute('id', 'legend');
-  const lx = left, ly = top + rows * ch + 28, steps = 50, lw = 200;
+  const lx = left, ly = top + rows * ch + 38, steps = 50, lw = 200;
   for (let i = 0; i < steps; i++) {
     const r = document.createElementNS(NS, 'rect');
     r.setAttribute('x', lx + i * lw / steps); r.setAttribute('y', ly);

@@ -194,6 +194,8 @@ def test_page_renders_in_headless_chromium(server):
     assert sum('data-value="no CTAs' in c for c in cells) == 5  # 4 x 3 minus 7 cells with CTAs
     assert 'data-sm="3"' in dom and "hotspot ratio" in dom
     assert '<g id="legend">' in dom and "10.00 us" in dom and "44.00 us" in dom  # legend ends: min, max P99
+    ticks = re.findall(r'<text class="axis tick"[^>]*>([^<]*)</text>', dom)  # one per slot: 3 columns
+    assert len(ticks) == 3 and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in ticks), ticks
     # cells with an exemplar link to the trace of the slowest CTA's step (click-through)
     assert sorted(re.findall(r'data-trace="([0-9a-f]{32})"', dom)) == sorted(
         [f"{sm + 1:02x}" * 16 for sm, values in CELLS.items() for v in values if v is not None])
