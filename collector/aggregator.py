@@ -40,7 +40,7 @@ from collections.abc import Callable
 
 from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram, ExpositionSnapshot
-from sightline.collector.otlp_points import PointRefused, cta_point_histogram, label as _label
+from sightline.collector.otlp_points import PointRefused, clamped_time_s, cta_point_histogram, label as _label
 from sightline.collector.span_series import SpanSeries
 from sightline.collector.trace_store import TraceStore
 from sightline.collector.windows import Exemplar, SlidingHistogram, merge_all, subtract_cumulative
@@ -258,9 +258,7 @@ class Aggregator:
 
     # -- per-SM metric points ---------------------------------------------------------------
     def _time(self, unix_nano: int, now: float) -> float:
-        t = unix_nano / 1e9
-        if t > now or t <= 0:
-            t = now
+        t = clamped_time_s(unix_nano, now)
         if t > self._newest_point_s:
             self._newest_point_s = t
         return t

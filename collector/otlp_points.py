@@ -29,12 +29,19 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 from sightline.collector.trace_store import any_value
 from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
-__all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "cta_point_histogram", "decode_attribute",
-           "label", "num"]
+__all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "clamped_time_s", "cta_point_histogram",
+           "decode_attribute", "label", "num"]
 
 MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
 _MAX_POINT_BUCKETS = 16_384
 _MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
+
+
+def clamped_time_s(unix_nano: int, now: float) -> float:
+    """A data timestamp in seconds; a missing or future one counts as ``now`` (a sender's
+    clock ahead of ours must not open windows that have not started)."""
+    t = unix_nano / 1e9
+    return now if t > now or t <= 0 else t
 
 
 class PointRefused(ValueError):

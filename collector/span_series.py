@@ -32,7 +32,8 @@ from collections.abc import Callable
 
 from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.collector.exposition import ClassicHistogram
-from sightline.collector.otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, decode_attribute,
+from sightline.collector.otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, clamped_time_s,
+                                             decode_attribute,
                                              label as _label, num as _num)
 from sightline.collector.trace_store import REQUEST_SPAN_NAMES
 from sightline.collector.windows import Exemplar, SlidingHistogram
@@ -267,9 +268,7 @@ class SpanSeries:
         return handler
 
     def _time(self, unix_nano: int, now: float) -> float:
-        t = unix_nano / 1e9
-        if t > now or t <= 0:
-            t = now
+        t = clamped_time_s(unix_nano, now)
         if t > self.newest_data_s:
             self.newest_data_s = t
         return t
@@ -361,19 +360,11 @@ class SpanSeries:
             if hit is not None and hit2 is not None and hit[0] == _PREFILL_TOKENS and hit2[0] == _DECODE_TOKENS:
                 self._on_step_phase(span, now, hit[1], hit2[1])
                 return
-        prefill = decode = None
-        for k, raw in enumerate(attrs):
-            key, value = self._hot_attribute(raw)
-            if key == _PREFILL_TOKENS:
-                prefill = value
-                self._prefill_pos = k
-                if decode is not None:
-                    break
-            elif key == _DECODE_TOKENS:
-                decode = value
-                self._decode_pos = k
-                if prefill is not None:
-                    break
+        prefill, decode, at_prefill, at_decode, _ = self._scan_pair(attrs, _PREFILL_TOKENS, _DECODE_TOKENS)
+        if at_prefill >= 0:
+            self._prefill_pos = at_prefill
+        if at_decode >= 0:
+            self._decode_pos = at_decode
         self._on_step_phase(span, now, prefill, decode)
 
     def _on_step_phase(self, span, now: float, prefill, decode) -> None:
@@ -424,22 +415,33 @@ class SpanSeries:
         self._record_duration(series, span, now)
 
     def _scan_kernel(self, attrs) -> tuple[str, str | None]:
-        gpu = device = kernel = None
+        gpu, kernel, at_gpu, at_kernel, device = self._scan_pair(attrs, _GPU_ID, _KERNEL_NAME, sc.CUDA_DEVICE)
+        if at_gpu >= 0:
+            self._gpu_pos = at_gpu
+        if at_kernel >= 0:
+            self._kernel_pos = at_kernel
+        return gpu or device or "unknown", kernel
+
+    def _scan_pair(self, attrs, first_key: str, second_key: str, also_key: str | None = None):
+        """``(first, second, first_at, second_at, also)``: the values of two attributes of an
+        encoded span, stopping once both are seen; ``*_at`` is the position the key was last
+        found at (-1: absent), for the position fast paths; ``also`` is ``also_key``'s value
+        if it came before the stop."""
+        first = second = also = None
+        first_at = second_at = -1
         for k, raw in enumerate(attrs):
             key, value = self._hot_attribute(raw)
-            if key == _GPU_ID:
-                gpu = value
-                self._gpu_pos = k
-                if kernel is not None:
+            if key == first_key:
+                first, first_at = value, k
+                if second is not None:
                     break
-            elif key == _KERNEL_NAME:
-                kernel = value
-                self._kernel_pos = k
-                if gpu is not None:
+            elif key == second_key:
+                second, second_at = value, k
+                if first is not None:
                     break
-            elif key == sc.CUDA_DEVICE:
-                device = value
-        return gpu or device or "unknown", kernel
+            elif key == also_key:
+                also = value
+        return first, second, first_at, second_at, also
 
     def _hot_attribute(self, raw: bytes) -> tuple[str, object]:
         """``(key, what the handlers read)`` of an encoded attribute, cached for the keys in
