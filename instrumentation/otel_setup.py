@@ -4,7 +4,7 @@ Nothing here touches the SDK's global providers, so a process (or a test) may ho
 independent pipelines. Guarantees:
 
 - Spans leave through a :class:`CountingBatchSpanProcessor` into wrapped exporters
-  (``counting_export.py``, re-exported here): bounded queue, drops and failed exports
+  (``counting_export.py``): bounded queue, drops and failed exports
   counted in :class:`TelemetryCounters`, exporter exceptions logged and never raised into
   the application, a backoff while the endpoint is down.
 - ``shutdown`` is bounded by ``shutdown_timeout_s`` even when the endpoint is down.
@@ -48,10 +48,6 @@ from sightline.instrumentation.counting_export import (
 )
 
 __all__ = [
-    "TelemetryCounters",
-    "CountingSpanExporter",
-    "CountingMetricExporter",
-    "CountingBatchSpanProcessor",
     "Providers",
     "build_providers",
     "build_sampler",
