@@ -24,6 +24,7 @@ import argparse
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -226,26 +227,48 @@ def bench_decode(contexts, batch=64, copy_gbs=None) -> list[dict]:
 
 # -- 5. probe --------------------------------------------------------------------------------
 
-def bench_probe(prefill_cfg: dict) -> dict:
+def _probe_cost(launch, probe, rounds: int) -> dict:
+    """Probe on vs off for one launch: ``rounds`` alternating ``do_bench`` medians of each
+    (adjacent, so clock drift hits both), the overhead as the median of paired ratios."""
+    def run(p):
+        launch(p)
+        if p is not None:
+            p.discard()          # keep the slots from filling up: every launch is probed
+    offs, ons = [], []
+    for _ in range(rounds):
+        offs.append(_ms(lambda: run(None)))
+        ons.append(_ms(lambda: run(probe)))
+    ratios = sorted(on / off for on, off in zip(ons, offs))
+    return {"off_ms": statistics.median(offs), "on_ms": statistics.median(ons),
+            "overhead": statistics.median(ratios) - 1.0, "overhead_min": ratios[0] - 1.0,
+            "overhead_max": ratios[-1] - 1.0, "off_ms_runs": offs, "on_ms_runs": ons,
+            "rounds": rounds}
+
+
+def bench_probe(prefill_cfg: dict, rounds: int = 7) -> dict:
+    """The probe's cost on our FlashAttention-2 kernels, at a long-context shape and at the
+    shapes of the llama-8b overhead run (short prompts, batch-64 decode)."""
     out = {}
     probe = SmProbe("cuda", capacity_ctas=1 << 20)
+    for seq, batch in ((4096, 4), (128, 64)):
+        q, k, v, cu, _ = _packed([seq] * batch, [seq] * batch, 32, 8, 128, torch.bfloat16,
+                                 seed=3)
+        out[f"prefill_{seq}x{batch}"] = _probe_cost(
+            lambda p: pf.prefill_attention_triton(q, k, v, cu, cu, seq, seq, SCALE, probe=p,
+                                                  config=prefill_cfg), probe, rounds)
+    for ctx in (16384, 1024):
+        qd, kc, vc, t, lens = _paged(64, [ctx] * 64, 32, 8, 128, 16, torch.bfloat16, seed=5,
+                                     spare=0)
+        out[f"decode_{ctx}_b64"] = _probe_cost(
+            lambda p: pd.paged_decode_attention_triton(qd, kc, vc, t, lens, SCALE, probe=p),
+            probe, rounds)
+    for key, x in out.items():
+        print(f"probe {key}: off {x['off_ms']:.4f} ms, on {x['on_ms']:.4f} ms, "
+              f"{100 * x['overhead']:+.2f} % ({100 * x['overhead_min']:+.2f} .. "
+              f"{100 * x['overhead_max']:+.2f})", flush=True)
     seq, batch = 4096, 4
     q, k, v, cu, _ = _packed([seq] * batch, [seq] * batch, 32, 32, 128, torch.bfloat16, seed=3)
-
-    def pre(p):
-        pf.prefill_attention_triton(q, k, v, cu, cu, seq, seq, SCALE, probe=p, config=prefill_cfg)
-        if p is not None:
-            p.discard()
-    off, on = _ms(lambda: pre(None)), _ms(lambda: pre(probe))
-    out["prefill_4k_b4"] = {"off_ms": off, "on_ms": on, "overhead": on / off - 1.0}
     qd, kc, vc, t, lens = _paged(64, [16384] * 64, 32, 8, 128, 16, torch.bfloat16, seed=5, spare=0)
-
-    def dec(p):
-        pd.paged_decode_attention_triton(qd, kc, vc, t, lens, SCALE, probe=p)
-        if p is not None:
-            p.discard()
-    off, on = _ms(lambda: dec(None)), _ms(lambda: dec(probe))
-    out["decode_16k_b64"] = {"off_ms": off, "on_ms": on, "overhead": on / off - 1.0}
     # what the probe saw on one probed prefill + one decode
     host_before = time.time_ns()
     pf.prefill_attention_triton(q, k, v, cu, cu, seq, seq, SCALE, probe=probe, config=prefill_cfg)
@@ -306,10 +329,15 @@ def _markdown(res: dict) -> str:
     if "probe" in res:
         p = res["probe"]
         lines += ["", "## SM probe overhead (probe on vs off)", "",
-                  "| kernel | off ms | on ms | overhead |", "|---|---|---|---|"]
-        for key in ("prefill_4k_b4", "decode_16k_b64"):
-            x = p[key]
-            lines.append(f"| {key} | {x['off_ms']:.3f} | {x['on_ms']:.3f} | {100 * x['overhead']:+.1f} % |")
+                  "| kernel | off ms | on ms | overhead (median of paired rounds) | range |",
+                  "|---|---|---|---|---|"]
+        for key, x in p.items():
+            if key == "seen":
+                continue
+            rng = (f"{100 * x['overhead_min']:+.2f} .. {100 * x['overhead_max']:+.2f} %"
+                   if "overhead_min" in x else "")
+            lines.append(f"| {key} | {x['off_ms']:.4f} | {x['on_ms']:.4f} | "
+                         f"{100 * x['overhead']:+.2f} % | {rng} |")
         s = p["seen"]
         lines += ["", f"Probe saw SM ids {s['sm_id_min']}..{s['sm_id_max']}; smallest non-zero CTA "
                   f"duration {s['timer_step_ns_min_nonzero']} ns; %globaltimer - host clock at "
@@ -325,6 +353,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    ap.add_argument("--only", choices=("correctness", "copy", "prefill", "decode", "probe"),
+                    nargs="*", help="run these sections only (default: all)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -337,6 +367,8 @@ def main(argv=None) -> int:
     t0 = time.time()
 
     def section(name, fn):
+        if args.only and name not in args.only:
+            return
         # one failing section must not cost the others' device time
         try:
             res[name] = fn()
@@ -364,6 +396,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tag = props.name.replace(" ", "-").lower() + "-" + res["commit"][:8]
+    if args.only:
+        tag += "-" + "-".join(args.only)
     (out / f"kernels-{tag}.json").write_text(json.dumps(res, indent=1, default=str))
     try:
         md = _markdown(res)

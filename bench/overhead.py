@@ -21,8 +21,14 @@ repeat so drift hits all alike:
 * ``+kernel spans +sm probe``     everything
 
 Spans go to an exporter that discards them (the cost measured is the instrumentation's,
-not the network's). Output tokens/s is the median over repeats; ratios are against
-``off``. Then the engine's throughput with telemetry off at 1, 16 and 64 concurrent
+not the network's). Output tokens/s is the median over repeats; each configuration's
+ratio to ``off`` is taken within each repeat (adjacent runs, so slow drift cancels) and
+the median of those paired ratios is reported with their range. Whole-run ratios cannot
+resolve costs below the run-to-run noise (measured on the H200: ±15 % between identical
+runs of short workloads), so after the interleaved repeats ``--in-situ-runs`` further
+runs per configuration time the costs where they are paid: the engine thread's wall time
+inside the span calls (``InSituTimer``), inside GpuTelemetry's begin/end_step, and the
+time of CUPTI's buffer callback (another thread, but it holds the GIL the engine needs). Then the engine's throughput with telemetry off at 1, 16 and 64 concurrent
 requests.
 
 ``profiler``: a separate process (CUPTI allows one activity subscriber), the same engine and
@@ -45,9 +51,11 @@ from pathlib import Path
 
 if __package__:  # imported as bench.<name>
     from bench._discard import DiscardExporter
+    from bench._in_situ import InSituTimer
     from bench._meta import device_name, git_commit, utc_now
 else:  # run as python bench/<name>.py: this folder is sys.path[0]
     from _discard import DiscardExporter
+    from _in_situ import InSituTimer
     from _meta import device_name, git_commit, utc_now
 
 
@@ -56,6 +64,7 @@ class RunResult:
     wall_s: float
     steps: int
     output_tokens: int
+    cupti_callback_s: float = 0.0   # CUPTI buffer callback time during the run (GIL held)
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,9 +177,11 @@ def mode_levels(args) -> dict:
         for name, level, on, cupti, with_probe in configs:
             apply(level, on, cupti, with_probe)
             before = dict(gpu.stats.__dict__) if gpu is not None else {}
+            cb0 = tracer.callback_s if tracer is not None else 0.0
             r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output,
                          seed=rep)
             settle()
+            r.cupti_callback_s = (tracer.callback_s if tracer is not None else 0.0) - cb0
             if gpu is not None and rep > 0:
                 delta = {k: v - before.get(k, 0) for k, v in gpu.stats.__dict__.items()}
                 acc = stats.setdefault(name, {})
@@ -191,13 +202,22 @@ def mode_levels(args) -> dict:
                   f"{r.tokens_per_s:.0f} tok/s, {r.steps} steps, "
                   f"{1000 * r.wall_s / r.steps:.1f} ms/step{extra}", flush=True)
     base = statistics.median(r.tokens_per_s for r in runs["off"])
+    in_situ = _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) \
+        if args.in_situ_runs else {}
     for name, *_ in configs:
         tps = [r.tokens_per_s for r in runs[name]]
         med = statistics.median(tps)
+        paired = [r.tokens_per_s / o.tokens_per_s for r, o in zip(runs[name], runs["off"])]
         out["configs"].append({"config": name, "tokens_per_s_median": med, "tokens_per_s_runs": tps,
-                               "ratio_vs_off": med / base, "steps": runs[name][0].steps,
+                               "ratio_vs_off": med / base,
+                               "paired_ratio_vs_off_median": statistics.median(paired),
+                               "paired_ratio_vs_off_runs": paired,
+                               "steps": runs[name][0].steps,
                                "ms_per_step_median": 1000 * statistics.median(
                                    r.wall_s / r.steps for r in runs[name]),
+                               "cupti_callback_share_median": statistics.median(
+                                   r.cupti_callback_s / r.wall_s for r in runs[name]),
+                               "in_situ": in_situ.get(name),
                                "gpu_telemetry_stats": stats.get(name)})
     if gpu is not None:
         out["cupti"] = {"available": cupti_ok,
@@ -223,6 +243,36 @@ def mode_levels(args) -> dict:
     engine.shutdown()
     for tel, _ in tels.values():
         tel.shutdown()
+    return out
+
+
+def _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) -> dict:
+    """Per configuration, ``args.in_situ_runs`` more runs with the span calls timed in place:
+    shares of the run's wall time spent in span calls and GpuTelemetry's engine-thread calls
+    (both on the engine thread: an upper bound of what they cost the engine), and in
+    CUPTI's buffer callback (its thread; it competes for the GIL). Medians over the runs."""
+    out = {}
+    for name, level, on, cupti, with_probe in configs:
+        if level == "off":
+            continue
+        apply(level, on, cupti, with_probe)
+        shares = {"span_calls": [], "gpu_engine_thread": [], "cupti_callback": []}
+        for i in range(args.in_situ_runs):
+            g0 = gpu.stats.engine_thread_s if gpu is not None else 0.0
+            cb0 = tracer.callback_s if tracer is not None else 0.0
+            with InSituTimer() as timer:
+                r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output,
+                             seed=50 + i)
+            settle()
+            g = (gpu.stats.engine_thread_s - g0) if (gpu is not None and on) else 0.0
+            cb = (tracer.callback_s - cb0) if tracer is not None else 0.0
+            shares["span_calls"].append(timer.ns * 1e-9 / r.wall_s)
+            shares["gpu_engine_thread"].append(g / r.wall_s)
+            shares["cupti_callback"].append(cb / r.wall_s)
+        out[name] = {k: statistics.median(v) for k, v in shares.items()}
+        out[name]["runs"] = args.in_situ_runs
+        print(f"in situ {name}: " + ", ".join(f"{k} {100 * v:.3f} %" for k, v in out[name].items()
+                                             if k != "runs"), flush=True)
     return out
 
 
@@ -303,10 +353,22 @@ def report(out_dir: Path) -> str:
             w = body["workload"]
             lines += [f"{w['requests']} concurrent requests, prompt {w['prompt']}, output "
                       f"{w['output']} tokens, median of {w['repeats']} interleaved repeats.", "",
-                      "| config | output tok/s | vs off | ms/step |", "|---|---|---|---|"]
+                      "| config | output tok/s | vs off | paired vs off (range) | ms/step "
+                      "| in situ: span calls / GPU telemetry / CUPTI callback, % of wall |",
+                      "|---|---|---|---|---|---|"]
             for c in body["configs"]:
+                paired = ""
+                if "paired_ratio_vs_off_median" in c:
+                    runs_ = c["paired_ratio_vs_off_runs"]
+                    paired = (f"{c['paired_ratio_vs_off_median']:.3f} "
+                              f"({min(runs_):.3f}-{max(runs_):.3f})")
+                situ = c.get("in_situ") or {}
+                situ_s = " / ".join(f"{100 * situ[k]:.2f}" for k in
+                                    ("span_calls", "gpu_engine_thread", "cupti_callback")
+                                    if k in situ)
                 lines.append(f"| {c['config']} | {c['tokens_per_s_median']:.0f} | "
-                             f"{c['ratio_vs_off']:.3f} | {c['ms_per_step_median']:.2f} |")
+                             f"{c['ratio_vs_off']:.3f} | {paired} | "
+                             f"{c['ms_per_step_median']:.2f} | {situ_s} |")
             if "cupti" in body:
                 lines += ["", f"CUPTI: {body['cupti']}; GPU telemetry totals: "
                           f"{body.get('gpu_telemetry_stats_total')}"]
@@ -341,6 +403,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64])
     ap.add_argument("--capture", default=None)
     ap.add_argument("--capture-ratio", type=float, default=0.05)
+    ap.add_argument("--in-situ-runs", type=int, default=3,
+                    help="levels: runs per configuration with the costs timed in place")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.mode == "report":

@@ -42,9 +42,11 @@ from sightline.instrumentation.tracing import Telemetry
 
 if __package__:  # imported as bench.<name>
     from bench._discard import DiscardExporter
+    from bench._in_situ import InSituTimer
     from bench._meta import git_commit
 else:  # run as python bench/<name>.py: this folder is sys.path[0]
     from _discard import DiscardExporter
+    from _in_situ import InSituTimer
     from _meta import git_commit
 
 RESULTS = Path(__file__).parent / "results" / "tracing_overhead_cpu.json"
@@ -126,57 +128,6 @@ def _measure(fn, iterations: int, repeats: int) -> dict:
             "iterations": iterations}
 
 
-class _InSituTimer:
-    """Times every tracing call the engine makes, in place (wall ns inside the calls).
-
-    Patches the public methods of Telemetry, RequestTrace and StepTrace with a timing
-    wrapper for the duration of a ``with`` block. The wrapper's own cost (two
-    ``perf_counter_ns`` calls, ~0.1-0.3 µs) is included, so the figure is an upper bound.
-    """
-
-    METHODS = {
-        "Telemetry": ("start_request", "start_step"),
-        "RequestTrace": ("start_phase", "end_phase", "link_step", "preempted", "first_token",
-                         "finish"),
-        "StepTrace": ("end",),
-    }
-
-    def __init__(self) -> None:
-        self.ns = 0
-        self.calls = 0
-        self._saved: list[tuple[type, str, object]] = []
-
-    def __enter__(self) -> "_InSituTimer":
-        from sightline.instrumentation import tracing
-
-        for class_name, names in self.METHODS.items():
-            cls = getattr(tracing, class_name)
-            for name in names:
-                original = getattr(cls, name)
-                self._saved.append((cls, name, original))
-                setattr(cls, name, self._wrap(original))
-        return self
-
-    def _wrap(self, fn):
-        timer = self
-        clock = time.perf_counter_ns
-
-        def timed(*args, **kwargs):
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                timer.ns += clock() - t0
-                timer.calls += 1
-
-        return timed
-
-    def __exit__(self, *exc) -> None:
-        for cls, name, original in reversed(self._saved):
-            setattr(cls, name, original)
-        self._saved.clear()
-
-
 def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: int,
                       repeats: int) -> list[dict]:
     """The tiny model on the CPU, offline (no HTTP), at each level: wall time of the engine
@@ -225,7 +176,7 @@ def engine_comparison(levels: list[TraceLevel], num_requests: int, max_tokens: i
         for level in levels:
             runs[level].append(one_run(*engines[level]))
         for level in levels:  # separate timed runs, so the wrapper never inflates the above
-            with _InSituTimer() as timer:
+            with InSituTimer() as timer:
                 wall, _, _ = one_run(*engines[level])
             in_situ[level].append((timer.ns, timer.calls, wall))
     out = []

@@ -32,15 +32,18 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = ["CuptiTracer", "KernelRecord", "MemcpyRecord", "TraceBatch", "cupti_available"]
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class KernelRecord:
-    """One kernel execution as CUPTI saw it. Times are CUPTI ns (Unix epoch based)."""
+class KernelRecord(NamedTuple):
+    """One kernel execution as CUPTI saw it. Times are CUPTI ns (Unix epoch based).
+
+    A named tuple, not a dataclass: CUPTI's thread builds one per kernel (hundreds per
+    engine step), and a tuple costs a fraction of a frozen dataclass's ``__init__``."""
 
     name: str
     start_ns: int
@@ -64,14 +67,10 @@ class KernelRecord:
         return (self.end_ns - self.start_ns) * 1e-9
 
     def with_external_id(self, external_id: int | None) -> KernelRecord:
-        return KernelRecord(self.name, self.start_ns, self.end_ns, self.grid, self.block,
-                            self.registers_per_thread, self.static_shared_memory_bytes,
-                            self.dynamic_shared_memory_bytes, self.stream_id, self.device_id,
-                            self.correlation_id, external_id)
+        return self._replace(external_id=external_id)
 
 
-@dataclass(frozen=True)
-class MemcpyRecord:
+class MemcpyRecord(NamedTuple):
     """One memory copy. ``copy_kind`` is CUPTI's ActivityMemcpyKind name (e.g. HTOD)."""
 
     copy_kind: str
@@ -150,7 +149,11 @@ class CuptiTracer:
         self.buffers_completed = 0
         self.records_seen = 0
         self.callback_s = 0.0      # time in our buffer-completed callback (CUPTI's thread)
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue_records)
+        self.max_queue_records = max_queue_records
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # one item per CUPTI buffer
+        # records queued = in - out; each counter has one writer (CUPTI's thread, drain)
+        self._records_in = 0
+        self._records_out = 0
         self._ext: OrderedDict[int, int] = OrderedDict()   # correlation id -> external id
         self._unmatched: list = []
         self._api_calls = 0
@@ -303,36 +306,43 @@ class CuptiTracer:
         return self.buffer_bytes, 0
 
     def _buffer_completed(self, activities) -> None:
+        # Hot: runs once per record of every kernel the engine launches, on CUPTI's thread,
+        # holding the GIL the engine thread needs. Plain tuples, locals, and one queue put
+        # per buffer (not per record).
         t0 = time.perf_counter()
         try:
             cupti = self._cupti
-            k_kernel = cupti.ActivityKind.CONCURRENT_KERNEL
-            k_ext = cupti.ActivityKind.EXTERNAL_CORRELATION
-            k_memcpy = cupti.ActivityKind.MEMCPY
-            put = self._queue.put_nowait
-            api = 0
-            self.buffers_completed += 1
+            k_kernel = int(cupti.ActivityKind.CONCURRENT_KERNEL)
+            k_ext = int(cupti.ActivityKind.EXTERNAL_CORRELATION)
+            k_memcpy = int(cupti.ActivityKind.MEMCPY)
+            ext_kind = int(self._ext_kind)
+            kernels, links, memcpys = [], [], []
+            add_kernel, add_link = kernels.append, links.append
             for a in activities:
                 kind = a.kind
-                try:
-                    if kind == k_kernel:
-                        put(KernelRecord(
-                            a.name, a.start, a.end, (a.grid_x, a.grid_y, a.grid_z),
-                            (a.block_x, a.block_y, a.block_z), a.registers_per_thread,
-                            a.static_shared_memory, a.dynamic_shared_memory, a.stream_id,
-                            a.device_id, a.correlation_id))
-                    elif kind == k_ext:
-                        if a.external_kind == self._ext_kind:
-                            put((a.correlation_id, a.external_id))
-                    elif kind == k_memcpy:
-                        put(MemcpyRecord(_memcpy_kind_name(cupti, a.copy_kind), a.bytes, a.start,
-                                         a.end, a.stream_id, a.device_id, a.correlation_id))
-                    else:
-                        api += 1
-                except queue.Full:
-                    self.dropped_records += 1
-            self._api_calls += api
-            self.records_seen += len(activities)
+                if kind == k_kernel:
+                    add_kernel(KernelRecord(
+                        a.name, a.start, a.end, (a.grid_x, a.grid_y, a.grid_z),
+                        (a.block_x, a.block_y, a.block_z), a.registers_per_thread,
+                        a.static_shared_memory, a.dynamic_shared_memory, a.stream_id,
+                        a.device_id, a.correlation_id))
+                elif kind == k_ext:
+                    if a.external_kind == ext_kind:
+                        add_link((a.correlation_id, a.external_id))
+                elif kind == k_memcpy:
+                    memcpys.append(MemcpyRecord(_memcpy_kind_name(cupti, a.copy_kind), a.bytes,
+                                                a.start, a.end, a.stream_id, a.device_id,
+                                                a.correlation_id))
+            n = len(activities)
+            kept = len(kernels) + len(links) + len(memcpys)
+            self.buffers_completed += 1
+            self.records_seen += n
+            self._api_calls += n - kept
+            if self._records_in - self._records_out + kept > self.max_queue_records:
+                self.dropped_records += kept
+            elif kept:
+                self._records_in += kept
+                self._queue.put_nowait((kernels, links, memcpys, kept))
         except Exception:  # never raise into CUPTI's thread
             logger.exception("CUPTI buffer processing failed")
         self.callback_s += time.perf_counter() - t0
@@ -358,15 +368,13 @@ class CuptiTracer:
         memcpys: list[MemcpyRecord] = []
         while True:
             try:
-                item = self._queue.get_nowait()
+                buf_kernels, buf_links, buf_memcpys, kept = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(item, tuple):
-                self._ext[item[0]] = item[1]
-            elif isinstance(item, KernelRecord):
-                kernels.append((item, 0))
-            else:
-                memcpys.append(item)
+            self._records_out += kept
+            self._ext.update(buf_links)
+            kernels.extend((k, 0) for k in buf_kernels)
+            memcpys.extend(buf_memcpys)
         while len(self._ext) > 4 * self.max_unmatched:   # bounded map, oldest first
             self._ext.popitem(last=False)
         out_k: list[KernelRecord] = []

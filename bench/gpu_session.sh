@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# One lent-GPU call: install what the device machine lacks, then run the named parts, each
+# under its own time limit so that one slow part cannot cost the others' results.
+#
+#   bash bench/gpu_session.sh overhead probe tests      # parts, in the order given
+#
+# Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
+# probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
+# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests).
+# Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
+# with the commit and device they came from in their names.
+#
+# The device machine has torch, triton and numpy but no network: the remaining wheels come
+# from .whl/ (carried; see the device README for how they were downloaded), installed into
+# /tmp/site, and the project itself into /tmp/site2, without its dependencies.
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . \
+    >>"$OUT/pip.log" 2>&1
+export PYTHONPATH=/tmp/site2:/tmp/site
+export SIGHTLINE_FA2_PREFILL_CONFIG=${SIGHTLINE_FA2_PREFILL_CONFIG:-128,64,8,3}
+# the device gets a copy of the tree without .git: the caller passes SIGHTLINE_COMMIT
+export SIGHTLINE_COMMIT=${SIGHTLINE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+commit=${SIGHTLINE_COMMIT:0:8}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv >"$OUT/nvidia-smi.csv" 2>&1
+
+part() {  # name, limit in seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    echo "== $name rc=$? $(date -u +%H:%M:%S)"
+    tail -n 25 "$OUT/$name.log"
+}
+
+for p in "$@"; do
+    case $p in
+    tests) part "gpu-tests-$commit" 240 python3 -m pytest -q -m gpu \
+        tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
+        tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
+        tests/engine/test_metrics.py ;;
+    probe) part "probe-$commit" 180 python3 bench/kernels.py --only probe --out "$OUT" ;;
+    kernels) part "kernels-$commit" 420 python3 bench/kernels.py --out "$OUT" ;;
+    overhead) part "overhead-levels-$commit" 420 python3 bench/overhead.py --mode levels \
+        --requests 64 --prompt 128 --output 48 --repeats 5 --in-situ-runs 2 \
+        --batches 1 64 --out "$OUT" ;;
+    profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
+        --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
+    capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
+    *) echo "unknown part: $p" ;;
+    esac
+done
