@@ -39,13 +39,13 @@ part() {  # name, limit in seconds, command...
 
 for p in "$@"; do
     case $p in
-    tests) part "gpu-tests-$commit" 240 python3 -m pytest -q -m gpu \
+    tests) part "gpu-tests-$commit" 150 python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
-    probe) part "probe-$commit" 180 python3 bench/kernels.py --only probe --out "$OUT" ;;
+    probe) part "probe-$commit" 120 python3 bench/kernels.py --only probe --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 bench/kernels.py --out "$OUT" ;;
-    overhead) part "overhead-levels-$commit" 420 python3 bench/overhead.py --mode levels \
+    overhead) part "overhead-levels-$commit" 330 python3 bench/overhead.py --mode levels \
         --requests 64 --prompt 128 --output 48 --repeats 5 --in-situ-runs 2 \
         --batches 1 64 --out "$OUT" ;;
     profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
