@@ -4,36 +4,55 @@ The contract: kernel spans (CUPTI, GPU timestamps) are children of their ``engin
 span and lie inside its time in at least 99.9 % of cases.
 
     python bench/kernel_containment.py deploy/captures/h200-20261130.jsonl.gz
+
+``step_containment`` takes any iterable of OTLP spans (``capture_spans`` yields a
+capture's), so other scripts apply the same rule to spans they already hold.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.capture import read_capture
 
+__all__ = ["capture_spans", "containment", "step_containment"]
 
-def containment(path: str) -> dict:
-    steps: dict[bytes, tuple[int, int]] = {}
-    children: list[tuple[bytes, int, int]] = []
+
+def capture_spans(path: str | Path) -> Iterator[Span]:
+    """Every span of a capture, in file order."""
     for signal, _, request in read_capture(path):
         if signal != "traces":
             continue
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
-                for span in scope_spans.spans:
-                    if span.name == semconv.SPAN_ENGINE_STEP:
-                        steps[span.span_id] = (span.start_time_unix_nano, span.end_time_unix_nano)
-                    elif span.parent_span_id:
-                        children.append((span.parent_span_id, span.start_time_unix_nano,
-                                         span.end_time_unix_nano))
+                yield from scope_spans.spans
+
+
+def step_containment(spans: Iterable[Span]) -> dict:
+    """Steps, kernel spans (children of a step span) and how many lie inside their step's time."""
+    steps: dict[bytes, tuple[int, int]] = {}
+    children: list[tuple[bytes, int, int]] = []
+    for span in spans:
+        if span.name == semconv.SPAN_ENGINE_STEP:
+            steps[span.span_id] = (span.start_time_unix_nano, span.end_time_unix_nano)
+        elif span.parent_span_id:
+            children.append((span.parent_span_id, span.start_time_unix_nano, span.end_time_unix_nano))
+    # File order is export order, not parent-first: join only once every step is known.
     kernels = [(parent, start, end) for parent, start, end in children if parent in steps]
     inside = sum(1 for parent, start, end in kernels
                  if steps[parent][0] <= start and end <= steps[parent][1])
-    return {"capture": path, "steps": len(steps), "kernel_spans": len(kernels),
-            "inside_step": inside, "fraction_inside": inside / len(kernels) if kernels else None}
+    return {"steps": len(steps), "kernel_spans": len(kernels), "inside_step": inside,
+            "fraction_inside": inside / len(kernels) if kernels else None}
+
+
+def containment(path: str) -> dict:
+    return {"capture": path, **step_containment(capture_spans(path))}
 
 
 if __name__ == "__main__":
