@@ -10,15 +10,14 @@
 tokens (ignore_eos), offline (no HTTP) — under each configuration, interleaved within each
 repeat so drift hits all alike:
 
-* ``off``                         tracing off (the branch only)
-* ``requests+steps``              request and step spans (level ``steps``)
-* ``+sm probe only``              level ``kernels`` machinery with CUPTI paused: the per-CTA
-                                  SM probe and its on-GPU histograms
-* ``+cupti kernel records only``  CUPTI kernel records without API/correlation records
-                                  (no step join): the cost of recording kernels
-* ``+kernel spans``               CUPTI with launch-API and correlation records, kernel
-                                  spans for sampled + tail steps, probe off
-* ``+kernel spans +sm probe``     everything
+* ``off``                      tracing off (the branch only)
+* ``requests+steps``           request and step spans (level ``steps``)
+* ``+sm probe``                level ``kernels`` without kernel spans: the per-CTA SM probe in
+                               our FlashAttention-2 kernels and its on-GPU histograms
+* ``+kernel spans``            CUPTI kernel spans for the steps the default policy keeps
+                               (a sampled 1 %, and the steps after a step slower than the
+                               recent P99), probe off
+* ``+kernel spans +sm probe``  everything
 
 Spans go to an exporter that discards them (the cost measured is the instrumentation's,
 not the network's). Output tokens/s is the median over repeats; each configuration's
@@ -141,28 +140,23 @@ def mode_levels(args) -> dict:
     probe = gpu.probe if gpu is not None else None
     tracer = gpu.tracer if gpu is not None else None
     cupti_ok = tracer is not None and tracer.available
-    # name, level, GpuTelemetry on, CUPTI: None (paused) | "kernels" (kernel records only)
-    # | "all" (kernel + API + external correlation records), probe on
-    configs = [("off", "off", False, None, False),
-               ("requests+steps", "steps", False, None, False),
-               ("+sm probe only", "kernels", True, None, True),
-               ("+cupti kernel records only", "kernels", True, "kernels", False),
-               ("+kernel spans", "kernels", True, "all", False),
-               ("+kernel spans +sm probe", "kernels", True, "all", True)]
-    state = {"cupti": "all" if cupti_ok else None}
+    print(f"kernel spans: CUPTI {'available' if cupti_ok else 'unavailable'}, sample ratio "
+          f"{gpu.config.kernel_sample_ratio if gpu else None}, after a slow step "
+          f"{gpu.config.tail_follow_steps if gpu else None} steps", flush=True)
+    # name, level, GpuTelemetry on, kernel spans (CUPTI per traced step), SM probe on
+    configs = [("off", "off", False, False, False),
+               ("requests+steps", "steps", False, False, False),
+               ("+sm probe", "kernels", True, False, True),
+               ("+kernel spans", "kernels", True, True, False),
+               ("+kernel spans +sm probe", "kernels", True, True, True)]
 
-    def apply(level: str, on: bool, cupti: str | None, with_probe: bool) -> None:
+    def apply(level: str, on: bool, kernel_spans: bool, with_probe: bool) -> None:
         engine.telemetry = tels[level][0]
         g = gpu if on else None
         engine.gpu_telemetry = engine.runner.gpu_telemetry = g
         if gpu is not None:
             gpu.probe = probe if with_probe else None
-        if cupti_ok and cupti != state["cupti"]:
-            if state["cupti"] is not None:
-                tracer.pause()
-            if cupti is not None:
-                tracer.resume(api_records=cupti == "all")
-            state["cupti"] = cupti
+            gpu.tracer = tracer if kernel_spans else None
 
     def settle() -> None:
         _sync(args.device)
@@ -174,8 +168,8 @@ def mode_levels(args) -> dict:
     runs: dict[str, list[RunResult]] = {c[0]: [] for c in configs}
     stats: dict[str, dict] = {}
     for rep in range(args.repeats + 1):                        # repeat 0 is the warm-up
-        for name, level, on, cupti, with_probe in configs:
-            apply(level, on, cupti, with_probe)
+        for name, level, on, kernel_spans, with_probe in configs:
+            apply(level, on, kernel_spans, with_probe)
             before = dict(gpu.stats.__dict__) if gpu is not None else {}
             cb0 = tracer.callback_s if tracer is not None else 0.0
             r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output,
@@ -227,7 +221,7 @@ def mode_levels(args) -> dict:
                         "buffers": getattr(tracer, "buffers_completed", None),
                         "api_cbids_disabled": getattr(tracer, "api_cbids_disabled", None)}
     out["spans_exported"] = {lvl: (sink.spans if sink else 0) for lvl, (_, sink) in tels.items()}
-    apply("off", False, None, False)
+    apply("off", False, False, False)
     out["throughput_off"] = []
     for n in args.batches:
         res = [run_once(engine, tels["off"][0], n, args.prompt, args.output, seed=100 + n)
@@ -239,7 +233,7 @@ def mode_levels(args) -> dict:
                                           r.wall_s / r.steps for r in res)})
         print(f"[{time.perf_counter() - t_start:.1f}s] throughput off, {n} concurrent: "
               f"{best:.0f} tok/s", flush=True)
-    apply("kernels", True, "all" if cupti_ok else None, True)
+    apply("kernels", True, True, True)
     engine.shutdown()
     for tel, _ in tels.values():
         tel.shutdown()
@@ -252,10 +246,10 @@ def _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) -> di
     (both on the engine thread: an upper bound of what they cost the engine), and in
     CUPTI's buffer callback (its thread; it competes for the GIL). Medians over the runs."""
     out = {}
-    for name, level, on, cupti, with_probe in configs:
+    for name, level, on, kernel_spans, with_probe in configs:
         if level == "off":
             continue
-        apply(level, on, cupti, with_probe)
+        apply(level, on, kernel_spans, with_probe)
         shares = {"span_calls": [], "gpu_engine_thread": [], "cupti_callback": []}
         for i in range(args.in_situ_runs):
             g0 = gpu.stats.engine_thread_s if gpu is not None else 0.0

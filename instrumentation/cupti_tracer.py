@@ -19,9 +19,12 @@ Availability: CUPTI allows one activity subscriber per process on the H200's dri
 already holds CUPTI, ``start()`` returns False and ``unavailable_reason`` says why, in
 words; the caller continues without kernel spans. Nothing here raises into the engine.
 
-Cost: one push and one pop (two CUPTI calls, ~µs) per step on the engine thread; CUPTI's
-own per-launch overhead (a few µs per API call with RUNTIME/DRIVER on); one Python
-object per kernel/memcpy record on CUPTI's thread.
+Cost: nothing while its kinds are off (``disable``); GpuTelemetry switches them on only
+for the steps whose kernels it keeps (``enable``, ``push`` ... ``pop``, ``disable``).
+While on: CUPTI's own per-launch overhead (a few µs per API call with RUNTIME/DRIVER on)
+and, on CUPTI's thread, cupti-python's Python object per record plus one tuple per
+kernel/memcpy here — measured on the H200 at ~20 µs per record including the GIL waits,
+far too much to leave on for every step of an eager engine (~1,500 records per step).
 """
 
 from __future__ import annotations
@@ -143,6 +146,7 @@ class CuptiTracer:
         self.hold_drains = hold_drains
         self.api_filter = api_filter
         self.api_cbids_disabled = 0
+        self._filtered_cbids: list | None = None   # (enable function, cbid) pairs switched off
         self.available = False
         self.unavailable_reason = "not started"
         self.dropped_records = 0
@@ -215,24 +219,32 @@ class CuptiTracer:
         cupti-python's per-record Python objects on CUPTI's thread competing for the GIL.
         External correlation only needs the launch calls. If CUPTI refuses per-cbid
         control, all API records stay on (slower, still correct) and a warning says so."""
-        keep = ("Launch", "Memcpy", "Memset")
-        disabled = 0
-        try:
-            for enum_cls, fn in ((cupti.driver_api_trace_cbid, cupti.activity_enable_driver_api),
-                                 (cupti.runtime_api_trace_cbid, cupti.activity_enable_runtime_api)):
-                for member in enum_cls:
-                    name = member.name
-                    if name in ("INVALID", "SIZE", "FORCE_INT") or any(k in name for k in keep):
-                        continue
-                    try:
-                        fn(int(member), 0)
-                        disabled += 1
-                    except Exception:
-                        pass   # a cbid this driver does not know
-        except Exception as exc:
-            logger.warning("CUPTI per-API filtering unavailable (%s); recording all API calls",
-                           exc)
-        self.api_cbids_disabled = disabled
+        if self._filtered_cbids is None:     # learn once which calls CUPTI accepts
+            keep = ("Launch", "Memcpy", "Memset")
+            accepted = []
+            try:
+                for enum_cls, fn in ((cupti.driver_api_trace_cbid,
+                                      cupti.activity_enable_driver_api),
+                                     (cupti.runtime_api_trace_cbid,
+                                      cupti.activity_enable_runtime_api)):
+                    for member in enum_cls:
+                        name = member.name
+                        if name in ("INVALID", "SIZE", "FORCE_INT") or any(k in name
+                                                                           for k in keep):
+                            continue
+                        try:
+                            fn(int(member), 0)
+                            accepted.append((fn, int(member)))
+                        except Exception:
+                            pass   # a cbid this driver does not know
+            except Exception as exc:
+                logger.warning("CUPTI per-API filtering unavailable (%s); recording all API "
+                               "calls", exc)
+            self._filtered_cbids = accepted
+            self.api_cbids_disabled = len(accepted)
+            return
+        for fn, cbid in self._filtered_cbids:
+            fn(cbid, 0)
 
     def _unavailable(self, why: str) -> bool:
         self.available = False
@@ -263,6 +275,30 @@ class CuptiTracer:
         with CuptiTracer._class_lock:
             if CuptiTracer._active is self:
                 CuptiTracer._active = None
+
+    def enable(self) -> None:
+        """Switches the activity kinds on (per traced step; no flush). Re-applies the API
+        filter, since re-enabling a kind may reset CUPTI's per-API choices (~1,000 cheap
+        CUPTI calls, paid only by traced steps)."""
+        if self.available:
+            try:
+                for kind in self._kinds:
+                    self._cupti.activity_enable(kind)
+                if self.api_filter:
+                    self._filter_api_records(self._cupti)
+            except Exception:
+                logger.exception("CUPTI enable failed")
+
+    def disable(self) -> None:
+        """Switches the activity kinds off: no records and no per-launch CUPTI cost until
+        ``enable``. Records already made stay in their buffer until it completes or a
+        ``flush``."""
+        if self.available:
+            try:
+                for kind in self._kinds:
+                    self._cupti.activity_disable(kind)
+            except Exception:
+                logger.exception("CUPTI disable failed")
 
     def pause(self) -> None:
         """Disables the activity kinds (no records, no CUPTI cost) but keeps the tracer;

@@ -4,25 +4,31 @@ Contract (TEAM.md): ``GpuTelemetry.create(telemetry, device_index)`` -> instance
 ``.probe`` goes to the attention ops (None = off); ``begin_step(step_trace)`` /
 ``end_step(step_trace)`` bracket each engine step on the engine thread; ``shutdown()``.
 
-On the engine thread each step costs: a CUPTI external-correlation push and pop, one
-device-side copy of the step's probe records (24 bytes per CTA, stream-ordered) and a
-queue put. Everything else happens on one worker thread:
+On the engine thread each step costs: one random draw, one device-side copy of the step's
+probe records (24 bytes per CTA, stream-ordered) and a queue put; a traced step also
+switches CUPTI's activity kinds on and off around its launches and pushes and pops its
+external-correlation id. Everything else happens on one worker thread:
 
 1. The step's probe records are reduced ON THE GPU (``sm_histograms``: a handful of torch
    ops on the worker's own stream, ordered after the step by an event; no host sync) into
    per-(gpu, SM, kernel) exponential histograms, always on, with an exemplar per key
    pointing at the step span whose CTA on that SM was slowest in the export interval.
    Records come to the host only for steps whose kernel spans are emitted.
-2. The policy decides per step as soon as the worker takes it (its wall duration is known
-   then): kernel spans for a sampled fraction of steps (``kernel_sample_ratio``) and for
-   every step slower than the P99 of the recent ``tail_window_steps`` (tail-biased: the
-   slow steps are the ones someone will ask about). CUPTI records arrive later (CUPTI's
-   thread, a queue); the worker joins them to the traced steps by external id and emits
-   the spans once a step's records went quiet (``settle_s``) or ``max_wait_s`` passed;
-   untraced steps' kernels are only counted. Kernel spans are children of the
-   step span, timestamped with the GPU's start/end, with grid, block, registers, shared
-   memory, stream, device, and for probed kernels SMs used, waves, slowest SM, CTAs and
-   CTA-duration spread.
+2. Kernel spans come from CUPTI, switched on only for the steps they are kept for. The
+   policy decides when a step BEGINS (on the engine thread, one random draw): a sampled
+   fraction of steps (``kernel_sample_ratio``), and the ``tail_follow_steps`` steps after
+   any step slower than the P99 of the recent ``tail_window_steps`` (the worker compares
+   each step's wall duration with that quantile when it takes the step; a slow step's
+   cause — a long prefill chunk, a large batch — usually persists for the next steps).
+   Why not record every step and keep the slow ones afterwards: measured on the H200
+   (llama-8b shape, 64 concurrent), CUPTI recording every kernel of every step cut output
+   tokens/s to ~0.1x, because cupti-python hands each record to Python (~1,500 records per
+   step of an eager engine) on a thread that holds the GIL and CUPTI's lock.
+   The worker joins the records to the traced steps by external id and emits the spans
+   once a step's records went quiet (``settle_s``) or ``max_wait_s`` passed. Kernel spans
+   are children of the step span, timestamped with the GPU's start/end, with grid, block,
+   registers, shared memory, stream, device, and for probed kernels SMs used, waves,
+   slowest SM, CTAs and CTA-duration spread.
 3. Every ``export_interval_s`` the histograms go out as OTLP metric
    ``gpu.kernel.cta.duration`` (unit s, delta temporality) through the OTLP metric
    exporter of the telemetry's config, and into its capture file when one is set
@@ -53,6 +59,7 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 
 logger = logging.getLogger(__name__)
 _SPAN_NAME_MAX = 160
+_FLUSH_AFTER_NS = 50_000_000   # a traced step's kernels have finished well within this
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ class GpuTelemetryConfig:
     tail_quantile: float = 0.99         # steps slower than this quantile are always traced
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
+    tail_follow_steps: int = 4          # steps traced after a step slower than the quantile
     settle_s: float = 1.0               # quiet time after a traced step's last CUPTI record
     max_wait_s: float = 10.0            # give up waiting for a traced step's records
     cupti: bool = True                  # kernel spans (CUPTI)
@@ -82,6 +90,8 @@ class GpuTelemetryConfig:
         if not 1 <= self.tail_min_steps <= self.tail_window_steps:
             raise ValueError(f"tail_min_steps={self.tail_min_steps} not in "
                              f"[1, tail_window_steps={self.tail_window_steps}]")
+        if not 0 <= self.tail_follow_steps <= 1_000:
+            raise ValueError(f"tail_follow_steps={self.tail_follow_steps} not in [0, 1000]")
         if not 0.0 <= self.settle_s <= 60.0:
             raise ValueError(f"settle_s={self.settle_s} not in [0, 60]")
         if not self.settle_s <= self.max_wait_s <= 600.0:
@@ -95,9 +105,10 @@ class GpuTelemetryConfig:
 
 
 class TailPolicy:
-    """Decides per step: "tail" if slower than the recent quantile, else "sampled" with
-    probability ``ratio``, else "" (no kernel spans). The quantile is over the previous
-    ``window`` steps (the current one excluded); O(window) per decision."""
+    """Which steps get kernel spans. ``sample()`` (engine thread, when a step begins): True
+    with probability ``ratio``. ``is_tail(duration_s)`` (worker, when a step ended): True if
+    the step was slower than the ``quantile`` of the previous ``window`` steps (the current
+    one excluded; no rule before ``min_steps``); O(window) per call."""
 
     def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
                  rng: random.Random) -> None:
@@ -110,14 +121,13 @@ class TailPolicy:
         return float(np.quantile(np.fromiter(self._recent, float), self.quantile,
                                  method="higher"))
 
-    def decide(self, duration_s: float) -> str:
+    def is_tail(self, duration_s: float) -> bool:
         limit = self.threshold()
         self._recent.append(duration_s)
-        if limit is not None and duration_s > limit:
-            return "tail"
-        if self.ratio > 0.0 and self.rng.random() < self.ratio:
-            return "sampled"
-        return ""
+        return limit is not None and duration_s > limit
+
+    def sample(self) -> bool:
+        return self.ratio > 0.0 and self.rng.random() < self.ratio
 
 
 @dataclass
@@ -125,7 +135,8 @@ class GpuTelemetryStats:
     steps: int = 0
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
-    steps_traced_tail: int = 0
+    steps_traced_tail: int = 0      # traced because a recent step was slower than the P99
+    tail_steps: int = 0             # steps slower than the recent P99
     kernel_spans: int = 0
     kernels_seen: int = 0
     kernels_unmatched: int = 0      # CUPTI kernels with no known step (outside steps, late)
@@ -150,8 +161,9 @@ class _Step:
     end_ns: int
     pending: object | None                     # PendingCtas
     ctas: object | None = None                 # PendingCtas; to the host only if traced
-    reason: str = ""                           # "sampled" | "tail" | "" (decided on arrival)
+    reason: str = ""                           # "sampled" | "after_tail" | "" (at begin_step)
     last_match_ns: int = 0                     # wall time a kernel was last joined to it
+    flushed: bool = False                      # CUPTI was asked to deliver its records
     kernels: list[KernelRecord] = field(default_factory=list)
 
 
@@ -171,9 +183,12 @@ class GpuTelemetry:
                                  config.tail_window_steps, config.tail_min_steps,
                                  random.Random(config.seed))
         self.tracer = CuptiTracer() if config.cupti else None
-        if self.tracer is not None and not self.tracer.start():
-            logger.warning("GPU telemetry continues without kernel spans: %s",
-                           self.tracer.unavailable_reason)
+        if self.tracer is not None:
+            if self.tracer.start():
+                self.tracer.disable()       # idle until a traced step switches it on
+            else:
+                logger.warning("GPU telemetry continues without kernel spans: %s",
+                               self.tracer.unavailable_reason)
         self.probe: SmProbe | None = None
         self.histograms = None
         self._side = None
@@ -190,7 +205,8 @@ class GpuTelemetry:
                            else metric_exporters_from(telemetry))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
         self._next_ext = 1
-        self._open: int | None = None
+        self._open: tuple[int, str] | None = None  # the running step: (external id, reason)
+        self._follow = 0          # steps still to trace after a slow one (worker sets it)
         self._awaiting: dict[int, _Step] = {}     # traced steps waiting for CUPTI records
         self._skipped: deque[int] = deque()        # recent untraced steps' external ids
         self._skipped_set: set[int] = set()
@@ -228,16 +244,25 @@ class GpuTelemetry:
 
     # -- engine thread ----------------------------------------------------------------
     def begin_step(self, step_trace) -> None:
-        """Tags the step's CUDA launches (CUPTI external correlation)."""
+        """Decides whether the step gets kernel spans; if so, switches CUPTI on and tags the
+        step's CUDA launches (external correlation)."""
         if step_trace is None:
             return
         t0 = time.perf_counter()
         try:
             ext = self._next_ext
             self._next_ext += 1
-            self._open = ext
-            if self.tracer is not None:
-                self.tracer.push(ext)
+            reason = ""
+            if self.tracer is not None and self.tracer.available:
+                if self._follow > 0:
+                    self._follow -= 1
+                    reason = "after_tail"
+                elif self.policy.sample():
+                    reason = "sampled"
+                if reason:
+                    self.tracer.enable()
+                    self.tracer.push(ext)
+            self._open = (ext, reason)
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.begin_step failed")
@@ -249,15 +274,17 @@ class GpuTelemetry:
             return
         t0 = time.perf_counter()
         try:
-            ext, self._open = self._open, None
-            if self.tracer is not None:
+            (ext, reason), self._open = self._open, None
+            if reason:
                 self.tracer.pop()
+                self.tracer.disable()
             ctx = step_trace.span_context
             pending = None
             if self.probe is not None:
                 pending = self.probe.end_step(ctx.trace_id, ctx.span_id)
             end_ns = step_trace.end_time_ns or time.time_ns()
-            step = _Step(ext, step_trace.step_id, ctx, step_trace.start_time_ns, end_ns, pending)
+            step = _Step(ext, step_trace.step_id, ctx, step_trace.start_time_ns, end_ns, pending,
+                         reason=reason)
             self.stats.steps += 1
             try:
                 self._queue.put_nowait(step)
@@ -333,9 +360,9 @@ class GpuTelemetry:
             step.ctas = pending
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
-        # The step's duration is known now, so the policy decides before its CUPTI records
-        # arrive: untraced steps are not kept, their kernels are only counted.
-        step.reason = self.policy.decide((step.end_ns - step.start_ns) * 1e-9)
+        if self.policy.is_tail((step.end_ns - step.start_ns) * 1e-9):
+            self._follow = self.config.tail_follow_steps    # read by begin_step
+            self.stats.tail_steps += 1
         if step.reason and self.tracer is not None and self.tracer.available:
             self._awaiting[step.ext_id] = step
         else:
@@ -366,6 +393,16 @@ class GpuTelemetry:
         if not self._awaiting:
             return
         now = time.time_ns()
+        # CUPTI is off between traced steps, so a traced step's records sit in a part-full
+        # buffer: once its kernels have had time to finish, ask CUPTI to deliver them (one
+        # forced flush for every step due; they are few, so this stays cheap).
+        due = [st for st in self._awaiting.values()
+               if not st.flushed and now - st.end_ns >= _FLUSH_AFTER_NS]
+        if due and not force:
+            self.tracer.flush()
+            for st in due:
+                st.flushed = True
+            self._match(flush=False)
         quiet, limit = int(self.config.settle_s * 1e9), int(self.config.max_wait_s * 1e9)
         for ext in sorted(self._awaiting):
             step = self._awaiting[ext]
@@ -377,7 +414,7 @@ class GpuTelemetry:
             del self._awaiting[ext]
             reason = step.reason
             if reason and step.kernels:
-                if reason == "tail":
+                if reason == "after_tail":
                     self.stats.steps_traced_tail += 1
                 else:
                     self.stats.steps_traced_sampled += 1

@@ -134,7 +134,8 @@ class RequestTrace:
         self._finished = False
         self._first_token_seen = False
         self._preemptions = 0
-        self._link_cap = telemetry.config.max_links_per_span
+        self._link_cap = min(telemetry.config.max_links_per_span,
+                             telemetry.config.max_phase_links)
         self.request_id = request_id
         self.span_context: SpanContext = span.get_span_context()
         # Made once, shared by every step span that links here (links are immutable).

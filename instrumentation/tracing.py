@@ -7,8 +7,9 @@ Usable inside any PyTorch server. A request is one trace (or continues the calle
 where the phases are children of the server span, opened and closed by the server/engine
 (:meth:`RequestTrace.start_phase` / :meth:`RequestTrace.end_phase`). Each engine iteration
 is one ``engine.step`` root span linked to the request spans it served; prefill/decode
-spans link back to the steps they rode (at most ``max_links_per_span`` links per span; the
-rest are counted in ``sightline.span.links_dropped``).
+spans link back to the steps they rode (the first ``max_phase_links`` of them, 16 by
+default; step spans link to at most ``max_links_per_span`` requests; links beyond a cap
+are counted in ``sightline.span.links_dropped``).
 
 Guarantees and costs:
 

@@ -151,9 +151,20 @@ class _FeedTracer:
         import queue
         self.batches: queue.Queue = queue.Queue()
         self.pushed: list[int] = []
+        self.enabled = 0
+        self.flushes = 0
 
     def push(self, ext: int) -> None:
         self.pushed.append(ext)
+
+    def enable(self) -> None:
+        self.enabled += 1
+
+    def disable(self) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.flushes += 1
 
     def pop(self) -> None:
         pass
@@ -249,5 +260,50 @@ def test_untraced_steps_keep_nothing_and_count_their_kernels():
     feed.batches.put(TraceBatch([_kernel("a", 1, 5, 1), _kernel("b", 1, 9, 2)], [], 0, 0))
     assert _wait(lambda: gpu.stats.kernels_skipped == 2)
     assert gpu.stats.kernel_spans == 0 and not gpu._awaiting
+    gpu.shutdown()
+    tel.shutdown()
+
+
+def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
+    """Ratio 0: no step is sampled. After 64 fast steps (the tail rule's minimum), one step
+    far slower than their P99 switches CUPTI on for exactly the next tail_follow_steps
+    steps, whose kernel spans carry the reason "after_tail"; the slow step itself is not
+    traced (its kernels ran before anyone knew it was slow)."""
+    import time
+
+    from sightline.instrumentation import semconv
+    from sightline.instrumentation.cupti_tracer import TraceBatch
+    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=1.0,
+                                           tail_follow_steps=2)
+
+    def step(i: int, sleep_s: float):
+        st = tel.start_step(i, requests=[])
+        gpu.begin_step(st)
+        time.sleep(sleep_s)
+        st.end()
+        gpu.end_step(st)
+        return st
+
+    for i in range(64):
+        step(i, 0.0)
+    assert _wait(lambda: gpu.stats.steps == 64 and len(gpu._skipped) == 64)
+    step(64, 0.05)                                    # slow: external id 65
+    assert _wait(lambda: gpu.stats.tail_steps == 1)
+    after = [step(65 + i, 0.0) for i in range(3)]     # external ids 66, 67, 68
+    assert feed.pushed == [66, 67] and feed.enabled == 2
+    feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1), _kernel("k67", 67, 200, 2),
+                                 _kernel("k65", 65, 50, 3)], [], 0, 0))
+    assert _wait(lambda: gpu.stats.kernel_spans == 2 and not gpu._awaiting, timeout_s=10.0)
+    assert feed.flushes >= 1                          # records asked for, not waited on
+    tel.force_flush()
+    kernel_spans = sorted((s for s in spans.get_finished_spans()
+                           if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)),
+                          key=lambda s: s.start_time)
+    assert [s.name for s in kernel_spans] == ["kernel k66", "kernel k67"]
+    assert [s.parent.span_id for s in kernel_spans] == [st.span_context.span_id
+                                                        for st in after[:2]]
+    assert {s.attributes[semconv.STEP_TRACE_REASON] for s in kernel_spans} == {"after_tail"}
+    assert gpu.stats.steps_traced_tail == 2 and gpu.stats.steps_traced_sampled == 0
+    assert gpu.stats.kernels_skipped == 1             # the slow step's own kernel
     gpu.shutdown()
     tel.shutdown()

@@ -147,25 +147,24 @@ def test_cta_metrics_encode_to_otlp_with_exemplars():
     assert p4.exemplars[0].span_id == (0xCD).to_bytes(8, "big")
 
 
-def test_tail_policy_traces_every_step_above_recent_p99():
+def test_tail_policy_flags_every_step_above_recent_p99():
     policy = TailPolicy(ratio=0.0, quantile=0.99, window=100, min_steps=50,
                         rng=random.Random(0))
-    decisions = [policy.decide(0.010) for _ in range(49)]
-    assert decisions == [""] * 49               # too few steps for a tail rule, ratio 0
-    assert policy.decide(0.5) == ""             # 50th step: still no threshold before it
+    assert [policy.is_tail(0.010) for _ in range(49)] == [False] * 49   # too few steps
+    assert policy.is_tail(0.5) is False         # 50th step: still no threshold before it
     for i in range(100):
-        policy.decide(0.010 + (i % 10) * 1e-4)  # window now 100 steps in 10.0..10.9 ms
+        policy.is_tail(0.010 + (i % 10) * 1e-4)  # window now 100 steps in 10.0..10.9 ms
     assert policy.threshold() == pytest.approx(0.0109)
-    assert policy.decide(0.0109) == ""          # equal to P99 is not slower
-    assert policy.decide(0.0111) == "tail"
+    assert policy.is_tail(0.0109) is False      # equal to P99 is not slower
+    assert policy.is_tail(0.0111) is True
 
 
 def test_tail_policy_samples_the_configured_fraction():
     policy = TailPolicy(ratio=0.25, quantile=1.0, window=16, min_steps=16,
                         rng=random.Random(7))
-    decisions = [policy.decide(0.01) for _ in range(20000)]
-    assert decisions.count("tail") == 0
-    assert abs(decisions.count("sampled") / 20000 - 0.25) < 0.015
+    decisions = [policy.sample() for _ in range(20000)]
+    assert abs(decisions.count(True) / 20000 - 0.25) < 0.015
+    assert not any(TailPolicy(0.0, 0.99, 16, 16, random.Random(1)).sample() for _ in range(100))
 
 
 @pytest.mark.gpu

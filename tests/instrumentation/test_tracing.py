@@ -456,7 +456,8 @@ def test_exporter_exceptions_never_reach_the_caller(caplog):
 
 
 def test_threads_share_one_request_trace(sink):
-    telemetry = _start(f"http://127.0.0.1:{sink.port}", "grpc", max_links_per_span=1000)
+    telemetry = _start(f"http://127.0.0.1:{sink.port}", "grpc", max_links_per_span=1000,
+                       max_phase_links=1000)
     req = telemetry.start_request(route="/v1/completions", headers={}, model="m",
                                   operation="text_completion", request_id="threads", priority=0)
     req.start_phase(semconv.SPAN_DECODE)
