@@ -212,6 +212,8 @@ def mode_levels(args) -> dict:
                                "cupti_callback_share_median": statistics.median(
                                    r.cupti_callback_s / r.wall_s for r in runs[name]),
                                "in_situ": in_situ.get(name),
+                               "in_situ_every_step": in_situ.get("every step traced")
+                               if name == "+kernel spans" else None,
                                "gpu_telemetry_stats": stats.get(name)})
     if gpu is not None:
         out["cupti"] = {"available": cupti_ok,
@@ -241,32 +243,71 @@ def mode_levels(args) -> dict:
 
 
 def _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) -> dict:
-    """Per configuration, ``args.in_situ_runs`` more runs with the span calls timed in place:
-    shares of the run's wall time spent in span calls and GpuTelemetry's engine-thread calls
-    (both on the engine thread: an upper bound of what they cost the engine), and in
-    CUPTI's buffer callback (its thread; it competes for the GIL). Medians over the runs."""
+    """Per configuration, ``args.in_situ_runs`` more runs with the costs timed where they are
+    paid, as shares of the run's wall time (medians over the runs):
+
+    * ``span_calls``: the engine thread inside the span calls (``InSituTimer``);
+    * ``gpu_engine_thread``: the engine thread inside GpuTelemetry's begin/end_step;
+    * ``gpu_worker_cpu``: CPU time of GpuTelemetry's worker (kernel spans, probe reduction);
+    * ``cupti_callback_cpu``: CPU time of CUPTI's buffer callback (its thread).
+
+    The last two run on other threads but hold the GIL the engine thread needs, so for this
+    launch-bound engine their CPU time is an estimate of the engine time they take.
+    Then one more run of ``+kernel spans`` with EVERY step traced gives the CPU cost of one
+    traced step, from which the default policy's expected cost follows."""
     out = {}
+
+    def one_run(level: str, on: bool, seed: int) -> tuple[RunResult, dict]:
+        g0 = dict(gpu.stats.__dict__) if gpu is not None else {}
+        cb0 = tracer.callback_cpu_s if tracer is not None else 0.0
+        with InSituTimer() as timer:
+            r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output, seed)
+        settle()
+        d = {k: v - g0.get(k, 0) for k, v in gpu.stats.__dict__.items()} \
+            if (gpu is not None and on) else {}
+        cost = {"span_calls": timer.ns * 1e-9,
+                "gpu_engine_thread": d.get("engine_thread_s", 0.0),
+                "gpu_worker_cpu": d.get("worker_cpu_s", 0.0),
+                "cupti_callback_cpu": (tracer.callback_cpu_s - cb0) if tracer is not None else 0.0}
+        return r, {**{k: v / r.wall_s for k, v in cost.items()},
+                   "traced_steps": d.get("steps_traced_sampled", 0) + d.get("steps_traced_tail", 0),
+                   "kernel_spans": d.get("kernel_spans", 0), "cost_s": cost}
+
     for name, level, on, kernel_spans, with_probe in configs:
         if level == "off":
             continue
         apply(level, on, kernel_spans, with_probe)
-        shares = {"span_calls": [], "gpu_engine_thread": [], "cupti_callback": []}
-        for i in range(args.in_situ_runs):
-            g0 = gpu.stats.engine_thread_s if gpu is not None else 0.0
-            cb0 = tracer.callback_s if tracer is not None else 0.0
-            with InSituTimer() as timer:
-                r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output,
-                             seed=50 + i)
-            settle()
-            g = (gpu.stats.engine_thread_s - g0) if (gpu is not None and on) else 0.0
-            cb = (tracer.callback_s - cb0) if tracer is not None else 0.0
-            shares["span_calls"].append(timer.ns * 1e-9 / r.wall_s)
-            shares["gpu_engine_thread"].append(g / r.wall_s)
-            shares["cupti_callback"].append(cb / r.wall_s)
-        out[name] = {k: statistics.median(v) for k, v in shares.items()}
+        runs = [one_run(level, on, 50 + i)[1] for i in range(args.in_situ_runs)]
+        keys = ("span_calls", "gpu_engine_thread", "gpu_worker_cpu", "cupti_callback_cpu")
+        out[name] = {k: statistics.median(r[k] for r in runs) for k in keys}
         out[name]["runs"] = args.in_situ_runs
-        print(f"in situ {name}: " + ", ".join(f"{k} {100 * v:.3f} %" for k, v in out[name].items()
-                                             if k != "runs"), flush=True)
+        out[name]["traced_steps"] = [r["traced_steps"] for r in runs]
+        print(f"in situ {name}: " + ", ".join(f"{k} {100 * out[name][k]:.3f} %" for k in keys)
+              + f", traced steps {out[name]['traced_steps']}", flush=True)
+    if gpu is not None and tracer is not None and tracer.available:
+        apply("kernels", True, True, False)
+        ratio, gpu.policy.ratio = gpu.policy.ratio, 1.0
+        try:
+            r, c = one_run("kernels", True, 99)
+        finally:
+            gpu.policy.ratio = ratio
+        per_step = (c["cost_s"]["gpu_worker_cpu"] + c["cost_s"]["cupti_callback_cpu"]) \
+            / max(1, c["traced_steps"])
+        step_s = r.wall_s / r.steps
+        out["every step traced"] = {
+            "tokens_per_s": r.tokens_per_s, "ms_per_step": 1000 * step_s,
+            "traced_steps": c["traced_steps"], "kernel_spans": c["kernel_spans"],
+            "cpu_ms_per_traced_step": 1000 * per_step,
+            "kernel_spans_per_traced_step": c["kernel_spans"] / max(1, c["traced_steps"]),
+            # expected share for the default policy: sampled + (1 - quantile) x follow steps
+            "expected_share_at_defaults": (gpu.config.kernel_sample_ratio
+                                           + (1 - gpu.config.tail_quantile)
+                                           * gpu.config.tail_follow_steps) * per_step / step_s}
+        e = out["every step traced"]
+        print(f"every step traced: {e['tokens_per_s']:.0f} tok/s, {e['ms_per_step']:.1f} ms/step, "
+              f"{e['cpu_ms_per_traced_step']:.1f} ms CPU per traced step "
+              f"({e['kernel_spans_per_traced_step']:.0f} kernel spans); default policy "
+              f"expected {100 * e['expected_share_at_defaults']:.3f} % of engine time", flush=True)
     return out
 
 
@@ -348,7 +389,7 @@ def report(out_dir: Path) -> str:
             lines += [f"{w['requests']} concurrent requests, prompt {w['prompt']}, output "
                       f"{w['output']} tokens, median of {w['repeats']} interleaved repeats.", "",
                       "| config | output tok/s | vs off | paired vs off (range) | ms/step "
-                      "| in situ: span calls / GPU telemetry / CUPTI callback, % of wall |",
+                      "| in situ, % of wall: span calls / GPU telemetry (engine thread) / its worker CPU / CUPTI callback CPU |",
                       "|---|---|---|---|---|---|"]
             for c in body["configs"]:
                 paired = ""
@@ -358,11 +399,19 @@ def report(out_dir: Path) -> str:
                               f"({min(runs_):.3f}-{max(runs_):.3f})")
                 situ = c.get("in_situ") or {}
                 situ_s = " / ".join(f"{100 * situ[k]:.2f}" for k in
-                                    ("span_calls", "gpu_engine_thread", "cupti_callback")
-                                    if k in situ)
+                                    ("span_calls", "gpu_engine_thread", "gpu_worker_cpu",
+                                     "cupti_callback_cpu") if k in situ)
                 lines.append(f"| {c['config']} | {c['tokens_per_s_median']:.0f} | "
                              f"{c['ratio_vs_off']:.3f} | {paired} | "
                              f"{c['ms_per_step_median']:.2f} | {situ_s} |")
+            every = next((c.get("in_situ_every_step") for c in body["configs"]
+                          if c.get("in_situ_every_step")), None)
+            if every:
+                lines += ["", f"Every step traced (one run): {every['tokens_per_s']:.0f} tok/s, "
+                          f"{every['ms_per_step']:.1f} ms/step, {every['cpu_ms_per_traced_step']:.1f}"
+                          f" ms of CPU per traced step ({every['kernel_spans_per_traced_step']:.0f}"
+                          f" kernel spans); expected cost of the default policy: "
+                          f"{100 * every['expected_share_at_defaults']:.3f} % of engine time."]
             if "cupti" in body:
                 lines += ["", f"CUPTI: {body['cupti']}; GPU telemetry totals: "
                           f"{body.get('gpu_telemetry_stats_total')}"]

@@ -124,7 +124,10 @@ class TelemetryConfig:
     propagators: tuple[str, ...] = ("tracecontext", "baggage")
     capture_content: bool = False
     content_max_chars: int = 4096
-    kernel_sample_ratio: float = 0.01
+    # Steps whose kernels become spans. Small on purpose: a traced step costs its engine
+    # ~one step time of CPU on the H200 (cupti-python's per-record Python; see
+    # gpu_telemetry.py), so 0.2 % of steps keeps kernel spans near 0.2 % of throughput.
+    kernel_sample_ratio: float = 0.002
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0

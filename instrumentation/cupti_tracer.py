@@ -153,6 +153,7 @@ class CuptiTracer:
         self.buffers_completed = 0
         self.records_seen = 0
         self.callback_s = 0.0      # time in our buffer-completed callback (CUPTI's thread)
+        self.callback_cpu_s = 0.0  # its CPU time (the wall time above includes GIL waits)
         self.max_queue_records = max_queue_records
         self._queue: queue.SimpleQueue = queue.SimpleQueue()   # one item per CUPTI buffer
         # records queued = in - out; each counter has one writer (CUPTI's thread, drain)
@@ -345,7 +346,7 @@ class CuptiTracer:
         # Hot: runs once per record of every kernel the engine launches, on CUPTI's thread,
         # holding the GIL the engine thread needs. Plain tuples, locals, and one queue put
         # per buffer (not per record).
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         try:
             cupti = self._cupti
             k_kernel = int(cupti.ActivityKind.CONCURRENT_KERNEL)
@@ -382,6 +383,7 @@ class CuptiTracer:
         except Exception:  # never raise into CUPTI's thread
             logger.exception("CUPTI buffer processing failed")
         self.callback_s += time.perf_counter() - t0
+        self.callback_cpu_s += time.thread_time() - cpu0
 
     # -- consumer ---------------------------------------------------------------------
     def flush(self) -> None:

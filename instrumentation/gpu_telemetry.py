@@ -66,11 +66,11 @@ _FLUSH_AFTER_NS = 50_000_000   # a traced step's kernels have finished well with
 class GpuTelemetryConfig:
     """Knobs of the GPU telemetry; ranges checked, errors name the bad value."""
 
-    kernel_sample_ratio: float = 0.01   # fraction of steps whose kernels become spans
-    tail_quantile: float = 0.99         # steps slower than this quantile are always traced
+    kernel_sample_ratio: float = 0.002  # fraction of steps whose kernels become spans
+    tail_quantile: float = 0.999        # a step slower than this quantile arms tail tracing
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
-    tail_follow_steps: int = 4          # steps traced after a step slower than the quantile
+    tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     settle_s: float = 1.0               # quiet time after a traced step's last CUPTI record
     max_wait_s: float = 10.0            # give up waiting for a traced step's records
     cupti: bool = True                  # kernel spans (CUPTI)
@@ -150,6 +150,8 @@ class GpuTelemetryStats:
     worker_probe_s: float = 0.0     # worker: enqueueing the on-GPU histogram reduction
     worker_match_s: float = 0.0     # worker: draining CUPTI and joining kernels to steps
     worker_settle_s: float = 0.0    # worker: policy decisions and kernel spans
+    worker_cpu_s: float = 0.0       # worker thread's CPU time in all of the above and flushes
+                                    # (wall times above include waits for the GIL; this not)
 
 
 @dataclass
@@ -175,7 +177,7 @@ class GpuTelemetry:
         self.telemetry = telemetry
         self.device_index = device_index
         if config is None:
-            ratio = getattr(getattr(telemetry, "config", None), "kernel_sample_ratio", 0.01)
+            ratio = getattr(getattr(telemetry, "config", None), "kernel_sample_ratio", 0.002)
             config = GpuTelemetryConfig(kernel_sample_ratio=ratio)
         self.config = config
         self.stats = GpuTelemetryStats()
@@ -321,6 +323,7 @@ class GpuTelemetry:
                 item = self._queue.get(timeout=0.05)
             except queue.Empty:
                 item = None
+            cpu0 = time.thread_time()
             try:
                 t0 = time.perf_counter()
                 if isinstance(item, _Step):
@@ -345,6 +348,8 @@ class GpuTelemetry:
             except Exception:
                 self.stats.errors += 1
                 logger.exception("GPU telemetry worker step failed")
+            finally:
+                self.stats.worker_cpu_s += time.thread_time() - cpu0
 
     def _take_step(self, step: _Step) -> None:
         pending, step.pending = step.pending, None
