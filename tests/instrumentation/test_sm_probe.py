@@ -193,8 +193,9 @@ def test_real_probe_on_gpu_records_every_cta():
     assert facts.sms_used == num_sms and facts.cta_spread >= 1.0
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_device_histograms_equal_the_numpy_reduction(seed):
+@pytest.mark.parametrize("seed,batched", [(0, False), (1, False), (2, False), (0, True),
+                                         (1, True)])
+def test_device_histograms_equal_the_numpy_reduction(seed, batched):
     """The torch (on-device) reduction, run here on CPU tensors, against the numpy one."""
     import torch
 
@@ -210,9 +211,13 @@ def test_device_histograms_equal_the_numpy_reduction(seed):
     steps[0][0][3, 2] = steps[0][0][3, 1]          # one zero-length CTA
     dev = DeviceCtaHistograms("cpu", gpu_id=2, num_sms=16, scale=6)
     ref = CtaHistograms(scale=6)
+    if batched:                                     # one reduction for all three steps
+        dev.add_steps([(torch.from_numpy(records.reshape(-1).copy()), launches, tag * 100, tag,
+                        tag) for records, tag in steps])
     for records, tag in steps:
-        dev.add(torch.from_numpy(records.reshape(-1).copy()), launches, trace_id=tag * 100,
-                span_id=tag, time_unix_nano=tag)
+        if not batched:
+            dev.add(torch.from_numpy(records.reshape(-1).copy()), launches, trace_id=tag * 100,
+                    span_id=tag, time_unix_nano=tag)
         ref.add(CtaBatch.from_records(records, launches, gpu_id=2, trace_id=tag * 100,
                                       span_id=tag), time_unix_nano=tag)
     got, got_ex = dev.take()
