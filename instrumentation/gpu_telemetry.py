@@ -116,9 +116,13 @@ class TailPolicy:
     one excluded; no rule before ``min_steps``); O(window) per call."""
 
     def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, refresh_steps: int = 1) -> None:
         self.ratio, self.quantile, self.min_steps, self.rng = ratio, quantile, min_steps, rng
         self._recent: deque[float] = deque(maxlen=window)
+        # the quantile is recomputed every ``refresh_steps`` steps (O(window) each time)
+        self.refresh_steps = refresh_steps
+        self._limit: float | None = None
+        self._since_refresh = refresh_steps
 
     def threshold(self) -> float | None:
         if len(self._recent) < self.min_steps:
@@ -127,7 +131,10 @@ class TailPolicy:
                                  method="higher"))
 
     def is_tail(self, duration_s: float) -> bool:
-        limit = self.threshold()
+        if self._since_refresh >= self.refresh_steps or self._limit is None:
+            self._limit, self._since_refresh = self.threshold(), 0
+        self._since_refresh += 1
+        limit = self._limit
         self._recent.append(duration_s)
         return limit is not None and duration_s > limit
 
@@ -188,7 +195,7 @@ class GpuTelemetry:
         self.stats = GpuTelemetryStats()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
-                                 random.Random(config.seed))
+                                 random.Random(config.seed), refresh_steps=16)
         self.tracer = CuptiTracer() if config.cupti else None
         if self.tracer is not None:
             if self.tracer.start():

@@ -276,20 +276,22 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=1.0,
                                            tail_follow_steps=2)
 
-    def step(i: int, sleep_s: float):
-        st = tel.start_step(i, requests=[])
+    clock = [time.time_ns()]
+
+    def step(i: int, duration_s: float):     # step times given, so durations are exact
+        st = tel.start_step(i, requests=[], start_time_ns=clock[0])
         gpu.begin_step(st)
-        time.sleep(sleep_s)
-        st.end()
+        clock[0] += int(duration_s * 1e9)
+        st.end(end_time_ns=clock[0])
         gpu.end_step(st)
         return st
 
     for i in range(64):
-        step(i, 0.0)
+        step(i, 0.010)
     assert _wait(lambda: gpu.stats.steps == 64 and len(gpu._skipped) == 64)
     step(64, 0.05)                                    # slow: external id 65
     assert _wait(lambda: gpu.stats.tail_steps == 1)
-    after = [step(65 + i, 0.0) for i in range(3)]     # external ids 66, 67, 68
+    after = [step(65 + i, 0.010) for i in range(3)]   # external ids 66, 67, 68
     assert feed.pushed == [66, 67] and feed.enabled == 2
     feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1), _kernel("k67", 67, 200, 2),
                                  _kernel("k65", 65, 50, 3)], [], 0, 0))

@@ -230,3 +230,11 @@ def test_device_histograms_equal_the_numpy_reduction(seed, batched):
         assert g.sum == pytest.approx(h.sum) and g.min == h.min and g.max == h.max
         assert got_ex[key] == want_ex[key]
     assert dev.take() == ({}, {})                   # delta: nothing since the last take
+
+
+def test_tail_policy_refreshing_its_quantile_every_k_steps_still_flags_outliers():
+    policy = TailPolicy(ratio=0.0, quantile=0.99, window=100, min_steps=50,
+                        rng=random.Random(0), refresh_steps=16)
+    flags = [policy.is_tail(0.010 + (i % 10) * 1e-4) for i in range(200)]
+    assert not any(flags)
+    assert policy.is_tail(0.5) is True          # a stale (<= 16 steps old) P99 still applies
