@@ -249,7 +249,9 @@ def _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) -> di
     * ``span_calls``: the engine thread inside the span calls (``InSituTimer``);
     * ``gpu_engine_thread``: the engine thread inside GpuTelemetry's begin/end_step;
     * ``gpu_worker_cpu``: CPU time of GpuTelemetry's worker (kernel spans, probe reduction);
-    * ``cupti_callback_cpu``: CPU time of CUPTI's buffer callback (its thread).
+    * ``cupti_callback_cpu``: CPU time of CUPTI's buffer callback (its thread);
+    * ``other_threads_cpu``: CPU time of every thread but the engine's (span export with
+      its OTLP encoding, the two above, torch's own threads); ``off`` gives the baseline.
 
     The last two run on other threads but hold the GIL the engine thread needs, so for this
     launch-bound engine their CPU time is an estimate of the engine time they take.
@@ -260,25 +262,29 @@ def _in_situ_runs(args, engine, tels, configs, apply, settle, gpu, tracer) -> di
     def one_run(level: str, on: bool, seed: int) -> tuple[RunResult, dict]:
         g0 = dict(gpu.stats.__dict__) if gpu is not None else {}
         cb0 = tracer.callback_cpu_s if tracer is not None else 0.0
+        p0, t0 = time.process_time(), time.thread_time()
         with InSituTimer() as timer:
             r = run_once(engine, tels[level][0], args.requests, args.prompt, args.output, seed)
+        # every other thread's CPU during the run: span export (encoding included), the GPU
+        # telemetry worker, CUPTI's callback, and whatever torch runs on its own threads
+        other_cpu = (time.process_time() - p0) - (time.thread_time() - t0)
         settle()
         d = {k: v - g0.get(k, 0) for k, v in gpu.stats.__dict__.items()} \
             if (gpu is not None and on) else {}
         cost = {"span_calls": timer.ns * 1e-9,
                 "gpu_engine_thread": d.get("engine_thread_s", 0.0),
                 "gpu_worker_cpu": d.get("worker_cpu_s", 0.0),
-                "cupti_callback_cpu": (tracer.callback_cpu_s - cb0) if tracer is not None else 0.0}
+                "cupti_callback_cpu": (tracer.callback_cpu_s - cb0) if tracer is not None else 0.0,
+                "other_threads_cpu": other_cpu}
         return r, {**{k: v / r.wall_s for k, v in cost.items()},
                    "traced_steps": d.get("steps_traced_sampled", 0) + d.get("steps_traced_tail", 0),
                    "kernel_spans": d.get("kernel_spans", 0), "cost_s": cost}
 
     for name, level, on, kernel_spans, with_probe in configs:
-        if level == "off":
-            continue
         apply(level, on, kernel_spans, with_probe)
         runs = [one_run(level, on, 50 + i)[1] for i in range(args.in_situ_runs)]
-        keys = ("span_calls", "gpu_engine_thread", "gpu_worker_cpu", "cupti_callback_cpu")
+        keys = ("span_calls", "gpu_engine_thread", "gpu_worker_cpu", "cupti_callback_cpu",
+                "other_threads_cpu")
         out[name] = {k: statistics.median(r[k] for r in runs) for k in keys}
         out[name]["runs"] = args.in_situ_runs
         out[name]["traced_steps"] = [r["traced_steps"] for r in runs]
@@ -389,7 +395,7 @@ def report(out_dir: Path) -> str:
             lines += [f"{w['requests']} concurrent requests, prompt {w['prompt']}, output "
                       f"{w['output']} tokens, median of {w['repeats']} interleaved repeats.", "",
                       "| config | output tok/s | vs off | paired vs off (range) | ms/step "
-                      "| in situ, % of wall: span calls / GPU telemetry (engine thread) / its worker CPU / CUPTI callback CPU |",
+                      "| in situ, % of wall: span calls / GPU telemetry (engine thread) / its worker CPU / CUPTI callback CPU / all other threads' CPU |",
                       "|---|---|---|---|---|---|"]
             for c in body["configs"]:
                 paired = ""
@@ -400,7 +406,7 @@ def report(out_dir: Path) -> str:
                 situ = c.get("in_situ") or {}
                 situ_s = " / ".join(f"{100 * situ[k]:.2f}" for k in
                                     ("span_calls", "gpu_engine_thread", "gpu_worker_cpu",
-                                     "cupti_callback_cpu") if k in situ)
+                                     "cupti_callback_cpu", "other_threads_cpu") if k in situ)
                 lines.append(f"| {c['config']} | {c['tokens_per_s_median']:.0f} | "
                              f"{c['ratio_vs_off']:.3f} | {paired} | "
                              f"{c['ms_per_step_median']:.2f} | {situ_s} |")

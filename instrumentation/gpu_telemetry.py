@@ -451,11 +451,8 @@ class GpuTelemetry:
                 self._emit_spans(step, reason)
 
     def _emit_spans(self, step: _Step, reason: str) -> None:
-        from opentelemetry import trace
-        from opentelemetry.trace import NonRecordingSpan, SpanKind
-
-        tracer = self.telemetry.tracer
-        parent = trace.set_span_in_context(NonRecordingSpan(step.span_context))
+        spans = self.telemetry.finished_spans   # built finished: ~1,000 per traced step
+        parent = step.span_context
         # pair the i-th probed launch of a kernel with its i-th CUPTI record (launch order)
         facts_by_name: dict[str, deque[LaunchFacts]] = {}
         for f in self._facts(step):
@@ -481,10 +478,8 @@ class GpuTelemetry:
                               semconv.KERNEL_WAVES: f.waves,
                               semconv.KERNEL_SLOWEST_SM: f.slowest_sm,
                               semconv.KERNEL_CTA_SPREAD: round(f.cta_spread, 4)})
-            span = tracer.start_span((semconv.SPAN_KERNEL_PREFIX + k.name)[:_SPAN_NAME_MAX],
-                                     context=parent, kind=SpanKind.INTERNAL, attributes=attrs,
-                                     start_time=k.start_ns)
-            span.end(end_time=k.end_ns)
+            spans.emit((semconv.SPAN_KERNEL_PREFIX + k.name)[:_SPAN_NAME_MAX],
+                       spans.child_context(parent), parent, k.start_ns, k.end_ns, attrs)
             self.stats.kernel_spans += 1
 
     def _facts(self, step: _Step) -> list[LaunchFacts]:

@@ -10,7 +10,9 @@ Guarantees and costs:
 - Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
   the engine thread both touch it); a :class:`StepTrace` is touched by the engine thread.
 - ``link_step`` only appends a shared ``Link`` to a list; phase spans are made, links and
-  all, when they close (see :class:`_Phase`).
+  all, when they close (see :class:`_Phase`). Phase and step spans are built finished
+  (:mod:`.finished_spans`): the live SDK span's per-link validation was the largest part
+  of tracing's cost to the engine loop.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+from opentelemetry.sdk.trace import Event
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
 from sightline.instrumentation import semconv
 
@@ -36,6 +39,7 @@ __all__ = ["RequestTrace", "StepTrace"]
 logger = logging.getLogger("sightline.instrumentation.tracing")
 
 _LINKED_PHASES = (semconv.SPAN_PREFILL, semconv.SPAN_DECODE)
+_UNSET = Status(StatusCode.UNSET)
 _reported: set[str] = set()
 _reported_lock = threading.Lock()
 
@@ -70,25 +74,34 @@ class _Phase:
 class StepTrace:
     """One ``engine.step`` span (a root span, linked to the requests it served).
 
-    ``start_time_ns`` / ``end_time_ns`` are Unix-epoch ns; ``duration_s`` is None until ended.
-    ``context`` is the OTel context to parent kernel spans on.
+    Built finished when it ends (:class:`~.finished_spans.FinishedSpans`): until then it
+    is its ids, attributes and links. ``start_time_ns`` / ``end_time_ns`` are Unix-epoch
+    ns; ``duration_s`` is None until ended. ``context`` is the OTel context to parent
+    kernel spans on.
     """
 
-    __slots__ = ("_span", "step_id", "span_context", "context", "start_time_ns", "end_time_ns",
-                 "link")
+    __slots__ = ("_spans", "step_id", "span_context", "start_time_ns", "end_time_ns",
+                 "link", "_attributes", "_links")
 
-    def __init__(self, span, step_id: int, start_time_ns: int) -> None:
-        self._span = span
+    def __init__(self, spans, span_context: SpanContext, step_id: int, start_time_ns: int,
+                 attributes: dict[str, Any], links: list[Link]) -> None:
+        self._spans = spans
         self.step_id = step_id
-        self.span_context: SpanContext = span.get_span_context()
-        self.link = Link(self.span_context)  # shared by the phase spans that rode this step
-        self.context: Context = trace.set_span_in_context(span, Context())
+        self.span_context: SpanContext = span_context
+        self.link = Link(span_context)  # shared by the phase spans that rode this step
         self.start_time_ns = start_time_ns
         self.end_time_ns: int | None = None
+        self._attributes = attributes
+        self._links = links
 
     @property
     def span(self):
-        return self._span
+        """A non-recording handle on the step span (its context only)."""
+        return trace.NonRecordingSpan(self.span_context)
+
+    @property
+    def context(self) -> Context:
+        return trace.set_span_in_context(self.span, Context())
 
     @property
     def duration_s(self) -> float | None:
@@ -98,7 +111,8 @@ class StepTrace:
 
     def set_attributes(self, attributes: Mapping[str, Any]) -> None:
         try:
-            self._span.set_attributes(attributes)
+            if self.end_time_ns is None:
+                self._attributes.update(attributes)
         except Exception:
             report_error("StepTrace.set_attributes")
 
@@ -109,8 +123,10 @@ class StepTrace:
                 return
             self.end_time_ns = end_time_ns if end_time_ns is not None else time.time_ns()
             if attributes:
-                self._span.set_attributes(attributes)
-            self._span.end(end_time=self.end_time_ns)
+                self._attributes.update(attributes)
+            self._spans.emit(semconv.SPAN_ENGINE_STEP, self.span_context, None,
+                             self.start_time_ns, self.end_time_ns, self._attributes,
+                             self._links)
         except Exception:
             report_error("StepTrace.end")
 
@@ -119,16 +135,25 @@ class RequestTrace:
     """The spans of one request. Every method is thread-safe and never raises."""
 
     __slots__ = (
-        "_telemetry", "_tracer", "_span", "_ctx", "_lock", "_open", "_finished",
-        "_first_token_seen", "_preemptions", "_link_cap", "request_id", "span_context",
-        "link",
+        "_telemetry", "_spans", "_name", "_parent", "_start_ns", "_attributes", "_events",
+        "_ctx", "_lock", "_open", "_finished", "_first_token_seen", "_preemptions",
+        "_link_cap", "request_id", "span_context", "link",
     )
 
-    def __init__(self, telemetry: "Telemetry", span, parent: Context, request_id: str) -> None:
+    def __init__(self, telemetry: "Telemetry", name: str, parent: Context, request_id: str,
+                 attributes: dict[str, Any], start_ns: int) -> None:
         self._telemetry = telemetry
-        self._tracer = telemetry.tracer
-        self._span = span
-        self._ctx = trace.set_span_in_context(span, parent)
+        self._spans = telemetry.finished_spans
+        parent_span = trace.get_current_span(parent).get_span_context()
+        self._parent = parent_span if parent_span.is_valid else None
+        # the server span is built finished too (at ``finish``); until then it is this
+        self.span_context: SpanContext = self._spans.start_context(
+            name, self._parent, SpanKind.SERVER, attributes)
+        self._name = name
+        self._start_ns = start_ns
+        self._attributes = attributes
+        self._events: list[Event] = []
+        self._ctx = trace.set_span_in_context(trace.NonRecordingSpan(self.span_context), parent)
         self._lock = threading.Lock()
         self._open: dict[str, _Phase] = {}
         self._finished = False
@@ -137,7 +162,6 @@ class RequestTrace:
         self._link_cap = min(telemetry.config.max_links_per_span,
                              telemetry.config.max_phase_links)
         self.request_id = request_id
-        self.span_context: SpanContext = span.get_span_context()
         # Made once, shared by every step span that links here (links are immutable).
         self.link = Link(self.span_context)
 
@@ -149,7 +173,8 @@ class RequestTrace:
 
     @property
     def span(self):
-        return self._span
+        """A non-recording handle on the server span (its context only)."""
+        return trace.NonRecordingSpan(self.span_context)
 
     @property
     def is_finished(self) -> bool:
@@ -201,14 +226,12 @@ class RequestTrace:
         if phase.links_dropped:
             attrs = attrs or {}
             attrs[semconv.SPAN_LINKS_DROPPED] = phase.links_dropped
-        span = self._tracer.start_span(
-            phase.name, context=self._ctx, attributes=attrs, links=phase.links or None,
-            start_time=phase.start_ns,
-        )
-        if phase.events:
-            for name, event_attrs, stamp in phase.events:
-                span.add_event(name, event_attrs, timestamp=stamp)
-        span.end(end_time=end_time_ns if end_time_ns is not None else time.time_ns())
+        events = [Event(name, event_attrs, stamp) for name, event_attrs, stamp in phase.events] \
+            if phase.events else ()
+        spans = self._telemetry.finished_spans
+        spans.emit(phase.name, spans.child_context(self.span_context), self.span_context,
+                   phase.start_ns, end_time_ns if end_time_ns is not None else time.time_ns(),
+                   attrs, phase.links, events)
 
     def link_step(self, step: "StepTrace | None") -> None:
         """Links the open prefill (else decode) span to ``step``; capped, overflow counted."""
@@ -243,11 +266,10 @@ class RequestTrace:
                         open_name = name
                         phase.events = [(semconv.EVENT_PREEMPTED, None, now)]
                         self._close(phase, None, now)
-                self._span.add_event(
+                self._events.append(Event(
                     semconv.EVENT_PREEMPTED,
                     {semconv.PHASE_NAME: open_name, semconv.REQUEST_PREEMPTIONS: self._preemptions},
-                    timestamp=now,
-                )
+                    now))
         except Exception:
             report_error("RequestTrace.preempted")
 
@@ -258,10 +280,9 @@ class RequestTrace:
                 if self._finished or self._first_token_seen:
                     return
                 self._first_token_seen = True
-                self._span.add_event(
-                    semconv.EVENT_FIRST_TOKEN,
-                    timestamp=time_ns if time_ns is not None else time.time_ns(),
-                )
+                self._events.append(Event(
+                    semconv.EVENT_FIRST_TOKEN, None,
+                    time_ns if time_ns is not None else time.time_ns()))
         except Exception:
             report_error("RequestTrace.first_token")
 
@@ -270,7 +291,7 @@ class RequestTrace:
         try:
             with self._lock:
                 if not self._finished:
-                    self._span.set_attributes(attributes)
+                    self._attributes.update(attributes)
         except Exception:
             report_error("RequestTrace.set_attributes")
 
@@ -285,9 +306,9 @@ class RequestTrace:
                 if self._finished:
                     return
                 if prompt is not None:
-                    self._span.set_attribute(semconv.GEN_AI_PROMPT, prompt[:limit])
+                    self._attributes[semconv.GEN_AI_PROMPT] = prompt[:limit]
                 if completion is not None:
-                    self._span.set_attribute(semconv.GEN_AI_COMPLETION, completion[:limit])
+                    self._attributes[semconv.GEN_AI_COMPLETION] = completion[:limit]
         except Exception:
             report_error("RequestTrace.set_content")
 
@@ -337,11 +358,14 @@ class RequestTrace:
                     attrs[semconv.REQUEST_E2E_S] = float(e2e_s)
                 if error_type is not None:
                     attrs[semconv.ERROR_TYPE] = str(error_type)
-                self._span.set_attributes(attrs)
+                self._attributes.update(attrs)
                 # Server spans: 5xx is an error, 4xx is the client's (HTTP semconv); an error
                 # after a 2xx head (e.g. mid-stream) is ours.
+                status = _UNSET
                 if status_code >= 500 or (error_type is not None and status_code < 400):
-                    self._span.set_status(Status(StatusCode.ERROR, error_type or str(status_code)))
-                self._span.end(end_time=now)
+                    status = Status(StatusCode.ERROR, error_type or str(status_code))
+                self._spans.emit(self._name, self.span_context, self._parent, self._start_ns,
+                                 now, self._attributes, (), self._events, SpanKind.SERVER,
+                                 status)
         except Exception:
             report_error("RequestTrace.finish")

@@ -62,10 +62,10 @@ from typing import Any
 from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.trace import SpanKind
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.config import TelemetryConfig, TraceLevel
+from sightline.instrumentation.finished_spans import FinishedSpans
 from sightline.instrumentation.propagation import HeaderPropagator
 from sightline.instrumentation.request_trace import RequestTrace, StepTrace
 from sightline.instrumentation.request_trace import report_error as _report
@@ -107,6 +107,9 @@ class Telemetry:
         self.propagator = HeaderPropagator(config.propagators)
         if providers is not None:
             self.tracer = providers.tracer_provider.get_tracer(semconv.INSTRUMENTATION_SCOPE)
+            self.finished_spans = FinishedSpans(providers.tracer_provider,
+                                                providers.span_processors,
+                                                semconv.INSTRUMENTATION_SCOPE)
             self.meter = (
                 providers.meter_provider.get_meter(semconv.INSTRUMENTATION_SCOPE)
                 if providers.meter_provider is not None
@@ -114,6 +117,7 @@ class Telemetry:
             )
         else:
             self.tracer = trace.NoOpTracer()
+            self.finished_spans = None
             self.meter = otel_metrics.NoOpMeter(semconv.INSTRUMENTATION_SCOPE)
         self._link_cap = config.max_links_per_span
         self._shutdown = False
@@ -225,14 +229,8 @@ class Telemetry:
             }
             if attributes:
                 attrs.update(attributes)
-            span = self.tracer.start_span(
-                span_name_for(method, route),
-                context=parent,
-                kind=SpanKind.SERVER,
-                attributes=attrs,
-                start_time=start_time_ns if start_time_ns is not None else time.time_ns(),
-            )
-            return RequestTrace(self, span, parent, request_id)
+            return RequestTrace(self, span_name_for(method, route), parent, request_id, attrs,
+                                start_time_ns if start_time_ns is not None else time.time_ns())
         except Exception:
             _report("Telemetry.start_request")
             return None
@@ -273,15 +271,9 @@ class Telemetry:
             if dropped:
                 attrs[semconv.SPAN_LINKS_DROPPED] = dropped
             start = start_time_ns if start_time_ns is not None else time.time_ns()
-            span = self.tracer.start_span(
-                semconv.SPAN_ENGINE_STEP,
-                context=Context(),  # a root: a batch has many parents, so links instead
-                kind=SpanKind.INTERNAL,
-                attributes=attrs,
-                links=links,
-                start_time=start,
-            )
-            return StepTrace(span, int(step_id), start)
+            # a root: a batch has many parents, so links instead
+            context = self.finished_spans.root_context(semconv.SPAN_ENGINE_STEP, attrs, links)
+            return StepTrace(self.finished_spans, context, int(step_id), start, attrs, links)
         except Exception:
             _report("Telemetry.start_step")
             return None
