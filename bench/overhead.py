@@ -8,7 +8,7 @@
 ``levels``: ONE engine (the llama-8b shape, random weights, bf16) serves the same workload
 — ``--requests`` concurrent requests of ``--prompt`` prompt tokens and ``--output`` output
 tokens (ignore_eos), offline (no HTTP) — under each configuration, interleaved within each
-repeat so drift hits all alike:
+repeat (in an order that rotates from repeat to repeat) so drift hits all alike:
 
 * ``off``                      tracing off (the branch only)
 * ``requests+steps``           request and step spans (level ``steps``)
@@ -168,7 +168,10 @@ def mode_levels(args) -> dict:
     runs: dict[str, list[RunResult]] = {c[0]: [] for c in configs}
     stats: dict[str, dict] = {}
     for rep in range(args.repeats + 1):                        # repeat 0 is the warm-up
-        for name, level, on, kernel_spans, with_probe in configs:
+        # the order rotates with the repeat, so no configuration always runs first or after
+        # the same neighbour (with a fixed order, "off" ran first every time)
+        shift = rep % len(configs)
+        for name, level, on, kernel_spans, with_probe in configs[shift:] + configs[:shift]:
             apply(level, on, kernel_spans, with_probe)
             before = dict(gpu.stats.__dict__) if gpu is not None else {}
             cb0 = tracer.callback_s if tracer is not None else 0.0
