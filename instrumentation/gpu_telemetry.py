@@ -374,7 +374,9 @@ class GpuTelemetry:
             step.ctas = pending
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
-        if self.policy.is_tail((step.end_ns - step.start_ns) * 1e-9):
+        # Traced steps are left out of the tail rule: CUPTI makes them slow (measured on the
+        # H200: ~5-10x), so each would arm the next, which would arm the next, ...
+        if not step.reason and self.policy.is_tail((step.end_ns - step.start_ns) * 1e-9):
             self._follow = self.config.tail_follow_steps    # read by begin_step
             self.stats.tail_steps += 1
         if step.reason and self.tracer is not None and self.tracer.available:

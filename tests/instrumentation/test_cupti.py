@@ -291,8 +291,10 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     assert _wait(lambda: gpu.stats.steps == 64 and len(gpu._skipped) == 64)
     step(64, 0.05)                                    # slow: external id 65
     assert _wait(lambda: gpu.stats.tail_steps == 1)
-    after = [step(65 + i, 0.010) for i in range(3)]   # external ids 66, 67, 68
+    # the two traced steps are slow too (CUPTI on), but must not arm further tracing
+    after = [step(65, 0.2), step(66, 0.2), step(67, 0.010)]   # external ids 66, 67, 68
     assert feed.pushed == [66, 67] and feed.enabled == 2
+    assert gpu.stats.tail_steps == 1                  # 66 and 67 are not compared: traced
     feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1), _kernel("k67", 67, 200, 2),
                                  _kernel("k65", 65, 50, 3)], [], 0, 0))
     assert _wait(lambda: gpu.stats.kernel_spans == 2 and not gpu._awaiting, timeout_s=10.0)
