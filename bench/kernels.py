@@ -299,27 +299,30 @@ def bench_probe(prefill_cfg: dict, rounds: int = 7) -> dict:
 def _markdown(res: dict) -> str:
     lines = [f"# Attention kernels on {res['device']['name']}", "",
              f"commit `{res['commit']}`, torch {res['device']['torch']}, triton "
-             f"{res['device']['triton']}, {res['time_utc']}; medians of triton.testing.do_bench.",
-             "", "## Correctness (vs float32 torch reference; outputs poisoned with NaN first)", "",
-             "| case | rel err | tol | ok |", "|---|---|---|---|"]
-    for c in res["correctness"]:
-        lines.append(f"| {c['case']} | {c['rel_err']:.2e} | {c['tol']:.0e} | {c['ok']} |")
-    cp = res["copy"]
-    lines += ["", f"Device-to-device copy: **{cp['GB_s']:.0f} GB/s** (read + written).", "",
-              "## Prefill, causal, bf16, hd128, 32 heads (TFLOP/s)", "",
-              "| seq x batch | ours (auto) | SDPA flash | SDPA cuDNN | ours / flash | config |",
-              "|---|---|---|---|---|---|"]
-    for r in res["prefill"]:
+             f"{res['device']['triton']}, {res['time_utc']}; medians of triton.testing.do_bench."]
+    if "correctness" in res:   # sections left out with --only are left out here too
+        lines += ["", "## Correctness (vs float32 torch reference; outputs poisoned with NaN "
+                  "first)", "", "| case | rel err | tol | ok |", "|---|---|---|---|"]
+        for c in res["correctness"]:
+            lines.append(f"| {c['case']} | {c['rel_err']:.2e} | {c['tol']:.0e} | {c['ok']} |")
+    if "copy" in res:
+        lines += ["", f"Device-to-device copy: **{res['copy']['GB_s']:.0f} GB/s** (read + written)."]
+    if "prefill" in res:
+        lines += ["", "## Prefill, causal, bf16, hd128, 32 heads (TFLOP/s)", "",
+                  "| seq x batch | ours (auto) | SDPA flash | SDPA cuDNN | ours / flash | config |",
+                  "|---|---|---|---|---|---|"]
+    for r in res.get("prefill", []):
         c = r["auto_config"]
         lines.append(f"| {r['seq']} x {r['batch']} | {r['ours_TFLOPs']:.0f} | "
                      f"{r.get('sdpa_flash_TFLOPs', float('nan')):.0f} | "
                      f"{r.get('sdpa_cudnn_TFLOPs', float('nan')):.0f} | "
                      f"{r.get('ours_over_sdpa_flash', float('nan')):.2f} | "
                      f"M{c['BLOCK_M']} N{c['BLOCK_N']} w{c['num_warps']} s{c['num_stages']} |")
-    lines += ["", "## Paged decode, batch 64, Hq 32 / Hkv 8, hd128, bf16, page 16 (GB/s)", "",
-              "| context | default | splits | of copy | best sweep | best config |",
-              "|---|---|---|---|---|---|"]
-    for r in res["decode"]:
+    if "decode" in res:
+        lines += ["", "## Paged decode, batch 64, Hq 32 / Hkv 8, hd128, bf16, page 16 (GB/s)", "",
+                  "| context | default | splits | of copy | best sweep | best config |",
+                  "|---|---|---|---|---|---|"]
+    for r in res.get("decode", []):
         b = r.get("best", {})
         lines.append(f"| {r['context']} | {r['default_GB_s']:.0f} | {r['default_splits']} | "
                      f"{r.get('default_fraction_of_copy', float('nan')):.2f} | "

@@ -10,7 +10,8 @@ request at or above it, slowest first:
   chunked prefill has several), the rest of e2e as ``other_s``;
 * steps: the ``engine.step`` spans it rode, found through span links in both directions
   (its prefill/decode spans link to steps; steps link back to request spans);
-* in those steps, the slowest kernel spans (children of the step span);
+* in those steps, the slowest kernel spans (children of the step span); the slowest
+  ``max_steps`` steps are shown, plus the slowest step with kernel spans if none of them has;
 * the slowest SM, from the first source that knows: the slowest kernel span's
   ``sightline.kernel.slowest_sm`` attribute, else a per-SM histogram exemplar pointing
   at one of the request's step spans, else the SM whose P99 stood out most (over the
@@ -223,7 +224,14 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
             slowest_sm = SlowestSm(k.gpu, k.slowest_sm, k.name, "kernel_span", None)
             break
     summaries.sort(key=lambda s: -s.duration_s)
-    for s in summaries:
+    shown = summaries[:max_steps]
+    if not any(s.kernels for s in shown):
+        # kernel spans exist for a sampled few steps: when none of the slowest has them,
+        # the slowest step that has them is shown too, so the kernels are never hidden
+        traced = next((s for s in summaries[max_steps:] if s.kernels), None)
+        if traced is not None:
+            shown.append(traced)
+    for s in shown:
         del s.kernels[max_kernels:]
     reasons = attrs.get(sc.GEN_AI_RESPONSE_FINISH_REASONS)
     if isinstance(reasons, list):
@@ -236,7 +244,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
-        steps_total=len(summaries), steps=summaries[:max_steps], slowest_kernel=slowest_kernel,
+        steps_total=len(summaries), steps=shown, slowest_kernel=slowest_kernel,
         slowest_sm=slowest_sm), {step.span_id for step in steps}
 
 

@@ -198,6 +198,11 @@ def test_explains_spans_from_the_real_tracing_api(tmp_path):
         for r in riding:
             r.link_step(step)
         step.end(end_time_ns=t0 + (9 + 2 * s) * ns)
+        if s == 2:  # step 2 has a kernel span (GpuTelemetry builds them the same way)
+            spans = telemetry.finished_spans
+            spans.emit(sc.SPAN_KERNEL_PREFIX + "k", spans.child_context(step.span_context),
+                       step.span_context, t0 + (8 + 2 * s) * ns, t0 + (8 + 2 * s) * ns + 1000,
+                       {sc.CUDA_KERNEL_NAME: "k", sc.KERNEL_SLOWEST_SM: 7})
     for i, r in enumerate(reqs):
         end = t0 + (10 + 2 * (i + 1)) * ns
         r.end_phase(sc.SPAN_DECODE, end_time_ns=end)
@@ -217,6 +222,10 @@ def test_explains_spans_from_the_real_tracing_api(tmp_path):
     assert slowest.phases.decode_s == pytest.approx(0.008)
     assert [r.steps_total for r in result.requests] == [4, 3, 2]
     assert agg.latency_window("queue", ("tiny", "1")).count == 1
+    # one step asked for: the slowest (step 0, no kernels), plus the slowest with kernels
+    one = explain_slowest(agg, quantile=0.0, limit=1, max_steps=1).requests[0]
+    assert [(s.step_id, [k.name for k in s.kernels]) for s in one.steps] == [(0, []), (2, ["k"])]
+    assert one.slowest_sm is not None and one.slowest_sm.sm == "7"
 
 
 def test_trace_store_total_span_bound():
