@@ -354,6 +354,7 @@ class CuptiTracer:
             k_memcpy = int(cupti.ActivityKind.MEMCPY)
             ext_kind = int(self._ext_kind)
             kernels, links, memcpys = [], [], []
+            foreign = 0
             add_kernel, add_link = kernels.append, links.append
             for a in activities:
                 kind = a.kind
@@ -366,6 +367,8 @@ class CuptiTracer:
                 elif kind == k_ext:
                     if a.external_kind == ext_kind:
                         add_link((a.correlation_id, a.external_id))
+                    else:
+                        foreign += 1     # another tool's correlation kind (e.g. torch's)
                 elif kind == k_memcpy:
                     memcpys.append(MemcpyRecord(_memcpy_kind_name(cupti, a.copy_kind), a.bytes,
                                                 a.start, a.end, a.stream_id, a.device_id,
@@ -374,7 +377,7 @@ class CuptiTracer:
             kept = len(kernels) + len(links) + len(memcpys)
             self.buffers_completed += 1
             self.records_seen += n
-            self._api_calls += n - kept
+            self._api_calls += n - kept - foreign
             if self._records_in - self._records_out + kept > self.max_queue_records:
                 self.dropped_records += kept
             elif kept:

@@ -311,3 +311,58 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     assert gpu.stats.kernels_skipped == 1             # the slow step's own kernel
     gpu.shutdown()
     tel.shutdown()
+
+
+def test_buffer_callback_converts_joins_and_bounds_records():
+    """The CUPTI buffer callback on records shaped like cupti-python's (CUPTI itself cannot
+    run here; the GPU tests run it): kernels, memcpys and external-correlation records
+    become typed records joined by correlation id, API records are only counted, and a
+    buffer that would exceed ``max_queue_records`` is dropped whole and counted."""
+    import enum
+    import types
+
+    class Kind(enum.IntEnum):
+        MEMCPY = 1
+        RUNTIME = 5
+        CONCURRENT_KERNEL = 10
+        EXTERNAL_CORRELATION = 39
+
+    class ExtKind(enum.IntEnum):
+        CUSTOM0 = 2
+        CUSTOM2 = 4
+
+    class CopyKind(enum.IntEnum):
+        HTOD = 1
+
+    fake = types.SimpleNamespace(ActivityKind=Kind, ExternalCorrelationKind=ExtKind,
+                                 ActivityMemcpyKind=CopyKind, activity_flush_all=lambda flag: None)
+
+    def kernel(corr, name="k"):
+        return types.SimpleNamespace(
+            kind=int(Kind.CONCURRENT_KERNEL), name=name, start=100 * corr, end=100 * corr + 50,
+            grid_x=4, grid_y=2, grid_z=1, block_x=128, block_y=1, block_z=1,
+            registers_per_thread=90, static_shared_memory=1024, dynamic_shared_memory=2048,
+            stream_id=7, device_id=0, correlation_id=corr)
+
+    def ext(corr, ext_id, kind=ExtKind.CUSTOM2):
+        return types.SimpleNamespace(kind=int(Kind.EXTERNAL_CORRELATION), external_kind=int(kind),
+                                     correlation_id=corr, external_id=ext_id)
+
+    api = types.SimpleNamespace(kind=int(Kind.RUNTIME))
+    copy = types.SimpleNamespace(kind=int(Kind.MEMCPY), copy_kind=1, bytes=4096, start=5, end=9,
+                                 stream_id=7, device_id=0, correlation_id=3)
+    tracer = CuptiTracer(max_queue_records=5)
+    tracer._cupti, tracer._ext_kind, tracer.available = fake, ExtKind.CUSTOM2, True
+    tracer._buffer_completed([api, ext(1, 41), kernel(1, "a"), api, ext(2, 42, ExtKind.CUSTOM0),
+                              kernel(2, "b"), copy])           # 4 kept (not CUSTOM0), 2 API
+    tracer._buffer_completed([ext(9, 49), kernel(9)])         # 4 + 2 > 5: dropped whole
+    batch = tracer.drain(flush=True)
+    assert [(k.name, k.external_id) for k in batch.kernels] == [("a", 41), ("b", None)]
+    a = batch.kernels[0]
+    assert (a.start_ns, a.end_ns, a.grid, a.block, a.shared_memory_bytes) == \
+        (100, 150, (4, 2, 1), (128, 1, 1), 3072)
+    assert [(m.copy_kind, m.bytes) for m in batch.memcpys] == [("HTOD", 4096)]
+    assert batch.api_calls == 2 and batch.dropped_records == 2
+    assert tracer.records_seen == 9 and tracer.buffers_completed == 2
+    tracer._buffer_completed([ext(9, 49), kernel(9)])         # room again after the drain
+    assert [(k.name, k.external_id) for k in tracer.drain(flush=True).kernels] == [("k", 49)]
