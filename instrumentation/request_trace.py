@@ -62,7 +62,7 @@ class _Phase:
     no children, so nothing needs their span id while they are open.
     """
 
-    __slots__ = ("name", "start_ns", "links", "links_dropped", "events")
+    __slots__ = ("name", "start_ns", "links", "links_dropped", "events", "open")
 
     def __init__(self, name: str, start_ns: int) -> None:
         self.name = name
@@ -70,6 +70,7 @@ class _Phase:
         self.links: list[Link] = []
         self.links_dropped = 0
         self.events: list[tuple[str, dict | None, int]] | None = None
+        self.open = True
 
 class StepTrace:
     """One ``engine.step`` span (a root span, linked to the requests it served).
@@ -137,7 +138,7 @@ class RequestTrace:
     __slots__ = (
         "_telemetry", "_spans", "_name", "_parent", "_start_ns", "_attributes", "_events",
         "_ctx", "_lock", "_open", "_finished", "_first_token_seen", "_preemptions",
-        "_link_cap", "request_id", "span_context", "link",
+        "_link_cap", "_full_phase", "request_id", "span_context", "link",
     )
 
     def __init__(self, telemetry: "Telemetry", name: str, parent: Context, request_id: str,
@@ -161,6 +162,7 @@ class RequestTrace:
         self._preemptions = 0
         self._link_cap = min(telemetry.config.max_links_per_span,
                              telemetry.config.max_phase_links)
+        self._full_phase: _Phase | None = None   # the open phase whose links are capped
         self.request_id = request_id
         # Made once, shared by every step span that links here (links are immutable).
         self.link = Link(self.span_context)
@@ -222,6 +224,7 @@ class RequestTrace:
     def _close(self, phase: _Phase, attributes: Mapping[str, Any] | None,
                end_time_ns: int | None) -> None:
         """Emits the phase span (caller holds the lock)."""
+        phase.open = False
         attrs = dict(attributes) if attributes else None
         if phase.links_dropped:
             attrs = attrs or {}
@@ -237,6 +240,13 @@ class RequestTrace:
         """Links the open prefill (else decode) span to ``step``; capped, overflow counted."""
         if step is None:
             return
+        full = self._full_phase
+        if full is not None and full.open:
+            # Its links are capped: only count, without the lock (called once per request
+            # per step, so this is most of a long decode's calls; a count racing with the
+            # phase's close may be lost, a link never is).
+            full.links_dropped += 1
+            return
         try:
             with self._lock:
                 phase = self._open.get(semconv.SPAN_PREFILL) or self._open.get(semconv.SPAN_DECODE)
@@ -246,6 +256,7 @@ class RequestTrace:
                     phase.links.append(step.link)
                 else:
                     phase.links_dropped += 1
+                    self._full_phase = phase
         except Exception:
             report_error("RequestTrace.link_step")
 
