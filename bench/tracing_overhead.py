@@ -57,7 +57,9 @@ def _telemetry(level: TraceLevel) -> Telemetry:
     config = TelemetryConfig(level=level, exporter="none", metrics_enabled=False,
                              max_queue_size=65536, max_export_batch_size=512,
                              schedule_delay_s=0.05)
-    return Telemetry.start(config, span_exporters=[DiscardExporter()])
+    # no encoding: this measures the calling thread, and span calls in a tight loop outrun
+    # an encoding exporter (bench/overhead.py measures the encoding where it belongs)
+    return Telemetry.start(config, span_exporters=[DiscardExporter(encode=False)])
 
 
 def _request_lifecycle(telemetry: Telemetry, n: int) -> int:

@@ -270,6 +270,8 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
                     usage_tokens = chunk.usage.completion_tokens
                 for choice in chunk.choices or ():
                     text = (choice.delta.content if config.api == "chat" else choice.text)
+                    if config.api == "chat" and not text and getattr(choice.delta, "role", None):
+                        text = None  # the role announcement that opens a chat stream: no token
                     # A trailing chunk with only a finish reason carries no token.
                     if text is not None and (text != "" or choice.finish_reason is None):
                         if ttft is None:
@@ -292,8 +294,10 @@ async def _one(client, config: LoadConfig, model: str, index: int) -> RequestRec
                              e2e_s=time.perf_counter() - start,
                              error=f"{type(exc).__name__}: {exc}"[:300])
     tokens = usage_tokens if usage_tokens is not None else chunks_with_tokens
-    if not config.stream:
-        ttft = e2e  # without streaming the first token arrives with the last
+    if not config.stream or (ttft is None and tokens):
+        # without streaming, or when no chunk before the last carried text (tokens that
+        # decode to nothing are not streamed), the first token arrives with the last
+        ttft = e2e
     tpot = None
     if config.stream and ttft is not None and tokens > 1:
         # Over e2e, not the last content chunk: a server may hold back tokens that end

@@ -18,14 +18,16 @@ external-correlation id. Everything else happens on one worker thread:
    Records come to the host only for steps whose kernel spans are emitted.
 2. Kernel spans come from CUPTI, switched on only for the steps they are kept for. The
    policy decides when a step BEGINS (on the engine thread, one random draw): a sampled
-   fraction of steps (``kernel_sample_ratio``), and the ``tail_follow_steps`` steps after
-   any step slower than the P99 of the recent ``tail_window_steps`` (the worker compares
-   each step's wall duration with that quantile when it takes the step; a slow step's
-   cause — a long prefill chunk, a large batch — usually persists for the next steps).
-   Why not record every step and keep the slow ones afterwards: measured on the H200
-   (llama-8b shape, 64 concurrent), CUPTI recording every kernel of every step cut output
-   tokens/s to ~0.1x, because cupti-python hands each record to Python (~1,500 records per
-   step of an eager engine) on a thread that holds the GIL and CUPTI's lock.
+   fraction of steps (``kernel_sample_ratio``, 0.2 % by default), and the
+   ``tail_follow_steps`` steps after any step slower than the ``tail_quantile`` (P99.9)
+   of the recent ``tail_window_steps`` (the worker compares each untraced step's wall
+   duration with that quantile when it takes the step; a slow step's cause — a long
+   prefill chunk, a large batch — usually persists for the next steps; traced steps are
+   left out, as CUPTI makes them slow). Why not record every step and keep the slow ones
+   afterwards: measured on the H200 (llama-8b shape, 64 concurrent), CUPTI recording every
+   kernel of every step cut output tokens/s to 0.10-0.14x, because cupti-python hands each
+   record to Python (~1,500 records per step of an eager engine) on a thread that holds
+   the GIL; a traced step costs 151-206 ms of CPU (bench/results/overhead.md).
    The worker joins the records to the traced steps by external id and emits the spans
    once a step's records went quiet (``settle_s``) or ``max_wait_s`` passed. Kernel spans
    are children of the step span, timestamped with the GPU's start/end, with grid, block,

@@ -99,6 +99,21 @@ def test_non_streamed_and_chat(engine_url):
         assert 1 <= r.output_tokens <= 3
 
 
+def test_streamed_chat_ttft_is_the_first_token_not_the_role_chunk(engine_url):
+    """A chat stream opens with a role chunk (empty content) before any token exists; the
+    client's TTFT must wait for a token, so it is never below the server's own TTFT
+    (arrival to first token, the engine's histogram), request by request in sum."""
+    from sightline.instrumentation import semconv
+    name = semconv.ENGINE_TTFT_SECONDS
+    before = _metric_total(engine_url, name + "_sum")
+    result = run_load_sync(LoadConfig(url=engine_url, requests=4, concurrency=2, priorities=(0,),
+                                      max_tokens=4, stream=True, api="chat"), progress=None)
+    assert [r.status for r in result.records] == ["ok"] * 4
+    server_ttft = _metric_total(engine_url, name + "_sum") - before
+    assert server_ttft > 0
+    assert sum(r.ttft_s for r in result.records) >= server_ttft
+
+
 def test_errors_are_recorded_not_raised(engine_url):
     result = run_load_sync(LoadConfig(url=engine_url, requests=2, concurrency=1,
                                       model="no-such-model", max_tokens=2), progress=None)
