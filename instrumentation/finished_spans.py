@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode, TraceFlags
@@ -55,7 +56,6 @@ class FinishedSpans:
                       links: Sequence[Link] = ()) -> SpanContext:
         """The context of a span starting under ``parent`` (None or invalid: a new trace),
         sampled as the provider's sampler decides — what ``Tracer.start_span`` does."""
-        from opentelemetry import trace
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
             parent_ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent))
