@@ -589,6 +589,30 @@ def test_sampling_decisions_are_honoured(sink):
     assert never.exported_spans() == 0 and never.dropped_spans() == 0
 
 
+def test_step_spans_follow_a_ratio_sampler_exactly():
+    """Step spans are roots built finished: the provider's sampler decides each one. With
+    a 0.5 trace-id ratio, exactly the steps whose context says sampled are exported, with
+    their own attributes."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    memory = InMemorySpanExporter()
+    telemetry = Telemetry.start(TelemetryConfig(
+        level=TraceLevel.STEPS, exporter="none", metrics_enabled=False, schedule_delay_s=0.05,
+        sampler="traceidratio", sampler_arg=0.5), span_exporters=[memory])
+    steps = []
+    for i in range(400):
+        step = telemetry.start_step(i, requests=[], attributes={semconv.STEP_DECODE_TOKENS: i})
+        step.end()
+        steps.append(step)
+    telemetry.shutdown()
+    sampled = {st.span_context.span_id for st in steps if st.span_context.trace_flags.sampled}
+    got = memory.get_finished_spans()
+    assert 100 < len(sampled) < 300                    # the ratio was applied, not 0 or 1
+    assert {s.context.span_id for s in got} == sampled and len(got) == len(sampled)
+    assert all(s.name == semconv.SPAN_ENGINE_STEP and s.parent is None for s in got)
+    assert {s.attributes[semconv.STEP_ID] for s in got} == {
+        st.step_id for st in steps if st.span_context.span_id in sampled}
+
+
 def test_downstream_calls_continue_the_request():
     telemetry = Telemetry.start(TelemetryConfig(
         level=TraceLevel.REQUESTS, exporter="none", metrics_enabled=False,
