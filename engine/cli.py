@@ -51,6 +51,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                        help="default: OTEL_EXPORTER_OTLP_PROTOCOL, else grpc")
     serve.add_argument("--capture-content", action="store_true", default=None,
                        help="record prompt and completion text on spans (off by default)")
+    serve.add_argument("--kernel-sample-ratio", type=float, default=None,
+                       help="at --trace-level kernels: fraction of engine steps whose CUDA "
+                            "kernels become spans, besides the step after any slow one "
+                            "(default: SIGHTLINE_KERNEL_SAMPLE_RATIO, else 0.002; each traced "
+                            "step costs about one step time of CPU)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(handler=_serve)
 
@@ -65,7 +70,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
                                          otlp_protocol=args.otlp_protocol,
-                                         capture_content=args.capture_content)
+                                         capture_content=args.capture_content,
+                                         kernel_sample_ratio=args.kernel_sample_ratio)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
