@@ -22,6 +22,7 @@ child's log in the error, when the child exits before it becomes healthy.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -47,6 +48,8 @@ __all__ = [
     "wait_http",
     "wait_tcp",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class ProcessFailedError(RuntimeError):
@@ -236,7 +239,13 @@ class ManagedProcess:
                 self.popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 _signal_group(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=10)
+                try:
+                    self.popen.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    # Seen once in CI: still not reaped 10 s after SIGKILL. Stopping the rest
+                    # matters more than this exit code, so say so and go on.
+                    logger.warning("%s (pid %d) not reaped 10 s after SIGKILL", self.name,
+                                   self.popen.pid)
         # The leader is gone; anything left in its group (orphaned grandchildren) goes too.
         _signal_group(self.popen.pid, signal.SIGKILL)
         self._pump.join(timeout=2)
