@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import json
 import zlib
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ from sightline.collector.auth import TokenAuth
 from sightline.collector.pipeline import Admission, Batch, Pipeline
 from sightline.collector.self_metrics import SelfMetrics
 from sightline.instrumentation import semconv as sc
+from sightline.instrumentation.otlp_json_ids import base64_to_hex, convert_ids
 
 __all__ = [
     "Handler",
@@ -66,7 +66,6 @@ __all__ = [
 PROTOBUF_TYPES = frozenset({"application/x-protobuf", "application/protobuf"})
 JSON_TYPE = "application/json"
 # OTLP/JSON carries these as hex; protobuf's JSON mapping expects base64 for bytes.
-_HEX_ID_KEYS = frozenset({"traceId", "spanId", "parentSpanId", "trace_id", "span_id", "parent_span_id"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -181,32 +180,11 @@ def count_data_points(request: ExportMetricsServiceRequest) -> int:
 
 
 # -- OTLP/JSON --------------------------------------------------------------------------
-def _hex_ids_to_base64(node: Any) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _HEX_ID_KEYS and isinstance(value, str):
-                try:
-                    node[key] = base64.b64encode(bytes.fromhex(value)).decode("ascii")
-                except ValueError:
-                    raise IngestError(400, "malformed", f"{key} {value!r} is not hex") from None
-            elif isinstance(value, (dict, list)):
-                _hex_ids_to_base64(value)
-    elif isinstance(node, list):
-        for item in node:
-            if isinstance(item, (dict, list)):
-                _hex_ids_to_base64(item)
-
-
-def _base64_ids_to_hex(node: Any) -> None:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _HEX_ID_KEYS and isinstance(value, str):
-                node[key] = binascii.hexlify(base64.b64decode(value)).decode("ascii")
-            elif isinstance(value, (dict, list)):
-                _base64_ids_to_hex(value)
-    elif isinstance(node, list):
-        for item in node:
-            _base64_ids_to_hex(item)
+def _hex_to_base64(key: str, value: str) -> str:
+    try:
+        return base64.b64encode(bytes.fromhex(value)).decode("ascii")
+    except ValueError:
+        raise IngestError(400, "malformed", f"{key} {value!r} is not hex") from None
 
 
 def parse_otlp_json(body: bytes | str | dict, message_cls: type[Message]) -> Message:
@@ -220,7 +198,7 @@ def parse_otlp_json(body: bytes | str | dict, message_cls: type[Message]) -> Mes
         raise IngestError(400, "malformed", f"body is not JSON: {exc}") from None
     if not isinstance(document, dict):
         raise IngestError(400, "malformed", "OTLP/JSON body must be a JSON object")
-    _hex_ids_to_base64(document)
+    convert_ids(document, _hex_to_base64)
     try:
         return json_format.ParseDict(document, message_cls(), ignore_unknown_fields=False)
     except (json_format.ParseError, ValueError, TypeError) as exc:
@@ -230,8 +208,7 @@ def parse_otlp_json(body: bytes | str | dict, message_cls: type[Message]) -> Mes
 def to_otlp_json(message: Message) -> dict[str, Any]:
     """message -> OTLP/JSON dict (hex ids, lowerCamelCase), the inverse of ``parse_otlp_json``."""
     document = json_format.MessageToDict(message)
-    _base64_ids_to_hex(document)
-    return document
+    return convert_ids(document, base64_to_hex)
 
 
 # -- responses --------------------------------------------------------------------------

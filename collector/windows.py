@@ -135,16 +135,22 @@ class SlidingHistogram:
         self.newest_epoch = -1
 
     # -- writing --------------------------------------------------------------------
+    def _enter_slot(self, epoch: int) -> bool:
+        """Makes ``epoch`` the pending slot (flushing the one before); False if it is
+        already behind the window. Called only when the slot changes."""
+        if epoch <= self.newest_epoch - self.config.num_slots:
+            return False
+        self._flush()
+        self._pending_epoch = epoch
+        if epoch > self.newest_epoch:
+            self.newest_epoch = epoch
+        return True
+
     def record(self, value: float, t_s: float, exemplar: Exemplar | None = None) -> bool:
         """Adds one value observed at ``t_s``; False (nothing kept) if it is too late."""
         epoch = int(t_s // self._slot_s)
-        if epoch != self._pending_epoch:
-            if epoch <= self.newest_epoch - self.config.num_slots:
-                return False
-            self._flush()
-            self._pending_epoch = epoch
-            if epoch > self.newest_epoch:
-                self.newest_epoch = epoch
+        if epoch != self._pending_epoch and not self._enter_slot(epoch):
+            return False
         pending = self._pending
         pending.append(value)
         if exemplar is not None:
@@ -161,13 +167,8 @@ class SlidingHistogram:
 
         The same result as ``record`` called once per value (the same values are folded
         into the histogram at the same ``flush_every`` boundaries), at one call per batch."""
-        if epoch != self._pending_epoch:
-            if epoch <= self.newest_epoch - self.config.num_slots:
-                return False
-            self._flush()
-            self._pending_epoch = epoch
-            if epoch > self.newest_epoch:
-                self.newest_epoch = epoch
+        if epoch != self._pending_epoch and not self._enter_slot(epoch):
+            return False
         pending, flush_every = self._pending, self._flush_every
         start, n = 0, len(values)
         while n - start >= flush_every - len(pending):  # fill up to each flush boundary exactly

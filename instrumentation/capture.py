@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
@@ -39,6 +39,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from sightline.instrumentation.otlp_json_ids import base64_to_hex, convert_ids
 
 __all__ = [
     "CaptureRecord",
@@ -54,7 +56,6 @@ logger = logging.getLogger(__name__)
 
 Signal = Literal["traces", "metrics"]
 SIGNALS: tuple[str, ...] = ("traces", "metrics")
-_ID_KEYS = frozenset(("traceId", "spanId", "parentSpanId"))
 _REQUEST_TYPES = {"traces": ExportTraceServiceRequest, "metrics": ExportMetricsServiceRequest}
 
 
@@ -66,33 +67,7 @@ class CaptureRecord(NamedTuple):
     request: ExportTraceServiceRequest | ExportMetricsServiceRequest
 
 
-def _ids_to_hex(node: Any) -> Any:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _ID_KEYS and isinstance(value, str):
-                node[key] = base64.b64decode(value).hex()
-            else:
-                _ids_to_hex(value)
-    elif isinstance(node, list):
-        for item in node:
-            _ids_to_hex(item)
-    return node
-
-
-def _ids_to_base64(node: Any) -> Any:
-    if isinstance(node, dict):
-        for key, value in node.items():
-            if key in _ID_KEYS and isinstance(value, str):
-                node[key] = _id_to_base64(value)
-            else:
-                _ids_to_base64(value)
-    elif isinstance(node, list):
-        for item in node:
-            _ids_to_base64(item)
-    return node
-
-
-def _id_to_base64(value: str) -> str:
+def _id_to_base64(key: str, value: str) -> str:
     # OTLP/JSON ids are hex; accept protobuf-JSON base64 too (other writers emit it).
     if len(value) in (16, 32):
         try:
@@ -109,7 +84,7 @@ def _id_to_base64(value: str) -> str:
 def to_otlp_json(request: ExportTraceServiceRequest | ExportMetricsServiceRequest) -> dict:
     """The OTLP/JSON dict of an OTLP request (hex ids, integer enums, camelCase keys)."""
     as_dict = json_format.MessageToDict(request, use_integers_for_enums=True)
-    return _ids_to_hex(as_dict)
+    return convert_ids(as_dict, base64_to_hex)
 
 
 def from_otlp_json(signal: str, data: dict) -> ExportTraceServiceRequest | ExportMetricsServiceRequest:
@@ -117,7 +92,7 @@ def from_otlp_json(signal: str, data: dict) -> ExportTraceServiceRequest | Expor
     if signal not in _REQUEST_TYPES:
         raise ValueError(f"signal {signal!r} is not one of {'|'.join(SIGNALS)}")
     message = _REQUEST_TYPES[signal]()
-    json_format.ParseDict(_ids_to_base64(json.loads(json.dumps(data))), message,
+    json_format.ParseDict(convert_ids(json.loads(json.dumps(data)), _id_to_base64), message,
                           ignore_unknown_fields=True)
     return message
 

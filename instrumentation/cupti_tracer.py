@@ -301,27 +301,6 @@ class CuptiTracer:
             except Exception:
                 logger.exception("CUPTI disable failed")
 
-    def pause(self) -> None:
-        """Disables the activity kinds (no records, no CUPTI cost) but keeps the tracer;
-        ``resume`` re-enables them. Benchmarks use this to compare with tracing off."""
-        if self.available:
-            self._cupti.activity_flush_all(1)
-            for kind in self._kinds:
-                self._cupti.activity_disable(kind)
-
-    def resume(self, api_records: bool = True) -> None:
-        """Re-enables the kinds; ``api_records=False`` leaves RUNTIME, DRIVER and
-        EXTERNAL_CORRELATION off (kernel records only, no step matching) — benchmarks use
-        it to separate the cost of API records from that of kernel records."""
-        if self.available:
-            api = {self._cupti.ActivityKind.RUNTIME, self._cupti.ActivityKind.DRIVER,
-                   self._cupti.ActivityKind.EXTERNAL_CORRELATION}
-            for kind in self._kinds:
-                if api_records or kind not in api:
-                    self._cupti.activity_enable(kind)
-            if api_records and self.api_filter:
-                self._filter_api_records(self._cupti)   # in case re-enabling reset it
-
     # -- engine thread ----------------------------------------------------------------
     def push(self, external_id: int) -> None:
         """Tags the calling thread's following CUDA launches with ``external_id``."""

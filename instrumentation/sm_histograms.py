@@ -3,9 +3,10 @@
 Why on the device: an attention-heavy step of an 8B model probes ~64 K CTAs; mapping each
 duration to a bucket on the host costs ~0.3 µs per CTA in numpy (measured on this
 project's CPU box: ~20 ms per step), which would compete with the engine thread for the
-GIL. Here each step costs about fifteen small torch ops on the GPU (issued from the
-telemetry worker thread on its own stream, ordered after the step by an event), and the
-host only touches the dense table once per export interval.
+GIL. Here a batch of steps (``add_steps``) costs about twenty-five small torch ops on the
+GPU, whatever its size (issued from the telemetry worker thread on its own stream, ordered
+after the steps by an event), and the host only touches the dense table once per export
+interval.
 
 Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry
 base-2 exponential buckets at one fixed ``scale`` (default 6: quantiles within 0.54 %)
