@@ -33,7 +33,6 @@ from sightline.collector.config import CollectorConfig
 from sightline.collector.otlp_http import parse_otlp_json, to_otlp_json
 from sightline.collector.zipkin import zipkin_to_otlp
 from sightline.instrumentation import semconv as sc
-from tests.support import free_port
 
 # -- helpers (also used by the other collector tests) ------------------------------------
 
@@ -42,8 +41,8 @@ class RunningCollector:
     """A real Collector on free loopback ports, its asyncio loop on a background thread."""
 
     def __init__(self, sink=None, **overrides) -> None:
-        ports = {name: free_port() for name in ("otlp_grpc", "otlp_http", "zipkin", "http")}
-        fields = {f"{name}_address": f"127.0.0.1:{port}" for name, port in ports.items()}
+        # port 0: the collector binds and reports its ports, so nothing can take them first
+        fields = {f"{name}_address": "127.0.0.1:0" for name in ("otlp_grpc", "otlp_http", "zipkin", "http")}
         # a token in the developer's environment must not switch auth on in tests
         fields["auth_token_env"] = "SIGHTLINE_TEST_TOKEN_NEVER_SET"
         fields.update(overrides)
