@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -102,20 +103,50 @@ class ProcessSpec:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that nothing listens on right now (racy by nature)."""
+    """A TCP port on ``host`` that nothing listens on right now (see ``free_ports``)."""
     return free_ports(1, host)[0]
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999                   # Linux's default
+
+
+# Ports are drawn below the kernel's ephemeral range: a port from bind(0) lies inside it,
+# where the kernel also picks the local port of every outgoing connection, so between
+# choosing a port and a child binding it, any client socket (a scrape, an exporter) could
+# take it (seen in CI as EADDRINUSE). Below the range a port is only ever bound on
+# purpose. Each process draws from its own shuffled order and never hands a port out twice.
+_PORT_DRAW_LOW = 10_000
+_ports_to_draw: list[int] = []
+_ports_lock = threading.Lock()
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct free ports: the sockets stay bound until all are chosen."""
+    """``count`` distinct ports on ``host`` that nothing listens on right now, never handed
+    out before by this process; the sockets stay bound until all are chosen."""
     if not 0 < count <= 1000:
         raise ValueError(f"free_ports count={count} must be in [1, 1000]")
     sockets: list[socket.socket] = []
     try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((host, 0))
-            sockets.append(sock)
+        with _ports_lock:
+            if not _ports_to_draw:
+                low = min(_ephemeral_port_range()[0], 32768)
+                _ports_to_draw.extend(range(_PORT_DRAW_LOW, low))
+                random.Random(os.getpid()).shuffle(_ports_to_draw)
+            while len(sockets) < count:
+                if not _ports_to_draw:
+                    raise OSError(f"no free port left on {host} below the ephemeral range")
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                try:
+                    sock.bind((host, _ports_to_draw.pop()))
+                except OSError:
+                    sock.close()
+                    continue
+                sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:

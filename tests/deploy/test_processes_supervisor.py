@@ -111,8 +111,13 @@ def test_health_timeout_stops_the_child(tmp_path):
 def test_free_ports_are_distinct_and_bindable():
     import socket
 
+    from sightline.deploy.processes import _ephemeral_port_range
+
     ports = free_ports(20)
     assert len(set(ports)) == 20
+    # below the range the kernel gives client sockets, and never handed out twice
+    assert max(ports) < _ephemeral_port_range()[0]
+    assert not set(free_ports(20)) & set(ports)
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
