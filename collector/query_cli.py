@@ -126,8 +126,13 @@ def format_explanation(result: dict) -> str:
                      f"decode {ms(p['decode_s'])}  other {ms(p['other_s'])}")
         lines.append(f"  steps ridden: {r['steps_total']} (slowest shown)")
         for s in r["steps"]:
+            note = ""
+            if s.get("kernel_trace_reason"):
+                note += f"  [kernels traced: {s['kernel_trace_reason']}]"
+            if s.get("kernel_trace_backlog"):
+                note += "  [during kernel-trace processing: telemetry CPU may account for it]"
             lines.append(f"    step {s['step_id']}  {ms(s['duration_s'])}  batch={s['batch_size']}  "
-                         f"prefill_tokens={s['prefill_tokens']} decode_tokens={s['decode_tokens']}")
+                         f"prefill_tokens={s['prefill_tokens']} decode_tokens={s['decode_tokens']}{note}")
             for k in s["kernels"]:
                 sm = f"  slowest SM {k['slowest_sm']}" if k["slowest_sm"] is not None else ""
                 lines.append(f"      {k['name'][:70]}  gpu {k['gpu']}  {k['duration_s'] * 1e6:.1f} us{sm}")

@@ -22,8 +22,12 @@ external-correlation id. Everything else happens on one worker thread:
    ``tail_follow_steps`` steps after any step slower than the ``tail_quantile`` (P99.9)
    of the recent ``tail_window_steps`` (the worker compares each untraced step's wall
    duration with that quantile when it takes the step; a slow step's cause — a long
-   prefill chunk, a large batch — usually persists for the next steps; traced steps are
-   left out, as CUPTI makes them slow). Why not record every step and keep the slow ones
+   prefill chunk, a large batch — usually persists for the next steps). Left out of that
+   rule: traced steps, and the steps that ran while a traced step's records were still
+   being processed, which are marked ``sightline.step.kernel_trace_backlog`` (that work
+   takes the GIL: on the H200 the step after a traced one took ~460 ms instead of ~40).
+   A traced step's span carries ``sightline.step.kernel_trace_reason``.
+   Why not record every step and keep the slow ones
    afterwards: measured on the H200 (llama-8b shape, 64 concurrent), CUPTI recording every
    kernel of every step cut output tokens/s to 0.10-0.14x, because cupti-python hands each
    record to Python (~1,500 records per step of an eager engine) on a thread that holds
@@ -76,6 +80,8 @@ class GpuTelemetryConfig:
     tail_min_steps: int = 64            # no tail rule before this many steps
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     settle_s: float = 1.0               # quiet time after a traced step's last CUPTI record
+    backlog_grace_s: float = 1.0        # steps this soon after a traced step's kernel spans
+                                        # were emitted are still marked (their export runs)
     max_wait_s: float = 10.0            # give up waiting for a traced step's records
     cupti: bool = True                  # kernel spans (CUPTI)
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
@@ -99,6 +105,8 @@ class GpuTelemetryConfig:
             raise ValueError(f"tail_follow_steps={self.tail_follow_steps} not in [0, 1000]")
         if not 0.0 <= self.settle_s <= 60.0:
             raise ValueError(f"settle_s={self.settle_s} not in [0, 60]")
+        if not 0.0 <= self.backlog_grace_s <= 60.0:
+            raise ValueError(f"backlog_grace_s={self.backlog_grace_s} not in [0, 60]")
         if not self.settle_s <= self.max_wait_s <= 600.0:
             raise ValueError(f"max_wait_s={self.max_wait_s} not in [settle_s={self.settle_s}, 600]")
         if not 1 <= self.probe_capacity_ctas <= 1 << 26:
@@ -151,6 +159,7 @@ class GpuTelemetryStats:
     steps_traced_sampled: int = 0
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99
     tail_steps: int = 0             # steps slower than the recent P99
+    steps_backlog: int = 0          # steps that ran while traced steps' records were processed
     kernel_spans: int = 0
     kernels_seen: int = 0
     kernels_unmatched: int = 0      # CUPTI kernels with no known step (outside steps, late)
@@ -178,6 +187,7 @@ class _Step:
     pending: object | None                     # PendingCtas
     ctas: object | None = None                 # PendingCtas; to the host only if traced
     reason: str = ""                           # "sampled" | "after_tail" | "" (at begin_step)
+    backlog: bool = False                      # ran while a traced step was being processed
     last_match_ns: int = 0                     # wall time a kernel was last joined to it
     flushed: bool = False                      # CUPTI was asked to deliver its records
     kernels: list[KernelRecord] = field(default_factory=list)
@@ -223,6 +233,16 @@ class GpuTelemetry:
         self._next_ext = 1
         self._open: tuple[int, str] | None = None  # the running step: (external id, reason)
         self._follow = 0          # steps still to trace after a slow one (worker sets it)
+        # Kernel-trace backlog: a traced step's ~1,000 CUPTI records are processed on other
+        # threads of this process, for 151-206 ms of CPU (H200), and they take the GIL from
+        # the engine thread: in the H200 capture the step after a traced one took ~460 ms
+        # instead of ~40. Steps that run meanwhile are marked and kept out of the tail rule
+        # (else each would arm the next trace). Counters with one writer each, read
+        # without a lock: traced steps ended / dropped (engine thread), settled (worker).
+        self._traced_ended = 0
+        self._traced_dropped = 0
+        self._traced_settled = 0
+        self._backlog_until_ns = 0   # worker: last settle + backlog_grace_s
         self._probe_batch: list = []   # (PendingCtas, end_ns) of steps not yet reduced
         self._awaiting: dict[int, _Step] = {}     # traced steps waiting for CUPTI records
         self._skipped: deque[int] = deque()        # recent untraced steps' external ids
@@ -279,6 +299,7 @@ class GpuTelemetry:
                 if reason:
                     self.tracer.enable()
                     self.tracer.push(ext)
+                    step_trace.set_attributes({semconv.STEP_TRACE_REASON: reason})
             self._open = (ext, reason)
         except Exception:
             self.stats.errors += 1
@@ -286,7 +307,9 @@ class GpuTelemetry:
         self.stats.engine_thread_s += time.perf_counter() - t0
 
     def end_step(self, step_trace) -> None:
-        """Closes the step's tag and hands its GPU data to the worker (no device sync)."""
+        """Closes the step's tag and hands its GPU data to the worker (no device sync).
+        Called before the step span ends, it marks a step that ran during a kernel-trace
+        backlog (``semconv.STEP_KERNEL_TRACE_BACKLOG``)."""
         if step_trace is None or self._open is None:
             return
         t0 = time.perf_counter()
@@ -300,13 +323,22 @@ class GpuTelemetry:
             if self.probe is not None:
                 pending = self.probe.end_step(ctx.trace_id, ctx.span_id)
             end_ns = step_trace.end_time_ns or time.time_ns()
+            backlog = (self._traced_ended - self._traced_dropped > self._traced_settled
+                       or step_trace.start_time_ns < self._backlog_until_ns)
+            if backlog:
+                step_trace.set_attributes({semconv.STEP_KERNEL_TRACE_BACKLOG: True})
+                self.stats.steps_backlog += 1
             step = _Step(ext, step_trace.step_id, ctx, step_trace.start_time_ns, end_ns, pending,
-                         reason=reason)
+                         reason=reason, backlog=backlog)
             self.stats.steps += 1
+            if reason:
+                self._traced_ended += 1
             try:
                 self._queue.put_nowait(step)
             except queue.Full:
                 self.stats.steps_dropped += 1
+                if reason:
+                    self._traced_dropped += 1
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
@@ -376,14 +408,18 @@ class GpuTelemetry:
             step.ctas = pending
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
-        # Traced steps are left out of the tail rule: CUPTI makes them slow (measured on the
-        # H200: ~5-10x), so each would arm the next, which would arm the next, ...
-        if not step.reason and self.policy.is_tail((step.end_ns - step.start_ns) * 1e-9):
+        # Traced steps and those run during their backlog are left out of the tail rule:
+        # kernel tracing makes them slow (H200: ~10x), so each would arm the next trace,
+        # which would slow the next step, which would arm the next, ...
+        if (not step.reason and not step.backlog
+                and self.policy.is_tail((step.end_ns - step.start_ns) * 1e-9)):
             self._follow = self.config.tail_follow_steps    # read by begin_step
             self.stats.tail_steps += 1
         if step.reason and self.tracer is not None and self.tracer.available:
             self._awaiting[step.ext_id] = step
         else:
+            if step.reason:
+                self._traced_settled += 1       # traced, but CUPTI is unavailable
             self._skipped.append(step.ext_id)
             self._skipped_set.add(step.ext_id)
             while len(self._skipped) > 4 * self.config.max_pending_steps:
@@ -453,6 +489,9 @@ class GpuTelemetry:
                 else:
                     self.stats.steps_traced_sampled += 1
                 self._emit_spans(step, reason)
+            # the grace covers the span export that follows, on the exporter's thread
+            self._backlog_until_ns = time.time_ns() + int(self.config.backlog_grace_s * 1e9)
+            self._traced_settled += 1
 
     def _emit_spans(self, step: _Step, reason: str) -> None:
         spans = self.telemetry.finished_spans   # built finished: ~1,000 per traced step

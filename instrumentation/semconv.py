@@ -90,8 +90,11 @@ STEP_NUM_PREFILL_SEQS = "sightline.step.prefill_seqs"
 STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
 STEP_KV_BLOCKS_USED = "sightline.step.kv_blocks_used"
 STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
-STEP_KERNELS_TRACED = "sightline.step.kernels_traced"
-STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "tail" | ""
+# on a step whose kernels were traced (CUPTI on), and on its kernel spans
+STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_tail"
+# true on a step that ran while the telemetry still processed a traced step's kernel
+# records (their CPU may have slowed it; the H200 showed ~10x): not the engine's own cost
+STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
 
 # kernel (CUPTI)
 CUDA_KERNEL_NAME = "cuda.kernel.name"

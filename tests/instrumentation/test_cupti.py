@@ -313,6 +313,60 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     tel.shutdown()
 
 
+def test_steps_during_a_kernel_trace_backlog_are_marked_and_arm_no_tail_trace():
+    """A traced step's records are processed on other threads, and that CPU slows the
+    steps that run meanwhile (on the H200, ~460 ms instead of ~40). Those steps are marked
+    on their span and left out of the tail rule, until backlog_grace_s after the traced
+    step's kernel spans were emitted; a slow step after that arms tracing again. The steps
+    end the way the engine ends them: end_step first, then the span."""
+    import time
+
+    from sightline.instrumentation import semconv
+    from sightline.instrumentation.cupti_tracer import TraceBatch
+    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=5.0,
+                                           backlog_grace_s=0.3)
+    def step(i: int, duration_s: float):
+        # started duration_s ago: end_step reads the clock, so the duration is exact to µs
+        st = tel.start_step(i, requests=[], start_time_ns=time.time_ns() - int(duration_s * 1e9))
+        gpu.begin_step(st)
+        gpu.end_step(st)
+        st.end()
+        return st
+
+    for i in range(64):
+        step(i, 0.010)
+    step(64, 0.05)                                     # slow: arms one traced step
+    assert _wait(lambda: gpu.stats.tail_steps == 1)
+    traced = step(65, 0.04)                            # external id 66, CUPTI on
+    victims = [step(66, 0.5), step(67, 0.5)]           # its records not yet processed
+    assert feed.pushed == [66]
+    assert _wait(lambda: gpu.stats.steps == 68)
+    assert gpu.stats.tail_steps == 1 and gpu.stats.steps_backlog == 2
+    feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1)], [], 0, 0))
+    assert _wait(lambda: gpu.stats.kernel_spans == 1 and not gpu._awaiting)
+    in_grace = step(68, 0.5)                           # the spans' export may still run
+    assert _wait(lambda: gpu.stats.steps == 69)
+    assert gpu.stats.tail_steps == 1 and feed.pushed == [66]
+    time.sleep(0.5)
+    after = step(69, 0.1)                              # a slow step of the engine's own
+    assert _wait(lambda: gpu.stats.tail_steps == 2)
+    step(70, 0.01)
+    assert feed.pushed == [66, 71]                     # it armed the next step's trace
+    tel.force_flush()
+    by_id = {s.context.span_id: s for s in spans.get_finished_spans()
+             if s.name == semconv.SPAN_ENGINE_STEP}
+    attrs = lambda st: by_id[st.span_context.span_id].attributes  # noqa: E731
+    assert attrs(traced)[semconv.STEP_TRACE_REASON] == "after_tail"
+    assert semconv.STEP_KERNEL_TRACE_BACKLOG not in attrs(traced)
+    for st in [*victims, in_grace]:
+        assert attrs(st)[semconv.STEP_KERNEL_TRACE_BACKLOG] is True
+        assert semconv.STEP_TRACE_REASON not in attrs(st)
+    assert semconv.STEP_KERNEL_TRACE_BACKLOG not in attrs(after)
+    assert gpu.stats.steps_backlog == 3
+    gpu.shutdown()
+    tel.shutdown()
+
+
 def test_buffer_callback_converts_joins_and_bounds_records():
     """The CUPTI buffer callback on records shaped like cupti-python's (CUPTI itself cannot
     run here; the GPU tests run it): kernels, memcpys and external-correlation records
