@@ -16,6 +16,11 @@ calls, in ns per call.
   calls, end.
 At level ``off`` the engine's pattern is timed: the call returns None and the caller
 branches on it.
+- ``traced_step_kernel_spans_encode``: the kernel spans of the H200 capture's largest
+  traced step (``--capture``), rebuilt as the GPU telemetry builds them, OTLP-encoded as the
+  span exporter's thread does it (thread CPU ms, 15 alternating rounds); also as they were
+  before 3 attributes moved to the step span and the resource was hashed once. Encoding is
+  most of the CPU a traced step costs outside CUPTI, and it takes the GIL from the engine.
 
 With ``--engine``: the tiny model's engine loop (offline, CPU) at levels off, requests and
 steps, same requests, interleaved repeats; wall time, ms per step, overhead vs off. On a
@@ -50,6 +55,7 @@ else:  # run as python bench/<name>.py: this folder is sys.path[0]
     from _meta import git_commit
 
 RESULTS = Path(__file__).parent / "results" / "tracing_overhead_cpu.json"
+CAPTURE = Path(__file__).parent.parent / "deploy" / "captures" / "h200-20261130-http.jsonl.gz"
 PHASES = semconv.REQUEST_PHASE_SPANS
 
 
@@ -115,6 +121,83 @@ def _bare_sdk_span(n: int) -> tuple[int, int]:
     for _ in range(n):
         tracer.start_span("s").end()
     return time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+
+
+def _traced_step_kernel_spans(telemetry: Telemetry, capture: Path) -> list:
+    """The kernel spans of the capture's largest traced step, rebuilt as the GPU telemetry
+    worker builds them now (``kernel_span_attributes`` on CUPTI-like records)."""
+    from sightline.instrumentation.capture import read_capture
+    from sightline.instrumentation.cupti_tracer import KernelRecord
+    from sightline.instrumentation.gpu_telemetry import kernel_span_attributes
+
+    by_step: dict[bytes, list] = {}
+    for signal, _, request in read_capture(capture):
+        if signal != "traces":
+            continue
+        for rs in request.resource_spans:
+            for ss in rs.scope_spans:
+                for span in ss.spans:
+                    if span.name.startswith(semconv.SPAN_KERNEL_PREFIX):
+                        by_step.setdefault(span.parent_span_id, []).append(span)
+    kernels = max(by_step.values(), key=len)
+
+    def value(span, key, default=0):
+        for kv in span.attributes:
+            if kv.key == key:
+                return getattr(kv.value, kv.value.WhichOneof("value"))
+        return default
+
+    collected = []
+
+    class Collect:
+        def on_end(self, span):
+            collected.append(span)
+
+    spans = telemetry.finished_spans
+    processors, spans._processors = spans._processors, (Collect(),)
+    try:
+        parent = spans.root_context(semconv.SPAN_ENGINE_STEP)
+        for i, k in enumerate(kernels):
+            grid = tuple(int(x) for x in value(k, semconv.CUDA_GRID, "1,1,1").split(","))
+            block = tuple(int(x) for x in value(k, semconv.CUDA_BLOCK, "1,1,1").split(","))
+            record = KernelRecord(value(k, semconv.CUDA_KERNEL_NAME, k.name), k.start_time_unix_nano,
+                                  k.end_time_unix_nano, grid, block, value(k, semconv.CUDA_REGISTERS),
+                                  value(k, semconv.CUDA_SHARED_MEMORY_BYTES), 0,
+                                  value(k, semconv.CUDA_STREAM), 0, i, 1)
+            spans.emit((semconv.SPAN_KERNEL_PREFIX + record.name)[:160], spans.child_context(parent),
+                       parent, record.start_ns, record.end_ns,
+                       kernel_span_attributes(record, 0))
+    finally:
+        spans._processors = processors
+    return collected
+
+
+def kernel_span_encoding(kernel_spans: list, rounds: int) -> list[dict]:
+    """Thread-CPU ms to OTLP-encode a traced step's kernel spans as they are now and as they
+    were before (3 more attributes each — step id, trace reason, cuda.device.id — and the
+    SDK's Resource, hashed per span by the encoder); rounds alternate the two."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    extra = {semconv.STEP_ID: 101, semconv.STEP_TRACE_REASON: "sampled", semconv.CUDA_DEVICE: 0}
+    sdk_resource = Resource(dict(kernel_spans[0].resource.attributes))
+    before = [ReadableSpan(name=s.name, context=s.context, parent=s.parent, resource=sdk_resource,
+                           attributes={**s.attributes, **extra}, kind=s.kind,
+                           start_time=s.start_time, end_time=s.end_time,
+                           instrumentation_scope=s.instrumentation_scope)
+              for s in kernel_spans]
+    variants = {"now": kernel_spans,
+                "before: +step id, trace reason, cuda.device.id; Resource hashed per span": before}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for i in range(rounds):
+        for name in (list(variants) if i % 2 else list(variants)[::-1]):
+            c0 = time.thread_time_ns()
+            encode_spans(variants[name]).SerializeToString()
+            runs[name].append((time.thread_time_ns() - c0) / 1e6)
+    return [{"level": "kernels", "op": "traced_step_kernel_spans_encode", "variant": name,
+             "spans": len(kernel_spans), "cpu_ms_median": round(statistics.median(r), 1),
+             "cpu_ms_runs": [round(x, 1) for x in r]} for name, r in runs.items()]
 
 
 def _measure(fn, iterations: int, repeats: int) -> dict:
@@ -217,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--capture", type=Path, default=CAPTURE,
+                        help="capture whose largest traced step's kernel spans are encoded")
     parser.add_argument("--engine", action="store_true",
                         help="also compare the tiny model's engine loop at each level (CPU)")
     parser.add_argument("--engine-requests", type=int, default=16)
@@ -243,6 +328,16 @@ def main(argv: list[str] | None = None) -> int:
                   f" {m['cpu_ns_per_call_median'] / 1000:9.2f} us cpu")
         telemetry.shutdown()
         assert telemetry.dropped_spans() == 0, "bench queue overflowed; raise max_queue_size"
+
+    # A traced step's kernel spans, OTLP-encoded by the span exporter's thread in this
+    # process: the largest part of a traced step's CPU that runs outside CUPTI.
+    telemetry = _telemetry(TraceLevel.STEPS)
+    kernel_spans = _traced_step_kernel_spans(telemetry, args.capture)
+    telemetry.shutdown()
+    for row in kernel_span_encoding(kernel_spans, rounds=15):
+        results.append(row)
+        print(f"kernels   encode {row['spans']} kernel spans {row['cpu_ms_median']:7.1f} ms cpu "
+              f"({row['variant']})")
 
     engine_results = None
     if args.engine:

@@ -632,3 +632,26 @@ def test_downstream_calls_continue_the_request():
     telemetry.shutdown()
     assert telemetry.start_request(route="/x", headers={}, model="m", operation="chat",
                                    request_id="after", priority=0) is None  # shut down: off
+
+
+def test_resource_is_hashed_once_and_groups_like_the_sdks():
+    """The process resource caches its hash (the OTLP encoder hashes it per span), and
+    equals, and hashes like, the SDK's Resource with the same attributes, so spans made by
+    either land in one resource group."""
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext, TraceFlags
+
+    from sightline.instrumentation.otel_setup import build_resource
+
+    ours = build_resource(TelemetryConfig(service_name="svc", resource_attributes={"a": "1"}))
+    sdk = Resource(dict(ours.attributes))
+    assert ours == sdk and hash(ours) == hash(sdk)
+    assert ours._hash == hash(ours)
+    spans = [ReadableSpan(name=f"s{i}", context=SpanContext(1, i + 1, False, TraceFlags(1)),
+                          resource=resource, start_time=1, end_time=2)
+             for i, resource in enumerate((ours, sdk, ours))]
+    request = encode_spans(spans)
+    assert len(request.resource_spans) == 1
+    assert sorted(s.name for s in request.resource_spans[0].scope_spans[0].spans) == ["s0", "s1", "s2"]
