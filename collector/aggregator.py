@@ -236,6 +236,7 @@ class Aggregator:
                 requests_total=dict(self._spans.requests_total),
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
                 steps={k: s.classic.copy() for k, s in self._spans.steps.items()},
+                kernel_trace_backlog_steps=self._spans.kernel_trace_backlog_steps,
                 sm_classic=({k: s.classic.copy() for k, s in self._sm.items()}
                             if self.config.expose_sm_histograms else {}),
                 sm_p99=sm_p99, overflow=dict(self.overflow), dropped=dict(self.dropped))

@@ -134,6 +134,7 @@ class ExpositionSnapshot:
     requests_total: dict[tuple[str, str, str], int]
     kernels: dict[tuple[str, str], ClassicHistogram]
     steps: dict[str, ClassicHistogram]
+    kernel_trace_backlog_steps: int
     sm_classic: dict[tuple[str, str, str], ClassicHistogram]  # (gpu, sm, kernel)
     sm_p99: dict[tuple[str, str], dict[str, float]]
     overflow: dict[str, int]
@@ -178,6 +179,10 @@ class AggregatorCollector:
         step = HistogramMetricFamily(L.COLLECTOR_STEP_DURATION_SECONDS,
                                      "Engine step durations (from engine.step spans).",
                                      labels=[L.LABEL_PHASE])
+        backlog = CounterMetricFamily(L.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL,
+                                      "Engine steps run while the engine's telemetry processed a "
+                                      "kernel-traced step (that CPU may have slowed them).",
+                                      labels=[])
         sm_hist = HistogramMetricFamily(L.COLLECTOR_SM_CTA_DURATION_SECONDS,
                                         "Duration of each attention CTA by the SM that ran it.",
                                         labels=[L.LABEL_GPU, L.LABEL_SM, L.LABEL_KERNEL])
@@ -205,6 +210,7 @@ class AggregatorCollector:
                 kernel.add_metric([gpu, name], h.prometheus_buckets(), h.sum)
             for phase, h in snap.steps.items():
                 step.add_metric([phase], h.prometheus_buckets(), h.sum)
+            backlog.add_metric([], snap.kernel_trace_backlog_steps)  # at 0 from the start
             for (gpu, sm, name), h in snap.sm_classic.items():
                 sm_hist.add_metric([gpu, sm, name], h.prometheus_buckets(), h.sum)
             for (gpu, name), per_sm in snap.sm_p99.items():
@@ -220,7 +226,7 @@ class AggregatorCollector:
             for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
         yield from fams.values()
-        yield from (requests_total, kernel, step, sm_hist, sm_p99, hotspot, overflow, dropped)
+        yield from (requests_total, kernel, step, backlog, sm_hist, sm_p99, hotspot, overflow, dropped)
 
 
 OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")

@@ -1,8 +1,9 @@
 """Pipeline health: is the telemetry itself arriving?
 
 The collector's self-metrics (received, rejected, dropped, queue depth, processing
-time, series overflow) and the engine's exporter self-metrics (spans exported,
-dropped, export failures), plus Prometheus' own ``up`` for every scrape target. A
+time, series overflow), the engine's exporter self-metrics (spans exported, dropped,
+export failures) and the share of steps its kernel tracing may have slowed, plus
+Prometheus' own ``up`` for every scrape target. A
 quiet GPU dashboard means nothing until this one says data is flowing.
 """
 
@@ -85,21 +86,34 @@ def spec() -> DashboardSpec:
             PanelSpec(
                 title="Spans exported",
                 unit="short",
-                width=8,
+                width=6,
                 queries=(Query(_rate(sc.TELEMETRY_SPANS_EXPORTED_TOTAL, ("instance",)), "{{instance}}"),),
             ),
             PanelSpec(
                 title="Spans dropped in the engine",
                 unit="short",
-                width=8,
+                width=6,
                 queries=(Query(_rate(sc.TELEMETRY_SPANS_DROPPED_TOTAL, ("instance",)), "{{instance}}"),),
             ),
             PanelSpec(
                 title="Export failures",
                 unit="short",
-                width=8,
+                width=6,
                 queries=(Query(_rate(sc.TELEMETRY_EXPORT_FAILURES_TOTAL, ("instance", sc.LABEL_SIGNAL)),
                                "{{instance}} {{signal}}"),),
+            ),
+            PanelSpec(
+                title="Steps slowed by kernel tracing",
+                unit="percentunit",
+                width=6,
+                description=("Share of engine steps that ran while the engine's telemetry turned a "
+                             "kernel-traced step's CUPTI records into spans (marked "
+                             "sightline.step.kernel_trace_backlog). That work takes the GIL: in the "
+                             "H200 capture such steps took ~0.5 s instead of 35 ms. The telemetry's "
+                             "own cost at the step-time tail; lower --kernel-sample-ratio if high."),
+                queries=(Query(f"{_rate(sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL, ())} / "
+                               f"{q.sum_by((), q.rate(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS)))}",
+                               "marked steps / all steps"),),
             ),
         ),
     )

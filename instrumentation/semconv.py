@@ -179,6 +179,9 @@ COLLECTOR_REQUEST_QUEUE_SECONDS = "sightline_request_queue_seconds"
 COLLECTOR_REQUESTS_TOTAL = "sightline_requests"  # model, priority, finish_reason
 COLLECTOR_KERNEL_DURATION_SECONDS = "sightline_kernel_duration_seconds"  # gpu, kernel
 COLLECTOR_STEP_DURATION_SECONDS = "sightline_step_duration_seconds"
+# counter -> _total: step spans marked STEP_KERNEL_TRACE_BACKLOG (slowed, maybe, by the
+# engine's own kernel tracing)
+COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL = "sightline_steps_kernel_trace_backlog"
 COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, sm, kernel
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
