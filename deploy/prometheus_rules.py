@@ -93,6 +93,7 @@ class SloConfig:
     kernel_regression_factor: float = 1.5
     memory_growth_factor: float = 1.5  # predicted in 6h over now
     context_growth: int = 2  # contexts above the last hour's minimum
+    kernel_trace_backlog_share: float = 0.02  # steps slowed by kernel tracing, of all steps
 
     def __post_init__(self) -> None:
         if self.ttft_threshold_s not in sc.TTFT_BUCKETS_S:
@@ -114,6 +115,8 @@ class SloConfig:
                 raise ValueError(f"{name}={value} is outside (1, 100]")
         if not 1 <= self.context_growth <= 1000:
             raise ValueError(f"context_growth={self.context_growth} is outside 1..1000")
+        if not 0.0 < self.kernel_trace_backlog_share < 1.0:
+            raise ValueError(f"kernel_trace_backlog_share={self.kernel_trace_backlog_share} is outside (0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -392,6 +395,21 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                 description="The engine's OTLP exporters keep failing (sidecar or collector unreachable, "
                 "refusing, or timing out). Traces and per-SM histograms from this engine are missing.",
                 runbook="telemetry-export-failing",
+            ),
+            AlertRule(
+                alert="SightlineKernelTracingSlowingSteps",
+                expr=f"{q.sum_by(('job',), q.rate(q.counter(sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL), '30m'))}"
+                f"\n / {q.sum_by(('job',), q.rate(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS), '30m'))}"
+                f"\n > {_g(slo.kernel_trace_backlog_share)}",
+                for_="30m",
+                severity="ticket",
+                summary="Kernel tracing is slowing over "
+                f"{_g(100 * slo.kernel_trace_backlog_share)} % of engine steps ({{{{ $labels.job }}}})",
+                description="Engine steps ran while the engine's telemetry turned kernel-traced steps' "
+                f"CUPTI records into spans, above {_g(100 * slo.kernel_trace_backlog_share)} % of all "
+                "steps for 30 minutes. That work takes the engine's GIL: such steps can take 10x "
+                "longer, so the telemetry itself is adding to the step-time tail.",
+                runbook="kernel-tracing-slowing-steps",
             ),
             AlertRule(
                 alert="SightlineTelemetrySpansDropped",
