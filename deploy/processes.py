@@ -138,13 +138,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
                 _ports_to_draw.extend(range(_PORT_DRAW_LOW, low))
                 random.Random(os.getpid()).shuffle(_ports_to_draw)
             while len(sockets) < count:
-                if not _ports_to_draw:
-                    raise OSError(f"no free port left on {host} below the ephemeral range")
+                # 0 once none is left below the range (or the range starts low): the kernel picks
+                port = _ports_to_draw.pop() if _ports_to_draw else 0
                 sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                 try:
-                    sock.bind((host, _ports_to_draw.pop()))
+                    sock.bind((host, port))
                 except OSError:
                     sock.close()
+                    if port == 0:
+                        raise
                     continue
                 sockets.append(sock)
         return [sock.getsockname()[1] for sock in sockets]

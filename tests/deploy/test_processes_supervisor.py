@@ -130,3 +130,17 @@ def test_specs_check_their_values():
         ProcessSpec(name="a b", argv=("true",))
     with pytest.raises(ValueError, match="exactly one"):
         HealthCheck()
+
+
+def test_free_ports_fall_back_to_the_kernels_choice_when_none_is_left_below_the_range(monkeypatch):
+    import socket
+
+    from sightline.deploy import processes
+
+    monkeypatch.setattr(processes, "_ports_to_draw", [])
+    monkeypatch.setattr(processes, "_ephemeral_port_range", lambda: (1024, 65535))  # nothing below
+    ports = processes.free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
