@@ -342,7 +342,8 @@ def test_steps_during_a_kernel_trace_backlog_are_marked_and_arm_no_tail_trace():
 
     for i in range(64):
         step(i, 0.010)
-    step(64, 0.05)                                     # slow: arms one traced step
+    # durations far apart, so a loaded machine's jitter on the 10 ms steps cannot blur them
+    step(64, 0.3)                                      # slow: arms one traced step
     assert _wait(lambda: gpu.stats.tail_steps == 1)
     traced = step(65, 0.04)                            # external id 66, CUPTI on
     victims = [step(66, 0.5), step(67, 0.5)]           # its records not yet processed
@@ -354,8 +355,8 @@ def test_steps_during_a_kernel_trace_backlog_are_marked_and_arm_no_tail_trace():
     in_grace = step(68, 0.5)                           # the spans' export may still run
     assert _wait(lambda: gpu.stats.steps == 69)
     assert gpu.stats.tail_steps == 1 and feed.pushed == [66]
-    time.sleep(0.5)
-    after = step(69, 0.1)                              # a slow step of the engine's own
+    time.sleep(1.2)                                    # past the grace, even counting back 0.6 s
+    after = step(69, 0.6)                              # a slow step of the engine's own
     assert _wait(lambda: gpu.stats.tail_steps == 2)
     step(70, 0.01)
     assert feed.pushed == [66, 71]                     # it armed the next step's trace
