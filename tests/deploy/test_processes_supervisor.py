@@ -119,7 +119,7 @@ def test_free_ports_are_distinct_and_bindable():
     # never handed out twice
     if _ephemeral_port_range()[0] > 20_000:
         assert max(ports) < _ephemeral_port_range()[0]
-    assert not set(free_ports(20)) & set(ports)
+        assert not set(free_ports(20)) & set(ports)
     for port in ports:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
