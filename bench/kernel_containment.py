@@ -21,7 +21,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from sightline.instrumentation import semconv
 from sightline.instrumentation.capture import read_capture
 
-__all__ = ["capture_spans", "containment", "step_containment"]
+__all__ = ["attribute", "capture_spans", "containment", "step_containment"]
 
 
 def capture_spans(path: str | Path) -> Iterator[Span]:
@@ -32,6 +32,14 @@ def capture_spans(path: str | Path) -> Iterator[Span]:
         for resource_spans in request.resource_spans:
             for scope_spans in resource_spans.scope_spans:
                 yield from scope_spans.spans
+
+
+def attribute(span: Span, key: str, default=None):
+    """The value of an OTLP span's attribute ``key`` (whichever type it holds), or ``default``."""
+    for kv in span.attributes:
+        if kv.key == key:
+            return getattr(kv.value, kv.value.WhichOneof("value"))
+    return default
 
 
 def step_containment(spans: Iterable[Span]) -> dict:

@@ -23,16 +23,9 @@ from pathlib import Path
 from sightline.instrumentation import semconv
 
 if __package__:  # imported as bench.<name>
-    from bench.kernel_containment import capture_spans
+    from bench.kernel_containment import attribute, capture_spans
 else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from kernel_containment import capture_spans
-
-
-def _attribute(span, key: str):
-    for kv in span.attributes:
-        if kv.key == key:
-            return getattr(kv.value, kv.value.WhichOneof("value"))
-    return None
+    from kernel_containment import attribute, capture_spans
 
 
 def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict:
@@ -47,7 +40,7 @@ def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict
     steps.sort(key=lambda s: s.start_time_unix_nano)
     ms = [(s.end_time_unix_nano - s.start_time_unix_nano) / 1e6 for s in steps]
     traced = [i for i, s in enumerate(steps)
-              if s.span_id in kernel_parents or _attribute(s, semconv.STEP_TRACE_REASON)]
+              if s.span_id in kernel_parents or attribute(s, semconv.STEP_TRACE_REASON)]
     near = {j for i in traced for j in range(i, i + after + 1)}   # kept out of the baseline
     baseline = [ms[i] for i in range(warmup_steps, len(steps)) if i not in near]
     median = statistics.median(baseline) if baseline else None
@@ -70,7 +63,7 @@ def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict
         "traced": rows,
         "next_step_over_median": [round(r["next_ms"][0] / median, 1) for r in rows
                                   if r["next_ms"] and median],
-        "marked_backlog": sum(1 for s in steps if _attribute(s, semconv.STEP_KERNEL_TRACE_BACKLOG)),
+        "marked_backlog": sum(1 for s in steps if attribute(s, semconv.STEP_KERNEL_TRACE_BACKLOG)),
         # every untraced step over 5x the median, and how soon after a traced step it began
         "slow_steps": slow,
     }

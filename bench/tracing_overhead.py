@@ -49,10 +49,12 @@ if __package__:  # imported as bench.<name>
     from bench._discard import DiscardExporter
     from bench._in_situ import InSituTimer
     from bench._meta import git_commit
+    from bench.kernel_containment import attribute, capture_spans
 else:  # run as python bench/<name>.py: this folder is sys.path[0]
     from _discard import DiscardExporter
     from _in_situ import InSituTimer
     from _meta import git_commit
+    from kernel_containment import attribute, capture_spans
 
 RESULTS = Path(__file__).parent / "results" / "tracing_overhead_cpu.json"
 CAPTURE = Path(__file__).parent.parent / "deploy" / "captures" / "h200-20261130-http.jsonl.gz"
@@ -123,29 +125,21 @@ def _bare_sdk_span(n: int) -> tuple[int, int]:
     return time.perf_counter_ns() - t0, time.thread_time_ns() - c0
 
 
-def _traced_step_kernel_spans(telemetry: Telemetry, capture: Path) -> list:
+def _traced_step_kernel_spans(capture: Path) -> list:
     """The kernel spans of the capture's largest traced step, rebuilt as the GPU telemetry
-    worker builds them now (``kernel_span_attributes`` on CUPTI-like records)."""
-    from sightline.instrumentation.capture import read_capture
+    worker builds them now (its span name and attributes from CUPTI-like records)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
     from sightline.instrumentation.cupti_tracer import KernelRecord
-    from sightline.instrumentation.gpu_telemetry import kernel_span_attributes
+    from sightline.instrumentation.finished_spans import FinishedSpans
+    from sightline.instrumentation.gpu_telemetry import kernel_span_attributes, kernel_span_name
+    from sightline.instrumentation.otel_setup import build_resource
 
     by_step: dict[bytes, list] = {}
-    for signal, _, request in read_capture(capture):
-        if signal != "traces":
-            continue
-        for rs in request.resource_spans:
-            for ss in rs.scope_spans:
-                for span in ss.spans:
-                    if span.name.startswith(semconv.SPAN_KERNEL_PREFIX):
-                        by_step.setdefault(span.parent_span_id, []).append(span)
+    for span in capture_spans(capture):
+        if span.name.startswith(semconv.SPAN_KERNEL_PREFIX):
+            by_step.setdefault(span.parent_span_id, []).append(span)
     kernels = max(by_step.values(), key=len)
-
-    def value(span, key, default=0):
-        for kv in span.attributes:
-            if kv.key == key:
-                return getattr(kv.value, kv.value.WhichOneof("value"))
-        return default
 
     collected = []
 
@@ -153,22 +147,18 @@ def _traced_step_kernel_spans(telemetry: Telemetry, capture: Path) -> list:
         def on_end(self, span):
             collected.append(span)
 
-    spans = telemetry.finished_spans
-    processors, spans._processors = spans._processors, (Collect(),)
-    try:
-        parent = spans.root_context(semconv.SPAN_ENGINE_STEP)
-        for i, k in enumerate(kernels):
-            grid = tuple(int(x) for x in value(k, semconv.CUDA_GRID, "1,1,1").split(","))
-            block = tuple(int(x) for x in value(k, semconv.CUDA_BLOCK, "1,1,1").split(","))
-            record = KernelRecord(value(k, semconv.CUDA_KERNEL_NAME, k.name), k.start_time_unix_nano,
-                                  k.end_time_unix_nano, grid, block, value(k, semconv.CUDA_REGISTERS),
-                                  value(k, semconv.CUDA_SHARED_MEMORY_BYTES), 0,
-                                  value(k, semconv.CUDA_STREAM), 0, i, 1)
-            spans.emit((semconv.SPAN_KERNEL_PREFIX + record.name)[:160], spans.child_context(parent),
-                       parent, record.start_ns, record.end_ns,
-                       kernel_span_attributes(record, 0))
-    finally:
-        spans._processors = processors
+    provider = TracerProvider(resource=build_resource(TelemetryConfig()))
+    spans = FinishedSpans(provider, (Collect(),), semconv.INSTRUMENTATION_SCOPE)
+    parent = spans.root_context(semconv.SPAN_ENGINE_STEP)
+    for i, k in enumerate(kernels):
+        grid = tuple(int(x) for x in attribute(k, semconv.CUDA_GRID, "1,1,1").split(","))
+        block = tuple(int(x) for x in attribute(k, semconv.CUDA_BLOCK, "1,1,1").split(","))
+        record = KernelRecord(attribute(k, semconv.CUDA_KERNEL_NAME, k.name), k.start_time_unix_nano,
+                              k.end_time_unix_nano, grid, block, attribute(k, semconv.CUDA_REGISTERS, 0),
+                              attribute(k, semconv.CUDA_SHARED_MEMORY_BYTES, 0), 0,
+                              attribute(k, semconv.CUDA_STREAM, 0), 0, i, 1)
+        spans.emit(kernel_span_name(record.name), spans.child_context(parent), parent,
+                   record.start_ns, record.end_ns, kernel_span_attributes(record, 0))
     return collected
 
 
@@ -331,9 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # A traced step's kernel spans, OTLP-encoded by the span exporter's thread in this
     # process: the largest part of a traced step's CPU that runs outside CUPTI.
-    telemetry = _telemetry(TraceLevel.STEPS)
-    kernel_spans = _traced_step_kernel_spans(telemetry, args.capture)
-    telemetry.shutdown()
+    kernel_spans = _traced_step_kernel_spans(args.capture)
     for row in kernel_span_encoding(kernel_spans, rounds=15):
         results.append(row)
         print(f"kernels   encode {row['spans']} kernel spans {row['cpu_ms_median']:7.1f} ms cpu "

@@ -64,7 +64,7 @@ from .cupti_tracer import CuptiTracer, KernelRecord
 from .sm_probe import LaunchFacts, SmProbe, launch_facts
 
 __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy", "build_cta_metrics",
-           "kernel_span_attributes"]
+           "kernel_span_attributes", "kernel_span_name"]
 
 logger = logging.getLogger(__name__)
 _SPAN_NAME_MAX = 160
@@ -194,6 +194,11 @@ class _Step:
     kernels: list[KernelRecord] = field(default_factory=list)
 
 
+def kernel_span_name(kernel_name: str) -> str:
+    """``kernel <name>``, cut to a length span stores accept (C++ names run to kilobytes)."""
+    return (semconv.SPAN_KERNEL_PREFIX + kernel_name)[:_SPAN_NAME_MAX]
+
+
 def kernel_span_attributes(kernel: KernelRecord, gpu_id: int,
                            facts: LaunchFacts | None = None) -> dict:
     """A kernel span's attributes. Only what the kernel adds: its step's id and why it was
@@ -263,9 +268,8 @@ class GpuTelemetry:
         # the engine thread: in the H200 capture the step after a traced one took ~460 ms
         # instead of ~40. Steps that run meanwhile are marked and kept out of the tail rule
         # (else each would arm the next trace). Counters with one writer each, read
-        # without a lock: traced steps ended / dropped (engine thread), settled (worker).
-        self._traced_ended = 0
-        self._traced_dropped = 0
+        # without a lock: traced steps handed to the worker (engine thread), settled (worker).
+        self._traced_handed_over = 0
         self._traced_settled = 0
         self._backlog_until_ns = 0   # worker: last settle + backlog_grace_s
         self._probe_batch: list = []   # (PendingCtas, end_ns) of steps not yet reduced
@@ -348,7 +352,7 @@ class GpuTelemetry:
             if self.probe is not None:
                 pending = self.probe.end_step(ctx.trace_id, ctx.span_id)
             end_ns = step_trace.end_time_ns or time.time_ns()
-            backlog = (self._traced_ended - self._traced_dropped > self._traced_settled
+            backlog = (self._traced_handed_over > self._traced_settled
                        or step_trace.start_time_ns < self._backlog_until_ns)
             if backlog:
                 step_trace.set_attributes({semconv.STEP_KERNEL_TRACE_BACKLOG: True})
@@ -357,13 +361,13 @@ class GpuTelemetry:
                          reason=reason, backlog=backlog)
             self.stats.steps += 1
             if reason:
-                self._traced_ended += 1
+                self._traced_handed_over += 1   # before the put: the worker may settle it at once
             try:
                 self._queue.put_nowait(step)
             except queue.Full:
                 self.stats.steps_dropped += 1
                 if reason:
-                    self._traced_dropped += 1
+                    self._traced_handed_over -= 1
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
@@ -529,7 +533,7 @@ class GpuTelemetry:
             queue_ = facts_by_name.get(k.name)
             attrs = kernel_span_attributes(k, self.device_index,
                                            queue_.popleft() if queue_ else None)
-            spans.emit((semconv.SPAN_KERNEL_PREFIX + k.name)[:_SPAN_NAME_MAX],
+            spans.emit(kernel_span_name(k.name),
                        spans.child_context(parent), parent, k.start_ns, k.end_ns, attrs)
             self.stats.kernel_spans += 1
 
