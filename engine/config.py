@@ -198,6 +198,8 @@ class EngineConfig:
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     telemetry: TelemetryConfig | None = None  # None: tracing off
+    # where spans are built: a telemetry process the engine supervises, or a thread here
+    telemetry_mode: str = "process"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -224,6 +226,8 @@ class EngineConfig:
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):
             raise ValueError(f"telemetry={self.telemetry!r} must be a TelemetryConfig or None")
+        if self.telemetry_mode not in ("process", "thread"):
+            raise ValueError(f"telemetry_mode={self.telemetry_mode!r} is not one of process|thread")
 
     @property
     def model_name(self) -> str:

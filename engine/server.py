@@ -41,6 +41,7 @@ from sightline.engine.openai_protocol import (
 from sightline.engine.request import SamplingParams
 from sightline.engine.tokenizer import apply_chat_template
 from sightline.instrumentation import semconv as sc
+from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
 
 __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 
@@ -135,7 +136,7 @@ class EngineServer:
         trace = self.telemetry.start_request(
             route=route, headers=http.headers, model=self.model,
             operation="chat" if chat else "text_completion", request_id=response_id,
-            priority=params.priority) if self.telemetry.requests_on else None
+            priority=params.priority) if self.telemetry is not None else None
         try:
             return await self._run(http, params, chat, response_id, trace)
         except ProtocolError as exc:
@@ -151,23 +152,12 @@ class EngineServer:
 
     async def _run(self, http: web.Request, params, chat: bool, response_id: str, trace):
         engine = self.engine
-        if trace is not None:
-            trace.start_phase(sc.SPAN_TOKENIZE)
-        if chat:
-            prompt_text = apply_chat_template(params.messages)
-            prompt_ids = engine.tokenizer.encode(prompt_text)
-        elif isinstance(params.prompt, str):
-            prompt_text = params.prompt
-            prompt_ids = engine.tokenizer.encode(prompt_text)
-        else:
-            prompt_text, prompt_ids = None, params.prompt
-            vocab = engine.model_config.vocab_size
-            bad = next((t for t in prompt_ids if t >= vocab), None)
-            if bad is not None:
-                raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                                    param="prompt", code="invalid_value")
-        if trace is not None:
-            trace.end_phase(sc.SPAN_TOKENIZE)
+        tokenize_start = time.time_ns()
+        try:
+            prompt_text, prompt_ids = self._tokenize(params, chat)
+        finally:
+            if trace is not None:
+                trace.tokenized(tokenize_start, time.time_ns())
         room = engine.max_model_len - len(prompt_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -265,6 +255,24 @@ class EngineServer:
             if finished is None:
                 engine.abort(response_id)
 
+    def _tokenize(self, params, chat: bool) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids); a token id outside the vocabulary is a 400."""
+        engine = self.engine
+        if chat:
+            prompt_text = apply_chat_template(params.messages)
+            prompt_ids = engine.tokenizer.encode(prompt_text)
+        elif isinstance(params.prompt, str):
+            prompt_text = params.prompt
+            prompt_ids = engine.tokenizer.encode(prompt_text)
+        else:
+            prompt_text, prompt_ids = None, params.prompt
+            vocab = engine.model_config.vocab_size
+            bad = next((t for t in prompt_ids if t >= vocab), None)
+            if bad is not None:
+                raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                                    param="prompt", code="invalid_value")
+        return prompt_text, prompt_ids
+
     def _finish_trace(self, trace, out: RequestOutput, status: int, pieces: list[str],
                       prompt_text: str | None, error_type: str | None) -> None:
         if trace is None:
@@ -313,14 +321,12 @@ class RunningServer:
 
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
                  telemetry=None) -> int:
-    from sightline.instrumentation.tracing import Telemetry
-
-    if telemetry is None:
-        telemetry = Telemetry.start(config.telemetry) if config.telemetry is not None else Telemetry.disabled()
+    telemetry = _pipeline(config, telemetry)
     try:
         engine = await asyncio.to_thread(LLMEngine, config, telemetry)
     except BaseException:
-        telemetry.shutdown()
+        if telemetry is not None:
+            telemetry.shutdown()
         raise
     engine.start()
     server = EngineServer(engine, telemetry)
@@ -331,7 +337,8 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
-             engine.max_model_len, telemetry.config.level.name.lower())
+             engine.max_model_len,
+             telemetry.config.level.name.lower() if telemetry is not None else "off")
     stop, force = asyncio.Event(), asyncio.Event()  # first signal drains, a second one aborts
     loop = asyncio.get_running_loop()
     if threading.current_thread() is threading.main_thread():
@@ -349,9 +356,23 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
         started = time.monotonic()
         await server.drain(config.shutdown_timeout_s, force)
         await runner.cleanup()
-        await asyncio.to_thread(telemetry.shutdown)
+        if telemetry is not None:
+            await asyncio.to_thread(telemetry.shutdown)
         log.info("stopped in %.1f s", time.monotonic() - started)
     return 0
+
+
+def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
+    """The server's telemetry: ``telemetry`` as given (a pipeline, or a started Telemetry
+    whose spans are then built on a thread here), else one started from the config, its
+    spans built in the telemetry process."""
+    if telemetry is None:
+        if config.telemetry is None:
+            return None
+        return TelemetryPipeline.start(config.telemetry, mode=config.telemetry_mode)
+    if isinstance(telemetry, TelemetryPipeline):
+        return telemetry
+    return TelemetryPipeline.around(telemetry)
 
 
 def serve(config: EngineConfig) -> int:

@@ -124,10 +124,12 @@ class TelemetryConfig:
     propagators: tuple[str, ...] = ("tracecontext", "baggage")
     capture_content: bool = False
     content_max_chars: int = 4096
-    # Steps whose kernels become spans. Small on purpose: a traced step costs its engine
-    # ~one step time of CPU on the H200 (cupti-python's per-record Python; see
-    # gpu_telemetry.py), so 0.2 % of steps keeps kernel spans near 0.2 % of throughput.
-    kernel_sample_ratio: float = 0.002
+    # Steps whose kernels become spans (besides those after a slow step). The engine only
+    # copies their raw CUPTI buffers; decoding and spans happen in the telemetry process.
+    kernel_sample_ratio: float = 0.01
+    # Kernel spans of a traced step: "attention" (each attention launch its own span, other
+    # kernels one span per name) or "all" (every launch; for debugging).
+    kernel_span_detail: str = "attention"
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0
@@ -178,6 +180,9 @@ class TelemetryConfig:
             )
         _check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
         _check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
+        if self.kernel_span_detail not in ("attention", "all"):
+            raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
+                             "attention|all")
         _check_range("export_timeout_s", self.export_timeout_s, 0.001, 600.0)
         _check_range("schedule_delay_s", self.schedule_delay_s, 0.001, 3600.0)
         _check_range("metric_export_interval_s", self.metric_export_interval_s, 0.01, 3600.0)
@@ -270,6 +275,7 @@ class TelemetryConfig:
         put("metrics_temporality", "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", str.lower)
         put("capture_content", "SIGHTLINE_CAPTURE_CONTENT", _parse_bool)
         put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
+        put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:

@@ -47,24 +47,29 @@ class FinishedSpans:
         self._scope = InstrumentationScope(scope_name)
 
     def root_context(self, name: str, attributes: Mapping[str, Any] | None = None,
-                     links: Sequence[Link] = ()) -> SpanContext:
+                     links: Sequence[Link] = (), trace_id: int | None = None,
+                     span_id: int | None = None) -> SpanContext:
         """A new trace's root span context, sampled as the provider's sampler decides."""
-        return self.start_context(name, None, SpanKind.INTERNAL, attributes, links)
+        return self.start_context(name, None, SpanKind.INTERNAL, attributes, links,
+                                  trace_id, span_id)
 
     def start_context(self, name: str, parent: SpanContext | None, kind: SpanKind,
                       attributes: Mapping[str, Any] | None = None,
-                      links: Sequence[Link] = ()) -> SpanContext:
+                      links: Sequence[Link] = (), trace_id: int | None = None,
+                      span_id: int | None = None) -> SpanContext:
         """The context of a span starting under ``parent`` (None or invalid: a new trace),
-        sampled as the provider's sampler decides — what ``Tracer.start_span`` does."""
+        sampled as the provider's sampler decides — what ``Tracer.start_span`` does.
+        ``trace_id`` (new traces only) and ``span_id``: ids drawn by the recording side."""
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
             parent_ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent))
         else:
-            trace_id, parent_ctx = self._ids.generate_trace_id(), None
+            trace_id = trace_id or self._ids.generate_trace_id()
+            parent_ctx = None
         result = self._sampler.should_sample(parent_ctx, trace_id, name, kind, attributes,
                                              links)
         flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
-        return SpanContext(trace_id, self._ids.generate_span_id(), False, flags,
+        return SpanContext(trace_id, span_id or self._ids.generate_span_id(), False, flags,
                            result.trace_state)
 
     def child_context(self, parent: SpanContext) -> SpanContext:

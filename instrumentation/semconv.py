@@ -110,6 +110,12 @@ KERNEL_WAVES = "sightline.kernel.waves"
 KERNEL_SLOWEST_SM = "sightline.kernel.slowest_sm"
 KERNEL_CTA_SPREAD = "sightline.kernel.cta_duration_spread"  # max/median CTA duration
 KERNEL_CTAS = "sightline.kernel.ctas"
+# A kernel span that summarises every launch of one kernel in a traced step (all but the
+# attention kernels, which get a span per launch): its start is the first launch's start,
+# its end the last launch's end.
+KERNEL_LAUNCHES = "sightline.kernel.launches"
+KERNEL_TOTAL_DURATION_S = "sightline.kernel.total_duration_s"
+KERNEL_MAX_DURATION_S = "sightline.kernel.max_duration_s"
 
 # ---------------------------------------------------------------------------------
 # OTLP metrics emitted by the instrumentation (names per OTel conventions)
@@ -146,6 +152,11 @@ GPU_CUDA_CONTEXTS = "sightline_gpu_cuda_contexts"  # labels gpu (processes with 
 TELEMETRY_SPANS_DROPPED_TOTAL = "sightline_telemetry_spans_dropped"
 TELEMETRY_EXPORT_FAILURES_TOTAL = "sightline_telemetry_export_failures"
 TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
+# counter -> _total, label reason: lifecycle events and GPU records the engine could not
+# hand to its telemetry process (buffer_full | process_down | queue_full)
+TELEMETRY_EVENTS_DROPPED_TOTAL = "sightline_telemetry_events_dropped"
+TELEMETRY_PROCESS_RESTARTS_TOTAL = "sightline_telemetry_process_restarts"  # counter -> _total
+TELEMETRY_PROCESS_UP = "sightline_telemetry_process_up"  # gauge: 1 while it runs
 
 LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"
