@@ -20,6 +20,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -147,6 +148,7 @@ class LLMEngine:
         self._next_id = 0
         self._last_plan_nonempty = False
         self.last_step: StepStats | None = None
+        self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
 
     def _watch_gpu_health(self) -> None:
         """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever
@@ -335,6 +337,9 @@ class LLMEngine:
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
         m.c_step.observe(duration)
+        self.step_durations_s.append(duration)
+        if self.gpu_telemetry is not None and step is not None:
+            self.gpu_telemetry.observe_step(step, duration)
         m.c_step_tokens.observe(plan.num_scheduled_tokens)
         m.c_generation_tokens.inc(len(sampled))
         self._record_gauges()

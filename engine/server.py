@@ -72,6 +72,7 @@ class EngineServer:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/metrics", self.metrics),
+            web.get("/debug/steps", self.debug_steps),
         ])
 
     # ---- plumbing -----------------------------------------------------------------------------
@@ -107,6 +108,11 @@ class EngineServer:
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.engine.metrics.exposition([getattr(self.telemetry, "registry", None)])
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def debug_steps(self, request: web.Request) -> web.Response:
+        """The wall times of the engine's recent steps, oldest first (what a step-time
+        histogram cannot answer: how many steps were over twice the median)."""
+        return _json_response({"durations_s": list(self.engine.step_durations_s)})
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [{

@@ -222,9 +222,8 @@ class GpuTelemetry:
             logger.exception("GpuTelemetry.begin_step failed")
         self.stats.engine_thread_s += time.perf_counter() - t0
 
-    def end_step(self, step, duration_s: float | None = None) -> None:
-        """Closes the step's tag and hands its probe records to the worker (no device sync).
-        ``duration_s`` (the step's wall time, when known) feeds the tail rule."""
+    def end_step(self, step) -> None:
+        """Closes the step's tag and hands its probe records to the worker (no device sync)."""
         t0 = time.perf_counter()
         try:
             reason, self._open = self._open, ""
@@ -235,10 +234,6 @@ class GpuTelemetry:
                     self.stats.steps_traced_sampled += 1
                 else:
                     self.stats.steps_traced_tail += 1
-            elif duration_s is not None and self.policy.is_tail(duration_s):
-                # traced steps stay out of the rule: their CUPTI cost would arm the next
-                self._follow = self.config.tail_follow_steps
-                self.stats.tail_steps += 1
             pending = None
             if self.probe is not None:
                 pending = self.probe.end_step(step.trace_id, step.span_id)
@@ -252,6 +247,16 @@ class GpuTelemetry:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
         self.stats.engine_thread_s += time.perf_counter() - t0
+
+    def observe_step(self, step, duration_s: float) -> None:
+        """The tail rule, once the step's wall time is known: a step slower than the recent
+        P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps. Traced steps stay
+        out of the rule: their CUPTI cost would arm the next one."""
+        if step.attributes and semconv.STEP_TRACE_REASON in step.attributes:
+            return
+        if self.policy.is_tail(duration_s):
+            self._follow = self.config.tail_follow_steps
+            self.stats.tail_steps += 1
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

@@ -150,7 +150,8 @@ def _run_step(pipeline, gpu, step_id: int, start_ns: int, duration_s: float) -> 
     step = OpenStep(step_id, *recorder.new_span_ids(), start_ns)
     gpu.begin_step(step)
     end_ns = start_ns + int(duration_s * 1e9)
-    gpu.end_step(step, duration_s)
+    gpu.end_step(step)
+    gpu.observe_step(step, duration_s)
     recorder.record(Step(step_id, start_ns, end_ns, step.trace_id, step.span_id, (), 0, (), (),
                          0, 0, 0, 0, 0, 0, None, step.attributes))
     return step
@@ -322,7 +323,7 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
         step = OpenStep(i, *pipeline.recorder.new_span_ids(), time.time_ns())
         gpu.begin_step(step)
         prefill_attention(q, k, k, cu, cu, 512, 512, 0.088, probe=gpu.probe)
-        gpu.end_step(step, 0.001)
+        gpu.end_step(step)
         pipeline.recorder.record(Step(i, step.start_ns, time.time_ns(), step.trace_id, step.span_id,
                                       (), 0, (), (), 0, 0, 0, 0, 0, 0, None, step.attributes))
         steps.append(step)
