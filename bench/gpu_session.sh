@@ -6,7 +6,8 @@
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
 # probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
-# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests).
+# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests),
+# overhead-http (bench/overhead_http.py: served engine, spans to a collector).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -39,7 +40,7 @@ part() {  # name, limit in seconds, command...
 
 for p in "$@"; do
     case $p in
-    tests) part "gpu-tests-$commit" 150 python3 -m pytest -q -m gpu \
+    tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
@@ -51,6 +52,9 @@ for p in "$@"; do
     profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
+    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 bench/overhead_http.py \
+        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-2}" --bursts "${HTTP_BURSTS:-6}" \
+        --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ;;
     *) echo "unknown part: $p" ;;
     esac
 done
