@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
+from sightline.instrumentation.config_checks import check_range
 from sightline.deploy.load import LoadConfig, LoadResult, format_summary, run_load_sync
 from sightline.deploy.stack import Stack, StackConfig, format_urls
 
@@ -61,13 +62,10 @@ class DemoConfig:
     telemetry_settle_s: float = 20.0  # how long to wait for spans to reach the collector
 
     def __post_init__(self) -> None:
-        if not 0 <= self.slowest <= 50:
-            raise ValueError(f"DemoConfig.slowest={self.slowest} must be in [0, 50]")
-        if not 0 < self.telemetry_settle_s <= 600:
-            raise ValueError(f"DemoConfig.telemetry_settle_s={self.telemetry_settle_s} "
-                             "must be in (0, 600]")
-        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= 4096:
-            raise ValueError(f"DemoConfig.max_num_seqs={self.max_num_seqs} must be in [1, 4096]")
+        check_range("DemoConfig.slowest", self.slowest, 0, 50, integer=True)
+        check_range("DemoConfig.telemetry_settle_s", self.telemetry_settle_s, 0, 600, lo_open=True)
+        if self.max_num_seqs is not None:
+            check_range("DemoConfig.max_num_seqs", self.max_num_seqs, 1, 4096, integer=True)
         if self.capture is not None and not Path(self.capture).is_file():
             raise ValueError(f"DemoConfig.capture={str(self.capture)!r} is not a file")
         self.load_config("http://127.0.0.1:1")  # the load's own checks, before anything starts

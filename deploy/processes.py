@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ..instrumentation.config_checks import check_range
+
 __all__ = [
     "HealthCheck",
     "ProcessSpec",
@@ -70,10 +72,8 @@ class HealthCheck:
         if (self.http_url is None) == (self.tcp_address is None):
             raise ValueError("HealthCheck needs exactly one of http_url or tcp_address, "
                              f"got http_url={self.http_url!r}, tcp_address={self.tcp_address!r}")
-        if not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"HealthCheck.timeout_s={self.timeout_s} must be in (0, 3600]")
-        if not 0 < self.interval_s <= 10:
-            raise ValueError(f"HealthCheck.interval_s={self.interval_s} must be in (0, 10]")
+        check_range("HealthCheck.timeout_s", self.timeout_s, 0, 3600, lo_open=True)
+        check_range("HealthCheck.interval_s", self.interval_s, 0, 10, lo_open=True)
 
     def describe(self) -> str:
         if self.http_url is not None:
@@ -98,8 +98,7 @@ class ProcessSpec:
             raise ValueError(f"ProcessSpec.name={self.name!r} must be non-empty [A-Za-z0-9._-]")
         if not self.argv:
             raise ValueError(f"ProcessSpec {self.name!r}: argv is empty")
-        if not 0 < self.stop_timeout_s <= 600:
-            raise ValueError(f"ProcessSpec.stop_timeout_s={self.stop_timeout_s} must be in (0, 600]")
+        check_range("ProcessSpec.stop_timeout_s", self.stop_timeout_s, 0, 600, lo_open=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,8 +127,7 @@ _ports_lock = threading.Lock()
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports on ``host`` that nothing listens on right now, never handed
     out before by this process; the sockets stay bound until all are chosen."""
-    if not 0 < count <= 1000:
-        raise ValueError(f"free_ports count={count} must be in [1, 1000]")
+    check_range("free_ports count", count, 1, 1000, integer=True)
     sockets: list[socket.socket] = []
     try:
         with _ports_lock:

@@ -36,6 +36,7 @@ import yaml
 
 from sightline.dashboards import promql as q
 from sightline.instrumentation import semconv as sc
+from sightline.instrumentation.config_checks import check_range
 
 __all__ = [
     "SloConfig",
@@ -102,21 +103,14 @@ class SloConfig:
                 f"allowed: {sc.TTFT_BUCKETS_S}"
             )
         for name in ("ttft_objective", "availability_objective"):
-            value = getattr(self, name)
-            if not 0.5 <= value < 1.0:
-                raise ValueError(f"{name}={value} is outside [0.5, 1)")
-        if not 0.0 < self.kv_usage_threshold <= 1.0:
-            raise ValueError(f"kv_usage_threshold={self.kv_usage_threshold} is outside (0, 1]")
-        if not 1 <= self.waiting_threshold <= 1_000_000:
-            raise ValueError(f"waiting_threshold={self.waiting_threshold} is outside 1..1000000")
+            check_range(name, getattr(self, name), 0.5, 1, hi_open=True)
+        check_range("kv_usage_threshold", self.kv_usage_threshold, 0, 1, lo_open=True)
+        check_range("waiting_threshold", self.waiting_threshold, 1, 1_000_000, integer=True)
         for name in ("sm_hotspot_ratio", "kernel_regression_factor", "memory_growth_factor"):
-            value = getattr(self, name)
-            if not 1.0 < value <= 100.0:
-                raise ValueError(f"{name}={value} is outside (1, 100]")
-        if not 1 <= self.context_growth <= 1000:
-            raise ValueError(f"context_growth={self.context_growth} is outside 1..1000")
-        if not 0.0 < self.kernel_trace_backlog_share < 1.0:
-            raise ValueError(f"kernel_trace_backlog_share={self.kernel_trace_backlog_share} is outside (0, 1)")
+            check_range(name, getattr(self, name), 1, 100, lo_open=True)
+        check_range("context_growth", self.context_growth, 1, 1000, integer=True)
+        check_range("kernel_trace_backlog_share", self.kernel_trace_backlog_share, 0, 1,
+                    lo_open=True, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True)

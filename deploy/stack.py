@@ -32,6 +32,7 @@ from typing import Literal
 
 from sightline.deploy.processes import (HealthCheck, ProcessFailedError, ProcessSpec, Supervisor,
                                         free_ports)
+from sightline.instrumentation.config_checks import check_range
 
 __all__ = [
     "DEFAULT_PORTS",
@@ -109,21 +110,14 @@ class StackConfig:
             raise ValueError(f"StackConfig.ports has unknown keys {sorted(bad)}; "
                              f"allowed {sorted(DEFAULT_PORTS)}")
         for key, port in self.ports.items():
-            if not 0 <= port <= 65535:
-                raise ValueError(f"StackConfig.ports[{key!r}]={port} must be in [0, 65535]")
+            check_range(f"StackConfig.ports[{key!r}]", port, 0, 65535, integer=True)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"StackConfig.device={self.device!r} must be auto, cpu or cuda")
-        if not 0.1 <= self.scrape_interval_s <= 60:
-            raise ValueError(f"StackConfig.scrape_interval_s={self.scrape_interval_s} "
-                             "must be in [0.1, 60]")
-        if not 0.1 <= self.telemetry_export_interval_s <= 60:
-            raise ValueError(f"StackConfig.telemetry_export_interval_s="
-                             f"{self.telemetry_export_interval_s} must be in [0.1, 60]")
-        if not 1 <= self.health_timeout_s <= 3600:
-            raise ValueError(f"StackConfig.health_timeout_s={self.health_timeout_s} "
-                             "must be in [1, 3600]")
-        if not 0.5 <= self.stop_timeout_s <= 600:
-            raise ValueError(f"StackConfig.stop_timeout_s={self.stop_timeout_s} must be in [0.5, 600]")
+        check_range("StackConfig.scrape_interval_s", self.scrape_interval_s, 0.1, 60)
+        check_range("StackConfig.telemetry_export_interval_s", self.telemetry_export_interval_s,
+                    0.1, 60)
+        check_range("StackConfig.health_timeout_s", self.health_timeout_s, 1, 3600)
+        check_range("StackConfig.stop_timeout_s", self.stop_timeout_s, 0.5, 600)
 
     @property
     def resolved_device(self) -> Literal["cpu", "cuda"]:

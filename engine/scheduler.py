@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..instrumentation.config_checks import check_range
+
 from sightline.engine.kv_cache import KVCacheManager
 from sightline.engine.request import FinishReason, Request, RequestStatus
 
@@ -64,16 +66,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_range(name, getattr(self, name), 1, integer=True)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise decodes alone could eat the budget and starve a split prefill forever.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-        if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s > 0:
-            raise ValueError(f"aging_s must be > 0 (math.inf disables aging), got {self.aging_s!r}")
+        check_range("aging_s", self.aging_s, 0, lo_open=True, hint="(math.inf disables aging)")
 
 
 @dataclass(frozen=True)

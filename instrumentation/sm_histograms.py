@@ -29,6 +29,7 @@ import threading
 import numpy as np
 import torch
 
+from .config_checks import check_range
 from .exphist import ExpHistogram
 from .sm_probe import RECORD_WORDS, SmExemplar
 
@@ -53,12 +54,10 @@ class DeviceCtaHistograms:
 
     def __init__(self, device, gpu_id: int, num_sms: int, scale: int = 6, min_exp: int = -30,
                  max_exp: int = 4, max_kernels: int = 8) -> None:
-        if not 1 <= scale <= 10:
-            raise ValueError(f"scale={scale} not in [1, 10]")
+        check_range("scale", scale, 1, 10, integer=True)
         if not min_exp < max_exp:
             raise ValueError(f"min_exp={min_exp} must be < max_exp={max_exp}")
-        if not 1 <= num_sms <= 4096:
-            raise ValueError(f"num_sms={num_sms} not in [1, 4096]")
+        check_range("num_sms", num_sms, 1, 4096, integer=True)
         self.device = torch.device(device)
         self.gpu_id, self.num_sms, self.scale = gpu_id, num_sms, scale
         self.max_kernels = max_kernels
