@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import check_range
 
 __all__ = ["AlertmanagerConfig", "PAGE_RECEIVER", "TICKET_RECEIVER", "CONFIG_PATH", "render_alertmanager_config"]
 

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from sightline.instrumentation.config_checks import check_range
-from sightline.deploy.load import LoadConfig, LoadResult, format_summary, run_load_sync
-from sightline.deploy.stack import Stack, StackConfig, format_urls
+from ..instrumentation import check_range
+from .load import LoadConfig, LoadResult, format_summary, run_load_sync
+from .stack import Stack, StackConfig, format_urls
 
 __all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture"]
 
@@ -153,7 +153,7 @@ def _explained(collector_url: str, keep, limit: int) -> dict[str, Any]:
 
 def _format_explanation(result: dict[str, Any]) -> str:
     """The collector's own text rendering, under a header that says what was selected."""
-    from sightline.collector.query_cli import format_explanation
+    from ..collector.query_cli import format_explanation
 
     try:
         text = format_explanation(result)
@@ -168,7 +168,7 @@ def _format_explanation(result: dict[str, Any]) -> str:
 
 
 def _replay_capture(capture: Path, otlp_http_url: str) -> str:
-    from sightline.collector.replay import HttpSink, ReplayConfig, replay
+    from ..collector.replay import HttpSink, ReplayConfig, replay
 
     result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=0.0, rebase=True))
     return (f"{result.exports} exports ({result.spans} spans, {result.data_points} data points) "
@@ -226,7 +226,7 @@ def _slug(text: str) -> str:
 
 
 def _build_dashboards(folder: Path) -> list[Path]:
-    from sightline.dashboards.build import build_all
+    from ..dashboards.build import build_all
 
     return list(build_all(folder))
 

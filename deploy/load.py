@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Literal
 
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import check_range
 
 __all__ = [
     "LoadConfig",

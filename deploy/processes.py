@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import check_range
 
 __all__ = [
     "HealthCheck",

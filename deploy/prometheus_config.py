@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import check_range
 from .prometheus_rules import JOB_COLLECTOR, JOB_ENGINE, RULES_PATH
 
 __all__ = [

@@ -34,9 +34,9 @@ from typing import Literal
 
 import yaml
 
-from sightline.dashboards import promql as q
-from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.config_checks import check_range
+from ..dashboards import promql as q
+from ..instrumentation import semconv as sc
+from ..instrumentation import check_range
 
 __all__ = [
     "SloConfig",

@@ -30,9 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sightline.deploy.processes import (HealthCheck, ProcessFailedError, ProcessSpec, Supervisor,
-                                        free_ports)
-from sightline.instrumentation.config_checks import check_range
+from ..instrumentation import check_range
+from .processes import HealthCheck, ProcessFailedError, ProcessSpec, Supervisor, free_ports
 
 __all__ = [
     "DEFAULT_PORTS",
@@ -249,8 +248,8 @@ class Stack:
 
     def render_prometheus_config(self) -> str:
         """prometheus.yml: scrape the engine and the collector, rules, Alertmanager."""
-        from sightline.deploy.prometheus_config import render_prometheus_config
-        from sightline.deploy.prometheus_rules import JOB_COLLECTOR, JOB_ENGINE
+        from .prometheus_config import render_prometheus_config
+        from .prometheus_rules import JOB_COLLECTOR, JOB_ENGINE
 
         p = self.ports
         targets = {}
@@ -268,7 +267,7 @@ class Stack:
     def render_alertmanager_config(self) -> str:
         if self.config.alertmanager_config is not None:
             return self.config.alertmanager_config(self.ports)
-        from sightline.deploy.alertmanager_config import render_alertmanager_config
+        from .alertmanager_config import render_alertmanager_config
 
         return render_alertmanager_config(webhook_url=self.config.alert_webhook_url)
 

@@ -17,8 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from ..instrumentation.config import TelemetryConfig
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import TelemetryConfig, check_range
 from .scheduler import SchedulerConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]

@@ -23,9 +23,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..instrumentation.config_checks import check_range
-
-from sightline.engine.request import Request
+from ..instrumentation import check_range
+from .request import Request
 
 __all__ = [
     "KVCacheConfig",

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
 
 __all__ = ["EngineMetrics"]
 
@@ -86,7 +86,7 @@ class EngineMetrics:
     def watch_gpu(self, device_index: int) -> str | None:
         """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this
         registry, read at scrape time. Returns why they are unavailable, or None."""
-        from sightline.instrumentation.nvml import NvmlCollector
+        from ..instrumentation import NvmlCollector
 
         collector = NvmlCollector([device_index])
         if not collector.available:

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..instrumentation.config_checks import check_range
+from ..instrumentation import check_range
 
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
 

@@ -43,10 +43,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..instrumentation.config_checks import check_range
-
-from sightline.engine.kv_cache import KVCacheManager
-from sightline.engine.request import FinishReason, Request, RequestStatus
+from ..instrumentation import check_range
+from .kv_cache import KVCacheManager
+from .request import FinishReason, Request, RequestStatus
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
 

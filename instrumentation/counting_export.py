@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from sightline.instrumentation import semconv
+from . import semconv
 
 __all__ = [
     "TelemetryCounters",

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sightline.instrumentation.sm_probe import PROBE_OFF, probe_begin, probe_cta_index, probe_end
+from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
 
 __all__ = ["KERNEL_NAME", "prefill_attention_triton", "tuned_configs"]
 
