@@ -1,22 +1,16 @@
 """``sightline demo``: the whole pipeline on this machine, in a few minutes, then a summary.
 
-Steps (each prints one line as it goes):
-
-1. Bring the local stack up (deploy/stack.py): engine, rotel, collector, Prometheus,
-   Alertmanager. CPU + the ``tiny`` model by default; CUDA + ``llama-1b`` when a GPU is
-   present (then the engine traces kernels and per-SM CTA timings itself).
-2. Drive a mixed-priority streamed load (deploy/load.py) with a progress line.
-3. Without a GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz)
-   into the collector so that the per-SM heatmaps have real GPU data; the summary says
-   plainly that this data is recorded, not from this machine.
-4. Ask the collector to explain the slowest requests (``/api/v1/explain``), fetch the
-   heatmaps (PNG + HTML), build the dashboards' JSON, and write a summary.
+Steps, one printed line each: bring the local stack up (deploy/stack.py; CPU and the
+``tiny`` model by default, CUDA and ``llama-1b`` when a GPU is present, which then traces
+its own kernels and CTAs); drive a mixed-priority streamed load (deploy/load.py); without a
+GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz) into the collector
+so that the per-SM heatmaps hold real GPU data, and say plainly that this data is recorded,
+not from this machine; ask the collector to explain the slowest requests, fetch the
+heatmaps, build the dashboards' JSON and write a summary.
 
 Outputs under ``out_dir`` (default ``sightline-out/``): ``summary.txt``, ``summary.json``,
-``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``.
-Cost on 2 shared CPU cores with the defaults (36 requests x 16 tokens, replaying the
-H200 capture): 25-40 s measured, most of it the engine's start, the CPU forward passes
-and the replay (~10k spans over OTLP/HTTP).
+``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``. Cost: the
+engine's start, its CPU forward passes and the capture's replay dominate.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """A mixed-priority, streamed load generator for any OpenAI-compatible server.
 
 Drives ``requests`` completions through the official ``openai`` async client with at most
-``concurrency`` in flight, priorities assigned round-robin from ``priorities`` (so each
-priority gets an exact, known share), and measures on the client side:
+``concurrency`` in flight, priorities assigned round-robin from ``priorities`` (each gets
+an exact, known share; in the body as ``priority``, vLLM's spelling). Measured on the
+client: TTFT (sent -> first chunk carrying a token), TPOT ((e2e - TTFT) / (output tokens -
+1), tokens from the server's streamed usage when sent, else from chunks) and e2e (sent ->
+stream closed). Each request carries a W3C ``traceparent`` generated here, so that the
+collector's explanation of a slow request can be looked up by its trace id.
 
-* TTFT: request sent -> first streamed chunk carrying a token;
-* TPOT: (e2e - TTFT) / (output tokens - 1), the mean gap between later tokens (tokens
-  counted from the server's streamed usage when it sends one, else from chunks);
-* e2e: request sent -> stream closed.
-
-Each request carries a W3C ``traceparent`` that this module generates, so that its trace
-id is known here and the collector's explanation of a slow request can be looked up by it.
-The priority goes in the body as ``priority`` (vLLM's spelling; lower is more urgent).
-
-Percentiles are exact (linear interpolation between order statistics, NumPy's default)
-over the records; cost is O(n log n) per summary.
+Guarantee: percentiles are exact (linear interpolation between order statistics, NumPy's
+default) over the records; cost O(n log n) per summary.
 """
 
 from __future__ import annotations

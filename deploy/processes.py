@@ -1,22 +1,16 @@
 """A small process supervisor: start children, log them to one folder, health-check, stop.
 
-Guarantees:
+Guarantees: every child runs in its own session, so stopping it (SIGTERM to the group,
+SIGKILL after ``stop_timeout_s``) also stops its own children; ``Supervisor.stop_all()``
+stops children in reverse start order (a producer flushes its telemetry before the
+collector it exports to stops) and is idempotent; on Linux each child also gets
+``PR_SET_PDEATHSIG=SIGTERM``, so it stops even when the supervisor is SIGKILLed. Health
+checks are HTTP GETs answering 2xx or TCP connects; a child that exits before it is
+healthy fails the check at once, with the tail of its log in the error.
 
-* Every child runs in its own session (process group), so stopping it signals the whole
-  group: a child's own children (a shell, a worker) never outlive it.
-* Stopping is SIGTERM to the group, then SIGKILL to the group after ``stop_timeout_s``.
-  ``Supervisor.stop_all()`` stops children in reverse start order (a producer such as
-  the engine stops, and flushes its telemetry, before the collector it exports to) and
-  is idempotent; the supervisor is a context manager.
-* On Linux each child also gets ``PR_SET_PDEATHSIG=SIGTERM``: if the supervising process
-  dies without cleaning up (SIGKILL), the kernel still tells its children to stop.
-* Each child's stdout and stderr go, line by line, to ``<log_dir>/<name>.log`` and to
-  ``<log_dir>/combined.log`` prefixed with ``[name]``. One reader thread per child; the
-  cost is one pipe hop per line.
-
-Health checks are plain HTTP GETs answering 2xx, or TCP connects (for servers without a
-health route, such as an OTLP gRPC receiver). A check fails early, with the tail of the
-child's log in the error, when the child exits before it becomes healthy.
+Logs: each child's stdout and stderr go, line by line, to ``<log_dir>/<name>.log`` and to
+``<log_dir>/combined.log`` prefixed with ``[name]``. Cost: one reader thread per child and
+one pipe hop per line.
 """
 
 from __future__ import annotations

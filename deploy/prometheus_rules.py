@@ -1,27 +1,14 @@
 """Sightline's Prometheus recording and alerting rules, composed from ``semconv`` names.
 
-``deploy/prometheus/sightline-rules.yml`` and the Kubernetes ``PrometheusRule`` in
-``deploy/kubernetes/`` are both rendered from :func:`rule_groups`, so they cannot
-drift from each other or from the metric names; the tests fail when a committed file
-is stale. Regenerate with ``python -m sightline.deploy.prometheus_rules``.
+``deploy/prometheus/sightline-rules.yml`` and the Kubernetes ``PrometheusRule`` are both
+rendered from :func:`rule_groups`, so they cannot drift from each other or from the metric
+names; the tests fail when a committed file is stale. Regenerate with
+``python -m sightline.deploy.prometheus_rules``. :func:`alert_rules` lists the alerts: SLO
+burn rates, saturation, GPU and pipeline health.
 
-Alerts:
-
-- SLO burn rates (SRE workbook, multiwindow multi-burn-rate): a *page* when the error
-  budget burns 14.4x over 1h (confirmed over 5m) or 6x over 6h (confirmed over 30m),
-  a *ticket* at 3x over 1d (2h) or 1x over 3d (6h). Two SLOs: TTFT (the fraction of
-  requests whose TTFT exceeded the threshold, read from the histogram bucket whose
-  ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
-  (5xx and 429 over all requests).
-- Saturation: KV cache near full; waiting queue long and growing.
-- GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up
-  against the same hour a day earlier; device memory or CUDA contexts growing (leak).
-- Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
-  spans; a scrape target down.
-
-Every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
-``description`` and ``runbook_url`` annotations. Annotations use only ``$labels`` (no
-``$value``) so that unit tests can state them exactly.
+Guarantees: every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
+``description`` and ``runbook_url`` annotations; annotations use only ``$labels`` (no
+``$value``), so that unit tests can state them exactly.
 """
 
 from __future__ import annotations
@@ -251,6 +238,20 @@ def _burn_alerts(slo_name: str, prefix: str, budget: float, what: str, runbook: 
 
 
 def alert_rules(slo: SloConfig) -> list[RuleGroup]:
+    """The alerts.
+
+    - SLO burn rates (SRE workbook, multiwindow multi-burn-rate): a *page* when the error
+      budget burns 14.4x over 1h (confirmed over 5m) or 6x over 6h (confirmed over 30m), a
+      *ticket* at 3x over 1d (2h) or 1x over 3d (6h). Two SLOs: TTFT (the fraction of
+      requests whose TTFT exceeded the threshold, read from the histogram bucket whose
+      ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
+      (5xx and 429 over all requests).
+    - Saturation: KV cache near full; waiting queue long and growing.
+    - GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up against
+      the same hour a day earlier; device memory or CUDA contexts growing (leak).
+    - Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
+      spans; a scrape target down.
+    """
     ttft_budget = 1.0 - slo.ttft_objective
     error_budget = 1.0 - slo.availability_objective
     slo_alerts = RuleGroup(

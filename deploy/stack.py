@@ -6,18 +6,12 @@
       ▲ /metrics ◄───────────────────────────────────────────────────scrape──┘     │ alerts
       └ OpenAI API (clients, ``sightline load``)                         Alertmanager ◄┘
 
-Every component is a real process: ``sightline engine serve``, ``rotel start``,
-``sightline collector run``, Debian's ``prometheus`` and ``prometheus-alertmanager``.
-Configuration is rendered into the run folder (``<run_dir>/prometheus/prometheus.yml``,
-``<run_dir>/alertmanager/alertmanager.yml``) and every log lands in ``<run_dir>/logs/``
-(one file per process plus ``combined.log``).
-
-Ports: each is taken from the config when given; otherwise the documented default when
-``prefer_default_ports`` and it is free, else a free port. Start-up is in dependency
-order (collector, rotel, Alertmanager, Prometheus, engine), each waited for through its
-health check; shutdown is the reverse (the engine flushes its spans into rotel, rotel
-into the collector, before either stops). Cost: the engine's start (torch import and
-model build) dominates, ~5-20 s on 2 CPU cores.
+Every component is a real process; configuration is rendered into ``<run_dir>`` and every
+log lands in ``<run_dir>/logs/``. Ports come from the config, else the documented default
+when ``prefer_default_ports`` and it is free, else a free port. Guarantees: start-up in
+dependency order, each component waited for through its health check; shutdown in reverse,
+so the engine's spans reach rotel and rotel's the collector before either stops. Cost: the
+engine's start (torch import and model build) dominates.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
 
-The manager owns block *ids* only; the model runner owns the tensors
-(``k_cache[num_blocks, block_size, Hkv, D]``) and turns a request's ``block_ids`` into its
-block table and slot mapping. A token at sequence position ``p`` lives in block
-``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. slot
-``block_ids[p // block_size] * block_size + p % block_size``.
+The manager owns block *ids* only; the model runner owns the tensors and turns a request's
+``block_ids`` into its block table and slots (position ``p`` lives at slot
+``block_ids[p // block_size] * block_size + p % block_size``). ``fork`` shares a parent's
+blocks with a child; the first write into a shared, partly filled block copies it: the
+manager hands out a fresh block and queues the (source, destination) pair, which the runner
+drains with ``take_pending_copies()`` before its next forward pass.
 
-Guarantees: a block is either on the free list (ref count 0) or referenced by at least one
-request; its ref count equals the number of requests whose ``block_ids`` contain it
-(``check_invariants`` verifies all of this). ``fork`` shares a parent's blocks with a child;
-the first write into a shared, partly filled block copies it (copy-on-write): the manager
-hands out a fresh block and queues the (source, destination) pair for the runner, which
-drains them with ``take_pending_copies()`` before its next forward pass.
-
+Guarantees: a block is either free (ref count 0) or held, and its ref count equals the
+number of requests whose ``block_ids`` contain it (``check_invariants`` verifies this).
 Costs: allocate/free/fork are O(blocks touched); slot() is O(1); check_invariants() is
-O(num_blocks + blocks held) and meant for tests and debugging. Not thread-safe: the engine
-loop is the only caller.
+O(num_blocks + blocks held), for tests. Not thread-safe: the engine loop is the only caller.
 """
 
 from __future__ import annotations

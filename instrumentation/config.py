@@ -1,22 +1,10 @@
 """Telemetry configuration: one typed dataclass, filled from arguments, ``OTEL_*`` env, defaults.
 
 Precedence is argument beats environment variable beats default, as in the OpenTelemetry
-SDK. Every field is validated in ``__post_init__``; an error names the bad value and the
-allowed values or range, so a typo in a deployment manifest fails at start-up with a
-sentence rather than a silent default.
-
-Environment variables read by :meth:`TelemetryConfig.from_env`:
-
-``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
-``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
-``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
-``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``, ``OTEL_SERVICE_NAME``,
-``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``), ``OTEL_PROPAGATORS``,
-``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
-``OTEL_BSP_EXPORT_TIMEOUT``, ``OTEL_METRIC_EXPORT_INTERVAL``,
-``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``, ``SIGHTLINE_CAPTURE_CONTENT``,
-``SIGHTLINE_KERNEL_SAMPLE_RATIO``, ``SIGHTLINE_CAPTURE_PATH``.
+SDK (:meth:`TelemetryConfig.from_env` lists the variables it reads). Every field is
+validated in ``__post_init__``; an error names the bad value and the allowed values or
+range (and the variable it came from), so a typo in a deployment manifest fails at
+start-up with a sentence rather than a silent default.
 """
 
 from __future__ import annotations
@@ -138,8 +126,7 @@ class TelemetryConfig:
     max_links_per_span: int = 128
     # A prefill/decode span links to at most this many of the steps it rode (the first
     # ones; the rest are counted). Each step span links to all of its requests, so every
-    # step stays reachable from a request; the cap halves the links a long decode costs
-    # the engine thread (~3 µs each in the OTel SDK).
+    # step stays reachable from a request; the cap bounds the links a long decode costs.
     max_phase_links: int = 16
     metrics_enabled: bool = True
     metric_export_interval_s: float = 10.0
@@ -227,7 +214,17 @@ class TelemetryConfig:
     ) -> "TelemetryConfig":
         """Builds a config: ``overrides`` (not None) beat ``env`` (default ``os.environ``) beat defaults.
 
-        Raises ValueError naming the variable and its bad value.
+        Reads ``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
+        ``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+        ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
+        ``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
+        ``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``,
+        ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``),
+        ``OTEL_PROPAGATORS``, ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``,
+        ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_BSP_EXPORT_TIMEOUT``,
+        ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
+        ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
+        ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the variable and its bad value.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

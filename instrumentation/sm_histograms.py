@@ -1,25 +1,18 @@
 """Per-(SM, kernel) CTA-duration histograms accumulated ON THE GPU, read at export time.
 
-Why on the device: an attention-heavy step of an 8B model probes ~64 K CTAs; mapping each
-duration to a bucket on the host costs ~0.3 µs per CTA in numpy (measured on this
-project's CPU box: ~20 ms per step), which would compete with the engine thread for the
-GIL. Here a batch of steps (``add_steps``) costs about twenty-five small torch ops on the
-GPU, whatever its size (issued from the telemetry worker thread on its own stream, ordered
-after the steps by an event), and the host only touches the dense table once per export
-interval.
+Why on the device: an attention-heavy step of an 8B model probes tens of thousands of CTAs,
+and bucketing them on the host would compete with the engine thread for the GIL. Here a
+batch of steps (``add_steps``) costs about twenty-five small torch ops on the GPU whatever
+its size (issued from the telemetry worker thread on its own stream, ordered after the
+steps by an event); the host touches the dense table once per export interval.
 
-Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry
-base-2 exponential buckets at one fixed ``scale`` (default 6: quantiles within 0.54 %)
-covering ``[2**min_exp, 2**max_exp)`` seconds (default 2**-30 s ≈ 1 ns .. 16 s:
-2,176 buckets); values outside clamp to the edge buckets and are counted in
-``clamped``. Row ``kernels * num_sms`` takes idle CTAs (SM id -1) and is never
-exported. Per row: zero count, sum, min, max, and the step's slowest CTA as the
-exemplar (value + step sequence number, mapped to the step's trace/span on the host).
-Memory: ``(K * num_sms + 1) * NB * 8`` bytes, 18 MiB for 8 kernels on 132 SMs.
-
-``take()`` returns ``ExpHistogram`` objects identical to recording the same durations
-with ``ExpHistogram(scale)`` (as long as nothing was clamped and the ExpHistogram did not
-need to downscale) — tests check this on CPU tensors against the numpy reduction.
+Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry exponential
+buckets at one ``scale`` (default 6: quantiles within 0.54 %) over ``[2**min_exp, 2**max_exp)``
+seconds; values outside clamp to the edge buckets and are counted in ``clamped``; the last
+row takes idle CTAs and is never exported. Per row: zero count, sum, min, max and the
+slowest CTA as exemplar. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
+on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
+when nothing clamped (tests check this against the numpy reduction).
 """
 
 from __future__ import annotations
