@@ -93,7 +93,7 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 # on a step whose kernels were traced (CUPTI on), and on its kernel spans
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_tail"
 # true on a step that ran while the telemetry still processed a traced step's kernel
-# records (their CPU may have slowed it; the H200 showed ~10x): not the engine's own cost
+# records (their CPU may have slowed it; bench/results/overhead.md): not the engine's own cost
 STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
 
 # kernel (CUPTI)
