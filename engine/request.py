@@ -13,8 +13,12 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
 from ..instrumentation import check_range
+
+if TYPE_CHECKING:
+    from ..instrumentation import RequestTrace
 
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
 
@@ -93,7 +97,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
-    telemetry: object | None = None  # opaque instrumentation handle (a RequestTrace or None)
+    telemetry: RequestTrace | None = None  # the request's trace; None when tracing is off
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
 
     def __post_init__(self) -> None:

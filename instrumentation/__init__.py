@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .gpu_telemetry import GpuTelemetry
     from .nvml import NvmlCollector
     from .otlp_json_ids import base64_to_hex, convert_ids
+    from .request_trace import RequestTrace
     from .sm_probe import PROBE_OFF, SmProbe, launch_facts, probe_begin, probe_cta_index, probe_end
     from .tracing import Telemetry
 
@@ -32,6 +33,7 @@ _MODULE_OF = {
     "GpuTelemetry": "gpu_telemetry",
     "NvmlCollector": "nvml",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
+    "RequestTrace": "request_trace",
     "PROBE_OFF": "sm_probe", "SmProbe": "sm_probe", "launch_facts": "sm_probe",
     "probe_begin": "sm_probe", "probe_cta_index": "sm_probe", "probe_end": "sm_probe",
     "Telemetry": "tracing",
