@@ -13,12 +13,8 @@ import math
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from ..instrumentation import check_range
-
-if TYPE_CHECKING:
-    from ..instrumentation import RequestTrace
 
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
 
@@ -97,7 +93,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
-    telemetry: RequestTrace | None = None  # the request's trace; None when tracing is off
+    telemetry: int | None = None  # the request's key in the telemetry's lifecycle events; None: untraced
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
 
     def __post_init__(self) -> None:

@@ -29,16 +29,16 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sightline.engine.config import EngineConfig
-from sightline.engine.llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
-from sightline.engine.openai_protocol import (
+from ..instrumentation import TelemetryPipeline
+from ..instrumentation import semconv as sc
+from .config import EngineConfig
+from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
+from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
     parse_completion_request, parse_json, sse, usage_chunk)
-from sightline.engine.request import SamplingParams
-from sightline.engine.tokenizer import apply_chat_template
-from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+from .request import SamplingParams
+from .tokenizer import apply_chat_template
 
 __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 

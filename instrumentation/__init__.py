@@ -18,10 +18,11 @@ if TYPE_CHECKING:
     from .config_checks import check_range
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
     from .gpu_telemetry import GpuTelemetry
+    from .lifecycle import Detokenized, OpenStep, Queued, Step
     from .nvml import NvmlCollector
     from .otlp_json_ids import base64_to_hex, convert_ids
-    from .request_trace import RequestTrace
     from .sm_probe import PROBE_OFF, SmProbe, launch_facts, probe_begin, probe_cta_index, probe_end
+    from .telemetry_pipeline import TelemetryPipeline
     from .tracing import Telemetry
 
 _MODULE_OF = {
@@ -31,11 +32,12 @@ _MODULE_OF = {
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
     "relative_error": "exphist",
     "GpuTelemetry": "gpu_telemetry",
+    "Detokenized": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
     "NvmlCollector": "nvml",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
-    "RequestTrace": "request_trace",
     "PROBE_OFF": "sm_probe", "SmProbe": "sm_probe", "launch_facts": "sm_probe",
     "probe_begin": "sm_probe", "probe_cta_index": "sm_probe", "probe_end": "sm_probe",
+    "TelemetryPipeline": "telemetry_pipeline",
     "Telemetry": "tracing",
 }
 

@@ -224,7 +224,7 @@ class TelemetryConfig:
         ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_BSP_EXPORT_TIMEOUT``,
         ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
         ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
-        ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the variable and its bad value.
+        ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the variable and its bad value.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}

@@ -35,10 +35,9 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/otlp_http.py", "collector/otlp_points.py", "collector/pipeline.py",
     "collector/replay.py", "collector/self_metrics.py", "collector/span_series.py",
     "collector/trace_store.py", "collector/windows.py", "collector/zipkin.py",
-    "engine/llm_engine.py", "instrumentation/cupti_tracer.py", "instrumentation/gpu_telemetry.py",
-    "instrumentation/tracing.py",
+    "instrumentation/kernel_spans.py", "instrumentation/tracing.py",
 }
-PROCESS_REFERENCE_ALLOWED = {"engine/llm_engine.py", "instrumentation/gpu_telemetry.py"}
+PROCESS_REFERENCE_ALLOWED: set[str] = set()
 IMPORTS_ALLOWED = {
     "collector/aggregation_config.py", "collector/aggregator.py", "collector/api.py",
     "collector/app.py", "collector/cli.py", "collector/explain.py", "collector/exposition.py",
