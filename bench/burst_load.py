@@ -1,6 +1,6 @@
 """Bursts of concurrent streamed completions against an OpenAI-compatible server.
 
-    python bench/burst_load.py --url http://127.0.0.1:8000 --bursts 6 --concurrency 64 \
+    python -m bench.burst_load --url http://127.0.0.1:8000 --bursts 6 --concurrency 64 \
         --prompt 128 --output 64
 
 Each burst sends ``concurrency`` streamed /v1/completions at once (token-id prompts of

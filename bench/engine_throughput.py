@@ -1,19 +1,15 @@
 """Engine output tokens per second at several batch sizes, through the real engine loop.
 
-    python bench/engine_throughput.py --model llama-8b --device cuda        # H200: ~2-4 min
-    python bench/engine_throughput.py --model tiny --device cpu --batches 1,8 --output-len 64
+    python -m bench.engine_throughput --model llama-8b --device cuda    # a few minutes on a GPU
+    python -m bench.engine_throughput --model tiny --device cpu --batches 1,8 --output-len 64
 
-For each batch size B: B requests of ``--prompt-len`` random prompt tokens (seeded) and
+For each batch size B: B requests of ``--prompt-len`` seeded random prompt tokens and
 exactly ``--output-len`` output tokens (ignore_eos, greedy) go through ``LLMEngine.step()``
-(scheduler, model runner, sampler, detokenizer, metrics: everything but HTTP). Reported:
-
-* ``output_tokens_per_s``: B * output_len / wall time from submission to the last token
-  (prefill included);
-* ``decode_tokens_per_s``: tokens of decode-only steps / their summed duration;
-* ``decode_step_ms`` median and p90 over decode-only steps (each step ends with the
-  sampled tokens on the host, so on CUDA the time includes the device work).
-
-A warm-up generation runs first (Triton compiles its kernels there). Writes
+(everything but HTTP). Reported: ``output_tokens_per_s`` (B * output_len / wall time from
+submission to the last token, prefill included), ``decode_tokens_per_s`` (tokens of
+decode-only steps / their summed duration) and the median and p90 ``decode_step_ms`` (each
+step ends with the sampled tokens on the host, so on CUDA it includes the device work).
+A warm-up generation runs first (Triton compiles there). Writes
 ``engine_throughput_<model>_<device>.json`` into ``--out``.
 """
 
@@ -36,10 +32,7 @@ from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import device_name, git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import device_name, git_commit, utc_now
+from ._common import device_name, git_commit, utc_now
 
 
 def _quantile(values: list[float], q: float) -> float:

@@ -4,10 +4,10 @@
 #
 #   bash bench/gpu_session.sh overhead probe tests      # parts, in the order given
 #
-# Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
-# probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
-# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests),
-# overhead-http (bench/overhead_http.py: served engine, spans to a collector).
+# Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
+# probe), kernels (all of bench.kernels), overhead (bench.overhead --mode levels),
+# profiler (--mode profiler), capture (bench.record_capture; HTTP-served requests),
+# overhead-http (bench.overhead_http: served engine, spans to a collector).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -44,15 +44,15 @@ for p in "$@"; do
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
-    probe) part "probe-$commit" 120 python3 bench/kernels.py --only probe --out "$OUT" ;;
-    kernels) part "kernels-$commit" 420 python3 bench/kernels.py --out "$OUT" ;;
-    overhead) part "overhead-levels-$commit" 330 python3 bench/overhead.py --mode levels \
+    probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
+    kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
+    overhead) part "overhead-levels-$commit" 330 python3 -m bench.overhead --mode levels \
         --requests 64 --prompt 128 --output 48 --repeats 5 --in-situ-runs 2 \
         --batches 1 64 --out "$OUT" ;;
-    profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
+    profiler) part "overhead-profiler-$commit" 240 python3 -m bench.overhead --mode profiler \
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
-    capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
-    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 bench/overhead_http.py \
+    capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
+    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-2}" --bursts "${HTTP_BURSTS:-6}" \
         --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ;;
     *) echo "unknown part: $p" ;;

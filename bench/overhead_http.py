@@ -1,6 +1,6 @@
 """What each telemetry level costs an engine served over HTTP, spans going to a collector.
 
-    python bench/overhead_http.py --model llama-8b --device cuda --rounds 2 --bursts 6 \
+    python -m bench.overhead_http --model llama-8b --device cuda --rounds 2 --bursts 6 \
         --out bench/results
 
 One ``sightline collector run`` for the whole run. Per round, every level gets a freshly
@@ -25,9 +25,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _meta import ROOT, device_name, git_commit, utc_now
-
 from sightline.deploy.processes import free_ports
+
+from ._common import ROOT, device_name, git_commit, utc_now
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags

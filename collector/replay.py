@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..instrumentation import check_range
+
 __all__ = ["AggregatorSink", "HttpSink", "ReplayConfig", "ReplayResult", "rebase_request", "replay"]
 
 _PATHS = {"traces": "/v1/traces", "metrics": "/v1/metrics"}
@@ -41,10 +43,8 @@ class ReplayConfig:
     max_retries: int = 20
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.speed <= 1000.0:
-            raise ValueError(f"speed={self.speed} is outside [0, 1000] (0 = as fast as possible)")
-        if not 0 <= self.max_retries <= 1000:
-            raise ValueError(f"max_retries={self.max_retries} is outside [0, 1000]")
+        check_range("speed", self.speed, 0, 1000, hint="(0 = as fast as possible)")
+        check_range("max_retries", self.max_retries, 0, 1000, integer=True)
 
 
 @dataclass

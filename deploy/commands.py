@@ -114,7 +114,7 @@ def _load(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from sightline.deploy.load import LoadConfig, format_summary, run_load_sync
+    from .load import LoadConfig, format_summary, run_load_sync
 
     config = LoadConfig(url=args.url, requests=args.requests, concurrency=args.concurrency,
                         priorities=args.priorities, max_tokens=args.max_tokens,
@@ -133,7 +133,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from sightline.deploy.stack import Stack, StackConfig, format_urls
+    from .stack import Stack, StackConfig, format_urls
 
     config = StackConfig(
         run_dir=args.run_dir, components=tuple(c for c in _COMPONENTS if c not in args.without),
@@ -177,7 +177,7 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import signal
 
-    from sightline.deploy.demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_demo
 
     def on_term(signum, frame):
         raise KeyboardInterrupt

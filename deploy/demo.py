@@ -1,22 +1,16 @@
 """``sightline demo``: the whole pipeline on this machine, in a few minutes, then a summary.
 
-Steps (each prints one line as it goes):
-
-1. Bring the local stack up (deploy/stack.py): engine, rotel, collector, Prometheus,
-   Alertmanager. CPU + the ``tiny`` model by default; CUDA + ``llama-1b`` when a GPU is
-   present (then the engine traces kernels and per-SM CTA timings itself).
-2. Drive a mixed-priority streamed load (deploy/load.py) with a progress line.
-3. Without a GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz)
-   into the collector so that the per-SM heatmaps have real GPU data; the summary says
-   plainly that this data is recorded, not from this machine.
-4. Ask the collector to explain the slowest requests (``/api/v1/explain``), fetch the
-   heatmaps (PNG + HTML), build the dashboards' JSON, and write a summary.
+Steps, one printed line each: bring the local stack up (deploy/stack.py; CPU and the
+``tiny`` model by default, CUDA and ``llama-1b`` when a GPU is present, which then traces
+its own kernels and CTAs); drive a mixed-priority streamed load (deploy/load.py); without a
+GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz) into the collector
+so that the per-SM heatmaps hold real GPU data, and say plainly that this data is recorded,
+not from this machine; ask the collector to explain the slowest requests, fetch the
+heatmaps, build the dashboards' JSON and write a summary.
 
 Outputs under ``out_dir`` (default ``sightline-out/``): ``summary.txt``, ``summary.json``,
-``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``.
-Cost on 2 shared CPU cores with the defaults (36 requests x 16 tokens, replaying the
-H200 capture): 25-40 s measured, most of it the engine's start, the CPU forward passes
-and the replay (~10k spans over OTLP/HTTP).
+``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``. Cost: the
+engine's start, its CPU forward passes and the capture's replay dominate.
 """
 
 from __future__ import annotations
@@ -33,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from sightline.deploy.load import LoadConfig, LoadResult, format_summary, run_load_sync
-from sightline.deploy.stack import Stack, StackConfig, format_urls
+from ..instrumentation import check_range
+from .load import LoadConfig, LoadResult, format_summary, run_load_sync
+from .stack import Stack, StackConfig, format_urls
 
 __all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture"]
 
@@ -61,13 +56,10 @@ class DemoConfig:
     telemetry_settle_s: float = 20.0  # how long to wait for spans to reach the collector
 
     def __post_init__(self) -> None:
-        if not 0 <= self.slowest <= 50:
-            raise ValueError(f"DemoConfig.slowest={self.slowest} must be in [0, 50]")
-        if not 0 < self.telemetry_settle_s <= 600:
-            raise ValueError(f"DemoConfig.telemetry_settle_s={self.telemetry_settle_s} "
-                             "must be in (0, 600]")
-        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= 4096:
-            raise ValueError(f"DemoConfig.max_num_seqs={self.max_num_seqs} must be in [1, 4096]")
+        check_range("DemoConfig.slowest", self.slowest, 0, 50, integer=True)
+        check_range("DemoConfig.telemetry_settle_s", self.telemetry_settle_s, 0, 600, lo_open=True)
+        if self.max_num_seqs is not None:
+            check_range("DemoConfig.max_num_seqs", self.max_num_seqs, 1, 4096, integer=True)
         if self.capture is not None and not Path(self.capture).is_file():
             raise ValueError(f"DemoConfig.capture={str(self.capture)!r} is not a file")
         self.load_config("http://127.0.0.1:1")  # the load's own checks, before anything starts
@@ -155,7 +147,7 @@ def _explained(collector_url: str, keep, limit: int) -> dict[str, Any]:
 
 def _format_explanation(result: dict[str, Any]) -> str:
     """The collector's own text rendering, under a header that says what was selected."""
-    from sightline.collector.query_cli import format_explanation
+    from ..collector.query_cli import format_explanation
 
     try:
         text = format_explanation(result)
@@ -170,7 +162,7 @@ def _format_explanation(result: dict[str, Any]) -> str:
 
 
 def _replay_capture(capture: Path, otlp_http_url: str) -> str:
-    from sightline.collector.replay import HttpSink, ReplayConfig, replay
+    from ..collector.replay import HttpSink, ReplayConfig, replay
 
     result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=0.0, rebase=True))
     return (f"{result.exports} exports ({result.spans} spans, {result.data_points} data points) "
@@ -228,7 +220,7 @@ def _slug(text: str) -> str:
 
 
 def _build_dashboards(folder: Path) -> list[Path]:
-    from sightline.dashboards.build import build_all
+    from ..dashboards.build import build_all
 
     return list(build_all(folder))
 

@@ -68,10 +68,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sightline.engine.config import EngineConfig
-    from sightline.engine.scheduler import SchedulerConfig
-    from sightline.engine.server import serve
-    from sightline.instrumentation.config import TelemetryConfig
+    from ..instrumentation import TelemetryConfig
+    from .config import EngineConfig
+    from .scheduler import SchedulerConfig
+    from .server import serve
 
     telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
                                          otlp_protocol=args.otlp_protocol,

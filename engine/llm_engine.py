@@ -220,7 +220,7 @@ class LLMEngine:
                 raise EngineStoppedError("the engine is shutting down")
             self.scheduler.add(request)  # QueueFullError / ValueError propagate
             self._live[request_id] = live
-            self.metrics.c_waiting.set(self.scheduler.num_waiting)
+            self.metrics.waiting.set(self.scheduler.num_waiting)
             self._wake.notify()
         return stream
 
@@ -307,7 +307,7 @@ class LLMEngine:
             self._record_gauges()
             return outputs
         for request in plan.preempted:
-            self.metrics.c_preemptions.inc()
+            self.metrics.preemptions.inc()
             live = self._live.get(request.request_id)
             if live is not None:
                 live.prefilling = True
@@ -336,20 +336,20 @@ class LLMEngine:
         duration = time.perf_counter() - t0
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
-        m.c_step.observe(duration)
+        m.step.observe(duration)
         self.step_durations_s.append(duration)
         if self.gpu_telemetry is not None and step is not None:
             self.gpu_telemetry.observe_step(step, duration)
-        m.c_step_tokens.observe(plan.num_scheduled_tokens)
-        m.c_generation_tokens.inc(len(sampled))
+        m.step_tokens.observe(plan.num_scheduled_tokens)
+        m.generation_tokens.inc(len(sampled))
         self._record_gauges()
         return outputs
 
     def _record_gauges(self) -> None:
         m = self.metrics
-        m.c_running.set(self.scheduler.num_running)
-        m.c_waiting.set(self.scheduler.num_waiting)
-        m.c_kv_usage.set(self.kv_cache.usage)
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.kv_usage.set(self.kv_cache.usage)
 
     def _record_step(self, plan: StepPlan, step: OpenStep | None, prefill_done,
                      error_type: str | None) -> None:
@@ -379,7 +379,7 @@ class LLMEngine:
             if live.prefilling:  # this chunk finished the (re)computed prompt
                 live.prefilling = False
                 if entry.request.num_output_tokens == 1:
-                    self.metrics.c_prompt_tokens.inc(entry.request.num_prompt_tokens)
+                    self.metrics.prompt_tokens.inc(entry.request.num_prompt_tokens)
                 if live.key is not None:
                     prefill_done.append(live.key)
             live.new_tokens = (live.new_tokens or []) + [token]
@@ -457,13 +457,13 @@ class LLMEngine:
                 output.tpot_s = (end - request.first_token_time_s) / (request.num_output_tokens - 1)
         m = self.metrics
         m.finished(reason).inc()
-        m.c_e2e.observe(output.e2e_s)
+        m.e2e.observe(output.e2e_s)
         if output.queue_s is not None:
-            m.c_queue.observe(output.queue_s)
+            m.queue.observe(output.queue_s)
         if output.ttft_s is not None:
-            m.c_ttft.observe(output.ttft_s)
+            m.ttft.observe(output.ttft_s)
         if output.tpot_s is not None:
-            m.c_tpot.observe(output.tpot_s)
+            m.tpot.observe(output.tpot_s)
         self.runner.release(request_id)
         return live, output
 

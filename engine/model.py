@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sightline.engine.config import ModelConfig
-from sightline.engine.kernels.attention import paged_decode_attention, prefill_attention
+from .config import ModelConfig
+from .kernels.attention import paged_decode_attention, prefill_attention
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "rope_cos_sin"]
 

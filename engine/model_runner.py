@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from sightline.engine.config import EngineConfig, ModelConfig
-from sightline.engine.kv_cache import kv_bytes_per_block
-from sightline.engine.model import AttentionMetadata, build_model
-from sightline.engine.sampling import Sampler, SamplingBatch
-from sightline.engine.scheduler import ScheduledRequest, StepPlan
+from .config import EngineConfig, ModelConfig
+from .kv_cache import kv_bytes_per_block
+from .model import AttentionMetadata, build_model
+from .sampling import Sampler, SamplingBatch
+from .scheduler import ScheduledRequest, StepPlan
 
 __all__ = ["ModelRunner", "StepBatch", "resolve_device", "resolve_dtype"]
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sightline.engine.tokenizer import ChatMessage
+from .tokenizer import ChatMessage
 
 __all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error_body",
            "parse_completion_request", "parse_chat_request", "completion_response",

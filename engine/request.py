@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..instrumentation import check_range
+
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
 
 
@@ -45,12 +47,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_range("max_tokens", self.max_tokens, 1, integer=True)
+        check_range("temperature", self.temperature, 0, 100)
+        check_range("top_p", self.top_p, 0, 1, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its characters
@@ -94,7 +93,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
-    telemetry: object | None = None  # opaque instrumentation handle (a RequestTrace or None)
+    telemetry: int | None = None  # the request's key in the telemetry's lifecycle events; None: untraced
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
 
     def __post_init__(self) -> None:

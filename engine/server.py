@@ -1,18 +1,15 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream: true``,
-ending ``data: [DONE]``; a usage chunk with ``stream_options.include_usage``), ``GET /v1/models``,
-``GET /health``, ``GET /metrics``.
+ending ``data: [DONE]``; a usage chunk with ``stream_options.include_usage``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
 
-Errors come in OpenAI's shape with the right status: 400 for invalid parameters, malformed
-JSON or prompt + max_tokens past the context; 404 for an unknown model or route; 429 when the
-waiting queue is full; 503 while shutting down; 500 if the engine fails a request. The process
-keeps serving after every one of them. A client that disconnects (mid-stream or while waiting)
-has its request aborted, so its KV blocks return to the pool before the next engine step.
-
-Shutdown (SIGTERM/SIGINT): new requests get 503 and ``/health`` turns 503, in-flight requests
-get up to ``shutdown_timeout_s`` to finish (a second signal cuts that short), the rest are
-aborted, then telemetry is flushed.
+Guarantees: errors come in OpenAI's shape with the right status (400 invalid parameters,
+malformed JSON or a prompt past the context; 404 unknown model or route; 429 queue full;
+503 shutting down; 500 engine failure) and the process keeps serving after every one. A
+client that disconnects has its request aborted, so its KV blocks return before the next
+step. SIGTERM/SIGINT: new requests and ``/health`` get 503, in-flight requests get up to
+``shutdown_timeout_s`` (a second signal cuts that short), then telemetry is flushed.
 The event loop runs in the main thread, the engine loop in its own thread.
 """
 
@@ -32,16 +29,16 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from sightline.engine.config import EngineConfig
-from sightline.engine.llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
-from sightline.engine.openai_protocol import (
+from ..instrumentation import TelemetryPipeline
+from ..instrumentation import semconv as sc
+from .config import EngineConfig
+from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
+from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
     parse_completion_request, parse_json, sse, usage_chunk)
-from sightline.engine.request import SamplingParams
-from sightline.engine.tokenizer import apply_chat_template
-from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+from .request import SamplingParams
+from .tokenizer import apply_chat_template
 
 __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 

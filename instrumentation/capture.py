@@ -40,7 +40,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from sightline.instrumentation.otlp_json_ids import base64_to_hex, convert_ids
+from .otlp_json_ids import base64_to_hex, convert_ids
 
 __all__ = [
     "CaptureRecord",

@@ -1,20 +1,16 @@
 """Spans built already finished, for the hot paths: request, phase, step and kernel spans.
 
-Their whole content (times, attributes, links) is known when they end, so they are made
-as the SDK's ``ReadableSpan`` (what the SDK itself hands to span processors when a span
-ends) and given to the pipeline's span processors directly, instead of going through a
-live SDK ``Span``. Why: a live span re-validates every link and attribute when it starts
-(one ``BoundedAttributes`` per link, ~3 µs each on the H200's host CPU), and an engine
-step links to every request in its batch. Measured on that host with the llama-8b
-engine at 64 concurrent requests, the live-span path spent 1.6-1.8 % of the engine loop
-in span calls (`bench/overhead.py`, in situ).
+Their whole content (times, attributes, links) is known when they end, so they are made as
+the SDK's ``ReadableSpan`` (what the SDK itself hands to span processors) and given to the
+pipeline's span processors directly. A live SDK ``Span`` re-validates every link and
+attribute, and an engine step links to every request in its batch; the saving is measured
+by ``bench/overhead.py`` (bench/results/overhead.md).
 
-What the SDK would have done and is kept: ids from the provider's id generator; the
-provider's sampler decides for root spans (step spans) and children follow their parent's
-sampled flag (what every ``parentbased_*`` sampler does); resource and instrumentation
-scope are the provider's. What is not repeated: attribute validation and limits (these
-attributes are ours, typed in ``semconv``) and ``on_start`` (the pipeline's processors —
-batch processors only — do nothing there).
+Kept from the SDK: ids from the provider's id generator; the provider's sampler decides for
+root spans (step spans) and children follow their parent's sampled flag (as every
+``parentbased_*`` sampler does); the provider's resource and scope. Not repeated: attribute
+validation and limits (these attributes are ours, typed in ``semconv``) and ``on_start``
+(the pipeline's batch processors do nothing there).
 """
 
 from __future__ import annotations

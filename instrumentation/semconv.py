@@ -93,7 +93,7 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 # on a step whose kernels were traced (CUPTI on), and on its kernel spans
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_tail"
 # true on a step that ran while the telemetry still processed a traced step's kernel
-# records (their CPU may have slowed it; the H200 showed ~10x): not the engine's own cost
+# records (their CPU may have slowed it; bench/results/overhead.md): not the engine's own cost
 STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
 
 # kernel (CUPTI)
@@ -223,7 +223,7 @@ RULE_ERROR_RATIO_PREFIX = "sightline:request_error_ratio:rate"
 RULE_SM_HOTSPOT = "sightline:sm_cta_p99_over_median:ratio"
 
 # ---------------------------------------------------------------------------------
-# Added by E4 (telemetry): link bookkeeping on request-phase and step spans
+# Link bookkeeping on request-phase and step spans
 # ---------------------------------------------------------------------------------
 # Links beyond the per-span cap (TelemetryConfig.max_links_per_span) are not added;
 # this attribute counts them so that readers know the link list is partial.
@@ -231,12 +231,12 @@ SPAN_LINKS_DROPPED = "sightline.span.links_dropped"
 # Name of the phase span open when an event happened (e.g. on EVENT_PREEMPTED).
 PHASE_NAME = "sightline.phase"
 
-# Collector aggregation (E6): refusals and the overflow series' family label.
+# Collector aggregation: refusals and the overflow series' family label.
 COLLECTOR_AGGREGATOR_DROPPED_TOTAL = "sightline_collector_aggregator_dropped"  # reason
 LABEL_FAMILY = "family"
 OVERFLOW_LABEL_VALUE = "__overflow__"
 
-# Recording rules and exemplar label added for the dashboards and alerts (E7).
+# Recording rules and the exemplar label of the dashboards and alerts.
 # The label under which exemplars carry the trace id; Grafana's Prometheus datasource
 # links it to Tempo (deploy/grafana provisioning).
 EXEMPLAR_TRACE_ID_LABEL = "trace_id"
@@ -244,7 +244,7 @@ EXEMPLAR_TRACE_ID_LABEL = "trace_id"
 RULE_TTFT_SLO_BAD_RATIO_PREFIX = "sightline:request_ttft_over_slo_ratio:rate"
 RULE_KERNEL_P99 = "sightline:kernel_duration_seconds:p99_5m"  # gpu, kernel
 
-# Zipkin receiver (E5, collector/zipkin.py): how Zipkin v2 fields land in OTLP.
+# Zipkin receiver (collector/zipkin.py): how Zipkin v2 fields land in OTLP.
 RESOURCE_SERVICE_NAME = "service.name"
 PEER_SERVICE = "peer.service"
 NETWORK_PEER_ADDRESS = "network.peer.address"

@@ -36,7 +36,7 @@ N_REQUESTS = 8
 
 
 def make_capture(path):
-    """A capture written by the OTel SDK through E4's capture exporters: request spans,
+    """A capture written by the OTel SDK through the capture exporters: request spans,
     step spans linked to them, kernel spans, and per-SM CTA durations as SDK exponential
     histograms exported twice (cumulative temporality, the SDK default).
     Returns {sm: all values} and the e2e of each request trace id."""
