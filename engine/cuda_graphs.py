@@ -128,8 +128,11 @@ class DecodeGraphs:
         return GraphCapture(self.buckets, tuple(sorted(skipped)), time.monotonic() - start,
                             torch.cuda.memory_reserved(device) - before)
 
-    def bucket_for(self, n: int) -> int | None:
-        """The smallest bucket holding ``n`` rows, or None (the step runs eagerly)."""
+    def bucket_for(self, n: int, max_blocks: int = 0) -> int | None:
+        """The smallest bucket holding ``n`` rows whose block tables are at most
+        ``max_blocks`` wide, or None (the step runs eagerly)."""
+        if max_blocks > self.block_tables.shape[1]:
+            return None
         for b in self.buckets:
             if b >= n:
                 return b

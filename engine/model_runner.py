@@ -301,7 +301,7 @@ class ModelRunner:
         batch = self.prepare(plan)
         bucket = None
         if self.graphs is not None and batch.num_prefill_seqs == 0:
-            bucket = self.graphs.bucket_for(batch.num_decode_seqs)
+            bucket = self.graphs.bucket_for(batch.num_decode_seqs, batch.meta.block_tables.shape[1])
         gpu = self.gpu_telemetry if step_trace is not None else None
         if gpu is not None:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
