@@ -6,7 +6,10 @@
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
 # probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
-# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests).
+# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests),
+# engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench/engine_throughput.py
+# on llama-8b: graphs and eager side by side; ~3 min. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
+# override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -51,6 +54,14 @@ for p in "$@"; do
     profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
+    engine)
+        part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
+            tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
+            tests/engine/test_sampling.py
+        # shellcheck disable=SC2086  # the extra flags are meant to split
+        part "engine-throughput-$commit" 300 python3 bench/engine_throughput.py \
+            --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
+            --out "$OUT" ${SIGHTLINE_ENGINE_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
     esac
 done

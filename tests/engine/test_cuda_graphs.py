@@ -37,15 +37,17 @@ def test_probe_reservations_are_taken_at_capture_and_adopted_at_replay():
 
 def _run(engine, prompts, max_tokens):
     """Drives the engine step by step; returns (outputs, graph bucket of every step)."""
+    tokens: dict[str, list[int]] = {}
     for prompt, m in zip(prompts, max_tokens):
-        engine.add_request(engine.new_request_id("g"), prompt,
+        tokens[engine.new_request_id("g")] = []
+        engine.add_request(list(tokens)[-1], prompt,
                            SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    requests = [live.request for live in engine._live.values()]
     buckets = []
     while engine.scheduler.has_work:
-        engine.step()
+        for _, output in engine.step():
+            tokens[output.request_id] += output.token_ids
         buckets.append(engine.runner.last_step_graph_bucket)
-    return [r.output_token_ids for r in requests], buckets
+    return list(tokens.values()), buckets
 
 
 def _prompts(seed=0, lens=(9, 30, 4, 17, 12)):

@@ -92,3 +92,20 @@ def test_sampling_params_name_the_bad_value():
         with pytest.raises(ValueError, match=text):
             SamplingParams(**kwargs)
     assert SamplingParams(frequency_penalty=0.1).penalized and not SamplingParams().penalized
+
+
+@pytest.mark.gpu
+def test_gpu_sampler_agrees_with_the_cpu_one_where_it_is_deterministic():
+    """Greedy with penalties and top_k=1 rows: the same ids on CUDA as on the CPU, back
+    through the pinned buffer (grown past its first size)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(40, 1000, generator=gen)
+    reqs = [_request(f"r{i}", prompt=(i, i + 1), output=(i + 2,) * (i % 3),
+                     temperature=0.0 if i % 2 else 0.7, top_k=1 if i % 2 == 0 else None,
+                     repetition_penalty=1.0 + (i % 4) / 4, frequency_penalty=0.5 * (i % 2))
+            for i in range(40)]
+    cpu = Sampler(torch.device("cpu"), seed=0)
+    want = cpu.to_host(cpu.sample(logits, cpu.batch(reqs, 1000)))
+    gpu = Sampler(torch.device("cuda"), seed=0)
+    assert gpu.to_host(gpu.sample(logits[:3].cuda(), gpu.batch(reqs[:3], 1000))) == want[:3]
+    assert gpu.to_host(gpu.sample(logits.cuda(), gpu.batch(reqs, 1000))) == want
