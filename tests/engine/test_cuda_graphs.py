@@ -25,6 +25,21 @@ def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
         graph_buckets(0)
 
 
+def test_enforce_eager_is_a_checked_config_field_and_a_serve_flag():
+    import argparse
+
+    from sightline.engine import cli
+    assert EngineConfig().enforce_eager is False
+    with pytest.raises(ValueError, match="enforce_eager='yes' must be a bool"):
+        EngineConfig(enforce_eager="yes")
+    with pytest.raises(ValueError, match="cuda_graph_capture_limit_s=-1"):
+        EngineConfig(cuda_graph_capture_limit_s=-1)
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    assert parser.parse_args(["engine", "serve", "--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args(["engine", "serve"]).enforce_eager is False
+
+
 def test_probe_reservations_are_taken_at_capture_and_adopted_at_replay():
     probe = SmProbe("cpu", capacity_ctas=100, mode=PROBE_FAKE)
     assert probe.reserve("k1", 30) == 0 and probe.reserve("k2", 20) == 30
