@@ -152,35 +152,33 @@ def test_probe_records_come_back_from_a_replayed_graph():
 
 
 @pytest.mark.gpu
-def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id():
+def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     """CUPTI switched on after the graphs were captured (as kernel telemetry does for a
     traced step): every kernel node of the replay comes back under the external id pushed
     around the launch."""
     from sightline.engine.llm_engine import LLMEngine
     from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
-    ok, why = cupti_available()
-    if not ok:
-        pytest.skip(why)
+    available = cupti_available()
+    if not available[0]:
+        pytest.skip(available[1])
     tracer = CuptiTracer()
+    request.addfinalizer(tracer.stop)
     assert tracer.start(), tracer.unavailable_reason
-    try:
-        tracer.disable()
-        engine = LLMEngine(_cuda_config())
-        graphs, dev = engine.runner.graphs, engine.runner.device
-        args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
-                torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                torch.tensor([4], dtype=torch.int32, device=dev))
-        torch.cuda.synchronize()
-        tracer.drain(flush=True)
-        tracer.enable()
-        tracer.push(77)
-        graphs.run(*args, bucket=1)
-        tracer.pop()
-        torch.cuda.synchronize()
-        tracer.disable()
-        batch = tracer.drain(flush=True)
-    finally:
-        tracer.stop()
+    tracer.disable()   # idle until a traced step, as GpuTelemetry keeps it
+    engine = LLMEngine(_cuda_config())
+    graphs, dev = engine.runner.graphs, engine.runner.device
+    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
+            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([4], dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    tracer.drain(flush=True)
+    tracer.enable()
+    tracer.push(77)
+    graphs.run(*args, bucket=1)
+    tracer.pop()
+    torch.cuda.synchronize()
+    tracer.disable()
+    batch = tracer.drain(flush=True)
     names = [k.name for k in batch.kernels if k.external_id == 77]
     layers = engine.model_config.num_layers
     assert sum("sightline_paged_decode" in n for n in names) >= layers, names
