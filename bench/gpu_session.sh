@@ -7,7 +7,10 @@
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
 # probe), kernels (all of bench.kernels), overhead (bench.overhead --mode levels),
 # profiler (--mode profiler), capture (bench.record_capture; HTTP-served requests),
-# overhead-http (bench.overhead_http: served engine, spans to a collector).
+# overhead-http (bench.overhead_http: served engine, spans to a collector),
+# engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
+# on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
+# override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -54,7 +57,15 @@ for p in "$@"; do
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-2}" --bursts "${HTTP_BURSTS:-6}" \
-        --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ;;
+        --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
+    engine)
+        part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
+            tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
+            tests/engine/test_sampling.py
+        # shellcheck disable=SC2086  # the extra flags are meant to split
+        part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
+            --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
+            --out "$OUT" ${SIGHTLINE_ENGINE_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
     esac
 done

@@ -39,6 +39,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--aging-s", type=float, default=10.0,
                        help="a waiting request gains one priority level per this many seconds")
     serve.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs for decode steps "
+                            "(by default they are captured at start-up on CUDA)")
     serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -85,7 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
-        attention_backend=args.attention_backend, cpu_threads=args.cpu_threads, host=args.host,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)
     return serve(config)

@@ -176,6 +176,10 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # CUDA graphs for decode-only steps (captured at start-up per padded batch size, on CUDA
+    # only); True runs every step eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
@@ -203,6 +207,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              "auto|triton|torch")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
+        _check_float("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)

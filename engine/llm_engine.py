@@ -324,6 +324,9 @@ class LLMEngine:
             self._record_step(plan, step, (), type(exc).__name__)
             outputs += self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}")
             return outputs
+        if step is not None and self.runner.graphs is not None:   # CUDA graphs in use
+            for key, value in self.runner.last_execution.attributes().items():
+                step.set_attribute(key, value)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
         prefill_done: list[int] = []

@@ -45,6 +45,11 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int | None = None  # keep the k most likely tokens (None: all)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0  # logits of prompt/output tokens: / when > 0, * when < 0
+    presence_penalty: float = 0.0  # subtracted from the logits of tokens already generated
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
 
     def __post_init__(self) -> None:
         check_range("max_tokens", self.max_tokens, 1, integer=True)
@@ -60,11 +65,28 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when some penalty changes the logits (the sampler then counts tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def _is_real(x: object) -> bool:

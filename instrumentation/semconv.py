@@ -95,6 +95,10 @@ STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_t
 # true on a step that ran while the telemetry still processed a traced step's kernel
 # records (their CPU may have slowed it; bench/results/overhead.md): not the engine's own cost
 STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
+# whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
+# padded batch size of the graph it replayed (absent when eager)
+STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
+STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 
 # kernel (CUPTI)
 CUDA_KERNEL_NAME = "cuda.kernel.name"

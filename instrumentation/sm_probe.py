@@ -451,6 +451,24 @@ class SmProbe:
         """Forgets this step's reservations without reading them (benchmarks)."""
         self._launches, self._used = [], 0
 
+    def take_reservations(self) -> tuple[tuple[str, int], ...]:
+        """This step's launches so far, forgotten without reading: a CUDA graph captured
+        since the last reset keeps them and ``adopt``s them at each replay."""
+        launches = tuple(self._launches)
+        self.discard()
+        return launches
+
+    def adopt(self, launches: tuple[tuple[str, int], ...]) -> bool:
+        """Marks a replayed CUDA graph's probed launches as this step's. The graph's kernels
+        write from slot 0 (it was captured right after a reset), so nothing else may have
+        been probed in this step: then nothing is adopted and False is returned."""
+        if self._used:
+            self.dropped_launches += len(launches)
+            return False
+        self._launches = list(launches)
+        self._used = sum(n for _, n in launches)
+        return True
+
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
         """Snapshots this step's records (a device copy, stream-ordered) and resets the
         slots; None when nothing was probed. Costs one small copy kernel launch."""

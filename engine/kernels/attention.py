@@ -22,7 +22,8 @@ import torch
 
 from .reference import paged_decode_attention_ref, prefill_attention_ref
 
-__all__ = ["Backend", "paged_decode_attention", "prefill_attention", "triton_available"]
+__all__ = ["Backend", "paged_decode_attention", "prefill_attention", "triton_available",
+           "use_triton"]
 
 Backend = Literal["auto", "triton", "torch"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -41,7 +42,9 @@ def triton_available() -> bool:
     return _triton_ok
 
 
-def _use_triton(device: torch.device, backend: str) -> bool:
+def use_triton(device: torch.device, backend: str) -> bool:
+    """Whether an op with this backend runs its Triton kernel on tensors of this device
+    (the rule above; the fused ops in this folder share it)."""
     if backend == "torch":
         return False
     if backend == "auto":
@@ -81,7 +84,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"cu_seqlens_q{tuple(cu_seqlens_q.shape)} and "
                          f"cu_seqlens_k{tuple(cu_seqlens_k.shape)} must both be [B+1]")
     _check_scale(softmax_scale)
-    if _use_triton(q.device, backend):
+    if use_triton(q.device, backend):
         from .prefill_attention import prefill_attention_triton
         return prefill_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, softmax_scale, probe=probe)
@@ -110,7 +113,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if context_lens.shape != (q.shape[0],):
         raise ValueError(f"context_lens{tuple(context_lens.shape)} must be [B={q.shape[0]}]")
     _check_scale(softmax_scale)
-    if _use_triton(q.device, backend):
+    if use_triton(q.device, backend):
         from .paged_decode_attention import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                              softmax_scale, probe=probe)
