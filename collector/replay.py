@@ -13,7 +13,9 @@ the recorded rate and compresses time to match: an instant ``t`` of the capture 
 ``start + (t - first) / N``, so what arrives is stamped with the wall time it arrives at.
 Spans keep their durations (start mapped, end = start + duration), so a child stays inside
 its parent; metric points map their start and time. Without ``rebase`` timestamps are
-untouched (old captures then fall outside any live window).
+untouched (old captures then fall outside any live window). ``signals`` replays one kind
+only (the other lines are skipped undecoded); a later replay of the rest may pass the
+first one's ``time_map`` so both land on the same clock.
 
 Back-pressure: an HTTP 429/503 answer is retried after its ``Retry-After`` (at most
 ``max_retries`` times); any other non-2xx answer stops the replay with an error naming
@@ -43,8 +45,11 @@ class ReplayConfig:
     speed: float = 0.0  # 0: as fast as possible; N: N times the recorded pace, time compressed
     rebase: bool = True
     max_retries: int = 20
+    signals: tuple[str, ...] = ("traces", "metrics")  # replay only these
 
     def __post_init__(self) -> None:
+        if not self.signals or set(self.signals) - set(_PATHS):
+            raise ValueError(f"signals={self.signals} must be a non-empty subset of {tuple(_PATHS)}")
         if not 0.0 <= self.speed <= 1000.0:
             raise ValueError(f"speed={self.speed} is outside [0, 1000] (0 = as fast as possible)")
         if not 0 <= self.max_retries <= 1000:
@@ -190,8 +195,10 @@ def metric_points(request):
 
 
 def replay(path: str | Path, sink, config: ReplayConfig | None = None,
-           clock_ns=time.time_ns) -> ReplayResult:
-    """Sends every export of the capture at ``path`` to ``sink``; see the module docstring."""
+           clock_ns=time.time_ns, time_map: TimeMap | None = None) -> ReplayResult:
+    """Sends every export of the capture at ``path`` to ``sink``; see the module docstring.
+    ``time_map``: that of an earlier replay of the same capture (e.g. its metrics first,
+    then its spans), instead of one anchored now."""
     from sightline.collector.otlp_http import count_data_points, count_spans
     from sightline.instrumentation.capture import read_capture
 
@@ -206,12 +213,15 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     if times is None:
         return result
     first_ns, last_ns = times
-    if config.rebase:
+    if time_map is not None:
+        result.time_map = time_map
+    elif config.rebase:
         result.time_map = (TimeMap(first_ns, now_ns, config.speed) if config.speed > 0
                            else TimeMap(last_ns, now_ns))
-    for line_no, (signal, t_ns, request) in enumerate(read_capture(path), start=1):
+    start_ns = now_ns if time_map is None else time_map(first_ns)
+    for line_no, (signal, t_ns, request) in enumerate(read_capture(path, config.signals), start=1):
         if config.speed > 0:
-            due = start_wall + (t_ns - first_ns) / 1e9 / config.speed
+            due = start_wall + (start_ns - now_ns) / 1e9 + (t_ns - first_ns) / 1e9 / config.speed
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -220,7 +230,7 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
         try:
             sink.send(signal, request, config.max_retries)
         except Exception as exc:
-            raise RuntimeError(f"capture line {line_no} ({signal}): {exc}") from exc
+            raise RuntimeError(f"capture export {line_no} ({signal}): {exc}") from exc
         result.exports += 1
         if signal == "traces":
             result.spans += count_spans(request)

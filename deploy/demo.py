@@ -201,14 +201,17 @@ def _format_explanation(result: dict[str, Any]) -> str:
             f"{result['requests_considered']} requests:" + "\n" + body.lstrip("\n"))
 
 
-def _replay_capture(capture: Path, otlp_http_url: str, speed: float) -> tuple[str, Any]:
-    """Replays ``capture`` into the collector; a one-line account and the replay's TimeMap."""
+def _replay_capture(capture: Path, otlp_http_url: str, speed: float, signals: tuple[str, ...],
+                    time_map=None) -> tuple[str, Any]:
+    """Replays ``signals`` of ``capture`` into the collector (on ``time_map`` when given);
+    a one-line account and the replay's TimeMap."""
     from sightline.collector.replay import HttpSink, ReplayConfig, replay
 
-    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=speed, rebase=True))
+    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=speed, rebase=True, signals=signals),
+                    time_map=time_map)
     pace = "at once, shifted to end now" if speed == 0 else f"at {speed:g}x, time compressed"
-    return (f"{result.exports} exports ({result.spans} spans, {result.data_points} data points) "
-            f"in {result.duration_s:.1f}s ({pace})"), result.time_map
+    what = f"{result.spans} spans" if signals == ("traces",) else f"{result.data_points} data points"
+    return f"{result.exports} exports ({what}) in {result.duration_s:.1f}s ({pace})", result.time_map
 
 
 def _fetch_heatmaps(collector_url: str, folder: Path) -> tuple[list[Path], list[str], list[dict]]:
@@ -351,6 +354,7 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         (explain_dir / "this-run.txt").write_text(_format_explanation(local) + "\n")
         report.files["slowest requests of this run explained"] = explain_dir / "this-run.txt"
 
+        replayed = None  # (capture, label, time map) once its metrics are in
         if device == "cuda":
             report.gpu_data_source = "live: this machine's GPU, traced by the engine"
         else:
@@ -364,18 +368,28 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
             else:
                 say(f"no GPU here: replaying the {label} {capture.name} into the collector "
                     "for the per-SM views")
+                # Metrics first: the heatmaps then cover the capture's whole span before
+                # the (slower) spans arrive on the same clock.
                 summary, time_map = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
-                                                    config.replay_speed)
-                say(f"  replayed {summary}")
+                                                    config.replay_speed, ("metrics",))
+                say(f"  replayed per-SM metrics: {summary}")
                 report.gpu_data_source = f"{label} {capture}"
                 report.incident = incident
-                gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
-                report.explanations.append({"source": f"{label} {capture.name}", **gpu})
-                (explain_dir / "capture.json").write_text(json.dumps(gpu, indent=2))
-                (explain_dir / "capture.txt").write_text(_format_explanation(gpu) + "\n")
-                report.files["slowest replayed requests explained"] = explain_dir / "capture.txt"
+                replayed = (capture, label, time_map)
 
         heatmaps, hotspots, time_sm = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        if replayed is not None:
+            capture, label, time_map = replayed
+            if report.incident is not None:
+                report.findings = find(report.incident, time_sm, time_map, config.hot_sm_threshold)
+            summary, _ = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
+                                         config.replay_speed, ("traces",), time_map)
+            say(f"  replayed spans: {summary}")
+            gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
+            report.explanations.append({"source": f"{label} {capture.name}", **gpu})
+            (explain_dir / "capture.json").write_text(json.dumps(gpu, indent=2))
+            (explain_dir / "capture.txt").write_text(_format_explanation(gpu) + "\n")
+            report.files["slowest replayed requests explained"] = explain_dir / "capture.txt"
         report.hotspots.extend(hotspots)
         if heatmaps:
             report.files["per-SM heatmaps (PNG + HTML)"] = out / "heatmaps"
@@ -387,7 +401,6 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         else:
             report.notes.append("no per-SM data reached the collector, so no heatmaps")
         if report.incident is not None:
-            report.findings = find(report.incident, time_sm, time_map, config.hot_sm_threshold)
             say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_HOTSPOT_ALERT} in Alertmanager")
             report.alerts = wait_for_alert(p.alertmanager_url, SM_HOTSPOT_ALERT, config.alert_timeout_s)
             (out / "incident.json").write_text(json.dumps(incident_record(report), indent=2) + "\n")

@@ -230,8 +230,9 @@ class CaptureMetricExporter(MetricExporter):
             self.writer.close()
 
 
-def read_capture(path: str | Path) -> Iterator[CaptureRecord]:
-    """Yields every record of a capture, in file order.
+def read_capture(path: str | Path, signals: Sequence[str] = SIGNALS) -> Iterator[CaptureRecord]:
+    """Yields every record of a capture whose signal is in ``signals``, in file order (the
+    others are not decoded).
 
     A truncated last line (a writer killed mid-write) ends the iteration with a warning;
     a malformed line elsewhere raises ValueError naming the file and line number.
@@ -256,7 +257,7 @@ def read_capture(path: str | Path) -> Iterator[CaptureRecord]:
             try:
                 obj = json.loads(line)
                 signal = obj["signal"]
-                if signal == META_SIGNAL:
+                if signal == META_SIGNAL or (signal in SIGNALS and signal not in signals):
                     continue
                 stamp = int(obj["time_unix_nano"])
                 request = from_otlp_json(signal, obj["request"])
