@@ -6,7 +6,8 @@
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
 # probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
-# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests).
+# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests),
+# incident (bench/record_incident.py: served load with a noisy neighbour on measured SMs).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -51,6 +52,7 @@ for p in "$@"; do
     profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
+    incident) part "incident-$commit" 360 python3 bench/record_incident.py --out "$OUT" ;;
     *) echo "unknown part: $p" ;;
     esac
 done

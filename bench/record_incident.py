@@ -47,7 +47,7 @@ else:  # run as python bench/<name>.py
     from noisy_neighbour import NeighbourRun, NoisyNeighbour
     from record_capture import PlannedRequest, _prompt_text, start_server, stream_one
 
-from sightline.deploy.incident import Incident, PlantedInterval, find
+from sightline.deploy.incident import interval_s, Incident, PlantedInterval, find
 from sightline.deploy.load import format_summary, summarize
 from sightline.instrumentation.capture import CaptureWriter
 
@@ -55,8 +55,9 @@ CAPTURE_NAME = "h200-noisy-neighbour.jsonl.gz"  # deploy/demo.py's INCIDENT_CAPT
 HOT_THRESHOLD = 1.5  # deploy/demo.py's DemoConfig.hot_sm_threshold
 
 
-def plan_load(args: argparse.Namespace, model: str) -> list[tuple[float, PlannedRequest]]:
-    """(send offset in seconds, request) for the whole run, in time order."""
+def plan_load(args: argparse.Namespace, model: str, max_model_len: int) -> list[tuple[float, PlannedRequest]]:
+    """(send offset in seconds, request) for the whole run, in time order; prompts are cut
+    to fit ``max_model_len`` tokens (one per character under the byte tokenizer)."""
     rng = random.Random(args.seed)
     offsets = []
     t = 0.0
@@ -73,7 +74,7 @@ def plan_load(args: argparse.Namespace, model: str) -> list[tuple[float, Planned
     for index, at in enumerate(sorted(offsets)):
         chat = index % 6 == 5
         length = rng.randint(2000, 6000) if rng.random() < 0.25 else rng.randint(64, 512)
-        text = _prompt_text(rng, length)
+        text = _prompt_text(rng, min(length, max_model_len - 256))
         priority = rng.randint(0, 2)
         body = {"model": model, "max_tokens": rng.randint(16, 64), "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}, "priority": priority,
@@ -151,23 +152,13 @@ def evaluate(capture: Path, incident: Incident) -> dict:
             "exports": result.exports, "spans": result.spans, "data_points": result.data_points}
 
 
-def _interval(text: str) -> tuple[float, float]:
-    try:
-        a, b = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected START,END in seconds, e.g. 60,95") from None
-    if not 0 <= a < b:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= START < END")
-    return a, b
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--device", default="cuda", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--duration-s", type=float, default=170.0, help="load duration (at most the "
                     "collector's 180 s window, so that a replay shows all of it)")
-    ap.add_argument("--interval", type=_interval, action="append", default=None,
+    ap.add_argument("--interval", type=interval_s, action="append", default=None,
                     help="START,END of a neighbour interval, seconds from the load's start "
                          "(repeatable; default 60,95 and 125,155)")
     ap.add_argument("--neighbour-ctas", type=int, default=33, help="neighbour CTAs (~SMs taken)")
@@ -201,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     device = device_name(device_obj, cpu_fallback="cpu")
     neighbour = NoisyNeighbour(args.neighbour_ctas, device_obj)
     neighbour.run(0.0)  # compiles it before the load starts
-    plans = plan_load(args, running.engine.model_name)
+    plans = plan_load(args, running.engine.model_name, running.engine.max_model_len)
     print(f"[{time.time() - wall0:.0f}s] serving {args.model} on {device}: {len(plans)} requests over "
           f"{args.duration_s:.0f} s, neighbour ({args.neighbour_ctas} CTAs) in {args.interval}", flush=True)
     runs: list[NeighbourRun | BaseException] = []
@@ -241,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     record = {"commit": commit, "device": device, "time_utc": utc_now(),
               "command": "python bench/record_incident.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "wall_s": time.time() - wall0, "capture": str(capture), "capture_bytes": capture.stat().st_size,
-              "requests": len(records), "requests_ok": client.ok, "dropped_spans": telemetry.dropped_spans(),
+              "requests": len(records), "requests_ok": client.ok,
+              "errors": [r.error for r in records if r.error][:5], "dropped_spans": telemetry.dropped_spans(),
               "incident": incident.to_meta(), **found}
     path = args.out / f"record_incident-{device.replace(' ', '-').lower()}-{commit[:8]}.json"
     path.write_text(json.dumps(record, indent=1))

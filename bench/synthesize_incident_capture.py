@@ -32,7 +32,7 @@ import sys
 from pathlib import Path
 
 from sightline.collector.replay import metric_points, rebase_request
-from sightline.deploy.incident import Incident, PlantedInterval
+from sightline.deploy.incident import interval_s, Incident, PlantedInterval
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import CaptureWriter, read_capture
 
@@ -172,23 +172,13 @@ def synthesize(source: Path, target: Path, duration_s: float, period_s: float,
     return incident
 
 
-def _interval(text: str) -> tuple[float, float]:
-    try:
-        a, b = (float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected START,END in seconds, e.g. 60,90") from None
-    if not 0 <= a < b:
-        raise argparse.ArgumentTypeError(f"{text!r}: need 0 <= START < END")
-    return a, b
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", type=Path, default=SOURCE)
     ap.add_argument("--out", type=Path, default=TARGET)
     ap.add_argument("--duration-s", type=float, default=170.0, help="the capture's span, at most")
     ap.add_argument("--period-s", type=float, default=8.0, help="a copy of the source starts this often")
-    ap.add_argument("--interval", type=_interval, action="append", default=None,
+    ap.add_argument("--interval", type=interval_s, action="append", default=None,
                     help="START,END seconds from the start (repeatable; default 60,95 and 125,155)")
     ap.add_argument("--planted-sms", type=int, default=33)
     ap.add_argument("--num-sms", type=int, default=132)

@@ -18,7 +18,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["INCIDENT_FORMAT", "Finding", "Incident", "PlantedInterval", "find", "flag_hot_sms"]
+__all__ = ["INCIDENT_FORMAT", "Finding", "Incident", "PlantedInterval", "find", "flag_hot_sms", "interval_s"]
 
 INCIDENT_FORMAT = "sightline.incident/1"
 
@@ -114,6 +114,17 @@ class Finding:
     def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), flagged={str(k): v for k, v in self.flagged.items()},
                     precision=self.precision, recall=self.recall)
+
+
+def interval_s(text: str) -> tuple[float, float]:
+    """``"START,END"`` (seconds from a recording's start) as a pair; ValueError naming it."""
+    try:
+        start, end = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"interval {text!r}: expected START,END in seconds, e.g. 60,95") from None
+    if not 0 <= start < end:
+        raise ValueError(f"interval {text!r}: need 0 <= START < END")
+    return start, end
 
 
 def _interval_columns(times_unix_s: list[float], slot_s: float, start_s: float, end_s: float) -> list[int]:
