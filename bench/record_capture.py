@@ -151,6 +151,7 @@ def start_server(args: argparse.Namespace, capture: Path):
     telemetry = Telemetry.start(TelemetryConfig(
         level="kernels", exporter="none", capture_path=str(capture),
         kernel_sample_ratio=args.kernel_sample_ratio,
+        metric_export_interval_s=getattr(args, "metric_export_interval", 10.0),
         resource_attributes={"host.name": socket.gethostname(),
                              "sightline.capture": "bench/record_capture.py"},
         # A traced step ends hundreds of kernel spans at once: a queue that holds them all

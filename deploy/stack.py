@@ -83,6 +83,7 @@ class StackConfig:
     model: str | None = None  # None: "tiny" on the CPU, "llama-1b" on a GPU
     trace_level: str | None = None  # None: "steps" on the CPU, "kernels" on a GPU
     engine_args: tuple[str, ...] = ()
+    collector_args: tuple[str, ...] = ()  # extra `sightline collector run` flags
     telemetry_export_interval_s: float = 1.0
     # prometheus / alertmanager
     scrape_interval_s: float = 1.0
@@ -287,7 +288,7 @@ class Stack:
             "--otlp-grpc", f"{p.host}:{p.collector_grpc}",
             "--otlp-http", f"{p.host}:{p.collector_http}",
             "--zipkin", f"{p.host}:{p.collector_zipkin}",
-            "--http", f"{p.host}:{p.collector_api}"),
+            "--http", f"{p.host}:{p.collector_api}", *self.config.collector_args),
             HealthCheck(http_url=f"{p.collector_url}/readyz", timeout_s=self.config.health_timeout_s))
 
     def _rotel_spec(self) -> ProcessSpec:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import semconv
-    from .capture import read_capture
+    from .capture import META_SIGNAL, read_capture, read_capture_meta
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .tracing import Telemetry
 
 _MODULE_OF = {
-    "read_capture": "capture",
+    "read_capture": "capture", "read_capture_meta": "capture", "META_SIGNAL": "capture",
     "TelemetryConfig": "config", "TraceLevel": "config",
     "check_range": "config_checks",
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
