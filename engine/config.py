@@ -209,7 +209,7 @@ class EngineConfig:
                              "auto|triton|torch")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
-        _check_float("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
+        check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)

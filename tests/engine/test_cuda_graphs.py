@@ -161,7 +161,11 @@ def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     available = cupti_available()
     if not available[0]:
         pytest.skip(available[1])
-    tracer = CuptiTracer()
+    import numpy as np
+
+    from sightline.instrumentation.cupti_records import decode_buffer
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
     request.addfinalizer(tracer.stop)
     assert tracer.start(), tracer.unavailable_reason
     tracer.disable()   # idle until a traced step, as GpuTelemetry keeps it
@@ -171,16 +175,24 @@ def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
             torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
             torch.tensor([4], dtype=torch.int32, device=dev))
     torch.cuda.synchronize()
-    tracer.drain(flush=True)
+    tracer.flush()
+    buffers.clear()
     tracer.enable()
     tracer.push(77)
     graphs.run(*args, bucket=1)
     tracer.pop()
     torch.cuda.synchronize()
     tracer.disable()
-    batch = tracer.drain(flush=True)
-    names = [k.name for k in batch.kernels if k.external_id == 77]
+    tracer.flush()
+    decoded = [decode_buffer(b) for b in buffers]
+    kernels = np.concatenate([d.kernels for d in decoded])
+    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
+                        np.concatenate([d.external_ids for d in decoded]).tolist()))
+    names_of = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    tagged = [(names_of[int(k["name_ptr"])], external.get(int(k["correlation_id"]))) for k in kernels]
+    names = [n for n, e in tagged if e == 77]
     layers = engine.model_config.num_layers
     assert sum("sightline_paged_decode" in n for n in names) >= layers, names
     assert sum("sightline_rms_norm" in n for n in names) == 2 * layers + 1, names
-    assert all(k.external_id == 77 for k in batch.kernels if "sightline_" in k.name)
+    assert all(e == 77 for n, e in tagged if "sightline_" in n), tagged
+
