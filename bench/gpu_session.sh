@@ -23,7 +23,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site2 . \
     >>"$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site2:/tmp/site
 export SIGHTLINE_FA2_PREFILL_CONFIG=${SIGHTLINE_FA2_PREFILL_CONFIG:-128,64,8,3}
