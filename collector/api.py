@@ -5,8 +5,8 @@ Routes (all GET):
 * ``/api/v1/kernels`` — which (instance, gpu, kernel) have per-SM data (and any admission
   refusal of their GPU), and which (gpu, kernel) have kernel spans.
 * ``/api/v1/heatmap?instance_id=&gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=``
-  — one heatmap (:mod:`.heatmap`); ``gpu`` is the GPU's UUID or index; any of the three may be
-  left out when only one choice matches. A GPU refused by an admission limit answers 404
+  — one heatmap (:mod:`.heatmap`); ``gpu`` is the GPU's UUID, index or /metrics label, ``kernel``
+  its name or /metrics label; any of the three may be left out when only one choice matches. A GPU refused by an admission limit answers 404
   naming the limit and its value.
 * ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
 * ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`);
@@ -82,7 +82,8 @@ def _choice(request: web.Request, name: str, choices: tuple[str, ...]) -> str:
 def _pick(sm: SmQuery, instance: str | None, gpu: str | None, kernel: str | None) -> SmKey:
     entries = sm.gpus()
     candidates = [e for e in entries if (instance is None or e["instance"] == instance)
-                  and (gpu is None or gpu in (e["gpu"], e["gpu_index"])) and (kernel is None or e["kernel"] == kernel)]
+                  and (gpu is None or gpu in (e["gpu"], e["gpu_index"], e["gpu_label"]))
+                  and (kernel is None or kernel in (e["kernel"], e["kernel_label"]))]
     if len(candidates) == 1:
         e = candidates[0]
         return SmKey(e["instance"], e["gpu"], e["kernel"])

@@ -2,10 +2,11 @@
 
 :class:`AggregatorCollector` is a ``prometheus_client`` custom collector. Span-derived
 series are classic histograms (re-binned as :class:`~.windows.ClassicHistogram` states).
-Per-SM data, by default: one P99 gauge per (instance, gpu, SM, kernel) over the gauge
-window, and per (instance, gpu, kernel) the hotspot ratio, the hottest SM and a
-CTA-duration histogram over all SMs; per-SM histograms (19 lines per series) are opt-in
-(``expose_sm_histograms``). The full-resolution heatmap is the query API's.
+Per-SM data, by default: one P99 gauge per (gpu, SM, kernel) over the gauge window, and
+per (gpu, kernel) the hotspot ratio, the hottest SM and a CTA-duration histogram over all
+SMs; per-SM histograms (19 lines per series) are opt-in (``expose_sm_histograms``). The
+``gpu`` label is the GPU's identity (UUID, else ``instance:index``; ``sightline_gpu`` maps it
+to its instance and index); a long kernel name is shortened (``sightline_sm_kernel`` maps it). The full-resolution heatmap is the query API's.
 A scrape reads a snapshot taken block by block (:meth:`.sm_store.SmStore.snapshot`), so
 ingest goes on while it renders. Exemplars appear in the OpenMetrics format only.
 Cost of a scrape: one vectorised P99 per (instance, gpu, kernel) block, one line per series.
@@ -22,7 +23,7 @@ from prometheus_client.samples import Exemplar as PromExemplar
 
 from ..instrumentation import semconv
 from .hotspot import hotspots
-from .sm_store import BlockSnapshot
+from .sm_store import BlockSnapshot, gpu_label, kernel_label
 from .windows import ClassicHistogram
 
 if TYPE_CHECKING:
@@ -103,8 +104,8 @@ class AggregatorCollector:
                                       "Engine steps run while the engine's telemetry processed a "
                                       "kernel-traced step (that CPU may have slowed them).",
                                       labels=[])
-        per_sm = [L.LABEL_INSTANCE_ID, L.LABEL_GPU, L.LABEL_SM, L.LABEL_KERNEL]
-        per_gpu = [L.LABEL_INSTANCE_ID, L.LABEL_GPU, L.LABEL_KERNEL]
+        per_sm = [L.LABEL_GPU, L.LABEL_SM, L.LABEL_KERNEL]
+        per_gpu = [L.LABEL_GPU, L.LABEL_KERNEL]
         sm_hist = HistogramMetricFamily(L.COLLECTOR_SM_CTA_DURATION_SECONDS,
                                         "Duration of each attention CTA by the SM that ran it (opt-in).",
                                         labels=per_sm)
@@ -117,8 +118,10 @@ class AggregatorCollector:
         gpu_hist = HistogramMetricFamily(L.COLLECTOR_GPU_CTA_DURATION_SECONDS,
                                          "Duration of each attention CTA, all SMs of a GPU together.",
                                          labels=per_gpu)
-        gpu_info = GaugeMetricFamily(L.COLLECTOR_GPU_INFO, "1 per GPU with per-SM data; gpu_index is its gpu.id.",
-                                     labels=[L.LABEL_INSTANCE_ID, L.LABEL_GPU, L.LABEL_GPU_INDEX])
+        gpu_info = GaugeMetricFamily(L.COLLECTOR_GPU_INFO, "1 per GPU with per-SM data: its instance and gpu.id.",
+                                     labels=[L.LABEL_GPU, L.LABEL_INSTANCE_ID, L.LABEL_GPU_INDEX])
+        kernel_info = GaugeMetricFamily(L.COLLECTOR_SM_KERNEL_INFO, "1 per kernel with per-SM data: its whole name.",
+                                        labels=[L.LABEL_KERNEL, L.LABEL_KERNEL_NAME])
         overflow = CounterMetricFamily(L.COLLECTOR_SERIES_OVERFLOW_TOTAL,
                                        "Observations folded into an overflow series (cardinality limit).",
                                        labels=[L.LABEL_FAMILY])
@@ -138,25 +141,31 @@ class AggregatorCollector:
             for phase, h in snap.steps.items():
                 step.add_metric([phase], prometheus_buckets(h), h.sum)
             backlog.add_metric([], snap.kernel_trace_backlog_steps)  # at 0 from the start
-            gpus = set()
+            gpus, kernels = set(), {}
             for block in snap.sm_blocks:
                 instance, gpu, name = block.key
-                if (instance, gpu) not in gpus:
-                    gpus.add((instance, gpu))
-                    gpu_info.add_metric([instance, gpu, block.gpu_index], 1)
-                gpu_hist.add_metric([instance, gpu, name], prometheus_buckets(block.classic), block.classic.sum)
+                gpu = gpu_label(instance, gpu, block.gpu_index)
+                if gpu not in gpus:
+                    gpus.add(gpu)
+                    gpu_info.add_metric([gpu, instance, block.gpu_index], 1)
+                short = kernels.get(name)
+                if short is None:
+                    short = kernels[name] = kernel_label(name)
+                    kernel_info.add_metric([short, name], 1)
+                gpu_hist.add_metric([gpu, short], prometheus_buckets(block.classic), block.classic.sum)
                 p99 = {}
                 for sm, value in zip(block.sms, block.p99_s.tolist()):
                     if not math.isnan(value):
                         p99[sm] = value
-                        sm_p99.add_metric([instance, gpu, sm, name], value)
+                        # 6 digits: the sketch's own error is 0.5 %, more would be noise (and bytes)
+                        sm_p99.add_metric([gpu, sm, short], float(f"{value:.6g}"))
                 summary = hotspots(p99)
                 if summary.ratio is not None:
-                    hotspot.add_metric([instance, gpu, name], summary.ratio)
+                    hotspot.add_metric([gpu, short], summary.ratio)
                     if summary.hottest_sm.isdigit():
-                        hottest.add_metric([instance, gpu, name], int(summary.hottest_sm))
+                        hottest.add_metric([gpu, short], int(summary.hottest_sm))
                 for sm, h in zip(block.sms, block.classic_sm or ()):
-                    sm_hist.add_metric([instance, gpu, sm, name], prometheus_buckets(h), h.sum)
+                    sm_hist.add_metric([gpu, sm, short], prometheus_buckets(h), h.sum)
             # Present at 0 from the start, so that rate() and increase() (alerts, the
             # pipeline dashboard) see the first overflow or refusal.
             for family, n in sorted({**dict.fromkeys(OVERFLOW_FAMILIES, 0), **snap.overflow}.items()):
@@ -164,7 +173,7 @@ class AggregatorCollector:
             for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
         yield from fams.values()
-        yield from (requests_total, kernel, step, backlog, sm_p99, hotspot, hottest, gpu_hist, gpu_info)
+        yield from (requests_total, kernel, step, backlog, sm_p99, hotspot, hottest, gpu_hist, gpu_info, kernel_info)
         if snap is None or any(b.classic_sm is not None for b in snap.sm_blocks):
             yield sm_hist
         yield from (overflow, dropped)

@@ -17,6 +17,7 @@ Thread-safety: one lock; queries copy out, and a snapshot takes it once per bloc
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -32,7 +33,7 @@ from .otlp_points import PointRefused, clamped_time_s, cta_point_histogram, labe
 from .sm_blocks import SmBlock
 from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 
-__all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore"]
+__all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
 
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
@@ -41,6 +42,19 @@ _MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counti
 class GpuKey(NamedTuple):
     instance: str
     gpu: str
+
+
+def gpu_label(instance: str, gpu: str, index: str) -> str:
+    """The GPU's label on /metrics: its UUID, else ``instance:index`` (unique either way)."""
+    return gpu if gpu != index else f"{instance}:{index}"
+
+
+def kernel_label(kernel: str, max_chars: int = 32) -> str:
+    """A kernel's label on /metrics: the name, or its head and a hash when longer than
+    ``max_chars`` (C++ names run to 250 characters; 170k series repeat them)."""
+    if len(kernel) <= max_chars:
+        return kernel
+    return f"{kernel[:max_chars - 9]}~{hashlib.blake2s(kernel.encode(), digest_size=4).hexdigest()}"
 
 
 class SmKey(NamedTuple):
@@ -308,6 +322,7 @@ class SmStore:
                 refusal = self._refusal(GpuKey(instance, gpu))
                 for kernel, block in g.blocks.items():
                     out.append({"instance": instance, "gpu": gpu, "gpu_index": g.index, "kernel": kernel,
+                                "gpu_label": gpu_label(instance, gpu, g.index), "kernel_label": kernel_label(kernel),
                                 "sms": len(block.sms), "ctas": int(block.total.sum()), "source": "sm_probe",
                                 "refusal": refusal._asdict() if refusal else None})
         return sorted(out, key=lambda e: (e["instance"], e["gpu"], e["kernel"]))

@@ -22,7 +22,6 @@ __all__ = ["UID", "spec"]
 UID = "sightline-gpu"
 _GPU_KERNEL = (sc.LABEL_GPU, sc.LABEL_KERNEL)
 _GPU = (sc.LABEL_GPU,)
-_SM_GPU_KERNEL = (sc.LABEL_INSTANCE_ID, sc.LABEL_GPU, sc.LABEL_KERNEL)  # one GPU of the per-SM series
 
 
 def spec() -> DashboardSpec:
@@ -70,8 +69,8 @@ def spec() -> DashboardSpec:
                 description="Slowest SM's CTA P99 over the median SM's, per kernel (1 = balanced).",
                 queries=(
                     Query(q.selector(sc.COLLECTOR_SM_HOTSPOT_RATIO, regex=_GPU_KERNEL),
-                          "collector {{instance_id}} gpu{{gpu}} {{kernel}}"),
-                    Query(q.selector(sc.RULE_SM_HOTSPOT, regex=_GPU_KERNEL), "rule {{instance_id}} gpu{{gpu}} {{kernel}}"),
+                          "collector gpu{{gpu}} {{kernel}}"),
+                    Query(q.selector(sc.RULE_SM_HOTSPOT, regex=_GPU_KERNEL), "rule gpu{{gpu}} {{kernel}}"),
                 ),
             ),
             PanelSpec(
@@ -79,10 +78,9 @@ def spec() -> DashboardSpec:
                 unit="s",
                 description="Median, max and min over SMs of the per-SM CTA P99.",
                 queries=(
-                    Query(q.aggregate("quantile", _SM_GPU_KERNEL, sm_p99, 0.5),
-                          "median SM {{instance_id}} gpu{{gpu}} {{kernel}}"),
-                    Query(q.aggregate("max", _SM_GPU_KERNEL, sm_p99), "slowest SM {{instance_id}} gpu{{gpu}} {{kernel}}"),
-                    Query(q.aggregate("min", _SM_GPU_KERNEL, sm_p99), "fastest SM {{instance_id}} gpu{{gpu}} {{kernel}}"),
+                    Query(q.aggregate("quantile", _GPU_KERNEL, sm_p99, 0.5), "median SM gpu{{gpu}} {{kernel}}"),
+                    Query(q.aggregate("max", _GPU_KERNEL, sm_p99), "slowest SM gpu{{gpu}} {{kernel}}"),
+                    Query(q.aggregate("min", _GPU_KERNEL, sm_p99), "fastest SM gpu{{gpu}} {{kernel}}"),
                 ),
             ),
         ),

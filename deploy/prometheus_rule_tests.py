@@ -193,12 +193,11 @@ def engine_cases() -> list[Case]:
 # GPU
 # ---------------------------------------------------------------------------------
 GPU_KERNEL = {sc.LABEL_GPU: "0", sc.LABEL_KERNEL: "fa2_decode"}
-SM_GPU_KERNEL = {sc.LABEL_INSTANCE_ID: "node-a", **GPU_KERNEL}
 
 
 def _sm_p99(values_per_sm: list[str]) -> tuple[tuple[str, str], ...]:
     return tuple(
-        (series(sc.COLLECTOR_SM_CTA_P99_SECONDS, {**COLLECTOR, **SM_GPU_KERNEL, sc.LABEL_SM: str(sm)}), values)
+        (series(sc.COLLECTOR_SM_CTA_P99_SECONDS, {**COLLECTOR, **GPU_KERNEL, sc.LABEL_SM: str(sm)}), values)
         for sm, values in enumerate(values_per_sm)
     )
 
@@ -223,7 +222,7 @@ def gpu_cases() -> list[Case]:
         Case(
             "one SM at 5x the median CTA P99 for 20 minutes",
             _sm_p99(["0.0001x25", "0.0001x25", "0.0001x25", "0.0005x25"]),
-            (AlertCheck("20m", "SightlineSMHotspot", (SM_GPU_KERNEL,)),),
+            (AlertCheck("20m", "SightlineSMHotspot", (GPU_KERNEL,)),),
         ),
         Case(
             "SMs within 1.4x of each other; a 10-minute hotspot",

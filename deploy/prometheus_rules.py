@@ -203,8 +203,6 @@ def _error_ratio(window: str) -> str:
 def recording_groups(slo: SloConfig) -> list[RuleGroup]:
     sm_p99 = sc.COLLECTOR_SM_CTA_P99_SECONDS
     gpu_kernel = (sc.LABEL_GPU, sc.LABEL_KERNEL)
-    # per-SM series: one GPU is (instance_id, gpu); gpu alone is an index on hosts without NVML
-    sm_gpu_kernel = (sc.LABEL_INSTANCE_ID, sc.LABEL_GPU, sc.LABEL_KERNEL)
     latency = RuleGroup(
         "sightline-recording",
         (
@@ -213,7 +211,7 @@ def recording_groups(slo: SloConfig) -> list[RuleGroup]:
             RecordingRule(sc.RULE_KERNEL_P99,
                           q.histogram_quantile(0.99, sc.COLLECTOR_KERNEL_DURATION_SECONDS, gpu_kernel, window="5m")),
             RecordingRule(sc.RULE_SM_HOTSPOT,
-                          f"{q.aggregate('max', sm_gpu_kernel, sm_p99)} / {q.aggregate('quantile', sm_gpu_kernel, sm_p99, 0.5)}"),
+                          f"{q.aggregate('max', gpu_kernel, sm_p99)} / {q.aggregate('quantile', gpu_kernel, sm_p99, 0.5)}"),
         ),
     )
     slo_ratios = RuleGroup(

@@ -152,11 +152,14 @@ LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"
 LABEL_FINISH_REASON = "finish_reason"
 LABEL_CODE = "code"
-LABEL_GPU = "gpu"  # collector's per-SM series: gpu.uuid when the producer sends it, else gpu.id
-LABEL_GPU_INDEX = "gpu_index"  # gpu.id, beside a UUID-valued gpu label
+# On the collector's per-SM series: the GPU's identity, gpu.uuid when the producer sends it,
+# else "<instance_id>:<gpu.id>" (every host's first GPU is gpu.id=0).
+LABEL_GPU = "gpu"
+LABEL_GPU_INDEX = "gpu_index"  # gpu.id
 # the producing resource (service.instance.id, else host.name); not "instance", which
 # Prometheus sets to the scraped target (the collector)
 LABEL_INSTANCE_ID = "instance_id"
+LABEL_KERNEL_NAME = "kernel_name"  # the whole name, where the kernel label is shortened
 LABEL_SM = "sm"
 LABEL_KERNEL = "kernel"
 LABEL_RECEIVER = "receiver"
@@ -190,10 +193,11 @@ COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL = "sightline_steps_kernel_trace_backl
 COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, sm, kernel
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
-COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # instance_id, gpu, kernel: the SM with the largest P99
-# instance_id, gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
+COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # gpu, kernel: the SM with the largest P99
+# gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
-COLLECTOR_GPU_INFO = "sightline_gpu"  # instance_id, gpu, gpu_index: 1 per GPU with per-SM data
+COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
+COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name: 1 per kernel
 # self-metrics
 COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
 COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver

@@ -207,8 +207,8 @@ def test_two_engines_sending_gpu_0_are_two_series():
     registry = CollectorRegistry()
     registry.register(agg.prometheus_collector())
     text = generate_latest(registry).decode()
-    for instance, gpu in (("node-a", "0"), ("node-b", "0"), ("node-a", "GPU-c0ffee")):
-        assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="{gpu}",instance_id="{instance}",kernel="fa2",sm="5"}}' in text
+    for gpu in ("node-a:0", "node-b:0", "GPU-c0ffee"):  # the label: the UUID, else instance:index
+        assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="{gpu}",kernel="fa2",sm="5"}}' in text
     assert f'{sc.COLLECTOR_GPU_INFO}{{gpu="GPU-c0ffee",gpu_index="0",instance_id="node-a"}} 1.0' in text
 
 

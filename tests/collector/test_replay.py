@@ -176,8 +176,7 @@ def test_replay_into_collector_process_then_heatmap_and_explain(tmp_path, captur
         with urllib.request.urlopen(query + "/metrics", timeout=5) as r:
             metrics = r.read().decode()
         # the OTel SDK's resource carries a service.instance.id: the series' instance
-        assert re.search(rf'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="0",instance_id="[0-9a-f-]{{36}}",kernel="{KERNEL}",sm="4"}}',
-                         metrics)
+        assert re.search(rf'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="[0-9a-f-]{{36}}:0",kernel="{KERNEL}",sm="4"}}', metrics)
     finally:
         process.terminate()
         process.wait(30)

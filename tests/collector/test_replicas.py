@@ -9,7 +9,7 @@ each ``ResourceMetrics`` goes to the replica its resource's hash falls on in a
 consistent-hash ring. otelcol-contrib is not available on this machine, so the test
 does that routing itself (:func:`route_by_resource`). Every engine's GPU is ``gpu.id=0``:
 the resource's ``service.instance.id`` keeps them apart. Since a GPU's streams always land
-on one replica, PromQL must see, exactly, ``sum by (instance_id, gpu, kernel, le)`` of the
+on one replica, PromQL must see, exactly, ``sum by (gpu, kernel, le)`` of the
 replicas' per-GPU bucket series equal to the single replica's, and each per-SM P99 gauge
 equal to the single replica's within the sketch's stated error (``relative_error(6)``).
 """
@@ -42,8 +42,8 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="need
 GPUS, SMS, KERNELS, ROUNDS = 6, 8, ("fa2_prefill", "fa2_decode"), 3
 BUCKET = sc.COLLECTOR_GPU_CTA_DURATION_SECONDS + "_bucket"
 P99 = sc.COLLECTOR_SM_CTA_P99_SECONDS
-BY = "instance_id, gpu, sm, kernel"
-BY_GPU = "instance_id, gpu, kernel"
+BY = "gpu, sm, kernel"
+BY_GPU = "gpu, kernel"
 
 
 # -- resource routing (what the load-balancing exporter does with routing_key: resource) --
@@ -116,7 +116,7 @@ def _export_round(rng: np.random.Generator, now: float, raw: dict) -> ExportMetr
             for k, kernel in enumerate(KERNELS):
                 scale = 3.0 if sm == 3 else 1.0  # one slow SM per GPU
                 values = (20e-6 * (k + 1) * scale * rng.lognormal(0.0, 0.3, 40)).tolist()
-                raw.setdefault((f"engine-gpu{gpu}", "0", str(sm), kernel), []).extend(values)
+                raw.setdefault((f"engine-gpu{gpu}:0", str(sm), kernel), []).extend(values)
                 metric.exponential_histogram.data_points.append(otlp_cta_point(0, sm, kernel, values, now))
     return request
 
@@ -188,7 +188,7 @@ def test_three_replicas_routed_by_resource_equal_one(tmp_path):
         # ... and both within the error of the exact P99 of the values sent.
         for row in _query(prom_port, replicas_p99, at):
             m = row["metric"]
-            exact = exact_quantile(raw[(m["instance_id"], m["gpu"], m["sm"], m["kernel"])], 0.99)
+            exact = exact_quantile(raw[(m["gpu"], m["sm"], m["kernel"])], 0.99)
             assert abs(float(row["value"][1]) - exact) <= error * exact, (m, row["value"][1], exact)
     finally:
         prom.terminate()
