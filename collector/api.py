@@ -31,6 +31,7 @@ from aiohttp import web
 from . import explain as explain_mod
 from . import heatmap as hm
 from .heatmap_page import render_page
+from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery
 from .sm_store import SmKey
 
@@ -80,6 +81,8 @@ def _choice(request: web.Request, name: str, choices: tuple[str, ...]) -> str:
 
 
 def _pick(sm: SmQuery, instance: str | None, gpu: str | None, kernel: str | None) -> SmKey:
+    if kernel is not None:
+        kernel = kernel[:MAX_LABEL_CHARS]  # what series keep of a name
     entries = sm.gpus()
     candidates = [e for e in entries if (instance is None or e["instance"] == instance)
                   and (gpu is None or gpu in (e["gpu"], e["gpu_index"], e["gpu_label"]))
