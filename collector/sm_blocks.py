@@ -22,6 +22,7 @@ from .windows import ClassicHistogram, Exemplar
 
 __all__ = ["SmBlock", "quantiles"]
 
+_ROW_STEP = 16  # SM rows added at a time
 _EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
 
 
@@ -96,7 +97,8 @@ class SmBlock:
             r = self.rows[sm] = len(self.sms)
             self.sms.append(sm)
             if r >= self._cap:
-                self._grow(max(8, 2 * self._cap))
+                # linear steps: a GPU's SM count is small and fixed, doubling would waste up to half
+                self._grow(self._cap + _ROW_STEP)
             if self.classic_sm is not None:
                 self.classic_sm.append(ClassicHistogram(self._bounds))
         return r

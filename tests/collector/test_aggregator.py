@@ -175,7 +175,7 @@ def test_sm_series_limit_refuses_counts_series_and_bounds_memory():
     assert agg.sm.refusal(GpuKey("unknown", "0")) == Refusal("max_sm_series", 10, 30)
     # bucket memory: per SM row (capacity 16), full-resolution slots x max_buckets x 4 bytes plus
     # 4 per-row arrays, and per slot a 56-byte summary (P99, count, exemplar)
-    rows, detail = 16, agg.sm.detail_slots
+    rows, detail = 16, agg.sm.detail_slots  # 10 rows, in steps of 16
     assert agg.memory_bytes() <= rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 56 + rows * 8
 
 
