@@ -8,13 +8,8 @@ import numpy as np
 
 from sightline.collector.sm_blocks import SmBlock, quantiles
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.exphist import ExpHistogram, relative_error
-
-
-def _hist(values, scale: int = 6) -> ExpHistogram:
-    h = ExpHistogram(scale=scale)
-    h.record(np.asarray(values, dtype=np.float64))
-    return h
+from sightline.instrumentation.exphist import relative_error
+from tests.collector.test_windows import exp_hist
 
 
 def test_block_quantiles_equal_one_histogram_per_sm():
@@ -28,12 +23,12 @@ def test_block_quantiles_equal_one_histogram_per_sm():
             values = rng.lognormal(math.log(20e-6 * (1 + sm / 10)), 0.3, 200)
             sent.setdefault(str(sm), []).extend(values)
             rows.append(block.row(str(sm)))
-            hists.append(_hist(values, scale=8 if sm % 2 else 6))  # finer points are re-binned
+            hists.append(exp_hist(values, scale=8 if sm % 2 else 6))  # finer points are re-binned
         block.merge(epoch, rows, hists, [None] * len(rows))
     merged = block.histograms(10, 11)
     p99 = block.p99(10, 11)
     for sm, values in sent.items():
-        whole = _hist(values)
+        whole = exp_hist(values)
         assert merged[sm].count == len(values) and merged[sm].quantile(0.99) == whole.quantile(0.99)
         assert p99[block.rows[sm]] == whole.quantile(0.99)
         exact = np.sort(values)[math.ceil(0.99 * len(values)) - 1]
@@ -51,6 +46,6 @@ def test_quantiles_of_empty_and_zero_rows():
 def test_a_slot_wider_than_max_buckets_halves_the_resolution():
     block = SmBlock(num_slots=4, detail_slots=2, scale=6, max_buckets=64, bounds=sc.CTA_BUCKETS_S,
                     per_sm_classic=True)
-    block.merge(1, [block.row("0")], [_hist([1e-6, 1e-3])], [None])  # 10 octaves: 640 buckets at scale 6
+    block.merge(1, [block.row("0")], [exp_hist([1e-6, 1e-3])], [None])  # 10 octaves: 640 buckets at scale 6
     assert block.scale <= 2 and block.histograms(1, 1)["0"].count == 2
     assert block.classic_sm[0].count == 2

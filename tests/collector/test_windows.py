@@ -11,7 +11,8 @@ from sightline.collector.windows import (ClassicHistogram, Exemplar, SlidingHist
 from sightline.instrumentation.exphist import ExpHistogram
 
 
-def _hist(values, scale: int = 6) -> ExpHistogram:
+def exp_hist(values, scale: int = 6) -> ExpHistogram:
+    """A histogram holding exactly ``values`` (shared with test_sm_blocks)."""
     h = ExpHistogram(scale=scale)
     h.record(np.asarray(values, dtype=np.float64))
     return h
@@ -20,8 +21,8 @@ def _hist(values, scale: int = 6) -> ExpHistogram:
 def test_merge_all_equals_one_histogram_fed_everything():
     rng = np.random.default_rng(0)
     parts = [rng.lognormal(math.log(2e-5), 0.4, 500) for _ in range(5)]
-    merged = merge_all([_hist(p) for p in parts], WindowConfig())
-    whole = _hist(np.concatenate(parts))
+    merged = merge_all([exp_hist(p) for p in parts], WindowConfig())
+    whole = exp_hist(np.concatenate(parts))
     assert merged.count == whole.count and merged.zero_count == whole.zero_count
     assert np.array_equal(merged.counts[np.flatnonzero(merged.counts)], whole.counts[np.flatnonzero(whole.counts)])
     for q in (0.5, 0.99, 1.0):
@@ -30,9 +31,9 @@ def test_merge_all_equals_one_histogram_fed_everything():
 
 def test_subtract_cumulative_is_exact_and_detects_resets():
     first, more = [10e-6] * 100, [40e-6] * 50
-    delta = subtract_cumulative(_hist(first + more), _hist(first))
+    delta = subtract_cumulative(exp_hist(first + more), exp_hist(first))
     assert delta.count == 50 and delta.quantile(0.0) >= 39e-6
-    assert subtract_cumulative(_hist(first), _hist(first + more)) is None  # counts went down: a reset
+    assert subtract_cumulative(exp_hist(first), exp_hist(first + more)) is None  # counts went down: a reset
 
 
 def test_record_many_leaves_the_state_record_leaves():
