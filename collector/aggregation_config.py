@@ -87,21 +87,24 @@ class AggregationConfig:
 
     window: WindowConfig = field(default_factory=WindowConfig)
     gauge_window_s: float = 60.0
-    max_sm_series: int = 8_192
+    # Per-SM series (instance, gpu, sm, kernel), shared equally among the GPUs present
+    # (64 GPUs x 132 SMs x 20 kernels, or 8 GPUs x 132 SMs x 170 kernels); see sm_store.
+    max_sm_series: int = 180_000
+    max_gpus: int = 256
     max_kernel_series: int = 1_024
     max_request_series: int = 512
     max_step_series: int = 16
     store_traces: bool = True
-    # 19 exposition lines per (gpu, SM, kernel): ~80k lines for 8 GPUs x 132 SMs x 4
-    # kernels (a ~3 s scrape). Off leaves the P99 gauges and hotspot ratios.
-    expose_sm_histograms: bool = True
+    # Per-SM classic histograms: 19 exposition lines per (instance, gpu, SM, kernel) instead
+    # of one P99 gauge. Off (the default) leaves the gauges and the per-GPU summaries.
+    expose_sm_histograms: bool = False
     trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.gauge_window_s <= self.window.horizon_s:
             raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
                              f"(0, {self.window.horizon_s}] (the window horizon)")
-        for name in ("max_sm_series", "max_kernel_series", "max_request_series", "max_step_series"):
+        for name in ("max_sm_series", "max_gpus", "max_kernel_series", "max_request_series", "max_step_series"):
             value = getattr(self, name)
             if not 1 <= value <= 1_000_000:
                 raise ValueError(f"{name}={value} is outside [1, 1000000]")

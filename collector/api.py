@@ -2,10 +2,12 @@
 
 Routes (all GET):
 
-* ``/api/v1/kernels`` — which (gpu, kernel) pairs have per-SM data or kernel spans.
-* ``/api/v1/heatmap?gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=``
-  — one heatmap (:mod:`.heatmap`); ``gpu``/``kernel`` may be left out when only one
-  pair exists.
+* ``/api/v1/kernels`` — which (instance, gpu, kernel) have per-SM data (and any admission
+  refusal of their GPU), and which (gpu, kernel) have kernel spans.
+* ``/api/v1/heatmap?instance_id=&gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=``
+  — one heatmap (:mod:`.heatmap`); ``gpu`` is the GPU's UUID, index or /metrics label, ``kernel``
+  its name or /metrics label; any of the three may be left out when only one choice matches. A GPU refused by an admission limit answers 404
+  naming the limit and its value.
 * ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
 * ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`);
   ``/api/v1/explain?trace_id=...`` — one request explained (e.g. an exemplar's trace).
@@ -26,9 +28,12 @@ import re
 
 from aiohttp import web
 
-from sightline.collector import explain as explain_mod
-from sightline.collector import heatmap as hm
-from sightline.collector.heatmap_page import render_page
+from . import explain as explain_mod
+from . import heatmap as hm
+from .heatmap_page import render_page
+from .otlp_points import MAX_LABEL_CHARS
+from .query import SmQuery
+from .sm_store import SmKey
 
 __all__ = ["add_api_routes", "all_heatmaps"]
 
@@ -75,31 +80,42 @@ def _choice(request: web.Request, name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _pick_pair(aggregator, gpu: str | None, kernel: str | None) -> tuple[str, str]:
-    pairs = [(k["gpu"], k["kernel"]) for k in aggregator.kernels() if k["source"] == "sm_probe"]
-    if gpu is not None and kernel is not None:
-        if (gpu, kernel) not in pairs:
-            raise _BadParam("kernel", f"no per-SM data for gpu={gpu!r} kernel={kernel!r}; "
-                                      f"see /api/v1/kernels", status=404)
-        return gpu, kernel
-    candidates = [p for p in pairs if (gpu is None or p[0] == gpu) and (kernel is None or p[1] == kernel)]
+def _pick(sm: SmQuery, instance: str | None, gpu: str | None, kernel: str | None) -> SmKey:
+    if kernel is not None:
+        kernel = kernel[:MAX_LABEL_CHARS]  # what series keep of a name
+    entries = sm.gpus()
+    candidates = [e for e in entries if (instance is None or e["instance"] == instance)
+                  and (gpu is None or gpu in (e["gpu"], e["gpu_index"], e["gpu_label"]))
+                  and (kernel is None or kernel in (e["kernel"], e["kernel_label"]))]
     if len(candidates) == 1:
-        return candidates[0]
-    missing = "kernel" if gpu is not None else "gpu"
+        e = candidates[0]
+        return SmKey(e["instance"], e["gpu"], e["kernel"])
     if not candidates:
-        raise _BadParam(missing, "no per-SM data matches; see /api/v1/kernels", status=404)
-    raise _BadParam(missing, f"{len(candidates)} (gpu, kernel) pairs match: give gpu= and kernel=")
+        if gpu is not None:
+            refused = [(k, r) for k, r in sm.refusals().items()
+                       if k.gpu == gpu and (instance is None or k.instance == instance)]
+            if refused:
+                k, r = refused[0]
+                raise _BadParam("gpu", f"per-SM data of instance_id={k.instance!r} gpu={k.gpu!r} was refused: "
+                                       f"{r.limit}={r.value} reached ({r.refused_series} series refused); "
+                                       f"raise {r.limit} or add replicas", status=404)
+        raise _BadParam("kernel" if gpu is not None else "gpu",
+                        "no per-SM data matches; see /api/v1/kernels", status=404)
+    missing = "kernel" if gpu is not None else "gpu"
+    if kernel is not None and gpu is not None:
+        missing = "instance_id"
+    raise _BadParam(missing, f"{len(candidates)} (instance_id, gpu, kernel) match: give instance_id=, gpu= "
+                             "and kernel=")
 
 
-def all_heatmaps(aggregator, window_s: float | None = None) -> list[dict]:
-    """Both views of every (gpu, kernel) with per-SM data, as dicts."""
+def all_heatmaps(sm: SmQuery, window_s: float | None = None) -> list[dict]:
+    """Both views of every (instance, gpu, kernel) with per-SM data, as dicts."""
     out = []
-    now_s = aggregator.now()
-    for entry in aggregator.kernels():
-        if entry["source"] != "sm_probe":
-            continue
-        out.append(hm.time_sm(aggregator, entry["gpu"], entry["kernel"], now_s, window_s).to_dict())
-        out.append(hm.sm_latency(aggregator, entry["gpu"], entry["kernel"], now_s, window_s).to_dict())
+    now_s = sm.now()
+    for e in sm.gpus():
+        key = SmKey(e["instance"], e["gpu"], e["kernel"])
+        out.append(hm.time_sm(sm, key, now_s, window_s).to_dict())
+        out.append(hm.sm_latency(sm, key, now_s, window_s).to_dict())
     return out
 
 
@@ -119,17 +135,19 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             kind = _choice(request, "kind", _KINDS)
             fmt = _choice(request, "format", _FORMATS)
             window_s = _float(request, "window_s", None, 1e-3, horizon)
-            gpu, kernel = _pick_pair(aggregator, request.query.get("gpu"), request.query.get("kernel"))
+            key = _pick(aggregator.sm, request.query.get("instance_id"), request.query.get("gpu"),
+                        request.query.get("kernel"))
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
 
         def build():
             fn = hm.time_sm if kind == "time_sm" else hm.sm_latency
-            result = fn(aggregator, gpu, kernel, None, window_s)
+            result = fn(aggregator.sm, key, None, window_s)
             if fmt == "png":
                 return hm.render_png(result)
             if fmt == "html":
-                return render_page([result.to_dict()], title=f"GPU {gpu} {kernel}", api_base=base)
+                return render_page([result.to_dict()], title=f"{key.instance} GPU {key.gpu} {key.kernel}",
+                                   api_base=base)
             return result.to_dict()
 
         body = await run(build)
@@ -145,7 +163,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
         base = f"{request.scheme}://{request.host}"
-        page = await run(lambda: render_page(all_heatmaps(aggregator, window_s), api_base=base))
+        page = await run(lambda: render_page(all_heatmaps(aggregator.sm, window_s), api_base=base))
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:

@@ -85,7 +85,10 @@ def _add_aggregation_flags(run: argparse.ArgumentParser) -> None:
     add("--gauge-window-s", type=float, default=_AGGREGATION.gauge_window_s, metavar="SECONDS",
         help="window of the per-SM P99 gauges and hotspot ratios, at most the horizon (default %(default)s)")
     add("--max-sm-series", type=int, default=_AGGREGATION.max_sm_series, metavar="N",
-        help="(gpu, SM, kernel) series; more fold into one overflow series, counted (default %(default)s)")
+        help="(instance, gpu, SM, kernel) series, shared equally among the GPUs present; a kernel past its "
+             "GPU's share is refused, counted, and its heatmap names this limit (default %(default)s)")
+    add("--max-gpus", type=int, default=_AGGREGATION.max_gpus, metavar="N",
+        help="(instance, gpu) identities with per-SM data (default %(default)s)")
     add("--max-kernel-series", type=int, default=_AGGREGATION.max_kernel_series, metavar="N",
         help="(gpu, kernel) series from kernel spans (default %(default)s)")
     add("--max-request-series", type=int, default=_AGGREGATION.max_request_series, metavar="N",
@@ -93,8 +96,8 @@ def _add_aggregation_flags(run: argparse.ArgumentParser) -> None:
     add("--max-step-series", type=int, default=_AGGREGATION.max_step_series, metavar="N",
         help="step-phase series from engine.step spans (default %(default)s)")
     add("--expose-sm-histograms", action=argparse.BooleanOptionalAction, default=_AGGREGATION.expose_sm_histograms,
-        help="per-SM CTA histograms on /metrics (19 lines per GPU x SM x kernel); off keeps the P99 "
-             "gauges and hotspot ratios (default on)")
+        help="per-SM CTA histograms on /metrics (19 lines per GPU x SM x kernel); off keeps the per-SM P99 "
+             "gauges and the per-GPU summaries (default off)")
     add("--trace-store", choices=("deferred", "eager", "off"), default="deferred" if _TRACE_STORE.defer_index else "eager",
         help="recent-trace store behind explain and /api/v1/traces: indexed on the first query (deferred, "
              "cheapest ingest), as spans arrive (eager), or none (default %(default)s)")
@@ -112,6 +115,7 @@ def aggregation_config(args: argparse.Namespace) -> AggregationConfig:
         window=WindowConfig(slot_s=args.window_slot_s, num_slots=args.window_slots),
         gauge_window_s=args.gauge_window_s,
         max_sm_series=args.max_sm_series,
+        max_gpus=args.max_gpus,
         max_kernel_series=args.max_kernel_series,
         max_request_series=args.max_request_series,
         max_step_series=args.max_step_series,

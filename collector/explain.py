@@ -1,8 +1,8 @@
 """Why was a request slow: phase breakdown, the steps it rode, their kernels and SMs.
 
-``explain_trace(aggregator, trace_id)`` explains one request (say, a Prometheus
-exemplar's trace id). ``explain_slowest(aggregator, quantile, limit)`` takes the request root spans in the
-trace store, finds the exact value at rank ``ceil(quantile * n)`` of their end-to-end
+``explain_trace(sources, trace_id)`` explains one request (say, a Prometheus exemplar's
+trace id); ``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
+``explain_slowest(sources, quantile, limit)`` takes the request root spans in the trace store, finds the exact value at rank ``ceil(quantile * n)`` of their end-to-end
 latencies (exact: the store holds every one of them, no sketch), and explains each
 request at or above it, slowest first:
 
@@ -29,10 +29,11 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
-
-from sightline.collector.trace_store import StoredSpan, TraceStore
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from .hotspot import hotspots
+from .otlp_points import MAX_LABEL_CHARS
+from .query import SmQuery, Sources
+from .trace_store import StoredSpan, TraceStore
 
 __all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
            "explain_slowest", "explain_trace", "trace_spans"]
@@ -42,6 +43,7 @@ __all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "Step
 class KernelSummary:
     name: str
     gpu: str
+    instance: str
     duration_s: float
     trace_id: str
     span_id: str
@@ -75,6 +77,7 @@ class Phases:
 
 @dataclass
 class SlowestSm:
+    instance: str
     gpu: str
     sm: str
     kernel: str
@@ -131,7 +134,7 @@ def e2e_of(root: StoredSpan) -> float:
     return root.e2e_s
 
 
-def trace_spans(aggregator, trace_id: str) -> dict | None:
+def trace_spans(sources: Sources, trace_id: str) -> dict | None:
     """Every stored span of one trace (start order) and the traces linked to it."""
     def read(store: TraceStore):
         trace = store.get(trace_id)
@@ -141,10 +144,10 @@ def trace_spans(aggregator, trace_id: str) -> dict | None:
         return {"trace_id": trace.trace_id.hex(), "dropped_spans": trace.dropped_spans,
                 "spans": [s.record().to_dict() for s in spans],
                 "linked_traces": [t.trace_id.hex() for t in store.linked(trace.trace_id)]}
-    return aggregator.with_store(read)
+    return sources.store.read(read)
 
 
-def explain_trace(aggregator, trace_id: str, max_steps: int = 5,
+def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
                   max_kernels: int = 3) -> RequestExplanation | None:
     """One request explained by its trace id (e.g. from a Prometheus exemplar); None when
     the store holds no request root for it (never received, evicted, or not a request)."""
@@ -154,16 +157,16 @@ def explain_trace(aggregator, trace_id: str, max_steps: int = 5,
             return None
         return _explain_one(store, trace.request_root, max_steps, max_kernels)
 
-    found = aggregator.with_store(read)
+    found = sources.store.read(read)
     if found is None:
         return None
     req, step_ids = found
     if req.slowest_sm is None:
-        req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req, step_ids)
+        req.slowest_sm = _slowest_sm_from_sm_data(sources.sm, req, step_ids)
     return req
 
 
-def explain_slowest(aggregator, quantile: float = 0.99, limit: int = 10,
+def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
                     max_steps: int = 5, max_kernels: int = 3) -> Explanation:
     """The requests at or above ``quantile`` of e2e latency, explained (module docstring)."""
     if not 0.0 <= quantile <= 1.0:
@@ -181,10 +184,10 @@ def explain_slowest(aggregator, quantile: float = 0.99, limit: int = 10,
         out = [_explain_one(store, root, max_steps, max_kernels) for root in chosen]
         return Explanation(quantile, threshold, len(roots), [r for r, _ in out]), out
 
-    explanation, requests = aggregator.with_store(read)
+    explanation, requests = sources.store.read(read)
     for req, step_ids in requests:  # per-SM fallbacks read the aggregator, outside the store lock
         if req.slowest_sm is None:
-            req.slowest_sm = _slowest_sm_from_sm_data(aggregator, req, step_ids)
+            req.slowest_sm = _slowest_sm_from_sm_data(sources.sm, req, step_ids)
     return explanation
 
 
@@ -227,7 +230,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
     slowest_sm = None
     for k in all_kernels:
         if k.slowest_sm is not None:
-            slowest_sm = SlowestSm(k.gpu, k.slowest_sm, k.name, "kernel_span", None)
+            slowest_sm = SlowestSm(k.instance, k.gpu, k.slowest_sm, k.name, "kernel_span", None)
             break
     summaries.sort(key=lambda s: -s.duration_s)
     shown = summaries[:max_steps]
@@ -281,35 +284,36 @@ def _kernel_summary(span: StoredSpan) -> KernelSummary:
     slowest = a.get(sc.KERNEL_SLOWEST_SM)
     if isinstance(slowest, float) and slowest.is_integer():
         slowest = int(slowest)
-    return KernelSummary(str(name), str(gpu if not isinstance(gpu, float) else int(gpu)),
+    return KernelSummary(str(name), str(gpu if not isinstance(gpu, float) else int(gpu)), span.instance,
                          span.duration_s, span.trace_id.hex(), span.span_id.hex(),
                          None if slowest is None else str(slowest), _f(a.get(sc.KERNEL_CTA_SPREAD)))
 
 
-def _slowest_sm_from_sm_data(aggregator, req: RequestExplanation,
+def _slowest_sm_from_sm_data(sm: SmQuery, req: RequestExplanation,
                              step_ids: set[bytes]) -> SlowestSm | None:
     if step_ids:
-        hit = aggregator.sm_exemplar_for_spans(step_ids)
+        hit = sm.exemplar_for_spans(step_ids)
         if hit is not None:
-            gpu, sm, kernel, ex = hit
-            return SlowestSm(gpu, sm, kernel, "sm_exemplar", ex.value)
+            key, sm_name, ex = hit
+            return SlowestSm(key.instance, key.gpu, sm_name, key.kernel, "sm_exemplar", ex.value)
     # The SM that stood out most (P99 over the median SM's) while the request ran, in the
     # slowest kernel seen if any, else in any kernel with per-SM data then.
     only = None
-    if req.slowest_kernel is not None:  # series keys keep 256 characters of a kernel name
-        only = (req.slowest_kernel.gpu, req.slowest_kernel.name[:256])
-    per_pair = aggregator.sm_windows_between(req.start_time_unix_nano / 1e9, req.end_time_unix_nano / 1e9)
+    if req.slowest_kernel is not None:
+        k = req.slowest_kernel
+        try:
+            only = sm.resolve(k.gpu, k.name[:MAX_LABEL_CHARS], k.instance)  # series keep this much of a name
+        except ValueError:
+            only = None
+    per_key = sm.histograms_between(req.start_time_unix_nano / 1e9, req.end_time_unix_nano / 1e9)
     best = None
-    for (gpu, kernel), per_sm in per_pair.items():
-        if only is not None and (gpu, kernel) != only:
+    for key, per_sm in per_key.items():
+        if only is not None and key != only:
             continue
-        p99 = {sm: h.quantile(0.99) for sm, h in per_sm.items() if h.count}
-        if not p99:
-            continue
-        median = float(np.median(list(p99.values())))
-        for sm, value in p99.items():
-            score = value / median if median > 0 else None
+        summary = hotspots({s: h.quantile(0.99) for s, h in per_sm.items() if h.count})
+        for s, value in summary.p99_s.items():
+            score = summary.scores[s] if summary.ratio is not None else None
             rank = (score or 0.0, value)
             if best is None or rank > best[0]:
-                best = (rank, SlowestSm(gpu, sm, kernel, "sm_window", value, score))
+                best = (rank, SlowestSm(key.instance, key.gpu, s, key.kernel, "sm_window", value, score))
     return best[1] if best else None

@@ -1,6 +1,6 @@
 """Per-SM heatmaps of CTA durations, as typed records, JSON and PNG.
 
-Two views per (GPU, kernel), both read from the aggregator's per-SM sliding windows:
+Two views per (instance, GPU, kernel), read through :class:`~.query.SmQuery`:
 
 * ``time_sm``: rows are SMs, columns are window slots (``slot_s`` each); a cell is the
   P99 CTA duration of that SM in that slot (``None`` when it ran nothing), within the
@@ -8,12 +8,11 @@ Two views per (GPU, kernel), both read from the aggregator's per-SM sliding wind
 * ``sm_latency``: rows are SMs, columns are latency buckets; a cell is the exact number
   of CTAs whose duration fell in the bucket. The columns are the SMs' own exponential
   buckets coarsened by whole powers of two until at most ``max_bins`` remain, so every
-  count is exact (no interpolation) and bucket ``j`` covers
-  ``(edges[j], edges[j + 1]]``.
+  count is exact (no interpolation) and bucket ``j`` covers ``(edges[j], edges[j + 1]]``.
 
-Hotspot score of an SM: its P99 over the whole window divided by the median of all SMs'
-P99s; the kernel's hotspot ratio is the largest score (what
-``sightline_sm_hotspot_ratio`` exports); ``time_sm`` also gives that ratio per slot. Cost: one window merge per SM and slot.
+Both carry the hotspot summary (:mod:`.hotspot`) over the full-resolution window, and the
+GPU's admission refusal when the collector's limits left some of its series out.
+Cost: one vectorised P99 per slot over the block's SMs.
 """
 
 from __future__ import annotations
@@ -26,25 +25,20 @@ from typing import Literal
 
 import numpy as np
 
-from sightline.instrumentation.exphist import ExpHistogram, relative_error
+from ..instrumentation.exphist import ExpHistogram, relative_error
+from .hotspot import HotspotSummary, hotspots
+from .query import SmQuery
+from .sm_store import GpuKey, SmKey
 
-__all__ = ["HeatmapKind", "HotspotSummary", "SmLatencyHeatmap", "TimeSmHeatmap", "hotspots",
-           "finite", "render_png", "sm_latency", "time_sm"]
+__all__ = ["HeatmapKind", "HotspotSummary", "SmLatencyHeatmap", "TimeSmHeatmap", "finite", "render_png",
+           "sm_latency", "time_sm"]
 
 HeatmapKind = Literal["time_sm", "sm_latency"]
 
 
 @dataclass
-class HotspotSummary:
-    scores: dict[str, float]  # SM -> P99 / median SM P99
-    p99_s: dict[str, float]  # SM -> P99 over the whole window
-    median_p99_s: float | None
-    ratio: float | None  # the largest score
-    hottest_sm: str | None
-
-
-@dataclass
 class TimeSmHeatmap:
+    instance: str
     gpu: str
     kernel: str
     slot_s: float
@@ -57,6 +51,7 @@ class TimeSmHeatmap:
     relative_error: float
     # per column: slowest SM's P99 / median SM's P99 in that slot (None: no CTAs)
     hotspot_ratio_by_time: list[float | None] = field(default_factory=list)
+    refusal: dict | None = None  # the limit that left some of this GPU's series out
     kind: str = "time_sm"
 
     def to_dict(self) -> dict:
@@ -65,6 +60,7 @@ class TimeSmHeatmap:
 
 @dataclass
 class SmLatencyHeatmap:
+    instance: str
     gpu: str
     kernel: str
     window_s: float
@@ -74,6 +70,7 @@ class SmLatencyHeatmap:
     zero_counts: list[int]  # per SM, durations of exactly zero (clock granularity)
     hotspot: HotspotSummary
     relative_error: float
+    refusal: dict | None = None
     kind: str = "sm_latency"
 
     def to_dict(self) -> dict:
@@ -91,79 +88,73 @@ def finite(value):
     return value
 
 
-def _sm_order(sms) -> list[str]:
-    return sorted(sms, key=lambda s: (0, int(s), s) if s.lstrip("-").isdigit() else (1, 0, s))
+def _sm_sort_key(sm: str) -> tuple:
+    return (0, int(sm), sm) if sm.lstrip("-").isdigit() else (1, 0, sm)
 
 
-def hotspots(per_sm: dict[str, ExpHistogram]) -> HotspotSummary:
-    p99 = {sm: h.quantile(0.99) for sm, h in per_sm.items() if h.count}
-    if not p99:
-        return HotspotSummary({}, {}, None, None, None)
-    median = float(np.median(list(p99.values())))
-    scores = {sm: (v / median if median > 0 else math.nan) for sm, v in p99.items()}
-    hottest = max(scores, key=lambda sm: (scores[sm], sm)) if median > 0 else None
-    return HotspotSummary(scores, p99, median, scores[hottest] if hottest else None, hottest)
+def _window_hotspots(per_sm: dict[str, ExpHistogram]) -> HotspotSummary:
+    return hotspots({sm: h.quantile(0.99) for sm, h in per_sm.items() if h.count})
 
 
-def time_sm(aggregator, gpu: str, kernel: str, now_s: float | None = None,
+def _refusal(sm: SmQuery, key: SmKey) -> dict | None:
+    refusal = sm.refusal(GpuKey(key.instance, key.gpu))
+    return refusal._asdict() if refusal is not None else None
+
+
+def time_sm(sm: SmQuery, key: SmKey, now_s: float | None = None,
             window_s: float | None = None) -> TimeSmHeatmap:
     """The time x SM P99 heatmap of one kernel on one GPU (see the module docstring)."""
-    wc = aggregator.config.window
-    now_s = aggregator.now() if now_s is None else now_s
+    wc = sm.window
+    now_s = sm.now() if now_s is None else now_s
     window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)
-    slots = aggregator.sm_slots(gpu, kernel, now_s, window_s)
+    names, scale, cells = sm.slot_cells(key, now_s, window_s)
     newest = wc.epoch(now_s)
     n = max(1, int(math.ceil(window_s / wc.slot_s)))
     epochs = list(range(newest - n + 1, newest + 1))
     column = {e: i for i, e in enumerate(epochs)}
-    sms = _sm_order(slots)
-    p99 = [[None] * n for _ in sms]
-    counts = [[0] * n for _ in sms]
-    exemplars: list[list[dict | None]] = [[None] * n for _ in sms]
-    merged: dict[str, ExpHistogram] = {}
-    worst_scale = None
-    for r, sm in enumerate(sms):
-        total = wc.new_histogram()
-        for epoch, hist, ex in slots[sm]:
-            c = column.get(epoch)
-            if c is None or not hist.count:
-                continue
-            p99[r][c] = hist.quantile(0.99)
-            counts[r][c] = hist.count
-            if ex is not None:
-                exemplars[r][c] = {"trace_id": ex.trace_id.hex(), "span_id": ex.span_id.hex(),
-                                     "value_s": ex.value}
-            worst_scale = hist.scale if worst_scale is None else min(worst_scale, hist.scale)
-            total.merge(hist)
-        merged[sm] = total
-        if total.count:
-            worst_scale = total.scale if worst_scale is None else min(worst_scale, total.scale)
-    by_time = []
-    for c in range(n):
-        column = [p99[r][c] for r in range(len(sms)) if p99[r][c] is not None]
-        median = float(np.median(column)) if column else 0.0
-        by_time.append(max(column) / median if median > 0 else None)
-    return TimeSmHeatmap(gpu=gpu, kernel=kernel, slot_s=wc.slot_s,
-                         times_unix_s=[e * wc.slot_s for e in epochs], sms=sms, p99_s=p99,
-                         counts=counts, exemplars=exemplars, hotspot=hotspots(merged),
-                         relative_error=relative_error(worst_scale) if worst_scale is not None else 0.0,
-                         hotspot_ratio_by_time=by_time)
+    rows = [r for r in sorted(range(len(names)), key=lambda r: _sm_sort_key(names[r]))
+            if any(count[r] for _, _, count, _ in cells)]
+    p99: list[list[float | None]] = [[None] * n for _ in rows]
+    counts = [[0] * n for _ in rows]
+    exemplars: list[list[dict | None]] = [[None] * n for _ in rows]
+    by_time: list[float | None] = [None] * n
+    for epoch, slot_p99, slot_count, slot_ex in cells:
+        c = column.get(epoch)
+        if c is None:
+            continue
+        for i, r in enumerate(rows):
+            if slot_count[r]:
+                p99[i][c] = float(slot_p99[r])
+                counts[i][c] = int(slot_count[r])
+                ex = slot_ex[r]
+                if ex["value"] == ex["value"]:
+                    exemplars[i][c] = {"trace_id": bytes(ex["trace_id"]).ljust(16, b"\0").hex(),
+                                       "span_id": bytes(ex["span_id"]).ljust(8, b"\0").hex(),
+                                       "value_s": float(ex["value"])}
+        by_time[c] = hotspots({names[r]: p99[i][c] for i, r in enumerate(rows) if p99[i][c] is not None}).ratio
+    return TimeSmHeatmap(instance=key.instance, gpu=key.gpu, kernel=key.kernel, slot_s=wc.slot_s,
+                         times_unix_s=[e * wc.slot_s for e in epochs], sms=[names[r] for r in rows], p99_s=p99,
+                         counts=counts, exemplars=exemplars,
+                         hotspot=_window_hotspots(sm.histograms(key, now_s, window_s)),
+                         relative_error=relative_error(scale) if rows else 0.0,
+                         hotspot_ratio_by_time=by_time, refusal=_refusal(sm, key))
 
 
-def sm_latency(aggregator, gpu: str, kernel: str, now_s: float | None = None,
+def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
                window_s: float | None = None, max_bins: int = 48) -> SmLatencyHeatmap:
     """The SM x latency-bucket count heatmap (exact counts; see the module docstring)."""
     if not 2 <= max_bins <= 1024:
         raise ValueError(f"max_bins={max_bins} is outside [2, 1024]")
-    wc = aggregator.config.window
+    wc = sm.window
+    now_s = sm.now() if now_s is None else now_s
     window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)
-    per_sm = aggregator.sm_windows(gpu, kernel, now_s, window_s)
-    sms = _sm_order(sm for sm, h in per_sm.items() if h.count)
-    hists = [per_sm[sm] for sm in sms]
+    per_sm = sm.histograms(key, now_s, window_s)
+    sms = sorted((s for s, h in per_sm.items() if h.count), key=_sm_sort_key)
+    hists = [per_sm[s] for s in sms]
     with_buckets = [h for h in hists if np.any(h.counts)]
     if not with_buckets:
-        return SmLatencyHeatmap(gpu, kernel, window_s, sms, [], [[] for _ in sms],
-                                [h.zero_count for h in hists], hotspots(per_sm), 0.0)
+        return SmLatencyHeatmap(key.instance, key.gpu, key.kernel, window_s, sms, [], [[] for _ in sms],
+                                [h.zero_count for h in hists], _window_hotspots(per_sm), 0.0, _refusal(sm, key))
     scale = min(h.scale for h in with_buckets)
     lo = min(((h.offset + int(np.flatnonzero(h.counts)[0])) >> (h.scale - scale)) for h in with_buckets)
     hi = max(((h.offset + int(np.flatnonzero(h.counts)[-1])) >> (h.scale - scale)) for h in with_buckets)
@@ -181,9 +172,9 @@ def sm_latency(aggregator, gpu: str, kernel: str, now_s: float | None = None,
         counts.append([int(v) for v in row])
     step = 2.0 ** -out_scale
     edges = [float(2.0 ** (j * step)) for j in range(first, last + 2)]
-    return SmLatencyHeatmap(gpu, kernel, window_s, sms, edges, counts,
-                            [h.zero_count for h in hists], hotspots(per_sm),
-                            relative_error(min(h.scale for h in with_buckets)))
+    return SmLatencyHeatmap(key.instance, key.gpu, key.kernel, window_s, sms, edges, counts,
+                            [h.zero_count for h in hists], _window_hotspots(per_sm),
+                            relative_error(scale), _refusal(sm, key))
 
 
 # -- PNG ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Reading OTLP protobuf values and CTA-duration points into Sightline's own types.
 
-``num`` and ``label`` read an ``AnyValue`` as a number or as a bounded label string (the
-common string and int cases without building Python values). ``cta_point_histogram``
+``any_value`` reads an ``AnyValue`` as a plain Python value; ``num`` and ``label`` as a
+number or a bounded label string (the common cases without building Python values). ``cta_point_histogram``
 checks one ``gpu.kernel.cta.duration`` exponential-histogram point and turns it into an
 :class:`~sightline.instrumentation.exphist.ExpHistogram`, or raises :class:`PointRefused`
 whose ``reason`` is the ``dropped`` label the aggregator counts. Cost: O(buckets) numpy
@@ -26,11 +26,11 @@ import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
-from sightline.collector.trace_store import any_value
-from sightline.instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
+from ..instrumentation import semconv
+from ..instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
 
-__all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "clamped_time_s", "cta_point_histogram",
-           "decode_attribute", "label", "num"]
+__all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "any_value", "clamped_time_s",
+           "cta_point_histogram", "decode_attribute", "label", "num", "resource_instance"]
 
 MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
 _MAX_POINT_BUCKETS = 16_384
@@ -50,6 +50,20 @@ class PointRefused(ValueError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+def any_value(value) -> Any:
+    """An OTLP ``AnyValue`` as a plain Python value (arrays as lists)."""
+    which = value.WhichOneof("value")
+    if which is None:
+        return None
+    if which == "array_value":
+        return [any_value(v) for v in value.array_value.values]
+    if which == "kvlist_value":
+        return {kv.key: any_value(kv.value) for kv in value.kvlist_value.values}
+    if which == "bytes_value":
+        return value.bytes_value.hex()
+    return getattr(value, which)
 
 
 def num(value) -> float | None:
@@ -78,6 +92,17 @@ def label(value) -> str:
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     return str(v)[:MAX_LABEL_CHARS]
+
+
+def resource_instance(resource) -> str:
+    """The producer's identity: ``service.instance.id``, else ``host.name``, else "unknown"."""
+    host = None
+    for kv in resource.attributes:
+        if kv.key == semconv.RESOURCE_SERVICE_INSTANCE_ID:
+            return label(kv.value) or "unknown"
+        if kv.key == semconv.RESOURCE_HOST_NAME:
+            host = label(kv.value)
+    return host or "unknown"
 
 
 def cta_point_histogram(point, max_buckets: int) -> ExpHistogram:

@@ -174,6 +174,7 @@ def _replay(args: argparse.Namespace) -> int:
     from sightline.collector.explain import explain_slowest
     from sightline.collector.heatmap import render_png, sm_latency, time_sm
     from sightline.collector.heatmap_page import render_page
+    from sightline.collector.sm_store import SmKey
 
     aggregator = Aggregator()
     result = replay(args.file, AggregatorSink(aggregator), config)
@@ -184,15 +185,13 @@ def _replay(args: argparse.Namespace) -> int:
     print(format_explanation(explain_slowest(aggregator, args.quantile, 3).to_dict()))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        for entry in aggregator.kernels():
-            if entry["source"] != "sm_probe":
-                continue
+        for entry in aggregator.sm.gpus():
             for fn in (time_sm, sm_latency):
-                h = fn(aggregator, entry["gpu"], entry["kernel"])
-                stem = f"gpu{_slug(entry['gpu'])}_{_slug(entry['kernel'])}_{h.kind}"
+                h = fn(aggregator.sm, SmKey(entry["instance"], entry["gpu"], entry["kernel"]))
+                stem = f"{_slug(entry['instance'])}_gpu{_slug(entry['gpu'])}_{_slug(entry['kernel'])}_{h.kind}"
                 (args.out / f"{stem}.json").write_text(json.dumps(h.to_dict()))
                 (args.out / f"{stem}.png").write_bytes(render_png(h))
-        (args.out / "index.html").write_text(render_page(all_heatmaps(aggregator)))
+        (args.out / "index.html").write_text(render_page(all_heatmaps(aggregator.sm)))
         print(f"wrote heatmaps to {args.out}")
     return 0
 

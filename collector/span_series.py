@@ -24,6 +24,7 @@ Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock aro
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import math
@@ -32,22 +33,31 @@ from collections.abc import Callable
 
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
-from sightline.collector.exposition import ClassicHistogram
-from sightline.collector.otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, clamped_time_s,
-                                             decode_attribute,
-                                             label as _label, num as _num)
-from sightline.collector.trace_store import REQUEST_SPAN_NAMES
-from sightline.collector.windows import Exemplar, SlidingHistogram
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from .aggregation_config import AggregationConfig, WindowConfig
+from .otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, clamped_time_s, decode_attribute,
+                          label as _label, num as _num)
+from .trace_store import REQUEST_SPAN_NAMES
+from .windows import ClassicHistogram, Exemplar, SlidingHistogram
 
-__all__ = ["SpanSeries"]
+__all__ = ["SpanKind", "SpanSeries"]
 
 log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 
 _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
-_REQUEST, _STEP, _KERNEL = 1, 2, 3  # span kinds a handler exists for (0: none)
+
+
+class SpanKind(enum.IntEnum):
+    """What a span feeds, told from its name alone (an int: it indexes the handler tuples)."""
+
+    NONE = 0
+    REQUEST = 1
+    STEP = 2
+    KERNEL = 3
+
+
+_REQUEST, _STEP, _KERNEL = SpanKind.REQUEST, SpanKind.STEP, SpanKind.KERNEL
 _KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
 _LEAN_MIN_KERNEL_SHARE_INV = 5  # lean parse when >= 1/5 of the spans look like kernel spans
 # Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
@@ -269,7 +279,7 @@ class SpanSeries:
 
     # -- spans ----------------------------------------------------------------------
     def _learn_name(self, name: str) -> int:
-        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else 0
+        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanKind.NONE
         if len(self._dispatch) < _MAX_DISPATCH_NAMES:  # past it, names are tested each time
             self._dispatch[name] = handler
         return handler

@@ -39,28 +39,15 @@ from typing import Any, TypeVar
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from sightline.collector.aggregation_config import TraceStoreConfig
-from sightline.instrumentation import semconv
+from ..instrumentation import semconv
+from .aggregation_config import TraceStoreConfig
+from .otlp_points import any_value, resource_instance
 
-__all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig", "any_value", "REQUEST_SPAN_NAMES"]
+__all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig", "REQUEST_SPAN_NAMES"]
 
 # Zipkin-born spans often arrive lower-cased, so both spellings name a request root.
 REQUEST_SPAN_NAMES = frozenset(n for name in (semconv.SPAN_HTTP_COMPLETIONS, semconv.SPAN_HTTP_CHAT_COMPLETIONS)
                                for n in (name, name.lower()))
-
-
-def any_value(value) -> Any:
-    """An OTLP ``AnyValue`` as a plain Python value (arrays as lists)."""
-    which = value.WhichOneof("value")
-    if which is None:
-        return None
-    if which == "array_value":
-        return [any_value(v) for v in value.array_value.values]
-    if which == "kvlist_value":
-        return {kv.key: any_value(kv.value) for kv in value.kvlist_value.values}
-    if which == "bytes_value":
-        return value.bytes_value.hex()
-    return getattr(value, which)
 
 
 @dataclass(slots=True)
@@ -100,15 +87,16 @@ class StoredSpan:
     own protobuf encoding, decoded when a query reads it. Nothing decoded is cached (but a
     root's e2e, a float), so queries never grow the store's memory. Ids are bytes."""
 
-    __slots__ = ("trace_id", "name", "links", "raw", "service_name", "_e2e_s")
+    __slots__ = ("trace_id", "name", "links", "raw", "service_name", "instance", "_e2e_s")
 
-    def __init__(self, span, service_name: str = "") -> None:
+    def __init__(self, span, service_name: str = "", instance: str = "unknown") -> None:
         self.trace_id: bytes = span.trace_id
         self.name: str = span.name
         self.links: tuple[tuple[bytes, bytes], ...] = (
             tuple((link.trace_id, link.span_id) for link in span.links) if len(span.links) else ())
         self.raw: bytes = span.SerializeToString()
         self.service_name = service_name
+        self.instance = instance  # the producer: service.instance.id, else host.name
         self._e2e_s: float | None = None
 
     def _proto(self):
@@ -255,16 +243,17 @@ class TraceStore:
         for rs in request.resource_spans:
             service = ""
             for kv in rs.resource.attributes:
-                if kv.key == "service.name":
+                if kv.key == semconv.RESOURCE_SERVICE_NAME:
                     service = kv.value.string_value
                     break
+            instance = resource_instance(rs.resource)
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    self._add(span, service)
+                    self._add(span, service, instance)
                     n += 1
         return n
 
-    def _add(self, span, service_name: str) -> None:
+    def _add(self, span, service_name: str, instance: str) -> None:
         trace_id = span.trace_id
         trace = self._traces.get(trace_id)
         if trace is None:
@@ -274,7 +263,7 @@ class TraceStore:
             trace.dropped_spans += 1
             self.dropped_spans += 1
             return
-        stored = StoredSpan(span, service_name)
+        stored = StoredSpan(span, service_name, instance)
         trace.spans.append(stored)
         self._num_spans += 1
         self.held_bytes += len(stored.raw)

@@ -21,6 +21,11 @@ plus a pending list of at most ``flush_every`` floats. Timestamps older than the
 (``num_slots * slot_s`` behind the newest slot) are refused and counted by the caller,
 so a late or replayed point never grows memory.
 
+:class:`ClassicHistogram` keeps cumulative counts over fixed bucket bounds (Prometheus's
+``histogram_quantile`` reads them); a received exponential histogram is re-binned at each
+bucket's representative point, so a count is misplaced only when its value lies within the
+source's relative error of a classic bound. Memory: one int and one exemplar per bound.
+
 Cost: ``record`` of one scalar is a list append (values are folded into the histogram
 ``flush_every`` at a time with one vectorized ``ExpHistogram.record``); ``add_buckets``
 is one numpy merge. Not thread-safe by itself: the aggregator holds one lock around it.
@@ -28,15 +33,17 @@ is one numpy merge. Not thread-safe by itself: the aggregator holds one lock aro
 
 from __future__ import annotations
 
+import bisect
+import functools
 import math
 from typing import NamedTuple
 
 import numpy as np
 
-from sightline.collector.aggregation_config import WindowConfig
-from sightline.instrumentation.exphist import ExpHistogram
+from ..instrumentation.exphist import ExpHistogram
+from .aggregation_config import WindowConfig
 
-__all__ = ["Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
+__all__ = ["ClassicHistogram", "Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
 
 
 class Exemplar(NamedTuple):
@@ -267,3 +274,71 @@ class SlidingHistogram:
         slot = self._slot_for(epoch)
         if slot.exemplar is None or exemplar.value >= slot.exemplar.value:
             slot.exemplar = exemplar
+
+
+class ClassicHistogram:
+    """Cumulative counts over fixed upper bounds (plus +Inf), with per-bucket exemplars."""
+
+    __slots__ = ("bounds", "counts", "sum", "count", "exemplars")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # not cumulative; the last is (max bound, +Inf)
+        self.sum = 0.0
+        self.count = 0
+        self.exemplars: list[Exemplar | None] = [None] * (len(bounds) + 1)
+
+    def record(self, value: float, exemplar: Exemplar | None = None) -> None:
+        i = bisect.bisect_left(self.bounds, value)  # Prometheus buckets are "<= le"
+        self.counts[i] += 1
+        self.sum += value
+        self.count += 1
+        if exemplar is not None:
+            self.exemplars[i] = exemplar
+
+    def add_exp(self, hist: ExpHistogram, exemplar: Exemplar | None = None) -> None:
+        """Re-bins an exponential histogram (see the module docstring for the error)."""
+        self.count += hist.count
+        self.sum += hist.sum
+        self.counts[0] += hist.zero_count
+        n = hist.counts.size
+        if n:
+            # Bucket i goes to classic bucket #{bounds < its point}: with the first bucket
+            # index past each bound (cached per scale), one cumsum and a walk over the bounds
+            # (plain ints: cheaper than numpy's per-call overhead for ~16 bounds).
+            cumulative = np.cumsum(hist.counts).tolist()
+            offset, counts, before = hist.offset, self.counts, 0
+            for j, first in enumerate(_first_bucket_above(self.bounds, hist.scale)):
+                k = min(max(first - offset, 0), n)
+                upto = cumulative[k - 1] if k else 0
+                counts[j] += upto - before
+                before = upto
+            counts[-1] += cumulative[-1] - before
+        if exemplar is not None:
+            self.exemplars[bisect.bisect_left(self.bounds, exemplar.value)] = exemplar
+
+    def copy(self) -> ClassicHistogram:
+        other = ClassicHistogram(self.bounds)
+        other.counts = list(self.counts)
+        other.sum, other.count = self.sum, self.count
+        other.exemplars = list(self.exemplars)
+        return other
+
+@functools.lru_cache(maxsize=256)
+def _first_bucket_above(bounds: tuple[float, ...], scale: int) -> tuple[int, ...]:
+    """Per bound ``b``: the smallest bucket index at ``scale`` whose point (the value a
+    quantile answers for it, ``2 * upper / (base + 1)``) is above ``b``."""
+    base = 2.0 ** (2.0 ** -scale)
+
+    def point(i: int) -> float:
+        return 2.0 * 2.0 ** ((i + 1) * 2.0 ** -scale) / (base + 1.0)
+
+    out = []
+    for b in bounds:
+        i = math.floor(math.log2(b * (base + 1.0) / 2.0) * 2.0 ** scale) - 2
+        while point(i) <= b:  # settle float rounding with the very formula used for points
+            i += 1
+        while point(i - 1) > b:
+            i -= 1
+        out.append(i)
+    return tuple(out)

@@ -26,10 +26,11 @@ _GPU = (sc.LABEL_GPU,)
 
 def spec() -> DashboardSpec:
     sm_p99 = q.selector(sc.COLLECTOR_SM_CTA_P99_SECONDS, regex=_GPU_KERNEL)
-    cta_count = q.sum_by((sc.LABEL_SM,), f"increase({q.selector(q.count(sc.COLLECTOR_SM_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])")
+    # all SMs of a GPU together (per-SM buckets are opt-in; the full-resolution heatmap is the API's)
+    cta_count = q.sum_by((sc.LABEL_KERNEL,), f"increase({q.selector(q.count(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])")
     cta_buckets = q.sum_by(
-        (sc.LABEL_SM, q.BUCKET_LABEL),
-        f"increase({q.selector(q.bucket(sc.COLLECTOR_SM_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])",
+        (sc.LABEL_KERNEL, q.BUCKET_LABEL),
+        f"increase({q.selector(q.bucket(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])",
     )
     per_sm = Row(
         "Per-SM CTA timing",
@@ -48,16 +49,17 @@ def spec() -> DashboardSpec:
                 ),
             ),
             PanelSpec(
-                title="SM x CTA duration, GPU $gpu",
+                title="Kernel x CTA duration, all SMs, GPU $gpu",
                 kind="matrix",
                 unit="percentunit",
                 width=24,
                 height=16,
                 repeat=sc.LABEL_GPU,
-                matrix_rows=sc.LABEL_SM,
+                matrix_rows=sc.LABEL_KERNEL,
                 matrix_columns=q.BUCKET_LABEL,
-                description="Rows: SMs; columns: CTA duration bound (le, seconds); cell: fraction of the SM's CTAs "
-                "over the dashboard's time range that finished within the bound.",
+                description="Rows: kernels; columns: CTA duration bound (le, seconds); cell: fraction of the kernel's "
+                "CTAs on this GPU (all SMs) over the dashboard's time range that finished within the bound. "
+                "Per SM at full resolution: the collector's /api/v1/heatmap.html.",
                 queries=(Query(f"{cta_buckets} / ignoring({q.BUCKET_LABEL}) group_left {cta_count}",
                                fmt="table", instant=True),),
             ),

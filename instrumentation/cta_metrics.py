@@ -2,7 +2,7 @@
 
 ``build_cta_metrics`` turns the worker's per-(gpu, SM, kernel) histograms into SDK
 ``MetricsData`` (one delta exponential-histogram point per key, with the slowest-CTA
-exemplar); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
+exemplar and the GPU's NVML UUID beside its index); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
 config, and its capture file). Used by :mod:`.gpu_telemetry`'s worker thread, never on
 the request path; the OTel SDK is imported only when called.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from . import semconv
+from .nvml import gpu_uuid
 
 __all__ = ["build_cta_metrics", "metric_exporters_from", "resource_of"]
 
@@ -38,9 +39,12 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource):
         if ex is not None and ex.trace_id and ex.span_id:
             ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
                                     ex.trace_id))
+        attributes = {semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
+        uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
+        if uuid:  # the GPU's identity across hosts (gpu.id is only its index on this one)
+            attributes[semconv.ATTR_GPU_UUID] = uuid
         points.append(ExponentialHistogramDataPoint(
-            attributes={semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm,
-                        semconv.ATTR_KERNEL_NAME: kernel},
+            attributes=attributes,
             start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,
             scale=h.scale, zero_count=h.zero_count,
             positive=Buckets(offset=h.offset, bucket_counts=[int(c) for c in h.counts]),

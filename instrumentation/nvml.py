@@ -15,6 +15,7 @@ When NVML cannot start (no driver, no library) the collector yields nothing and
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from prometheus_client.core import GaugeMetricFamily
@@ -22,9 +23,21 @@ from prometheus_client.registry import Collector
 
 from . import semconv
 
-__all__ = ["GpuMemorySample", "NvmlCollector"]
+__all__ = ["GpuMemorySample", "NvmlCollector", "gpu_uuid"]
 
 logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=64)
+def gpu_uuid(index: int) -> str | None:
+    """NVML's UUID of GPU ``index`` ("GPU-..."), its identity across hosts; None without NVML."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(int(index)))
+        return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    except Exception:  # no driver, no library, no such device: the index is all there is
+        return None
 
 
 class GpuMemorySample:

@@ -126,7 +126,8 @@ KERNEL_MAX_DURATION_S = "sightline.kernel.max_duration_s"
 # ---------------------------------------------------------------------------------
 METRIC_CTA_DURATION = "gpu.kernel.cta.duration"  # exponential histogram, unit "s"
 METRIC_CTA_DURATION_UNIT = "s"
-ATTR_GPU_ID = "gpu.id"
+ATTR_GPU_ID = "gpu.id"  # the GPU's index on its host (every host's first GPU is 0)
+ATTR_GPU_UUID = "gpu.uuid"  # NVML's UUID: the GPU's identity across hosts
 ATTR_SM_ID = "gpu.sm.id"
 ATTR_KERNEL_NAME = "cuda.kernel.name"
 
@@ -166,7 +167,14 @@ LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"
 LABEL_FINISH_REASON = "finish_reason"
 LABEL_CODE = "code"
+# On the collector's per-SM series: the GPU's identity, gpu.uuid when the producer sends it,
+# else "<instance_id>:<gpu.id>" (every host's first GPU is gpu.id=0).
 LABEL_GPU = "gpu"
+LABEL_GPU_INDEX = "gpu_index"  # gpu.id
+# the producing resource (service.instance.id, else host.name); not "instance", which
+# Prometheus sets to the scraped target (the collector)
+LABEL_INSTANCE_ID = "instance_id"
+LABEL_KERNEL_NAME = "kernel_name"  # the whole name, where the kernel label is shortened
 LABEL_SM = "sm"
 LABEL_KERNEL = "kernel"
 LABEL_RECEIVER = "receiver"
@@ -200,6 +208,11 @@ COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL = "sightline_steps_kernel_trace_backl
 COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, sm, kernel
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
+COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # gpu, kernel: the SM with the largest P99
+# gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
+COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
+COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
+COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name: 1 per kernel
 # self-metrics
 COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
 COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver
@@ -250,6 +263,8 @@ RULE_KERNEL_P99 = "sightline:kernel_duration_seconds:p99_5m"  # gpu, kernel
 
 # Zipkin receiver (collector/zipkin.py): how Zipkin v2 fields land in OTLP.
 RESOURCE_SERVICE_NAME = "service.name"
+RESOURCE_SERVICE_INSTANCE_ID = "service.instance.id"
+RESOURCE_HOST_NAME = "host.name"
 PEER_SERVICE = "peer.service"
 NETWORK_PEER_ADDRESS = "network.peer.address"
 NETWORK_PEER_PORT = "network.peer.port"

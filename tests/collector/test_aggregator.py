@@ -14,11 +14,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from sightline.collector.aggregator import AggregationConfig, Aggregator
+from sightline.collector.sm_store import GpuKey, Refusal
 from sightline.collector.windows import WindowConfig
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
@@ -159,21 +160,93 @@ def test_explicit_histograms_and_bad_points_are_refused_and_counted():
                            "missing_attributes": 1, "late": 1}
 
 
-def test_cardinality_overflow_and_memory_bound():
+def test_sm_series_limit_refuses_counts_series_and_bounds_memory():
     wc = WindowConfig(slot_s=1.0, num_slots=4, max_buckets=64)
-    agg = make_aggregator(window=wc, gauge_window_s=4.0, max_sm_series=10)
+    agg = make_aggregator(window=wc, gauge_window_s=3.0, max_sm_series=10)
     rng = np.random.default_rng(2)
-    for i in range(40):
-        # wide ranges (1 ns .. 1 s) to push each histogram to its bucket limit
-        values = np.exp(rng.uniform(math.log(1e-9), 0.0, size=200))
-        agg.consume_metrics(otlp_metrics([otlp_cta_point(0, i, "k", values, T0_S - (i % 4))]))
-    counts = agg.series_counts()
-    assert counts["sm"] == 11  # the limit plus the overflow series
-    assert agg.overflow == {"sm_cta": 30}
-    overflow = agg.sm_windows(sc.OVERFLOW_LABEL_VALUE, sc.OVERFLOW_LABEL_VALUE, last_s=4.0)
-    assert overflow[sc.OVERFLOW_LABEL_VALUE].count == 30 * 200
-    # bucket arrays never exceed series x slots x max_buckets x 8 bytes
-    assert agg.memory_bytes() <= 11 * 4 * 64 * 8
+    for round_ in range(2):  # the same 40 series twice: refused series are counted once each
+        for i in range(40):
+            # wide ranges (1 ns .. 1 s) to push each histogram to its bucket limit
+            values = np.exp(rng.uniform(math.log(1e-9), 0.0, size=200))
+            agg.consume_metrics(otlp_metrics([otlp_cta_point(0, i, "k", values, T0_S - (i % 4))]))
+    assert agg.series_counts()["sm"] == 10
+    assert agg.overflow == {"sm_cta": 30} and agg.dropped == {"sm_series_limit": 60}
+    assert sorted(agg.sm_windows("0", "k", last_s=4.0), key=int) == [str(i) for i in range(10)]
+    assert agg.sm.refusal(GpuKey("unknown", "0")) == Refusal("max_sm_series", 10, 30)
+    # bucket memory: per SM row (capacity 16), full-resolution slots x max_buckets x 4 bytes plus
+    # 4 per-row arrays, and per slot a 56-byte summary (P99, count, exemplar)
+    rows, detail = 16, agg.sm.detail_slots  # 10 rows, in steps of 16
+    assert agg.memory_bytes() <= rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 56 + rows * 8
+
+
+def _resource_metrics(points, **resource) -> ExportMetricsServiceRequest:
+    req = otlp_metrics(points)
+    req.resource_metrics[0].resource.attributes.extend(otlp_attrs(resource))
+    return req
+
+
+def test_two_engines_sending_gpu_0_are_two_series():
+    """Every engine's first GPU is gpu.id=0: the resource (and gpu.uuid) keep them apart."""
+    rng = np.random.default_rng(3)
+    a, b = rng.lognormal(math.log(25e-6), 0.1, 2000), rng.lognormal(math.log(50e-6), 0.1, 2000)
+    agg = make_aggregator()
+    agg.consume_metrics(_resource_metrics([otlp_cta_point(0, 5, "fa2", a, T0_S - 1)],
+                                          **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
+    agg.consume_metrics(_resource_metrics([otlp_cta_point(0, 5, "fa2", b, T0_S - 1)], **{sc.RESOURCE_HOST_NAME: "node-b"}))
+    with_uuid = otlp_cta_point(0, 5, "fa2", b, T0_S - 1)
+    with_uuid.attributes.extend(otlp_attrs({sc.ATTR_GPU_UUID: "GPU-c0ffee"}))
+    agg.consume_metrics(_resource_metrics([with_uuid], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
+    entries = {(e["instance"], e["gpu"], e["gpu_index"]): e["ctas"] for e in agg.kernels() if e["source"] == "sm_probe"}
+    assert entries == {("node-a", "0", "0"): 2000, ("node-a", "GPU-c0ffee", "0"): 2000, ("node-b", "0", "0"): 2000}
+    for instance, gpu, values in (("node-a", "0", a), ("node-b", "0", b), ("node-a", "GPU-c0ffee", b)):
+        h = agg.sm_windows(gpu, "fa2", instance=instance)["5"]
+        want = exact_quantile(values, 0.99)
+        assert h.count == 2000 and abs(h.quantile(0.99) - want) / want <= relative_error(h.scale)
+    with pytest.raises(ValueError, match="2 instances"):
+        agg.sm_windows("0", "fa2")
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+    text = generate_latest(registry).decode()
+    for gpu in ("node-a:0", "node-b:0", "GPU-c0ffee"):  # the label: the UUID, else instance:index
+        assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="{gpu}",kernel="fa2",sm="5"}}' in text
+    assert f'{sc.COLLECTOR_GPU_INFO}{{gpu="GPU-c0ffee",gpu_index="0",instance_id="node-a"}} 1.0' in text
+
+
+def test_eight_gpus_share_the_sm_series_limit_fairly():
+    """Each GPU's share is max_sm_series / GPUs present, whatever order they arrive in; a GPU
+    over its share when another arrives gives back whole kernels."""
+    agg = make_aggregator(max_sm_series=8 * 132 * 2)  # room for 2 of each GPU's 4 kernels
+    for gpu in range(8):  # GPU 0 first, alone: it takes all 4 kernels, then gives 2 back
+        points = [otlp_cta_point(gpu, sm, f"k{k}", [10e-6 * (k + 1)] * 3, T0_S - 1) for k in range(4) for sm in range(132)]
+        agg.consume_metrics(otlp_metrics(points))
+    for gpu in range(8):
+        kernels = {e["kernel"]: e["sms"] for e in agg.kernels() if e.get("gpu") == str(gpu) and e["source"] == "sm_probe"}
+        assert kernels == {"k0": 132, "k1": 132}, gpu
+    assert agg.series_counts()["sm"] == 8 * 132 * 2
+    assert agg.overflow["sm_cta"] == 8 * 132 * 2  # series, each counted once
+    assert {key.gpu: r.refused_series for key, r in agg.sm.refusals().items()} == {str(g): 264 for g in range(8)}
+
+
+def test_cumulative_streams_past_capacity_are_never_counted_twice():
+    """Before: streams past 2 x max_sm_series were evicted and re-taken whole (600, not 300)."""
+    agg = make_aggregator(max_sm_series=4)
+    points = lambda n, t: [otlp_cta_point(0, sm, "k", [10e-6] * n, t, start_s=T0_S - 100) for sm in range(10)]  # noqa: E731
+    agg.consume_metrics(otlp_metrics(points(300, T0_S - 30), cumulative=True))
+    agg.consume_metrics(otlp_metrics(points(600, T0_S - 20), cumulative=True))
+    windows = agg.sm_windows("0", "k", last_s=60)
+    assert {sm: h.count for sm, h in windows.items()} == {str(sm): 600 for sm in range(4)}  # 300 + 300
+    assert agg.dropped == {"sm_series_limit": 12}
+    # Streams idle past the horizon are let go when room is needed; a stream that started
+    # before that may have been seen already, so its first point is only a baseline.
+    clock = [T0_S]
+    agg = Aggregator(AggregationConfig(max_sm_series=4), clock=lambda: clock[0])
+    agg.consume_metrics(otlp_metrics(points(300, T0_S - 30)[:4], cumulative=True))
+    clock[0] = T0_S + 400
+    later = [otlp_cta_point(0, 9, "k", [10e-6] * n, t, start_s=T0_S - 100) for n, t in ((900, T0_S + 390), (950, T0_S + 399))]
+    assert agg.consume_metrics(otlp_metrics(later[:1], cumulative=True)) == 0
+    assert agg.consume_metrics(otlp_metrics(later[1:], cumulative=True)) == 1
+    assert agg.dropped == {"cumulative_baseline": 1}
+    assert agg.sm_windows("0", "k", last_s=60)["9"].count == 50
 
 
 def _request_span(trace_id, span_id, e2e, ttft, model="m", priority=0, reason="stop"):
@@ -263,8 +336,8 @@ def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
         assert h.count == v.size
         want = exact_quantile(v, 0.99)
         assert abs(h.quantile(0.99) - want) / want <= relative_error(h.scale)
-    [(gpu, sm, kernel, ex)] = [agg.sm_exemplar_for_spans({(0x99).to_bytes(8, "big")})]
-    assert (gpu, sm, kernel, ex.trace_id) == ("0", "2", "attn_fwd", (0x1234).to_bytes(16, "big"))
+    key, sm, ex = agg.sm.exemplar_for_spans({(0x99).to_bytes(8, "big")})
+    assert (key.gpu, sm, key.kernel, ex.trace_id) == ("0", "2", "attn_fwd", (0x1234).to_bytes(16, "big"))
 
 
 def test_span_series_cardinality_limits():
@@ -279,7 +352,7 @@ def test_span_series_cardinality_limits():
     assert agg.latency_window("kernel", over).count == 3 and agg.latency_window("e2e", over).count == 2
     assert [k["kernel"] for k in agg.kernels()] == ["k0", "k1", sc.OVERFLOW_LABEL_VALUE]
     snap = agg.exposition_snapshot()
-    assert snap.sm_classic == {} and snap.requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
+    assert snap.sm_blocks == [] and snap.requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
 
 
 def test_cumulative_stream_downscaled_between_exports_and_reset():

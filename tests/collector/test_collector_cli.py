@@ -64,7 +64,7 @@ def test_untyped_values_are_argparse_errors(capsys):
 
 
 def test_settings_in_force_in_a_running_collector(tmp_path):
-    """2 SM series at most, no per-SM histogram lines: 3 SMs sent -> 2 gauges + overflow."""
+    """2 SM series at most, no per-SM histogram lines: 3 SMs sent -> 2 gauges, 1 series refused."""
     ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
     env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
     process = subprocess.Popen(
@@ -87,10 +87,10 @@ def test_settings_in_force_in_a_running_collector(tmp_path):
             metrics = scrape(f"http://127.0.0.1:{ports['query']}/metrics")
             p99 = {dict(labels)["sm"]: v for (name, labels), v in metrics.items()
                    if name == sc.COLLECTOR_SM_CTA_P99_SECONDS}
-            if len(p99) == 3 or time.monotonic() > deadline:
+            if len(p99) == 2 or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert set(p99) == {"0", "1", sc.OVERFLOW_LABEL_VALUE}
+        assert set(p99) == {"0", "1"}
         assert metrics[(sc.COLLECTOR_SERIES_OVERFLOW_TOTAL + "_total", (("family", "sm_cta"),))] == 1
         assert not any(name.startswith(sc.COLLECTOR_SM_CTA_DURATION_SECONDS) for name, _ in metrics)
     finally:

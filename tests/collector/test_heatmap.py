@@ -22,6 +22,7 @@ from PIL import Image
 from sightline.collector import heatmap as hm
 from sightline.collector.api import add_api_routes
 from sightline.collector.heatmap_page import render_page
+from sightline.collector.sm_store import SmKey
 from sightline.instrumentation.exphist import relative_error
 from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
 from tests.support import free_port
@@ -30,6 +31,7 @@ US = 1e-6
 # SM -> (value in slot T0-15 s, value in slot T0-5 s); None = the SM ran nothing then.
 CELLS = {0: (10 * US, 12 * US), 1: (10 * US, None), 2: (11 * US, 12 * US), 3: (40 * US, 44 * US)}
 N_PER_CELL = 50
+KEY = SmKey("unknown", "0", "fa2_fwd")  # the test resource names no instance
 
 
 @pytest.fixture
@@ -47,7 +49,7 @@ def aggregator():
 
 
 def test_time_sm_values_are_exact(aggregator):
-    h = hm.time_sm(aggregator, "0", "fa2_fwd", window_s=30)
+    h = hm.time_sm(aggregator.sm, KEY, window_s=30)
     d = json.loads(json.dumps(h.to_dict()))
     assert d["kind"] == "time_sm" and d["sms"] == ["0", "1", "2", "3"]
     assert d["times_unix_s"] == [T0_S - 20, T0_S - 10, T0_S]
@@ -68,7 +70,7 @@ def test_time_sm_values_are_exact(aggregator):
 
 
 def test_sm_latency_counts_are_exact(aggregator):
-    h = hm.sm_latency(aggregator, "0", "fa2_fwd", window_s=30, max_bins=16)
+    h = hm.sm_latency(aggregator.sm, KEY, window_s=30, max_bins=16)
     edges = np.asarray(h.edges_s)
     assert len(edges) - 1 <= 16 and all(len(row) == len(edges) - 1 for row in h.counts)
     assert np.all(np.diff(edges) > 0)
@@ -84,7 +86,7 @@ def test_sm_latency_counts_are_exact(aggregator):
 
 def test_png_decodes(aggregator):
     for fn in (hm.time_sm, hm.sm_latency):
-        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator, "0", "fa2_fwd"))))
+        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator.sm, KEY))))
         image.load()
         assert image.format == "PNG" and image.width > 100 and image.height > 50
         # some pixels carry the viridis extremes (the hottest/coolest cells)
@@ -134,7 +136,7 @@ def test_png_title_keeps_its_word_gaps(aggregator):
     default font drew "P99 CTAduration, GPU0": 4 gaps for 5 spaces); letters sit closer."""
     for fn, title in ((hm.time_sm, "P99 CTA duration, GPU 0, fa2_fwd"),
                       (hm.sm_latency, "CTA count by duration, GPU 0, fa2_fwd")):
-        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator, "0", "fa2_fwd")))).convert("L")
+        image = Image.open(io.BytesIO(hm.render_png(fn(aggregator.sm, KEY)))).convert("L")
         band = range(0, 24)  # the title's rows, above the first cell row (top = 28)
         ink = [any(image.getpixel((x, y)) < 128 for y in band) for x in range(image.width)]
         columns = [x for x, dark in enumerate(ink) if dark]
@@ -163,7 +165,7 @@ def test_api_heatmap_routes_and_errors(server, aggregator):
         ("0", "fa2_fwd", 4), ("1", "other", 1)}
     status, _, body = _get(server.url("/api/v1/heatmap?gpu=0&kernel=fa2_fwd&window_s=30"))
     assert status == 200
-    assert json.loads(body) == json.loads(json.dumps(hm.time_sm(aggregator, "0", "fa2_fwd", window_s=30).to_dict()))
+    assert json.loads(body) == json.loads(json.dumps(hm.time_sm(aggregator.sm, KEY, window_s=30).to_dict()))
     status, ctype, body = _get(server.url("/api/v1/heatmap?gpu=1&kind=sm_latency&format=png"))
     assert status == 200 and ctype == "image/png" and Image.open(io.BytesIO(body)).format == "PNG"
     for query, param, code in (("kind=nope&gpu=0&kernel=fa2_fwd", "kind", 400),

@@ -92,7 +92,12 @@ def test_real_prometheus_scrapes_quantiles_and_exemplars(tmp_path):
         q = _query(port, "/api/v1/query", query=f"histogram_quantile(0.5, sum by (le) "
                                                 f"({sc.COLLECTOR_REQUEST_E2E_SECONDS}_bucket))")["result"]
         assert float(q[0]["value"][1]) == pytest.approx(0.5)
-        exemplars = _query(port, "/api/v1/query_exemplars", query=f"{sc.COLLECTOR_SM_CTA_DURATION_SECONDS}_bucket",
+        hottest = _query(port, "/api/v1/query", query=sc.COLLECTOR_SM_HOTTEST)["result"]
+        assert float(hottest[0]["value"][1]) == 3
+        # the per-GPU histogram over all SMs (per-SM buckets are opt-in)
+        total = _query(port, "/api/v1/query", query=f"{sc.COLLECTOR_GPU_CTA_DURATION_SECONDS}_count")["result"]
+        assert float(total[0]["value"][1]) == 200
+        exemplars = _query(port, "/api/v1/query_exemplars", query=f"{sc.COLLECTOR_GPU_CTA_DURATION_SECONDS}_bucket",
                            start=str(now - 600), end=str(time.time() + 60))
         labels = [e["labels"] for series in exemplars for e in series["exemplars"]]
         assert {sc.EXEMPLAR_TRACE_ID_LABEL: slow_trace.hex(), "span_id": "0e" * 8} in labels

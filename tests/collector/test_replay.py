@@ -4,6 +4,7 @@ real collector process over OTLP/HTTP; then the heatmap and explain CLIs against
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import subprocess
@@ -249,7 +250,8 @@ def test_replay_into_collector_process_then_heatmap_and_explain(tmp_path, captur
         assert f"trace {fastest}" in done.stdout and "steps ridden: 1" in done.stdout
         with urllib.request.urlopen(query + "/metrics", timeout=5) as r:
             metrics = r.read().decode()
-        assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="0",kernel="{KERNEL}",sm="4"}}' in metrics
+        # the OTel SDK's resource carries a service.instance.id: the series' instance
+        assert re.search(rf'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="[0-9a-f-]{{36}}:0",kernel="{KERNEL}",sm="4"}}', metrics)
     finally:
         process.terminate()
         process.wait(30)

@@ -7,9 +7,10 @@ the single collector whole, and to the replicas split by resource the way the
 OpenTelemetry Collector's load-balancing exporter does with ``routing_key: resource``:
 each ``ResourceMetrics`` goes to the replica its resource's hash falls on in a
 consistent-hash ring. otelcol-contrib is not available on this machine, so the test
-does that routing itself (:func:`route_by_resource`). Since a GPU's streams always land
-on one replica, PromQL must see, exactly, ``sum by (gpu, sm, kernel, le)`` of the
-replicas' per-SM bucket series equal to the single replica's, and each per-SM P99 gauge
+does that routing itself (:func:`route_by_resource`). Every engine's GPU is ``gpu.id=0``:
+the resource's ``service.instance.id`` keeps them apart. Since a GPU's streams always land
+on one replica, PromQL must see, exactly, ``sum by (gpu, kernel, le)`` of the
+replicas' per-GPU bucket series equal to the single replica's, and each per-SM P99 gauge
 equal to the single replica's within the sketch's stated error (``relative_error(6)``).
 """
 
@@ -39,9 +40,10 @@ from tests.support import free_port, wait_for_http
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (scripts/setup.sh)")
 
 GPUS, SMS, KERNELS, ROUNDS = 6, 8, ("fa2_prefill", "fa2_decode"), 3
-BUCKET = sc.COLLECTOR_SM_CTA_DURATION_SECONDS + "_bucket"
+BUCKET = sc.COLLECTOR_GPU_CTA_DURATION_SECONDS + "_bucket"
 P99 = sc.COLLECTOR_SM_CTA_P99_SECONDS
 BY = "gpu, sm, kernel"
+BY_GPU = "gpu, kernel"
 
 
 # -- resource routing (what the load-balancing exporter does with routing_key: resource) --
@@ -114,8 +116,8 @@ def _export_round(rng: np.random.Generator, now: float, raw: dict) -> ExportMetr
             for k, kernel in enumerate(KERNELS):
                 scale = 3.0 if sm == 3 else 1.0  # one slow SM per GPU
                 values = (20e-6 * (k + 1) * scale * rng.lognormal(0.0, 0.3, 40)).tolist()
-                raw.setdefault((str(gpu), str(sm), kernel), []).extend(values)
-                metric.exponential_histogram.data_points.append(otlp_cta_point(gpu, sm, kernel, values, now))
+                raw.setdefault((f"engine-gpu{gpu}:0", str(sm), kernel), []).extend(values)
+                metric.exponential_histogram.data_points.append(otlp_cta_point(0, sm, kernel, values, now))
     return request
 
 
@@ -159,7 +161,7 @@ def test_three_replicas_routed_by_resource_equal_one(tmp_path):
         deadline = time.monotonic() + 30
         while True:
             at = time.time()
-            got = [_scalar(prom_port, f'sum({sc.COLLECTOR_SM_CTA_DURATION_SECONDS}_count{{job="{job}"}})', at)
+            got = [_scalar(prom_port, f'sum({sc.COLLECTOR_GPU_CTA_DURATION_SECONDS}_count{{job="{job}"}})', at)
                    for job in ("replicas", "single")]
             gauges = [_scalar(prom_port, f'count({P99}{{job="{job}"}})', at) for job in ("replicas", "single")]
             if got == [total, total] and gauges == [len(raw), len(raw)]:
@@ -168,10 +170,10 @@ def test_three_replicas_routed_by_resource_equal_one(tmp_path):
             time.sleep(0.25)
 
         # Buckets: equal, every one of them (no series missing on either side).
-        replicas_sum = f'sum by ({BY}, le) ({BUCKET}{{job="replicas"}})'
-        single_sum = f'sum by ({BY}, le) ({BUCKET}{{job="single"}})'
+        replicas_sum = f'sum by ({BY_GPU}, le) ({BUCKET}{{job="replicas"}})'
+        single_sum = f'sum by ({BY_GPU}, le) ({BUCKET}{{job="single"}})'
         assert _query(prom_port, f"{replicas_sum} != {single_sum}", at) == []
-        n_buckets = len(raw) * (len(sc.CTA_BUCKETS_S) + 1)
+        n_buckets = GPUS * len(KERNELS) * (len(sc.CTA_BUCKETS_S) + 1)
         assert _scalar(prom_port, f"count({replicas_sum} == {single_sum})", at) == n_buckets
         assert _scalar(prom_port, f"count({replicas_sum})", at) == _scalar(prom_port, f"count({single_sum})", at) == n_buckets
         assert _scalar(prom_port, f'count(count by (instance) ({BUCKET}{{job="replicas"}}))', at) == 3

@@ -102,9 +102,9 @@ def test_panels_the_brief_asks_for():
     assert per_sm["type"] == "heatmap" and per_sm["repeat"] == sc.LABEL_GPU
     assert per_sm["targets"][0]["legendFormat"] == "{{sm}}"
     assert sc.COLLECTOR_SM_CTA_P99_SECONDS in per_sm["targets"][0]["expr"]
-    matrix = gpu["SM x CTA duration, GPU $gpu"]
+    matrix = gpu["Kernel x CTA duration, all SMs, GPU $gpu"]
     assert matrix["transformations"][0]["id"] == "groupingToMatrix"
-    assert promql.bucket(sc.COLLECTOR_SM_CTA_DURATION_SECONDS) in matrix["targets"][0]["expr"]
+    assert promql.bucket(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS) in matrix["targets"][0]["expr"]
     assert gpu["Kernel duration, $kernel"]["targets"][0]["format"] == "heatmap"
     requests = titles["sightline-requests"]
     assert requests["TTFT, priority $priority"]["repeat"] == sc.LABEL_PRIORITY

@@ -228,7 +228,7 @@ def test_exemplars_lead_from_prometheus_back_to_the_clients_requests(stack, load
 # Panels that cannot have data in this test, each with the reason; every other panel
 # query must return data. A query is matched by the metric names it contains.
 _NVML_ONLY = (sc.GPU_MEMORY_USED_BYTES, sc.GPU_PROCESS_MEMORY_BYTES, sc.GPU_CUDA_CONTEXTS)
-_GPU_DATA = (sc.COLLECTOR_SM_CTA_DURATION_SECONDS, sc.COLLECTOR_SM_CTA_P99_SECONDS,
+_GPU_DATA = (sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, sc.COLLECTOR_SM_CTA_P99_SECONDS,
              sc.COLLECTOR_SM_HOTSPOT_RATIO, sc.COLLECTOR_KERNEL_DURATION_SECONDS,
              sc.RULE_SM_HOTSPOT, "sightline:kernel_duration_seconds")
 

@@ -1,0 +1,300 @@
+"""One GPU's per-SM CTA-duration windows for one kernel, as dense numpy blocks.
+
+A :class:`SmBlock` holds every SM of one (instance, gpu, kernel). Its SM rows share one
+bucket scale, and each time slot shares one bucket offset, so merging a batch of points,
+a P99 for every SM, or re-binning is one numpy operation over the block.
+
+Accuracy: a quantile is the value at rank ``ceil(q * count)`` within
+``relative_error(scale)`` (0.54 % at scale 6); a slot whose SMs span more than
+``max_buckets`` buckets halves the block's resolution, and ``scale`` says so.
+Memory per SM: ``detail_slots * width * 4`` bytes of counts (``width``: buckets the
+block's SMs span in a slot) plus ``num_slots * 64`` bytes of per-slot summaries (P99,
+count, slowest exemplar), which is all that older slots keep.
+Not thread-safe: the owner (:class:`~.sm_store.SmStore`) holds its lock around each call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..instrumentation.exphist import ExpHistogram
+from .windows import ClassicHistogram, Exemplar
+
+__all__ = ["SmBlock", "quantiles"]
+
+_ROW_STEP = 16  # SM rows added at a time
+_EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
+
+
+def quantiles(scale: int, offset: int, counts: np.ndarray, zeros: np.ndarray, minimum: np.ndarray,
+              maximum: np.ndarray, q: float) -> np.ndarray:
+    """Per row of ``counts`` [rows, width] (bucket ``offset + j`` at ``scale``): the value at
+    rank ``ceil(q * count)``, as ``ExpHistogram.quantile`` answers it (NaN for an empty row)."""
+    total = counts.sum(axis=1, dtype=np.int64) + zeros
+    rank = np.maximum(1, np.ceil(q * total)).astype(np.int64)
+    out = np.full(total.shape, np.nan)
+    if counts.shape[1]:
+        cumulative = np.cumsum(counts, axis=1, dtype=np.int64) + zeros[:, None]
+        i = np.minimum(np.argmax(cumulative >= rank[:, None], axis=1), counts.shape[1] - 1)
+        base = 2.0 ** (2.0 ** -scale)
+        estimate = 2.0 * 2.0 ** ((offset + i + 1) * 2.0 ** -scale) / (base + 1.0)
+        out = np.minimum(np.maximum(estimate, minimum), maximum)
+    out = np.where(rank <= zeros, 0.0, out)
+    return np.where(total > 0, out, np.nan)
+
+
+def _rebin(counts: np.ndarray, offset: int, shift: int) -> tuple[np.ndarray, int]:
+    """``counts`` [rows, width] at bucket ``offset``, re-binned ``shift`` scales coarser."""
+    if shift == 0 or counts.shape[1] == 0:
+        return counts, offset >> shift
+    idx = (offset + np.arange(counts.shape[1])) >> shift
+    starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
+    return np.add.reduceat(counts, starts, axis=1).astype(counts.dtype), int(idx[0])
+
+
+class _Detail:
+    """One slot's full-resolution buckets of every SM row."""
+
+    __slots__ = ("epoch", "offset", "counts", "zeros", "sums", "minimum", "maximum")
+
+    def __init__(self, epoch: int, rows: int) -> None:
+        self.epoch = epoch
+        self.offset = 0
+        self.counts = np.zeros((rows, 0), dtype=np.uint32)
+        self.zeros = np.zeros(rows, dtype=np.int64)
+        self.sums = np.zeros(rows)
+        self.minimum = np.full(rows, np.inf)
+        self.maximum = np.full(rows, -np.inf)
+
+
+class SmBlock:
+    """The SMs of one (instance, gpu, kernel); see the module docstring."""
+
+    def __init__(self, num_slots: int, detail_slots: int, scale: int, max_buckets: int,
+                 bounds: tuple[float, ...], per_sm_classic: bool) -> None:
+        self.sms: list[str] = []
+        self.rows: dict[str, int] = {}
+        self.scale = scale
+        self.max_buckets = max_buckets
+        self.num_slots, self.detail_slots = num_slots, detail_slots
+        self.newest_epoch = -1
+        self._detail: list[_Detail | None] = [None] * detail_slots
+        self._cap = 0
+        self.s_epoch = np.full(num_slots, -1, dtype=np.int64)
+        self.s_p99 = np.zeros((num_slots, 0))
+        self.s_count = np.zeros((num_slots, 0), dtype=np.int64)
+        self.s_ex = np.zeros((num_slots, 0), dtype=_EX_DTYPE)
+        self.total = np.zeros(0, dtype=np.int64)  # CTAs per SM since the block began
+        self.classic = ClassicHistogram(bounds)  # all SMs together
+        self.classic_sm: list[ClassicHistogram] | None = [] if per_sm_classic else None
+        self._bounds = bounds
+
+    # -- rows -----------------------------------------------------------------------
+    def row(self, sm: str) -> int:
+        """The row of ``sm``, added when new (the caller checked admission)."""
+        r = self.rows.get(sm)
+        if r is None:
+            r = self.rows[sm] = len(self.sms)
+            self.sms.append(sm)
+            if r >= self._cap:
+                # linear steps: a GPU's SM count is small and fixed, doubling would waste up to half
+                self._grow(self._cap + _ROW_STEP)
+            if self.classic_sm is not None:
+                self.classic_sm.append(ClassicHistogram(self._bounds))
+        return r
+
+    def _grow(self, cap: int) -> None:
+        extra = cap - self._cap
+
+        def wider(a: np.ndarray, fill, axis: int) -> np.ndarray:
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, extra)
+            return np.pad(a, pad, constant_values=fill)
+
+        for d in self._detail:
+            if d is not None:
+                d.counts = wider(d.counts, 0, 0)
+                d.zeros, d.sums = wider(d.zeros, 0, 0), wider(d.sums, 0.0, 0)
+                d.minimum, d.maximum = wider(d.minimum, np.inf, 0), wider(d.maximum, -np.inf, 0)
+        self.s_p99 = wider(self.s_p99, np.nan, 1)
+        self.s_count = wider(self.s_count, 0, 1)
+        self.s_ex = np.concatenate([self.s_ex, np.zeros((self.num_slots, extra), dtype=_EX_DTYPE)], axis=1)
+        self.s_ex["value"][:, self._cap:] = np.nan
+        self.total = wider(self.total, 0, 0)
+        self._cap = cap
+
+    # -- writing --------------------------------------------------------------------
+    def accepts(self, epoch: int) -> bool:
+        """False when ``epoch`` is older than the full-resolution slots (a late point)."""
+        return epoch > self.newest_epoch - self.detail_slots
+
+    def merge(self, epoch: int, rows: list[int], hists: list[ExpHistogram],
+              exemplars: list[Exemplar | None]) -> None:
+        """Adds ``hists[i]`` to SM row ``rows[i]`` in slot ``epoch`` (``accepts(epoch)`` held)."""
+        finest = min(h.scale for h in hists)
+        if finest < self.scale:
+            self._downscale(self.scale - finest)
+        detail = self._slot(epoch)
+        added = self._add_buckets(detail, rows, hists)
+        rows_a = np.asarray(rows, dtype=np.int64)
+        count = np.array([h.count for h in hists], dtype=np.int64)
+        zeros = np.array([h.zero_count for h in hists], dtype=np.int64)
+        sums = np.array([h.sum for h in hists])
+        np.add.at(detail.zeros, rows_a, zeros)
+        np.add.at(detail.sums, rows_a, sums)
+        np.minimum.at(detail.minimum, rows_a, [h.min for h in hists])
+        np.maximum.at(detail.maximum, rows_a, [h.max for h in hists])
+        s = epoch % self.num_slots
+        np.add.at(self.s_count[s], rows_a, count)
+        np.add.at(self.total, rows_a, count)
+        slowest = None
+        for r, h, ex in zip(rows, hists, exemplars):
+            if ex is not None:
+                if not ex.value <= self.s_ex["value"][s, r]:  # NaN (none yet) or slower
+                    self.s_ex[s, r] = (ex.value, ex.trace_id, ex.span_id, ex.time_unix_nano)
+                if slowest is None or ex.value > slowest.value:
+                    slowest = ex
+            if self.classic_sm is not None:
+                self.classic_sm[r].add_exp(h, ex)
+        # the batch over all SMs, for the per-GPU classic histogram
+        offset, counts = added if added is not None else (0, np.zeros(0, dtype=np.int64))
+        self.classic.add_exp(ExpHistogram(scale=self.scale, offset=offset, counts=counts,
+                                          zero_count=int(zeros.sum()), count=int(count.sum()),
+                                          sum=float(sums.sum())), slowest)
+
+    def _add_buckets(self, detail: _Detail, rows: list[int],
+                     hists: list[ExpHistogram]) -> tuple[int, np.ndarray] | None:
+        """Adds the points' buckets to ``detail`` with one bincount; returns the batch
+        summed over SMs as ``(offset, counts)`` at the block's scale (None: no buckets)."""
+        while True:
+            at_scale = []  # (row, offset, counts) at the block's scale
+            for r, h in zip(rows, hists):
+                if h.counts.size:
+                    counts, offset = _rebin(h.counts[None, :], h.offset, h.scale - self.scale)
+                    at_scale.append((r, offset, counts[0]))
+            if not at_scale:
+                return None
+            lo = min(o for _, o, _ in at_scale)
+            hi = max(o + c.size for _, o, c in at_scale)
+            if detail.counts.shape[1]:
+                lo, hi = min(lo, detail.offset), max(hi, detail.offset + detail.counts.shape[1])
+            if hi - lo <= self.max_buckets:
+                break
+            self._downscale(1)
+        n, width = self._cap, hi - lo
+        if (lo, width) != (detail.offset, detail.counts.shape[1]):
+            grown = np.zeros((n, width), dtype=np.uint32)
+            if detail.counts.shape[1]:
+                start = detail.offset - lo
+                grown[:, start:start + detail.counts.shape[1]] = detail.counts
+            detail.counts, detail.offset = grown, lo
+        sizes = np.array([c.size for _, _, c in at_scale])
+        firsts = np.array([r * width + o - lo for r, o, _ in at_scale])
+        # flat index of every bucket: its point's first index + its place in the point
+        idx = np.repeat(firsts, sizes) + np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        values = np.concatenate([c for _, _, c in at_scale]).astype(np.float64)
+        added = np.bincount(idx, weights=values, minlength=n * width).reshape(n, width)
+        detail.counts += added.astype(np.uint32)
+        return lo, added.sum(axis=0).astype(np.int64)
+
+    def _slot(self, epoch: int) -> _Detail:
+        """The detail slot of ``epoch``, taking the ring position of an older one."""
+        i = epoch % self.detail_slots
+        d = self._detail[i]
+        if d is None or d.epoch != epoch:
+            if d is not None and d.epoch >= 0:
+                self._summarise(d)
+            d = self._detail[i] = _Detail(epoch, self._cap)
+            s = epoch % self.num_slots
+            if self.s_epoch[s] != epoch:
+                self.s_epoch[s] = epoch
+                self.s_p99[s] = np.nan
+                self.s_count[s] = 0
+                self.s_ex[s] = np.zeros(self._cap, dtype=_EX_DTYPE)
+                self.s_ex["value"][s] = np.nan
+        if epoch > self.newest_epoch:
+            self.newest_epoch = epoch
+        return d
+
+    def _summarise(self, d: _Detail) -> None:
+        """Keeps only a leaving detail slot's per-SM P99 (its count and exemplar are kept)."""
+        s = d.epoch % self.num_slots
+        if self.s_epoch[s] == d.epoch:
+            self.s_p99[s] = self._p99(d)
+
+    def _p99(self, d: _Detail) -> np.ndarray:
+        return quantiles(self.scale, d.offset, d.counts, d.zeros, d.minimum, d.maximum, 0.99)
+
+    def _downscale(self, shift: int) -> None:
+        for d in self._detail:
+            if d is not None:
+                d.counts, d.offset = _rebin(d.counts, d.offset, shift)
+        self.scale -= shift
+
+    # -- reading --------------------------------------------------------------------
+    def _details(self, first_epoch: int, last_epoch: int) -> list[_Detail]:
+        return sorted((d for d in self._detail if d is not None and first_epoch <= d.epoch <= last_epoch),
+                      key=lambda d: d.epoch)
+
+    def merged(self, first_epoch: int, last_epoch: int) -> _Detail | None:
+        """The full-resolution slots in ``[first_epoch, last_epoch]``, added (None if none)."""
+        found = self._details(first_epoch, last_epoch)
+        if not found:
+            return None
+        with_buckets = [d for d in found if d.counts.shape[1]]
+        out = _Detail(last_epoch, self._cap)
+        if with_buckets:
+            lo = min(d.offset for d in with_buckets)
+            hi = max(d.offset + d.counts.shape[1] for d in with_buckets)
+            out.offset = lo
+            out.counts = np.zeros((self._cap, hi - lo), dtype=np.int64)
+            for d in with_buckets:
+                out.counts[:, d.offset - lo:d.offset - lo + d.counts.shape[1]] += d.counts
+        for d in found:
+            out.zeros += d.zeros
+            out.sums += d.sums
+            np.minimum(out.minimum, d.minimum, out=out.minimum)
+            np.maximum(out.maximum, d.maximum, out=out.maximum)
+        return out
+
+    def p99(self, first_epoch: int, last_epoch: int) -> np.ndarray:
+        """Per SM row: P99 over the full-resolution slots in the range (NaN: no CTAs)."""
+        merged = self.merged(first_epoch, last_epoch)
+        if merged is None:
+            return np.full(len(self.sms), np.nan)
+        return self._p99(merged)[:len(self.sms)]
+
+    def histograms(self, first_epoch: int, last_epoch: int) -> dict[str, ExpHistogram]:
+        """Per SM with CTAs in the range: its merged full-resolution histogram."""
+        merged = self.merged(first_epoch, last_epoch)
+        if merged is None:
+            return {}
+        out = {}
+        for r, sm in enumerate(self.sms):
+            counts = merged.counts[r].astype(np.int64)
+            total = int(counts.sum()) + int(merged.zeros[r])
+            if total:
+                out[sm] = ExpHistogram(scale=self.scale, max_buckets=max(self.max_buckets, counts.size),
+                                       offset=merged.offset, counts=counts, zero_count=int(merged.zeros[r]),
+                                       count=total, sum=float(merged.sums[r]), min=float(merged.minimum[r]),
+                                       max=float(merged.maximum[r]))
+        return out
+
+    def slot_cells(self, first_epoch: int, last_epoch: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """``(epoch, p99 per SM, count per SM, exemplar per SM)`` of each slot in the range
+        with CTAs, oldest first (full-resolution slots answer their exact P99)."""
+        out = []
+        details = {d.epoch: d for d in self._details(first_epoch, last_epoch)}
+        n = len(self.sms)
+        for s in np.argsort(self.s_epoch):
+            epoch = int(self.s_epoch[s])
+            if not first_epoch <= epoch <= last_epoch:
+                continue
+            d = details.get(epoch)
+            p99 = self._p99(d)[:n] if d is not None else self.s_p99[s, :n]
+            out.append((epoch, p99, self.s_count[s, :n], self.s_ex[s, :n]))
+        return out
+
+    def nbytes(self) -> int:
+        total = sum(d.counts.nbytes + 24 * d.zeros.size for d in self._detail if d is not None)
+        return total + self.s_p99.nbytes + self.s_count.nbytes + self.s_ex.nbytes + self.total.nbytes

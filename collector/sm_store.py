@@ -1,0 +1,440 @@
+"""Per-SM CTA-duration series of a fleet: identity, fair admission, cumulative streams.
+
+A series is keyed by (instance, gpu, sm, kernel): ``instance`` is the producing resource's
+``service.instance.id``, else its ``host.name``; ``gpu`` is the point's ``gpu.uuid``, else its
+``gpu.id`` (every host's first GPU is ``gpu.id=0``, so the index alone would merge GPUs).
+One :class:`~.sm_blocks.SmBlock` holds the SMs of one (instance, gpu, kernel).
+
+Admission is fair per GPU: at most ``max_gpus`` GPUs; ``max_sm_series`` is shared equally
+among the GPUs present, a kernel is admitted whole or not at all, and when a new GPU
+arrives, GPUs over their new share give back their latest kernels. Every refused series is
+counted once in ``overflow["sm_cta"]``, its points in ``dropped``, and :meth:`refusal` names
+the limit and its value. CUMULATIVE points become deltas against the stream's previous
+point; a stream whose state was let go (idle past the horizon) or that does not fit in
+``max_sm_series`` streams restarts as a baseline or is refused, counted, never re-counted.
+Thread-safety: one lock; queries copy out, and a snapshot takes it once per block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+
+from ..instrumentation import semconv as sc
+from ..instrumentation.exphist import ExpHistogram
+from .aggregation_config import AggregationConfig
+from .otlp_points import PointRefused, clamped_time_s, cta_point_histogram, label, resource_instance
+from .sm_blocks import SmBlock
+from .windows import ClassicHistogram, Exemplar, subtract_cumulative
+
+__all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
+
+_CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
+
+
+class GpuKey(NamedTuple):
+    instance: str
+    gpu: str
+
+
+def gpu_label(instance: str, gpu: str, index: str) -> str:
+    """The GPU's label on /metrics: its UUID, else ``instance:index`` (unique either way)."""
+    return gpu if gpu != index else f"{instance}:{index}"
+
+
+def kernel_label(kernel: str, max_chars: int = 32) -> str:
+    """A kernel's label on /metrics: the name, or its head and a hash when longer than
+    ``max_chars`` (C++ names run to 250 characters; 170k series repeat them)."""
+    if len(kernel) <= max_chars:
+        return kernel
+    return f"{kernel[:max_chars - 9]}~{hashlib.blake2s(kernel.encode(), digest_size=4).hexdigest()}"
+
+
+class SmKey(NamedTuple):
+    instance: str
+    gpu: str
+    kernel: str
+
+
+class Refusal(NamedTuple):
+    """Why per-SM data of a GPU is (partly) missing: the limit, its value, what it refused."""
+
+    limit: str
+    value: int
+    refused_series: int
+
+
+class BlockSnapshot(NamedTuple):
+    """What the exposition reads of one block (copies)."""
+
+    key: SmKey
+    gpu_index: str
+    sms: list[str]
+    p99_s: np.ndarray  # per SM over the gauge window (NaN: no CTAs)
+    classic: ClassicHistogram  # all SMs together, since the start
+    classic_sm: list[ClassicHistogram] | None  # per SM (opt-in)
+
+
+def _exemplar(cell) -> Exemplar | None:
+    """A block's exemplar cell as an Exemplar (None when empty; numpy strips trailing NULs)."""
+    if cell["value"] != cell["value"]:
+        return None
+    return Exemplar(float(cell["value"]), bytes(cell["trace_id"]).ljust(16, b"\0"),
+                    bytes(cell["span_id"]).ljust(8, b"\0"), int(cell["time"]))
+
+
+class _Gpu:
+    __slots__ = ("index", "blocks", "series")
+
+    def __init__(self, index: str) -> None:
+        self.index = index  # gpu.id
+        self.blocks: OrderedDict[str, SmBlock] = OrderedDict()  # kernel -> block, in admission order
+        self.series = 0
+
+
+class SmStore:
+    """See the module docstring. ``overflow`` and ``dropped`` are the owner's counters."""
+
+    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
+                 clock: Callable[[], float]) -> None:
+        self.config = config
+        self.now = clock
+        wc = self.window = self._wc = config.window
+        self._expired_epoch = wc.epoch(clock())
+        self.detail_slots = min(wc.num_slots, math.ceil(config.gauge_window_s / wc.slot_s) + 1)
+        self.overflow, self.dropped = overflow, dropped
+        self._lock = threading.Lock()
+        self._gpus: dict[GpuKey, _Gpu] = {}
+        self._series = 0
+        self._refused: dict[GpuKey, tuple[str, int, set]] = {}
+        self._refused_total = 0
+        self._streams: OrderedDict[tuple, tuple[int, ExpHistogram, float]] = OrderedDict()
+        self._baseline_before_ns = 0  # streams started before this may have been let go
+        self.newest_point_s = 0.0
+        self.points_seen = 0
+
+    # -- ingest -----------------------------------------------------------------------
+    def consume(self, request, now: float) -> int:
+        """Takes the CTA points of an ``ExportMetricsServiceRequest``; returns those taken."""
+        if self._wc.epoch(now) != self._expired_epoch:
+            self._expired_epoch = self._wc.epoch(now)
+            self.expire(now)
+        batches: dict[tuple[int, int], tuple[SmBlock, list, list, list]] = {}
+        taken = 0
+        with self._lock:
+            for rm in request.resource_metrics:
+                instance = resource_instance(rm.resource)
+                resource_key = None
+                for scope in rm.scope_metrics:
+                    for metric in scope.metrics:
+                        if metric.name != sc.METRIC_CTA_DURATION:
+                            continue
+                        kind = metric.WhichOneof("data")
+                        if kind == "histogram":
+                            self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
+                            continue
+                        if kind != "exponential_histogram":
+                            self._drop("unsupported_metric_type")
+                            continue
+                        data = metric.exponential_histogram
+                        cumulative = data.aggregation_temporality == _CUMULATIVE
+                        if cumulative and resource_key is None:
+                            resource_key = rm.resource.SerializeToString(deterministic=True)
+                        for point in data.data_points:
+                            try:
+                                taken += self._point(point, instance, cumulative, resource_key, now, batches)
+                            except Exception:  # keep the batch's other points
+                                self._drop("malformed_point")
+            for block, rows, hists, exemplars in batches.values():
+                block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
+            self.points_seen += taken
+        return taken
+
+    def _point(self, point, instance: str, cumulative: bool, resource_key, now: float, batches) -> int:
+        gpu_id = uuid = sm = kernel = None
+        for kv in point.attributes:
+            key = kv.key
+            if key == sc.ATTR_SM_ID:
+                sm = label(kv.value)
+            elif key == sc.ATTR_GPU_ID:
+                gpu_id = label(kv.value)
+            elif key == sc.ATTR_GPU_UUID:
+                uuid = label(kv.value)
+            elif key == sc.ATTR_KERNEL_NAME:
+                kernel = label(kv.value)
+        if sm is None or kernel is None:
+            self._drop("missing_attributes")
+            return 0
+        gpu_id = gpu_id or "0"
+        gpu = uuid or gpu_id
+        try:
+            hist = cta_point_histogram(point, self._wc.max_buckets)
+        except PointRefused as refused:
+            self._drop(refused.reason)
+            return 0
+        t = clamped_time_s(point.time_unix_nano, now)
+        if t <= now - self._wc.horizon_s:
+            self._drop("late")
+            return 0
+        block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm)
+        if block is None:
+            self._drop("sm_series_limit")
+            return 0
+        if cumulative:
+            hist = self._delta((resource_key, gpu, sm, kernel), point.start_time_unix_nano, hist, now)
+            if hist is None:
+                return 0
+            if hist.count == 0:
+                return 1
+        epoch = self._wc.epoch(t)
+        if not block.accepts(epoch):
+            self._drop("late")
+            return 0
+        if t > self.newest_point_s:
+            self.newest_point_s = t
+        exemplar = None
+        for e in point.exemplars:
+            value = e.as_double if e.WhichOneof("value") == "as_double" else float(e.as_int)
+            if exemplar is None or value > exemplar.value:
+                exemplar = Exemplar(value, e.trace_id, e.span_id, e.time_unix_nano)
+        batch = batches.get((id(block), epoch))
+        if batch is None:
+            batch = batches[(id(block), epoch)] = (block, [], [], [])
+        batch[1].append(block.row(sm))
+        batch[2].append((hist, t))
+        batch[3].append(exemplar)
+        return 1
+
+    def _delta(self, stream: tuple, start_ns: int, hist: ExpHistogram, now: float) -> ExpHistogram | None:
+        """The CUMULATIVE point as a delta (None: refused or a baseline, counted)."""
+        streams = self._streams
+        prev = streams.get(stream)
+        if prev is None:
+            horizon = self._wc.horizon_s
+            while streams and len(streams) >= self.config.max_sm_series:
+                oldest = next(iter(streams.values()))
+                if oldest[2] > now - horizon:
+                    self._drop("cumulative_streams_full")
+                    return None
+                streams.popitem(last=False)  # idle past the horizon: let go, and remember that
+                self._baseline_before_ns = int(now * 1e9)
+        streams[stream] = (start_ns, hist, now)
+        streams.move_to_end(stream)
+        if prev is None:
+            if start_ns and start_ns < self._baseline_before_ns:
+                # it may have been seen and let go: taking it whole could count twice
+                self._drop("cumulative_baseline")
+                return None
+            return hist
+        if prev[0] != start_ns:  # restarted: everything since its new start is new
+            return hist
+        delta = subtract_cumulative(hist, prev[1])
+        return hist if delta is None else delta  # None: reset without a new start time
+
+    # -- admission ----------------------------------------------------------------------
+    def _admit(self, key: GpuKey, gpu_id: str, kernel: str, sm: str) -> SmBlock | None:
+        gpu = self._gpus.get(key)
+        if gpu is not None:
+            block = gpu.blocks.get(kernel)
+            if block is not None and sm in block.rows:
+                return block
+        cfg = self.config
+        if gpu is None:
+            if len(self._gpus) >= cfg.max_gpus:
+                return self._refuse(key, "max_gpus", cfg.max_gpus, (kernel, sm))
+            gpu = self._gpus[key] = _Gpu(gpu_id)
+            self._refused.pop(key, None)
+            self._rebalance()
+        share = cfg.max_sm_series // len(self._gpus)
+        block = gpu.blocks.get(kernel)
+        if block is None:
+            # a kernel whole or not at all: room for as many SMs as its GPU's biggest kernel
+            need = max((len(b.sms) for b in gpu.blocks.values()), default=1)
+            if gpu.series + need > share or self._series + need > cfg.max_sm_series:
+                return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+            block = gpu.blocks[kernel] = SmBlock(
+                self._wc.num_slots, self.detail_slots, self._wc.initial_scale, self._wc.max_buckets,
+                sc.CTA_BUCKETS_S, cfg.expose_sm_histograms)
+        elif self._series >= cfg.max_sm_series:
+            return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+        gpu.series += 1
+        self._series += 1
+        block.row(sm)
+        return block
+
+    def _rebalance(self) -> None:
+        """GPUs over their share (a GPU just arrived) give back their latest kernels."""
+        share = self.config.max_sm_series // len(self._gpus)
+        if self._series <= self.config.max_sm_series - share:
+            return  # the newcomer's share is free
+        for key, gpu in self._gpus.items():
+            while gpu.series > share and gpu.blocks:
+                kernel, block = gpu.blocks.popitem(last=True)
+                gpu.series -= len(block.sms)
+                self._series -= len(block.sms)
+                for sm in block.sms:
+                    self._refuse(key, "max_sm_series", self.config.max_sm_series, (kernel, sm))
+
+    def _refuse(self, key: GpuKey, limit: str, value: int, series: tuple[str, str]) -> None:
+        entry = self._refused.get(key)
+        if entry is None:
+            entry = self._refused[key] = (limit, value, set())
+        if series not in entry[2] and self._refused_total < _MAX_REFUSED_TRACKED:
+            entry[2].add(series)
+            self._refused_total += 1
+            self.overflow["sm_cta"] = self.overflow.get("sm_cta", 0) + 1
+        return None
+
+    def expire(self, now: float) -> None:
+        """Lets go of kernels with no data within the horizon (frees their GPU's share)."""
+        oldest = self._wc.epoch(now - self._wc.horizon_s)
+        with self._lock:
+            for key in list(self._gpus):
+                gpu = self._gpus[key]
+                for kernel in [k for k, b in gpu.blocks.items() if b.newest_epoch <= oldest]:
+                    block = gpu.blocks.pop(kernel)
+                    gpu.series -= len(block.sms)
+                    self._series -= len(block.sms)
+                if not gpu.blocks:
+                    del self._gpus[key]
+
+    def _drop(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    # -- queries ----------------------------------------------------------------------
+    def _epochs(self, now_s: float, last_s: float) -> tuple[int, int]:
+        newest = self._wc.epoch(now_s)
+        n = min(self._wc.num_slots, max(1, int(math.ceil(last_s / self._wc.slot_s))))
+        return newest - n + 1, newest
+
+    def gpus(self) -> list[dict]:
+        """Per (instance, gpu, kernel) with data: SMs, CTAs and the GPU's refusal, if any."""
+        with self._lock:
+            out = []
+            for (instance, gpu), g in self._gpus.items():
+                refusal = self._refusal(GpuKey(instance, gpu))
+                for kernel, block in g.blocks.items():
+                    out.append({"instance": instance, "gpu": gpu, "gpu_index": g.index, "kernel": kernel,
+                                "gpu_label": gpu_label(instance, gpu, g.index), "kernel_label": kernel_label(kernel),
+                                "sms": len(block.sms), "ctas": int(block.total.sum()), "source": "sm_probe",
+                                "refusal": refusal._asdict() if refusal else None})
+        return sorted(out, key=lambda e: (e["instance"], e["gpu"], e["kernel"]))
+
+    def resolve(self, gpu: str, kernel: str, instance: str | None = None) -> SmKey:
+        """The series key of ``gpu`` (UUID or index) and ``kernel``; ``instance`` may be left
+        out when one instance has that GPU (ValueError naming them when several do)."""
+        with self._lock:
+            found = sorted({k.instance for k, g in self._gpus.items()
+                            if (k.gpu == gpu or g.index == gpu) and (instance is None or k.instance == instance)
+                            and kernel in g.blocks} | {k.instance for k in self._refused
+                                                       if k.gpu == gpu and instance in (None, k.instance)})
+            if len(found) > 1:
+                raise ValueError(f"gpu={gpu!r} kernel={kernel!r} is on {len(found)} instances "
+                                 f"({', '.join(found[:5])}): give instance_id=")
+            inst = found[0] if found else (instance if instance is not None else "unknown")
+            key = GpuKey(inst, gpu)
+            if key not in self._gpus and key not in self._refused:
+                key = next((k for k, g in self._gpus.items() if k.instance == inst and g.index == gpu), key)
+            return SmKey(key.instance, key.gpu, kernel)
+
+    def refusal(self, key: GpuKey) -> Refusal | None:
+        with self._lock:
+            return self._refusal(key)
+
+    def _refusal(self, key: GpuKey) -> Refusal | None:
+        entry = self._refused.get(key)
+        return Refusal(entry[0], entry[1], len(entry[2])) if entry else None
+
+    def refusals(self) -> dict[GpuKey, Refusal]:
+        with self._lock:
+            return {key: self._refusal(key) for key in self._refused}
+
+    def _block(self, key: SmKey) -> SmBlock | None:
+        gpu = self._gpus.get(GpuKey(key.instance, key.gpu))
+        return gpu.blocks.get(key.kernel) if gpu else None
+
+    def histograms(self, key: SmKey, now_s: float, last_s: float) -> dict[str, ExpHistogram]:
+        """Per SM: one histogram over the full-resolution slots of the last ``last_s``."""
+        with self._lock:
+            block = self._block(key)
+            return block.histograms(*self._epochs(now_s, last_s)) if block else {}
+
+    def histograms_between(self, start_s: float, end_s: float) -> dict[SmKey, dict[str, ExpHistogram]]:
+        """Per (instance, gpu, kernel), per SM: the full-resolution slots overlapping the range."""
+        first, last = self._wc.epoch(start_s), self._wc.epoch(end_s)
+        out = {}
+        with self._lock:
+            for (instance, gpu), g in self._gpus.items():
+                for kernel, block in g.blocks.items():
+                    hists = block.histograms(first, last)
+                    if hists:
+                        out[SmKey(instance, gpu, kernel)] = hists
+        return out
+
+    def slot_cells(self, key: SmKey, now_s: float, last_s: float):
+        """``(sms, scale, [(epoch, p99, count, exemplars)])`` per slot (see ``SmBlock.slot_cells``)."""
+        with self._lock:
+            block = self._block(key)
+            if block is None:
+                return [], self._wc.initial_scale, []
+            cells = [(e, p.copy(), c.copy(), x.copy()) for e, p, c, x in block.slot_cells(*self._epochs(now_s, last_s))]
+            return list(block.sms), block.scale, cells
+
+    def slot_histograms(self, key: SmKey, now_s: float, last_s: float) -> dict[str, list[tuple]]:
+        """Per SM: ``(epoch, histogram, slowest exemplar)`` of each full-resolution slot."""
+        first, last = self._epochs(now_s, last_s)
+        out: dict[str, list] = {}
+        with self._lock:
+            block = self._block(key)
+            for epoch in range(first, last + 1) if block else ():
+                s = epoch % self._wc.num_slots
+                for sm, h in block.histograms(epoch, epoch).items():
+                    out.setdefault(sm, []).append((epoch, h, _exemplar(block.s_ex[s, block.rows[sm]])))
+        return out
+
+    def exemplar_for_spans(self, span_ids: set[bytes]) -> tuple[SmKey, str, Exemplar] | None:
+        """The slowest per-SM exemplar still held that points at one of ``span_ids``."""
+        best = None
+        with self._lock:
+            for (instance, gpu), g in self._gpus.items():
+                for kernel, block in g.blocks.items():
+                    ex = block.s_ex
+                    hit = np.isin(ex["span_id"], np.array(list(span_ids), dtype="S8")) & ~np.isnan(ex["value"])
+                    if not hit.any():
+                        continue
+                    s, r = np.unravel_index(np.argmax(np.where(hit, ex["value"], -np.inf)), hit.shape)
+                    found = _exemplar(ex[s, r])
+                    if best is None or found.value > best[2].value:
+                        best = (SmKey(instance, gpu, kernel), block.sms[r], found)
+        return best
+
+    def snapshot(self, now_s: float) -> list[BlockSnapshot]:
+        """Every block's P99s and classic histograms, the lock taken once per block."""
+        with self._lock:
+            keys = [(SmKey(i, g, k), gpu.index) for (i, g), gpu in self._gpus.items() for k in gpu.blocks]
+        first, last = self._epochs(now_s, self.config.gauge_window_s)
+        out = []
+        for key, index in keys:
+            with self._lock:
+                block = self._block(key)
+                if block is None:
+                    continue
+                out.append(BlockSnapshot(key, index, list(block.sms), block.p99(first, last), block.classic.copy(),
+                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None))
+        return out
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"sm": self._series, "gpus": len(self._gpus), "cumulative_streams": len(self._streams)}
+
+    def nbytes(self) -> int:
+        with self._lock:
+            total = sum(b.nbytes() for g in self._gpus.values() for b in g.blocks.values())
+            return total + sum(h.counts.nbytes for _, h, _ in self._streams.values())

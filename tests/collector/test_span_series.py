@@ -1,0 +1,53 @@
+"""Span series: the lean and the full read leave the same state; dispatch by name alone."""
+
+from __future__ import annotations
+
+from sightline.collector.aggregation_config import AggregationConfig
+from sightline.collector.span_series import SpanKind, SpanSeries
+from sightline.instrumentation import semconv as sc
+from tests.collector.test_aggregator import T0_S, otlp_span, otlp_traces
+
+
+def _spans():
+    spans = []
+    for i in range(30):
+        tid = bytes([i + 1]) * 16
+        spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, tid, b"\x01" * 8, T0_S - 2, T0_S - 1, {
+            sc.GEN_AI_REQUEST_MODEL: "m", sc.REQUEST_PRIORITY: i % 2, sc.REQUEST_TTFT_S: 0.01 * (i + 1),
+            sc.GEN_AI_RESPONSE_FINISH_REASONS: ["stop"]}, kind=2))
+        spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid, b"\x02" * 8, T0_S - 2, T0_S - 2 + 0.001 * (i + 1),
+                               {sc.STEP_PREFILL_TOKENS: i % 3, sc.STEP_DECODE_TOKENS: 4}))
+        for k in range(3):
+            spans.append(otlp_span(sc.SPAN_KERNEL_PREFIX + f"k{k}", tid, bytes([k + 3]) * 8, T0_S - 2,
+                                   T0_S - 2 + 1e-5 * (i + k + 1), {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: f"k{k}"}))
+        spans.append(otlp_span("decode", tid, b"\x09" * 8, T0_S - 2, T0_S - 1.5))
+    return otlp_traces(spans)
+
+
+def _state(series: SpanSeries):
+    return ({k: (s.classic.counts, s.classic.count) for k, s in series.kernels.items()},
+            {k: (s.classic.counts, s.classic.count) for k, s in series.steps.items()},
+            {k: {f: s.classic.counts for f, s in v.items()} for k, v in series.requests.items()},
+            dict(series.requests_total))
+
+
+def test_lean_and_full_reads_leave_the_same_state():
+    request = _spans()
+    encoded = request.SerializeToString()
+    states = []
+    for lean in (True, False):
+        series = SpanSeries(AggregationConfig(), {}, {})
+        source = series.source(request, encoded)[0] if lean else request
+        assert series.consume(source, lean, T0_S) == 30 * 6
+        states.append(_state(series))
+    assert states[0] == states[1]
+    kernels, steps, requests, totals = states[0]
+    assert {k: n for k, (_, n) in kernels.items()} == {("0", f"k{k}"): 30 for k in range(3)}
+    assert sum(n for _, n in steps.values()) == 30 and set(steps) == {"decode", "mixed"}
+    assert totals == {("m", "0", "stop"): 15, ("m", "1", "stop"): 15}
+
+
+def test_span_kinds_are_an_enum_and_unknown_names_feed_nothing():
+    series = SpanSeries(AggregationConfig(), {}, {})
+    assert series._learn_name("queue") is SpanKind.NONE  # noqa: SLF001 -- the dispatch rule itself
+    assert series._learn_name(sc.SPAN_KERNEL_PREFIX + "x") is SpanKind.KERNEL  # noqa: SLF001
