@@ -42,7 +42,7 @@ def test_neighbour_kernel_interpreted_records_its_ctas_and_computes():
 
 def test_recording_plants_the_neighbour_interval_in_the_capture_metadata(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "bench/record_incident.py", "--device", "cpu", "--model", "tiny",
+        [sys.executable, "-m", "bench.record_incident", "--device", "cpu", "--model", "tiny",
          "--duration-s", "12", "--interval", "3,6", "--rate", "1", "--burst", "3",
          "--burst-every-s", "8", "--out", str(tmp_path)],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
