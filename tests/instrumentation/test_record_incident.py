@@ -52,7 +52,7 @@ def test_recording_plants_the_neighbour_interval_in_the_capture_metadata(tmp_pat
     assert incident is not None and incident.synthetic is False and incident.num_sms == 8
     [interval] = incident.intervals
     assert interval.sms == tuple(range(8))  # 33 fake CTAs on fake SMs 0..7
-    assert 3.0 <= interval.duration_s < 6.0  # requested 3 s; the launch may start late
+    assert 2.99 <= interval.duration_s < 6.0  # requested 3 s (host clock); the launch may start late
     assert incident.details["clock"] == ["host clock"] and incident.details["neighbour_fake"] is True
     [result] = tmp_path.glob("record_incident-cpu-*.json")
     record = json.loads(result.read_text())
