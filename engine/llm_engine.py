@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from sightline.engine.config import EngineConfig, resolve_model_config
 from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
-from sightline.engine.metrics import EngineMetrics
+from sightline.engine.metrics import EngineMetrics, trace_exemplar
 from sightline.engine.request import FinishReason, Request, SamplingParams
 from sightline.engine.scheduler import QueueFullError, Scheduler, StepPlan
 from sightline.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -99,6 +99,8 @@ class _Live:
     new_tokens: list[int] | None = None
     hold: int = 0  # chars kept back while they could start a stop string
     stopped: bool = False  # a stop string ended it
+    exemplar: dict[str, str] | None = None  # points the request's latency observations at its trace
+    last_token_s: float = 0.0  # monotonic time of its latest token (inter-token latency)
 
 
 @dataclass(frozen=True)
@@ -209,7 +211,7 @@ class LLMEngine:
                           eos_token_id=self.eos_token_id, telemetry=trace)
         stream = RequestStream(request_id, loop) if loop is not None else None
         live = _Live(request, stream, IncrementalDetokenizer(self.tokenizer), trace,
-                     hold=max((len(s) for s in sampling.stop), default=1) - 1)
+                     hold=max((len(s) for s in sampling.stop), default=1) - 1, exemplar=trace_exemplar(trace))
         if trace is not None:
             trace.start_phase(sc.SPAN_QUEUE)
         with self._wake:
@@ -378,6 +380,7 @@ class LLMEngine:
                         finished: list[Request]) -> list[tuple[_Live, RequestOutput]]:
         outputs = []
         done = {r.request_id for r in finished}
+        now = time.monotonic()
         for entry in plan.scheduled:
             request_id = entry.request.request_id
             token = sampled.get(request_id)
@@ -392,6 +395,9 @@ class LLMEngine:
                     live.trace.end_phase(sc.SPAN_PREFILL)
                     live.trace.first_token()
                     live.trace.start_phase(sc.SPAN_DECODE)
+            if entry.request.num_output_tokens > 1:
+                self.metrics.c_itl.observe(now - live.last_token_s, live.exemplar)
+            live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)
             if self._hit_stop(live):
@@ -463,15 +469,13 @@ class LLMEngine:
             output.ttft_s = request.first_token_time_s - arrival
             if request.num_output_tokens > 1:
                 output.tpot_s = (end - request.first_token_time_s) / (request.num_output_tokens - 1)
-        m = self.metrics
-        m.finished(reason).inc()
-        m.c_e2e.observe(output.e2e_s)
-        if output.queue_s is not None:
-            m.c_queue.observe(output.queue_s)
-        if output.ttft_s is not None:
-            m.c_ttft.observe(output.ttft_s)
-        if output.tpot_s is not None:
-            m.c_tpot.observe(output.tpot_s)
+        first_token, scheduled = request.first_token_time_s, request.first_scheduled_time_s
+        self.metrics.request_finished(
+            reason, e2e_s=output.e2e_s, queue_s=output.queue_s, ttft_s=output.ttft_s, tpot_s=output.tpot_s,
+            prefill_s=first_token - scheduled if first_token is not None and scheduled is not None else None,
+            decode_s=end - first_token if first_token is not None else None,
+            prompt_tokens=request.num_prompt_tokens, generation_tokens=request.num_output_tokens,
+            exemplar=live.exemplar)
         self.runner.release(request_id)
         return live, output
 

@@ -26,6 +26,7 @@ from sightline.engine.config import EngineConfig, ModelConfig
 from sightline.engine.kv_cache import kv_bytes_per_block
 from sightline.engine.model import AttentionMetadata, build_model
 from sightline.engine.sampling import Sampler, SamplingBatch
+from sightline.engine.sampling_filters import FilterRows
 from sightline.engine.scheduler import ScheduledRequest, StepPlan
 
 __all__ = ["ModelRunner", "StepBatch", "resolve_device", "resolve_dtype"]
@@ -180,9 +181,11 @@ class ModelRunner:
         temps: list[float] = []
         top_ps: list[float] = []
         gens: list[torch.Generator | None] = []
+        filters = FilterRows()
 
         def sample_row(entry: ScheduledRequest, index: int) -> None:
             req = entry.request
+            filters.add(len(logits_indices), req)
             logits_indices.append(index)
             sampled_ids.append(req.request_id)
             temps.append(req.sampling.temperature)
@@ -249,6 +252,7 @@ class ModelRunner:
         sampling = SamplingBatch(
             temperatures=fdev[:s], top_ps=fdev[s:], generators=gens,
             all_greedy=all(x == 0 for x in temps), any_top_p=any(p < 1.0 for p in top_ps))
+        filters.to_batch(sampling, s, self.model_config.vocab_size, self.device)
         return StepBatch(d_ids, d_pos, meta, d_logits, sampling, sampled_ids,
                          num_prefill_seqs=len(prefills), num_decode_seqs=len(decodes))
 

@@ -43,6 +43,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output; 1 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -61,6 +64,12 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
+            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:

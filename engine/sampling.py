@@ -1,4 +1,5 @@
-"""Next-token choice for a batch: greedy at temperature 0, else temperature + top-p sampling.
+"""Next-token choice for a batch: greedy at temperature 0, else temperature + top-k, min-p and
+top-p sampling; repetition penalty before either (the filters: ``sampling_filters``).
 
 Sampling uses the exponential-race form of the categorical draw, ``argmax(p / E)`` with
 ``E ~ Exp(1)`` per vocabulary entry, which equals a draw from ``p`` and needs no
@@ -7,8 +8,8 @@ Sampling uses the exponential-race form of the categorical draw, ``argmax(p / E)
 logits and its position, whatever else shares the batch. Requests without a seed share
 the engine's generator (seeded from ``EngineConfig.seed``).
 
-Cost: one sort of ``[S, V]`` when some row has ``top_p < 1``; no host-device sync here (the
-runner reads the result with one ``.tolist()`` per step).
+Cost: one sort of ``[S, V]`` when some row has ``top_p < 1`` (one more for ``top_k``); no
+host-device sync here (the runner reads the result with one ``.tolist()`` per step).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .sampling_filters import apply_repetition_penalty, min_p_filter, top_k_filter, top_p_filter
 
 __all__ = ["SamplingBatch", "Sampler"]
 
@@ -29,6 +32,10 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # [S]: the row's own generator or None (shared one)
     all_greedy: bool
     any_top_p: bool
+    top_ks: torch.Tensor | None = None  # [S] int64 (0 = off); None when no row uses top_k
+    min_ps: torch.Tensor | None = None  # [S] float32 (0 = off); None when no row uses min_p
+    repetition_penalties: torch.Tensor | None = None  # [S] float32 (1 = off), with ``seen``
+    seen: torch.Tensor | None = None  # [S, V] bool: tokens in each row's prompt or output
 
 
 class Sampler:
@@ -60,14 +67,20 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [S, V] float32 -> token ids [S] int64 (on the logits' device)."""
+        if batch.repetition_penalties is not None:
+            logits = apply_repetition_penalty(logits, batch.repetition_penalties, batch.seen)
         greedy = logits.argmax(dim=-1)  # [S]
         if batch.all_greedy:
             return greedy
         temps = batch.temperatures.unsqueeze(1)  # [S, 1]
         # Greedy rows get temperature 1 here (any value works: their result is replaced below).
         probs = torch.softmax(logits / torch.where(temps > 0, temps, torch.ones_like(temps)), dim=-1)
+        if batch.top_ks is not None:
+            probs = top_k_filter(probs, batch.top_ks)
+        if batch.min_ps is not None:
+            probs = min_p_filter(probs, batch.min_ps)
         if batch.any_top_p:
-            probs = _top_p(probs, batch.top_ps)
+            probs = top_p_filter(probs, batch.top_ps)
         noise = torch.empty_like(probs)  # [S, V]
         shared_rows = [i for i, g in enumerate(batch.generators) if g is None]
         if len(shared_rows) == len(batch.generators):
@@ -82,12 +95,3 @@ class Sampler:
         sampled = (probs / noise.clamp_(min=1e-20)).argmax(dim=-1)  # [S]
         return torch.where(batch.temperatures > 0, sampled, greedy)
 
-
-def _top_p(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Zeroes the tail beyond the smallest prefix (by descending probability) whose mass
-    reaches top_p; the most likely token always survives. probs [S, V]; top_ps [S]."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [S, V]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly better tokens
-    drop = mass_before >= top_ps.unsqueeze(1)
-    sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)

@@ -45,6 +45,8 @@ URL_PATH = "url.path"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 ERROR_TYPE = "error.type"
+# error.type of a request whose client went away: its finish reason is "abort", not an error
+ERROR_TYPE_CLIENT_DISCONNECTED = "client_disconnected"
 
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" | "text_completion"
 GEN_AI_SYSTEM = "gen_ai.system"
@@ -54,6 +56,7 @@ GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -138,6 +141,14 @@ ENGINE_STEP_SECONDS = "sightline_engine_step_duration_seconds"
 ENGINE_STEP_TOKENS = "sightline_engine_step_tokens"
 ENGINE_PROMPT_TOKENS_TOTAL = "sightline_engine_prompt_tokens"
 ENGINE_GENERATION_TOKENS_TOTAL = "sightline_engine_generation_tokens"
+# What vLLM users expect beside those: one ITL observation per generated token after the
+# first; per finished request its token counts and its prefill (first scheduled to first
+# token) and decode (first token to last) times.
+ENGINE_ITL_SECONDS = "sightline_engine_inter_token_latency_seconds"
+ENGINE_REQUEST_PROMPT_TOKENS = "sightline_engine_request_prompt_tokens"
+ENGINE_REQUEST_GENERATION_TOKENS = "sightline_engine_request_generation_tokens"
+ENGINE_PREFILL_SECONDS = "sightline_engine_request_prefill_time_seconds"
+ENGINE_DECODE_SECONDS = "sightline_engine_request_decode_time_seconds"
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
@@ -166,6 +177,9 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
                               10.24, 20.48, 40.96, 81.92)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075) + TPOT_BUCKETS_S + (5.0, 10.0)
+# 1-2-5 steps, as vLLM's request token histograms
+REQUEST_TOKENS_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
