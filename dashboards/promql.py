@@ -141,7 +141,8 @@ _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 
 
 def known_metric_names() -> frozenset[str]:
-    """Every Prometheus series name Sightline may expose or record (from ``semconv``).
+    """Every Prometheus series name Sightline may expose, record or read (from ``semconv``:
+    its own, the engine-agnostic ``llm:`` set and the vLLM series the adapter reads).
 
     Includes the client-library suffixes (``_total``, ``_bucket``, ...) of each base name
     and the recording rules' names; used by tests to reject a query with an unknown name.
@@ -150,8 +151,11 @@ def known_metric_names() -> frozenset[str]:
         value
         for key, value in vars(semconv).items()
         if isinstance(value, str)
-        and (key.startswith(("ENGINE_", "GPU_", "TELEMETRY_", "COLLECTOR_")))
-        and value.startswith("sightline_")
+        and (
+            (key.startswith(("ENGINE_", "GPU_", "TELEMETRY_", "COLLECTOR_")) and value.startswith("sightline_"))
+            or (key.startswith("LLM_") and value.startswith("llm:"))
+            or (key.startswith("VLLM_") and not key.startswith("VLLM_LABEL_"))
+        )
         and not value.endswith("_")
     }
     names = set(bases)
@@ -180,7 +184,7 @@ def is_known_metric(name: str) -> bool:
 def known_label_names() -> frozenset[str]:
     """Every label name a Sightline query may use: ``semconv.LABEL_*``, ``le`` and the
     target labels Prometheus adds itself (``job``, ``instance``)."""
-    labels = {value for key, value in vars(semconv).items() if key.startswith("LABEL_")}
+    labels = {value for key, value in vars(semconv).items() if key.startswith(("LABEL_", "VLLM_LABEL_"))}
     return frozenset(labels | {BUCKET_LABEL, "job", "instance", "slo", "window"})
 
 
