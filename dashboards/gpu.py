@@ -126,6 +126,16 @@ def spec() -> DashboardSpec:
                     for quantile in (0.5, 0.99)
                 ),
             ),
+            PanelSpec(
+                title="Engine step duration (engine)",
+                unit="s",
+                description="Every step, from Sightline's engine's own histogram (vLLM has no such series).",
+                queries=tuple(
+                    Query(q.histogram_quantile(quantile, sc.ENGINE_STEP_SECONDS, (sc.LABEL_MODEL,)),
+                          f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}", exemplar=True)
+                    for quantile in (0.5, 0.99)
+                ),
+            ),
         ),
     )
     memory = Row(

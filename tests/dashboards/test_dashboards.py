@@ -65,12 +65,13 @@ def test_four_dashboards_with_their_variables():
     dashboards = {d["uid"]: d for d in _committed().values()}
     assert set(dashboards) == {"sightline-overview", "sightline-requests", "sightline-gpu", "sightline-pipeline"}
     variables = {uid: [v["name"] for v in d.get("templating", {}).get("list", [])] for uid, d in dashboards.items()}
-    assert variables["sightline-overview"] == [sc.LABEL_MODEL]
-    assert variables["sightline-requests"] == [sc.LABEL_MODEL, sc.LABEL_PRIORITY]
-    assert variables["sightline-gpu"] == [sc.LABEL_GPU, sc.LABEL_KERNEL]
+    ds = panels.DATASOURCE_VARIABLE
+    assert variables["sightline-overview"] == [ds, sc.LABEL_MODEL]
+    assert variables["sightline-requests"] == [ds, sc.LABEL_MODEL, sc.LABEL_PRIORITY]
+    assert variables["sightline-gpu"] == [ds, sc.LABEL_GPU, sc.LABEL_KERNEL]
     for dashboard in dashboards.values():
-        for variable in dashboard.get("templating", {}).get("list", []):
-            match = re.fullmatch(r"label_values\((\w*)(\{.*\})?, (\w+)\)", variable["query"])
+        for variable in dashboard.get("templating", {}).get("list", [])[1:]:
+            match = re.fullmatch(r"label_values\(([\w:]*)(\{.*\})?, (\w+)\)", variable["query"])
             assert match, variable["query"]
             names = [match.group(1)] if match.group(1) else \
                 re.search(r'__name__=~"([^"]+)"', match.group(2)).group(1).split("|")
@@ -92,7 +93,7 @@ def test_every_panel_has_a_query_and_fits_the_grid():
                 continue
             targets = panel.get("targets") or []
             assert targets and all(t["expr"].strip() for t in targets), (name, panel["title"])
-            assert panel["datasource"] == {"type": "prometheus", "uid": panels.PROMETHEUS_DATASOURCE_UID}
+            assert panel["datasource"] == {"type": "prometheus", "uid": f"${{{panels.DATASOURCE_VARIABLE}}}"}
 
 
 def test_panels_the_brief_asks_for():
@@ -108,9 +109,11 @@ def test_panels_the_brief_asks_for():
     assert gpu["Kernel duration, $kernel"]["targets"][0]["format"] == "heatmap"
     requests = titles["sightline-requests"]
     assert requests["TTFT, priority $priority"]["repeat"] == sc.LABEL_PRIORITY
+    for title in ("Sampled requests by priority", "Sampled requests by finish reason"):
+        assert "Sampled traffic only" in requests[title]["description"]
     assert len(requests["Mean time per phase"]["targets"]) == 3
     overview = titles["sightline-overview"]
-    for title in ("Time to first token", "Time per output token", "End-to-end latency"):
+    for title in ("Time to first token", "Inter-token latency", "Time per output token", "End-to-end latency"):
         exprs = [t["expr"] for t in overview[title]["targets"]]
         assert [e.split(",")[0] for e in exprs] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]
 
