@@ -24,6 +24,19 @@ _GPU_KERNEL = (sc.LABEL_GPU, sc.LABEL_KERNEL)
 _GPU = (sc.LABEL_GPU,)
 
 
+def _step_quantiles(title: str, histogram: str, by: str, description: str, exemplar: bool) -> PanelSpec:
+    return PanelSpec(
+        title=title,
+        unit="s",
+        description=description,
+        queries=tuple(
+            Query(q.histogram_quantile(quantile, histogram, (by,)), f"P{round(quantile * 100)} {{{{{by}}}}}",
+                  exemplar=exemplar)
+            for quantile in (0.5, 0.99)
+        ),
+    )
+
+
 def spec() -> DashboardSpec:
     sm_p99 = q.selector(sc.COLLECTOR_SM_CTA_P99_SECONDS, regex=_GPU_KERNEL)
     cta_count = q.sum_by((sc.LABEL_SM,), f"increase({q.selector(q.count(sc.COLLECTOR_SM_CTA_DURATION_SECONDS), regex=_GPU_KERNEL)}[$__range])")
@@ -117,25 +130,11 @@ def spec() -> DashboardSpec:
                                                                     regex=_GPU_KERNEL))), "gpu{{gpu}} {{kernel}}"),
                 ),
             ),
-            PanelSpec(
-                title="Engine step duration (traces)",
-                unit="s",
-                queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_STEP_DURATION_SECONDS, (sc.LABEL_PHASE,)),
-                          f"P{round(quantile * 100)} {{{{{sc.LABEL_PHASE}}}}}", exemplar=True)
-                    for quantile in (0.5, 0.99)
-                ),
-            ),
-            PanelSpec(
-                title="Engine step duration (engine)",
-                unit="s",
-                description="Every step, from Sightline's engine's own histogram (vLLM has no such series).",
-                queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.ENGINE_STEP_SECONDS, (sc.LABEL_MODEL,)),
-                          f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}", exemplar=True)
-                    for quantile in (0.5, 0.99)
-                ),
-            ),
+            _step_quantiles("Engine step duration (traces)", sc.COLLECTOR_STEP_DURATION_SECONDS, sc.LABEL_PHASE,
+                            "Steps whose spans reached the collector; exemplars open the step.", exemplar=True),
+            _step_quantiles("Engine step duration (engine)", sc.ENGINE_STEP_SECONDS, sc.LABEL_MODEL,
+                            "Every step, from Sightline's engine's own histogram (vLLM has no such series).",
+                            exemplar=False),
         ),
     )
     memory = Row(

@@ -24,18 +24,21 @@ def _counter_rate(name: str, by: tuple[str, ...]) -> str:
     return q.sum_by(by, q.rate(q.selector(q.counter(name), regex=_MODEL)))
 
 
-def _quantiles(title: str, histogram: str, description: str) -> PanelSpec:
+def _quantiles(title: str, histogram: str, description: str, exemplars_of: str | None = None) -> PanelSpec:
+    """P50 and P99 of an ``llm:`` histogram; ``exemplars_of``: Sightline's source histogram,
+    whose trace-id exemplars the panel shows."""
+    def expr(quantile: float) -> str:
+        quantiles = q.histogram_quantile(quantile, histogram, _MODEL, regex=_MODEL)
+        return q.with_exemplars_of(quantiles, exemplars_of, regex=_MODEL) if exemplars_of else quantiles
+
     return PanelSpec(
         title=title,
         description=description,
         unit="s",
         width=12,
         queries=tuple(
-            Query(
-                q.histogram_quantile(quantile, histogram, _MODEL, regex=_MODEL),
-                legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}",
-                exemplar=True,
-            )
+            Query(expr(quantile), legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}",
+                  exemplar=exemplars_of is not None)
             for quantile in (0.5, 0.99)
         ),
     )
@@ -97,12 +100,14 @@ def spec() -> DashboardSpec:
         "Latency",
         (
             _quantiles("Time to first token", sc.LLM_TTFT_SECONDS,
-                       "Arrival to first generated token. Exemplars link to the request's trace."),
+                       "Arrival to first generated token. Exemplars link to the request's trace.",
+                       sc.ENGINE_TTFT_SECONDS),
             _quantiles("Inter-token latency", sc.LLM_ITL_SECONDS,
-                       "Gap between consecutive tokens of a request: one observation per token."),
+                       "Gap between consecutive tokens of a request: one observation per token.",
+                       sc.ENGINE_ITL_SECONDS),
             _quantiles("Time per output token", sc.LLM_TPOT_SECONDS,
                        "Mean gap between generated tokens after the first, per request."),
-            _quantiles("End-to-end latency", sc.LLM_E2E_SECONDS, "Arrival to last token."),
+            _quantiles("End-to-end latency", sc.LLM_E2E_SECONDS, "Arrival to last token.", sc.ENGINE_E2E_SECONDS),
             _quantiles("Queue time", sc.LLM_QUEUE_SECONDS,
                        "Arrival to first scheduling: the scheduler's waiting queue."),
         ),

@@ -30,6 +30,7 @@ __all__ = [
     "sum_by",
     "histogram_quantile",
     "mean",
+    "with_exemplars_of",
     "le_value",
     "series_names",
     "known_metric_names",
@@ -135,6 +136,14 @@ def mean(
     numerator = sum_by(by, rate(selector(total_sum(histogram), matchers, regex), window))
     denominator = sum_by(by, rate(selector(count(histogram), matchers, regex), window))
     return f"{numerator} / {denominator}"
+
+
+def with_exemplars_of(expr: str, histogram: str, regex: Iterable[str] = ()) -> str:
+    """``expr`` plus a clause that selects no samples (a bucket counter is never negative)
+    but names ``histogram``'s buckets: Prometheus's exemplar API returns the exemplars of
+    every series an expression selects, and recording rules cannot copy exemplars, so a
+    panel on the ``llm:`` copies still finds the trace ids on the source series."""
+    return f"{expr}\n  or ({selector(bucket(histogram), regex=regex)} < 0)"
 
 
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")

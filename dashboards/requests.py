@@ -30,6 +30,19 @@ _SAMPLED = ("Sampled traffic only where the series come from traces (Sightline's
             "whose trace is not sampled is missing here; the Overview's request rate counts every request.")
 
 
+# The collector's span-derived histogram behind each sampled llm: copy: its exemplars
+# (trace ids) are what the panels show, since recording rules cannot copy them.
+_SOURCE = {sc.LLM_SAMPLED_TTFT_SECONDS: sc.COLLECTOR_REQUEST_TTFT_SECONDS,
+           sc.LLM_SAMPLED_E2E_SECONDS: sc.COLLECTOR_REQUEST_E2E_SECONDS,
+           sc.LLM_SAMPLED_QUEUE_SECONDS: sc.COLLECTOR_REQUEST_QUEUE_SECONDS,
+           sc.LLM_SAMPLED_TPOT_SECONDS: sc.COLLECTOR_REQUEST_TPOT_SECONDS}
+
+
+def _p(quantile: float, histogram: str) -> str:
+    return q.with_exemplars_of(q.histogram_quantile(quantile, histogram, _BY_PRIORITY, regex=_FILTER),
+                               _SOURCE[histogram], regex=_FILTER)
+
+
 def _heatmap(title: str, histogram: str, description: str) -> PanelSpec:
     return PanelSpec(
         title=title,
@@ -41,7 +54,8 @@ def _heatmap(title: str, histogram: str, description: str) -> PanelSpec:
         description=description,
         queries=(
             Query(
-                q.sum_by((q.BUCKET_LABEL,), q.rate(q.selector(q.bucket(histogram), regex=_FILTER))),
+                q.with_exemplars_of(q.sum_by((q.BUCKET_LABEL,), q.rate(q.selector(q.bucket(histogram), regex=_FILTER))),
+                                    _SOURCE[histogram], regex=_FILTER),
                 legend="{{le}}",
                 exemplar=True,
                 fmt="heatmap",
@@ -87,11 +101,11 @@ def spec() -> DashboardSpec:
                 unit="s",
                 description="Each phase's own P99 (queue, TTFT, end-to-end); exemplars open the slow traces.",
                 queries=(
-                    Query(q.histogram_quantile(0.99, sc.LLM_SAMPLED_QUEUE_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                    Query(_p(0.99, sc.LLM_SAMPLED_QUEUE_SECONDS),
                           "queue p{{priority}}", exemplar=True),
-                    Query(q.histogram_quantile(0.99, sc.LLM_SAMPLED_TTFT_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                    Query(_p(0.99, sc.LLM_SAMPLED_TTFT_SECONDS),
                           "TTFT p{{priority}}", exemplar=True),
-                    Query(q.histogram_quantile(0.99, sc.LLM_SAMPLED_E2E_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                    Query(_p(0.99, sc.LLM_SAMPLED_E2E_SECONDS),
                           "e2e p{{priority}}", exemplar=True),
                 ),
             ),
@@ -99,7 +113,7 @@ def spec() -> DashboardSpec:
                 title="Time per output token P50 / P99",
                 unit="s",
                 queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.LLM_SAMPLED_TPOT_SECONDS, _BY_PRIORITY, regex=_FILTER),
+                    Query(_p(quantile, sc.LLM_SAMPLED_TPOT_SECONDS),
                           f"P{round(quantile * 100)} p{{{{priority}}}}", exemplar=True)
                     for quantile in (0.5, 0.99)
                 ),
