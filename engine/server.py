@@ -1,27 +1,18 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health``, ``GET|POST /ping``, ``GET /version``, ``GET /metrics``
-(OpenMetrics with trace-id exemplars when the scraper's Accept asks for it).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
+``/health``, ``/ping``, ``/version``, ``/metrics`` (OpenMetrics with trace-id exemplars when
+asked). Streams as vLLM does, which benchmark tools are built against: one SSE chunk per
+generated token even when its text is empty, the chat role on the first token's chunk,
+usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
+caller's ``X-Request-Id`` is echoed and names the request's spans (generated if absent).
 
-Streaming follows vLLM, which benchmark tools are built against: one SSE chunk per generated
-token even when its text is empty (half a UTF-8 character, text held back as a possible stop
-string); the chat role rides on the first token's chunk, not ahead of queueing and prefill;
-``stream_options.include_usage`` adds a final usage chunk, ``continuous_usage_stats`` puts the
-running totals on every chunk; ``data: [DONE]`` ends it. The caller's ``X-Request-Id`` is
-echoed, names the request on its spans and makes the response id; one is generated if absent.
-
-Errors come in OpenAI's shape with the right status: 400 for invalid parameters, malformed
-JSON or prompt + max_tokens past the context; 404 for an unknown model or route; 429 (with
-``Retry-After``) when the waiting queue is full; 503 while shutting down; 500 if the engine
-fails a request. The process
-keeps serving after every one of them. A client that disconnects (mid-stream or while waiting)
-has its request aborted, so its KV blocks return to the pool before the next engine step.
-
-Shutdown (SIGTERM/SIGINT): new requests get 503 and ``/health`` turns 503, in-flight requests
-get up to ``shutdown_timeout_s`` to finish (a second signal cuts that short), the rest are
-aborted, then telemetry is flushed.
-The event loop runs in the main thread, the engine loop in its own thread.
+Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
+``Retry-After`` (queue full), 503 (shutting down), 500 (engine failure); the process serves
+on. A client that disconnects has its request aborted, its KV blocks freed before the next
+step. SIGTERM/SIGINT: new requests get 503, in-flight ones get ``shutdown_timeout_s`` (a
+second signal cuts it short), the rest are aborted, telemetry is flushed. The event loop
+runs in the main thread, the engine loop in its own.
 """
 
 from __future__ import annotations
