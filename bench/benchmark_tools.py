@@ -10,7 +10,7 @@ requests) and its token totals with the engine's exact counters. Prints a table;
 
 The tools need a Hugging Face tokenizer for their synthetic prompts; a byte-level one (as
 the tiny model's) is written to a temporary folder, so nothing is downloaded.
-Usage: ``.venv/bin/python bench/benchmark_tools.py --tools-venv /path/to/venv [--requests 16]``.
+Usage: ``.venv/bin/python -m bench.benchmark_tools --tools-venv /path/to/venv [--requests 16]``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,10 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _meta import ROOT, device_name, git_commit, utc_now  # noqa: E402
+from sightline.deploy.processes import free_port
+from sightline.instrumentation import semconv as sc
 
-from sightline.deploy.processes import free_port  # noqa: E402
-from sightline.instrumentation import semconv as sc  # noqa: E402
+from ._common import ROOT, device_name, git_commit, utc_now
 
 _TOKENIZER = """
 import json, sys
@@ -203,7 +202,7 @@ def report(results: list[Comparison], args) -> str:
                      f"(Δ {r.ttft_ms[0] - r.ttft_ms[1]:+.2f}) | {r.itl_ms[0]:.2f} / {r.itl_ms[1]:.2f} "
                      f"(Δ {r.itl_ms[0] - r.itl_ms[1]:+.2f}) | {r.output_tokens[0]} / {r.output_tokens[1]} "
                      f"| {r.prompt_tokens[0]} / {r.prompt_tokens[1]} |")
-    lines += ["", f"Command: `.venv/bin/python bench/benchmark_tools.py --tools-venv {args.tools_venv} "
+    lines += ["", f"Command: `.venv/bin/python -m bench.benchmark_tools --tools-venv {args.tools_venv} "
               f"--requests {args.requests}`", ""]
     return "\n".join(lines)
 

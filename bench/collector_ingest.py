@@ -1,30 +1,18 @@
 """OTLP/HTTP protobuf ingest: spans/s per core and memory, Sightline's collector vs rotel.
 
-Same payloads, same load generator, one run, side by side:
+    python -m bench.collector_ingest [--mix engine]      # about a minute; 2 CPUs are enough
 
-* ``sightline-e2e``: ``sightline collector run`` as deployed, end to end: receivers,
-  limits, parse, bounded queue, the real aggregator (span distributions, trace store).
-  Its rate is what left the queue into the aggregator in the window (acknowledged minus
-  queue growth; once the queue is full the rest is answered 429, which the loader counts
-  and retries later).
-* ``rotel-blackhole``: ``rotel-agent start --exporter blackhole`` (a Rust collector
-  that receives, decodes and batches, then drops).
-* ``sightline-ingest``: ``sightline collector run --sink discard`` — receivers, limits,
-  parse, count, queue; the aggregator replaced by a discard sink (rotel's counterpart).
-* ``sightline-e2e-eager``: ``sightline-e2e`` with ``--trace-store eager`` (the trace store
-  indexes spans as they arrive instead of on the first query).
+Same payloads, same load generator, one run, side by side: ``sightline-e2e`` (the collector
+as deployed: receivers, limits, parse, bounded queue, the real aggregator; its rate is what
+left the queue, once full the rest is answered 429 and retried), ``rotel-blackhole`` (a Rust
+collector that receives, decodes, batches and drops), ``sightline-ingest`` (``--sink
+discard``: rotel's counterpart) and ``sightline-e2e-eager`` (``--trace-store eager``).
 
-Method: a separate process serves; this process posts pre-serialized
-``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
-attributes each) over ``--connections`` keep-alive connections for ``--seconds``, after
-a warm-up. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
-process used in the window (user + system, from /proc), so it does not depend on how
-many cores the machine lends the server while the loader competes for them. Wall-clock
-spans/s is reported too. Each target runs ``--repeats`` times, interleaved; medians.
-Peak RSS is the server's VmHWM at the end.
-
-Results: bench/results/collector_ingest.json and .md (with the git commit).
-Run: ``.venv/bin/python bench/collector_ingest.py`` (about a minute).
+Method: a separate process serves; this one posts pre-serialized requests over keep-alive
+connections after a warm-up. Spans/s per core = spans acknowledged / CPU seconds the server
+used in the window (from /proc), so it does not depend on how many cores the loader leaves
+it; each target runs ``--repeats`` times, interleaved; medians; peak RSS is the server's
+VmHWM. Writes bench/results/collector_ingest[_engine_mix].json and .md.
 """
 
 from __future__ import annotations
@@ -46,10 +34,7 @@ from pathlib import Path
 
 import aiohttp
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import ROOT, git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import ROOT, git_commit, utc_now
+from ._common import ROOT, git_commit, utc_now
 
 RESULTS = ROOT / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -130,8 +115,7 @@ def make_payloads(n_requests: int, spans_per_request: int) -> list[bytes]:
 
 def make_engine_mix_payloads(n_payloads: int) -> tuple[list[bytes], int]:
     """``sketch_accuracy``'s engine-like exports (28 requests each: 520 spans), distinct ids."""
-    sys.path.insert(0, str(ROOT))
-    from bench.sketch_accuracy import _span_mix
+    from .sketch_accuracy import _span_mix
 
     requests = [_span_mix(28, seed=100 + i) for i in range(n_payloads)]
     counts = {len(r.resource_spans[0].scope_spans[0].spans) for r in requests}
@@ -384,7 +368,7 @@ def main(argv=None) -> int:
         "(bounded: 48 MiB of encoded requests by default). The default trace store keeps each request's "
         "encoding and indexes it on the first query (explain, /api/v1/traces), so that cost is paid at "
         "query time, not here; `sightline-e2e-eager` pays it on ingest.",
-        "Command: `.venv/bin/python bench/collector_ingest.py" + "".join(
+        "Command: `.venv/bin/python -m bench.collector_ingest" + "".join(
             " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`",
     ]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -1,19 +1,23 @@
-"""Engine output tokens per second at several batch sizes, through the real engine loop.
+"""Engine decode speed next to the weight-read floor, CUDA graphs and eager side by side.
 
-    python bench/engine_throughput.py --model llama-8b --device cuda        # H200: ~2-4 min
-    python bench/engine_throughput.py --model tiny --device cpu --batches 1,8 --output-len 64
+    python bench/engine_throughput.py --model llama-8b --device cuda      # H200: ~2 min
+    python bench/engine_throughput.py --model tiny --device cpu --single-output-len 16 \\
+        --concurrency 4 --output-len 8 --repeats 1                          # CPU smoke run
 
-For each batch size B: B requests of ``--prompt-len`` random prompt tokens (seeded) and
-exactly ``--output-len`` output tokens (ignore_eos, greedy) go through ``LLMEngine.step()``
-(scheduler, model runner, sampler, detokenizer, metrics: everything but HTTP). Reported:
+Requests go through ``LLMEngine.step()`` (scheduler, model runner, sampler, detokenizer,
+metrics: everything but HTTP), greedy with ignore_eos, random seeded prompts. Measured in one
+process on one engine, each repeat running every mode in turn (medians over repeats):
 
-* ``output_tokens_per_s``: B * output_len / wall time from submission to the last token
-  (prefill included);
-* ``decode_tokens_per_s``: tokens of decode-only steps / their summed duration;
-* ``decode_step_ms`` median and p90 over decode-only steps (each step ends with the
-  sampled tokens on the host, so on CUDA the time includes the device work).
+* ``single``: one request (``--prompt-len`` prompt, ``--single-output-len`` output): median
+  decode step ms and the decode tok/s it implies, and end-to-end output tok/s;
+* ``concurrent``: ``--concurrency`` requests submitted together (``--output-len`` each): end-to-end
+  output tok/s (prefill included) and the median decode-only step ms at full batch.
 
-A warm-up generation runs first (Triton compiles its kernels there). Writes
+Modes: ``graphs`` (decode steps replay CUDA graphs; on the CPU the same padded static path
+without capture) and ``eager``. Floor: parameter bytes / the bandwidth of a device-to-device
+copy measured in this run (bytes read + written per second), i.e. the time to read every
+weight once; each step time is reported as a multiple of it. ``agreement``: share of
+requests whose greedy tokens are identical between the modes. Writes
 ``engine_throughput_<model>_<device>.json`` into ``--out``.
 """
 
@@ -36,46 +40,120 @@ from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import device_name, git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import device_name, git_commit, utc_now
+from ._common import device_name, git_commit, utc_now
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def copy_bandwidth(device: torch.device, repeats: int = 9) -> float:
+    """Bytes read + written per second by a device-to-device copy (median of repeats)."""
+    nbytes = 1 << 30 if device.type == "cuda" else 1 << 26
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    return 2 * nbytes / statistics.median(times[1:])
 
 
-def run_batch(engine: LLMEngine, batch: int, prompt_len: int, output_len: int, seed: int) -> dict:
-    rng = random.Random(seed + batch)
-    vocab = min(engine.model_config.vocab_size, 32000)
-    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(batch)]
+def generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict:
+    """Runs the prompts together; wall time, decode-only step times at full batch and at any
+    batch, and every request's tokens."""
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    tokens: dict[str, list[int]] = {}
     for prompt in prompts:
-        engine.add_request(engine.new_request_id("bench"), prompt, params)
-    decode_s: list[float] = []
-    decode_tokens = 0
-    steps = 0
+        tokens[engine.new_request_id("bench")] = []
+        engine.add_request(list(tokens)[-1], prompt, params)
+    full, decode, graph_steps = [], [], 0
     start = time.perf_counter()
     while engine.scheduler.has_work:
-        engine.step()
+        for _, output in engine.step():
+            tokens[output.request_id] += output.token_ids
         stats = engine.last_step
-        steps += 1
         if stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens:
-            decode_s.append(stats.duration_s)
-            decode_tokens += stats.num_decode_tokens
+            decode.append(stats.duration_s)
+            graph_steps += engine.runner.last_step_graph_bucket is not None
+            if stats.num_decode_tokens == len(prompts):
+                full.append(stats.duration_s)
     wall = time.perf_counter() - start
-    return {
-        "batch": batch,
-        "steps": steps,
-        "wall_s": round(wall, 4),
-        "output_tokens": batch * output_len,
-        "output_tokens_per_s": round(batch * output_len / wall, 2),
-        "decode_tokens_per_s": round(decode_tokens / sum(decode_s), 2) if decode_s else None,
-        "decode_step_ms_median": round(statistics.median(decode_s) * 1e3, 3) if decode_s else None,
-        "decode_step_ms_p90": round(_quantile(decode_s, 0.9) * 1e3, 3) if decode_s else None,
-    }
+    return {"wall_s": wall, "full_batch_step_s": full, "decode_step_s": decode,
+            "graph_steps": graph_steps, "tokens": list(tokens.values())}
+
+
+def _median_ms(values: list[float]) -> float | None:
+    return round(statistics.median(values) * 1e3, 3) if values else None
+
+
+def run(engine: LLMEngine, args: argparse.Namespace, floor_s: float) -> dict:
+    runner = engine.runner
+    rng = random.Random(args.seed)
+    vocab = min(engine.model_config.vocab_size, 32000)
+
+    def prompts(n: int) -> list[list[int]]:
+        return [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
+
+    single_prompt, batch_prompts = prompts(1), prompts(args.concurrency)
+    graphs = runner.graphs
+    modes = ["graphs", "eager"] if graphs is not None else ["eager"]
+    raw: dict[str, dict[str, list]] = {m: {"single": [], "concurrent": []} for m in modes}
+    for mode in modes:  # warm-up: Triton compiles each mode's kernel variants
+        runner.graphs = graphs if mode == "graphs" else None
+        generate(engine, single_prompt, 4)
+        generate(engine, batch_prompts, 4)
+    for _ in range(args.repeats):
+        for mode in modes:
+            runner.graphs = graphs if mode == "graphs" else None
+            raw[mode]["single"].append(generate(engine, single_prompt, args.single_output_len))
+            raw[mode]["concurrent"].append(generate(engine, batch_prompts, args.output_len))
+    runner.graphs = graphs
+    floor_ms = floor_s * 1e3
+    out = {}
+    for mode in modes:
+        single, conc = raw[mode]["single"], raw[mode]["concurrent"]
+        step_ms = _median_ms([s for r in single for s in r["decode_step_s"]])
+        full_ms = _median_ms([s for r in conc for s in r["full_batch_step_s"]])
+        e2e_single = statistics.median(args.single_output_len / r["wall_s"] for r in single)
+        e2e_conc = statistics.median(args.concurrency * args.output_len / r["wall_s"] for r in conc)
+        out[mode] = {
+            "single": {
+                "decode_step_ms": step_ms,
+                "decode_tokens_per_s": round(1e3 / step_ms, 1) if step_ms else None,
+                "step_x_floor": round(step_ms / floor_ms, 2) if step_ms else None,
+                "output_tokens_per_s": round(e2e_single, 1),
+                "graph_steps": single[-1]["graph_steps"],
+            },
+            "concurrent": {
+                "requests": args.concurrency,
+                "output_tokens_per_s": round(e2e_conc, 1),
+                # tokens/s if every one of the requests' output tokens took one floor-long step
+                "output_x_floor_rate": round(e2e_conc / (args.concurrency / floor_s), 3),
+                "full_batch_decode_step_ms": full_ms,
+                "step_x_floor": round(full_ms / floor_ms, 2) if full_ms else None,
+                "wall_s": [round(r["wall_s"], 4) for r in conc],
+                "graph_steps": conc[-1]["graph_steps"],
+            },
+        }
+    if len(modes) == 2:
+        a, b = raw["graphs"]["concurrent"][-1]["tokens"], raw["eager"]["concurrent"][-1]["tokens"]
+        a.append(raw["graphs"]["single"][-1]["tokens"][0])
+        b.append(raw["eager"]["single"][-1]["tokens"][0])
+        out["agreement"] = {"identical_requests": sum(x == y for x, y in zip(a, b)),
+                            "requests": len(a)}
+        g, e = out["graphs"], out["eager"]
+        if g["single"]["decode_step_ms"] and e["single"]["decode_step_ms"]:
+            out["graphs_speedup"] = {
+                "single_step": round(e["single"]["decode_step_ms"] / g["single"]["decode_step_ms"], 2),
+                "concurrent_output": round(g["concurrent"]["output_tokens_per_s"]
+                                           / e["concurrent"]["output_tokens_per_s"], 2)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,42 +161,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="tiny", help="preset or HF-style directory")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
     parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--single-output-len", type=int, default=128)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
-    parser.add_argument("--attention-backend", default="auto", choices=("auto", "triton", "torch"))
+    parser.add_argument("--enforce-eager", action="store_true", help="eager mode only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
-    batches = [int(b) for b in args.batches.split(",")]
-    max_batch = max(batches)
-    scheduler = SchedulerConfig(max_num_seqs=max_batch,
-                                max_num_batched_tokens=max(2048, max_batch, args.prompt_len),
-                                max_waiting=max(1024, max_batch))
+    scheduler = SchedulerConfig(max_num_seqs=args.concurrency,
+                                max_num_batched_tokens=max(args.max_num_batched_tokens,
+                                                           args.concurrency, args.prompt_len),
+                                max_waiting=max(1024, args.concurrency))
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                          kv_cache_gib=args.kv_cache_gib,
-                          gpu_memory_utilization=args.gpu_memory_utilization,
-                          attention_backend=args.attention_backend, scheduler=scheduler)
+                          kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager,
+                          gpu_memory_utilization=args.gpu_memory_utilization, scheduler=scheduler,
+                          max_model_len=args.max_model_len)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t0
     runner = engine.runner
-    needed = max_batch * (args.prompt_len + args.output_len)
-    print(f"{args.model} on {runner.device} ({runner.dtype}): {runner.num_blocks} KV blocks "
-          f"({runner.num_blocks * runner.block_size} tokens; the largest batch needs {needed}), "
-          f"loaded in {load_s:.1f} s", flush=True)
-    run_batch(engine, min(2, max_batch), min(args.prompt_len, 32), 8, args.seed + 999)  # warm-up
-
-    results = []
-    for batch in batches:
-        result = run_batch(engine, batch, args.prompt_len, args.output_len, args.seed)
-        results.append(result)
-        print(f"batch {batch:4d}: {result['output_tokens_per_s']:10.1f} output tok/s, decode "
-              f"{result['decode_tokens_per_s']} tok/s, decode step median "
-              f"{result['decode_step_ms_median']} ms (p90 {result['decode_step_ms_p90']})", flush=True)
+    if runner.graphs is None and runner.device.type == "cpu" and not args.enforce_eager:
+        runner.static_decode(capture=False)  # the graphs' padded path, minus capture
+    cap = runner.graph_capture
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    bandwidth = copy_bandwidth(runner.device)
+    floor_s = weight_bytes / bandwidth
+    print(f"{args.model} on {runner.device} ({runner.dtype}): loaded in {load_s:.1f} s; weights "
+          f"{weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e12:.2f} TB/s, floor "
+          f"{floor_s * 1e3:.3f} ms/step", flush=True)
+    results = run(engine, args, floor_s)
+    for mode in ("graphs", "eager"):
+        if mode in results:
+            s, c = results[mode]["single"], results[mode]["concurrent"]
+            print(f"{mode:6s}: batch 1 {s['decode_step_ms']} ms/step ({s['step_x_floor']}x floor, "
+                  f"{s['decode_tokens_per_s']} tok/s); {args.concurrency} concurrent "
+                  f"{c['output_tokens_per_s']} output tok/s, full-batch step "
+                  f"{c['full_batch_decode_step_ms']} ms ({c['step_x_floor']}x floor)", flush=True)
 
     report = {
         "benchmark": "engine_throughput",
@@ -131,12 +216,13 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "num_params": engine.model_config.num_params,
         "dtype": str(runner.dtype).replace("torch.", ""),
-        "attention_backend": args.attention_backend,
-        "kv_blocks": runner.num_blocks,
-        "block_size": runner.block_size,
         "prompt_len": args.prompt_len,
-        "output_len": args.output_len,
         "load_s": round(load_s, 2),
+        "cuda_graphs": None if cap is None else {
+            "buckets": list(cap.buckets), "skipped": list(cap.skipped),
+            "capture_s": round(cap.capture_s, 2), "pool_mib": round(cap.pool_bytes / 2**20, 1)},
+        "floor": {"weight_bytes": weight_bytes, "copy_bytes_per_s": round(bandwidth),
+                  "step_ms": round(floor_s * 1e3, 4)},
         "results": results,
     }
     out = Path(args.out)

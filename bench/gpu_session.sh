@@ -4,9 +4,14 @@
 #
 #   bash bench/gpu_session.sh overhead probe tests      # parts, in the order given
 #
-# Parts: tests (pytest -m gpu on the GPU test modules), probe (bench/kernels.py --only
-# probe), kernels (all of bench/kernels.py), overhead (bench/overhead.py --mode levels),
-# profiler (--mode profiler), capture (bench/record_capture.py; HTTP-served requests).
+# Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
+# probe), kernels (all of bench.kernels), overhead (bench.overhead --mode levels),
+# profiler (--mode profiler), capture (bench.record_capture; HTTP-served requests),
+# overhead-http (bench.overhead_http: served engine, spans to a collector),
+# engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
+# on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
+# override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
+# incident (bench.record_incident: served load with a noisy neighbour on measured SMs).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -18,7 +23,7 @@ OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/site2 . \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site2 . \
     >>"$OUT/pip.log" 2>&1
 export PYTHONPATH=/tmp/site2:/tmp/site
 export SIGHTLINE_FA2_PREFILL_CONFIG=${SIGHTLINE_FA2_PREFILL_CONFIG:-128,64,8,3}
@@ -39,18 +44,30 @@ part() {  # name, limit in seconds, command...
 
 for p in "$@"; do
     case $p in
-    tests) part "gpu-tests-$commit" 150 python3 -m pytest -q -m gpu \
+    tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
-    probe) part "probe-$commit" 120 python3 bench/kernels.py --only probe --out "$OUT" ;;
-    kernels) part "kernels-$commit" 420 python3 bench/kernels.py --out "$OUT" ;;
-    overhead) part "overhead-levels-$commit" 330 python3 bench/overhead.py --mode levels \
+    probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
+    kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
+    overhead) part "overhead-levels-$commit" 330 python3 -m bench.overhead --mode levels \
         --requests 64 --prompt 128 --output 48 --repeats 5 --in-situ-runs 2 \
         --batches 1 64 --out "$OUT" ;;
-    profiler) part "overhead-profiler-$commit" 240 python3 bench/overhead.py --mode profiler \
+    profiler) part "overhead-profiler-$commit" 240 python3 -m bench.overhead --mode profiler \
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
-    capture) part "capture-$commit" 300 python3 bench/record_capture.py --out "$OUT" ;;
+    capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
+    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
+        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-2}" --bursts "${HTTP_BURSTS:-6}" \
+        --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
+    engine)
+        part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
+            tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
+            tests/engine/test_sampling.py
+        # shellcheck disable=SC2086  # the extra flags are meant to split
+        part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
+            --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
+            --out "$OUT" ${SIGHTLINE_ENGINE_ARGS:-} ;;
+    incident) part "incident-$commit" "${INCIDENT_LIMIT_S:-360}" python3 -m bench.record_incident --out "$OUT" ;;
     *) echo "unknown part: $p" ;;
     esac
 done

@@ -1,21 +1,18 @@
 """Attention kernels on the GPU: correctness, then speed side by side, in one run.
 
-    python bench/kernels.py --out bench/results        # needs CUDA; ~3-5 min on an H200
+    python -m bench.kernels --out bench/results        # needs CUDA; a few minutes
+    python -m bench.kernels --only probe --out bench/results
 
-1. Correctness against the float32 torch reference (outputs poisoned with NaN first, so
-   an unwritten row fails): varlen GQA prefill (bf16 hd128, fp16 hd64, chunked prefill
-   with q_len < k_len) and paged decode (several split counts, empty contexts).
-2. Ceilings measured in the same run: a device-to-device copy (bytes read + written).
-3. Prefill TFLOP/s (causal FLOPs = 2 * 2 * B * H * S^2 * D / 2), bf16, hd128, 32 heads:
-   every candidate block config of ours, the auto-tuned choice, PyTorch SDPA's flash
-   backend and its cuDNN backend, at 1K x16, 4K x4, 16K x1.
-4. Paged decode GB/s (K+V bytes of the contexts + q + o over time), batch 64, Hq 32,
-   Hkv 8, hd128, page 16, random page order, at contexts 4K..32K: default heuristics plus
-   a small sweep of splits and tile configs; as a fraction of the copy bandwidth.
+1. Correctness against the float32 torch reference, outputs poisoned with NaN first so an
+   unwritten row fails: varlen GQA prefill (incl. chunked, q_len < k_len) and paged decode.
+2. The ceiling, in the same run: a device-to-device copy (bytes read + written).
+3. Prefill TFLOP/s (causal FLOPs = 2 * 2 * B * H * S^2 * D / 2), bf16 hd128, 32 heads, at
+   1K x16, 4K x4, 16K x1: our block configs, the tuned choice, SDPA flash and cuDNN.
+4. Paged decode GB/s, batch 64, Hq 32, Hkv 8, page 16, contexts 4K..32K, as a fraction of
+   the copy bandwidth; a small sweep of splits and tile configs.
 5. SM-probe overhead (probe on vs off) on both kernels, and what the probe saw.
 
-Timing: ``triton.testing.do_bench`` medians (it clears L2 between repetitions).
-Writes ``kernels-<device>-<commit>.json`` and ``.md`` into --out.
+Timing: ``triton.testing.do_bench`` medians. Writes ``kernels-<device>-<commit>.json/.md``.
 """
 
 from __future__ import annotations
@@ -40,10 +37,7 @@ from sightline.engine.kernels.reference import (paged_decode_attention_ref,
                                                  prefill_attention_ref)
 from sightline.instrumentation.sm_probe import SmProbe, launch_facts
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import git_commit, utc_now
+from ._common import git_commit, utc_now
 
 SCALE = 1.0 / math.sqrt(128)
 

@@ -1,9 +1,9 @@
 """What Sightline's telemetry costs a real engine run, side by side in one process.
 
-    python bench/overhead.py --mode levels   --out bench/results   # GPU: llama-8b shape
-    python bench/overhead.py --mode profiler --out bench/results   # torch.profiler reference
-    python bench/overhead.py --mode capture  --capture deploy/captures/h200-x.jsonl.gz
-    python bench/overhead.py --mode report   --out bench/results   # markdown from the JSONs
+    python -m bench.overhead --mode levels   --out bench/results   # GPU: llama-8b shape
+    python -m bench.overhead --mode profiler --out bench/results   # torch.profiler reference
+    python -m bench.overhead --mode capture  --capture deploy/captures/h200-x.jsonl.gz
+    python -m bench.overhead --mode report   --out bench/results   # markdown from the JSONs
 
 ``levels``: ONE engine (the llama-8b shape, random weights, bf16) serves the same workload
 — ``--requests`` concurrent requests of ``--prompt`` prompt tokens and ``--output`` output
@@ -48,14 +48,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-if __package__:  # imported as bench.<name>
-    from bench._discard import DiscardExporter
-    from bench._in_situ import InSituTimer
-    from bench._meta import device_name, git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _discard import DiscardExporter
-    from _in_situ import InSituTimer
-    from _meta import device_name, git_commit, utc_now
+from ._common import DiscardExporter, InSituTimer, device_name, git_commit, utc_now
 
 
 @dataclass
@@ -469,7 +462,7 @@ def main(argv=None) -> int:
     result = {"levels": mode_levels, "profiler": mode_profiler, "capture": mode_capture}[args.mode](args)
     rec = {"mode": args.mode, "commit": git_commit(), "device": device_name(args.device, cpu_fallback="cpu"),
            "time_utc": utc_now(),
-           "command": "python bench/overhead.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+           "command": "python -m bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:]),
            "wall_s": time.time() - t0, "result": result}
     out.mkdir(parents=True, exist_ok=True)
     name = f"overhead-{args.mode}-{rec['device'].replace(' ', '-').lower()}-{rec['commit'][:8]}.json"

@@ -1,29 +1,18 @@
 """Records a telemetry capture of a real HTTP-served engine run, then checks what it holds.
 
-    python bench/record_capture.py --capture deploy/captures/h200-20261215.jsonl.gz --out "$OUT"
-    python bench/record_capture.py --model tiny --device cpu --requests 8 --out /tmp/rc   # CPU check
+    python -m bench.record_capture --capture deploy/captures/h200-20261215.jsonl.gz --out "$OUT"
+    python -m bench.record_capture --model tiny --device cpu --requests 8 --out /tmp/rc  # CPU
 
-The engine's own OpenAI-compatible server (engine/server.py) runs in this process on a free
-loopback port at trace level ``kernels`` — on CUDA that adds CUPTI kernel spans (sampled and
-tail steps) and the per-SM CTA probe; on the CPU the trace tree ends at the steps — and its
-telemetry goes only to an OTLP JSON Lines capture (instrumentation/capture.py). An aiohttp
-client sends ``--requests`` streamed requests in ``--waves`` waves (each wave concurrent, the
-next once it is done): every sixth a /v1/chat/completions, the rest /v1/completions; prompts
-of 64..512 characters (as many tokens under the byte tokenizer), 16..64 output tokens
-(ignore_eos), priorities 0, 1, 2 in turn. Request 0 carries a W3C ``traceparent``, request 1
-Zipkin B3 headers. The server is then stopped as SIGTERM would (drain; engine shutdown flushes
-kernel spans and per-SM histograms; telemetry shutdown closes the capture) and the capture is
-read back.
+The engine's own server runs in this process at trace level ``kernels`` (on CUDA: CUPTI
+kernel spans and the per-SM CTA probe), its telemetry going only to an OTLP JSON Lines
+capture. ``--requests`` streamed requests in ``--waves`` concurrent waves (every sixth a chat
+completion; priorities 0, 1, 2 in turn; request 0 carries a W3C ``traceparent``, request 1
+Zipkin B3 headers); the server is stopped as SIGTERM would, and the capture read back.
 
-Writes ``<out>/record_capture-<device>-<commit8>.json``: requests sent/ok, client TTFT (sent
--> first streamed text), server spans and those carrying TTFT, step and kernel spans, kernel
-spans inside their step's time (bench/kernel_containment.py's rule), per-SM histogram points
-and those with exemplars, and whether the W3C and B3 trace ids were continued. Exit status 1
-when a request failed or, on CUDA, no kernel span was captured.
-
-Client TTFT with random weights: most ids of a 128K vocabulary decode to no text under the
-byte tokenizer and the server streams only chunks with text, so on ``llama-8b`` few requests
-have one (``client_ttft.count``); the server's TTFT is on every request span.
+Writes ``<out>/record_capture-<device>-<commit8>.json``: requests, client TTFT, server, step
+and kernel spans, kernel spans inside their step (kernel_containment's rule), per-SM points
+and exemplars, whether the W3C and B3 trace ids were continued. Exit status 1 when a request
+failed or, on CUDA, no kernel span was captured.
 """
 
 from __future__ import annotations
@@ -46,12 +35,8 @@ from sightline.deploy.load import LatencyStats, RequestRecord, format_summary, s
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import read_capture
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import device_name, git_commit, utc_now
-    from bench.kernel_containment import capture_spans, step_containment
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import device_name, git_commit, utc_now
-    from kernel_containment import capture_spans, step_containment
+from ._common import device_name, git_commit, utc_now
+from .kernel_containment import capture_spans, step_containment
 
 SERVER_SPANS = (sc.SPAN_HTTP_COMPLETIONS, sc.SPAN_HTTP_CHAT_COMPLETIONS)
 _WORDS = "why was this request slow all the way down to the multiprocessor that ran its block".split()
@@ -166,6 +151,7 @@ def start_server(args: argparse.Namespace, capture: Path):
     telemetry = Telemetry.start(TelemetryConfig(
         level="kernels", exporter="none", capture_path=str(capture),
         kernel_sample_ratio=args.kernel_sample_ratio,
+        metric_export_interval_s=getattr(args, "metric_export_interval", 10.0),
         resource_attributes={"host.name": socket.gethostname(),
                              "sightline.capture": "bench/record_capture.py"},
         # A traced step ends hundreds of kernel spans at once: a queue that holds them all
@@ -280,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                **read_back(capture, plans), "errors": [r.error for r in records if r.error][:5]}
     commit = git_commit()
     record = {"commit": commit, "device": device, "time_utc": utc_now(),
-              "command": "python bench/record_capture.py " + " ".join(sys.argv[1:] if argv is None else argv),
+              "command": "python -m bench.record_capture " + " ".join(sys.argv[1:] if argv is None else argv),
               "wall_s": time.time() - t0, "capture": str(capture), "capture_bytes": capture.stat().st_size,
               "config": {k: v for k, v in vars(args).items() if k not in ("capture", "out")},
               "summary": summary}

@@ -1,24 +1,17 @@
 """Per-SM P99 accuracy of the collector's sketches vs the exact P99 and vs Prometheus.
 
-For each distribution family (lognormal, bimodal, heavy-tailed Pareto, and one slow SM)
-it draws CTA durations for 132 SMs, sends them through the real path (OTLP exponential
-histogram points as the SM probe emits them -> ``Aggregator.consume_metrics`` -> the
-per-SM sliding window) and compares the window's P99 with:
+    python -m bench.sketch_accuracy [--samples 20000] [--freshness]
 
-* the exact P99 (the sample at rank ``ceil(0.99 n)``) -> relative error, bound
-  ``relative_error(scale)``; the goal is <= 1 %;
-* Prometheus's ``histogram_quantile(0.99, ...)`` over classic buckets
-  (``semconv.CTA_BUCKETS_S``), implemented with Prometheus's linear interpolation
-  (rank ``q * count``, lower bound 0 for the first bucket, the last finite bound when
-  the rank falls in +Inf), on exact classic counts of the same samples;
-* replicas: each SM's samples split at random across 3 aggregators, the 3 window
-  histograms merged, vs the single aggregator's answer and the exact one.
-
-``--freshness`` also starts a real collector process and measures how long an OTLP/HTTP
-export takes to become visible in ``/api/v1/heatmap`` (POST sent -> count visible).
+For each distribution family (lognormal, bimodal, heavy-tailed Pareto, one slow SM) it draws
+CTA durations for 132 SMs, sends them through the real path (OTLP exponential histogram
+points as the SM probe emits them -> ``Aggregator.consume_metrics`` -> the per-SM window)
+and compares the window's P99 with the exact P99 (rank ``ceil(0.99 n)``; the bound is
+``relative_error(scale)``, the goal <= 1 %), with Prometheus's ``histogram_quantile`` over
+classic buckets (``semconv.CTA_BUCKETS_S``, Prometheus's interpolation on exact counts), and
+with 3 replicas' merged histograms. ``--freshness`` also starts a real collector and times
+an OTLP/HTTP export until it is visible in ``/api/v1/heatmap``.
 
 Writes ``bench/results/sketch_accuracy.json`` and ``.md`` (with the git commit).
-Usage: ``.venv/bin/python bench/sketch_accuracy.py [--samples 20000] [--freshness]``.
 """
 
 from __future__ import annotations
@@ -43,10 +36,7 @@ from sightline.collector.aggregator import AggregationConfig, Aggregator
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
 
-if __package__:  # imported as bench.<name>
-    from bench._meta import ROOT, git_commit, utc_now
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _meta import ROOT, git_commit, utc_now
+from ._common import ROOT, git_commit, utc_now
 
 RESULTS = ROOT / "bench" / "results"
 N_SMS = 132
@@ -271,8 +261,7 @@ def measure_ingest(repeats: int = 5) -> dict:
 
 # -- freshness --------------------------------------------------------------------------------
 def measure_freshness(trials: int) -> dict:
-    sys.path.insert(0, str(ROOT))
-    from tests.support import free_port, wait_for_http
+    from tests.support import free_port, wait_for_http  # the repository root is on sys.path
 
     ports = {k: free_port() for k in ("grpc", "http", "zipkin", "query")}
     env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
@@ -346,7 +335,7 @@ def main() -> int:
     lines = [f"# Per-SM P99 accuracy (commit {commit}, {result['date_utc']})", "",
              f"{N_SMS} SMs x {args.samples} CTAs per distribution; P99 per SM through OTLP points -> "
              f"Aggregator window vs exact; Prometheus `histogram_quantile` over `CTA_BUCKETS_S` on the same "
-             f"samples; 3 replicas merged. Command: `.venv/bin/python bench/sketch_accuracy.py"
+             f"samples; 3 replicas merged. Command: `.venv/bin/python -m bench.sketch_accuracy"
              f"{' --freshness' if args.freshness else ''}`.", "",
              "| distribution | sketch max err | sketch median | bound | Prometheus max err | Prometheus median "
              "| replicas vs single | replicas vs exact | hottest SM exact/sketch/prom | bucket bytes/SM |",

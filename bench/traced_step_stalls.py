@@ -1,15 +1,13 @@
 """How much a kernel-traced step slows the steps after it, from a capture.
 
-A traced step's CUPTI records (~1,500 for the eager llama-8b engine) become kernel spans
-on other threads of the engine's process, and that Python work takes the GIL from the
-engine thread. This reads a capture's ``engine.step`` spans in start order, finds the
-traced ones (those with kernel-span children, or with ``sightline.step.kernel_trace_reason``)
-and reports the duration of each traced step and of the steps after it, against the median
-of the steps that are neither traced nor right after a traced step. Steps marked
-``sightline.step.kernel_trace_backlog`` (captures recorded after that attribute existed)
-are counted too.
+A traced step's CUPTI records become kernel spans on other threads of the engine's process,
+and that Python work takes the GIL from the engine thread. This reads a capture's
+``engine.step`` spans in start order, finds the traced ones (with kernel-span children, or
+with ``sightline.step.kernel_trace_reason``) and reports the duration of each traced step
+and of the steps after it, against the median of the steps that are neither traced nor
+right after a traced step; steps marked ``sightline.step.kernel_trace_backlog`` are counted.
 
-    python bench/traced_step_stalls.py deploy/captures/h200-20261130-http.jsonl.gz \
+    python -m bench.traced_step_stalls deploy/captures/h200-20261130-http.jsonl.gz \
         --out bench/results/traced_step_stalls-h200-capture.json
 """
 
@@ -22,10 +20,7 @@ from pathlib import Path
 
 from sightline.instrumentation import semconv
 
-if __package__:  # imported as bench.<name>
-    from bench.kernel_containment import attribute, capture_spans
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from kernel_containment import attribute, capture_spans
+from .kernel_containment import attribute, capture_spans
 
 
 def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict:

@@ -1,34 +1,18 @@
 """CPU cost of the tracing calls an engine makes, per request and per step, at each level.
 
-What is timed is the calling thread's wall time (``time.perf_counter_ns``) and CPU time
-(``time.thread_time_ns``, less disturbed by other processes on a shared box) around exactly
-the calls the engine makes, with the real SDK pipeline behind them (BatchSpanProcessor
-into an exporter that discards), so the cost includes span creation, attribute
-validation, links, and the queue append — but not the export, which runs on the SDK's
-worker thread. Each figure is the median over ``--repeats`` runs of ``--iterations``
-calls, in ns per call.
+    python -m bench.tracing_overhead --engine     # writes bench/results/tracing_overhead_cpu.json
 
-- ``request``: one request's lifecycle: start_request, five phases opened and closed,
-  first_token, finish (the per-request cost, excluding steps).
-- ``bare_sdk_span``: reference, the SDK's own start+end of one span without processors;
-  divide by it to compare machines.
-- ``step/B``: one engine step serving B requests: start_step with B links, B link_step
-  calls, end.
-At level ``off`` the engine's pattern is timed: the call returns None and the caller
-branches on it.
-- ``traced_step_kernel_spans_encode``: the kernel spans of the H200 capture's largest
-  traced step (``--capture``), rebuilt as the GPU telemetry builds them, OTLP-encoded as the
-  span exporter's thread does it (thread CPU ms, 15 alternating rounds); also as they were
-  before 3 attributes moved to the step span and the resource was hashed once. Encoding is
-  most of the CPU a traced step costs outside CUPTI, and it takes the GIL from the engine.
+Timed: the calling thread's wall and CPU time around exactly the engine's calls, with the
+real SDK pipeline behind them (batch processor into an exporter that discards): span
+creation, validation, links and the queue append, not the export. Medians over
+``--repeats`` runs, ns per call, of ``request`` (one request's lifecycle), ``step/B`` (a
+step serving B requests), ``bare_sdk_span`` (the SDK's own span, to compare machines), the
+level-``off`` branch, and ``traced_step_kernel_spans_encode`` (the capture's largest traced
+step's kernel spans OTLP-encoded as the exporter thread does it: thread CPU ms).
 
-With ``--engine``: the tiny model's engine loop (offline, CPU) at levels off, requests and
-steps, same requests, interleaved repeats; wall time, ms per step, overhead vs off. On a
-shared machine run-to-run noise can exceed the tracing cost, so separate runs also time
-the tracing calls in place (``in_situ_*``: wall time spent inside them, an upper bound).
-
-Run: ``.venv/bin/python bench/tracing_overhead.py --engine`` (writes
-bench/results/tracing_overhead_cpu.json with the git commit).
+``--engine``: the tiny engine loop (offline, CPU) at levels off, requests and steps,
+interleaved repeats; and, since run-to-run noise can exceed the cost on a shared machine,
+runs that time the tracing calls in place (``in_situ_*``, an upper bound).
 """
 
 from __future__ import annotations
@@ -45,16 +29,8 @@ from sightline.instrumentation import semconv
 from sightline.instrumentation.config import TelemetryConfig, TraceLevel
 from sightline.instrumentation.tracing import Telemetry
 
-if __package__:  # imported as bench.<name>
-    from bench._discard import DiscardExporter
-    from bench._in_situ import InSituTimer
-    from bench._meta import git_commit
-    from bench.kernel_containment import attribute, capture_spans
-else:  # run as python bench/<name>.py: this folder is sys.path[0]
-    from _discard import DiscardExporter
-    from _in_situ import InSituTimer
-    from _meta import git_commit
-    from kernel_containment import attribute, capture_spans
+from ._common import DiscardExporter, InSituTimer, git_commit
+from .kernel_containment import attribute, capture_spans
 
 RESULTS = Path(__file__).parent / "results" / "tracing_overhead_cpu.json"
 CAPTURE = Path(__file__).parent.parent / "deploy" / "captures" / "h200-20261130-http.jsonl.gz"

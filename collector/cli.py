@@ -19,7 +19,8 @@ from sightline.collector.config import CollectorConfig  # stdlib-only module
 __all__ = ["aggregation_config", "register"]
 
 _D = {f.name: f.default for f in fields(CollectorConfig)}
-_W, _A, _T = WindowConfig(), AggregationConfig(), TraceStoreConfig()
+# Default configs: the flags show their values as defaults.
+_WINDOW, _AGGREGATION, _TRACE_STORE = WindowConfig(), AggregationConfig(), TraceStoreConfig()
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -77,31 +78,31 @@ def _add_aggregation_flags(run: argparse.ArgumentParser) -> None:
         "aggregation", "windows, cardinality limits and the trace store; each value is checked on start "
                        "and an out-of-range one is refused with the allowed range (exit status 2)")
     add = group.add_argument
-    add("--window-slot-s", type=float, default=_W.slot_s, metavar="SECONDS",
+    add("--window-slot-s", type=float, default=_WINDOW.slot_s, metavar="SECONDS",
         help="length of one window slot: the time resolution of heatmaps and quantiles (default %(default)s)")
-    add("--window-slots", type=int, default=_W.num_slots, metavar="N",
+    add("--window-slots", type=int, default=_WINDOW.num_slots, metavar="N",
         help="slots kept per series; slots x slot length is the horizon, older data is refused (default %(default)s)")
-    add("--gauge-window-s", type=float, default=_A.gauge_window_s, metavar="SECONDS",
+    add("--gauge-window-s", type=float, default=_AGGREGATION.gauge_window_s, metavar="SECONDS",
         help="window of the per-SM P99 gauges and hotspot ratios, at most the horizon (default %(default)s)")
-    add("--max-sm-series", type=int, default=_A.max_sm_series, metavar="N",
+    add("--max-sm-series", type=int, default=_AGGREGATION.max_sm_series, metavar="N",
         help="(gpu, SM, kernel) series; more fold into one overflow series, counted (default %(default)s)")
-    add("--max-kernel-series", type=int, default=_A.max_kernel_series, metavar="N",
+    add("--max-kernel-series", type=int, default=_AGGREGATION.max_kernel_series, metavar="N",
         help="(gpu, kernel) series from kernel spans (default %(default)s)")
-    add("--max-request-series", type=int, default=_A.max_request_series, metavar="N",
+    add("--max-request-series", type=int, default=_AGGREGATION.max_request_series, metavar="N",
         help="(model, priority) series from request spans (default %(default)s)")
-    add("--max-step-series", type=int, default=_A.max_step_series, metavar="N",
+    add("--max-step-series", type=int, default=_AGGREGATION.max_step_series, metavar="N",
         help="step-phase series from engine.step spans (default %(default)s)")
-    add("--expose-sm-histograms", action=argparse.BooleanOptionalAction, default=_A.expose_sm_histograms,
+    add("--expose-sm-histograms", action=argparse.BooleanOptionalAction, default=_AGGREGATION.expose_sm_histograms,
         help="per-SM CTA histograms on /metrics (19 lines per GPU x SM x kernel); off keeps the P99 "
              "gauges and hotspot ratios (default on)")
-    add("--trace-store", choices=("deferred", "eager", "off"), default="deferred" if _T.defer_index else "eager",
+    add("--trace-store", choices=("deferred", "eager", "off"), default="deferred" if _TRACE_STORE.defer_index else "eager",
         help="recent-trace store behind explain and /api/v1/traces: indexed on the first query (deferred, "
              "cheapest ingest), as spans arrive (eager), or none (default %(default)s)")
-    add("--trace-store-max-traces", type=int, default=_T.max_traces, metavar="N",
+    add("--trace-store-max-traces", type=int, default=_TRACE_STORE.max_traces, metavar="N",
         help="traces kept, oldest evicted first (default %(default)s)")
-    add("--trace-store-max-spans", type=int, default=_T.max_spans, metavar="N",
+    add("--trace-store-max-spans", type=int, default=_TRACE_STORE.max_spans, metavar="N",
         help="spans kept in all (default %(default)s)")
-    add("--trace-store-max-bytes", type=int, default=_T.max_bytes, metavar="BYTES",
+    add("--trace-store-max-bytes", type=int, default=_TRACE_STORE.max_bytes, metavar="BYTES",
         help="encoded bytes kept in all (default %(default)s)")
 
 

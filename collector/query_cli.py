@@ -57,7 +57,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     replay.add_argument("--collector", default=None, metavar="URL",
                         help="OTLP/HTTP base URL, e.g. http://127.0.0.1:4318 (default: in-process)")
     replay.add_argument("--speed", type=float, default=0.0,
-                        help="1 keeps the recorded pacing, 2 doubles it; 0 (default) sends as fast as possible")
+                        help="N > 0: N times the recorded pace, time compressed to match (each export "
+                             "stamped when it is sent); 0 (default): as fast as possible, the capture "
+                             "shifted to end now with its spacing kept")
     replay.add_argument("--no-rebase", action="store_true",
                         help="keep the recorded timestamps (default: shift them to now)")
     replay.add_argument("--out", type=Path, default=None, help="in-process only: write heatmaps here")

@@ -1,22 +1,25 @@
 """Replays an OTLP capture file into a running collector or an in-process aggregator.
 
 A capture (``instrumentation/capture.py``: JSON Lines of OTLP/JSON export requests with
-the time each was written) is read line by line and each export is either POSTed as
-OTLP/HTTP protobuf to a collector's ingest port (``/v1/traces``, ``/v1/metrics``) or
-handed to an :class:`~.aggregator.Aggregator` directly.
+the time each was written, after an optional metadata line) is read line by line and each
+export is either POSTed as OTLP/HTTP protobuf to a collector's ingest port
+(``/v1/traces``, ``/v1/metrics``) or handed to an :class:`~.aggregator.Aggregator`.
 
-Timing: ``speed=0`` sends as fast as the sink accepts; ``speed=1`` keeps the recorded
-gaps between exports (``2`` halves them). Timestamps: with ``rebase`` (the default) every
-timestamp in the data (span start/end, events, links are untouched; metric point
-start/time and exemplars) is shifted by one offset so the capture appears to happen
-now: its last export lands at the moment replay starts when sending as fast as
-possible, its first export at the start when pacing. Without ``rebase`` the collector's
-windows see the original times, which fall outside any live window for old captures.
+Time (:class:`TimeMap`): with ``rebase`` (the default) the capture happens now and keeps its
+spacing. ``speed=0`` sends as fast as the sink accepts, every timestamp shifted by one
+offset so that the last export lands at the moment replay starts: a 3-minute capture fills
+the collector's last 3 minutes of windows at once. ``speed=N`` paces the exports at N times
+the recorded rate and compresses time to match: an instant ``t`` of the capture becomes
+``start + (t - first) / N``, so what arrives is stamped with the wall time it arrives at.
+Spans keep their durations (start mapped, end = start + duration), so a child stays inside
+its parent; metric points map their start and time. Without ``rebase`` timestamps are
+untouched (old captures then fall outside any live window). ``signals`` replays one kind
+only (the other lines are skipped undecoded); a later replay of the rest may pass the
+first one's ``time_map`` so both land on the same clock.
 
 Back-pressure: an HTTP 429/503 answer is retried after its ``Retry-After`` (at most
 ``max_retries`` times); any other non-2xx answer stops the replay with an error naming
-the line. Memory: one export at a time (plus one pass over the file's times when
-rebasing an as-fast-as-possible replay).
+the line. Memory: one export at a time, plus one pass over the file's times first.
 """
 
 from __future__ import annotations
@@ -29,22 +32,47 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["AggregatorSink", "HttpSink", "ReplayConfig", "ReplayResult", "rebase_request", "replay"]
+from ..instrumentation import check_range
+from ..instrumentation import META_SIGNAL
+
+__all__ = ["AggregatorSink", "HttpSink", "ReplayConfig", "ReplayResult", "TimeMap", "metric_points",
+           "rebase_request", "replay"]
 
 _PATHS = {"traces": "/v1/traces", "metrics": "/v1/metrics"}
 
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    speed: float = 0.0  # 0: as fast as possible; 1: the recorded pace
+    speed: float = 0.0  # 0: as fast as possible; N: N times the recorded pace, time compressed
     rebase: bool = True
     max_retries: int = 20
+    signals: tuple[str, ...] = ("traces", "metrics")  # replay only these
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.speed <= 1000.0:
-            raise ValueError(f"speed={self.speed} is outside [0, 1000] (0 = as fast as possible)")
-        if not 0 <= self.max_retries <= 1000:
-            raise ValueError(f"max_retries={self.max_retries} is outside [0, 1000]")
+        if not self.signals or set(self.signals) - set(_PATHS):
+            raise ValueError(f"signals={self.signals} must be a non-empty subset of {tuple(_PATHS)}")
+        check_range("speed", self.speed, 0, 1000, hint="(0 = as fast as possible)")
+        check_range("max_retries", self.max_retries, 0, 1000, integer=True)
+
+
+@dataclass(frozen=True)
+class TimeMap:
+    """Where an instant of the capture lands: ``origin + (t - first) / speed`` when paced,
+    ``t + (origin - first)`` otherwise (speed 0: ``first`` is then the capture's last export)."""
+
+    first_ns: int = 0
+    origin_ns: int = 0
+    speed: float = 0.0
+
+    @property
+    def shift_ns(self) -> int:
+        """The offset added at ``first_ns`` (the whole shift when speed is 0)."""
+        return self.origin_ns - self.first_ns
+
+    def __call__(self, t_ns: int) -> int:
+        if self.speed > 0:
+            return max(0, self.origin_ns + int(round((t_ns - self.first_ns) / self.speed)))
+        return max(0, t_ns + self.origin_ns - self.first_ns)
 
 
 @dataclass
@@ -54,7 +82,11 @@ class ReplayResult:
     data_points: int = 0
     retries: int = 0
     duration_s: float = 0.0
-    shift_ns: int = 0
+    time_map: TimeMap = TimeMap()
+
+    @property
+    def shift_ns(self) -> int:
+        return self.time_map.shift_ns
 
 
 class HttpSink:
@@ -110,8 +142,11 @@ def _capture_times(path: Path) -> tuple[int, int] | None:
         with opener(path, "rt", encoding="utf-8") as f:
             for line in f:
                 try:
-                    t = int(json.loads(line)["time_unix_nano"])
-                except (ValueError, KeyError, TypeError):
+                    record = json.loads(line)
+                    if record.get("signal") == META_SIGNAL:
+                        continue
+                    t = int(record["time_unix_nano"])
+                except (ValueError, KeyError, TypeError, AttributeError):
                     break
                 first = t if first is None else first
                 last = t
@@ -120,36 +155,49 @@ def _capture_times(path: Path) -> tuple[int, int] | None:
     return None if first is None else (first, last)
 
 
-def rebase_request(signal: str, request, shift_ns: int) -> None:
-    """Shifts every timestamp of an export request by ``shift_ns`` (in place)."""
-    if not shift_ns:
-        return
+def rebase_request(signal: str, request, time_map) -> None:
+    """Maps every timestamp of an export request through ``time_map`` (in place): a
+    :class:`TimeMap`, or an int offset in ns. Spans and their events keep their offsets
+    from the span's start."""
+    if isinstance(time_map, int):
+        if not time_map:
+            return
+        time_map = TimeMap(0, time_map)
     if signal == "traces":
         for rs in request.resource_spans:
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    span.start_time_unix_nano = max(0, span.start_time_unix_nano + shift_ns)
-                    span.end_time_unix_nano = max(0, span.end_time_unix_nano + shift_ns)
+                    start = span.start_time_unix_nano
+                    new_start = time_map(start)
+                    span.start_time_unix_nano = new_start
+                    span.end_time_unix_nano = max(0, new_start + span.end_time_unix_nano - start)
                     for event in span.events:
-                        event.time_unix_nano = max(0, event.time_unix_nano + shift_ns)
+                        event.time_unix_nano = max(0, new_start + event.time_unix_nano - start)
         return
+    for _, point in metric_points(request):
+        if point.start_time_unix_nano:
+            point.start_time_unix_nano = time_map(point.start_time_unix_nano)
+        point.time_unix_nano = time_map(point.time_unix_nano)
+        for ex in getattr(point, "exemplars", ()):
+            ex.time_unix_nano = time_map(ex.time_unix_nano)
+
+
+def metric_points(request):
+    """Every ``(metric, data point)`` of a metrics export request, of any metric type."""
     for rm in request.resource_metrics:
         for sm in rm.scope_metrics:
             for metric in sm.metrics:
                 kind = metric.WhichOneof("data")
-                if kind is None:
-                    continue
-                for point in getattr(metric, kind).data_points:
-                    if point.start_time_unix_nano:
-                        point.start_time_unix_nano = max(0, point.start_time_unix_nano + shift_ns)
-                    point.time_unix_nano = max(0, point.time_unix_nano + shift_ns)
-                    for ex in getattr(point, "exemplars", ()):
-                        ex.time_unix_nano = max(0, ex.time_unix_nano + shift_ns)
+                if kind is not None:
+                    for point in getattr(metric, kind).data_points:
+                        yield metric, point
 
 
 def replay(path: str | Path, sink, config: ReplayConfig | None = None,
-           clock_ns=time.time_ns) -> ReplayResult:
-    """Sends every export of the capture at ``path`` to ``sink``; see the module docstring."""
+           clock_ns=time.time_ns, time_map: TimeMap | None = None) -> ReplayResult:
+    """Sends every export of the capture at ``path`` to ``sink``; see the module docstring.
+    ``time_map``: that of an earlier replay of the same capture (e.g. its metrics first,
+    then its spans), instead of one anchored now."""
     from sightline.collector.otlp_http import count_data_points, count_spans
     from sightline.instrumentation.capture import read_capture
 
@@ -164,19 +212,24 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     if times is None:
         return result
     first_ns, last_ns = times
-    if config.rebase:
-        result.shift_ns = now_ns - (first_ns if config.speed > 0 else last_ns)
-    for line_no, (signal, t_ns, request) in enumerate(read_capture(path), start=1):
+    if time_map is not None:
+        result.time_map = time_map
+    elif config.rebase:
+        result.time_map = (TimeMap(first_ns, now_ns, config.speed) if config.speed > 0
+                           else TimeMap(last_ns, now_ns))
+    start_ns = now_ns if time_map is None else time_map(first_ns)
+    for line_no, (signal, t_ns, request) in enumerate(read_capture(path, config.signals), start=1):
         if config.speed > 0:
-            due = start_wall + (t_ns - first_ns) / 1e9 / config.speed
+            due = start_wall + (start_ns - now_ns) / 1e9 + (t_ns - first_ns) / 1e9 / config.speed
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
-        rebase_request(signal, request, result.shift_ns)
+        if config.rebase:
+            rebase_request(signal, request, result.time_map)
         try:
             sink.send(signal, request, config.max_retries)
         except Exception as exc:
-            raise RuntimeError(f"capture line {line_no} ({signal}): {exc}") from exc
+            raise RuntimeError(f"capture export {line_no} ({signal}): {exc}") from exc
         result.exports += 1
         if signal == "traces":
             result.spans += count_spans(request)

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from sightline.dashboards import gpu, overview, pipeline, requests
-from sightline.dashboards.panels import DashboardSpec, all_queries, build_dashboard, to_json
+from . import gpu, overview, pipeline, requests
+from .panels import DashboardSpec, all_queries, build_dashboard, to_json
 
 __all__ = [
     "DEFAULT_OUT",

@@ -14,8 +14,8 @@ __all__ = ["register"]
 
 
 def _build(args: argparse.Namespace) -> int:
-    from sightline.dashboards.build import write_all
-    from sightline.dashboards.provisioning import write_provisioning
+    from .build import write_all
+    from .provisioning import write_provisioning
 
     for path in write_all(Path(args.out)):
         print(path)
@@ -26,7 +26,7 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _publish(args: argparse.Namespace) -> int:
-    from sightline.dashboards.publish import publish
+    from .publish import publish
 
     actions = publish(args.url, folder_uid=args.folder_uid, folder_title=args.folder_title, dry_run=args.dry_run)
     prefix = "would " if args.dry_run else ""

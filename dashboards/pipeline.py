@@ -9,9 +9,9 @@ quiet GPU dashboard means nothing until this one says data is flowing.
 
 from __future__ import annotations
 
-from sightline.dashboards import promql as q
-from sightline.dashboards.panels import DashboardSpec, PanelSpec, Query, Row
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from . import promql as q
+from .panels import DashboardSpec, PanelSpec, Query, Row
 
 __all__ = ["UID", "spec", "UP_METRIC"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from sightline.instrumentation import semconv
+from ..instrumentation import semconv
 
 __all__ = [
     "BUCKET_LABEL",

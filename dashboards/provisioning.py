@@ -21,8 +21,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from sightline.dashboards.panels import DASHBOARD_TAG, PROMETHEUS_DATASOURCE_UID, TEMPO_DATASOURCE_UID
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from .panels import DASHBOARD_TAG, PROMETHEUS_DATASOURCE_UID, TEMPO_DATASOURCE_UID
 
 __all__ = [
     "DEFAULT_PROVISIONING_OUT",

@@ -15,7 +15,7 @@ import json
 import os
 from typing import Literal
 
-from sightline.dashboards.build import render_all
+from .build import render_all
 
 __all__ = ["FOLDER_UID", "FOLDER_TITLE", "PublishAction", "plan", "publish"]
 

@@ -17,9 +17,9 @@ request.
 
 from __future__ import annotations
 
-from sightline.dashboards import promql as q
-from sightline.dashboards.panels import DashboardSpec, PanelSpec, Query, Row, Variable
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from . import promql as q
+from .panels import DashboardSpec, PanelSpec, Query, Row, Variable
 
 __all__ = ["UID", "spec"]
 

@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from ..instrumentation import check_range
+
 __all__ = ["AlertmanagerConfig", "PAGE_RECEIVER", "TICKET_RECEIVER", "CONFIG_PATH", "render_alertmanager_config"]
 
 PAGE_RECEIVER = "sightline-page"
@@ -30,8 +32,7 @@ CONFIG_PATH = Path(__file__).resolve().parent / "alertmanager" / "alertmanager.y
 
 
 def _duration(name: str, seconds: float, low: float, high: float) -> str:
-    if not low <= seconds <= high:
-        raise ValueError(f"{name}={seconds} is outside {low:g}..{high:g} seconds")
+    check_range(name, seconds, low, high)
     return f"{seconds:g}s" if float(seconds).is_integer() else f"{round(seconds * 1000)}ms"
 
 

@@ -15,10 +15,10 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from sightline.collector import cli as collector_cli
-    from sightline.dashboards import cli as dashboards_cli
-    from sightline.deploy import commands as deploy_cli
-    from sightline.engine import cli as engine_cli
+    from ..collector import cli as collector_cli
+    from ..dashboards import cli as dashboards_cli
+    from ..engine import cli as engine_cli
+    from . import commands as deploy_cli
 
     parser = argparse.ArgumentParser(
         prog="sightline",

@@ -70,8 +70,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                       help="engine batch limit, below the concurrency so that requests queue "
                            "and priorities matter (default 4)")
     demo.add_argument("--capture", type=Path, default=None,
-                      help="recorded GPU capture to replay without a GPU "
-                           "(default: the newest deploy/captures/h200-*.jsonl.gz)")
+                      help="recorded GPU capture to replay without a GPU (default: "
+                           "deploy/captures/h200-noisy-neighbour.jsonl.gz, else the synthetic one)")
+    demo.add_argument("--replay-speed", type=float, default=0.0,
+                      help="0 (default): the capture lands at once, shifted to end now with its "
+                           "spacing kept; N: replayed live at N x, time compressed")
     demo.add_argument("--slowest", type=int, default=3, help="how many slow requests to explain")
     demo.add_argument("--debug", action="store_true", help="tracebacks instead of one-line errors")
     demo.set_defaults(handler=_demo)
@@ -114,7 +117,7 @@ def _load(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from sightline.deploy.load import LoadConfig, format_summary, run_load_sync
+    from .load import LoadConfig, format_summary, run_load_sync
 
     config = LoadConfig(url=args.url, requests=args.requests, concurrency=args.concurrency,
                         priorities=args.priorities, max_tokens=args.max_tokens,
@@ -133,7 +136,7 @@ def _up(args: argparse.Namespace) -> int:
     import signal
     import time
 
-    from sightline.deploy.stack import Stack, StackConfig, format_urls
+    from .stack import Stack, StackConfig, format_urls
 
     config = StackConfig(
         run_dir=args.run_dir, components=tuple(c for c in _COMPONENTS if c not in args.without),
@@ -177,7 +180,7 @@ def _up(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import signal
 
-    from sightline.deploy.demo import DemoConfig, run_demo
+    from .demo import DemoConfig, run_demo
 
     def on_term(signum, frame):
         raise KeyboardInterrupt
@@ -187,5 +190,6 @@ def _demo(args: argparse.Namespace) -> int:
                         trace_level=args.trace_level, requests=args.requests,
                         concurrency=args.concurrency, priorities=args.priorities,
                         max_tokens=args.max_tokens, stream=args.stream, capture=args.capture,
-                        slowest=args.slowest, max_num_seqs=args.max_num_seqs)
+                        slowest=args.slowest, max_num_seqs=args.max_num_seqs,
+                        replay_speed=args.replay_speed)
     return run_demo(config)

@@ -1,22 +1,16 @@
 """``sightline demo``: the whole pipeline on this machine, in a few minutes, then a summary.
 
-Steps (each prints one line as it goes):
-
-1. Bring the local stack up (deploy/stack.py): engine, rotel, collector, Prometheus,
-   Alertmanager. CPU + the ``tiny`` model by default; CUDA + ``llama-1b`` when a GPU is
-   present (then the engine traces kernels and per-SM CTA timings itself).
-2. Drive a mixed-priority streamed load (deploy/load.py) with a progress line.
-3. Without a GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz)
-   into the collector so that the per-SM heatmaps have real GPU data; the summary says
-   plainly that this data is recorded, not from this machine.
-4. Ask the collector to explain the slowest requests (``/api/v1/explain``), fetch the
-   heatmaps (PNG + HTML), build the dashboards' JSON, and write a summary.
+Steps, one printed line each: bring the local stack up (deploy/stack.py; CPU and the
+``tiny`` model by default, CUDA and ``llama-1b`` when a GPU is present, which then traces
+its own kernels and CTAs); drive a mixed-priority streamed load (deploy/load.py); without a
+GPU, replay the recorded H200 capture (deploy/captures/h200-*.jsonl.gz) into the collector
+so that the per-SM heatmaps hold real GPU data, and say plainly that this data is recorded,
+not from this machine; ask the collector to explain the slowest requests, fetch the
+heatmaps, build the dashboards' JSON and write a summary.
 
 Outputs under ``out_dir`` (default ``sightline-out/``): ``summary.txt``, ``summary.json``,
-``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``.
-Cost on 2 shared CPU cores with the defaults (36 requests x 16 tokens, replaying the
-H200 capture): 25-40 s measured, most of it the engine's start, the CPU forward passes
-and the replay (~10k spans over OTLP/HTTP).
+``requests.jsonl``, ``explain/``, ``heatmaps/``, ``dashboards/``, ``logs/``. Cost: the
+engine's start, its CPU forward passes and the capture's replay dominate.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import subprocess
 import sys
 import time
 import urllib.error
@@ -33,13 +28,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from sightline.deploy.load import LoadConfig, LoadResult, format_summary, run_load_sync
-from sightline.deploy.stack import Stack, StackConfig, format_urls
+from ..collector.aggregation_config import WindowConfig
+from ..instrumentation import check_range, read_capture_meta
+from .demo_incident import (SM_HOTSPOT_ALERT, demo_rules, format_incident, incident_record,
+                            screenshot_heatmap, wait_for_alert)
+from .incident import Finding, Incident, find
+from .load import LoadConfig, LoadResult, format_summary, run_load_sync
+from .stack import Stack, StackConfig, format_urls
 
-__all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture"]
+__all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture", "INCIDENT_CAPTURE",
+           "SYNTHETIC_CAPTURE"]
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 CAPTURES_DIR = _REPO_ROOT / "deploy" / "captures"
+# The recorded H200 incident (bench/record_incident.py writes it under this name); until it
+# is committed, the synthetic one made from a measured capture (labelled so everywhere).
+INCIDENT_CAPTURE = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
+SYNTHETIC_CAPTURE = CAPTURES_DIR / "synthetic-h200-noisy-neighbour.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -56,18 +61,26 @@ class DemoConfig:
     priorities: tuple[int, ...] = (0, 1, 2)
     max_tokens: int = 16
     stream: bool = True
-    capture: Path | None = None  # None: the newest deploy/captures/h200-*.jsonl.gz
+    capture: Path | None = None  # None: find_capture()
     slowest: int = 3
     telemetry_settle_s: float = 20.0  # how long to wait for spans to reach the collector
+    # 0: the capture lands at once, shifted to end now with its spacing kept (its minutes
+    # fill the heatmap's columns); N: replayed live at N x, time compressed.
+    replay_speed: float = 0.0
+    hot_sm_threshold: float = 1.5  # an SM is hot at this P99 over the median SM's P99
+    # The SM-hotspot alert waits 15 min in production; the demo's Prometheus waits this.
+    alert_for_s: int = 5
+    alert_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if not 0 <= self.slowest <= 50:
-            raise ValueError(f"DemoConfig.slowest={self.slowest} must be in [0, 50]")
-        if not 0 < self.telemetry_settle_s <= 600:
-            raise ValueError(f"DemoConfig.telemetry_settle_s={self.telemetry_settle_s} "
-                             "must be in (0, 600]")
-        if self.max_num_seqs is not None and not 1 <= self.max_num_seqs <= 4096:
-            raise ValueError(f"DemoConfig.max_num_seqs={self.max_num_seqs} must be in [1, 4096]")
+        check_range("DemoConfig.slowest", self.slowest, 0, 50, integer=True)
+        check_range("DemoConfig.telemetry_settle_s", self.telemetry_settle_s, 0, 600, lo_open=True)
+        if self.max_num_seqs is not None:
+            check_range("DemoConfig.max_num_seqs", self.max_num_seqs, 1, 4096, integer=True)
+        check_range("DemoConfig.replay_speed", self.replay_speed, 0, 1000)
+        check_range("DemoConfig.hot_sm_threshold", self.hot_sm_threshold, 1.0, 100, lo_open=True)
+        check_range("DemoConfig.alert_for_s", self.alert_for_s, 0, 3600)
+        check_range("DemoConfig.alert_timeout_s", self.alert_timeout_s, 1, 3600)
         if self.capture is not None and not Path(self.capture).is_file():
             raise ValueError(f"DemoConfig.capture={str(self.capture)!r} is not a file")
         self.load_config("http://127.0.0.1:1")  # the load's own checks, before anything starts
@@ -89,12 +102,19 @@ class DemoReport:
     gpu_data_source: str  # "live" | "recorded H200 capture <path>" | "none: <why>"
     explanations: list[dict[str, Any]] = field(default_factory=list)
     hotspots: list[str] = field(default_factory=list)  # one line per (gpu, kernel)
+    incident: Incident | None = None  # what the replayed capture says was planted
+    findings: list[Finding] = field(default_factory=list)
+    alerts: list[dict[str, Any]] = field(default_factory=list)  # SM-hotspot alerts in Alertmanager
     files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
 def find_capture() -> Path | None:
-    """The newest recorded H200 capture in deploy/captures/, or None."""
+    """The recorded H200 incident capture, else the synthetic one, else the newest recorded
+    H200 capture in deploy/captures/, else None."""
+    for capture in (INCIDENT_CAPTURE, SYNTHETIC_CAPTURE):
+        if capture.is_file():
+            return capture
     captures = sorted(CAPTURES_DIR.glob("h200-*.jsonl.gz"))
     return captures[-1] if captures else None
 
@@ -155,7 +175,7 @@ def _explained(collector_url: str, keep, limit: int) -> dict[str, Any]:
 
 def _format_explanation(result: dict[str, Any]) -> str:
     """The collector's own text rendering, under a header that says what was selected."""
-    from sightline.collector.query_cli import format_explanation
+    from ..collector.query_cli import format_explanation
 
     try:
         text = format_explanation(result)
@@ -169,46 +189,54 @@ def _format_explanation(result: dict[str, Any]) -> str:
             f"{result['requests_considered']} requests:" + "\n" + body.lstrip("\n"))
 
 
-def _replay_capture(capture: Path, otlp_http_url: str) -> str:
-    from sightline.collector.replay import HttpSink, ReplayConfig, replay
+def _replay_capture(capture: Path, otlp_http_url: str, speed: float, signals: tuple[str, ...],
+                    time_map=None) -> tuple[str, Any]:
+    """Replays ``signals`` of ``capture`` into the collector (on ``time_map`` when given);
+    a one-line account and the replay's TimeMap."""
+    from ..collector.replay import HttpSink, ReplayConfig, replay
 
-    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=0.0, rebase=True))
-    return (f"{result.exports} exports ({result.spans} spans, {result.data_points} data points) "
-            f"in {result.duration_s:.1f}s")
+    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=speed, rebase=True, signals=signals),
+                    time_map=time_map)
+    pace = "at once, shifted to end now" if speed == 0 else f"at {speed:g}x, time compressed"
+    what = f"{result.spans} spans" if signals == ("traces",) else f"{result.data_points} data points"
+    return f"{result.exports} exports ({what}) in {result.duration_s:.1f}s ({pace})", result.time_map
 
 
-def _fetch_heatmaps(collector_url: str, folder: Path) -> tuple[list[Path], list[str]]:
-    """Both views of every (gpu, kernel) with per-SM data, as PNG and HTML, plus index.html;
-    and one line per (gpu, kernel) naming its hottest SM (from the JSON view)."""
+def _fetch_heatmaps(collector_url: str, folder: Path) -> tuple[list[Path], list[str], list[dict]]:
+    """Both views of every (gpu, kernel) with per-SM data, as PNG and HTML (the time x SM
+    view also as JSON), plus index.html; one line per (gpu, kernel) naming its hottest SM
+    (from the JSON view); and the time x SM heatmaps' JSON."""
     folder.mkdir(parents=True, exist_ok=True)
     kernels = _get_json(f"{collector_url}/api/v1/kernels").get("kernels", [])
     written: list[Path] = []
     hotspots: list[str] = []
+    time_sm: list[dict] = []
     for entry in kernels:
         if entry.get("source") != "sm_probe":
             continue
         pair = {"gpu": entry["gpu"], "kernel": entry["kernel"]}
+        stem = f"gpu{_slug(str(entry['gpu']))}-{_slug(entry['kernel'])}"
         for kind in ("time_sm", "sm_latency"):
-            for fmt in ("png", "html"):
+            for fmt in ("png", "html", "json"):
                 query = urllib.parse.urlencode({**pair, "kind": kind, "format": fmt})
                 status, body, _ = _get(f"{collector_url}/api/v1/heatmap?{query}", timeout_s=60)
                 if status != 200:
                     continue
-                path = folder / f"gpu{_slug(str(entry['gpu']))}-{_slug(entry['kernel'])}-{kind}.{fmt}"
+                path = folder / f"{stem}-{kind}.{fmt}"
                 path.write_bytes(body)
                 written.append(path)
-        query = urllib.parse.urlencode({**pair, "kind": "sm_latency", "format": "json"})
-        status, body, _ = _get(f"{collector_url}/api/v1/heatmap?{query}", timeout_s=60)
-        if status == 200:
-            line = _hotspot_line(json.loads(body))
-            if line:
-                hotspots.append(line)
+                if fmt == "json" and kind == "time_sm":
+                    time_sm.append(json.loads(body))
+                elif fmt == "json":
+                    line = _hotspot_line(json.loads(body))
+                    if line:
+                        hotspots.append(line)
     if written:
         status, body, _ = _get(f"{collector_url}/api/v1/heatmap.html", timeout_s=60)
         if status == 200:
             (folder / "index.html").write_bytes(body)
             written.append(folder / "index.html")
-    return written, hotspots
+    return written, hotspots, time_sm
 
 
 def _hotspot_line(heatmap: dict[str, Any]) -> str | None:
@@ -228,7 +256,7 @@ def _slug(text: str) -> str:
 
 
 def _build_dashboards(folder: Path) -> list[Path]:
-    from sightline.dashboards.build import build_all
+    from ..dashboards.build import build_all
 
     return list(build_all(folder))
 
@@ -272,9 +300,14 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         shutil.rmtree(out / stale, ignore_errors=True)
     engine_args = (("--max-num-seqs", str(config.max_num_seqs))
                    if config.max_num_seqs is not None else ())
+    # The per-SM gauges and hotspot ratios cover the whole window (the collector's horizon),
+    # so a replayed incident counts wherever it lies in the capture.
+    horizon_s = WindowConfig().horizon_s
     stack_config = StackConfig(run_dir=out, device=config.device, model=config.model,
                                trace_level=config.trace_level, prefer_default_ports=False,
-                               engine_args=engine_args, fresh_data=True)
+                               engine_args=engine_args, fresh_data=True,
+                               collector_args=("--gauge-window-s", f"{horizon_s:g}"),
+                               rules_files=demo_rules(out / "prometheus", config.alert_for_s))
     stack = Stack(stack_config)
     device, model = stack_config.resolved_device, stack_config.resolved_model
     say(f"starting the stack: engine ({model} on {device}), rotel, collector, Prometheus, "
@@ -309,33 +342,57 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         (explain_dir / "this-run.txt").write_text(_format_explanation(local) + "\n")
         report.files["slowest requests of this run explained"] = explain_dir / "this-run.txt"
 
+        replayed = None  # (capture, label, time map) once its metrics are in
         if device == "cuda":
             report.gpu_data_source = "live: this machine's GPU, traced by the engine"
         else:
             capture = config.capture or find_capture()
-            label = "recorded H200 capture" if config.capture is None else "recorded GPU capture"
+            incident = Incident.from_meta(read_capture_meta(capture)) if capture else None
+            label = ("synthetic capture (made from a recorded H200 capture, not measured)"
+                     if incident is not None and incident.synthetic else "recorded H200 capture")
             if capture is None:
                 report.gpu_data_source = ("none: no GPU here and no recorded capture in "
                                           f"{CAPTURES_DIR}")
             else:
                 say(f"no GPU here: replaying the {label} {capture.name} into the collector "
                     "for the per-SM views")
-                summary = _replay_capture(capture, f"http://{p.host}:{p.collector_http}")
-                say(f"  replayed {summary}")
+                # Metrics first: the heatmaps then cover the capture's whole span before
+                # the (slower) spans arrive on the same clock.
+                summary, time_map = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
+                                                    config.replay_speed, ("metrics",))
+                say(f"  replayed per-SM metrics: {summary}")
                 report.gpu_data_source = f"{label} {capture}"
-                gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
-                report.explanations.append({"source": f"recorded capture {capture.name}", **gpu})
-                (explain_dir / "h200-capture.json").write_text(json.dumps(gpu, indent=2))
-                (explain_dir / "h200-capture.txt").write_text(_format_explanation(gpu) + "\n")
-                report.files["slowest recorded H200 requests explained"] = (
-                    explain_dir / "h200-capture.txt")
+                report.incident = incident
+                replayed = (capture, label, time_map)
 
-        heatmaps, hotspots = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        heatmaps, hotspots, time_sm = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        if replayed is not None:
+            capture, label, time_map = replayed
+            if report.incident is not None:
+                report.findings = find(report.incident, time_sm, time_map, config.hot_sm_threshold)
+            summary, _ = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
+                                         config.replay_speed, ("traces",), time_map)
+            say(f"  replayed spans: {summary}")
+            gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
+            report.explanations.append({"source": f"{label} {capture.name}", **gpu})
+            (explain_dir / "capture.json").write_text(json.dumps(gpu, indent=2))
+            (explain_dir / "capture.txt").write_text(_format_explanation(gpu) + "\n")
+            report.files["slowest replayed requests explained"] = explain_dir / "capture.txt"
         report.hotspots.extend(hotspots)
         if heatmaps:
             report.files["per-SM heatmaps (PNG + HTML)"] = out / "heatmaps"
+            try:
+                shot = screenshot_heatmap(out / "heatmaps")
+                report.files["heatmap page in headless Chromium"] = shot
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                report.notes.append(f"no screenshot of the heatmap page: {exc}")
         else:
             report.notes.append("no per-SM data reached the collector, so no heatmaps")
+        if report.incident is not None:
+            say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_HOTSPOT_ALERT} in Alertmanager")
+            report.alerts = wait_for_alert(p.alertmanager_url, SM_HOTSPOT_ALERT, config.alert_timeout_s)
+            (out / "incident.json").write_text(json.dumps(incident_record(report), indent=2) + "\n")
+            report.files["planted vs found (JSON)"] = out / "incident.json"
         dashboards = _build_dashboards(out / "dashboards")
         report.files["Grafana dashboards (JSON)"] = out / "dashboards"
 
@@ -371,9 +428,12 @@ def _summary_text(report: DemoReport) -> str:
         lines.append("Per-SM CTA latency hotspots (P99 per SM over the collector's window):")
         lines.extend(f"  {line}" for line in report.hotspots)
         lines.append("")
+    if report.incident is not None:
+        lines.extend(format_incident(report))
+        lines.append("")
     lines.append(f"Per-SM data (kernels, SMs, heatmaps) comes from: {report.gpu_data_source}")
     if report.device != "cuda":
-        recorded = report.gpu_data_source.startswith("recorded")
+        recorded = not report.gpu_data_source.startswith(("none", "live"))  # a replayed capture
         label = report.gpu_data_source.rsplit(" ", 1)[0]
         lines.append("  This machine has no GPU: the engine ran on the CPU, so this run's requests "
                      "are explained down to engine steps only (no CUDA kernels, no SMs)."
@@ -394,6 +454,7 @@ def _write_summary(report: DemoReport, out: Path) -> None:
         "explanations": report.explanations,
         "files": {k: str(v) for k, v in report.files.items()},
         "notes": report.notes,
+        "incident": incident_record(report) if report.incident is not None else None,
     }
     (out / "summary.json").write_text(json.dumps(payload, indent=2) + "\n")
 

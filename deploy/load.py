@@ -1,20 +1,15 @@
 """A mixed-priority, streamed load generator for any OpenAI-compatible server.
 
 Drives ``requests`` completions through the official ``openai`` async client with at most
-``concurrency`` in flight, priorities assigned round-robin from ``priorities`` (so each
-priority gets an exact, known share), and measures on the client side:
+``concurrency`` in flight, priorities assigned round-robin from ``priorities`` (each gets
+an exact, known share; in the body as ``priority``, vLLM's spelling). Measured on the
+client: TTFT (sent -> first chunk carrying a token), TPOT ((e2e - TTFT) / (output tokens -
+1), tokens from the server's streamed usage when sent, else from chunks) and e2e (sent ->
+stream closed). Each request carries a W3C ``traceparent`` generated here, so that the
+collector's explanation of a slow request can be looked up by its trace id.
 
-* TTFT: request sent -> first streamed chunk carrying a token;
-* TPOT: (e2e - TTFT) / (output tokens - 1), the mean gap between later tokens (tokens
-  counted from the server's streamed usage when it sends one, else from chunks);
-* e2e: request sent -> stream closed.
-
-Each request carries a W3C ``traceparent`` that this module generates, so that its trace
-id is known here and the collector's explanation of a slow request can be looked up by it.
-The priority goes in the body as ``priority`` (vLLM's spelling; lower is more urgent).
-
-Percentiles are exact (linear interpolation between order statistics, NumPy's default)
-over the records; cost is O(n log n) per summary.
+Guarantee: percentiles are exact (linear interpolation between order statistics, NumPy's
+default) over the records; cost O(n log n) per summary.
 """
 
 from __future__ import annotations
@@ -27,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Literal
+
+from ..instrumentation import check_range
 
 __all__ = [
     "LoadConfig",
@@ -67,21 +64,17 @@ class LoadConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"LoadConfig.url={self.url!r} must start with http:// or https://")
-        if not 1 <= self.requests <= 1_000_000:
-            raise ValueError(f"LoadConfig.requests={self.requests} must be in [1, 1000000]")
-        if not 1 <= self.concurrency <= 10_000:
-            raise ValueError(f"LoadConfig.concurrency={self.concurrency} must be in [1, 10000]")
+        check_range("LoadConfig.requests", self.requests, 1, 1_000_000, integer=True)
+        check_range("LoadConfig.concurrency", self.concurrency, 1, 10_000, integer=True)
         if not self.priorities:
             raise ValueError("LoadConfig.priorities must name at least one priority")
-        if not 1 <= self.max_tokens <= 65_536:
-            raise ValueError(f"LoadConfig.max_tokens={self.max_tokens} must be in [1, 65536]")
+        check_range("LoadConfig.max_tokens", self.max_tokens, 1, 65_536, integer=True)
         if self.api not in ("completions", "chat"):
             raise ValueError(f"LoadConfig.api={self.api!r} must be 'completions' or 'chat'")
         if not 1 <= self.prompt_words_min <= self.prompt_words_max <= 100_000:
             raise ValueError(f"prompt words [{self.prompt_words_min}, {self.prompt_words_max}] "
                              "must satisfy 1 <= min <= max <= 100000")
-        if not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"LoadConfig.timeout_s={self.timeout_s} must be in (0, 3600]")
+        check_range("LoadConfig.timeout_s", self.timeout_s, 0, 3600, lo_open=True)
 
     @property
     def base_url(self) -> str:
@@ -177,8 +170,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0..100) by linear interpolation between order statistics."""
     if not values:
         raise ValueError("percentile of an empty sequence")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q={q} must be in [0, 100]")
+    check_range("percentile q", q, 0, 100)
     ordered = sorted(values)
     rank = (len(ordered) - 1) * q / 100.0
     lo, hi = math.floor(rank), math.ceil(rank)

@@ -1,22 +1,16 @@
 """A small process supervisor: start children, log them to one folder, health-check, stop.
 
-Guarantees:
+Guarantees: every child runs in its own session, so stopping it (SIGTERM to the group,
+SIGKILL after ``stop_timeout_s``) also stops its own children; ``Supervisor.stop_all()``
+stops children in reverse start order (a producer flushes its telemetry before the
+collector it exports to stops) and is idempotent; on Linux each child also gets
+``PR_SET_PDEATHSIG=SIGTERM``, so it stops even when the supervisor is SIGKILLed. Health
+checks are HTTP GETs answering 2xx or TCP connects; a child that exits before it is
+healthy fails the check at once, with the tail of its log in the error.
 
-* Every child runs in its own session (process group), so stopping it signals the whole
-  group: a child's own children (a shell, a worker) never outlive it.
-* Stopping is SIGTERM to the group, then SIGKILL to the group after ``stop_timeout_s``.
-  ``Supervisor.stop_all()`` stops children in reverse start order (a producer such as
-  the engine stops, and flushes its telemetry, before the collector it exports to) and
-  is idempotent; the supervisor is a context manager.
-* On Linux each child also gets ``PR_SET_PDEATHSIG=SIGTERM``: if the supervising process
-  dies without cleaning up (SIGKILL), the kernel still tells its children to stop.
-* Each child's stdout and stderr go, line by line, to ``<log_dir>/<name>.log`` and to
-  ``<log_dir>/combined.log`` prefixed with ``[name]``. One reader thread per child; the
-  cost is one pipe hop per line.
-
-Health checks are plain HTTP GETs answering 2xx, or TCP connects (for servers without a
-health route, such as an OTLP gRPC receiver). A check fails early, with the tail of the
-child's log in the error, when the child exits before it becomes healthy.
+Logs: each child's stdout and stderr go, line by line, to ``<log_dir>/<name>.log`` and to
+``<log_dir>/combined.log`` prefixed with ``[name]``. Cost: one reader thread per child and
+one pipe hop per line.
 """
 
 from __future__ import annotations
@@ -37,6 +31,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
+
+from ..instrumentation import check_range
 
 __all__ = [
     "HealthCheck",
@@ -70,10 +66,8 @@ class HealthCheck:
         if (self.http_url is None) == (self.tcp_address is None):
             raise ValueError("HealthCheck needs exactly one of http_url or tcp_address, "
                              f"got http_url={self.http_url!r}, tcp_address={self.tcp_address!r}")
-        if not 0 < self.timeout_s <= 3600:
-            raise ValueError(f"HealthCheck.timeout_s={self.timeout_s} must be in (0, 3600]")
-        if not 0 < self.interval_s <= 10:
-            raise ValueError(f"HealthCheck.interval_s={self.interval_s} must be in (0, 10]")
+        check_range("HealthCheck.timeout_s", self.timeout_s, 0, 3600, lo_open=True)
+        check_range("HealthCheck.interval_s", self.interval_s, 0, 10, lo_open=True)
 
     def describe(self) -> str:
         if self.http_url is not None:
@@ -98,8 +92,7 @@ class ProcessSpec:
             raise ValueError(f"ProcessSpec.name={self.name!r} must be non-empty [A-Za-z0-9._-]")
         if not self.argv:
             raise ValueError(f"ProcessSpec {self.name!r}: argv is empty")
-        if not 0 < self.stop_timeout_s <= 600:
-            raise ValueError(f"ProcessSpec.stop_timeout_s={self.stop_timeout_s} must be in (0, 600]")
+        check_range("ProcessSpec.stop_timeout_s", self.stop_timeout_s, 0, 600, lo_open=True)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -128,8 +121,7 @@ _ports_lock = threading.Lock()
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct ports on ``host`` that nothing listens on right now, never handed
     out before by this process; the sockets stay bound until all are chosen."""
-    if not 0 < count <= 1000:
-        raise ValueError(f"free_ports count={count} must be in [1, 1000]")
+    check_range("free_ports count", count, 1, 1000, integer=True)
     sockets: list[socket.socket] = []
     try:
         with _ports_lock:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from sightline.dashboards import promql as q
-from sightline.instrumentation import semconv as sc
+from ..dashboards import promql as q
+from ..instrumentation import semconv as sc
 
 __all__ = ["Mapping", "SERVING", "SAMPLED", "GROUP_SIGHTLINE", "GROUP_VLLM", "SOURCE_LABELS", "adapter_rules"]
 

@@ -21,7 +21,8 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from sightline.deploy.prometheus_rules import JOB_COLLECTOR, JOB_ENGINE, RULES_PATH
+from ..instrumentation import check_range
+from .prometheus_rules import JOB_COLLECTOR, JOB_ENGINE, RULES_PATH
 
 __all__ = [
     "EXEMPLAR_FLAG",
@@ -47,8 +48,7 @@ def _check_target(target: str, what: str) -> str:
 
 
 def _check_interval(name: str, seconds: float) -> str:
-    if not 0.1 <= seconds <= 3600:
-        raise ValueError(f"{name}={seconds} is outside 0.1..3600 seconds")
+    check_range(name, seconds, 0.1, 3600)
     return f"{seconds:g}s" if float(seconds).is_integer() else f"{round(seconds * 1000)}ms"
 
 

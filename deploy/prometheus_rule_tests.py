@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from sightline.dashboards import promql as q
-from sightline.deploy import prometheus_rules as rules
-from sightline.instrumentation import semconv as sc
+from ..dashboards import promql as q
+from ..instrumentation import semconv as sc
+from . import prometheus_rules as rules
 
 __all__ = ["AlertCheck", "ExprCheck", "Case", "TEST_DIR", "case_files", "render_test_files", "coverage", "write_all"]
 

@@ -1,29 +1,16 @@
 """Sightline's Prometheus recording and alerting rules, composed from ``semconv`` names.
 
-``deploy/prometheus/sightline-rules.yml`` and the Kubernetes ``PrometheusRule`` in
-``deploy/kubernetes/`` are both rendered from :func:`rule_groups`, so they cannot
-drift from each other or from the metric names; the tests fail when a committed file
-is stale. Regenerate with ``python -m sightline.deploy.prometheus_rules``. The first
-groups are the adapter (:mod:`.prometheus_adapter`): every rule after them reads only
-the engine-agnostic ``llm:`` series, so the alerts serve vLLM as well as Sightline.
+``deploy/prometheus/sightline-rules.yml`` and the Kubernetes ``PrometheusRule`` are both
+rendered from :func:`rule_groups`, so they cannot drift from each other or from the metric
+names; the tests fail when a committed file is stale. Regenerate with
+``python -m sightline.deploy.prometheus_rules``. :func:`alert_rules` lists the alerts: SLO
+burn rates, saturation, GPU and pipeline health. The first groups are the adapter
+(:mod:`.prometheus_adapter`): every rule after them reads only the engine-agnostic ``llm:``
+series, so the alerts serve vLLM as well as Sightline.
 
-Alerts:
-
-- SLO burn rates (SRE workbook, multiwindow multi-burn-rate): a *page* when the error
-  budget burns 14.4x over 1h (confirmed over 5m) or 6x over 6h (confirmed over 30m),
-  a *ticket* at 3x over 1d (2h) or 1x over 3d (6h). Two SLOs: TTFT (the fraction of
-  requests whose TTFT exceeded the threshold, read from the histogram bucket whose
-  ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
-  (5xx and 429 over all requests).
-- Saturation: KV cache near full; waiting queue long and growing.
-- GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up
-  against the same hour a day earlier; device memory or CUDA contexts growing (leak).
-- Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
-  spans; a scrape target down.
-
-Every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
-``description`` and ``runbook_url`` annotations. Annotations use only ``$labels`` (no
-``$value``) so that unit tests can state them exactly.
+Guarantees: every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
+``description`` and ``runbook_url`` annotations; annotations use only ``$labels`` (no
+``$value``), so that unit tests can state them exactly.
 """
 
 from __future__ import annotations
@@ -36,9 +23,10 @@ from typing import Literal
 
 import yaml
 
-from sightline.dashboards import promql as q
-from sightline.deploy.prometheus_adapter import SOURCE_LABELS, adapter_rules
-from sightline.instrumentation import semconv as sc
+from ..dashboards import promql as q
+from ..instrumentation import semconv as sc
+from .prometheus_adapter import SOURCE_LABELS, adapter_rules
+from ..instrumentation import check_range
 
 __all__ = [
     "SloConfig",
@@ -105,21 +93,14 @@ class SloConfig:
                 f"allowed: {sc.TTFT_BUCKETS_S}"
             )
         for name in ("ttft_objective", "availability_objective"):
-            value = getattr(self, name)
-            if not 0.5 <= value < 1.0:
-                raise ValueError(f"{name}={value} is outside [0.5, 1)")
-        if not 0.0 < self.kv_usage_threshold <= 1.0:
-            raise ValueError(f"kv_usage_threshold={self.kv_usage_threshold} is outside (0, 1]")
-        if not 1 <= self.waiting_threshold <= 1_000_000:
-            raise ValueError(f"waiting_threshold={self.waiting_threshold} is outside 1..1000000")
+            check_range(name, getattr(self, name), 0.5, 1, hi_open=True)
+        check_range("kv_usage_threshold", self.kv_usage_threshold, 0, 1, lo_open=True)
+        check_range("waiting_threshold", self.waiting_threshold, 1, 1_000_000, integer=True)
         for name in ("sm_hotspot_ratio", "kernel_regression_factor", "memory_growth_factor"):
-            value = getattr(self, name)
-            if not 1.0 < value <= 100.0:
-                raise ValueError(f"{name}={value} is outside (1, 100]")
-        if not 1 <= self.context_growth <= 1000:
-            raise ValueError(f"context_growth={self.context_growth} is outside 1..1000")
-        if not 0.0 < self.kernel_trace_backlog_share < 1.0:
-            raise ValueError(f"kernel_trace_backlog_share={self.kernel_trace_backlog_share} is outside (0, 1)")
+            check_range(name, getattr(self, name), 1, 100, lo_open=True)
+        check_range("context_growth", self.context_growth, 1, 1000, integer=True)
+        check_range("kernel_trace_backlog_share", self.kernel_trace_backlog_share, 0, 1,
+                    lo_open=True, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +252,20 @@ def _burn_alerts(slo_name: str, prefix: str, budget: float, what: str, runbook: 
 
 
 def alert_rules(slo: SloConfig) -> list[RuleGroup]:
+    """The alerts.
+
+    - SLO burn rates (SRE workbook, multiwindow multi-burn-rate): a *page* when the error
+      budget burns 14.4x over 1h (confirmed over 5m) or 6x over 6h (confirmed over 30m), a
+      *ticket* at 3x over 1d (2h) or 1x over 3d (6h). Two SLOs: TTFT (the fraction of
+      requests whose TTFT exceeded the threshold, read from the histogram bucket whose
+      ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
+      (5xx and 429 over all requests).
+    - Saturation: KV cache near full; waiting queue long and growing.
+    - GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up against
+      the same hour a day earlier; device memory or CUDA contexts growing (leak).
+    - Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
+      spans; a scrape target down.
+    """
     ttft_budget = 1.0 - slo.ttft_objective
     error_budget = 1.0 - slo.availability_objective
     slo_alerts = RuleGroup(

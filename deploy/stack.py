@@ -6,18 +6,12 @@
       ▲ /metrics ◄───────────────────────────────────────────────────scrape──┘     │ alerts
       └ OpenAI API (clients, ``sightline load``)                         Alertmanager ◄┘
 
-Every component is a real process: ``sightline engine serve``, ``rotel start``,
-``sightline collector run``, Debian's ``prometheus`` and ``prometheus-alertmanager``.
-Configuration is rendered into the run folder (``<run_dir>/prometheus/prometheus.yml``,
-``<run_dir>/alertmanager/alertmanager.yml``) and every log lands in ``<run_dir>/logs/``
-(one file per process plus ``combined.log``).
-
-Ports: each is taken from the config when given; otherwise the documented default when
-``prefer_default_ports`` and it is free, else a free port. Start-up is in dependency
-order (collector, rotel, Alertmanager, Prometheus, engine), each waited for through its
-health check; shutdown is the reverse (the engine flushes its spans into rotel, rotel
-into the collector, before either stops). Cost: the engine's start (torch import and
-model build) dominates, ~5-20 s on 2 CPU cores.
+Every component is a real process; configuration is rendered into ``<run_dir>`` and every
+log lands in ``<run_dir>/logs/``. Ports come from the config, else the documented default
+when ``prefer_default_ports`` and it is free, else a free port. Guarantees: start-up in
+dependency order, each component waited for through its health check; shutdown in reverse,
+so the engine's spans reach rotel and rotel's the collector before either stops. Cost: the
+engine's start (torch import and model build) dominates.
 """
 
 from __future__ import annotations
@@ -30,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from sightline.deploy.processes import (HealthCheck, ProcessFailedError, ProcessSpec, Supervisor,
-                                        free_ports)
+from ..instrumentation import check_range
+from .processes import HealthCheck, ProcessFailedError, ProcessSpec, Supervisor, free_ports
 
 __all__ = [
     "DEFAULT_PORTS",
@@ -89,6 +83,7 @@ class StackConfig:
     model: str | None = None  # None: "tiny" on the CPU, "llama-1b" on a GPU
     trace_level: str | None = None  # None: "steps" on the CPU, "kernels" on a GPU
     engine_args: tuple[str, ...] = ()
+    collector_args: tuple[str, ...] = ()  # extra `sightline collector run` flags
     telemetry_export_interval_s: float = 1.0
     # prometheus / alertmanager
     scrape_interval_s: float = 1.0
@@ -109,21 +104,14 @@ class StackConfig:
             raise ValueError(f"StackConfig.ports has unknown keys {sorted(bad)}; "
                              f"allowed {sorted(DEFAULT_PORTS)}")
         for key, port in self.ports.items():
-            if not 0 <= port <= 65535:
-                raise ValueError(f"StackConfig.ports[{key!r}]={port} must be in [0, 65535]")
+            check_range(f"StackConfig.ports[{key!r}]", port, 0, 65535, integer=True)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"StackConfig.device={self.device!r} must be auto, cpu or cuda")
-        if not 0.1 <= self.scrape_interval_s <= 60:
-            raise ValueError(f"StackConfig.scrape_interval_s={self.scrape_interval_s} "
-                             "must be in [0.1, 60]")
-        if not 0.1 <= self.telemetry_export_interval_s <= 60:
-            raise ValueError(f"StackConfig.telemetry_export_interval_s="
-                             f"{self.telemetry_export_interval_s} must be in [0.1, 60]")
-        if not 1 <= self.health_timeout_s <= 3600:
-            raise ValueError(f"StackConfig.health_timeout_s={self.health_timeout_s} "
-                             "must be in [1, 3600]")
-        if not 0.5 <= self.stop_timeout_s <= 600:
-            raise ValueError(f"StackConfig.stop_timeout_s={self.stop_timeout_s} must be in [0.5, 600]")
+        check_range("StackConfig.scrape_interval_s", self.scrape_interval_s, 0.1, 60)
+        check_range("StackConfig.telemetry_export_interval_s", self.telemetry_export_interval_s,
+                    0.1, 60)
+        check_range("StackConfig.health_timeout_s", self.health_timeout_s, 1, 3600)
+        check_range("StackConfig.stop_timeout_s", self.stop_timeout_s, 0.5, 600)
 
     @property
     def resolved_device(self) -> Literal["cpu", "cuda"]:
@@ -255,8 +243,8 @@ class Stack:
 
     def render_prometheus_config(self) -> str:
         """prometheus.yml: scrape the engine and the collector, rules, Alertmanager."""
-        from sightline.deploy.prometheus_config import render_prometheus_config
-        from sightline.deploy.prometheus_rules import JOB_COLLECTOR, JOB_ENGINE
+        from .prometheus_config import render_prometheus_config
+        from .prometheus_rules import JOB_COLLECTOR, JOB_ENGINE
 
         p = self.ports
         targets = {}
@@ -274,7 +262,7 @@ class Stack:
     def render_alertmanager_config(self) -> str:
         if self.config.alertmanager_config is not None:
             return self.config.alertmanager_config(self.ports)
-        from sightline.deploy.alertmanager_config import render_alertmanager_config
+        from .alertmanager_config import render_alertmanager_config
 
         return render_alertmanager_config(webhook_url=self.config.alert_webhook_url)
 
@@ -300,7 +288,7 @@ class Stack:
             "--otlp-grpc", f"{p.host}:{p.collector_grpc}",
             "--otlp-http", f"{p.host}:{p.collector_http}",
             "--zipkin", f"{p.host}:{p.collector_zipkin}",
-            "--http", f"{p.host}:{p.collector_api}"),
+            "--http", f"{p.host}:{p.collector_api}", *self.config.collector_args),
             HealthCheck(http_url=f"{p.collector_url}/readyz", timeout_s=self.config.health_timeout_s))
 
     def _rotel_spec(self) -> ProcessSpec:

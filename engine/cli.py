@@ -39,6 +39,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--aging-s", type=float, default=10.0,
                        help="a waiting request gains one priority level per this many seconds")
     serve.add_argument("--attention-backend", choices=("auto", "triton", "torch"), default="auto")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="run every step eagerly: no CUDA graphs for decode steps "
+                            "(by default they are captured at start-up on CUDA)")
     serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -54,8 +57,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--kernel-sample-ratio", type=float, default=None,
                        help="at --trace-level kernels: fraction of engine steps whose CUDA "
                             "kernels become spans, besides the step after any slow one "
-                            "(default: SIGHTLINE_KERNEL_SAMPLE_RATIO, else 0.002; each traced "
-                            "step costs about one step time of CPU)")
+                            "(default: SIGHTLINE_KERNEL_SAMPLE_RATIO, else 0.01)")
+    serve.add_argument("--kernel-spans", choices=("attention", "all"), default=None,
+                       help="a traced step's kernel spans: each attention launch and one per "
+                            "other kernel name (attention, the default), or every launch (all)")
+    serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
+                       help="build spans in a supervised telemetry process (default) or on "
+                            "a thread of the engine's process")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(handler=_serve)
 
@@ -63,15 +71,16 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from sightline.engine.config import EngineConfig
-    from sightline.engine.scheduler import SchedulerConfig
-    from sightline.engine.server import serve
-    from sightline.instrumentation.config import TelemetryConfig
+    from ..instrumentation import TelemetryConfig
+    from .config import EngineConfig
+    from .scheduler import SchedulerConfig
+    from .server import serve
 
     telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
                                          otlp_protocol=args.otlp_protocol,
                                          capture_content=args.capture_content,
-                                         kernel_sample_ratio=args.kernel_sample_ratio)
+                                         kernel_sample_ratio=args.kernel_sample_ratio,
+                                         kernel_span_detail=args.kernel_spans)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
@@ -79,6 +88,8 @@ def _serve(args: argparse.Namespace) -> int:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
-        attention_backend=args.attention_backend, cpu_threads=args.cpu_threads, host=args.host,
-        port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry)
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        cpu_threads=args.cpu_threads, host=args.host,
+        port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
+        telemetry_mode=args.telemetry_mode)
     return serve(config)

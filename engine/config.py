@@ -12,14 +12,13 @@ imports torch: the CLI builds and validates a config before paying for the heavy
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from sightline.engine.scheduler import SchedulerConfig
-from sightline.instrumentation.config import TelemetryConfig
+from ..instrumentation import TelemetryConfig, check_range
+from .scheduler import SchedulerConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
 
@@ -27,20 +26,6 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
-        upper = "inf" if hi is None else str(hi)
-        raise ValueError(f"{name}={value!r} is not an integer in [{lo}, {upper}]")
-
-
-def _check_float(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi
-    if not ok:
-        bracket = "(" if lo_open else "["
-        raise ValueError(f"{name}={value!r} is not a number in {bracket}{lo}, {hi}]")
 
 
 @dataclass(frozen=True)
@@ -71,14 +56,14 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            _check_int(name, getattr(self, name), 1)
+            check_range(name, getattr(self, name), 1, integer=True)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (GQA groups must be whole)")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even (RoPE rotates pairs)")
-        _check_float("rope_theta", self.rope_theta, 0.0, 1e12, lo_open=True)
-        _check_float("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
+        check_range("rope_theta", self.rope_theta, 0.0, 1e12, lo_open=True)
+        check_range("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -191,6 +176,10 @@ class EngineConfig:
     max_model_len: int | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    # CUDA graphs for decode-only steps (captured at start-up per padded batch size, on CUDA
+    # only); True runs every step eagerly (vLLM's --enforce-eager).
+    enforce_eager: bool = False
+    cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
@@ -198,6 +187,8 @@ class EngineConfig:
     port: int = 8000
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     telemetry: TelemetryConfig | None = None  # None: tracing off
+    # where spans are built: a telemetry process the engine supervises, or a thread here
+    telemetry_mode: str = "process"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -206,24 +197,29 @@ class EngineConfig:
             raise ValueError(f"device={self.device!r} is not one of {'|'.join(DEVICES)}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not one of {'|'.join(DTYPES)}")
-        _check_int("seed", self.seed, 0, 2**63 - 1)
+        check_range("seed", self.seed, 0, 2**63 - 1, integer=True)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size!r} is not one of 8|16|32|64|128")
-        _check_float("kv_cache_gib", self.kv_cache_gib, 0.0, 4096.0, lo_open=True)
-        _check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        check_range("kv_cache_gib", self.kv_cache_gib, 0.0, 4096.0, lo_open=True)
+        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         if self.max_model_len is not None:
-            _check_int("max_model_len", self.max_model_len, 2, 1 << 24)
+            check_range("max_model_len", self.max_model_len, 2, 1 << 24, integer=True)
         if self.attention_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
                              "auto|triton|torch")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
+        check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
         if self.cpu_threads is not None:
-            _check_int("cpu_threads", self.cpu_threads, 1, 1024)
-        _check_int("port", self.port, 0, 65535)
-        _check_float("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+            check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
+        check_range("port", self.port, 0, 65535, integer=True)
+        check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):
             raise ValueError(f"telemetry={self.telemetry!r} must be a TelemetryConfig or None")
+        if self.telemetry_mode not in ("process", "thread"):
+            raise ValueError(f"telemetry_mode={self.telemetry_mode!r} is not one of process|thread")
 
     @property
     def model_name(self) -> str:

@@ -1,21 +1,16 @@
 """Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
 
-The manager owns block *ids* only; the model runner owns the tensors
-(``k_cache[num_blocks, block_size, Hkv, D]``) and turns a request's ``block_ids`` into its
-block table and slot mapping. A token at sequence position ``p`` lives in block
-``block_ids[p // block_size]`` at offset ``p % block_size``, i.e. slot
-``block_ids[p // block_size] * block_size + p % block_size``.
+The manager owns block *ids* only; the model runner owns the tensors and turns a request's
+``block_ids`` into its block table and slots (position ``p`` lives at slot
+``block_ids[p // block_size] * block_size + p % block_size``). ``fork`` shares a parent's
+blocks with a child; the first write into a shared, partly filled block copies it: the
+manager hands out a fresh block and queues the (source, destination) pair, which the runner
+drains with ``take_pending_copies()`` before its next forward pass.
 
-Guarantees: a block is either on the free list (ref count 0) or referenced by at least one
-request; its ref count equals the number of requests whose ``block_ids`` contain it
-(``check_invariants`` verifies all of this). ``fork`` shares a parent's blocks with a child;
-the first write into a shared, partly filled block copies it (copy-on-write): the manager
-hands out a fresh block and queues the (source, destination) pair for the runner, which
-drains them with ``take_pending_copies()`` before its next forward pass.
-
+Guarantees: a block is either free (ref count 0) or held, and its ref count equals the
+number of requests whose ``block_ids`` contain it (``check_invariants`` verifies this).
 Costs: allocate/free/fork are O(blocks touched); slot() is O(1); check_invariants() is
-O(num_blocks + blocks held) and meant for tests and debugging. Not thread-safe: the engine
-loop is the only caller.
+O(num_blocks + blocks held), for tests. Not thread-safe: the engine loop is the only caller.
 """
 
 from __future__ import annotations
@@ -23,7 +18,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from sightline.engine.request import Request
+from ..instrumentation import check_range
+from .request import Request
 
 __all__ = [
     "KVCacheConfig",
@@ -46,10 +42,8 @@ class KVCacheConfig:
     num_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or not 1 <= self.block_size <= 4096:
-            raise ValueError(f"block_size must be an integer in [1, 4096], got {self.block_size!r}")
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
+        check_range("block_size", self.block_size, 1, 4096, integer=True)
+        check_range("num_blocks", self.num_blocks, 1, integer=True)
 
     @property
     def num_token_slots(self) -> int:
@@ -63,10 +57,8 @@ def blocks_for_budget(bytes_budget: int | float, bytes_per_block: int) -> int:
     fraction, minus activations) or ``--kv-cache-gib``; ``bytes_per_block`` from
     ``kv_bytes_per_block``.
     """
-    if isinstance(bytes_per_block, bool) or not isinstance(bytes_per_block, int) or bytes_per_block < 1:
-        raise ValueError(f"bytes_per_block must be an integer >= 1, got {bytes_per_block!r}")
-    if isinstance(bytes_budget, bool) or not isinstance(bytes_budget, (int, float)) or not bytes_budget >= 0:
-        raise ValueError(f"bytes_budget must be a number >= 0, got {bytes_budget!r}")
+    check_range("bytes_per_block", bytes_per_block, 1, integer=True)
+    check_range("bytes_budget", bytes_budget, 0)
     return int(bytes_budget // bytes_per_block)
 
 
@@ -74,8 +66,7 @@ def kv_bytes_per_block(*, num_layers: int, num_kv_heads: int, head_dim: int, blo
     """Bytes one block occupies across all layers: K and V, ``[block_size, Hkv, D]`` each per layer."""
     for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                         ("block_size", block_size), ("dtype_bytes", dtype_bytes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_range(name, value, 1, integer=True)
     return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype_bytes
 
 

@@ -1,21 +1,17 @@
 """The engine loop: schedule -> run -> update, in its own thread, streaming tokens to asyncio.
 
 ``LLMEngine`` composes the scheduler and KV block manager (plain Python), the model runner
-(device), the tokenizer, the Prometheus series and the tracer. The server thread calls
-``add_request`` (synchronous: a full queue raises ``QueueFullError`` at once, for HTTP 429)
-and ``abort``; everything else happens on the loop thread:
+(device), the tokenizer and the Prometheus series. The server thread calls ``add_request``
+(a full queue raises ``QueueFullError`` at once, for HTTP 429) and ``abort``; everything
+else happens on the loop thread: apply aborts, ``schedule()``, run the model (the only
+device work), ``update()``, detokenize, finish requests on stop strings, and hand every
+request's new text to its asyncio queue with ONE ``call_soon_threadsafe`` per step.
 
-1. apply pending aborts (their KV blocks go back to the free list), then ``schedule()``;
-2. open the step span (linked to its requests) and the requests' phase spans;
-3. run the model (the only device work), then ``update()`` with the sampled tokens;
-4. detokenize incrementally, finish requests on stop strings (``scheduler.finish``), and hand
-   every request's new text to its asyncio queue with ONE ``call_soon_threadsafe`` per step.
-
-The scheduler is guarded by one lock held only around ``add``/``schedule``/``update``/
-``finish`` (never around the model), so admission never waits for a step. Request phases:
-``queue`` from add to first schedule, ``prefill`` from there to the first token, ``decode``
-to the end, ``detokenize`` around the final flush; a preempted request is re-queued and its
-recompute opens new ``queue``/``prefill`` spans. Telemetry off costs one branch per use.
+The scheduler's lock is held only around ``add``/``schedule``/``update``/``finish``, never
+around the model. Telemetry: the loop only records lifecycle events (a request queued, a
+step with its batch, preemptions and finished prompts, the final flush) through the
+pipeline's recorder, O(1) appends per step and per request event; spans are made from them
+elsewhere (:mod:`sightline.instrumentation.telemetry_pipeline`). Off costs one branch.
 """
 
 from __future__ import annotations
@@ -24,16 +20,18 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sightline.engine.config import EngineConfig, resolve_model_config
-from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
-from sightline.engine.metrics import EngineMetrics, trace_exemplar
-from sightline.engine.request import FinishReason, Request, SamplingParams
-from sightline.engine.scheduler import QueueFullError, Scheduler, StepPlan
-from sightline.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-from sightline.instrumentation import semconv as sc
+from ..instrumentation.lifecycle import Detokenized, OpenStep, Queued, Step
+from ..instrumentation.telemetry_pipeline import TelemetryPipeline
+from .config import EngineConfig, resolve_model_config
+from .kv_cache import KVCacheConfig, KVCacheManager
+from .metrics import EngineMetrics, trace_exemplar
+from .request import FinishReason, Request, SamplingParams
+from .scheduler import QueueFullError, Scheduler, StepPlan
+from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "StepStats", "EngineStoppedError",
            "QueueFullError"]
@@ -91,8 +89,8 @@ class _Live:
     request: Request
     stream: RequestStream | None
     detok: IncrementalDetokenizer
-    trace: object | None  # RequestTrace
-    phase: str = sc.SPAN_QUEUE
+    key: int | None  # its key in the lifecycle events; None when not traced
+    prefilling: bool = True  # its (re)computed prompt has not produced a token yet
     text: str = ""  # generated text after stop-string truncation
     emitted: int = 0  # chars of text already handed out
     checked: int = 0  # chars of text already searched for stop strings
@@ -122,14 +120,14 @@ def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
 class LLMEngine:
     """One model, one device, one loop thread (or ``step()`` driven by the caller, offline)."""
 
-    def __init__(self, config: EngineConfig, telemetry=None) -> None:
-        from sightline.engine.model_runner import ModelRunner  # torch, loaded with the engine
-        from sightline.instrumentation.tracing import Telemetry
+    def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None) -> None:
+        from .model_runner import ModelRunner  # torch, loaded with the engine
 
         self.config = config
         self.model_config = resolve_model_config(config.model)
         self.model_name = config.model_name
-        self.telemetry = telemetry if telemetry is not None else Telemetry.disabled()
+        self.telemetry = telemetry
+        self._recorder = telemetry.recorder if telemetry is not None else None
         self.gpu_telemetry = self._gpu_telemetry()
         self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry)
         self.tokenizer = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
@@ -152,6 +150,7 @@ class LLMEngine:
         self._next_id = 0
         self._last_plan_nonempty = False
         self.last_step: StepStats | None = None
+        self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
 
     def _watch_gpu_health(self) -> None:
         """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever
@@ -166,16 +165,19 @@ class LLMEngine:
             log.warning("GPU memory/context metrics unavailable: %s", reason)
 
     def _gpu_telemetry(self):
-        """Kernel tracing (E3's GpuTelemetry) only at level kernels on CUDA; None otherwise."""
-        if not self.telemetry.kernels_on:
+        """Kernel spans and per-SM histograms only at level kernels on CUDA; None otherwise."""
+        if self.telemetry is None or not self.telemetry.kernels_on:
             return None
         try:
             import torch
             if not torch.cuda.is_available() or self.config.device == "cpu":
                 log.info("trace level kernels: no CUDA device, kernel tracing is off")
                 return None
-            from sightline.instrumentation.gpu_telemetry import GpuTelemetry
-            return GpuTelemetry.create(self.telemetry, torch.cuda.current_device())
+            from ..instrumentation.gpu_telemetry import GpuTelemetry
+            gpu = GpuTelemetry.create(self._recorder, torch.cuda.current_device())
+            if gpu is not None:
+                self.telemetry.attach_gpu(gpu)   # the pipeline shuts it down
+            return gpu
         except Exception:  # telemetry trouble never stops the engine
             log.exception("kernel telemetry unavailable; continuing without it")
             return None
@@ -207,19 +209,20 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                              f"({sampling.max_tokens}) = {needed} exceeds the context length "
                              f"{self.max_model_len}")
+        key = trace.key if trace is not None else None
         request = Request(request_id, list(prompt_token_ids), sampling, priority=priority,
-                          eos_token_id=self.eos_token_id, telemetry=trace)
+                          eos_token_id=self.eos_token_id, telemetry=key)
         stream = RequestStream(request_id, loop) if loop is not None else None
-        live = _Live(request, stream, IncrementalDetokenizer(self.tokenizer), trace,
+        live = _Live(request, stream, IncrementalDetokenizer(self.tokenizer), key,
                      hold=max((len(s) for s in sampling.stop), default=1) - 1, exemplar=trace_exemplar(trace))
-        if trace is not None:
-            trace.start_phase(sc.SPAN_QUEUE)
+        if key is not None:
+            self._recorder.record(Queued(key, time.time_ns()))
         with self._wake:
             if not self._accepting:
                 raise EngineStoppedError("the engine is shutting down")
             self.scheduler.add(request)  # QueueFullError / ValueError propagate
             self._live[request_id] = live
-            self.metrics.c_waiting.set(self.scheduler.num_waiting)
+            self.metrics.waiting.set(self.scheduler.num_waiting)
             self._wake.notify()
         return stream
 
@@ -259,11 +262,6 @@ class LLMEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        if self.gpu_telemetry is not None:
-            try:
-                self.gpu_telemetry.shutdown()
-            except Exception:
-                log.exception("kernel telemetry shutdown failed")
 
     # ---- the loop -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -310,74 +308,71 @@ class LLMEngine:
         if plan.is_empty:
             self._record_gauges()
             return outputs
-        step_trace = self._open_step(plan)
+        for request in plan.preempted:
+            self.metrics.preemptions.inc()
+            live = self._live.get(request.request_id)
+            if live is not None:
+                live.prefilling = True
+        step = None
+        if self._recorder is not None:
+            trace_id, span_id = self._recorder.new_span_ids()
+            step = OpenStep(plan.step_id, trace_id, span_id, time.time_ns())
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
+        events: list = []   # finished requests' events: recorded after their step's
         try:
-            sampled = self.runner.execute(plan, step_trace)
+            sampled = self.runner.execute(plan, step)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
+            self._record_step(plan, step, (), type(exc).__name__)
             outputs += self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}")
-            if step_trace is not None:
-                step_trace.end({sc.ERROR_TYPE: type(exc).__name__})
             return outputs
+        if step is not None and self.runner.graphs is not None:   # CUDA graphs in use
+            for key, value in self.runner.last_execution.attributes().items():
+                step.set_attribute(key, value)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
-        if step_trace is not None:
-            step_trace.end()
-        outputs += self._process_tokens(plan, sampled, finished)
+        prefill_done: list[int] = []
+        outputs += self._process_tokens(plan, sampled, finished, prefill_done, events)
+        self._record_step(plan, step, prefill_done, None)
+        if events:
+            for event in events:
+                self._recorder.record(event)
         m = self.metrics
         duration = time.perf_counter() - t0
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
-        m.c_step.observe(duration)
-        m.c_step_tokens.observe(plan.num_scheduled_tokens)
-        m.c_generation_tokens.inc(len(sampled))
+        m.step.observe(duration)
+        self.step_durations_s.append(duration)
+        if self.gpu_telemetry is not None and step is not None:
+            self.gpu_telemetry.observe_step(step, duration)
+        m.step_tokens.observe(plan.num_scheduled_tokens)
+        m.generation_tokens.inc(len(sampled))
         self._record_gauges()
         return outputs
 
     def _record_gauges(self) -> None:
         m = self.metrics
-        m.c_running.set(self.scheduler.num_running)
-        m.c_waiting.set(self.scheduler.num_waiting)
-        m.c_kv_usage.set(self.kv_cache.usage)
+        m.running.set(self.scheduler.num_running)
+        m.waiting.set(self.scheduler.num_waiting)
+        m.kv_usage.set(self.kv_cache.usage)
 
-    def _open_step(self, plan: StepPlan):
-        """Phase transitions of the scheduled requests, and the step span when steps_on."""
-        for request in plan.preempted:
-            live = self._live.get(request.request_id)
-            self.metrics.c_preemptions.inc()
-            if live is not None:
-                live.phase = sc.SPAN_QUEUE
-                if live.trace is not None:
-                    live.trace.preempted()
-                    live.trace.start_phase(sc.SPAN_QUEUE)
-        for entry in plan.scheduled:
-            live = self._live.get(entry.request.request_id)
-            if live is not None and live.phase == sc.SPAN_QUEUE:
-                live.phase = sc.SPAN_PREFILL
-                if live.trace is not None:
-                    live.trace.end_phase(sc.SPAN_QUEUE)
-                    live.trace.start_phase(sc.SPAN_PREFILL)
-        if not self.telemetry.steps_on:
-            return None
-        traces = [e.request.telemetry for e in plan.scheduled]
-        num_decode = sum(1 for e in plan.scheduled if not e.is_prefill)
-        step_trace = self.telemetry.start_step(plan.step_id, requests=traces, attributes={
-            sc.STEP_PREFILL_TOKENS: plan.num_prefill_tokens,
-            sc.STEP_DECODE_TOKENS: plan.num_decode_tokens,
-            sc.STEP_NUM_PREFILL_SEQS: len(plan.scheduled) - num_decode,
-            sc.STEP_NUM_DECODE_SEQS: num_decode,
-            sc.STEP_KV_BLOCKS_USED: plan.kv_blocks_used,
-            sc.STEP_KV_BLOCKS_TOTAL: plan.kv_blocks_total,
-        })
-        if step_trace is not None:
-            for trace in traces:
-                if trace is not None:
-                    trace.link_step(step_trace)
-        return step_trace
+    def _record_step(self, plan: StepPlan, step: OpenStep | None, prefill_done,
+                     error_type: str | None) -> None:
+        """One Step event: the batch, the preempted requests, the finished prompts."""
+        if step is None:
+            return
+        scheduled = plan.scheduled
+        keys = tuple(k for k in (e.request.telemetry for e in scheduled) if k is not None)
+        preempted = tuple(k for k in (r.telemetry for r in plan.preempted) if k is not None)
+        num_decode = sum(1 for e in scheduled if not e.is_prefill)
+        self._recorder.record(Step(
+            step.step_id, step.start_ns, time.time_ns(), step.trace_id, step.span_id, keys,
+            len(scheduled), preempted, tuple(prefill_done), plan.num_prefill_tokens,
+            plan.num_decode_tokens, len(scheduled) - num_decode, num_decode,
+            plan.kv_blocks_used, plan.kv_blocks_total, error_type, step.attributes))
 
-    def _process_tokens(self, plan: StepPlan, sampled: dict[str, int],
-                        finished: list[Request]) -> list[tuple[_Live, RequestOutput]]:
+    def _process_tokens(self, plan: StepPlan, sampled: dict[str, int], finished: list[Request],
+                        prefill_done: list[int], events: list) -> list[tuple[_Live, RequestOutput]]:
         outputs = []
         done = {r.request_id for r in finished}
         now = time.monotonic()
@@ -387,16 +382,14 @@ class LLMEngine:
             live = self._live.get(request_id)
             if token is None or live is None:
                 continue
-            if live.phase == sc.SPAN_PREFILL:  # this chunk finished the (re)computed prompt
-                live.phase = sc.SPAN_DECODE
+            if live.prefilling:  # this chunk finished the (re)computed prompt
+                live.prefilling = False
                 if entry.request.num_output_tokens == 1:
-                    self.metrics.c_prompt_tokens.inc(entry.request.num_prompt_tokens)
-                if live.trace is not None:
-                    live.trace.end_phase(sc.SPAN_PREFILL)
-                    live.trace.first_token()
-                    live.trace.start_phase(sc.SPAN_DECODE)
+                    self.metrics.prompt_tokens.inc(entry.request.num_prompt_tokens)
+                if live.key is not None:
+                    prefill_done.append(live.key)
             if entry.request.num_output_tokens > 1:
-                self.metrics.c_itl.observe(now - live.last_token_s, live.exemplar)
+                self.metrics.itl.observe(now - live.last_token_s, live.exemplar)
             live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)
@@ -408,7 +401,7 @@ class LLMEngine:
                         if self.scheduler.finish(request_id, FinishReason.STOP) is not None:
                             done.add(request_id)
             if request_id in done:
-                outputs.append(self._finish_output(request_id))
+                outputs.append(self._finish_output(request_id, events=events))
             else:
                 outputs.append((live, self._delta(live, final=False)))
         return outputs
@@ -442,23 +435,25 @@ class LLMEngine:
                              num_prompt_tokens=request.num_prompt_tokens,
                              num_output_tokens=request.num_output_tokens)
 
-    def _finish_output(self, request_id: str, error: str | None = None) -> tuple[_Live, RequestOutput]:
-        """Final output of a request the scheduler finished; records its metrics and spans."""
+    def _finish_output(self, request_id: str, error: str | None = None,
+                       events: list | None = None) -> tuple[_Live, RequestOutput]:
+        """Final output of a request the scheduler finished; records its metrics and its
+        ``Detokenized`` event (into ``events`` when given, else at once)."""
         live = self._live.pop(request_id)
         request = live.request
         reason = request.finish_reason.value if request.finish_reason else FinishReason.ABORT.value
-        trace = live.trace
-        if trace is not None:
-            for phase in (sc.SPAN_QUEUE, sc.SPAN_PREFILL, sc.SPAN_DECODE):
-                trace.end_phase(phase)
-            trace.start_phase(sc.SPAN_DETOKENIZE)
+        detok_start = time.time_ns() if live.key is not None else 0
         if not live.stopped and reason != FinishReason.ABORT.value:
             # Bytes held back as an incomplete character are final now (U+FFFD if still bad).
             live.text += live.detok.flush()
             self._hit_stop(live)
         output = self._delta(live, final=True)
-        if trace is not None:
-            trace.end_phase(sc.SPAN_DETOKENIZE)
+        if live.key is not None:
+            event = Detokenized(live.key, detok_start, time.time_ns())
+            if events is not None:
+                events.append(event)
+            else:
+                self._recorder.record(event)
         output.finished, output.finish_reason, output.error = True, reason, error
         output.num_preemptions = request.num_preemptions
         arrival, end = request.arrival_time_s, request.finish_time_s or time.monotonic()

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
 
 __all__ = ["EngineMetrics", "trace_exemplar"]
 
@@ -24,98 +24,95 @@ _OPENMETRICS_EOF = b"# EOF\n"
 
 
 def trace_exemplar(trace) -> dict[str, str] | None:
-    """Exemplar labels that point at a request's trace: ``{trace_id: 32 hex digits}`` for
-    the handle ``Telemetry.start_request`` returned, when that trace is sampled (an unsampled
-    one is stored nowhere); None otherwise. The one place that reads the handle."""
-    context = getattr(trace, "span_context", None)
-    if context is None or not context.is_valid or not context.trace_flags.sampled:
+    """Exemplar labels that point at a request's trace, ``{trace_id: 32 hex digits}``, from
+    the handle ``start_request`` returned; None without one, or when its trace is not
+    sampled (stored nowhere). The one place that reads the handle."""
+    if trace is None or not getattr(trace, "sampled", True):
         return None
-    return {sc.EXEMPLAR_TRACE_ID_LABEL: format(context.trace_id, "032x")}
+    return {sc.EXEMPLAR_TRACE_ID_LABEL: trace.trace_id_hex}
 
 
 class EngineMetrics:
-    """All engine series for one served model name."""
+    """All engine series for one served model name.
+
+    Each attribute is the series bound to this model (label lookup done once here, not per
+    observation); the families live in ``registry``.
+    """
 
     def __init__(self, model: str) -> None:
         self.model = model
-        self.registry = CollectorRegistry(auto_describe=True)
-        r, m = self.registry, [sc.LABEL_MODEL]
-        self.requests = Counter(sc.ENGINE_REQUESTS_TOTAL, "Finished requests by finish reason.",
-                                m + [sc.LABEL_FINISH_REASON], registry=r)
-        self.request_errors = Counter(sc.ENGINE_REQUEST_ERRORS_TOTAL,
-                                      "Requests refused or failed, by HTTP status code.",
-                                      m + [sc.LABEL_CODE], registry=r)
-        self.ttft = Histogram(sc.ENGINE_TTFT_SECONDS, "Time from arrival to the first token.", m,
-                              buckets=sc.TTFT_BUCKETS_S, registry=r)
-        self.tpot = Histogram(sc.ENGINE_TPOT_SECONDS, "Mean time per output token after the first.",
-                              m, buckets=sc.TPOT_BUCKETS_S, registry=r)
-        self.e2e = Histogram(sc.ENGINE_E2E_SECONDS, "Time from arrival to the last token.", m,
-                             buckets=sc.REQUEST_DURATION_BUCKETS_S, registry=r)
-        self.queue = Histogram(sc.ENGINE_QUEUE_SECONDS, "Time from arrival to first scheduling.", m,
-                               buckets=sc.REQUEST_DURATION_BUCKETS_S, registry=r)
-        self.running = Gauge(sc.ENGINE_RUNNING, "Requests holding KV blocks.", m, registry=r)
-        self.waiting = Gauge(sc.ENGINE_WAITING, "Requests in the waiting queue.", m, registry=r)
-        self.kv_usage = Gauge(sc.ENGINE_KV_USAGE, "Fraction of KV cache blocks in use (0..1).", m,
-                              registry=r)
-        self.preemptions = Counter(sc.ENGINE_PREEMPTIONS_TOTAL, "Requests preempted (recompute).",
-                                   m, registry=r)
-        self.step = Histogram(sc.ENGINE_STEP_SECONDS, "Duration of one engine step.", m,
-                              buckets=sc.STEP_BUCKETS_S, registry=r)
-        self.step_tokens = Histogram(sc.ENGINE_STEP_TOKENS, "Tokens computed per engine step.", m,
-                                     buckets=sc.TOKENS_PER_STEP_BUCKETS, registry=r)
-        self.prompt_tokens = Counter(sc.ENGINE_PROMPT_TOKENS_TOTAL, "Prompt tokens of finished requests.",
-                                     m, registry=r)
-        self.generation_tokens = Counter(sc.ENGINE_GENERATION_TOKENS_TOTAL, "Tokens generated.", m,
-                                         registry=r)
-        self.itl = Histogram(sc.ENGINE_ITL_SECONDS, "Time between consecutive tokens of a request "
-                             "(one observation per token after the first).", m, buckets=sc.ITL_BUCKETS_S,
-                             registry=r)
-        self.request_prompt_tokens = Histogram(sc.ENGINE_REQUEST_PROMPT_TOKENS, "Prompt tokens per finished "
-                                               "request.", m, buckets=sc.REQUEST_TOKENS_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram(sc.ENGINE_REQUEST_GENERATION_TOKENS, "Generated tokens "
-                                                   "per finished request.", m, buckets=sc.REQUEST_TOKENS_BUCKETS,
-                                                   registry=r)
-        self.prefill = Histogram(sc.ENGINE_PREFILL_SECONDS, "Time from first scheduling to the first token.",
-                                 m, buckets=sc.REQUEST_DURATION_BUCKETS_S, registry=r)
-        self.decode = Histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.", m,
-                                buckets=sc.REQUEST_DURATION_BUCKETS_S, registry=r)
-        # Bound children: label lookup once here, not per observation.
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        m = [sc.LABEL_MODEL]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, m, registry=r).labels(model)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, m, registry=r).labels(model)
+
+        self._requests_by_reason = Counter(sc.ENGINE_REQUESTS_TOTAL,
+                                           "Finished requests by finish reason.",
+                                           m + [sc.LABEL_FINISH_REASON], registry=r)
+        self._errors_by_code = Counter(sc.ENGINE_REQUEST_ERRORS_TOTAL,
+                                       "Requests refused or failed, by HTTP status code.",
+                                       m + [sc.LABEL_CODE], registry=r)
+        self.ttft = histogram(sc.ENGINE_TTFT_SECONDS, "Time from arrival to the first token.",
+                              sc.TTFT_BUCKETS_S)
+        self.tpot = histogram(sc.ENGINE_TPOT_SECONDS, "Mean time per output token after the first.",
+                              sc.TPOT_BUCKETS_S)
+        self.e2e = histogram(sc.ENGINE_E2E_SECONDS, "Time from arrival to the last token.",
+                             sc.REQUEST_DURATION_BUCKETS_S)
+        self.queue = histogram(sc.ENGINE_QUEUE_SECONDS, "Time from arrival to first scheduling.",
+                               sc.REQUEST_DURATION_BUCKETS_S)
+        self.running = gauge(sc.ENGINE_RUNNING, "Requests holding KV blocks.")
+        self.waiting = gauge(sc.ENGINE_WAITING, "Requests in the waiting queue.")
+        self.kv_usage = gauge(sc.ENGINE_KV_USAGE, "Fraction of KV cache blocks in use (0..1).")
+        self.preemptions = counter(sc.ENGINE_PREEMPTIONS_TOTAL, "Requests preempted (recompute).")
+        self.step = histogram(sc.ENGINE_STEP_SECONDS, "Duration of one engine step.",
+                              sc.STEP_BUCKETS_S)
+        self.step_tokens = histogram(sc.ENGINE_STEP_TOKENS, "Tokens computed per engine step.",
+                                     sc.TOKENS_PER_STEP_BUCKETS)
+        self.prompt_tokens = counter(sc.ENGINE_PROMPT_TOKENS_TOTAL,
+                                     "Prompt tokens of finished requests.")
+        self.generation_tokens = counter(sc.ENGINE_GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.itl = histogram(sc.ENGINE_ITL_SECONDS, "Time between consecutive tokens of a request (one "
+                             "observation per token after the first).", sc.ITL_BUCKETS_S)
+        self.request_prompt_tokens = histogram(sc.ENGINE_REQUEST_PROMPT_TOKENS,
+                                               "Prompt tokens per finished request.", sc.REQUEST_TOKENS_BUCKETS)
+        self.request_generation_tokens = histogram(sc.ENGINE_REQUEST_GENERATION_TOKENS,
+                                                   "Generated tokens per finished request.",
+                                                   sc.REQUEST_TOKENS_BUCKETS)
+        self.prefill = histogram(sc.ENGINE_PREFILL_SECONDS, "Time from first scheduling to the first token.",
+                                 sc.REQUEST_DURATION_BUCKETS_S)
+        self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
+                                sc.REQUEST_DURATION_BUCKETS_S)
         self._requests = {}
         self._errors = {}
-        self.c_ttft, self.c_tpot = self.ttft.labels(model), self.tpot.labels(model)
-        self.c_e2e, self.c_queue = self.e2e.labels(model), self.queue.labels(model)
-        self.c_running, self.c_waiting = self.running.labels(model), self.waiting.labels(model)
-        self.c_kv_usage = self.kv_usage.labels(model)
-        self.c_preemptions = self.preemptions.labels(model)
-        self.c_step, self.c_step_tokens = self.step.labels(model), self.step_tokens.labels(model)
-        self.c_prompt_tokens = self.prompt_tokens.labels(model)
-        self.c_generation_tokens = self.generation_tokens.labels(model)
-        self.c_itl = self.itl.labels(model)
-        self.c_request_prompt_tokens = self.request_prompt_tokens.labels(model)
-        self.c_request_generation_tokens = self.request_generation_tokens.labels(model)
-        self.c_prefill, self.c_decode = self.prefill.labels(model), self.decode.labels(model)
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
             self.finished(reason)
-        self.c_running.set(0)
-        self.c_waiting.set(0)
-        self.c_kv_usage.set(0)
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_usage.set(0)
 
     def finished(self, reason: str):
         child = self._requests.get(reason)
         if child is None:
-            child = self._requests[reason] = self.requests.labels(self.model, reason)
+            child = self._requests[reason] = self._requests_by_reason.labels(self.model, reason)
         return child
 
     def error(self, code: int) -> None:
         child = self._errors.get(code)
         if child is None:
-            child = self._errors[code] = self.request_errors.labels(self.model, str(code))
+            child = self._errors[code] = self._errors_by_code.labels(self.model, str(code))
         child.inc()
 
     def watch_gpu(self, device_index: int) -> str | None:
         """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this
         registry, read at scrape time. Returns why they are unavailable, or None."""
-        from sightline.instrumentation.nvml import NvmlCollector
+        from ..instrumentation import NvmlCollector
 
         collector = NvmlCollector([device_index])
         if not collector.available:
@@ -129,15 +126,15 @@ class EngineMetrics:
                          exemplar: dict[str, str] | None = None) -> None:
         """Every per-request series of one finished request (None: the phase never happened)."""
         self.finished(reason).inc()
-        self.c_e2e.observe(e2e_s, exemplar)
-        self.c_request_prompt_tokens.observe(prompt_tokens)
-        self.c_request_generation_tokens.observe(generation_tokens)
-        for child, value in ((self.c_queue, queue_s), (self.c_tpot, tpot_s), (self.c_prefill, prefill_s),
-                             (self.c_decode, decode_s)):
+        self.e2e.observe(e2e_s, exemplar)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        for series, value in ((self.queue, queue_s), (self.tpot, tpot_s), (self.prefill, prefill_s),
+                              (self.decode, decode_s)):
             if value is not None:
-                child.observe(value)
+                series.observe(value)
         if ttft_s is not None:
-            self.c_ttft.observe(ttft_s, exemplar)
+            self.ttft.observe(ttft_s, exemplar)
 
     def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
                    accept: str = "") -> tuple[bytes, str]:

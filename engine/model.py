@@ -5,11 +5,14 @@ into a single ``[T]`` batch, prefill chunks first, then one token per decoding s
 layer writes its new K/V into the paged cache ``[layers, 2, num_blocks, block_size, Hkv, D]``
 at the slots the runner computed, then attends through ``engine/kernels/attention.py``:
 packed-varlen causal attention for the prefill part, paged attention for the decode part.
-Only the positions that yield a token go through the vocabulary projection.
+Only the positions that yield a token go through the vocabulary projection. The residual
+stream is carried beside each layer's output so that its add fuses into the next RMSNorm;
+RMSNorm, RoPE and SwiGLU run as Triton kernels wherever attention does (``engine/kernels``).
 
 Weights are either random (seeded, created directly on the target device: no host copy of
 the 16 GB of ``llama-8b``) or read from a local HF-style directory's ``*.safetensors``.
-Costs: the forward allocates activations ``O(T * hidden)``; no host-device sync happens inside.
+Costs: the forward allocates activations ``O(T * hidden)``; no host-device sync happens inside
+(a decode forward can be captured in a CUDA graph: ``engine/cuda_graphs.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sightline.engine.config import ModelConfig
-from sightline.engine.kernels.attention import paged_decode_attention, prefill_attention
+from .config import ModelConfig
+from .kernels.attention import paged_decode_attention, prefill_attention
+from .kernels.rmsnorm import rms_norm
+from .kernels.rope import rope_
+from .kernels.swiglu import swiglu
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "rope_cos_sin"]
 
@@ -74,15 +80,6 @@ def rope_cos_sin(config: ModelConfig, device: torch.device | str) -> tuple[torch
     return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates halves (HF Llama layout). x [T, H, D]; cos/sin [T, D/2] -> [T, H, D]."""
-    half = x.shape[-1] // 2
-    xf = x.float()
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D/2]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-
 class Linear(nn.Module):
     """``y = x W^T`` (no bias). The weight is left uninitialized: ``build_model`` fills it, so no
     throw-away default init runs (that costs seconds for llama-8b, and imports torch._refs
@@ -111,10 +108,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, **dev))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (normed [T, hidden], stream): the stream is ``residual += x`` (in
+        place) when a residual is given, else x."""
+        return rms_norm(x, self.weight, self.eps, residual, backend)
 
 
 class Attention(nn.Module):
@@ -132,9 +130,10 @@ class Attention(nn.Module):
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], views into the projection
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        rope_(q, k, cos, sin, meta.backend)  # in place
         k_cache = v_cache = None
         if kv_cache is not None:  # [2, num_blocks, block_size, Hkv, D]
             k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -172,9 +171,8 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dev)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, dev)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden]
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:  # [T, hidden]
+        return self.down_proj(swiglu(self.gate_up_proj(x), backend))  # gate_up [T, 2I]
 
 
 class DecoderLayer(nn.Module):
@@ -185,9 +183,14 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
         self.mlp = MLP(config, dev)
 
-    def forward(self, x, cos, sin, meta, kv_cache):
-        x = x + self.attn(self.input_norm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attn_norm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin,
+                meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden]: the previous layer's output (the embedding for the first layer, whose
+        residual is None) -> (this layer's MLP output, the residual stream before it)."""
+        h, residual = self.input_norm(x, residual, meta.backend)
+        h = self.attn(h, cos, sin, meta, kv_cache)
+        h, residual = self.post_attn_norm(h, residual, meta.backend)
+        return self.mlp(h, meta.backend), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -215,11 +218,12 @@ class LlamaForCausalLM(nn.Module):
         cache: keys are the new tokens); logits_indices [S] (None: every position) -> [S, V]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D/2]
         x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, meta, None if kv_cache is None else kv_cache[i])
+            x, residual = layer(x, residual, cos, sin, meta, None if kv_cache is None else kv_cache[i])
         if logits_indices is not None:
-            x = x[logits_indices]  # [S, hidden]
-        x = self.norm(x)
+            x, residual = x[logits_indices], residual[logits_indices]  # [S, hidden]
+        x, _ = self.norm(x, residual, meta.backend)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()  # [S, V]
 

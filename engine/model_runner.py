@@ -4,13 +4,17 @@ The runner owns the device state: the model, the paged KV cache tensor
 ``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides ``num_blocks`` for the
 scheduler's block manager) and the sampler's generators. Each step it builds the batch as
 Python lists and copies them to the device at once (one int64 buffer and one float32 buffer,
-pinned and non-blocking on CUDA); the only host-device sync is reading the sampled tokens.
+pinned and non-blocking on CUDA); the only host-device sync is the copy of the sampled tokens
+into pinned memory. On CUDA, decode-only steps replay CUDA graphs captured at start-up
+(``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager`` turns them off); the others, and
+every step on the CPU, run eagerly.
 
 KV budget: on CUDA, ``gpu_memory_utilization * total`` minus what is already in use once the
 weights are loaded and a full-size step (``max_num_batched_tokens`` tokens, ``max_num_seqs``
 sampled rows) has run; on the CPU, ``kv_cache_gib``. Either is capped at what
 ``max_num_seqs`` sequences of ``max_model_len`` tokens can use (no point zeroing 100 GB for the
-tiny model) and at 2**31 elements per layer's K or V (int32 indexing in kernels).
+tiny model) and at 2**31 elements per layer's K or V (int32 indexing in kernels). One more
+block than the scheduler manages is allocated: padded rows of graph replays write there.
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from dataclasses import dataclass
 
 import torch
 
-from sightline.engine.config import EngineConfig, ModelConfig
-from sightline.engine.kv_cache import kv_bytes_per_block
-from sightline.engine.model import AttentionMetadata, build_model
-from sightline.engine.sampling import Sampler, SamplingBatch
-from sightline.engine.sampling_filters import FilterRows
-from sightline.engine.scheduler import ScheduledRequest, StepPlan
+from ..instrumentation import semconv as sc
+from .config import EngineConfig, ModelConfig
+from .cuda_graphs import DecodeGraphs, GraphCapture
+from .kv_cache import kv_bytes_per_block
+from .model import AttentionMetadata, build_model
+from .sampling import Sampler, SamplingBatch
+from .scheduler import ScheduledRequest, StepPlan
 
-__all__ = ["ModelRunner", "StepBatch", "resolve_device", "resolve_dtype"]
+__all__ = ["ModelRunner", "StepBatch", "StepExecution", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +75,23 @@ class StepBatch:
     num_decode_seqs: int
 
 
+@dataclass(frozen=True)
+class StepExecution:
+    """How the runner ran its last step, for the engine's step record."""
+
+    cuda_graph: bool
+    graph_batch_size: int | None = None  # the padded bucket replayed; None when eager
+
+    def attributes(self) -> dict[str, bool | int]:
+        """Step span attributes (``semconv.STEP_CUDA_GRAPH``, ``STEP_GRAPH_BATCH_SIZE``)."""
+        if self.graph_batch_size is None:
+            return {sc.STEP_CUDA_GRAPH: self.cuda_graph}
+        return {sc.STEP_CUDA_GRAPH: self.cuda_graph, sc.STEP_GRAPH_BATCH_SIZE: self.graph_batch_size}
+
+
+_EAGER = StepExecution(cuda_graph=False)
+
+
 class ModelRunner:
     """Model + KV cache + sampler on one device. Not thread-safe: the engine loop calls it."""
 
@@ -92,16 +114,45 @@ class ModelRunner:
             head_dim=model_config.head_dim, block_size=self.block_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
         self.num_blocks = self._kv_blocks()
-        self.kv_cache = torch.zeros(  # [L, 2, N, bs, Hkv, D]
-            model_config.num_layers, 2, self.num_blocks, self.block_size,
+        self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv, D]; block N: padding's scratch
+            model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
             model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = min(limit, model_config.max_position_embeddings,
                                  self.num_blocks * self.block_size)
+        self.graphs: DecodeGraphs | None = None
+        self.graph_capture: GraphCapture | None = None
+        self.last_execution: StepExecution = _EAGER
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_graphs()
         log.info("model %s on %s (%s): %d blocks of %d tokens (%.2f GiB KV), max_model_len %d, "
                  "ready in %.1f s", model_config.name, self.device, self.dtype, self.num_blocks,
                  self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
                  self.max_model_len, time.monotonic() - start)
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+    def static_decode(self, capture: bool) -> DecodeGraphs:
+        """The padded static-input decode path (``capture=False``: without graphs, as the CPU
+        tests run it); used by ``execute`` for decode-only steps from now on."""
+        probe = getattr(self.gpu_telemetry, "probe", None)
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_cache, self.config.scheduler.max_num_seqs,
+            -(-self.max_model_len // self.block_size), self.num_blocks * self.block_size,
+            self.backend, probe, capture=capture)
+        return self.graphs
+
+    def _capture_graphs(self) -> None:
+        graphs = self.static_decode(capture=True)
+        self.graph_capture = graphs.capture_all(self.config.cuda_graph_capture_limit_s)
+        cap = self.graph_capture
+        log.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)%s",
+                 ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
+                 f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
+
+    @property
+    def last_step_graph_bucket(self) -> int | None:
+        """The padded batch size of the graph the last step replayed; None when eager."""
+        return self.last_execution.graph_batch_size
 
     # ---- memory ------------------------------------------------------------------------------
     def _kv_blocks(self) -> int:
@@ -121,7 +172,7 @@ class ModelRunner:
         mc = self.model_config
         limit = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         useful = self.config.scheduler.max_num_seqs * -(-limit // self.block_size)
-        int32_cap = (2**31 - 1) // (self.block_size * mc.num_kv_heads * mc.head_dim)
+        int32_cap = (2**31 - 1) // (self.block_size * mc.num_kv_heads * mc.head_dim) - 1  # + scratch
         if blocks > min(useful, int32_cap):
             log.info("KV cache capped at %d blocks (budget allowed %d)", min(useful, int32_cap), blocks)
             blocks = min(useful, int32_cap)
@@ -145,7 +196,8 @@ class ModelRunner:
                                  backend=self.backend)
         logits = self.model(ids, positions, meta, None, torch.arange(rows, device=self.device))
         batch = SamplingBatch(torch.ones(rows, device=self.device),
-                              torch.full((rows,), 0.9, device=self.device), [None] * rows, False, True)
+                              torch.full((rows,), 0.9, device=self.device), [None] * rows, False, True,
+                              top_ks=torch.full((rows,), 50, device=self.device))
         self.sampler.sample(logits, batch)
         torch.cuda.synchronize(self.device)
 
@@ -177,21 +229,11 @@ class ModelRunner:
         max_q = max_k = 0
         gather = any(e.computed_before > 0 for e in prefills)
         logits_indices: list[int] = []
-        sampled_ids: list[str] = []
-        temps: list[float] = []
-        top_ps: list[float] = []
-        gens: list[torch.Generator | None] = []
-        filters = FilterRows()
+        sampled = []
 
         def sample_row(entry: ScheduledRequest, index: int) -> None:
-            req = entry.request
-            filters.add(len(logits_indices), req)
             logits_indices.append(index)
-            sampled_ids.append(req.request_id)
-            temps.append(req.sampling.temperature)
-            top_ps.append(req.sampling.top_p)
-            gens.append(None if req.sampling.temperature == 0 else
-                        self.sampler.generator_for(req.request_id, req.sampling.seed))
+            sampled.append(entry.request)
 
         for entry in prefills:
             req, start, n = entry.request, entry.computed_before, entry.num_new_tokens
@@ -223,7 +265,6 @@ class ModelRunner:
                 sample_row(entry, len(input_ids) - 1)
 
         # One host buffer, one copy; the views below are slices of it.
-        s = len(logits_indices)
         parts = (input_ids, positions, slots, cu_q, cu_k, kv_slots, tables, context_lens, logits_indices)
         flat = [x for part in parts for x in part]
         host = torch.tensor(flat, dtype=torch.long, pin_memory=self._pin)
@@ -234,8 +275,6 @@ class ModelRunner:
             views.append(dev[offset:offset + len(part)])
             offset += len(part)
         d_ids, d_pos, d_slots, d_cu_q, d_cu_k, d_kv_slots, d_tables, d_ctx, d_logits = views
-        fhost = torch.tensor(temps + top_ps, dtype=torch.float32, pin_memory=self._pin)
-        fdev = fhost.to(self.device, non_blocking=True)
         meta = AttentionMetadata(
             num_prefill_tokens=num_prefill,
             slot_mapping=d_slots,
@@ -249,33 +288,51 @@ class ModelRunner:
             probe=None,  # set by execute() for steps whose GPU data is collected
             backend=self.backend,
         )
-        sampling = SamplingBatch(
-            temperatures=fdev[:s], top_ps=fdev[s:], generators=gens,
-            all_greedy=all(x == 0 for x in temps), any_top_p=any(p < 1.0 for p in top_ps))
-        filters.to_batch(sampling, s, self.model_config.vocab_size, self.device)
-        return StepBatch(d_ids, d_pos, meta, d_logits, sampling, sampled_ids,
+        sampling = self.sampler.batch(sampled, self.model_config.vocab_size)
+        return StepBatch(d_ids, d_pos, meta, d_logits, sampling, [r.request_id for r in sampled],
                          num_prefill_seqs=len(prefills), num_decode_seqs=len(decodes))
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, step_trace=None) -> dict[str, int]:
         """Runs the plan; returns request_id -> sampled token for every chunk that samples.
-        One host-device sync (reading the tokens)."""
+        One host-device sync (reading the tokens). ``last_execution`` says how it ran."""
         if plan.is_empty:
             return {}
         batch = self.prepare(plan)
+        bucket = None
+        if self.graphs is not None and batch.num_prefill_seqs == 0:
+            bucket = self.graphs.bucket_for(batch.num_decode_seqs, batch.meta.block_tables.shape[1])
         gpu = self.gpu_telemetry if step_trace is not None else None
         if gpu is not None:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe
             gpu.begin_step(step_trace)
         try:
-            logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
-                                batch.logits_indices)  # [S, V]
-            tokens = self.sampler.sample(logits, batch.sampling).tolist() if batch.sampled_request_ids else []
+            if bucket is None:
+                self.last_execution = _EAGER
+                logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
+                                    batch.logits_indices)  # [S, V]
+            else:
+                self.last_execution = StepExecution(cuda_graph=self.graphs.capture,
+                                                    graph_batch_size=bucket)
+                logits = self._replay(batch, bucket, gpu)
+            tokens = (self.sampler.to_host(self.sampler.sample(logits, batch.sampling))
+                      if batch.sampled_request_ids else [])
         finally:
             if gpu is not None:
                 gpu.end_step(step_trace)
         return dict(zip(batch.sampled_request_ids, tokens))
+
+    def _replay(self, batch: StepBatch, bucket: int, gpu) -> torch.Tensor:
+        """A decode-only step through the static path; logits [S, V] of the sampled rows."""
+        meta = batch.meta
+        logits = self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
+                                 meta.block_tables, meta.context_lens, bucket)  # [bucket, V]
+        if gpu is not None and gpu.probe is not None and self.graphs.probe is gpu.probe:
+            gpu.probe.adopt(self.graphs.launches(bucket))
+        n, s = batch.num_decode_seqs, len(batch.sampled_request_ids)
+        # decode rows are the packed tokens in order: usually every one samples
+        return logits[:n] if s == n else logits[batch.logits_indices]
 
     def release(self, request_id: str) -> None:
         """The request ended: drop its sampling generator."""

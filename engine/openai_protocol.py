@@ -6,8 +6,8 @@ message names the bad value and what is allowed. Supported: ``/v1/completions`` 
 ``/v1/chat/completions`` with max_tokens (chat: also max_completion_tokens), temperature,
 top_p, seed, stop, stream, stream_options (include_usage, continuous_usage_stats), and vLLM's
 extensions top_k (-1 or 0 = off), min_p, repetition_penalty, ignore_eos, plus priority (int,
-lower = more urgent). Features this engine does not have (n > 1, logprobs, presence and
-frequency penalties, tools, batch prompts) are refused with a 400 that says so, never ignored.
+lower = more urgent), presence_penalty and frequency_penalty. Features this engine does not
+have (n > 1, logprobs, tools, batch prompts) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from sightline.engine.tokenizer import ChatMessage
+from .tokenizer import ChatMessage
 
 __all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error_body",
            "parse_completion_request", "parse_chat_request", "completion_response",
@@ -60,9 +60,11 @@ class _Common:
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
-    top_k: int = 0
+    top_k: int | None = None  # None: all tokens
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -112,7 +114,6 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
                             param="n", code="unsupported_value")
     for name, neutral in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
                           ("best_of", (None, 1)), ("suffix", (None, "")),
-                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
                           ("logit_bias", (None, {})), ("tools", (None, [])), ("response_format", (None,))):
         if name in body and body[name] not in neutral:
             raise ProtocolError(f"{name}={body[name]!r} is not supported by this engine", param=name,
@@ -155,9 +156,9 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
         raise ProtocolError(f"stream={stream!r} must be a boolean", param="stream", code="invalid_value")
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     top_k = body.get("top_k")
-    if top_k is None or top_k == -1:
-        top_k = 0
-    if not _is_int(top_k) or top_k < 0:
+    if top_k is None or (_is_int(top_k) and top_k in (-1, 0)):
+        top_k = None
+    elif not _is_int(top_k) or top_k < 1:
         raise ProtocolError(f"top_k={top_k!r} must be an integer >= 1, or -1 or 0 for off", param="top_k",
                             code="invalid_value")
     return dict(model=model, max_tokens=max_tokens,
@@ -166,7 +167,9 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
                 seed=seed % 2**63 if seed is not None else None, stop=stops, ignore_eos=ignore_eos,
                 priority=priority, stream=stream, include_usage=include_usage,
                 continuous_usage=continuous_usage, top_k=top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
-                repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 100.0, lo_open=True))
+                repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+                presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
 
 
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..instrumentation import check_range
+
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
 
 
@@ -43,17 +45,16 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    top_k: int = 0  # keep the k most likely tokens; 0 = off
-    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability; 0 = off
-    repetition_penalty: float = 1.0  # > 1 discourages tokens already in prompt or output; 1 = off
+    top_k: int | None = None  # keep the k most likely tokens (None: all)
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    repetition_penalty: float = 1.0  # logits of prompt/output tokens: / when > 0, * when < 0
+    presence_penalty: float = 0.0  # subtracted from the logits of tokens already generated
+    frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        check_range("max_tokens", self.max_tokens, 1, integer=True)
+        check_range("temperature", self.temperature, 0, 100)
+        check_range("top_p", self.top_p, 0, 1, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if isinstance(self.stop, str):  # a lone string is one stop sequence, not its characters
@@ -64,17 +65,28 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 1):
+            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 100.0:
-            raise ValueError(f"repetition_penalty must be in (0, 100], got {self.repetition_penalty!r}")
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
 
     @property
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """True when some penalty changes the logits (the sampler then counts tokens)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
 
 def _is_real(x: object) -> bool:
@@ -103,7 +115,7 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time_s: float | None = None
     first_token_time_s: float | None = None
-    telemetry: object | None = None  # opaque instrumentation handle (a RequestTrace or None)
+    telemetry: int | None = None  # the request's key in the telemetry's lifecycle events; None: untraced
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
 
     def __post_init__(self) -> None:

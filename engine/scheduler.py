@@ -1,37 +1,18 @@
 """Continuous batching with priorities, a per-step token budget, chunked prefill and preemption.
 
-Each ``schedule()`` call builds one engine step (a ``StepPlan``) under two limits: at most
-``max_num_batched_tokens`` new tokens and at most ``max_num_seqs`` running requests. It fills
-the budget in this order:
-
-1. decodes of running requests (one token each), most urgent first;
-2. running requests whose prefill was split (chunked prefill), most urgent first;
-3. waiting requests, most urgent first, each getting ``min(tokens left, budget left)`` tokens;
-   admission stops at the first waiting request whose chunk does not fit in the free blocks, so
-   a less urgent request never jumps ahead of a more urgent one.
-
-Urgency: lower ``priority`` is more urgent; a request's effective priority is
-``priority - floor(seconds since arrival / aging_s)``; ties go to the earlier arrival (FIFO
-within a class). Everyone ages alike, so a priority gap of ``k`` is a head start of about
-``k * aging_s`` seconds of arrival time: a request is never passed by one that arrived
-``(its priority - other's priority) * aging_s`` seconds or more after it (no starvation).
-
-When a running request needs a block and none is free (a split prefill first shrinks its
-chunk to the room it has), the least urgent running request that is either not yet scheduled
-in this step or less urgent than the requester is preempted by recompute (a scheduled victim's
-entry is withdrawn and its tokens refunded). The victim may be the requester itself. Its blocks
-are freed, ``num_computed_tokens`` drops to 0, it returns to the waiting queue with
-``num_preemptions += 1`` and is listed in ``StepPlan.preempted``; a later prefill covers all
-of ``all_token_ids``. A request never loses its blocks to a less urgent one, so the most urgent
-running request always makes progress. Waiting requests never preempt running ones.
+Each ``schedule()`` call builds one engine step (a ``StepPlan``) of at most
+``max_num_batched_tokens`` new tokens and ``max_num_seqs`` running requests: decodes first,
+then split prefills, then waiting requests, each group most urgent first (``Scheduler``
+states the policy). Lower ``priority`` is more urgent, and waiting ages a request's priority,
+so no request starves. When blocks run out the least urgent running request is preempted by
+recompute.
 
 Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
 never exceeded; outputs with preemption equal outputs without; every finished or aborted
-request leaves no blocks behind. Costs per step: O(R log R) for R running requests (their keys
-age, so they are re-sorted) plus O(C + k log C) to admit k waiting requests from C priority
-classes; measured 0.6-0.9 ms per step with 64 running and 960 waiting requests on this
-project's shared CPU. Deterministic for a given clock; not thread-safe: call it from one thread
-(the engine loop), or under one lock with add() and abort().
+request leaves no blocks behind; the most urgent running request always makes progress.
+Costs per step: O(R log R) for R running requests plus O(C + k log C) to admit k waiting
+requests from C priority classes. Deterministic for a given clock; not thread-safe: call it
+from one thread (the engine loop), or under one lock with add() and abort().
 """
 
 from __future__ import annotations
@@ -43,8 +24,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sightline.engine.kv_cache import KVCacheManager
-from sightline.engine.request import FinishReason, Request, RequestStatus
+from ..instrumentation import check_range
+from .kv_cache import KVCacheManager
+from .request import FinishReason, Request, RequestStatus
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
 
@@ -64,16 +46,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            check_range(name, getattr(self, name), 1, integer=True)
         if self.max_num_batched_tokens < self.max_num_seqs:
             # Otherwise decodes alone could eat the budget and starve a split prefill forever.
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
             )
-        if isinstance(self.aging_s, bool) or not isinstance(self.aging_s, (int, float)) or not self.aging_s > 0:
-            raise ValueError(f"aging_s must be > 0 (math.inf disables aging), got {self.aging_s!r}")
+        check_range("aging_s", self.aging_s, 0, lo_open=True, hint="(math.inf disables aging)")
 
 
 @dataclass(frozen=True)
@@ -125,7 +104,31 @@ class StepPlan:
 
 
 class Scheduler:
-    """Owns waiting and running requests; decides each step; applies each step's sampled tokens."""
+    """Owns waiting and running requests; decides each step; applies each step's sampled tokens.
+
+    Each step fills the token budget in this order:
+
+    1. decodes of running requests (one token each), most urgent first;
+    2. running requests whose prefill was split (chunked prefill), most urgent first;
+    3. waiting requests, most urgent first, each getting ``min(tokens left, budget left)``
+       tokens; admission stops at the first waiting request whose chunk does not fit in the
+       free blocks, so a less urgent request never jumps ahead of a more urgent one.
+
+    Urgency: a request's effective priority is ``priority - floor(seconds since arrival /
+    aging_s)``; ties go to the earlier arrival (FIFO within a class). Everyone ages alike, so
+    a priority gap of ``k`` is a head start of about ``k * aging_s`` seconds: a request is
+    never passed by one that arrived ``(its priority - other's priority) * aging_s`` seconds
+    or more after it.
+
+    Preemption: when a running request needs a block and none is free (a split prefill first
+    shrinks its chunk to the room it has), the least urgent running request that is either
+    not yet scheduled in this step or less urgent than the requester is preempted by
+    recompute (a scheduled victim's entry is withdrawn and its tokens refunded); the victim
+    may be the requester itself. Its blocks are freed, ``num_computed_tokens`` drops to 0, it
+    returns to the waiting queue with ``num_preemptions += 1`` and is listed in
+    ``StepPlan.preempted``; a later prefill covers all of ``all_token_ids``. A request never
+    loses its blocks to a less urgent one; waiting requests never preempt running ones.
+    """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  clock: Callable[[], float] = time.monotonic) -> None:

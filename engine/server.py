@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/ping``, ``/version``, ``/metrics`` (OpenMetrics with trace-id exemplars when
+``/health``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics with trace-id exemplars when
 asked). Streams as vLLM does, which benchmark tools are built against: one SSE chunk per
 generated token even when its text is empty, the chat role on the first token's chunk,
 usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
@@ -31,15 +31,16 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from sightline.engine.config import EngineConfig
-from sightline.engine.llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
-from sightline.engine.openai_protocol import (
+from ..instrumentation import TelemetryPipeline
+from ..instrumentation import semconv as sc
+from .config import EngineConfig
+from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
+from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
     parse_completion_request, parse_json, sse, usage, usage_chunk)
-from sightline.engine.request import SamplingParams
-from sightline.engine.tokenizer import apply_chat_template
-from sightline.instrumentation import semconv as sc
+from .request import SamplingParams
+from .tokenizer import apply_chat_template
 
 __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 
@@ -77,6 +78,7 @@ class EngineServer:
             web.post("/ping", self.ping),
             web.get("/version", self.version),
             web.get("/metrics", self.metrics),
+            web.get("/debug/steps", self.debug_steps),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
 
@@ -127,6 +129,11 @@ class EngineServer:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sightline",
                 "max_model_len": self.engine.max_model_len}
 
+    async def debug_steps(self, request: web.Request) -> web.Response:
+        """The wall times of the engine's recent steps, oldest first (what a step-time
+        histogram cannot answer: how many steps were over twice the median)."""
+        return _json_response({"durations_s": list(self.engine.step_durations_s)})
+
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
 
@@ -170,7 +177,7 @@ class EngineServer:
         trace = self.telemetry.start_request(
             route=route, headers=http.headers, model=self.model,
             operation="chat" if chat else "text_completion", request_id=request_id,
-            priority=params.priority) if self.telemetry.requests_on else None
+            priority=params.priority) if self.telemetry is not None else None
         self._live_ids.add(response_id)
         try:
             return await self._run(http, params, chat, response_id, request_id, trace)
@@ -189,23 +196,12 @@ class EngineServer:
 
     async def _run(self, http: web.Request, params, chat: bool, response_id: str, request_id: str, trace):
         engine = self.engine
-        if trace is not None:
-            trace.start_phase(sc.SPAN_TOKENIZE)
-        if chat:
-            prompt_text = apply_chat_template(params.messages)
-            prompt_ids = engine.tokenizer.encode(prompt_text)
-        elif isinstance(params.prompt, str):
-            prompt_text = params.prompt
-            prompt_ids = engine.tokenizer.encode(prompt_text)
-        else:
-            prompt_text, prompt_ids = None, params.prompt
-            vocab = engine.model_config.vocab_size
-            bad = next((t for t in prompt_ids if t >= vocab), None)
-            if bad is not None:
-                raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
-                                    param="prompt", code="invalid_value")
-        if trace is not None:
-            trace.end_phase(sc.SPAN_TOKENIZE)
+        tokenize_start = time.time_ns()
+        try:
+            prompt_text, prompt_ids = self._tokenize(params, chat)
+        finally:
+            if trace is not None:
+                trace.tokenized(tokenize_start, time.time_ns())
         room = engine.max_model_len - len(prompt_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
@@ -219,14 +215,16 @@ class EngineServer:
             sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature,
                                       top_p=params.top_p, seed=params.seed, stop=params.stop,
                                       ignore_eos=params.ignore_eos, top_k=params.top_k, min_p=params.min_p,
-                                      repetition_penalty=params.repetition_penalty)
+                                      repetition_penalty=params.repetition_penalty,
+                                      presence_penalty=params.presence_penalty,
+                                      frequency_penalty=params.frequency_penalty)
         except ValueError as exc:
             raise ProtocolError(str(exc), code="invalid_value") from None
         if trace is not None:
             trace.set_attributes({sc.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
                                   sc.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-                                  sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.GEN_AI_REQUEST_TOP_K: params.top_k,
-                                  sc.REQUEST_STREAM: params.stream})
+                                  sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream,
+                                  **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
             stream = engine.add_request(response_id, prompt_ids, sampling, priority=params.priority,
                                         trace=trace, loop=asyncio.get_running_loop())
@@ -305,6 +303,24 @@ class EngineServer:
             if finished is None:
                 engine.abort(response_id)
 
+    def _tokenize(self, params, chat: bool) -> tuple[str | None, list[int]]:
+        """(prompt text or None, prompt token ids); a token id outside the vocabulary is a 400."""
+        engine = self.engine
+        if chat:
+            prompt_text = apply_chat_template(params.messages)
+            prompt_ids = engine.tokenizer.encode(prompt_text)
+        elif isinstance(params.prompt, str):
+            prompt_text = params.prompt
+            prompt_ids = engine.tokenizer.encode(prompt_text)
+        else:
+            prompt_text, prompt_ids = None, params.prompt
+            vocab = engine.model_config.vocab_size
+            bad = next((t for t in prompt_ids if t >= vocab), None)
+            if bad is not None:
+                raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
+                                    param="prompt", code="invalid_value")
+        return prompt_text, prompt_ids
+
     def _finish_trace(self, trace, out: RequestOutput, status: int, pieces: list[str],
                       prompt_text: str | None, error_type: str | None) -> None:
         if trace is None:
@@ -362,14 +378,12 @@ class RunningServer:
 
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
                  telemetry=None) -> int:
-    from sightline.instrumentation.tracing import Telemetry
-
-    if telemetry is None:
-        telemetry = Telemetry.start(config.telemetry) if config.telemetry is not None else Telemetry.disabled()
+    telemetry = _pipeline(config, telemetry)
     try:
         engine = await asyncio.to_thread(LLMEngine, config, telemetry)
     except BaseException:
-        telemetry.shutdown()
+        if telemetry is not None:
+            telemetry.shutdown()
         raise
     engine.start()
     server = EngineServer(engine, telemetry)
@@ -380,7 +394,8 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
-             engine.max_model_len, telemetry.config.level.name.lower())
+             engine.max_model_len,
+             telemetry.config.level.name.lower() if telemetry is not None else "off")
     stop, force = asyncio.Event(), asyncio.Event()  # first signal drains, a second one aborts
     loop = asyncio.get_running_loop()
     if threading.current_thread() is threading.main_thread():
@@ -398,9 +413,23 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
         started = time.monotonic()
         await server.drain(config.shutdown_timeout_s, force)
         await runner.cleanup()
-        await asyncio.to_thread(telemetry.shutdown)
+        if telemetry is not None:
+            await asyncio.to_thread(telemetry.shutdown)
         log.info("stopped in %.1f s", time.monotonic() - started)
     return 0
+
+
+def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
+    """The server's telemetry: ``telemetry`` as given (a pipeline, or a started Telemetry
+    whose spans are then built on a thread here), else one started from the config, its
+    spans built in the telemetry process."""
+    if telemetry is None:
+        if config.telemetry is None:
+            return None
+        return TelemetryPipeline.start(config.telemetry, mode=config.telemetry_mode)
+    if isinstance(telemetry, TelemetryPipeline):
+        return telemetry
+    return TelemetryPipeline.around(telemetry)
 
 
 def serve(config: EngineConfig) -> int:

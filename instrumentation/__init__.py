@@ -1,1 +1,59 @@
-"""sightline.instrumentation"""
+"""sightline.instrumentation: telemetry for an LLM inference server, usable in any PyTorch server.
+
+``__all__`` is the room's public surface: other rooms import these names from here (and
+telemetry names from ``semconv``), never from the modules behind them. Each name is loaded
+on first use, so importing the package pulls in neither torch nor the OpenTelemetry SDK:
+the collector imports histogram math from here on a machine without either.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import semconv
+    from .capture import META_SIGNAL, read_capture, read_capture_meta
+    from .config import TelemetryConfig, TraceLevel
+    from .config_checks import check_range
+    from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
+    from .gpu_telemetry import GpuTelemetry
+    from .lifecycle import Detokenized, OpenStep, Queued, Step
+    from .nvml import NvmlCollector
+    from .otlp_json_ids import base64_to_hex, convert_ids
+    from .sm_probe import PROBE_OFF, SmProbe, launch_facts, probe_begin, probe_cta_index, probe_end
+    from .telemetry_pipeline import TelemetryPipeline
+    from .tracing import Telemetry
+
+_MODULE_OF = {
+    "read_capture": "capture", "read_capture_meta": "capture", "META_SIGNAL": "capture",
+    "TelemetryConfig": "config", "TraceLevel": "config",
+    "check_range": "config_checks",
+    "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
+    "relative_error": "exphist",
+    "GpuTelemetry": "gpu_telemetry",
+    "Detokenized": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
+    "NvmlCollector": "nvml",
+    "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
+    "PROBE_OFF": "sm_probe", "SmProbe": "sm_probe", "launch_facts": "sm_probe",
+    "probe_begin": "sm_probe", "probe_cta_index": "sm_probe", "probe_end": "sm_probe",
+    "TelemetryPipeline": "telemetry_pipeline",
+    "Telemetry": "tracing",
+}
+
+__all__ = ["semconv", *_MODULE_OF]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "semconv":
+        return importlib.import_module(".semconv", __name__)
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

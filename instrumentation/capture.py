@@ -4,6 +4,10 @@ Format (JSON Lines; gzip when the file name ends in ``.gz``), one export per lin
 
     {"signal": "traces"|"metrics", "time_unix_nano": <int>, "request": <OTLP/JSON>}
 
+A capture may begin with one metadata line, ``{"signal": "meta", "meta": {...}}``: what
+the recording was (tool, device, what was planted and when); :func:`read_capture_meta`
+returns it and :func:`read_capture` skips it.
+
 ``request`` is the OTLP/JSON form of ``ExportTraceServiceRequest`` or
 ``ExportMetricsServiceRequest``: lowerCamelCase keys, enums as integers, and trace/span ids
 as hex strings (not protobuf-JSON base64), as the OTLP specification requires, so a line's
@@ -40,7 +44,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-from sightline.instrumentation.otlp_json_ids import base64_to_hex, convert_ids
+from .otlp_json_ids import base64_to_hex, convert_ids
 
 __all__ = [
     "CaptureRecord",
@@ -48,6 +52,8 @@ __all__ = [
     "CaptureSpanExporter",
     "CaptureMetricExporter",
     "read_capture",
+    "read_capture_meta",
+    "META_SIGNAL",
     "to_otlp_json",
     "from_otlp_json",
 ]
@@ -56,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 Signal = Literal["traces", "metrics"]
 SIGNALS: tuple[str, ...] = ("traces", "metrics")
+META_SIGNAL = "meta"
 _REQUEST_TYPES = {"traces": ExportTraceServiceRequest, "metrics": ExportMetricsServiceRequest}
 
 
@@ -130,6 +137,9 @@ class CaptureWriter:
             },
             separators=(",", ":"),
         )
+        self._write_line(line)
+
+    def _write_line(self, line: str) -> None:
         with self._lock:
             if self._file is None:
                 raise ValueError(f"capture {self.path} is closed")
@@ -142,6 +152,13 @@ class CaptureWriter:
 
     def write_metrics(self, request: ExportMetricsServiceRequest, time_unix_nano: int | None = None) -> None:
         self.write("metrics", request, time_unix_nano)
+
+    def write_meta(self, meta: dict) -> None:
+        """Writes the metadata line; only as the file's first line (read_capture_meta)."""
+        if self.lines_written:
+            raise ValueError(f"capture {self.path}: metadata must be its first line")
+        line = json.dumps({"signal": META_SIGNAL, "meta": meta}, separators=(",", ":"), sort_keys=True)
+        self._write_line(line)
 
     @property
     def closed(self) -> bool:
@@ -213,8 +230,9 @@ class CaptureMetricExporter(MetricExporter):
             self.writer.close()
 
 
-def read_capture(path: str | Path) -> Iterator[CaptureRecord]:
-    """Yields every record of a capture, in file order.
+def read_capture(path: str | Path, signals: Sequence[str] = SIGNALS) -> Iterator[CaptureRecord]:
+    """Yields every record of a capture whose signal is in ``signals``, in file order (the
+    others are not decoded).
 
     A truncated last line (a writer killed mid-write) ends the iteration with a warning;
     a malformed line elsewhere raises ValueError naming the file and line number.
@@ -239,8 +257,30 @@ def read_capture(path: str | Path) -> Iterator[CaptureRecord]:
             try:
                 obj = json.loads(line)
                 signal = obj["signal"]
+                if signal == META_SIGNAL or (signal in SIGNALS and signal not in signals):
+                    continue
                 stamp = int(obj["time_unix_nano"])
                 request = from_otlp_json(signal, obj["request"])
             except (ValueError, KeyError, TypeError, json_format.ParseError) as exc:
                 raise ValueError(f"{path}:{lineno}: not a capture record: {exc}") from None
             yield CaptureRecord(signal, stamp, request)
+
+
+def read_capture_meta(path: str | Path) -> dict | None:
+    """The capture's metadata (its first line, when that is a metadata line), else None."""
+    path = Path(path)
+    with _open_text(path, "r") as handle:
+        try:
+            first = handle.readline()
+        except (EOFError, gzip.BadGzipFile):
+            return None
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("signal") != META_SIGNAL:
+        return None
+    meta = obj.get("meta")
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path}:1: metadata line without a 'meta' object")
+    return meta

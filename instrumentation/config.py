@@ -1,22 +1,10 @@
 """Telemetry configuration: one typed dataclass, filled from arguments, ``OTEL_*`` env, defaults.
 
 Precedence is argument beats environment variable beats default, as in the OpenTelemetry
-SDK. Every field is validated in ``__post_init__``; an error names the bad value and the
-allowed values or range, so a typo in a deployment manifest fails at start-up with a
-sentence rather than a silent default.
-
-Environment variables read by :meth:`TelemetryConfig.from_env`:
-
-``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
-``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
-``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
-``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``, ``OTEL_SERVICE_NAME``,
-``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``), ``OTEL_PROPAGATORS``,
-``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``, ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``,
-``OTEL_BSP_EXPORT_TIMEOUT``, ``OTEL_METRIC_EXPORT_INTERVAL``,
-``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``, ``SIGHTLINE_CAPTURE_CONTENT``,
-``SIGHTLINE_KERNEL_SAMPLE_RATIO``, ``SIGHTLINE_CAPTURE_PATH``.
+SDK (:meth:`TelemetryConfig.from_env` lists the variables it reads). Every field is
+validated in ``__post_init__``; an error names the bad value and the allowed values or
+range (and the variable it came from), so a typo in a deployment manifest fails at
+start-up with a sentence rather than a silent default.
 """
 
 from __future__ import annotations
@@ -24,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sightline.instrumentation import semconv
+from . import semconv
+from .config_checks import check_range
 
 __all__ = [
     "TraceLevel",
@@ -124,18 +114,19 @@ class TelemetryConfig:
     propagators: tuple[str, ...] = ("tracecontext", "baggage")
     capture_content: bool = False
     content_max_chars: int = 4096
-    # Steps whose kernels become spans. Small on purpose: a traced step costs its engine
-    # ~one step time of CPU on the H200 (cupti-python's per-record Python; see
-    # gpu_telemetry.py), so 0.2 % of steps keeps kernel spans near 0.2 % of throughput.
-    kernel_sample_ratio: float = 0.002
+    # Steps whose kernels become spans (besides those after a slow step). The engine only
+    # copies their raw CUPTI buffers; decoding and spans happen in the telemetry process.
+    kernel_sample_ratio: float = 0.01
+    # Kernel spans of a traced step: "attention" (each attention launch its own span, other
+    # kernels one span per name) or "all" (every launch; for debugging).
+    kernel_span_detail: str = "attention"
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0
     max_links_per_span: int = 128
     # A prefill/decode span links to at most this many of the steps it rode (the first
     # ones; the rest are counted). Each step span links to all of its requests, so every
-    # step stays reachable from a request; the cap halves the links a long decode costs
-    # the engine thread (~3 µs each in the OTel SDK).
+    # step stays reachable from a request; the cap bounds the links a long decode costs.
     max_phase_links: int = 16
     metrics_enabled: bool = True
     metric_export_interval_s: float = 10.0
@@ -176,17 +167,20 @@ class TelemetryConfig:
                 f"metrics_temporality {self.metrics_temporality!r} is not one of "
                 f"{'|'.join(TEMPORALITIES)}"
             )
-        _check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
-        _check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
-        _check_range("export_timeout_s", self.export_timeout_s, 0.001, 600.0)
-        _check_range("schedule_delay_s", self.schedule_delay_s, 0.001, 3600.0)
-        _check_range("metric_export_interval_s", self.metric_export_interval_s, 0.01, 3600.0)
-        _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 600.0)
-        _check_int("max_queue_size", self.max_queue_size, 1, 10_000_000)
-        _check_int("max_export_batch_size", self.max_export_batch_size, 1, self.max_queue_size)
-        _check_int("max_links_per_span", self.max_links_per_span, 0, 100_000)
-        _check_int("max_phase_links", self.max_phase_links, 0, 100_000)
-        _check_int("content_max_chars", self.content_max_chars, 0, 10_000_000)
+        check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
+        check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
+        if self.kernel_span_detail not in ("attention", "all"):
+            raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
+                             "attention|all")
+        check_range("export_timeout_s", self.export_timeout_s, 0.001, 600.0)
+        check_range("schedule_delay_s", self.schedule_delay_s, 0.001, 3600.0)
+        check_range("metric_export_interval_s", self.metric_export_interval_s, 0.01, 3600.0)
+        check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 600.0)
+        check_range("max_queue_size", self.max_queue_size, 1, 10_000_000, integer=True)
+        check_range("max_export_batch_size", self.max_export_batch_size, 1, self.max_queue_size, integer=True)
+        check_range("max_links_per_span", self.max_links_per_span, 0, 100_000, integer=True)
+        check_range("max_phase_links", self.max_phase_links, 0, 100_000, integer=True)
+        check_range("content_max_chars", self.content_max_chars, 0, 10_000_000, integer=True)
         if not self.service_name:
             raise ValueError("service_name '' must not be empty")
 
@@ -220,7 +214,17 @@ class TelemetryConfig:
     ) -> "TelemetryConfig":
         """Builds a config: ``overrides`` (not None) beat ``env`` (default ``os.environ``) beat defaults.
 
-        Raises ValueError naming the variable and its bad value.
+        Reads ``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
+        ``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
+        ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
+        ``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
+        ``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``,
+        ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``),
+        ``OTEL_PROPAGATORS``, ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``,
+        ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_BSP_EXPORT_TIMEOUT``,
+        ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
+        ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
+        ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the variable and its bad value.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -270,6 +274,7 @@ class TelemetryConfig:
         put("metrics_temporality", "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", str.lower)
         put("capture_content", "SIGHTLINE_CAPTURE_CONTENT", _parse_bool)
         put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
+        put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:
@@ -291,20 +296,10 @@ class TelemetryConfig:
         try:
             return cls(**values)
         except ValueError as exc:
-            field_name = str(exc).split(" ", 1)[0]
+            field_name = re.split(r"[ =]", str(exc), maxsplit=1)[0]
             if field_name in sources:
                 raise ValueError(f"{sources[field_name]}: {exc}") from None
             raise
-
-
-def _check_range(name: str, value: float, lo: float, hi: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-        raise ValueError(f"{name} {value!r} is not a number in [{lo}, {hi}]")
-
-
-def _check_int(name: str, value: int, lo: int, hi: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ValueError(f"{name} {value!r} is not an integer in [{lo}, {hi}]")
 
 
 def _parse_bool(text: str) -> bool:

@@ -2,17 +2,15 @@
 
 - :class:`CountingBatchSpanProcessor` is the SDK's batch processor with a bounded queue
   (``max_queue_size``); when it is full the span being ended is dropped and counted.
-  ``on_end`` costs a ``len`` and a deque append; export runs on the SDK's worker thread.
 - Exporters are wrapped (:class:`CountingSpanExporter`, :class:`CountingMetricExporter`):
-  a failed export (after the SDK exporter's own retries with exponential backoff, bounded
-  by ``export_timeout_s``) counts its spans as dropped and one export failure; an exception
-  from an exporter is logged and turned into FAILURE, never raised into the application.
-  While the endpoint is down the worker backs off (0.5 s doubling to 5 s) instead of
-  spinning, so a dead collector costs the application queue appends, not CPU.
-- The counts are exposed as Prometheus counters named after ``semconv.TELEMETRY_*``
-  through :class:`TelemetryCounters`, a custom prometheus_client collector registered
-  into the registry given (or a private one).
+  a failed export (after the SDK exporter's own bounded retries) counts its spans as
+  dropped and one export failure; an exporter's exception is logged and turned into
+  FAILURE, never raised into the application. While the endpoint is down the worker backs
+  off (0.5 s doubling to 5 s) instead of spinning.
+- :class:`TelemetryCounters` exposes the counts as Prometheus counters (``semconv.TELEMETRY_*``).
 
+Cost to the application: ``on_end`` is a ``len`` and a deque append; export runs on the
+SDK's worker thread, so a dead collector costs queue appends, not CPU.
 ``otel_setup.build_providers`` assembles these; they are re-exported there.
 """
 
@@ -29,7 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from sightline.instrumentation import semconv
+from . import semconv
 
 __all__ = [
     "TelemetryCounters",

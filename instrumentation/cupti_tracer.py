@@ -1,99 +1,35 @@
-"""CUDA kernel activity through CUPTI (``cupti-python``), correlated to engine steps.
+"""CUDA kernel activity through CUPTI, captured as raw buffers in the engine process.
 
-What it records: the activity kinds CONCURRENT_KERNEL and MEMCPY (typed
-``KernelRecord`` / ``MemcpyRecord`` with the GPU's own start/end timestamps), RUNTIME
-and DRIVER (only counted: they are enabled because CUPTI emits external-correlation
-records only for API calls whose kind is on, and Triton launches through the driver
-API), and EXTERNAL_CORRELATION with kind CUSTOM2 (PyTorch's profiler uses CUSTOM0/1).
-``push(external_id)`` / ``pop()`` around a step tag every launch in between; ``drain``
-joins kernels to those ids through the CUPTI correlation id.
+Control (activity kinds on/off, per-API filtering, external-correlation push/pop, flush)
+goes through ``cupti-python``. Completed activity buffers are taken by a ``ctypes``
+callback registered with the same ``libcupti``: it copies the buffer's valid bytes once
+and hands them to ``on_buffer``: one Python call per buffer, never an object per record
+(cupti-python's own callback builds one per record, and those took the engine's GIL).
+The bytes are decoded in bulk elsewhere (:mod:`.cupti_records`).
 
-Off the request path: CUPTI hands full buffers to ``buffer_completed`` on its own
-thread (``activity_flush_period`` makes it do so every ``flush_period_ms``); that
-callback converts records and puts them on a bounded queue (overflow counted in
-``dropped_records``). ``drain`` runs wherever the consumer wants — GpuTelemetry drains
-from its worker thread — and never flushes unless asked (``flush=True``).
-
-Availability: CUPTI allows one activity subscriber per process on the H200's driver
-(measured). If ``cupti`` is not installed, or ``torch.profiler`` (or anything else)
-already holds CUPTI, ``start()`` returns False and ``unavailable_reason`` says why, in
-words; the caller continues without kernel spans. Nothing here raises into the engine.
-
-Cost: nothing while its kinds are off (``disable``); GpuTelemetry switches them on only
-for the steps whose kernels it keeps (``enable``, ``push`` ... ``pop``, ``disable``).
-While on: CUPTI's own per-launch overhead (a few µs per API call with RUNTIME/DRIVER on)
-and, on CUPTI's thread, cupti-python's Python object per record plus one tuple per
-kernel/memcpy here — measured on the H200 at ~20 µs per record including the GIL waits,
-far too much to leave on for every step of an eager engine (~1,500 records per step).
+Kinds: CONCURRENT_KERNEL; RUNTIME and DRIVER (CUPTI emits external-correlation records
+only for API calls whose kind is on; filtered to launches, copies and memsets);
+EXTERNAL_CORRELATION with kind CUSTOM2 (PyTorch's profiler uses CUSTOM0/1).
+Availability: one CUPTI activity subscriber per process; if ``cupti`` is missing or
+``torch.profiler`` holds CUPTI, ``start()`` returns False with ``unavailable_reason``.
+Nothing here raises into the engine.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import queue
 import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Callable
 
-__all__ = ["CuptiTracer", "KernelRecord", "MemcpyRecord", "TraceBatch", "cupti_available"]
+__all__ = ["CuptiTracer", "cupti_available"]
 
 logger = logging.getLogger(__name__)
 
-
-class KernelRecord(NamedTuple):
-    """One kernel execution as CUPTI saw it. Times are CUPTI ns (Unix epoch based).
-
-    A named tuple, not a dataclass: CUPTI's thread builds one per kernel (hundreds per
-    engine step), and a tuple costs a fraction of a frozen dataclass's ``__init__``."""
-
-    name: str
-    start_ns: int
-    end_ns: int
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    registers_per_thread: int
-    static_shared_memory_bytes: int
-    dynamic_shared_memory_bytes: int
-    stream_id: int
-    device_id: int
-    correlation_id: int
-    external_id: int | None = None   # the step's id pushed with ``push``; None if none
-
-    @property
-    def shared_memory_bytes(self) -> int:
-        return self.static_shared_memory_bytes + self.dynamic_shared_memory_bytes
-
-    @property
-    def duration_s(self) -> float:
-        return (self.end_ns - self.start_ns) * 1e-9
-
-    def with_external_id(self, external_id: int | None) -> KernelRecord:
-        return self._replace(external_id=external_id)
-
-
-class MemcpyRecord(NamedTuple):
-    """One memory copy. ``copy_kind`` is CUPTI's ActivityMemcpyKind name (e.g. HTOD)."""
-
-    copy_kind: str
-    bytes: int
-    start_ns: int
-    end_ns: int
-    stream_id: int
-    device_id: int
-    correlation_id: int
-    external_id: int | None = None
-
-
-@dataclass(frozen=True)
-class TraceBatch:
-    """What one ``drain`` returns."""
-
-    kernels: list[KernelRecord]
-    memcpys: list[MemcpyRecord]
-    api_calls: int                 # RUNTIME + DRIVER records seen since the last drain
-    dropped_records: int           # cumulative: records lost to a full queue
+_REQUEST = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p),
+                            ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+_COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p,
+                             ctypes.c_size_t, ctypes.c_size_t)
 
 
 def cupti_available() -> tuple[bool, str]:
@@ -113,62 +49,65 @@ def _torch_profiler_active() -> bool:
         return False
 
 
+def _loaded_libcupti() -> ctypes.CDLL:
+    """The libcupti that cupti-python loaded (the same path: the same library instance)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if "/libcupti.so" in path:
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    for name in ("libcupti.so.13", "libcupti.so.12", "libcupti.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("libcupti is not loaded and not on the library path")
+
+
 class CuptiTracer:
-    """Process-wide CUPTI activity tracing (CUPTI's activity API is per process).
+    """Process-wide CUPTI activity capture (CUPTI's activity API is per process).
 
-    ``start()`` -> bool; ``push(id)`` / ``pop()`` around launches; ``drain()`` ->
-    ``TraceBatch``; ``stop()``. ``max_queue_records`` bounds memory held between drains;
-    ``max_unmatched`` bounds kernels kept while their correlation record is in flight.
-
-    Buffers are small (256 KiB) on purpose. Seen on the H200: CUPTI's periodic flush hands
-    over completed buffers only, and the launching thread's API / external-correlation
-    records sit in their buffer until it fills — with 8 MiB buffers kernels could not be
-    joined to their steps for many seconds. A forced flush (``activity_flush_all(1)``)
-    every 0.3 s fixed the join but slowed the engine about five-fold (the callback's Python
-    runs while CUPTI holds the lock every CUDA call needs), so it is used only on explicit
-    ``flush``/``stop``. Small buffers complete about once per engine step instead. (The
-    256 KiB setting itself has not been measured on the GPU yet.)"""
+    ``start()`` -> bool; ``enable()`` / ``disable()`` around traced steps; ``push(id)`` /
+    ``pop()`` around their launches; ``flush()`` delivers part-full buffers; ``stop()``.
+    ``on_buffer(bytes)`` receives each completed buffer on CUPTI's thread (or the
+    flushing one) and must return quickly. Buffers are ``buffer_bytes`` each, reused."""
 
     _active: CuptiTracer | None = None   # the one started instance in this process
     _class_lock = threading.Lock()
 
-    def __init__(self, buffer_bytes: int = 256 << 10, flush_period_ms: int = 100,
-                 max_queue_records: int = 1 << 20, max_unmatched: int = 1 << 16,
-                 memcpy: bool = True, hold_drains: int = 40, api_filter: bool = True) -> None:
+    def __init__(self, on_buffer: Callable[[bytes], None], buffer_bytes: int = 1 << 20,
+                 flush_period_ms: int = 0, api_filter: bool = True) -> None:
         if buffer_bytes < 1 << 16:
             raise ValueError(f"buffer_bytes={buffer_bytes} must be >= 65536")
         if not 0 <= flush_period_ms <= 60_000:
             raise ValueError(f"flush_period_ms={flush_period_ms} must be in [0, 60000]")
+        self.on_buffer = on_buffer
         self.buffer_bytes = buffer_bytes
         self.flush_period_ms = flush_period_ms
-        self.memcpy = memcpy
-        self.max_unmatched = max_unmatched
-        self.hold_drains = hold_drains
         self.api_filter = api_filter
         self.api_cbids_disabled = 0
         self._filtered_cbids: list | None = None   # (enable function, cbid) pairs switched off
         self.available = False
         self.unavailable_reason = "not started"
-        self.dropped_records = 0
         self.buffers_completed = 0
-        self.records_seen = 0
-        self.callback_s = 0.0      # time in our buffer-completed callback (CUPTI's thread)
-        self.callback_cpu_s = 0.0  # its CPU time (the wall time above includes GIL waits)
-        self.max_queue_records = max_queue_records
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()   # one item per CUPTI buffer
-        # records queued = in - out; each counter has one writer (CUPTI's thread, drain)
-        self._records_in = 0
-        self._records_out = 0
-        self._ext: OrderedDict[int, int] = OrderedDict()   # correlation id -> external id
-        self._unmatched: list = []
-        self._api_calls = 0
+        self.bytes_completed = 0
+        self.callback_errors = 0
         self._cupti = None
+        self._lib = None
         self._kinds: list = []
         self._ext_kind = None
+        self._free: list = []                  # buffers CUPTI gave back, for reuse
+        self._lent: dict[int, object] = {}     # address -> buffer CUPTI holds
+        # kept referenced: CUPTI calls them for as long as the process lives
+        self._callbacks = (_REQUEST(self._buffer_requested), _COMPLETE(self._buffer_completed))
 
     # -- lifecycle ------------------------------------------------------------------
     def start(self) -> bool:
-        """Enables the activity kinds; False (with ``unavailable_reason``) when it can't."""
+        """Registers the raw-buffer callbacks, enables the kinds; False (with
+        ``unavailable_reason``) when it can't."""
         ok, why = cupti_available()
         if not ok:
             return self._unavailable(why)
@@ -183,13 +122,14 @@ class CuptiTracer:
             self._cupti = cupti
             kinds = [cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.RUNTIME,
                      cupti.ActivityKind.DRIVER, cupti.ActivityKind.EXTERNAL_CORRELATION]
-            if self.memcpy:
-                kinds.append(cupti.ActivityKind.MEMCPY)
             self._ext_kind = cupti.ExternalCorrelationKind.CUSTOM2
+            enabled = []
             try:
-                cupti.activity_register_callbacks(self._buffer_requested,
-                                                  self._buffer_completed)
-                enabled = []
+                getattr(cupti, "get_version", lambda: None)()   # cupti-python loads libcupti
+                self._lib = _loaded_libcupti()
+                result = self._lib.cuptiActivityRegisterCallbacks(*self._callbacks)
+                if result != 0:
+                    raise RuntimeError(f"cuptiActivityRegisterCallbacks returned {result}")
                 for kind in kinds:
                     cupti.activity_enable(kind)
                     enabled.append(kind)
@@ -198,7 +138,7 @@ class CuptiTracer:
                 if self.flush_period_ms:
                     cupti.activity_flush_period(self.flush_period_ms)
             except Exception as exc:
-                for kind in locals().get("enabled", []):
+                for kind in enabled:
                     try:
                         cupti.activity_disable(kind)
                     except Exception:
@@ -254,7 +194,7 @@ class CuptiTracer:
         return False
 
     def stop(self) -> None:
-        """Flushes and disables; later ``drain`` calls still return what was queued."""
+        """Flushes (delivering what is left), disables and lets CUPTI go."""
         if not self.available:
             return
         cupti = self._cupti
@@ -317,57 +257,32 @@ class CuptiTracer:
             except Exception:
                 logger.exception("CUPTI pop failed")
 
-    # -- CUPTI's thread -----------------------------------------------------------------
-    def _buffer_requested(self):
-        return self.buffer_bytes, 0
-
-    def _buffer_completed(self, activities) -> None:
-        # Hot: runs once per record of every kernel the engine launches, on CUPTI's thread,
-        # holding the GIL the engine thread needs. Plain tuples, locals, and one queue put
-        # per buffer (not per record).
-        t0, cpu0 = time.perf_counter(), time.thread_time()
+    # -- CUPTI's thread (or the flushing one) ---------------------------------------
+    def _buffer_requested(self, buffer, size, max_records) -> None:
         try:
-            cupti = self._cupti
-            k_kernel = int(cupti.ActivityKind.CONCURRENT_KERNEL)
-            k_ext = int(cupti.ActivityKind.EXTERNAL_CORRELATION)
-            k_memcpy = int(cupti.ActivityKind.MEMCPY)
-            ext_kind = int(self._ext_kind)
-            kernels, links, memcpys = [], [], []
-            foreign = 0
-            add_kernel, add_link = kernels.append, links.append
-            for a in activities:
-                kind = a.kind
-                if kind == k_kernel:
-                    add_kernel(KernelRecord(
-                        a.name, a.start, a.end, (a.grid_x, a.grid_y, a.grid_z),
-                        (a.block_x, a.block_y, a.block_z), a.registers_per_thread,
-                        a.static_shared_memory, a.dynamic_shared_memory, a.stream_id,
-                        a.device_id, a.correlation_id))
-                elif kind == k_ext:
-                    if a.external_kind == ext_kind:
-                        add_link((a.correlation_id, a.external_id))
-                    else:
-                        foreign += 1     # another tool's correlation kind (e.g. torch's)
-                elif kind == k_memcpy:
-                    memcpys.append(MemcpyRecord(_memcpy_kind_name(cupti, a.copy_kind), a.bytes,
-                                                a.start, a.end, a.stream_id, a.device_id,
-                                                a.correlation_id))
-            n = len(activities)
-            kept = len(kernels) + len(links) + len(memcpys)
-            self.buffers_completed += 1
-            self.records_seen += n
-            self._api_calls += n - kept - foreign
-            if self._records_in - self._records_out + kept > self.max_queue_records:
-                self.dropped_records += kept
-            elif kept:
-                self._records_in += kept
-                self._queue.put_nowait((kernels, links, memcpys, kept))
-        except Exception:  # never raise into CUPTI's thread
-            logger.exception("CUPTI buffer processing failed")
-        self.callback_s += time.perf_counter() - t0
-        self.callback_cpu_s += time.thread_time() - cpu0
+            buf = self._free.pop() if self._free else ctypes.create_string_buffer(self.buffer_bytes)
+            address = ctypes.addressof(buf)
+            self._lent[address] = buf
+            buffer[0] = address
+            size[0] = self.buffer_bytes
+            max_records[0] = 0
+        except Exception:   # never raise into CUPTI: without a buffer it drops records
+            self.callback_errors += 1
+            buffer[0] = None
+            size[0] = 0
 
-    # -- consumer ---------------------------------------------------------------------
+    def _buffer_completed(self, context, stream_id, buffer, size, valid_size) -> None:
+        try:
+            buf = self._lent.pop(buffer, None)
+            if valid_size:
+                self.buffers_completed += 1
+                self.bytes_completed += valid_size
+                self.on_buffer(ctypes.string_at(buffer, valid_size))
+            if buf is not None:
+                self._free.append(buf)
+        except Exception:
+            self.callback_errors += 1
+
     def flush(self) -> None:
         """Forces CUPTI to deliver every record of finished work now (blocks)."""
         if self.available:
@@ -376,48 +291,16 @@ class CuptiTracer:
             except Exception:
                 logger.exception("CUPTI flush failed")
 
-    def drain(self, flush: bool = False) -> TraceBatch:
-        """Everything delivered so far, kernels joined to their external ids.
-
-        A kernel whose correlation record has not arrived yet is held back for up to
-        ``hold_drains`` drains (and at most ``max_unmatched`` kernels), then goes out with
-        ``external_id=None`` (launched outside any push, or its record was lost)."""
-        if flush:
-            self.flush()
-        kernels: list[tuple[KernelRecord, int]] = list(self._unmatched)
-        memcpys: list[MemcpyRecord] = []
-        while True:
+    @staticmethod
+    def resolve_names(pointers) -> dict[int, str]:
+        """Kernel names for CUPTI's name pointers (one per kernel, kept by CUPTI for the
+        process's life, so each is read once)."""
+        names = {}
+        for pointer in pointers:
+            pointer = int(pointer)
             try:
-                buf_kernels, buf_links, buf_memcpys, kept = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            self._records_out += kept
-            self._ext.update(buf_links)
-            kernels.extend((k, 0) for k in buf_kernels)
-            memcpys.extend(buf_memcpys)
-        while len(self._ext) > 4 * self.max_unmatched:   # bounded map, oldest first
-            self._ext.popitem(last=False)
-        out_k: list[KernelRecord] = []
-        held: list[tuple[KernelRecord, int]] = []
-        for k, age in kernels:
-            ext = self._ext.get(k.correlation_id)
-            if ext is None and not flush and age < self.hold_drains:
-                held.append((k, age + 1))
-            else:
-                out_k.append(k.with_external_id(ext))
-        if len(held) > self.max_unmatched:
-            out_k.extend(k.with_external_id(None) for k, _ in held[:-self.max_unmatched])
-            held = held[-self.max_unmatched:]
-        self._unmatched = held
-        out_m = [MemcpyRecord(m.copy_kind, m.bytes, m.start_ns, m.end_ns, m.stream_id,
-                              m.device_id, m.correlation_id, self._ext.get(m.correlation_id))
-                 for m in memcpys]
-        api, self._api_calls = self._api_calls, 0
-        return TraceBatch(out_k, out_m, api, self.dropped_records)
-
-
-def _memcpy_kind_name(cupti, value: int) -> str:
-    try:
-        return cupti.ActivityMemcpyKind(value).name
-    except Exception:
-        return str(value)
+                names[pointer] = ctypes.string_at(pointer).decode("utf-8", "replace") \
+                    if pointer else "<unknown>"
+            except Exception:
+                names[pointer] = "<unknown>"
+        return names

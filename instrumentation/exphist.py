@@ -1,21 +1,17 @@
 """OpenTelemetry base-2 exponential histograms: bucket mapping, merge and quantiles.
 
-Shared by the producer (the SM probe reduces CTA durations into these) and the
-collector (its per-SM sketches are these, merged over time windows and replicas).
+Shared by the producer (the SM probe reduces CTA durations into these) and the collector
+(its per-SM sketches are these, merged over time windows and replicas). Buckets are
+OpenTelemetry's: at scale ``s`` the base is ``2 ** (2 ** -s)`` and bucket ``i`` holds
+``(base**i, base**(i+1)]``; zero and negative values go to ``zero_count``.
 
-Bucket semantics are OpenTelemetry's: at scale ``s`` the base is
-``2 ** (2 ** -s)`` and bucket ``i`` holds values in ``(base**i, base**(i+1)]``.
-Zero and negative values go to ``zero_count`` (durations are never negative).
+Accuracy: a quantile is answered with its bucket's point ``2 * upper / (base + 1)``, within
+``(base - 1) / (base + 1)`` relative error of the sample at rank ``ceil(q * count)``
+(0.54 % at scale 6, 0.27 % at scale 7), the guarantee DDSketch states.
 
-Accuracy: a quantile is answered with the bucket's point ``2 * upper / (base + 1)``,
-whose relative distance to any value in the bucket is at most
-``(base - 1) / (base + 1)``: 0.54 % at scale 6, 0.27 % at scale 7. That bound holds
-for the rank the quantile names (the sample at rank ``ceil(q * count)``), the same
-guarantee DDSketch states.
-
-Memory: one int64 counter per bucket between the smallest and largest value seen;
-at scale 6 a range of 1 us .. 1 s (2**20) is 1,280 buckets, 10 KiB. When a histogram
-would exceed ``max_buckets`` it halves its resolution (scale - 1), as the OTel SDK does.
+Memory: one int64 per bucket between the smallest and largest value seen (at scale 6,
+1 us .. 1 s is 1,280 buckets, 10 KiB); past ``max_buckets`` the histogram halves its
+resolution (scale - 1), as the OTel SDK does.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Spans built already finished, for the hot paths: request, phase, step and kernel spans.
 
-Their whole content (times, attributes, links) is known when they end, so they are made
-as the SDK's ``ReadableSpan`` (what the SDK itself hands to span processors when a span
-ends) and given to the pipeline's span processors directly, instead of going through a
-live SDK ``Span``. Why: a live span re-validates every link and attribute when it starts
-(one ``BoundedAttributes`` per link, ~3 µs each on the H200's host CPU), and an engine
-step links to every request in its batch. Measured on that host with the llama-8b
-engine at 64 concurrent requests, the live-span path spent 1.6-1.8 % of the engine loop
-in span calls (`bench/overhead.py`, in situ).
+Their whole content (times, attributes, links) is known when they end, so they are made as
+the SDK's ``ReadableSpan`` (what the SDK itself hands to span processors) and given to the
+pipeline's span processors directly. A live SDK ``Span`` re-validates every link and
+attribute, and an engine step links to every request in its batch; the saving is measured
+by ``bench/overhead.py`` (bench/results/overhead.md).
 
-What the SDK would have done and is kept: ids from the provider's id generator; the
-provider's sampler decides for root spans (step spans) and children follow their parent's
-sampled flag (what every ``parentbased_*`` sampler does); resource and instrumentation
-scope are the provider's. What is not repeated: attribute validation and limits (these
-attributes are ours, typed in ``semconv``) and ``on_start`` (the pipeline's processors —
-batch processors only — do nothing there).
+Kept from the SDK: ids from the provider's id generator; the provider's sampler decides for
+root spans (step spans) and children follow their parent's sampled flag (as every
+``parentbased_*`` sampler does); the provider's resource and scope. Not repeated: attribute
+validation and limits (these attributes are ours, typed in ``semconv``) and ``on_start``
+(the pipeline's batch processors do nothing there).
 """
 
 from __future__ import annotations
@@ -47,24 +43,29 @@ class FinishedSpans:
         self._scope = InstrumentationScope(scope_name)
 
     def root_context(self, name: str, attributes: Mapping[str, Any] | None = None,
-                     links: Sequence[Link] = ()) -> SpanContext:
+                     links: Sequence[Link] = (), trace_id: int | None = None,
+                     span_id: int | None = None) -> SpanContext:
         """A new trace's root span context, sampled as the provider's sampler decides."""
-        return self.start_context(name, None, SpanKind.INTERNAL, attributes, links)
+        return self.start_context(name, None, SpanKind.INTERNAL, attributes, links,
+                                  trace_id, span_id)
 
     def start_context(self, name: str, parent: SpanContext | None, kind: SpanKind,
                       attributes: Mapping[str, Any] | None = None,
-                      links: Sequence[Link] = ()) -> SpanContext:
+                      links: Sequence[Link] = (), trace_id: int | None = None,
+                      span_id: int | None = None) -> SpanContext:
         """The context of a span starting under ``parent`` (None or invalid: a new trace),
-        sampled as the provider's sampler decides — what ``Tracer.start_span`` does."""
+        sampled as the provider's sampler decides — what ``Tracer.start_span`` does.
+        ``trace_id`` (new traces only) and ``span_id``: ids drawn by the recording side."""
         if parent is not None and parent.is_valid:
             trace_id = parent.trace_id
             parent_ctx = trace.set_span_in_context(trace.NonRecordingSpan(parent))
         else:
-            trace_id, parent_ctx = self._ids.generate_trace_id(), None
+            trace_id = trace_id or self._ids.generate_trace_id()
+            parent_ctx = None
         result = self._sampler.should_sample(parent_ctx, trace_id, name, kind, attributes,
                                              links)
         flags = _SAMPLED if result.decision.is_sampled() else _NOT_SAMPLED
-        return SpanContext(trace_id, self._ids.generate_span_id(), False, flags,
+        return SpanContext(trace_id, span_id or self._ids.generate_span_id(), False, flags,
                            result.trace_state)
 
     def child_context(self, parent: SpanContext) -> SpanContext:

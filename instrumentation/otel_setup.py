@@ -38,9 +38,9 @@ from opentelemetry.sdk.trace import sampling
 from opentelemetry.sdk.trace.export import SpanExporter
 from prometheus_client.registry import CollectorRegistry
 
-from sightline.instrumentation import semconv
-from sightline.instrumentation.config import TelemetryConfig
-from sightline.instrumentation.counting_export import (
+from . import semconv
+from .config import TelemetryConfig
+from .counting_export import (
     CountingBatchSpanProcessor,
     CountingMetricExporter,
     CountingSpanExporter,
@@ -246,7 +246,7 @@ def build_providers(
         if config.metrics_enabled:
             metric_exporters.append(_otlp_metric_exporter(config))
     if config.capture_path:
-        from sightline.instrumentation.capture import (
+        from .capture import (
             CaptureMetricExporter,
             CaptureSpanExporter,
             CaptureWriter,

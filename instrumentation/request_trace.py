@@ -143,14 +143,15 @@ class RequestTrace:
     )
 
     def __init__(self, telemetry: "Telemetry", name: str, parent: Context, request_id: str,
-                 attributes: dict[str, Any], start_ns: int) -> None:
+                 attributes: dict[str, Any], start_ns: int, trace_id: int | None = None,
+                 span_id: int | None = None) -> None:
         self._telemetry = telemetry
         self._spans = telemetry.finished_spans
         parent_span = trace.get_current_span(parent).get_span_context()
         self._parent = parent_span if parent_span.is_valid else None
         # the server span is built finished too (at ``finish``); until then it is this
         self.span_context: SpanContext = self._spans.start_context(
-            name, self._parent, SpanKind.SERVER, attributes)
+            name, self._parent, SpanKind.SERVER, attributes, (), trace_id, span_id)
         self._name = name
         self._start_ns = start_ns
         self._attributes = attributes
@@ -262,7 +263,7 @@ class RequestTrace:
             report_error("RequestTrace.link_step")
 
     # -- events ---------------------------------------------------------------------
-    def preempted(self) -> None:
+    def preempted(self, time_ns: int | None = None) -> None:
         """Records a preemption: an event on the server span and on the open prefill/decode
         span, which is then ended (the recompute opens new phase spans)."""
         try:
@@ -270,7 +271,7 @@ class RequestTrace:
                 if self._finished:
                     return
                 self._preemptions += 1
-                now = time.time_ns()
+                now = time_ns if time_ns is not None else time.time_ns()
                 open_name = ""
                 for name in _LINKED_PHASES:
                     phase = self._open.pop(name, None)

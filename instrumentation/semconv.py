@@ -96,8 +96,12 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 # on a step whose kernels were traced (CUPTI on), and on its kernel spans
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_tail"
 # true on a step that ran while the telemetry still processed a traced step's kernel
-# records (their CPU may have slowed it; the H200 showed ~10x): not the engine's own cost
+# records (their CPU may have slowed it; bench/results/overhead.md): not the engine's own cost
 STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
+# whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
+# padded batch size of the graph it replayed (absent when eager)
+STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
+STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 
 # kernel (CUPTI)
 CUDA_KERNEL_NAME = "cuda.kernel.name"
@@ -113,6 +117,12 @@ KERNEL_WAVES = "sightline.kernel.waves"
 KERNEL_SLOWEST_SM = "sightline.kernel.slowest_sm"
 KERNEL_CTA_SPREAD = "sightline.kernel.cta_duration_spread"  # max/median CTA duration
 KERNEL_CTAS = "sightline.kernel.ctas"
+# A kernel span that summarises every launch of one kernel in a traced step (all but the
+# attention kernels, which get a span per launch): its start is the first launch's start,
+# its end the last launch's end.
+KERNEL_LAUNCHES = "sightline.kernel.launches"
+KERNEL_TOTAL_DURATION_S = "sightline.kernel.total_duration_s"
+KERNEL_MAX_DURATION_S = "sightline.kernel.max_duration_s"
 
 # ---------------------------------------------------------------------------------
 # OTLP metrics emitted by the instrumentation (names per OTel conventions)
@@ -157,6 +167,11 @@ GPU_CUDA_CONTEXTS = "sightline_gpu_cuda_contexts"  # labels gpu (processes with 
 TELEMETRY_SPANS_DROPPED_TOTAL = "sightline_telemetry_spans_dropped"
 TELEMETRY_EXPORT_FAILURES_TOTAL = "sightline_telemetry_export_failures"
 TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
+# counter -> _total, label reason: lifecycle events and GPU records the engine could not
+# hand to its telemetry process (buffer_full | process_down | queue_full)
+TELEMETRY_EVENTS_DROPPED_TOTAL = "sightline_telemetry_events_dropped"
+TELEMETRY_PROCESS_RESTARTS_TOTAL = "sightline_telemetry_process_restarts"  # counter -> _total
+TELEMETRY_PROCESS_UP = "sightline_telemetry_process_up"  # gauge: 1 while it runs
 
 LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"
@@ -226,7 +241,7 @@ RULE_ERROR_RATIO_PREFIX = "sightline:request_error_ratio:rate"
 RULE_SM_HOTSPOT = "sightline:sm_cta_p99_over_median:ratio"
 
 # ---------------------------------------------------------------------------------
-# Added by E4 (telemetry): link bookkeeping on request-phase and step spans
+# Link bookkeeping on request-phase and step spans
 # ---------------------------------------------------------------------------------
 # Links beyond the per-span cap (TelemetryConfig.max_links_per_span) are not added;
 # this attribute counts them so that readers know the link list is partial.
@@ -234,12 +249,12 @@ SPAN_LINKS_DROPPED = "sightline.span.links_dropped"
 # Name of the phase span open when an event happened (e.g. on EVENT_PREEMPTED).
 PHASE_NAME = "sightline.phase"
 
-# Collector aggregation (E6): refusals and the overflow series' family label.
+# Collector aggregation: refusals and the overflow series' family label.
 COLLECTOR_AGGREGATOR_DROPPED_TOTAL = "sightline_collector_aggregator_dropped"  # reason
 LABEL_FAMILY = "family"
 OVERFLOW_LABEL_VALUE = "__overflow__"
 
-# Recording rules and exemplar label added for the dashboards and alerts (E7).
+# Recording rules and the exemplar label of the dashboards and alerts.
 # The label under which exemplars carry the trace id; Grafana's Prometheus datasource
 # links it to Tempo (deploy/grafana provisioning).
 EXEMPLAR_TRACE_ID_LABEL = "trace_id"
@@ -311,7 +326,7 @@ VLLM_LABEL_FINISHED_REASON = "finished_reason"
 VLLM_LABEL_STATUS = "status"
 VLLM_LABEL_HANDLER = "handler"
 
-# Zipkin receiver (E5, collector/zipkin.py): how Zipkin v2 fields land in OTLP.
+# Zipkin receiver (collector/zipkin.py): how Zipkin v2 fields land in OTLP.
 RESOURCE_SERVICE_NAME = "service.name"
 PEER_SERVICE = "peer.service"
 NETWORK_PEER_ADDRESS = "network.peer.address"

@@ -1,25 +1,18 @@
 """Per-(SM, kernel) CTA-duration histograms accumulated ON THE GPU, read at export time.
 
-Why on the device: an attention-heavy step of an 8B model probes ~64 K CTAs; mapping each
-duration to a bucket on the host costs ~0.3 µs per CTA in numpy (measured on this
-project's CPU box: ~20 ms per step), which would compete with the engine thread for the
-GIL. Here a batch of steps (``add_steps``) costs about twenty-five small torch ops on the
-GPU, whatever its size (issued from the telemetry worker thread on its own stream, ordered
-after the steps by an event), and the host only touches the dense table once per export
-interval.
+Why on the device: an attention-heavy step of an 8B model probes tens of thousands of CTAs,
+and bucketing them on the host would compete with the engine thread for the GIL. Here a
+batch of steps (``add_steps``) costs about twenty-five small torch ops on the GPU whatever
+its size (issued from the telemetry worker thread on its own stream, ordered after the
+steps by an event); the host touches the dense table once per export interval.
 
-Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry
-base-2 exponential buckets at one fixed ``scale`` (default 6: quantiles within 0.54 %)
-covering ``[2**min_exp, 2**max_exp)`` seconds (default 2**-30 s ≈ 1 ns .. 16 s:
-2,176 buckets); values outside clamp to the edge buckets and are counted in
-``clamped``. Row ``kernels * num_sms`` takes idle CTAs (SM id -1) and is never
-exported. Per row: zero count, sum, min, max, and the step's slowest CTA as the
-exemplar (value + step sequence number, mapped to the step's trace/span on the host).
-Memory: ``(K * num_sms + 1) * NB * 8`` bytes, 18 MiB for 8 kernels on 132 SMs.
-
-``take()`` returns ``ExpHistogram`` objects identical to recording the same durations
-with ``ExpHistogram(scale)`` (as long as nothing was clamped and the ExpHistogram did not
-need to downscale) — tests check this on CPU tensors against the numpy reduction.
+Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry exponential
+buckets at one ``scale`` (default 6: quantiles within 0.54 %) over ``[2**min_exp, 2**max_exp)``
+seconds; values outside clamp to the edge buckets and are counted in ``clamped``; the last
+row takes idle CTAs and is never exported. Per row: zero count, sum, min, max and the
+slowest CTA as exemplar. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
+on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
+when nothing clamped (tests check this against the numpy reduction).
 """
 
 from __future__ import annotations
@@ -29,6 +22,7 @@ import threading
 import numpy as np
 import torch
 
+from .config_checks import check_range
 from .exphist import ExpHistogram
 from .sm_probe import RECORD_WORDS, SmExemplar
 
@@ -53,12 +47,10 @@ class DeviceCtaHistograms:
 
     def __init__(self, device, gpu_id: int, num_sms: int, scale: int = 6, min_exp: int = -30,
                  max_exp: int = 4, max_kernels: int = 8) -> None:
-        if not 1 <= scale <= 10:
-            raise ValueError(f"scale={scale} not in [1, 10]")
+        check_range("scale", scale, 1, 10, integer=True)
         if not min_exp < max_exp:
             raise ValueError(f"min_exp={min_exp} must be < max_exp={max_exp}")
-        if not 1 <= num_sms <= 4096:
-            raise ValueError(f"num_sms={num_sms} not in [1, 4096]")
+        check_range("num_sms", num_sms, 1, 4096, integer=True)
         self.device = torch.device(device)
         self.gpu_id, self.num_sms, self.scale = gpu_id, num_sms, scale
         self.max_kernels = max_kernels
@@ -102,8 +94,7 @@ class DeviceCtaHistograms:
     def add_steps(self, steps: list[tuple[torch.Tensor, list[tuple[str, int]], int, int, int]]
                   ) -> None:
         """``add`` for several steps at once: the same ~25 torch ops whatever the number of
-        steps, so the worker's Python cost per step shrinks with the batch (measured on the
-        H200: one step per call cost the worker ~3 ms of CPU per engine step)."""
+        steps, so the worker's Python cost per step shrinks with the batch."""
         parts, kidx, counts, step_local = [], [], [], []
         with self._lock:
             base = self._seq + 1
@@ -123,7 +114,7 @@ class DeviceCtaHistograms:
         n = sum(counts)
         rec = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(n, RECORD_WORDS)
         # per launch on the host (a few hundred numbers), expanded per CTA on the device:
-        # expanding on the host cost ~10 ms of CPU per batch of 32 steps (2 M CTAs)
+        # expanding millions of CTAs on the host would cost the worker's CPU and the GIL
         per_launch = torch.tensor([kidx, step_local, counts], dtype=torch.int64)
         if self.device.type == "cuda":
             per_launch = per_launch.pin_memory().to(self.device, non_blocking=True)

@@ -1,32 +1,17 @@
 """Per-CTA SM probe: which streaming multiprocessor ran each CTA of a Triton kernel, and when.
 
-Device side. A probed kernel takes a ``PROBE: tl.constexpr`` mode, a pointer to the
-probe buffer and a slot base, and calls two ``@triton.jit`` helpers::
+Device side: a probed kernel takes a ``PROBE: tl.constexpr`` mode, calls
+``t0 = probe_begin(PROBE)`` first and ``probe_end(probe_ptr, probe_base + probe_cta_index(),
+t0, PROBE)`` last; each CTA writes one ``(%smid, start, end)`` record (``%globaltimer`` ns)
+at its own slot, so no atomics. Cost: two timer reads, one SM-id read and one 24-byte store
+per CTA; with ``PROBE_OFF`` the kernel compiles without the helpers.
 
-    t0 = probe_begin(PROBE)                 # first statement of the kernel
-    ...
-    probe_end(probe_ptr, probe_base + probe_cta_index(), t0, PROBE)   # last statement
-
-``probe_end`` writes one record of three int64 — ``(%smid, start, end)`` with
-``%globaltimer`` nanoseconds — at the CTA's own slot, so no atomics are needed. Modes:
-
-* ``PROBE_OFF`` (0): the helpers are not called; the kernel compiles without them.
-* ``PROBE_HW`` (1): real ``%smid`` / ``%globaltimer`` via inline PTX (CUDA only).
-  Measured on the project's H200: SM ids 0..131, timer steps of 32 ns.
-* ``PROBE_FAKE`` (2): for ``TRITON_INTERPRET=1`` only, where inline PTX cannot run.
-  Writes FAKE, deterministic values — SM ``slot % 8``, start ``slot * 1000``, end
-  ``start + 500 + slot`` — so the interpreter tests can check slot plumbing. These
-  records describe no hardware; ``SmProbe`` marks batches from this mode ``fake=True``.
-
-Cost on the device: two timer reads, one SM-id read and one 24-byte store per CTA.
-
-Host side. ``SmProbe`` owns the device buffer and hands out slot ranges per launch
-(``reserve``); ``end_step`` snapshots the used slots with one device-side copy on the
-launching stream (ordered after the step's kernels, before the next step's) and returns
-a ``PendingCtas`` whose ``.wait()`` moves the records to the host (call it off the
-request path). ``CtaBatch`` is the typed record of one step's CTAs; ``launch_facts``
-and ``CtaHistograms.add`` reduce it with vectorized numpy (no Python loop per CTA; one
-per (SM, kernel) group when recording into histograms).
+Host side: ``SmProbe`` owns the device buffer and hands out slot ranges per launch;
+``end_step`` snapshots the used slots with one copy on the launching stream and returns a
+``PendingCtas`` whose ``.wait()`` (off the request path) yields a ``CtaBatch``, the typed
+record of one step's CTAs. ``launch_facts`` reduces it with vectorized numpy, no Python
+loop per CTA. ``CtaHistograms`` is the numpy reduction into per-(SM, kernel) histograms,
+the reference the tests hold ``sm_histograms.DeviceCtaHistograms`` (the production path) to.
 """
 
 from __future__ import annotations
@@ -45,8 +30,11 @@ __all__ = [
     "launch_facts", "probe_begin", "probe_cta_index", "probe_end",
 ]
 
-PROBE_OFF = 0
-PROBE_HW = 1
+PROBE_OFF = 0   # the helpers are not called; the kernel compiles without them
+PROBE_HW = 1    # real %smid / %globaltimer via inline PTX (CUDA only)
+# TRITON_INTERPRET=1 only, where inline PTX cannot run: FAKE, deterministic values (SM
+# slot % 8, start slot * 1000, end start + 500 + slot) so that the interpreter tests can
+# check slot plumbing. They describe no hardware; SmProbe marks these batches fake=True.
 PROBE_FAKE = 2
 RECORD_WORDS = 3  # int64 words per CTA: smid, start_ns, end_ns
 _FAKE_NUM_SMS = 8
@@ -462,6 +450,24 @@ class SmProbe:
     def discard(self) -> None:
         """Forgets this step's reservations without reading them (benchmarks)."""
         self._launches, self._used = [], 0
+
+    def take_reservations(self) -> tuple[tuple[str, int], ...]:
+        """This step's launches so far, forgotten without reading: a CUDA graph captured
+        since the last reset keeps them and ``adopt``s them at each replay."""
+        launches = tuple(self._launches)
+        self.discard()
+        return launches
+
+    def adopt(self, launches: tuple[tuple[str, int], ...]) -> bool:
+        """Marks a replayed CUDA graph's probed launches as this step's. The graph's kernels
+        write from slot 0 (it was captured right after a reset), so nothing else may have
+        been probed in this step: then nothing is adopted and False is returned."""
+        if self._used:
+            self.dropped_launches += len(launches)
+            return False
+        self._launches = list(launches)
+        self._used = sum(n for _, n in launches)
+        return True
 
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
         """Snapshots this step's records (a device copy, stream-ordered) and resets the

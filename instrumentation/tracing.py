@@ -205,6 +205,9 @@ class Telemetry:
         method: str = "POST",
         start_time_ns: int | None = None,
         attributes: Mapping[str, Any] | None = None,
+        trace_id: int | None = None,
+        span_id: int | None = None,
+        parent: Context | None = None,
     ) -> RequestTrace | None:
         """Opens the SERVER span of one request, continuing W3C or B3 context in ``headers``.
 
@@ -213,11 +216,12 @@ class Telemetry:
         """
         if not self.requests_on:
             return None
-        try:
-            parent = self.propagator.extract(headers)
-        except Exception:  # odd header values (bytes, None): trace the request anyway
-            _report("Telemetry.start_request extract")
-            parent = Context()
+        if parent is None:
+            try:
+                parent = self.propagator.extract(headers)
+            except Exception:  # odd header values (bytes, None): trace the request anyway
+                _report("Telemetry.start_request extract")
+                parent = Context()
         try:
             attrs: dict[str, Any] = {
                 semconv.HTTP_REQUEST_METHOD: method,
@@ -232,7 +236,8 @@ class Telemetry:
             if attributes:
                 attrs.update(attributes)
             return RequestTrace(self, span_name_for(method, route), parent, request_id, attrs,
-                                start_time_ns if start_time_ns is not None else time.time_ns())
+                                start_time_ns if start_time_ns is not None else time.time_ns(),
+                                trace_id, span_id)
         except Exception:
             _report("Telemetry.start_request")
             return None
@@ -245,6 +250,8 @@ class Telemetry:
         requests: Sequence[RequestTrace | None],
         attributes: Mapping[str, Any] | None = None,
         start_time_ns: int | None = None,
+        trace_id: int | None = None,
+        span_id: int | None = None,
     ) -> StepTrace | None:
         """Opens one ``engine.step`` root span linked to the server spans of ``requests``.
 
@@ -274,7 +281,8 @@ class Telemetry:
                 attrs[semconv.SPAN_LINKS_DROPPED] = dropped
             start = start_time_ns if start_time_ns is not None else time.time_ns()
             # a root: a batch has many parents, so links instead
-            context = self.finished_spans.root_context(semconv.SPAN_ENGINE_STEP, attrs, links)
+            context = self.finished_spans.root_context(semconv.SPAN_ENGINE_STEP, attrs, links,
+                                                       trace_id, span_id)
             return StepTrace(self.finished_spans, context, int(step_id), start, attrs, links)
         except Exception:
             _report("Telemetry.start_step")

@@ -1,19 +1,14 @@
 """The two attention ops the model calls, dispatching to Triton or to pure torch.
 
-Contract (TEAM.md, "Attention ops"):
-
-* ``prefill_attention(q[Tq,Hq,D], k[Tk,Hkv,D], v[Tk,Hkv,D], cu_seqlens_q[B+1],
-  cu_seqlens_k[B+1], max_seqlen_q, max_seqlen_k, softmax_scale, probe=None) -> o[Tq,Hq,D]``
-  packed varlen, causal aligned to the end of each key sequence, GQA.
-* ``paged_decode_attention(q[B,Hq,D], k_cache[N,bs,Hkv,D], v_cache[N,bs,Hkv,D],
-  block_tables[B,max_blocks], context_lens[B], softmax_scale, probe=None) -> o[B,Hq,D]``.
+``prefill_attention`` (packed varlen, causal aligned to the end of each key sequence, GQA)
+and ``paged_decode_attention`` (one new token per sequence over its paged KV); their
+shapes are in their docstrings and reference.py states the semantics both paths share.
 
 ``backend``: ``"auto"`` runs Triton when the tensors are on CUDA and Triton imports, the
 torch reference otherwise; ``"triton"`` forces the kernel (on CUDA, or on the CPU when
-``TRITON_INTERPRET=1`` is set before Triton is imported — the tests do that);
-``"torch"`` forces the reference (engine/kernels/reference.py). ``probe`` is an
-``sightline.instrumentation.sm_probe.SmProbe`` (or None): the Triton kernels then write
-one (SM id, start, end) record per CTA; the torch path has no CTAs and ignores it.
+``TRITON_INTERPRET=1`` is set before Triton is imported, as the tests do); ``"torch"``
+forces the reference. ``probe`` is an instrumentation ``SmProbe`` (or None): the Triton
+kernels then write one (SM id, start, end) record per CTA; the torch path ignores it.
 
 Cost of the dispatch: a few attribute reads and comparisons per call; no device sync.
 """
@@ -27,7 +22,8 @@ import torch
 
 from .reference import paged_decode_attention_ref, prefill_attention_ref
 
-__all__ = ["Backend", "paged_decode_attention", "prefill_attention", "triton_available"]
+__all__ = ["Backend", "paged_decode_attention", "prefill_attention", "triton_available",
+           "use_triton"]
 
 Backend = Literal["auto", "triton", "torch"]
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,7 +42,9 @@ def triton_available() -> bool:
     return _triton_ok
 
 
-def _use_triton(device: torch.device, backend: str) -> bool:
+def use_triton(device: torch.device, backend: str) -> bool:
+    """Whether an op with this backend runs its Triton kernel on tensors of this device
+    (the rule above; the fused ops in this folder share it)."""
     if backend == "torch":
         return False
     if backend == "auto":
@@ -70,7 +68,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                       max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
                       probe=None, backend: Backend = "auto") -> torch.Tensor:
-    """Causal varlen GQA attention over packed sequences; returns o shaped like q."""
+    """Causal varlen GQA attention over packed sequences: ``q[Tq,Hq,D]``, ``k/v[Tk,Hkv,D]``,
+    ``cu_seqlens_q/k[B+1]`` -> ``o[Tq,Hq,D]``."""
     if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
         raise ValueError(f"expected q[Tq,Hq,D], k/v[Tk,Hkv,D]; got q{tuple(q.shape)} "
                          f"k{tuple(k.shape)} v{tuple(v.shape)}")
@@ -85,7 +84,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"cu_seqlens_q{tuple(cu_seqlens_q.shape)} and "
                          f"cu_seqlens_k{tuple(cu_seqlens_k.shape)} must both be [B+1]")
     _check_scale(softmax_scale)
-    if _use_triton(q.device, backend):
+    if use_triton(q.device, backend):
         from .prefill_attention import prefill_attention_triton
         return prefill_attention_triton(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                         max_seqlen_k, softmax_scale, probe=probe)
@@ -96,7 +95,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            softmax_scale: float, probe=None,
                            backend: Backend = "auto") -> torch.Tensor:
-    """One new token per sequence attending to its paged KV; returns o shaped like q."""
+    """One new token per sequence attending to its paged KV: ``q[B,Hq,D]``,
+    ``k/v_cache[N,bs,Hkv,D]``, ``block_tables[B,max_blocks]``, ``context_lens[B]`` -> ``o[B,Hq,D]``."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q[B,Hq,D], k/v_cache[N,bs,Hkv,D]; got q{tuple(q.shape)} "
                          f"k_cache{tuple(k_cache.shape)} v_cache{tuple(v_cache.shape)}")
@@ -113,7 +113,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if context_lens.shape != (q.shape[0],):
         raise ValueError(f"context_lens{tuple(context_lens.shape)} must be [B={q.shape[0]}]")
     _check_scale(softmax_scale)
-    if _use_triton(q.device, backend):
+    if use_triton(q.device, backend):
         from .paged_decode_attention import paged_decode_attention_triton
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens,
                                              softmax_scale, probe=probe)

@@ -1,17 +1,9 @@
 """Split-KV paged decode attention in Triton (two passes), GQA-grouped.
 
-Decode reads every cached key and value once per step and does ~2 FLOP per byte, so it
-is bound by memory bandwidth; the design serves that:
-
-* GQA grouping: one CTA owns one (sequence, KV head, split) and computes all
-  ``Hq / Hkv`` query heads of the group at once (padded to 16 rows for the matrix
-  unit), so each K/V byte is loaded once per group rather than once per query head.
-* Split-KV: the context is cut into ``num_splits`` ranges handled by separate CTAs
-  (pass 1 writes each split's normalized partial output and log-sum-exp), and a small
-  pass 2 merges the splits. Enough CTAs to fill 132 SMs even at small batch; at large
-  batch the heuristic picks one split and pass 1 writes the output directly.
-* Pages are gathered per token through the block table (``BLOCK_N`` tokens per tile,
-  16-byte loads along the head dim); offsets are int64 (caches exceed 2**31 elements).
+Decode reads every cached key and value once per step at ~2 FLOP per byte, so it is bound
+by memory bandwidth: one CTA computes all query heads of a KV group (each K/V byte is
+loaded once per group), and the context is split across CTAs so that small batches still
+fill the GPU; a small second pass merges the splits.
 
 Guarantees: tokens ``>= context_lens[b]`` are never read (their table entries may hold
 any value); an empty context yields zeros; float32 accumulation. The number of splits
@@ -27,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sightline.instrumentation.sm_probe import PROBE_OFF, probe_begin, probe_cta_index, probe_end
+from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
 
 __all__ = ["KERNEL_NAME", "choose_num_splits", "paged_decode_attention_triton"]
 
@@ -35,6 +27,15 @@ KERNEL_NAME = "sightline_paged_decode"  # the jit function name: CUPTI reports i
 _LOG2E = 1.4426950408889634
 
 
+# Design, for a memory-bound op:
+# * GQA grouping: one CTA owns one (sequence, KV head, split) and computes all Hq / Hkv query
+#   heads of the group at once (padded to 16 rows for the matrix unit).
+# * Split-KV: the context is cut into num_splits ranges handled by separate CTAs (pass 1
+#   writes each split's normalized partial output and log-sum-exp; pass 2 merges them), so
+#   that there are enough CTAs to fill every SM even at small batch; at large batch the
+#   heuristic picks one split and pass 1 writes the output directly.
+# * Pages are gathered per token through the block table (BLOCK_N tokens per tile, 16-byte
+#   loads along the head dim); offsets are int64 (caches exceed 2**31 elements).
 @triton.jit
 def sightline_paged_decode(
     Q, K, V, O, TABLES, LENS, PART_O, PART_LSE,

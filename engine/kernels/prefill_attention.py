@@ -1,19 +1,10 @@
 """FlashAttention-2 forward in Triton: packed variable-length, causal, GQA, bf16/fp16.
 
 One CTA computes a ``BLOCK_M`` tile of query rows of one (sequence, query head) and
-streams that sequence's keys/values in ``BLOCK_N`` tiles with the online softmax
-(FA2: the running max and sum stay in registers, the output is rescaled once per tile,
-normalized once at the end). Choices that matter on Hopper:
-
-* Causal block skipping: a query tile stops at the last key tile it can see; the key
-  tiles wholly below the diagonal run a mask-free loop, only the diagonal tiles pay
-  for masks (bottom-right alignment: row ``i`` sits at key position ``Lk - Lq + i``).
-* The softmax scale is folded into one multiply by ``scale * log2(e)`` and ``exp2``.
-* Query tiles are visited last-first inside each head: the longest causal tiles start
-  first and the short ones fill the tail of the grid; consecutive CTAs share a head's
-  keys/values in L2.
-* Block shapes, warps and pipeline depth are autotuned per head dim and sequence-length
-  bucket on first use (~1 s per new key); the interpreter runs one small fixed shape.
+streams that sequence's keys/values in ``BLOCK_N`` tiles with the online softmax (FA2:
+the running max and sum stay in registers, the output is normalized once at the end).
+Block shapes, warps and pipeline depth are autotuned per head dim and sequence-length
+bucket on first use (about a second per new key); the interpreter runs one small shape.
 
 Guarantees: every output row of every sequence is written; a row that sees no key (only
 when ``q_len > k_len``) is zero; accumulation in float32. The launcher checks layouts
@@ -28,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sightline.instrumentation.sm_probe import PROBE_OFF, probe_begin, probe_cta_index, probe_end
+from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
 
 __all__ = ["KERNEL_NAME", "prefill_attention_triton", "tuned_configs"]
 
@@ -46,6 +37,13 @@ def _probe_idle(probe_ptr, slot, PROBE: tl.constexpr):
         tl.store(probe_ptr + slot64 * 3 + 2, slot64 * 0)
 
 
+# Choices that matter on Hopper:
+# * Causal block skipping: a query tile stops at the last key tile it can see; the key tiles
+#   wholly below the diagonal run a mask-free loop, only the diagonal tiles pay for masks
+#   (bottom-right alignment: row i sits at key position Lk - Lq + i).
+# * The softmax scale is folded into one multiply by scale * log2(e) and exp2.
+# * Query tiles are visited last-first inside each head: the longest causal tiles start first
+#   and the short ones fill the tail of the grid; consecutive CTAs share a head's K/V in L2.
 @triton.jit
 def sightline_fa2_prefill(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,

@@ -1,23 +1,17 @@
 """Pure-torch attention: the CPU path of the engine and the oracle of the Triton kernels.
 
-Both functions compute in float32 (float64 for float64 inputs) and return the input dtype,
-so they are the "higher precision" side of every kernel check. They favour clarity
-over speed: the prefill reference loops over the sequences of a packed batch (one
-matrix product per sequence), the decode reference gathers every sequence's pages
-into a dense tensor (memory ``B * max_blocks * block_size * Hkv * D * 4`` bytes).
+Semantics shared with the kernels: packed varlen prefill (sequence ``b`` owns query rows
+``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``),
+causal aligned to the END of the key sequence (query ``i`` of a ``q_len`` chunk sees keys
+``0 .. k_len - q_len + i``; a row that sees none returns zeros), GQA (query head ``h``
+reads KV head ``h // (Hq // Hkv)``). Paged decode: token ``t`` of sequence ``b`` lives in
+page ``block_tables[b, t // bs]`` at slot ``t % bs``; only the first ``context_lens[b]``
+tokens count (table entries past them are never read); an empty context returns zeros.
 
-Semantics shared with the kernels (engine/kernels/attention.py states the contract):
-
-* Packed variable-length prefill: sequence ``b`` owns query rows
-  ``cu_seqlens_q[b]:cu_seqlens_q[b+1]`` and key rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]``.
-* Causal, aligned to the END of the key sequence: query ``i`` of a ``q_len`` chunk sits
-  at key position ``k_len - q_len + i`` and sees keys ``0 .. k_len - q_len + i``.
-  A query row that sees no key at all (only when ``q_len > k_len``) returns zeros.
-* GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``.
-* Paged decode: token ``t`` of sequence ``b`` lives in page ``block_tables[b, t // bs]``
-  at slot ``t % bs``; only the first ``context_lens[b]`` tokens count; a sequence with
-  an empty context returns zeros. Entries of ``block_tables`` past the context are
-  never read (they may hold any value).
+Guarantee: computed in float32 (float64 for float64 inputs), returned in the input dtype,
+so these are the "higher precision" side of every kernel check. Cost: clarity over speed;
+prefill loops over sequences, decode gathers all pages into a dense tensor
+(``B * max_blocks * block_size * Hkv * D * 4`` bytes).
 """
 
 from __future__ import annotations

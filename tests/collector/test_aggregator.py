@@ -242,7 +242,7 @@ def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.sdk.resources import Resource
 
-    from sightline.instrumentation.gpu_telemetry import build_cta_metrics
+    from sightline.instrumentation.cta_metrics import build_cta_metrics
     from sightline.instrumentation.sm_probe import SmExemplar
 
     rng = np.random.default_rng(5)

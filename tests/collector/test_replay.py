@@ -21,10 +21,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind, set_span_in_context
 
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
 from sightline.collector.aggregator import Aggregator
 from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.capture import (CaptureMetricExporter, CaptureSpanExporter,
+from sightline.instrumentation.capture import (CaptureMetricExporter, CaptureSpanExporter, read_capture_meta,
                                                CaptureWriter)
 from sightline.instrumentation.exphist import relative_error
 from tests.collector.test_aggregator import exact_quantile, otlp_cta_point, otlp_metrics
@@ -36,7 +38,7 @@ N_REQUESTS = 8
 
 
 def make_capture(path):
-    """A capture written by the OTel SDK through E4's capture exporters: request spans,
+    """A capture written by the OTel SDK through the capture exporters: request spans,
     step spans linked to them, kernel spans, and per-SM CTA durations as SDK exponential
     histograms exported twice (cumulative temporality, the SDK default).
     Returns {sm: all values} and the e2e of each request trace id."""
@@ -123,6 +125,79 @@ def test_paced_replay_keeps_relative_timing(tmp_path, capture):
     not_rebased = Aggregator()
     replay(path, AggregatorSink(not_rebased), ReplayConfig(rebase=False))
     assert not_rebased.dropped == {"late": 3} and not not_rebased.kernels()
+
+
+class _ListSink:
+    """Keeps every request it is sent (copies), with the signal."""
+
+    def __init__(self) -> None:
+        self.sent, self.retries = [], 0
+
+    def send(self, signal, request, max_retries) -> None:
+        copy = type(request)()
+        copy.CopyFrom(request)
+        self.sent.append((signal, copy))
+
+
+def _timed_capture(path):
+    """A metadata line, then spans at capture seconds 0, 10, 20 (each 2 s long, an event at
+    +0.5 s) exported 1 s after each, and a per-SM point at 21 s."""
+    base = 1_700_000_000_000_000_000
+    with CaptureWriter(path) as w:
+        w.write_meta({"note": "kept out of the replay"})
+        for i in range(3):
+            start = base + i * 10 * 10**9
+            req = ExportTraceServiceRequest()
+            span = req.resource_spans.add().scope_spans.add().spans.add()
+            span.trace_id, span.span_id, span.name = bytes([i + 1]) * 16, bytes([i + 1]) * 8, "s"
+            span.start_time_unix_nano, span.end_time_unix_nano = start, start + 2 * 10**9
+            span.events.add(time_unix_nano=start + 5 * 10**8, name="e")
+            w.write_traces(req, time_unix_nano=start + 3 * 10**9)
+        w.write_metrics(otlp_metrics([otlp_cta_point(0, 1, "k", [1e-5], 1_700_000_021)]),
+                        time_unix_nano=base + 23 * 10**9)
+    return base
+
+
+def test_speed_compresses_time_and_spans_keep_their_durations(tmp_path):
+    path = tmp_path / "timed.jsonl.gz"
+    base = _timed_capture(path)
+    now = 1_800_000_000_000_000_000
+    sink = _ListSink()
+    result = replay(path, sink, ReplayConfig(speed=100.0), clock_ns=lambda: now)
+    assert [s for s, _ in sink.sent] == ["traces"] * 3 + ["metrics"]  # no metadata line
+    first = base + 3 * 10**9  # the first export's time lands at now
+    for i, (_, req) in enumerate(sink.sent[:3]):
+        span = req.resource_spans[0].scope_spans[0].spans[0]
+        start = now + (base + i * 10 * 10**9 - first) // 100
+        assert span.start_time_unix_nano == start
+        assert span.end_time_unix_nano == start + 2 * 10**9
+        assert span.events[0].time_unix_nano == start + 5 * 10**8
+    point = sink.sent[3][1].resource_metrics[0].scope_metrics[0].metrics[0].exponential_histogram.data_points[0]
+    assert point.time_unix_nano == now + (base + 21 * 10**9 - first) // 100
+    assert result.time_map(first + 100) == now + 1
+
+    fast = _ListSink()
+    result = replay(path, fast, ReplayConfig(speed=0.0), clock_ns=lambda: now)
+    last = base + 23 * 10**9  # the last export lands at now; spacing kept
+    spans = [req.resource_spans[0].scope_spans[0].spans[0] for _, req in fast.sent[:3]]
+    assert [s.start_time_unix_nano for s in spans] == [now - last + base + i * 10 * 10**9 for i in range(3)]
+    assert result.shift_ns == now - last
+
+
+def test_metrics_then_spans_on_one_clock(tmp_path):
+    path = tmp_path / "timed.jsonl"
+    base = _timed_capture(path)
+    metrics, traces = _ListSink(), _ListSink()
+    first = replay(path, metrics, ReplayConfig(signals=("metrics",)), clock_ns=lambda: 5 * 10**18)
+    second = replay(path, traces, ReplayConfig(signals=("traces",)), clock_ns=lambda: 6 * 10**18,
+                    time_map=first.time_map)
+    assert [s for s, _ in metrics.sent] == ["metrics"] and [s for s, _ in traces.sent] == ["traces"] * 3
+    assert second.time_map == first.time_map
+    span = traces.sent[0][1].resource_spans[0].scope_spans[0].spans[0]
+    assert span.start_time_unix_nano == 5 * 10**18 - (base + 23 * 10**9) + base
+    with pytest.raises(ValueError, match="signals=()"):
+        ReplayConfig(signals=())
+    assert read_capture_meta(path) == {"note": "kept out of the replay"}
 
 
 def _cli(*args, timeout=120):

@@ -400,7 +400,7 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
     assert summary["spans_processed"] == summary["spans_acknowledged"] == sum(acked)
     # The bound from configuration: queue <= one 1.1 MB request (parsed + encoded), in-flight
     # bodies (4 senders x 1.1 MB, raw + parsed), and the aggregator's own bounded trace
-    # store (200,000 spans at ~1 KiB by default, E6's bound; 3 s of load fills a fraction).
+    # store (200,000 spans at ~1 KiB by default, the store's bound; 3 s of load fills a fraction).
     assert peak_mib - baseline_mib < 350, f"peak RSS {peak_mib:.0f} MiB from a {baseline_mib:.0f} MiB baseline"
 
 

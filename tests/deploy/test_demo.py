@@ -10,6 +10,8 @@ import sys
 import pytest
 
 from sightline.deploy.demo import find_capture
+from sightline.deploy.incident import Incident
+from sightline.instrumentation.capture import read_capture_meta
 from sightline.deploy.load import percentile
 
 pytestmark = pytest.mark.slow
@@ -80,14 +82,14 @@ def test_dashboards_and_heatmaps_written(demo_run):
         assert summary["gpu_data_source"].startswith("none: no GPU here")
         assert not (out / "heatmaps").exists() or not any((out / "heatmaps").iterdir())
     else:
-        assert summary["gpu_data_source"] == f"recorded H200 capture {capture}"
-        assert "recorded H200 capture replayed" in stdout
+        assert summary["gpu_data_source"].endswith(str(capture))
+        assert "replayed into the collector" in stdout
         pngs = sorted((out / "heatmaps").glob("*.png"))
         htmls = sorted((out / "heatmaps").glob("*.html"))
         assert pngs and htmls
         assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
         assert all("<html" in p.read_text().lower() for p in htmls)
-        gpu = json.loads((out / "explain" / "h200-capture.json").read_text())
+        gpu = json.loads((out / "explain" / "capture.json").read_text())
         assert gpu["requests"] and any(step["kernels"] for r in gpu["requests"] for step in r["steps"])
     assert "This machine has no GPU" in stdout
     for name in ("summary.txt", "summary.json", "requests.jsonl", "logs"):
@@ -95,3 +97,33 @@ def test_dashboards_and_heatmaps_written(demo_run):
     logs = {p.name for p in (out / "logs").iterdir()}
     assert {"engine.log", "rotel.log", "collector.log", "prometheus.log", "alertmanager.log",
             "combined.log"} <= logs
+
+
+def test_the_planted_incident_is_found_and_alerted(demo_run):
+    """The capture's planted SMs against the SMs flagged hot in each interval; the heatmap
+    spans the capture's minutes; the SM-hotspot alert reached the real Alertmanager; the
+    heatmap page was screenshotted in headless Chromium."""
+    out, stdout = demo_run
+    capture = find_capture()
+    incident = Incident.from_meta(read_capture_meta(capture)) if capture else None
+    if incident is None:
+        pytest.skip("no incident capture in deploy/captures")
+    record = json.loads((out / "incident.json").read_text())
+    assert Incident.from_meta(record["incident"]) == incident
+    story = [f for f in record["findings"] if f["kernel"] == "sightline_fa2_prefill"]
+    assert len(story) == len(incident.intervals)
+    for finding, interval in zip(story, incident.intervals):
+        assert finding["planted"] == sorted(interval.sms)
+        assert finding["slots"] >= 2
+        assert finding["precision"] >= 0.9 and finding["recall"] >= 0.9, finding
+    heatmap = json.loads((out / "heatmaps" / "gpu0-sightline_fa2_prefill-time_sm.json").read_text())
+    columns = [c for c in range(len(heatmap["times_unix_s"])) if any(row[c] is not None for row in heatmap["p99_s"])]
+    assert len(columns) >= 12
+    alerts = record["alerts"]
+    assert alerts and {a["labels"]["alertname"] for a in alerts} == {"SightlineSMHotspot"}
+    assert "sightline_fa2_prefill" in {a["labels"]["kernel"] for a in alerts}
+    shot = out / "heatmaps" / "gpu0-sightline_fa2_prefill-time_sm-chromium.png"
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    if incident.synthetic:
+        assert "SYNTHETIC" in stdout and "not measured" in stdout
+    assert f"precision {story[0]['precision']:.2f}, recall {story[0]['recall']:.2f}" in stdout

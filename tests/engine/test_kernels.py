@@ -3,11 +3,8 @@ against the references (CPU interpreter at small sizes, the GPU at real sizes)."
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -17,6 +14,7 @@ import torch.nn.functional as F
 from sightline.engine.kernels.attention import paged_decode_attention, prefill_attention
 from sightline.engine.kernels.reference import (paged_decode_attention_ref,
                                                  prefill_attention_ref)
+from tests.engine.interpreter import run_interpreted
 
 
 def _packed(lens_q, lens_k, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0):
@@ -172,13 +170,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def interpreted():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULTS")][-1]
-    return json.loads(line[len("RESULTS"):])
+    return run_interpreted(_INTERPRETER_SCRIPT)
 
 
 @pytest.mark.parametrize("case", ["fp32_varlen_gqa", "fp16_single_hd32", "fp32_q_longer_than_k"])

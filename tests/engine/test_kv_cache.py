@@ -23,11 +23,11 @@ def _req(rid: str, n: int = 4) -> Request:
 def test_config_validation_names_the_bad_value():
     assert KVCacheConfig(num_blocks=3).block_size == 16
     assert KVCacheConfig(8, 10).num_token_slots == 80
-    with pytest.raises(ValueError, match=r"num_blocks .* >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"num_blocks=0 is not an integer in \[1, inf\]"):
         KVCacheConfig()
-    with pytest.raises(ValueError, match=r"block_size .*\[1, 4096\], got 0"):
+    with pytest.raises(ValueError, match=r"block_size=0 is not an integer in \[1, 4096\]"):
         KVCacheConfig(block_size=0, num_blocks=4)
-    with pytest.raises(ValueError, match="got 2.5"):
+    with pytest.raises(ValueError, match="num_blocks=2.5 is not an integer"):
         KVCacheConfig(num_blocks=2.5)
 
 
@@ -39,11 +39,11 @@ def test_blocks_for_budget_and_bytes_per_block():
     assert blocks_for_budget(per_block - 1, per_block) == 0
     assert blocks_for_budget(3.9 * per_block, per_block) == 3
     assert blocks_for_budget(0, 7) == 0
-    with pytest.raises(ValueError, match="bytes_per_block .* got 0"):
+    with pytest.raises(ValueError, match="bytes_per_block=0 is not"):
         blocks_for_budget(100, 0)
-    with pytest.raises(ValueError, match="bytes_budget .* got -1"):
+    with pytest.raises(ValueError, match="bytes_budget=-1 is not"):
         blocks_for_budget(-1, 10)
-    with pytest.raises(ValueError, match="head_dim .* got 0"):
+    with pytest.raises(ValueError, match="head_dim=0 is not"):
         kv_bytes_per_block(num_layers=1, num_kv_heads=1, head_dim=0, block_size=16, dtype_bytes=2)
 
 

@@ -272,7 +272,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_engine_on_triton_kernels_matches_torch_path():
-    """The GPU path's kernels (E3's Triton FA2 prefill and paged decode), run by the Triton CPU
+    """The GPU path's kernels (the Triton FA2 prefill and paged decode), run by the Triton CPU
     interpreter inside the whole engine: chunked prefill, a mixed step, decodes. Same greedy
     tokens as the torch path. (~10 s: the interpreter is slow.)"""
     import os

@@ -8,8 +8,8 @@ in-memory exporter), an offline engine with the same weights for exact expected 
 - ``X-Request-Id`` echoed, used as the span's request id and the response id; generated
   when absent; a reused in-flight id and a malformed one are 400s;
 - ``models.retrieve``, ``/version``, ``/ping``;
-- top_k, min_p, repetition_penalty change tokens exactly as the offline engine does, and
-  top_k=1 / min_p=1 reduce sampling to greedy; bad values are 400s;
+- top_k, min_p, repetition, presence and frequency penalties change tokens exactly as the
+  offline engine does; top_k=1 and min_p=1 reduce sampling to greedy; bad values are 400s;
 - per-token ITL and per-request token / phase histograms count exactly; OpenMetrics
   negotiation carries trace-id exemplars on TTFT, ITL and e2e.
 """
@@ -198,6 +198,7 @@ def test_top_k_1_and_min_p_1_reduce_sampling_to_greedy(served, offline, params):
     {"top_k": 5, "temperature": 1.0, "seed": 11},
     {"min_p": 0.2, "temperature": 1.2, "seed": 11},
     {"repetition_penalty": 1.8, "temperature": 0.0},
+    {"presence_penalty": 1.5, "frequency_penalty": 1.0, "temperature": 0.0},
     {"repetition_penalty": 0.5, "top_k": 3, "min_p": 0.05, "top_p": 0.9, "temperature": 0.8, "seed": 3},
 ])
 def test_sampling_parameters_reach_the_sampler(served, offline, params):
@@ -213,14 +214,15 @@ def test_sampling_parameters_reach_the_sampler(served, offline, params):
 def test_repetition_penalty_avoids_seen_tokens(offline):
     prompt = ByteTokenizer().encode("penalty")
     [request] = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
-                                                          repetition_penalty=100.0))
+                                                          repetition_penalty=10.0))
     out = request.output_token_ids
     assert len(set(out)) == len(out) and not set(out) & set(prompt)
 
 
 @pytest.mark.parametrize("body,param", [
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"logprobs": 2}, "logprobs"),
     ({"stream": True, "stream_options": {"include_usage": True, "bogus": True}}, "stream_options"),
 ])
 def test_bad_sampling_parameters_are_400(served, body, param):

@@ -1,25 +1,72 @@
-"""CUPTI kernel tracer and GpuTelemetry: a clear answer without CUPTI on the CPU; on a GPU,
-real kernel records joined to steps, kernel spans under the step span, per-SM metrics."""
+"""Kernel spans from raw CUPTI buffers: a clear answer without CUPTI on the CPU; buffers
+laid out as CUPTI 13 writes them, decoded in bulk and joined to their steps through the
+whole pipeline (engine-side GpuTelemetry -> recorder -> worker -> spans); on a GPU, real
+CUPTI buffers, kernel spans under the step span, per-SM metrics."""
 
 from __future__ import annotations
 
-import pytest
+import ctypes
+import time
 
+import numpy as np
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from sightline.instrumentation import semconv
+from sightline.instrumentation.config import TelemetryConfig
+from sightline.instrumentation.cupti_records import (API_DTYPE, EXTERNAL_CORRELATION_DTYPE,
+                                                     EXTERNAL_KIND_CUSTOM2, KERNEL_DTYPE,
+                                                     KIND_CONCURRENT_KERNEL,
+                                                     KIND_EXTERNAL_CORRELATION, KIND_RUNTIME,
+                                                     decode_buffer)
 from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
 from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
+from sightline.instrumentation.lifecycle import OpenStep, Step
+from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+
+# kernel names live in the engine process; CUPTI records carry pointers to them
+_NAMES = {name: ctypes.create_string_buffer(name.encode())
+          for name in ("sightline_paged_decode", "gemv_bf16", "rms_norm", "orphan")}
+
+
+def _ptr(name: str) -> int:
+    return ctypes.addressof(_NAMES[name])
+
+
+def kernel_record(name: str, corr: int, start: int, duration: int = 1000) -> bytes:
+    r = np.zeros(1, KERNEL_DTYPE)
+    r["kind"], r["correlation_id"], r["name_ptr"] = KIND_CONCURRENT_KERNEL, corr, _ptr(name)
+    r["start_ns"], r["end_ns"] = start, start + duration
+    r["grid_x"], r["grid_y"], r["grid_z"], r["block_x"], r["block_y"], r["block_z"] = 4, 2, 1, 128, 1, 1
+    r["registers_per_thread"], r["static_shared_memory"], r["dynamic_shared_memory"] = 90, 1024, 2048
+    r["stream_id"], r["device_id"] = 7, 0
+    return r.tobytes()
+
+
+def correlation_record(corr: int, external_id: int, kind: int = EXTERNAL_KIND_CUSTOM2) -> bytes:
+    r = np.zeros(1, EXTERNAL_CORRELATION_DTYPE)
+    r["kind"], r["external_kind"], r["external_id"], r["correlation_id"] = (
+        KIND_EXTERNAL_CORRELATION, kind, external_id, corr)
+    return r.tobytes()
+
+
+def api_record(corr: int) -> bytes:
+    r = np.zeros(1, API_DTYPE)
+    r["kind"], r["cbid"], r["correlation_id"] = KIND_RUNTIME, 211, corr
+    return r.tobytes()
 
 
 def test_tracer_without_cupti_says_why_and_stays_inert():
     ok, _ = cupti_available()
     if ok:
         pytest.skip("cupti-python is installed here")
-    tracer = CuptiTracer()
+    tracer = CuptiTracer(lambda buffer: None)
     assert tracer.start() is False
     assert "cupti-python is not usable" in tracer.unavailable_reason
     tracer.push(1)
     tracer.pop()
-    batch = tracer.drain(flush=True)
-    assert batch.kernels == [] and batch.memcpys == [] and batch.dropped_records == 0
+    tracer.flush()
+    assert tracer.buffers_completed == 0
 
 
 def test_config_ranges_name_the_bad_value():
@@ -30,23 +77,185 @@ def test_config_ranges_name_the_bad_value():
 
 
 def test_create_returns_none_below_kernels_level_or_without_cuda():
-    from sightline.instrumentation.tracing import Telemetry
-    assert GpuTelemetry.create(Telemetry.disabled(), 0) is None
+    pipeline = TelemetryPipeline(TelemetryConfig(level="steps", exporter="none"), mode="thread")
+    assert GpuTelemetry.create(pipeline.recorder, 0) is None
     assert GpuTelemetry.create(None, 0) is None
+    pipeline.shutdown()
+
+
+def test_buffer_decodes_every_kind_exactly_and_stops_at_an_unknown_one():
+    buffer = (kernel_record("rms_norm", 10, 5_000) + api_record(10) + correlation_record(10, 3)
+              + correlation_record(11, 99, kind=1) + kernel_record("gemv_bf16", 11, 9_000, 250))
+    decoded = decode_buffer(buffer + (77).to_bytes(4, "little") + bytes(60))
+    assert decoded.undecoded_bytes == 64 and decoded.api_calls == 1
+    assert decoded.foreign_correlations == 1
+    assert list(decoded.correlation_ids) == [10] and list(decoded.external_ids) == [3]
+    k = decoded.kernels
+    assert list(k["correlation_id"]) == [10, 11]
+    assert list(k["end_ns"] - k["start_ns"]) == [1000, 250]
+    assert list(k["name_ptr"]) == [_ptr("rms_norm"), _ptr("gemv_bf16")]
+    assert int(k["registers_per_thread"][0]) == 90 and int(k["dynamic_shared_memory"][1]) == 2048
+
+
+class _FakeTracer:
+    """Stands where CUPTI cannot run (no GPU): records what the engine side asked of it and,
+    when flushed, hands over the prepared raw buffers as CUPTI would."""
+
+    available = True
+    unavailable_reason = ""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self.pushed: list[int] = []
+        self.enabled = self.flushes = 0
+        self.on_buffer = None
+
+    def enable(self):
+        self.enabled += 1
+
+    def disable(self):
+        pass
+
+    def push(self, ext):
+        self.pushed.append(ext)
+
+    def pop(self):
+        pass
+
+    def flush(self):
+        self.flushes += 1
+        pending, self.pending = self.pending, []
+        for buffer in pending:
+            self.on_buffer(buffer)
+
+    def stop(self):
+        pass
+
+
+def _pipeline_with_gpu(ratio: float, **cfg):
+    spans = InMemorySpanExporter()
+    pipeline = TelemetryPipeline.start(
+        TelemetryConfig(level="kernels", exporter="none", schedule_delay_s=0.05, metrics_enabled=False),
+        span_exporters=[spans])
+    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False, seed=1,
+                                                                kernel_sample_ratio=ratio, **cfg))
+    tracer = gpu.tracer = _FakeTracer()
+    tracer.on_buffer = gpu._on_buffer
+    pipeline.attach_gpu(gpu)
+    return pipeline, gpu, tracer, spans
+
+
+def _run_step(pipeline, gpu, step_id: int, start_ns: int, duration_s: float) -> OpenStep:
+    recorder = pipeline.recorder
+    step = OpenStep(step_id, *recorder.new_span_ids(), start_ns)
+    gpu.begin_step(step)
+    end_ns = start_ns + int(duration_s * 1e9)
+    gpu.end_step(step)
+    gpu.observe_step(step, duration_s)
+    recorder.record(Step(step_id, start_ns, end_ns, step.trace_id, step.span_id, (), 0, (), (),
+                         0, 0, 0, 0, 0, 0, None, step.attributes))
+    return step
+
+
+def _wait(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not cond():
+        time.sleep(0.01)
+    return cond()
+
+
+def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
+    """Step 0 and 1 are traced (ratio 1). Their kernels come in two buffers; step 1's
+    correlation records arrive only in the second one. Attention launches get a span each;
+    other kernels one span per (step, name) with exact launch counts and durations; a
+    kernel of an unknown step is counted, not emitted."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(1.0)
+    t0 = time.time_ns()
+    steps = [_run_step(pipeline, gpu, i, t0 + i * 10**7, 0.01) for i in range(2)]
+    assert tracer.pushed == [1, 2] and tracer.enabled == 2
+    tracer.pending.append(
+        kernel_record("rms_norm", 1, t0 + 100, 300) + correlation_record(1, 1) + api_record(1)
+        + kernel_record("sightline_paged_decode", 2, t0 + 500, 700) + correlation_record(2, 1)
+        + kernel_record("rms_norm", 3, t0 + 1300, 200) + correlation_record(3, 1)
+        + kernel_record("gemv_bf16", 4, t0 + 10**7 + 50, 900)
+        + kernel_record("orphan", 9, t0, 10) + correlation_record(9, 42))
+    tracer.pending.append(correlation_record(4, 2)
+                          + kernel_record("sightline_paged_decode", 5, t0 + 10**7 + 2000, 600)
+                          + correlation_record(5, 2))
+    assert gpu.flush(timeout_s=10)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans") == 4)
+    pipeline.shutdown()
+    kernel_spans = [s for s in spans.get_finished_spans() if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+    by_step = {st.span_id: sorted((s.name, s.attributes.get(semconv.KERNEL_LAUNCHES),
+                                   s.end_time - s.start_time) for s in kernel_spans
+                                  if s.parent.span_id == st.span_id) for st in steps}
+    assert by_step[steps[0].span_id] == [("kernel rms_norm", 2, 1400),
+                                         ("kernel sightline_paged_decode", None, 700)]
+    assert by_step[steps[1].span_id] == [("kernel gemv_bf16", 1, 900),
+                                         ("kernel sightline_paged_decode", None, 600)]
+    [rms] = [s for s in kernel_spans if s.name == "kernel rms_norm"]
+    assert rms.attributes[semconv.KERNEL_TOTAL_DURATION_S] == pytest.approx(500e-9)
+    assert rms.attributes[semconv.KERNEL_MAX_DURATION_S] == pytest.approx(300e-9)
+    [attn] = [s for s in kernel_spans if s.attributes.get(semconv.CUDA_CORRELATION_ID) == 2]
+    assert attn.attributes[semconv.CUDA_GRID] == "4,2,1" and attn.attributes[semconv.CUDA_REGISTERS] == 90
+    assert attn.attributes[semconv.CUDA_SHARED_MEMORY_BYTES] == 3072
+    step_spans = {s.context.span_id: s for s in spans.get_finished_spans() if s.name == semconv.SPAN_ENGINE_STEP}
+    assert {step_spans[st.span_id].attributes[semconv.STEP_TRACE_REASON] for st in steps} == {"sampled"}
+    assert pipeline.counters()["kernels_unmatched"] == 1      # the orphan's step 41 never ran
+
+
+def test_every_launch_its_own_span_at_detail_all():
+    spans = InMemorySpanExporter()
+    pipeline = TelemetryPipeline.start(
+        TelemetryConfig(level="kernels", exporter="none", metrics_enabled=False, kernel_span_detail="all"),
+        span_exporters=[spans])
+    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False,
+                                                                kernel_sample_ratio=1.0))
+    tracer = gpu.tracer = _FakeTracer()
+    tracer.on_buffer = gpu._on_buffer
+    pipeline.attach_gpu(gpu)
+    t0 = time.time_ns()
+    _run_step(pipeline, gpu, 0, t0, 0.01)
+    tracer.pending.append(b"".join(kernel_record("rms_norm", c, t0 + 100 * c) + correlation_record(c, 1)
+                                   for c in range(1, 7)))
+    assert gpu.flush(timeout_s=10)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans") == 6)
+    pipeline.shutdown()
+    names = [s.name for s in spans.get_finished_spans() if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+    assert names == ["kernel rms_norm"] * 6
+
+
+def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
+    """Ratio 0: no step is sampled. After 64 fast steps (the tail rule's minimum), one step
+    far slower than their P99.9 switches CUPTI on for exactly the next tail_follow_steps
+    steps; traced steps are slow too, but arm nothing."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0, tail_follow_steps=2)
+    t = time.time_ns()
+    for i in range(64):
+        _run_step(pipeline, gpu, i, t + i * 10**7, 0.010)
+    _run_step(pipeline, gpu, 64, t + 64 * 10**7, 0.05)
+    traced = [_run_step(pipeline, gpu, 65 + j, t + (65 + j) * 10**7, d)
+              for j, d in enumerate((0.2, 0.2, 0.010))]
+    assert tracer.pushed == [66, 67] and tracer.enabled == 2
+    assert gpu.stats.tail_steps == 1 and gpu.stats.steps_traced_tail == 2
+    assert [st.attributes for st in traced] == [{semconv.STEP_TRACE_REASON: "after_tail"}] * 2 + [None]
+    pipeline.shutdown()
 
 
 @pytest.mark.gpu
-def test_cupti_records_kernels_with_external_ids():
+def test_cupti_delivers_raw_buffers_whose_kernels_carry_external_ids():
     import torch
     ok, why = cupti_available()
     if not ok:
         pytest.skip(why)
-    tracer = CuptiTracer()
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
     assert tracer.start(), tracer.unavailable_reason
     try:
         x = torch.randn(1024, 1024, device="cuda")
         torch.cuda.synchronize()
-        tracer.drain(flush=True)
+        tracer.flush()
+        buffers.clear()
         tracer.push(41)
         y = x @ x
         tracer.pop()
@@ -54,17 +263,23 @@ def test_cupti_records_kernels_with_external_ids():
         z = (y + 1).relu()
         tracer.pop()
         torch.cuda.synchronize()
-        batch = tracer.drain(flush=True)
+        tracer.flush()
     finally:
         tracer.stop()
-    by_ext = {}
-    for k in batch.kernels:
-        by_ext.setdefault(k.external_id, []).append(k)
-    assert 41 in by_ext and 42 in by_ext, [(k.name, k.external_id) for k in batch.kernels]
+    decoded = [decode_buffer(b) for b in buffers]
+    assert all(d.undecoded_bytes == 0 for d in decoded)
+    kernels = np.concatenate([d.kernels for d in decoded])
+    ext = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
+                   np.concatenate([d.external_ids for d in decoded]).tolist()))
+    by_ext: dict[int, list] = {}
+    for k in kernels:
+        by_ext.setdefault(ext.get(int(k["correlation_id"])), []).append(k)
+    assert 41 in by_ext and 42 in by_ext
     for k in by_ext[41] + by_ext[42]:
-        assert k.end_ns > k.start_ns and k.device_id == 0
-        assert k.grid[0] >= 1 and k.block[0] >= 1 and k.registers_per_thread > 0
-    assert by_ext[41][0].end_ns <= by_ext[42][0].start_ns + 1000
+        assert k["end_ns"] > k["start_ns"] and k["device_id"] == 0
+        assert k["grid_x"] >= 1 and k["block_x"] >= 1 and k["registers_per_thread"] > 0
+    names = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    assert all(name and name != "<unknown>" for name in names.values()), names
     del z
 
 
@@ -75,7 +290,7 @@ def test_second_subscriber_is_refused_clearly():
     if not ok:
         pytest.skip(why)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
-        tracer = CuptiTracer()
+        tracer = CuptiTracer(lambda buffer: None)
         assert tracer.start() is False
         assert "torch.profiler" in tracer.unavailable_reason
 
@@ -83,29 +298,21 @@ def test_second_subscriber_is_refused_clearly():
 @pytest.mark.gpu
 def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     import torch
-    from opentelemetry.sdk.metrics.export import MetricExportResult
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from sightline.engine.kernels.attention import prefill_attention
-    from sightline.instrumentation import semconv
-    from sightline.instrumentation.config import TelemetryConfig
-    from sightline.instrumentation.tracing import Telemetry
-
-    class Sink:
-        def __init__(self):
-            self.data = []
-
-        def export(self, data, **_):
-            self.data.append(data)
-            return MetricExportResult.SUCCESS
 
     spans = InMemorySpanExporter()
-    tel = Telemetry.start(TelemetryConfig(level="kernels", exporter="none",
-                                          schedule_delay_s=0.05), span_exporters=[spans])
-    sink = Sink()
-    gpu = GpuTelemetry.create(tel, 0, GpuTelemetryConfig(kernel_sample_ratio=1.0, settle_s=0.0),
-                              metric_exporters=[sink])
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none",
+                                                       schedule_delay_s=0.05),
+                                       span_exporters=[spans], metric_readers=[InMemoryMetricReader()])
+    gpu = GpuTelemetry.create(pipeline.recorder, 0, GpuTelemetryConfig(kernel_sample_ratio=1.0))
     assert gpu is not None and gpu.probe is not None
+    pipeline.attach_gpu(gpu)
+    exported = []
+    pipeline._worker._metric_exporters = [type("Sink", (), {
+        "export": lambda self, data, **_: exported.append(data) or
+        __import__("opentelemetry.sdk.metrics.export", fromlist=["x"]).MetricExportResult.SUCCESS})()]
     q = torch.randn(512, 32, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(512, 8, 128, device="cuda", dtype=torch.bfloat16)
     cu = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
@@ -113,318 +320,24 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     torch.cuda.synchronize()
     steps = []
     for i in range(3):
-        st = tel.start_step(i, requests=[])
-        gpu.begin_step(st)
+        step = OpenStep(i, *pipeline.recorder.new_span_ids(), time.time_ns())
+        gpu.begin_step(step)
         prefill_attention(q, k, k, cu, cu, 512, 512, 0.088, probe=gpu.probe)
-        st.end()
-        gpu.end_step(st)
-        steps.append(st)
-    assert gpu.flush(timeout_s=60)
-    tel.force_flush()
-    finished = spans.get_finished_spans()
-    kernel_spans = [s for s in finished if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+        gpu.end_step(step)
+        pipeline.recorder.record(Step(i, step.start_ns, time.time_ns(), step.trace_id, step.span_id,
+                                      (), 0, (), (), 0, 0, 0, 0, 0, 0, None, step.attributes))
+        steps.append(step)
     assert gpu.kernel_spans_available, gpu.tracer.unavailable_reason
-    assert len([s for s in kernel_spans
-                if s.attributes[semconv.CUDA_KERNEL_NAME] == "sightline_fa2_prefill"]) == 3
-    step_ids = {st.span_context.span_id for st in steps}
-    for s in kernel_spans:
-        assert s.parent.span_id in step_ids
-        assert s.end_time > s.start_time
+    assert gpu.flush(timeout_s=60)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans", 0) >= 3, timeout_s=30)
+    pipeline.shutdown()
+    kernel_spans = [s for s in spans.get_finished_spans() if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+    step_ids = {st.span_id for st in steps}
     fa = [s for s in kernel_spans if s.attributes[semconv.CUDA_KERNEL_NAME] == "sightline_fa2_prefill"]
+    assert len(fa) == 3
+    assert all(s.parent.span_id in step_ids and s.end_time > s.start_time for s in kernel_spans)
     assert all(s.attributes[semconv.KERNEL_SMS_USED] > 0 for s in fa)
-    points = [p for d in sink.data for rm in d.resource_metrics for sm in rm.scope_metrics
+    points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
               for m in sm.metrics for p in m.data.data_points]
     assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
     assert all(p.exemplars and p.exemplars[0].span_id in step_ids for p in points)
-    gpu.shutdown()
-    tel.shutdown()
-
-
-class _FeedTracer:
-    """Feeds prepared CUPTI batches to GpuTelemetry's worker (CUPTI cannot run on the CPU;
-    this checks the join / settle / span logic, the GPU tests check CUPTI itself)."""
-
-    available = True
-    unavailable_reason = ""
-
-    def __init__(self) -> None:
-        import queue
-        self.batches: queue.Queue = queue.Queue()
-        self.pushed: list[int] = []
-        self.enabled = 0
-        self.flushes = 0
-
-    def push(self, ext: int) -> None:
-        self.pushed.append(ext)
-
-    def enable(self) -> None:
-        self.enabled += 1
-
-    def disable(self) -> None:
-        pass
-
-    def flush(self) -> None:
-        self.flushes += 1
-
-    def pop(self) -> None:
-        pass
-
-    def drain(self, flush: bool = False):
-        import queue
-
-        from sightline.instrumentation.cupti_tracer import TraceBatch
-        try:
-            return self.batches.get_nowait()
-        except queue.Empty:
-            return TraceBatch([], [], 0, 0)
-
-    def stop(self) -> None:
-        pass
-
-
-def _kernel(name, ext, start, corr):
-    from sightline.instrumentation.cupti_tracer import KernelRecord
-    return KernelRecord(name, start, start + 1000, (4, 2, 1), (128, 1, 1), 90, 1024, 2048, 7, 0,
-                        corr, ext)
-
-
-def _gpu_with_feed(ratio: float, **cfg):
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-    from sightline.instrumentation.config import TelemetryConfig
-    from sightline.instrumentation.tracing import Telemetry
-    spans = InMemorySpanExporter()
-    tel = Telemetry.start(TelemetryConfig(level="kernels", exporter="none", schedule_delay_s=0.05),
-                          span_exporters=[spans])
-    gpu = GpuTelemetry(tel, 0, GpuTelemetryConfig(cupti=False, probe=False, seed=1,
-                                                  kernel_sample_ratio=ratio, **cfg),
-                       metric_exporters=[])
-    feed = gpu.tracer = _FeedTracer()
-    return tel, gpu, feed, spans
-
-
-def _wait(cond, timeout_s=5.0):
-    import time
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and not cond():
-        time.sleep(0.01)
-    return cond()
-
-
-def test_kernels_join_their_steps_even_when_records_come_late():
-    import time
-
-    from sightline.instrumentation import semconv
-    from sightline.instrumentation.cupti_tracer import TraceBatch
-    tel, gpu, feed, spans = _gpu_with_feed(1.0, settle_s=1.0, max_wait_s=3.0)
-    steps = []
-    for i in range(3):
-        st = tel.start_step(i, requests=[])
-        gpu.begin_step(st)
-        st.end()
-        gpu.end_step(st)
-        steps.append(st)
-    assert feed.pushed == [1, 2, 3]
-    t0 = time.time_ns()
-    feed.batches.put(TraceBatch([_kernel("a", 1, t0, 10), _kernel("b", 1, t0 + 2000, 11),
-                                 _kernel("c", 2, t0 + 4000, 12), _kernel("x", 99, t0, 13),
-                                 _kernel("y", None, t0, 14)], [], 0, 0))
-    time.sleep(0.1)                     # step 2's second kernel arrives in a later buffer
-    feed.batches.put(TraceBatch([_kernel("d", 2, t0 + 6000, 15)], [], 0, 0))
-    assert _wait(lambda: gpu.stats.kernel_spans == 4 and not gpu._awaiting, timeout_s=10.0)
-    tel.force_flush()
-    kernel_spans = sorted((s for s in spans.get_finished_spans()
-                           if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)),
-                          key=lambda s: s.attributes[semconv.CUDA_CORRELATION_ID])
-    assert [s.name for s in kernel_spans] == ["kernel a", "kernel b", "kernel c", "kernel d"]
-    parents = [s.parent.span_id for s in kernel_spans]
-    assert parents == [steps[0].span_context.span_id] * 2 + [steps[1].span_context.span_id] * 2
-    a = kernel_spans[0]
-    assert (a.start_time, a.end_time) == (t0, t0 + 1000)
-    assert a.attributes[semconv.CUDA_GRID] == "4,2,1"
-    assert a.attributes[semconv.CUDA_SHARED_MEMORY_BYTES] == 3072
-    # what the step span says is not repeated on each kernel span (each costs encoding)
-    assert semconv.STEP_TRACE_REASON not in a.attributes and semconv.STEP_ID not in a.attributes
-    step_spans = {s.context.span_id: s for s in spans.get_finished_spans()
-                  if s.name == semconv.SPAN_ENGINE_STEP}
-    assert step_spans[steps[0].span_context.span_id].attributes[semconv.STEP_TRACE_REASON] == "sampled"
-    assert gpu.stats.kernels_unmatched == 2 and gpu.stats.steps_traced_sampled == 2
-    gpu.shutdown()
-    tel.shutdown()
-
-
-def test_untraced_steps_keep_nothing_and_count_their_kernels():
-    from sightline.instrumentation.cupti_tracer import TraceBatch
-    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=0.1)
-    st = tel.start_step(0, requests=[])
-    gpu.begin_step(st)
-    st.end()
-    gpu.end_step(st)
-    assert _wait(lambda: 1 in gpu._skipped_set)
-    feed.batches.put(TraceBatch([_kernel("a", 1, 5, 1), _kernel("b", 1, 9, 2)], [], 0, 0))
-    assert _wait(lambda: gpu.stats.kernels_skipped == 2)
-    assert gpu.stats.kernel_spans == 0 and not gpu._awaiting
-    gpu.shutdown()
-    tel.shutdown()
-
-
-def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
-    """Ratio 0: no step is sampled. After 64 fast steps (the tail rule's minimum), one step
-    far slower than their P99 switches CUPTI on for exactly the next tail_follow_steps
-    steps, whose kernel spans carry the reason "after_tail"; the slow step itself is not
-    traced (its kernels ran before anyone knew it was slow)."""
-    import time
-
-    from sightline.instrumentation import semconv
-    from sightline.instrumentation.cupti_tracer import TraceBatch
-    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=1.0,
-                                           tail_follow_steps=2)
-
-    clock = [time.time_ns()]
-
-    def step(i: int, duration_s: float):     # step times given, so durations are exact
-        st = tel.start_step(i, requests=[], start_time_ns=clock[0])
-        gpu.begin_step(st)
-        clock[0] += int(duration_s * 1e9)
-        st.end(end_time_ns=clock[0])
-        gpu.end_step(st)
-        return st
-
-    for i in range(64):
-        step(i, 0.010)
-    assert _wait(lambda: gpu.stats.steps == 64 and len(gpu._skipped) == 64)
-    step(64, 0.05)                                    # slow: external id 65
-    assert _wait(lambda: gpu.stats.tail_steps == 1)
-    # the two traced steps are slow too (CUPTI on), but must not arm further tracing
-    after = [step(65, 0.2), step(66, 0.2), step(67, 0.010)]   # external ids 66, 67, 68
-    assert feed.pushed == [66, 67] and feed.enabled == 2
-    assert gpu.stats.tail_steps == 1                  # 66 and 67 are not compared: traced
-    feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1), _kernel("k67", 67, 200, 2),
-                                 _kernel("k65", 65, 50, 3)], [], 0, 0))
-    assert _wait(lambda: gpu.stats.kernel_spans == 2 and not gpu._awaiting, timeout_s=10.0)
-    assert feed.flushes >= 1                          # records asked for, not waited on
-    tel.force_flush()
-    kernel_spans = sorted((s for s in spans.get_finished_spans()
-                           if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)),
-                          key=lambda s: s.start_time)
-    assert [s.name for s in kernel_spans] == ["kernel k66", "kernel k67"]
-    assert [s.parent.span_id for s in kernel_spans] == [st.span_context.span_id
-                                                        for st in after[:2]]
-    step_spans = {s.context.span_id: s for s in spans.get_finished_spans()
-                  if s.name == semconv.SPAN_ENGINE_STEP}
-    assert {step_spans[s.parent.span_id].attributes[semconv.STEP_TRACE_REASON]
-            for s in kernel_spans} == {"after_tail"}
-    assert gpu.stats.steps_traced_tail == 2 and gpu.stats.steps_traced_sampled == 0
-    assert gpu.stats.kernels_skipped == 1             # the slow step's own kernel
-    gpu.shutdown()
-    tel.shutdown()
-
-
-def test_steps_during_a_kernel_trace_backlog_are_marked_and_arm_no_tail_trace():
-    """A traced step's records are processed on other threads, and that CPU slows the
-    steps that run meanwhile (on the H200, ~460 ms instead of ~40). Those steps are marked
-    on their span and left out of the tail rule, until backlog_grace_s after the traced
-    step's kernel spans were emitted; a slow step after that arms tracing again. The steps
-    end the way the engine ends them: end_step first, then the span."""
-    import time
-
-    from sightline.instrumentation import semconv
-    from sightline.instrumentation.cupti_tracer import TraceBatch
-    tel, gpu, feed, spans = _gpu_with_feed(0.0, settle_s=0.05, max_wait_s=5.0,
-                                           backlog_grace_s=0.3)
-    def step(i: int, duration_s: float):
-        # started duration_s ago: end_step reads the clock, so the duration is exact to µs
-        st = tel.start_step(i, requests=[], start_time_ns=time.time_ns() - int(duration_s * 1e9))
-        gpu.begin_step(st)
-        gpu.end_step(st)
-        st.end()
-        return st
-
-    for i in range(64):
-        step(i, 0.010)
-    # durations far apart, so a loaded machine's jitter on the 10 ms steps cannot blur them
-    step(64, 0.3)                                      # slow: arms one traced step
-    assert _wait(lambda: gpu.stats.tail_steps == 1)
-    traced = step(65, 0.04)                            # external id 66, CUPTI on
-    victims = [step(66, 0.5), step(67, 0.5)]           # its records not yet processed
-    assert feed.pushed == [66]
-    assert _wait(lambda: gpu.stats.steps == 68)
-    assert gpu.stats.tail_steps == 1 and gpu.stats.steps_backlog == 2
-    feed.batches.put(TraceBatch([_kernel("k66", 66, 100, 1)], [], 0, 0))
-    assert _wait(lambda: gpu.stats.kernel_spans == 1 and not gpu._awaiting)
-    in_grace = step(68, 0.5)                           # the spans' export may still run
-    assert _wait(lambda: gpu.stats.steps == 69)
-    assert gpu.stats.tail_steps == 1 and feed.pushed == [66]
-    time.sleep(1.2)                                    # past the grace, even counting back 0.6 s
-    after = step(69, 0.6)                              # a slow step of the engine's own
-    assert _wait(lambda: gpu.stats.tail_steps == 2)
-    step(70, 0.01)
-    assert feed.pushed == [66, 71]                     # it armed the next step's trace
-    tel.force_flush()
-    by_id = {s.context.span_id: s for s in spans.get_finished_spans()
-             if s.name == semconv.SPAN_ENGINE_STEP}
-    attrs = lambda st: by_id[st.span_context.span_id].attributes  # noqa: E731
-    assert attrs(traced)[semconv.STEP_TRACE_REASON] == "after_tail"
-    assert semconv.STEP_KERNEL_TRACE_BACKLOG not in attrs(traced)
-    for st in [*victims, in_grace]:
-        assert attrs(st)[semconv.STEP_KERNEL_TRACE_BACKLOG] is True
-        assert semconv.STEP_TRACE_REASON not in attrs(st)
-    assert semconv.STEP_KERNEL_TRACE_BACKLOG not in attrs(after)
-    assert gpu.stats.steps_backlog == 3
-    gpu.shutdown()
-    tel.shutdown()
-
-
-def test_buffer_callback_converts_joins_and_bounds_records():
-    """The CUPTI buffer callback on records shaped like cupti-python's (CUPTI itself cannot
-    run here; the GPU tests run it): kernels, memcpys and external-correlation records
-    become typed records joined by correlation id, API records are only counted, and a
-    buffer that would exceed ``max_queue_records`` is dropped whole and counted."""
-    import enum
-    import types
-
-    class Kind(enum.IntEnum):
-        MEMCPY = 1
-        RUNTIME = 5
-        CONCURRENT_KERNEL = 10
-        EXTERNAL_CORRELATION = 39
-
-    class ExtKind(enum.IntEnum):
-        CUSTOM0 = 2
-        CUSTOM2 = 4
-
-    class CopyKind(enum.IntEnum):
-        HTOD = 1
-
-    fake = types.SimpleNamespace(ActivityKind=Kind, ExternalCorrelationKind=ExtKind,
-                                 ActivityMemcpyKind=CopyKind, activity_flush_all=lambda flag: None)
-
-    def kernel(corr, name="k"):
-        return types.SimpleNamespace(
-            kind=int(Kind.CONCURRENT_KERNEL), name=name, start=100 * corr, end=100 * corr + 50,
-            grid_x=4, grid_y=2, grid_z=1, block_x=128, block_y=1, block_z=1,
-            registers_per_thread=90, static_shared_memory=1024, dynamic_shared_memory=2048,
-            stream_id=7, device_id=0, correlation_id=corr)
-
-    def ext(corr, ext_id, kind=ExtKind.CUSTOM2):
-        return types.SimpleNamespace(kind=int(Kind.EXTERNAL_CORRELATION), external_kind=int(kind),
-                                     correlation_id=corr, external_id=ext_id)
-
-    api = types.SimpleNamespace(kind=int(Kind.RUNTIME))
-    copy = types.SimpleNamespace(kind=int(Kind.MEMCPY), copy_kind=1, bytes=4096, start=5, end=9,
-                                 stream_id=7, device_id=0, correlation_id=3)
-    tracer = CuptiTracer(max_queue_records=5)
-    tracer._cupti, tracer._ext_kind, tracer.available = fake, ExtKind.CUSTOM2, True
-    tracer._buffer_completed([api, ext(1, 41), kernel(1, "a"), api, ext(2, 42, ExtKind.CUSTOM0),
-                              kernel(2, "b"), copy])           # 4 kept (not CUSTOM0), 2 API
-    tracer._buffer_completed([ext(9, 49), kernel(9)])         # 4 + 2 > 5: dropped whole
-    batch = tracer.drain(flush=True)
-    assert [(k.name, k.external_id) for k in batch.kernels] == [("a", 41), ("b", None)]
-    a = batch.kernels[0]
-    assert (a.start_ns, a.end_ns, a.grid, a.block, a.shared_memory_bytes) == \
-        (100, 150, (4, 2, 1), (128, 1, 1), 3072)
-    assert [(m.copy_kind, m.bytes) for m in batch.memcpys] == [("HTOD", 4096)]
-    assert batch.api_calls == 2 and batch.dropped_records == 2
-    assert tracer.records_seen == 9 and tracer.buffers_completed == 2
-    tracer._buffer_completed([ext(9, 49), kernel(9)])         # room again after the drain
-    assert [(k.name, k.external_id) for k in tracer.drain(flush=True).kernels] == [("k", 49)]

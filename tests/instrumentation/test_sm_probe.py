@@ -9,7 +9,8 @@ import pytest
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.exphist import ExpHistogram
-from sightline.instrumentation.gpu_telemetry import TailPolicy, build_cta_metrics
+from sightline.instrumentation.cta_metrics import build_cta_metrics
+from sightline.instrumentation.gpu_telemetry import TailPolicy
 from sightline.instrumentation.sm_probe import CtaBatch, CtaHistograms, launch_facts
 
 

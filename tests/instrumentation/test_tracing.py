@@ -547,7 +547,7 @@ def test_config_env_precedence_and_errors():
     assert TelemetryConfig(otlp_endpoint="collector:4317").traces_endpoint == "http://collector:4317"
     with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_ENDPOINT='ftp://x': otlp_endpoint 'ftp://x' is not"):
         TelemetryConfig.from_env({"OTEL_EXPORTER_OTLP_ENDPOINT": "ftp://x"})
-    with pytest.raises(ValueError, match=r"OTEL_TRACES_SAMPLER_ARG='2': sampler_arg 2.0 is not"):
+    with pytest.raises(ValueError, match=r"OTEL_TRACES_SAMPLER_ARG='2': sampler_arg=2.0 is not"):
         TelemetryConfig.from_env({"OTEL_TRACES_SAMPLER_ARG": "2"})
     assert TelemetryConfig.from_env({"OTEL_SDK_DISABLED": "true"}).level is TraceLevel.OFF
     with pytest.raises(ValueError, match=r"OTEL_EXPORTER_OTLP_PROTOCOL='udp': .*'udp'.*grpc\|http/protobuf"):
@@ -556,9 +556,9 @@ def test_config_env_precedence_and_errors():
         TelemetryConfig.from_env({"OTEL_BSP_MAX_QUEUE_SIZE": "many"})
     with pytest.raises(ValueError, match=r"trace level 'verbose' is not one of off\|requests\|steps\|kernels"):
         TelemetryConfig.from_env({"SIGHTLINE_TRACE_LEVEL": "verbose"})
-    with pytest.raises(ValueError, match=r"sampler_arg 1.5 is not a number in \[0.0, 1.0\]"):
+    with pytest.raises(ValueError, match=r"sampler_arg=1.5 is not a number in \[0.0, 1.0\]"):
         TelemetryConfig(sampler_arg=1.5)
-    with pytest.raises(ValueError, match=r"max_export_batch_size 10 .* \[1, 5\]"):
+    with pytest.raises(ValueError, match=r"max_export_batch_size=10 .* \[1, 5\]"):
         TelemetryConfig(max_queue_size=5, max_export_batch_size=10)
     with pytest.raises(TypeError, match="unknown TelemetryConfig field 'levle'"):
         TelemetryConfig.from_env({}, levle="off")

@@ -1,0 +1,142 @@
+"""What every bench script shares: run metadata, a discarding span exporter, an in-place timer.
+
+The scripts run from the repository root as ``python -m bench.<name>`` and import this
+module relatively (``from ._common import ...``); the tests import them as ``bench.<name>``.
+Results carry ``git_commit()``, ``utc_now()`` and ``device_name()``; ``DiscardExporter``
+stands where the OTLP exporter would be, so a bench measures the instrumentation's cost
+(OTLP encoding included) but not the network's; ``InSituTimer`` times the tracing calls an
+engine makes where they are made, so their share of the engine loop is known to within the
+wrapper's own cost. Loads neither torch nor Sightline until a function needs it; the
+metadata costs at most two ``git`` subprocesses per call.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+__all__ = ["ROOT", "DiscardExporter", "InSituTimer", "device_name", "git_commit", "utc_now"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def git_commit(*, short: bool = False, dirty_paths: Sequence[str] = ()) -> str:
+    """HEAD of the checkout this file is in, or ``$SIGHTLINE_COMMIT`` when set, else "unknown".
+
+    The environment variable wins because the device machine gets a copy of the working
+    tree without ``.git``. With ``dirty_paths``, "-dirty" is appended when any of them
+    (paths relative to the repository root) has uncommitted changes.
+    """
+    env = os.environ.get("SIGHTLINE_COMMIT")
+    if env:
+        return env
+    try:
+        commit = subprocess.run(["git", "rev-parse", *(["--short"] if short else []), "HEAD"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.strip()
+        if dirty_paths:
+            dirty = subprocess.run(["git", "status", "--porcelain", "--", *dirty_paths], cwd=ROOT,
+                                   capture_output=True, text=True).stdout.strip()
+            commit += "-dirty" if dirty else ""
+        return commit
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def utc_now() -> str:
+    """The current UTC time as ``2026-11-30T01:02:03Z``."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def device_name(device: object, *, cpu_fallback: str | None = None) -> str:
+    """The CUDA device's name when ``device`` (a str or torch.device) is not the CPU and CUDA
+    is present; otherwise the host processor, or ``cpu_fallback`` (default: the machine
+    type) where the platform does not name it. Imports torch only when called.
+    """
+    import torch
+
+    kind = str(device)
+    if kind != "cpu" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(kind) if kind.startswith("cuda") else 0)
+    return platform.processor() or (cpu_fallback if cpu_fallback is not None else platform.machine())
+
+
+# -- span export that measures the encoding, not the network ---------------------
+
+class DiscardExporter(SpanExporter):
+    """Encodes spans as the OTLP exporter would (unless ``encode=False``), then drops the
+    bytes; ``spans`` counts how many it was given and ``bytes`` what they encoded to (no
+    lock: the SDK's batch processor calls ``export`` from its one worker thread)."""
+
+    def __init__(self, encode: bool = True) -> None:
+        self.encode = encode     # False: forget at once (a calling-thread microbenchmark)
+        self.spans = 0
+        self.bytes = 0
+
+    def export(self, spans):
+        self.spans += len(spans)
+        if self.encode:
+            self.bytes += len(encode_spans(spans).SerializeToString())
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self):
+        pass
+
+
+# -- tracing calls timed in place -------------------------------------------------
+
+class InSituTimer:
+    """Times every tracing call the engine makes, in place (wall ns inside the calls).
+
+    Patches the public methods of Telemetry, RequestTrace and StepTrace with a timing
+    wrapper for the duration of a ``with`` block. The wrapper's own cost (two
+    ``perf_counter_ns`` calls, ~0.1-0.3 µs) is included, so the figure is an upper bound.
+    """
+
+    METHODS = {
+        "Telemetry": ("start_request", "start_step"),
+        "RequestTrace": ("start_phase", "end_phase", "link_step", "preempted", "first_token",
+                         "finish"),
+        "StepTrace": ("end",),
+    }
+
+    def __init__(self) -> None:
+        self.ns = 0
+        self.calls = 0
+        self._saved: list[tuple[type, str, object]] = []
+
+    def __enter__(self) -> "InSituTimer":
+        from sightline.instrumentation import tracing
+
+        for class_name, names in self.METHODS.items():
+            cls = getattr(tracing, class_name)
+            for name in names:
+                original = getattr(cls, name)
+                self._saved.append((cls, name, original))
+                setattr(cls, name, self._wrap(original))
+        return self
+
+    def _wrap(self, fn):
+        timer = self
+        clock = time.perf_counter_ns
+
+        def timed(*args, **kwargs):
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                timer.ns += clock() - t0
+                timer.calls += 1
+
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for cls, name, original in reversed(self._saved):
+            setattr(cls, name, original)
+        self._saved.clear()

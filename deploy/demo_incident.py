@@ -1,0 +1,158 @@
+"""The demo's incident chapter: what the replayed capture planted against what Sightline found.
+
+* :func:`demo_rules`: the project's alert rules with ``SightlineSMHotspot``'s ``for`` cut to
+  seconds, so that the alert can fire within the demo (production waits 15 minutes); the
+  summary says so.
+* :func:`wait_for_alert`: that alert as the demo's real Alertmanager lists it.
+* :func:`screenshot_heatmap`: the FA2 kernel's time x SM heatmap page in headless Chromium,
+  saved next to the heatmap PNGs.
+* :func:`format_incident` / :func:`incident_record`: the summary's lines and JSON: each
+  interval's planted SMs, the SMs flagged hot then (deploy/incident.py), precision and
+  recall, where the slowest requests ran, and the alert.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .screenshot import screenshot
+from .stack import default_rules_files
+
+__all__ = ["SM_HOTSPOT_ALERT", "demo_rules", "format_incident", "incident_record",
+           "screenshot_heatmap", "wait_for_alert"]
+
+SM_HOTSPOT_ALERT = "SightlineSMHotspot"
+STORY_KERNEL = "sightline_fa2_prefill"  # FlashAttention-2: the kernel the story follows
+
+
+def demo_rules(folder: Path, for_s: int) -> tuple[Path, ...] | None:
+    """The rules files for the demo's Prometheus (None: the stack's default, when the
+    checkout has no rules)."""
+    sources = default_rules_files()
+    if not sources:
+        return None
+    data = yaml.safe_load(sources[0].read_text())
+    for group in data.get("groups", []):
+        for rule in group.get("rules", []):
+            if rule.get("alert") == SM_HOTSPOT_ALERT:
+                rule["for"] = f"{for_s}s"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "demo-rules.yml"
+    path.write_text(f"# {sources[0].name} with {SM_HOTSPOT_ALERT} waiting {for_s}s instead of its "
+                    "production duration, so that it can fire within the demo\n"
+                    + yaml.safe_dump(data, sort_keys=False))
+    return (path, *sources[1:])
+
+
+def wait_for_alert(alertmanager_url: str, name: str, timeout_s: float) -> list[dict[str, Any]]:
+    """The alerts named ``name`` that Alertmanager lists (labels, startsAt, state), as soon
+    as there is one; [] after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{alertmanager_url}/api/v2/alerts", timeout=10) as response:
+                alerts = json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            alerts = []
+        found = [{"labels": a.get("labels", {}), "startsAt": a.get("startsAt"),
+                  "state": (a.get("status") or {}).get("state")}
+                 for a in alerts if a.get("labels", {}).get("alertname") == name]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(1.0)
+
+
+def screenshot_heatmap(folder: Path) -> Path:
+    """A Chromium screenshot of the FA2 kernel's time x SM page (else the first one) in
+    ``folder``, written beside it as ``<page>-chromium.png``."""
+    pages = sorted(folder.glob("*-time_sm.html"))
+    if not pages:
+        raise RuntimeError(f"no time x SM heatmap page in {folder}")
+    page = next((p for p in pages if STORY_KERNEL in p.name), pages[0])
+    return screenshot(page.resolve().as_uri(), page.with_name(page.stem + "-chromium.png"))
+
+
+def _clock(t_s: float) -> str:
+    return time.strftime("%H:%M:%S", time.gmtime(t_s))
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _slowest_requests(report) -> list[dict[str, Any]]:
+    """The capture's slowest requests: in which interval each ran, and its slowest SM."""
+    source = next((e for e in report.explanations if e["source"] != "this run"), None)
+    rows = []
+    for r in (source or {}).get("requests", []):
+        start_s, end_s = r["start_time_unix_nano"] / 1e9, r["end_time_unix_nano"] / 1e9
+        during = [i for i, f in enumerate(_by_interval(report)) if start_s < f[1] and end_s > f[0]]
+        sm = r.get("slowest_sm") or {}
+        planted = [i for i in during if sm.get("sm") is not None
+                   and int(sm["sm"]) in report.incident.intervals[i].sms]
+        rows.append({"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "intervals": [i + 1 for i in during],
+                     "slowest_sm": sm.get("sm"), "slowest_sm_kernel": sm.get("kernel"),
+                     "slowest_sm_source": sm.get("source"), "slowest_sm_planted": bool(planted)})
+    return rows
+
+
+def _by_interval(report) -> list[tuple[float, float]]:
+    """Each interval as replayed (collector time, seconds)."""
+    spans = {}
+    for f in report.findings:
+        spans.setdefault((f.start_unix_s, f.end_unix_s), None)
+    return list(spans)
+
+
+def incident_record(report) -> dict[str, Any]:
+    return {"incident": report.incident.to_meta(), "replayed_intervals_unix_s": _by_interval(report),
+            "findings": [f.to_dict() for f in report.findings], "slowest_requests": _slowest_requests(report),
+            "alerts": report.alerts}
+
+
+def format_incident(report) -> list[str]:
+    incident = report.incident
+    kind = ("SYNTHETIC (planted into a measured capture, not a measurement)" if incident.synthetic
+            else f"recorded on {incident.device} by {incident.tool}")
+    lines = [f"The incident in the replayed capture, {kind}:", f"  {incident.description}"]
+    replayed = _by_interval(report)
+    for n, interval in enumerate(incident.intervals):
+        when = (f"{_clock(replayed[n][0])}..{_clock(replayed[n][1])} UTC as replayed"
+                if n < len(replayed) else "not replayed")
+        lines.append(f"  interval {n + 1}: {interval.duration_s:.0f} s ({when}), a noisy neighbour on "
+                     f"GPU {interval.gpu}, {len(interval.sms)} SMs: {', '.join(map(str, interval.sms))}")
+        for f in report.findings:
+            if (f.start_unix_s, f.end_unix_s) != replayed[n]:
+                continue
+            missed = sorted(set(f.planted) - set(f.flagged))
+            extra = sorted(set(f.flagged) - set(f.planted))
+            lines.append(f"    {f.kernel}: Sightline flags {len(f.flagged)} SMs hot over {f.slots} slots "
+                         f"(P99 >= {f.threshold:g}x the median SM's), {f.true_positives} planted: "
+                         f"precision {_ratio(f.precision)}, recall {_ratio(f.recall)}"
+                         + (f"; missed {missed}" if missed else "") + (f"; not planted {extra}" if extra else ""))
+    rows = _slowest_requests(report)
+    if rows:
+        inside = sum(bool(r["intervals"]) for r in rows)
+        lines.append(f"  The {len(rows)} slowest replayed requests: {inside} ran during an interval.")
+        for r in rows:
+            where = f"interval {', '.join(map(str, r['intervals']))}" if r["intervals"] else "no interval"
+            sm = ("no SM known" if r["slowest_sm"] is None else
+                  f"slowest SM {r['slowest_sm']} ({r['slowest_sm_kernel']}, from {r['slowest_sm_source']}; "
+                  + ("a planted SM)" if r["slowest_sm_planted"] else "not planted)"))
+            lines.append(f"    {r['trace_id']}: {r['e2e_s'] * 1e3:.0f} ms, {where}, {sm}")
+    if report.alerts:
+        for a in report.alerts:
+            labels = a["labels"]
+            lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} {a['state'] or 'received'} for GPU "
+                         f"{labels.get('gpu', '?')} {labels.get('kernel', '?')} since {a['startsAt']} "
+                         "(the demo's rule waits seconds; production waits 15 minutes)")
+    else:
+        lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} did not arrive in time")
+    return lines

@@ -1,0 +1,53 @@
+"""GPU records an engine hands to its telemetry process: raw, compact, picklable.
+
+The engine process only copies what the GPU and CUPTI produced (a CUPTI buffer's valid
+bytes, a traced step's per-CTA probe records, the per-SM histograms of an export
+interval); the telemetry process decodes them (:mod:`.kernel_spans`). No torch here: the
+telemetry process never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+__all__ = ["KernelActivity", "KernelNames", "StepCtas", "CtaHistograms", "GpuIdentity"]
+
+
+class KernelActivity(NamedTuple):
+    """One completed CUPTI activity buffer, its valid bytes as CUPTI wrote them."""
+
+    buffer: bytes
+
+
+class KernelNames(NamedTuple):
+    """Kernel names for the name pointers CUPTI records carry (valid in the engine only)."""
+
+    names: dict[int, str]
+
+
+class StepCtas(NamedTuple):
+    """A traced step's probe records: [n * 3] int64 (smid, start, end per CTA) by launch."""
+
+    step_id: int
+    records: np.ndarray
+    launches: list[tuple[str, int]]
+    gpu_id: int
+    fake: bool
+
+
+class CtaHistograms(NamedTuple):
+    """Per-(gpu, SM, kernel) CTA-duration histograms and exemplars of one interval."""
+
+    histograms: dict[tuple[int, int, str], Any]
+    exemplars: dict[tuple[int, int, str], Any]
+    start_ns: int
+    end_ns: int
+
+
+class GpuIdentity(NamedTuple):
+    """The GPU the engine runs on: its local index and, where NVML answers, its UUID."""
+
+    gpu_id: int
+    uuid: str | None

@@ -1,0 +1,265 @@
+"""Kernel spans of traced steps, built from raw CUPTI buffers and per-CTA probe records.
+
+Runs where spans are assembled (the telemetry process), never on the engine thread.
+CUPTI buffers are decoded in bulk (:mod:`.cupti_records`); kernels are joined to their
+step by the external-correlation id the engine pushed around the step's launches
+(``step_id + 1``). Once a traced step's records have gone quiet (``settle_s``) or
+``max_wait_s`` passed, its spans go out as children of its step span:
+
+- every attention launch (names matching ``attention_markers``: our FA2 prefill and
+  paged decode, PyTorch's flash kernels) is its own span, with launch and per-SM facts;
+- every other kernel is one span per (step, kernel name): launches, total and max
+  duration, from the first launch's start to the last one's end;
+- ``detail="all"`` gives every launch its own span (for debugging).
+
+Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
+known step are counted. Cost: numpy per buffer, Python per emitted span (~100 a step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from . import semconv
+from .cupti_records import KERNEL_DTYPE, decode_buffer
+from .sm_probe import CtaBatch, LaunchFacts, launch_facts
+
+__all__ = ["KernelSpanConfig", "KernelSpanBuilder", "KernelSpanStats", "kernel_span_name"]
+
+logger = logging.getLogger(__name__)
+_SPAN_NAME_MAX = 160
+
+
+def kernel_span_name(kernel_name: str) -> str:
+    """``kernel <name>``, cut to a length span stores accept (C++ names run to kilobytes)."""
+    return (semconv.SPAN_KERNEL_PREFIX + kernel_name)[:_SPAN_NAME_MAX]
+
+
+@dataclass(frozen=True)
+class KernelSpanConfig:
+    detail: Literal["attention", "all"] = "attention"
+    attention_markers: tuple[str, ...] = ("fa2", "flash", "attention", "paged_decode")
+    settle_s: float = 0.2          # quiet time after a traced step's last joined kernel
+    max_wait_s: float = 10.0       # give up waiting for a traced step's records
+    max_pending_kernels: int = 1 << 20
+    max_correlations: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.detail not in ("attention", "all"):
+            raise ValueError(f"detail={self.detail!r} is not one of attention|all")
+        if not 0.0 <= self.settle_s <= self.max_wait_s <= 600.0:
+            raise ValueError(f"need 0 <= settle_s={self.settle_s} <= max_wait_s="
+                             f"{self.max_wait_s} <= 600")
+
+
+@dataclass
+class KernelSpanStats:
+    buffers: int = 0
+    kernels_seen: int = 0
+    kernels_unmatched: int = 0       # no step claimed them (launched outside a traced step)
+    kernels_dropped: int = 0         # pending beyond max_pending_kernels
+    kernel_spans: int = 0
+    steps_traced: int = 0
+    undecoded_bytes: int = 0
+    foreign_correlations: int = 0
+    api_calls: int = 0
+
+
+@dataclass
+class _Traced:
+    step_id: int
+    kernels: list = field(default_factory=list)   # KERNEL_DTYPE arrays
+    facts: list[LaunchFacts] | None = None
+    first_seen: float = 0.0
+    last_match: float = 0.0
+
+
+class KernelSpanBuilder:
+    """See the module docstring. ``step_span(step_id)`` returns the step's StepTrace (or
+    None: unknown or not sampled); ``request_names(pointers)`` asks the engine for the
+    names of kernels seen for the first time (answered by :meth:`add_names`)."""
+
+    def __init__(self, telemetry, step_span: Callable[[int], object | None],
+                 request_names: Callable[[list[int]], None], gpu_id: int = 0,
+                 config: KernelSpanConfig | None = None) -> None:
+        self.telemetry = telemetry
+        self.config = config or KernelSpanConfig()
+        self.step_span = step_span
+        self.request_names = request_names
+        self.gpu_id = gpu_id
+        self.stats = KernelSpanStats()
+        self.names: dict[int, str] = {}
+        self._asked: set[int] = set()
+        self._corr = np.zeros(0, np.uint32)       # correlation ids, sorted
+        self._ext = np.zeros(0, np.uint64)        # their external ids
+        self._unjoined: list[np.ndarray] = []     # kernels whose correlation is not in yet
+        self._unjoined_age = 0
+        self._traced: OrderedDict[int, _Traced] = OrderedDict()
+        self._facts: dict[int, list[LaunchFacts]] = {}
+        self._recent_steps: deque[int] = deque(maxlen=4096)
+
+    # -- inputs ---------------------------------------------------------------------
+    def expect_step(self, step_id: int) -> None:
+        """A traced step ended: wait for its kernels."""
+        if step_id not in self._traced:
+            now = time.monotonic()
+            self._traced[step_id] = _Traced(step_id, first_seen=now, last_match=now)
+
+    def add_buffer(self, buffer: bytes) -> None:
+        decoded = decode_buffer(buffer)
+        st = self.stats
+        st.buffers += 1
+        st.kernels_seen += len(decoded.kernels)
+        st.undecoded_bytes += decoded.undecoded_bytes
+        st.foreign_correlations += decoded.foreign_correlations
+        st.api_calls += decoded.api_calls
+        if len(decoded.correlation_ids):
+            corr = np.concatenate([self._corr, decoded.correlation_ids])
+            ext = np.concatenate([self._ext, decoded.external_ids])
+            order = np.argsort(corr, kind="stable")
+            self._corr, self._ext = corr[order], ext[order]
+            if len(self._corr) > self.config.max_correlations:   # keep the newest half
+                keep = np.argsort(self._corr)[-self.config.max_correlations // 2:]
+                self._corr, self._ext = self._corr[np.sort(keep)], self._ext[np.sort(keep)]
+        if len(decoded.kernels):
+            self._unjoined.append(decoded.kernels)
+            new = np.setdiff1d(np.unique(decoded.kernels["name_ptr"]),
+                               np.fromiter(self.names.keys() | self._asked, np.uint64))
+            if len(new):
+                self._asked.update(int(p) for p in new)
+                self.request_names([int(p) for p in new])
+        self._join()
+
+    def add_names(self, names: dict[int, str]) -> None:
+        self.names.update(names)
+
+    def add_ctas(self, step_id: int, batch: CtaBatch) -> None:
+        """A traced step's CTA records: launch facts for its attention spans."""
+        self._facts[step_id] = launch_facts(batch)
+
+    # -- joining ----------------------------------------------------------------------
+    def _join(self) -> None:
+        if not self._unjoined:
+            return
+        kernels = np.concatenate(self._unjoined)
+        self._unjoined = []
+        if len(self._corr):
+            pos = np.clip(np.searchsorted(self._corr, kernels["correlation_id"]), 0,
+                          len(self._corr) - 1)
+            found = self._corr[pos] == kernels["correlation_id"]
+            ext = np.where(found, self._ext[pos], 0)
+        else:
+            found = np.zeros(len(kernels), bool)
+            ext = np.zeros(len(kernels), np.uint64)
+        waiting = kernels[~found]
+        if len(waiting):
+            self._unjoined_age += 1
+            if self._unjoined_age <= 50 and len(waiting) <= self.config.max_pending_kernels:
+                self._unjoined.append(waiting)        # its correlation record may come later
+            else:
+                self.stats.kernels_unmatched += len(waiting)
+                self._unjoined_age = 0
+        else:
+            self._unjoined_age = 0
+        kernels, ext = kernels[found], ext[found]
+        if not len(kernels):
+            return
+        now = time.monotonic()
+        order = np.argsort(ext, kind="stable")
+        kernels, ext = kernels[order], ext[order]
+        bounds = np.flatnonzero(np.diff(ext)) + 1
+        for group, step_ext in zip(np.split(kernels, bounds), ext[np.r_[0, bounds]]):
+            step_id = int(step_ext) - 1
+            traced = self._traced.get(step_id)
+            if traced is None:                         # its Step event may not be in yet
+                traced = _Traced(step_id, first_seen=now)
+                self._traced[step_id] = traced
+            traced.kernels.append(group)
+            traced.last_match = now
+
+    # -- output -----------------------------------------------------------------------
+    def poll(self, force: bool = False) -> int:
+        """Emits the spans of every settled step; returns how many steps it emitted."""
+        self._join()
+        now = time.monotonic()
+        quiet, limit = self.config.settle_s, self.config.max_wait_s
+        done = []
+        for step_id, traced in self._traced.items():
+            waited = now - traced.first_seen
+            settled = traced.kernels and now - traced.last_match >= quiet
+            if not (force or settled or waited >= limit):
+                continue
+            kernels = np.concatenate(traced.kernels) if traced.kernels else np.zeros(0, KERNEL_DTYPE)
+            unnamed = [int(p) for p in np.unique(kernels["name_ptr"]) if int(p) not in self.names]
+            if unnamed and not force and waited < limit:
+                continue                               # names are on their way
+            done.append(step_id)
+            if len(kernels):
+                self._emit(step_id, kernels)
+        for step_id in done:
+            del self._traced[step_id]
+            self._facts.pop(step_id, None)
+        return len(done)
+
+    def _emit(self, step_id: int, kernels: np.ndarray) -> None:
+        step = self.step_span(step_id)
+        if step is None:
+            self.stats.kernels_unmatched += len(kernels)
+            return
+        self.stats.steps_traced += 1
+        spans = self.telemetry.finished_spans
+        parent = step.span_context
+        kernels = kernels[np.argsort(kernels["correlation_id"], kind="stable")]
+        names = [self.names.get(int(p), "<unknown>") for p in kernels["name_ptr"]]
+        facts_by_name: dict[str, deque[LaunchFacts]] = {}
+        for f in self._facts.get(step_id, ()):
+            facts_by_name.setdefault(f.kernel_name, deque()).append(f)
+        markers = self.config.attention_markers
+        every = self.config.detail == "all"
+        summaries: dict[str, list[int]] = {}
+        for i, name in enumerate(names):
+            lowered = name.lower()
+            if every or any(m in lowered for m in markers):
+                facts = facts_by_name.get(name)
+                self._span(spans, parent, kernels[i], name,
+                           facts.popleft() if facts else None)
+            else:
+                summaries.setdefault(name, []).append(i)
+        for name, rows in summaries.items():
+            group = kernels[rows]
+            durations = (group["end_ns"] - group["start_ns"]).astype(np.int64)
+            attrs = {semconv.CUDA_KERNEL_NAME: name, semconv.HW_GPU_ID: self.gpu_id,
+                     semconv.KERNEL_LAUNCHES: len(rows),
+                     semconv.KERNEL_TOTAL_DURATION_S: float(durations.sum()) * 1e-9,
+                     semconv.KERNEL_MAX_DURATION_S: float(durations.max()) * 1e-9}
+            spans.emit(kernel_span_name(name), spans.child_context(parent), parent,
+                       int(group["start_ns"].min()), int(group["end_ns"].max()), attrs)
+            self.stats.kernel_spans += 1
+
+    def _span(self, spans, parent, k, name: str, facts: LaunchFacts | None) -> None:
+        attrs = {
+            semconv.CUDA_KERNEL_NAME: name,
+            semconv.CUDA_GRID: f"{k['grid_x']},{k['grid_y']},{k['grid_z']}",
+            semconv.CUDA_BLOCK: f"{k['block_x']},{k['block_y']},{k['block_z']}",
+            semconv.CUDA_REGISTERS: int(k["registers_per_thread"]),
+            semconv.CUDA_SHARED_MEMORY_BYTES: int(k["static_shared_memory"])
+            + int(k["dynamic_shared_memory"]),
+            semconv.CUDA_STREAM: int(k["stream_id"]),
+            semconv.CUDA_CORRELATION_ID: int(k["correlation_id"]),
+            semconv.HW_GPU_ID: self.gpu_id,
+        }
+        if facts is not None:
+            attrs.update({semconv.KERNEL_CTAS: facts.ctas, semconv.KERNEL_SMS_USED: facts.sms_used,
+                          semconv.KERNEL_WAVES: facts.waves,
+                          semconv.KERNEL_SLOWEST_SM: facts.slowest_sm,
+                          semconv.KERNEL_CTA_SPREAD: round(facts.cta_spread, 4)})
+        spans.emit(kernel_span_name(name), spans.child_context(parent), parent,
+                   int(k["start_ns"]), int(k["end_ns"]), attrs)
+        self.stats.kernel_spans += 1

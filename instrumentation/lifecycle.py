@@ -1,0 +1,269 @@
+"""What an engine records about its requests and steps: typed lifecycle events, nothing else.
+
+The engine and its HTTP server call :class:`LifecycleRecorder` and :class:`RequestHandle`;
+each call builds one small named tuple and appends it to a bounded deque (thread-safe
+in CPython without a lock). Spans, metrics and OTLP are made from these events by a
+:class:`~.span_assembler.SpanAssembler` elsewhere: in the telemetry process, or in a
+thread for tests and embedded use (:mod:`.telemetry_sink`).
+
+Guarantee: never blocks, never raises into the caller; a full buffer drops the event and
+counts it (``dropped``). Cost: O(1) Python operations per request event and per step,
+independent of the trace level (above OFF, where the engine holds no recorder at all).
+Span and trace ids of server spans are drawn here (exemplars and ``X-Request-Id``
+need them in the engine); sampling is decided where the spans are built.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from opentelemetry import trace
+
+from .config import TelemetryConfig, TraceLevel
+from .propagation import HeaderPropagator
+
+__all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
+           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep"]
+
+
+class RemoteParent(NamedTuple):
+    """The caller's span context from W3C or B3 headers (the server span's parent)."""
+
+    trace_id: int
+    span_id: int
+    trace_flags: int
+    trace_state: tuple[tuple[str, str], ...]
+
+
+class RequestStart(NamedTuple):
+    key: int
+    time_ns: int
+    trace_id: int
+    span_id: int
+    parent: RemoteParent | None
+    method: str
+    route: str
+    model: str
+    operation: str
+    request_id: str
+    priority: int
+    attributes: Mapping[str, Any] | None
+
+
+class Tokenized(NamedTuple):
+    key: int
+    start_ns: int
+    end_ns: int
+
+
+class RequestAttributes(NamedTuple):
+    """Attributes added to the server span (sampling parameters, opted-in content)."""
+
+    key: int
+    attributes: Mapping[str, Any]
+
+
+class Queued(NamedTuple):
+    key: int
+    time_ns: int
+
+
+class Step(NamedTuple):
+    """One engine iteration. Keys are those of traced requests, in batch order."""
+
+    step_id: int
+    start_ns: int
+    end_ns: int
+    trace_id: int                     # the step span's ids (drawn here, for exemplars)
+    span_id: int
+    scheduled: tuple[int, ...]        # every request of the batch (None-free keys)
+    batch_size: int                   # requests in the batch, traced or not
+    preempted: tuple[int, ...]        # sent back to the queue before this step
+    prefill_done: tuple[int, ...]     # finished their (re)computed prompt in this step
+    prefill_tokens: int
+    decode_tokens: int
+    prefill_seqs: int
+    decode_seqs: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    error_type: str | None = None
+    attributes: Mapping[str, Any] | None = None   # e.g. CUDA graph bucket, kernel trace reason
+
+
+class Detokenized(NamedTuple):
+    """The engine's final flush of a request's text (the ``detokenize`` phase)."""
+
+    key: int
+    start_ns: int
+    end_ns: int
+
+
+class RequestEnd(NamedTuple):
+    key: int
+    time_ns: int
+    status_code: int
+    finish_reason: str | None
+    input_tokens: int
+    output_tokens: int
+    ttft_s: float | None
+    tpot_s: float | None
+    queue_s: float | None
+    e2e_s: float | None
+    preemptions: int | None
+    error_type: str | None
+
+
+class RequestHandle:
+    """The engine-side handle on one request's trace: its ids and its key in the events."""
+
+    __slots__ = ("key", "trace_id", "span_id", "request_id", "sampled", "_recorder", "_ended")
+
+    def __init__(self, recorder: "LifecycleRecorder", key: int, trace_id: int, span_id: int,
+                 request_id: str) -> None:
+        self._recorder = recorder
+        self.key = key
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.request_id = request_id
+        self.sampled = True  # False when the caller's context says not to record the trace
+        self._ended = False
+
+    @property
+    def trace_id_hex(self) -> str:
+        return format(self.trace_id, "032x")
+
+    def tokenized(self, start_ns: int, end_ns: int) -> None:
+        self._recorder.record(Tokenized(self.key, start_ns, end_ns))
+
+    def set_attributes(self, attributes: Mapping[str, Any]) -> None:
+        self._recorder.record(RequestAttributes(self.key, dict(attributes)))
+
+    def set_content(self, prompt: str | None, completion: str | None) -> None:
+        """Prompt and completion text on the server span: only with ``capture_content``."""
+        config = self._recorder.config
+        if not config.capture_content:
+            return
+        from . import semconv
+        limit = config.content_max_chars
+        attributes = {}
+        if prompt is not None:
+            attributes[semconv.GEN_AI_PROMPT] = prompt[:limit]
+        if completion is not None:
+            attributes[semconv.GEN_AI_COMPLETION] = completion[:limit]
+        self.set_attributes(attributes)
+
+    def finish(self, *, status_code: int, finish_reason: str | None, input_tokens: int,
+               output_tokens: int, ttft_s: float | None = None, tpot_s: float | None = None,
+               queue_s: float | None = None, e2e_s: float | None = None,
+               preemptions: int | None = None, error_type: str | None = None,
+               end_time_ns: int | None = None) -> None:
+        """The request's outcome; ends its server span. Once: later calls are ignored."""
+        if self._ended:
+            return
+        self._ended = True
+        self._recorder.record(RequestEnd(
+            self.key, end_time_ns if end_time_ns is not None else time.time_ns(), status_code,
+            finish_reason, input_tokens, output_tokens, ttft_s, tpot_s, queue_s, e2e_s,
+            preemptions, error_type))
+
+
+class LifecycleRecorder:
+    """Appends lifecycle events to a bounded buffer that a sink drains (see module doc).
+
+    ``requests_on`` / ``steps_on`` / ``kernels_on`` mirror the configured level; the
+    engine records the same events at every level above OFF (the assembler decides which
+    spans they become). ``capacity`` bounds the events waiting for the sink.
+    """
+
+    def __init__(self, config: TelemetryConfig, capacity: int = 1 << 16) -> None:
+        if not 1 <= capacity <= 1 << 24:
+            raise ValueError(f"capacity={capacity} not in [1, 2**24]")
+        self.config = config
+        level = config.level
+        self.requests_on = level >= TraceLevel.REQUESTS
+        self.steps_on = level >= TraceLevel.STEPS
+        self.kernels_on = level >= TraceLevel.KERNELS
+        self.capacity = capacity
+        self.events: deque = deque()
+        self.dropped = 0          # events refused because the buffer was full
+        self.recorded = 0
+        self._keys = itertools.count(1)
+        self._ids = random.Random()
+        self._propagator = HeaderPropagator(config.propagators)
+
+    def record(self, event: tuple) -> None:
+        """Appends ``event`` unless the buffer is full (then counts it). Any thread."""
+        if len(self.events) < self.capacity:
+            self.events.append(event)
+            self.recorded += 1
+        else:
+            self.dropped += 1
+
+    def drain(self, limit: int = 1 << 20) -> list:
+        """Takes up to ``limit`` events, oldest first (the sink's thread)."""
+        events, pop = [], self.events.popleft
+        try:
+            for _ in range(min(limit, len(self.events))):
+                events.append(pop())
+        except IndexError:
+            pass
+        return events
+
+    # -- requests (server thread) ---------------------------------------------------
+    def start_request(self, *, route: str, headers: Mapping[str, str] | None, model: str,
+                      operation: str, request_id: str, priority: int = 0,
+                      method: str = "POST", start_time_ns: int | None = None,
+                      attributes: Mapping[str, Any] | None = None) -> RequestHandle | None:
+        """Records a request's arrival, continuing W3C/B3 context from ``headers``.
+
+        None when request tracing is off. Never raises: odd headers start a new trace."""
+        if not self.requests_on:
+            return None
+        parent = None
+        try:
+            context = trace.get_current_span(self._propagator.extract(headers)).get_span_context()
+            if context.is_valid:
+                parent = RemoteParent(context.trace_id, context.span_id, int(context.trace_flags),
+                                      tuple(context.trace_state.items()))
+        except Exception:
+            parent = None
+        trace_id = parent.trace_id if parent is not None else self._ids.getrandbits(128) or 1
+        handle = RequestHandle(self, next(self._keys), trace_id, self._ids.getrandbits(64) or 1,
+                               request_id)
+        handle.sampled = parent is None or bool(parent.trace_flags & 1)
+        self.record(RequestStart(
+            handle.key, start_time_ns if start_time_ns is not None else time.time_ns(), trace_id,
+            handle.span_id, parent, method, route, model, operation, request_id, int(priority),
+            dict(attributes) if attributes else None))
+        return handle
+
+    # -- steps (engine thread) ------------------------------------------------------
+    def new_span_ids(self) -> tuple[int, int]:
+        """A step span's (trace id, span id), drawn on the engine thread."""
+        return self._ids.getrandbits(128) or 1, self._ids.getrandbits(64) or 1
+
+
+class OpenStep:
+    """The engine thread's record of the step it is running (mutable, one per step).
+
+    Its ids are the step span's; ``attributes`` collects what the step adds to its span
+    (kernel trace reason, CUDA graph bucket) before the :class:`Step` event is recorded."""
+
+    __slots__ = ("step_id", "trace_id", "span_id", "start_ns", "attributes")
+
+    def __init__(self, step_id: int, trace_id: int, span_id: int, start_ns: int) -> None:
+        self.step_id = step_id
+        self.trace_id = trace_id
+        self.span_id = span_id
+        self.start_ns = start_ns
+        self.attributes: dict[str, Any] | None = None
+
+    def set_attribute(self, key: str, value: Any) -> None:
+        if self.attributes is None:
+            self.attributes = {}
+        self.attributes[key] = value

@@ -1,0 +1,339 @@
+"""An engine's telemetry: a recorder the engine writes to, and where its records go.
+
+``TelemetryPipeline.start(config)`` gives the engine a :class:`~.lifecycle.LifecycleRecorder`
+and ships what it records, every ``ship_interval_s``, to the telemetry process
+(:mod:`.telemetry_process`, ``mode="process"``, the default for ``engine serve``) or to a
+:class:`~.telemetry_worker.TelemetryWorker` on a thread of this process (``mode="thread"``;
+tests and embedded use, and whenever span exporters are passed in as objects).
+
+Guarantees: the engine never waits for telemetry. A full recorder buffer, a full hand-off
+queue or a dead telemetry process drops items and counts them by reason
+(``sightline_telemetry_events_dropped_total``); a dead process is restarted
+(``sightline_telemetry_process_restarts_total``) and the engine serves on. The span
+counters of the telemetry process are mirrored on this process's registry.
+Cost to the engine thread: the recorder's appends; shipping and pickling run on a thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from typing import Literal
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from . import semconv
+from .config import TelemetryConfig, TraceLevel
+from .counting_export import TelemetryCounters
+from .gpu_records import KernelNames
+from .lifecycle import LifecycleRecorder
+
+__all__ = ["TelemetryPipeline"]
+
+logger = logging.getLogger(__name__)
+
+DROP_BUFFER_FULL = "buffer_full"       # the recorder's buffer (engine side) was full
+DROP_QUEUE_FULL = "queue_full"         # the hand-off to the telemetry process was full
+DROP_PROCESS_DOWN = "process_down"     # the telemetry process was not running
+
+
+class TelemetryPipeline:
+    """See the module docstring. ``recorder`` is what the engine and server write to."""
+
+    def __init__(self, config: TelemetryConfig, mode: Literal["process", "thread"] = "process",
+                 telemetry=None, ship_interval_s: float = 0.02, max_queued_batches: int = 512,
+                 recorder_capacity: int = 1 << 16) -> None:
+        if mode not in ("process", "thread"):
+            raise ValueError(f"mode={mode!r} is not one of process|thread")
+        if not 0.001 <= ship_interval_s <= 10.0:
+            raise ValueError(f"ship_interval_s={ship_interval_s} not in [0.001, 10]")
+        self.config = config
+        self.mode = mode
+        self.recorder = LifecycleRecorder(config, recorder_capacity)
+        self.requests_on = self.recorder.requests_on
+        self.steps_on = self.recorder.steps_on
+        self.kernels_on = self.recorder.kernels_on
+        self.ship_interval_s = ship_interval_s
+        self.gpu = None                        # GpuTelemetry, answers kernel-name questions
+        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
+        self.restarts = 0
+        self._child_stats: dict = {}
+        self._child_base: dict = {}            # sums of earlier (dead) children's counters
+        self._stopping = False
+        self._lock = threading.Lock()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_PipelineMetrics(self))
+        self._telemetry = telemetry            # thread mode: the span builder in this process
+        self._worker = None
+        self._process: subprocess.Popen | None = None
+        self._outbox: queue.Queue = queue.Queue(maxsize=max_queued_batches)
+        if mode == "thread":
+            from .telemetry_worker import TelemetryWorker
+            if self._telemetry is None:
+                from .tracing import Telemetry
+                self._telemetry = Telemetry.start(config)
+            self._worker = TelemetryWorker(self._telemetry, self._resolve_names_inline)
+        else:
+            self._spawn()
+        self._shipper = threading.Thread(target=self._ship_loop, name="sightline-telemetry-ship",
+                                         daemon=True)
+        self._shipper.start()
+
+    # -- construction ----------------------------------------------------------------
+    @classmethod
+    def start(cls, config: TelemetryConfig | None = None, *, mode: str = "process",
+              span_exporters: Iterable = (), metric_readers: Iterable = (),
+              **kwargs) -> TelemetryPipeline | None:
+        """A running pipeline for ``config`` (default: from the environment), or None at
+        level OFF. Exporter objects can only run in this process: they imply ``thread``."""
+        if config is None:
+            config = TelemetryConfig.from_env()
+        if config.level == TraceLevel.OFF:
+            return None
+        span_exporters, metric_readers = list(span_exporters), list(metric_readers)
+        telemetry = None
+        if span_exporters or metric_readers:
+            from .tracing import Telemetry
+            telemetry = Telemetry.start(config, span_exporters=span_exporters,
+                                        metric_readers=metric_readers)
+            mode = "thread"
+        return cls(config, mode, telemetry, **kwargs)
+
+    @classmethod
+    def around(cls, telemetry, **kwargs) -> TelemetryPipeline | None:
+        """A thread-mode pipeline that builds spans with an already started ``telemetry``
+        (None when its level is OFF)."""
+        if telemetry is None or not telemetry.requests_on:
+            return None
+        return cls(telemetry.config, "thread", telemetry, **kwargs)
+
+    # -- the engine's side ---------------------------------------------------------------
+    def start_request(self, **kwargs):
+        return self.recorder.start_request(**kwargs)
+
+    @property
+    def pid(self) -> int | None:
+        """The telemetry process's pid (process mode, while it runs)."""
+        process = self._process
+        return process.pid if process is not None and process.poll() is None else None
+
+    def attach_gpu(self, gpu) -> None:
+        self.gpu = gpu
+
+    # -- shipping (its own thread) ----------------------------------------------------------
+    def _ship_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(self.ship_interval_s)
+            try:
+                self._ship_once()
+            except Exception:
+                logger.exception("telemetry shipping failed; continuing")
+
+    def _ship_once(self) -> None:
+        items = self.recorder.drain()
+        if self._worker is not None:
+            if items:
+                self._worker.handle(items)
+            self._worker.poll()
+            return
+        if self._process is None or self._process.poll() is not None:
+            self._restart()
+        if not items:
+            return
+        if self._process is None:
+            self.dropped[DROP_PROCESS_DOWN] += len(items)
+            return
+        try:
+            self._outbox.put_nowait(items)
+        except queue.Full:
+            self.dropped[DROP_QUEUE_FULL] += len(items)
+
+    def _resolve_names_inline(self, pointers: list[int]) -> None:
+        if self.gpu is not None:
+            self.gpu.resolve_names(pointers)      # records KernelNames, shipped next tick
+        else:
+            self.recorder.record(KernelNames({p: "<unknown>" for p in pointers}))
+
+    # -- the telemetry process ----------------------------------------------------------
+    def _spawn(self) -> None:
+        env = dict(os.environ)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "sightline.instrumentation.telemetry_process"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        pickle.dump(self.config, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        process.stdin.flush()
+        self._process = process
+        self._outbox = queue.Queue(maxsize=self._outbox.maxsize)
+        threading.Thread(target=self._write_loop, args=(process, self._outbox),
+                         name="sightline-telemetry-write", daemon=True).start()
+        threading.Thread(target=self._read_loop, args=(process,),
+                         name="sightline-telemetry-read", daemon=True).start()
+
+    def _restart(self) -> None:
+        if self._stopping:
+            return
+        old = self._process
+        if old is not None:
+            logger.warning("telemetry process %d exited with %s; restarting it", old.pid,
+                           old.returncode)
+            with self._lock:
+                self._child_base = _add(self._child_base, self._child_stats)
+                self._child_stats = {}
+            # what was queued for the dead process is lost: count it
+            lost = 0
+            while True:
+                try:
+                    lost += len(self._outbox.get_nowait())
+                except queue.Empty:
+                    break
+            self.dropped[DROP_PROCESS_DOWN] += lost
+            self.restarts += 1
+        try:
+            self._spawn()
+        except Exception:
+            logger.exception("telemetry process could not start; will retry")
+            self._process = None
+
+    def _write_loop(self, process: subprocess.Popen, outbox: queue.Queue) -> None:
+        pipe = process.stdin
+        while True:
+            items = outbox.get()
+            try:
+                pickle.dump(items, pipe, protocol=pickle.HIGHEST_PROTOCOL)
+                pipe.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                if items is not None:
+                    self.dropped[DROP_PROCESS_DOWN] += len(items)
+                return
+            if items is None:
+                return
+
+    def _read_loop(self, process: subprocess.Popen) -> None:
+        pipe = process.stdout
+        try:
+            while True:
+                kind, payload = pickle.load(pipe)
+                if kind == "names":
+                    self._resolve_names_inline(payload)
+                elif kind == "stats" and process is self._process:
+                    with self._lock:
+                        self._child_stats = payload
+        except (EOFError, OSError, pickle.UnpicklingError, ValueError):
+            return
+
+    # -- reading ------------------------------------------------------------------------
+    def counters(self) -> dict:
+        """Span counters of the telemetry (all its processes so far) and the drops here."""
+        if self._worker is not None:
+            stats = self._worker.stats()
+        else:
+            with self._lock:
+                stats = _add(self._child_base, self._child_stats)
+        return stats
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = dict(self.dropped)
+        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
+        return dropped
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        """Ships what is recorded now and, in thread mode, exports it (tests, benchmarks)."""
+        self._ship_once()
+        if self._worker is not None:
+            self._worker.poll(force=True)
+            return self._telemetry.force_flush(timeout_s)
+        return True
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Ships what is left, stops the telemetry process (it flushes) or thread; bounded."""
+        if self._stopping:
+            return
+        timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        if self.gpu is not None:
+            try:
+                self.gpu.shutdown()
+            except Exception:
+                logger.exception("GPU telemetry shutdown failed")
+        self._stopping = True
+        self._shipper.join(timeout=1.0)
+        try:
+            self._ship_final()
+        except Exception:
+            logger.exception("telemetry shutdown: the last items could not be shipped")
+        if self._worker is not None:
+            self._worker.poll(force=True)
+            self._telemetry.shutdown()
+            return
+        process = self._process
+        if process is None:
+            return
+        try:
+            self._outbox.put(None, timeout=1.0)
+            process.wait(timeout=max(1.0, timeout_s + 2.0))
+        except (queue.Full, subprocess.TimeoutExpired):
+            logger.warning("telemetry process did not stop in time; killing it")
+            process.kill()
+
+    def _ship_final(self) -> None:
+        """Like one shipping tick, twice: GPU records answering name questions come late."""
+        for _ in range(2):
+            items = self.recorder.drain()
+            if self._worker is not None:
+                self._worker.handle(items)
+                self._worker.poll(force=True)
+            elif self._process is not None and items:
+                try:
+                    self._outbox.put(items, timeout=1.0)
+                except queue.Full:
+                    self.dropped[DROP_QUEUE_FULL] += len(items)
+            time.sleep(0.05)
+
+
+def _add(a: dict, b: dict) -> dict:
+    """Counter dicts summed key by key (nested dicts too)."""
+    out = dict(a)
+    for key, value in b.items():
+        if isinstance(value, dict):
+            out[key] = _add(out.get(key, {}), value)
+        elif isinstance(value, (int, float)):
+            out[key] = out.get(key, 0) + value
+    return out
+
+
+class _PipelineMetrics:
+    """prometheus_client collector: drops and restarts here, span counters of the worker."""
+
+    def __init__(self, pipeline: TelemetryPipeline) -> None:
+        self.pipeline = pipeline
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        p = self.pipeline
+        dropped = CounterMetricFamily(
+            semconv.TELEMETRY_EVENTS_DROPPED_TOTAL,
+            "Telemetry records the engine could not hand to its telemetry process.",
+            labels=[semconv.LABEL_REASON])
+        for reason, count in sorted(p.dropped_events().items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield CounterMetricFamily(semconv.TELEMETRY_PROCESS_RESTARTS_TOTAL,
+                                  "Times the telemetry process died and was restarted.",
+                                  value=p.restarts)
+        up = 1 if (p._worker is not None or p.pid is not None) else 0
+        yield GaugeMetricFamily(semconv.TELEMETRY_PROCESS_UP,
+                                "1 while the telemetry process (or thread) runs.", value=up)
+        stats = p.counters()
+        yield from TelemetryCounters._families(dict(stats.get("spans_dropped", {})),
+                                               dict(stats.get("export_failures", {})),
+                                               stats.get("spans_exported", 0))

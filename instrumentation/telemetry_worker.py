@@ -1,0 +1,136 @@
+"""Everything telemetry does after the engine recorded it: spans, kernel spans, SM metrics.
+
+A :class:`TelemetryWorker` takes batches of recorded items (lifecycle events and GPU
+records, in recording order) and drives a started :class:`~.tracing.Telemetry`: request,
+phase and step spans (:mod:`.span_assembler`), kernel spans of traced steps
+(:mod:`.kernel_spans`) and the per-SM CTA histograms as OTLP metrics (:mod:`.cta_metrics`).
+It runs in the telemetry process (:mod:`.telemetry_process`), or on a thread of the
+engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
+
+Guarantee: an item that cannot be processed is logged once per type and counted
+(``errors``); processing goes on. Cost: proportional to the items, off the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from . import semconv
+from .cta_metrics import build_cta_metrics, metric_exporters_from, resource_of
+from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
+from .kernel_spans import KernelSpanBuilder, KernelSpanConfig
+from .lifecycle import Step
+from .sm_probe import CtaBatch
+from .span_assembler import SpanAssembler
+
+__all__ = ["TelemetryWorker"]
+
+logger = logging.getLogger(__name__)
+
+
+class TelemetryWorker:
+    """Consumes recorded items; ``poll()`` emits kernel spans whose records have settled.
+
+    ``request_names(pointers)`` asks the engine process for kernel names (the answer comes
+    back as a :class:`~.gpu_records.KernelNames` item)."""
+
+    def __init__(self, telemetry, request_names: Callable[[list[int]], None],
+                 kernel_config: KernelSpanConfig | None = None) -> None:
+        self.telemetry = telemetry
+        self.assembler = SpanAssembler(telemetry)
+        if kernel_config is None:
+            detail = getattr(getattr(telemetry, "config", None), "kernel_span_detail", "attention")
+            kernel_config = KernelSpanConfig(detail=detail)
+        self.kernels = KernelSpanBuilder(telemetry, self._step_span, request_names,
+                                         config=kernel_config)
+        self._metric_exporters: list | None = None
+        self.errors = 0
+        self.metric_exports = 0
+        self.metric_export_failures = 0
+        self._reported: set[type] = set()
+        self._gpu = {
+            KernelActivity: lambda item: self.kernels.add_buffer(item.buffer),
+            KernelNames: lambda item: self.kernels.add_names(item.names),
+            StepCtas: self._ctas,
+            CtaHistograms: self._histograms,
+            GpuIdentity: self._identity,
+        }
+
+    def handle(self, items) -> None:
+        lifecycle = []
+        for item in items:
+            handler = self._gpu.get(type(item))
+            if handler is None:
+                lifecycle.append(item)
+                if type(item) is Step and item.attributes and \
+                        semconv.STEP_TRACE_REASON in item.attributes:
+                    self.kernels.expect_step(item.step_id)
+                continue
+            if lifecycle:
+                self.assembler.handle(lifecycle)
+                lifecycle = []
+            try:
+                handler(item)
+            except Exception:
+                self.errors += 1
+                if type(item) not in self._reported:
+                    self._reported.add(type(item))
+                    logger.exception("telemetry item %s could not be processed",
+                                     type(item).__name__)
+        if lifecycle:
+            self.assembler.handle(lifecycle)
+
+    def poll(self, force: bool = False) -> None:
+        try:
+            self.kernels.poll(force)
+        except Exception:
+            self.errors += 1
+            logger.exception("kernel spans could not be emitted")
+
+    def _step_span(self, step_id: int):
+        step = self.assembler.steps.get(step_id)
+        if step is None or not step.span_context.trace_flags.sampled:
+            return None
+        return step
+
+    def _identity(self, item: GpuIdentity) -> None:
+        self.kernels.gpu_id = item.gpu_id
+
+    def _ctas(self, item: StepCtas) -> None:
+        batch = CtaBatch.from_records(item.records, item.launches, gpu_id=item.gpu_id,
+                                      fake=item.fake)
+        self.kernels.add_ctas(item.step_id, batch)
+
+    def _histograms(self, item: CtaHistograms) -> None:
+        if self._metric_exporters is None:
+            self._metric_exporters = metric_exporters_from(self.telemetry)
+        if not self._metric_exporters or not item.histograms:
+            return
+        data = build_cta_metrics(item.histograms, item.exemplars, item.start_ns, item.end_ns,
+                                 resource_of(self.telemetry))
+        for exporter in self._metric_exporters:
+            try:
+                result = exporter.export(data)
+                ok = getattr(result, "name", "SUCCESS") == "SUCCESS"
+            except Exception:
+                logger.exception("exporting %s failed", semconv.METRIC_CTA_DURATION)
+                ok = False
+            self.metric_exports += 1
+            if not ok:
+                self.metric_export_failures += 1
+
+    def stats(self) -> dict:
+        """Counters for the engine's /metrics (spans exported, dropped, kernel spans)."""
+        counters = getattr(getattr(self.telemetry, "providers", None), "counters", None)
+        st = self.kernels.stats
+        out = {"kernel_spans": st.kernel_spans, "kernels_seen": st.kernels_seen,
+               "kernels_unmatched": st.kernels_unmatched, "steps_traced": st.steps_traced,
+               "orphan_events": self.assembler.orphan_events, "errors": self.errors,
+               "metric_exports": self.metric_exports}
+        if counters is not None:
+            with counters._lock:
+                out["spans_exported"] = counters.spans_exported
+                out["spans_dropped"] = dict(counters.spans_dropped)
+                out["export_failures"] = dict(counters.export_failures)
+        return out

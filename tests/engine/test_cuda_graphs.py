@@ -1,0 +1,198 @@
+"""Decode steps through static padded inputs (what the CUDA graphs replay) give the eager
+path's tokens: on the CPU without capture, on the GPU with graphs against --enforce-eager;
+the SM probe's records come back from kernels inside a replayed graph."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from sightline.engine.config import EngineConfig
+from sightline.engine.cuda_graphs import DecodeGraphs, graph_buckets
+from sightline.engine.request import SamplingParams
+from sightline.engine.scheduler import SchedulerConfig
+from sightline.instrumentation.sm_probe import PROBE_FAKE, SmProbe
+
+
+def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(64) == (1, 2, 4, 8, 16, 32, 48, 64)
+    assert graph_buckets(100) == (1, 2, 4, 8, 16, 32, 48, 64, 96, 100)
+    assert graph_buckets(600)[-5:] == (192, 256, 384, 512, 600)
+    with pytest.raises(ValueError, match="max_num_seqs=0"):
+        graph_buckets(0)
+
+
+def test_enforce_eager_is_a_checked_config_field_and_a_serve_flag():
+    import argparse
+
+    from sightline.engine import cli
+    assert EngineConfig().enforce_eager is False
+    with pytest.raises(ValueError, match="enforce_eager='yes' must be a bool"):
+        EngineConfig(enforce_eager="yes")
+    with pytest.raises(ValueError, match="cuda_graph_capture_limit_s=-1"):
+        EngineConfig(cuda_graph_capture_limit_s=-1)
+    parser = argparse.ArgumentParser()
+    cli.register(parser.add_subparsers())
+    assert parser.parse_args(["engine", "serve", "--enforce-eager"]).enforce_eager is True
+    assert parser.parse_args(["engine", "serve"]).enforce_eager is False
+
+
+def test_probe_reservations_are_taken_at_capture_and_adopted_at_replay():
+    probe = SmProbe("cpu", capacity_ctas=100, mode=PROBE_FAKE)
+    assert probe.reserve("k1", 30) == 0 and probe.reserve("k2", 20) == 30
+    launches = probe.take_reservations()
+    assert launches == (("k1", 30), ("k2", 20)) and probe.pending_ctas == 0
+    assert probe.adopt(launches) and probe.pending_ctas == 50
+    assert not probe.adopt(launches) and probe.dropped_launches == 2   # slots already taken
+    probe.discard()
+
+
+def _run(engine, prompts, max_tokens):
+    """Drives the engine step by step; returns (outputs, graph bucket of every step)."""
+    tokens: dict[str, list[int]] = {}
+    for prompt, m in zip(prompts, max_tokens):
+        tokens[engine.new_request_id("g")] = []
+        engine.add_request(list(tokens)[-1], prompt,
+                           SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
+    buckets = []
+    while engine.scheduler.has_work:
+        for _, output in engine.step():
+            tokens[output.request_id] += output.token_ids
+        buckets.append(engine.runner.last_step_graph_bucket)
+    return list(tokens.values()), buckets
+
+
+def _prompts(seed=0, lens=(9, 30, 4, 17, 12)):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 500) for _ in range(n)] for n in lens]
+
+
+def test_static_padded_decode_matches_eager_on_cpu():
+    """Five sequences finishing at different steps: decode batches of 5, 4, 3, 2, 1 run in
+    buckets 8, 4, 4, 2, 1 with padded rows; the greedy tokens equal the eager engine's, and
+    the padding wrote only the scratch block."""
+    from sightline.engine.llm_engine import LLMEngine
+    config = EngineConfig(device="cpu", kv_cache_gib=0.004,
+                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    prompts, max_tokens = _prompts(), [6, 9, 3, 12, 7]
+    eager = LLMEngine(config)
+    want, eager_buckets = _run(eager, prompts, max_tokens)
+    assert set(eager_buckets) == {None}
+    static = LLMEngine(config)
+    static.runner.static_decode(capture=False)
+    got, buckets = _run(static, prompts, max_tokens)
+    assert got == want
+    assert {8, 4, 2, 1} <= set(buckets) and None in buckets   # prefill steps stay eager
+    assert static.runner.last_execution.attributes() == {"sightline.step.cuda_graph": False,
+                                                         "sightline.step.graph_batch_size": 1}
+    scratch = static.runner.kv_cache[:, :, static.runner.num_blocks]
+    assert scratch.abs().sum() > 0 and eager.runner.kv_cache[:, :, eager.runner.num_blocks].abs().sum() == 0
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+
+def _cuda_config(**kw):
+    return EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), **kw)
+
+
+@pytest.mark.gpu
+def test_graph_replays_give_the_eager_tokens_on_gpu():
+    """Greedy tokens token for token: CUDA graphs (buckets 1..8, padded) against
+    --enforce-eager, tiny model in float32 (its margins dwarf float32 rounding)."""
+    from sightline.engine.llm_engine import LLMEngine
+    prompts, max_tokens = _prompts(1), [20, 33, 8, 41, 15]
+    eager = LLMEngine(_cuda_config(enforce_eager=True))
+    assert eager.runner.graphs is None
+    want, _ = _run(eager, prompts, max_tokens)
+    del eager
+    graphs = LLMEngine(_cuda_config())
+    cap = graphs.runner.graph_capture
+    assert cap.buckets == (1, 2, 4, 8) and not cap.skipped
+    got, buckets = _run(graphs, prompts, max_tokens)
+    assert got == want
+    assert {8, 4, 2, 1} <= set(buckets)
+    assert graphs.runner.last_execution.cuda_graph is True
+
+
+@pytest.mark.gpu
+def test_probe_records_come_back_from_a_replayed_graph():
+    """The paged-decode kernels inside a captured graph write their per-CTA records into the
+    static probe buffer at every replay: real SM ids, fresh timestamps each time."""
+    from sightline.engine.llm_engine import LLMEngine
+    engine = LLMEngine(_cuda_config(enforce_eager=True))
+    runner = engine.runner
+    probe = SmProbe(runner.device, capacity_ctas=1 << 16)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 4, 8, runner.num_blocks * runner.block_size,
+                          "auto", probe)
+    cap = graphs.capture_all(limit_s=60)
+    assert cap.buckets == (1, 2, 4)
+    layers = runner.model_config.num_layers
+    assert [name for name, _ in graphs.launches(2)] == ["sightline_paged_decode"] * layers
+    dev = runner.device
+    starts = []
+    for _ in range(2):
+        logits = graphs.run(torch.tensor([5, 6], device=dev), torch.tensor([3, 9], device=dev),
+                            torch.tensor([3, 9], device=dev),   # block 0, slots 3 and 9
+                            torch.zeros(2, 1, dtype=torch.int32, device=dev),
+                            torch.tensor([4, 10], dtype=torch.int32, device=dev), bucket=2)
+        assert torch.isfinite(logits).all()
+        assert probe.adopt(graphs.launches(2))
+        batch = probe.end_step(trace_id=1, span_id=2).wait()
+        num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        assert batch.num_ctas == sum(n for _, n in graphs.launches(2))
+        busy = batch.sm_id >= 0
+        assert busy.any() and (batch.sm_id[busy] < num_sms).all()
+        assert (batch.end_ns[busy] >= batch.start_ns[busy]).all()
+        starts.append(int(batch.start_ns[busy].min()))
+    assert starts[1] > starts[0]
+
+
+@pytest.mark.gpu
+def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
+    """CUPTI switched on after the graphs were captured (as kernel telemetry does for a
+    traced step): every kernel node of the replay comes back under the external id pushed
+    around the launch."""
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+    available = cupti_available()
+    if not available[0]:
+        pytest.skip(available[1])
+    import numpy as np
+
+    from sightline.instrumentation.cupti_records import decode_buffer
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
+    request.addfinalizer(tracer.stop)
+    assert tracer.start(), tracer.unavailable_reason
+    tracer.disable()   # idle until a traced step, as GpuTelemetry keeps it
+    engine = LLMEngine(_cuda_config())
+    graphs, dev = engine.runner.graphs, engine.runner.device
+    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
+            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([4], dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    tracer.flush()
+    buffers.clear()
+    tracer.enable()
+    tracer.push(77)
+    graphs.run(*args, bucket=1)
+    tracer.pop()
+    torch.cuda.synchronize()
+    tracer.disable()
+    tracer.flush()
+    decoded = [decode_buffer(b) for b in buffers]
+    kernels = np.concatenate([d.kernels for d in decoded])
+    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
+                        np.concatenate([d.external_ids for d in decoded]).tolist()))
+    names_of = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    tagged = [(names_of[int(k["name_ptr"])], external.get(int(k["correlation_id"]))) for k in kernels]
+    names = [n for n, e in tagged if e == 77]
+    layers = engine.model_config.num_layers
+    assert sum("sightline_paged_decode" in n for n in names) >= layers, names
+    assert sum("sightline_rms_norm" in n for n in names) == 2 * layers + 1, names
+    assert all(e == 77 for n, e in tagged if "sightline_" in n), tagged
+
