@@ -11,7 +11,9 @@ Routes (all GET):
 * ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
 * ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`);
   ``/api/v1/explain?trace_id=...`` — one request explained (e.g. an exemplar's trace).
-* ``/api/v1/traces/{trace_id}`` — the stored spans of one trace (32 hex digits).
+* ``/api/v1/traces/{trace_id}`` — the stored spans of one trace (32 hex digits, or 16: a
+  64-bit B3 id, zero-padded on the left as Zipkin's receiver stores it), with their events
+  and status messages.
 
 Bad parameters answer 400 with ``{"error": {"code": 400, "param": ..., "message": ...}}``;
 an unknown trace or kernel answers 404 in the same shape. Heatmaps and explanations are
@@ -37,7 +39,7 @@ from .sm_store import SmKey
 
 __all__ = ["add_api_routes", "all_heatmaps"]
 
-_TRACE_ID = re.compile(r"^[0-9a-fA-F]{32}$")
+_TRACE_ID = re.compile(r"^(?:[0-9a-fA-F]{16}){1,2}$")
 _KINDS = ("time_sm", "sm_latency")
 _FORMATS = ("json", "png", "html")
 
@@ -53,6 +55,11 @@ def _error(status: int, message: str, param: str | None = None) -> web.Response:
     if param:
         body["error"]["param"] = param
     return web.json_response(body, status=status)
+
+
+def _padded(trace_id: str) -> str:
+    """A 64-bit (16 hex) B3 trace id as the 128-bit one the Zipkin receiver stores."""
+    return trace_id.lower().rjust(32, "0")
 
 
 def _json(payload) -> web.Response:
@@ -170,8 +177,8 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         trace_id = request.query.get("trace_id")
         if trace_id is not None:  # one request, e.g. from an exemplar
             if not _TRACE_ID.match(trace_id):
-                return _error(400, f"trace_id={trace_id!r} is not 32 hex digits", "trace_id")
-            one = await run(explain_mod.explain_trace, aggregator, trace_id.lower())
+                return _error(400, f"trace_id={trace_id!r} is not 32 (or 16) hex digits", "trace_id")
+            one = await run(explain_mod.explain_trace, aggregator, _padded(trace_id))
             if one is None:
                 return _error(404, f"no request trace {trace_id} in the store (never received, evicted, "
                                    "or not a request's trace)", "trace_id")
@@ -189,8 +196,8 @@ def add_api_routes(app: web.Application, aggregator) -> None:
     async def trace(request: web.Request) -> web.Response:
         trace_id = request.match_info["trace_id"]
         if not _TRACE_ID.match(trace_id):
-            return _error(400, f"trace_id={trace_id!r} is not 32 hex digits", "trace_id")
-        result = await run(explain_mod.trace_spans, aggregator, trace_id.lower())
+            return _error(400, f"trace_id={trace_id!r} is not 32 (or 16) hex digits", "trace_id")
+        result = await run(explain_mod.trace_spans, aggregator, _padded(trace_id))
         if result is None:
             return _error(404, f"trace {trace_id} is not in the store (never received or evicted)",
                           "trace_id")

@@ -342,7 +342,10 @@ class SpanSeries:
                     self._pend(series[family], value, epoch, span)
         if e2e >= 0 and math.isfinite(e2e):
             self._pend(series["e2e"], e2e, epoch, span)
-        if sc.ERROR_TYPE in got or span.status.code == 2:
+        error = _label(got[sc.ERROR_TYPE]) if sc.ERROR_TYPE in got else None
+        if error == sc.ERROR_TYPE_CLIENT_DISCONNECTED:
+            reason = "abort"  # as the engine counts it
+        elif error is not None or span.status.code == 2:
             reason = "error"
         elif sc.GEN_AI_RESPONSE_FINISH_REASONS in got:
             reason = _label(got[sc.GEN_AI_RESPONSE_FINISH_REASONS]) or "unknown"

@@ -65,6 +65,8 @@ class SpanRecord:
     attributes: dict[str, Any]
     links: tuple[tuple[str, str], ...]
     service_name: str = ""
+    status_message: str = ""
+    events: tuple[dict[str, Any], ...] = ()  # {"name", "time_unix_nano", "attributes"}
 
     @property
     def duration_s(self) -> float:
@@ -77,7 +79,8 @@ class SpanRecord:
             "start_time_unix_nano": self.start_time_unix_nano,
             "end_time_unix_nano": self.end_time_unix_nano, "duration_s": self.duration_s,
             "status_code": self.status_code, "service_name": self.service_name,
-            "attributes": self.attributes,
+            "status_message": self.status_message, "attributes": self.attributes,
+            "events": list(self.events),
             "links": [{"trace_id": t, "span_id": s} for t, s in self.links],
         }
 
@@ -143,7 +146,11 @@ class StoredSpan:
             start_time_unix_nano=int(span.start_time_unix_nano),
             end_time_unix_nano=int(span.end_time_unix_nano), status_code=int(span.status.code),
             attributes={kv.key: any_value(kv.value) for kv in span.attributes},
-            links=tuple((t.hex(), s.hex()) for t, s in self.links), service_name=self.service_name)
+            links=tuple((t.hex(), s.hex()) for t, s in self.links), service_name=self.service_name,
+            status_message=span.status.message,
+            events=tuple({"name": e.name, "time_unix_nano": int(e.time_unix_nano),
+                          "attributes": {kv.key: any_value(kv.value) for kv in e.attributes}}
+                         for e in span.events))
 
     @property
     def attributes(self) -> dict[str, Any]:

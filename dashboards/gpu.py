@@ -24,6 +24,19 @@ _GPU_KERNEL = (sc.LABEL_GPU, sc.LABEL_KERNEL)
 _GPU = (sc.LABEL_GPU,)
 
 
+def _step_quantiles(title: str, histogram: str, by: str, description: str, exemplar: bool) -> PanelSpec:
+    return PanelSpec(
+        title=title,
+        unit="s",
+        description=description,
+        queries=tuple(
+            Query(q.histogram_quantile(quantile, histogram, (by,)), f"P{round(quantile * 100)} {{{{{by}}}}}",
+                  exemplar=exemplar)
+            for quantile in (0.5, 0.99)
+        ),
+    )
+
+
 def spec() -> DashboardSpec:
     sm_p99 = q.selector(sc.COLLECTOR_SM_CTA_P99_SECONDS, regex=_GPU_KERNEL)
     # all SMs of a GPU together (per-SM buckets are opt-in; the full-resolution heatmap is the API's)
@@ -119,15 +132,11 @@ def spec() -> DashboardSpec:
                                                                     regex=_GPU_KERNEL))), "gpu{{gpu}} {{kernel}}"),
                 ),
             ),
-            PanelSpec(
-                title="Engine step duration (traces)",
-                unit="s",
-                queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.COLLECTOR_STEP_DURATION_SECONDS, (sc.LABEL_PHASE,)),
-                          f"P{round(quantile * 100)} {{{{{sc.LABEL_PHASE}}}}}", exemplar=True)
-                    for quantile in (0.5, 0.99)
-                ),
-            ),
+            _step_quantiles("Engine step duration (traces)", sc.COLLECTOR_STEP_DURATION_SECONDS, sc.LABEL_PHASE,
+                            "Steps whose spans reached the collector; exemplars open the step.", exemplar=True),
+            _step_quantiles("Engine step duration (engine)", sc.ENGINE_STEP_SECONDS, sc.LABEL_MODEL,
+                            "Every step, from Sightline's engine's own histogram (vLLM has no such series).",
+                            exemplar=False),
         ),
     )
     memory = Row(

@@ -1,10 +1,11 @@
 """Overview: is the engine serving well right now?
 
-Request rate, errors and finish reasons; TTFT, time per output token, end-to-end and
-queue latency at P50 and P99 (with exemplars that open the slow request's trace in
-Tempo); running and waiting requests, KV-cache usage, preemptions and token
-throughput. Reads the engine's own ``/metrics`` (the SLI source: it does not depend on
-the telemetry pipeline being healthy) plus the recording rules.
+Request rate, errors and finish reasons; TTFT, inter-token latency, time per output
+token, end-to-end and queue latency at P50 and P99 (with exemplars that open the slow
+request's trace in Tempo); running and waiting requests, KV-cache usage, preemptions and
+token throughput. Reads the engine-agnostic ``llm:`` series that the adapter rules copy
+from the engine's own ``/metrics`` (Sightline's or vLLM's: the SLI source, independent
+of the telemetry pipeline's health), plus the SLO recording rules.
 """
 
 from __future__ import annotations
@@ -23,18 +24,21 @@ def _counter_rate(name: str, by: tuple[str, ...]) -> str:
     return q.sum_by(by, q.rate(q.selector(q.counter(name), regex=_MODEL)))
 
 
-def _quantiles(title: str, histogram: str, description: str) -> PanelSpec:
+def _quantiles(title: str, histogram: str, description: str, exemplars_of: str | None = None) -> PanelSpec:
+    """P50 and P99 of an ``llm:`` histogram; ``exemplars_of``: Sightline's source histogram,
+    whose trace-id exemplars the panel shows."""
+    def expr(quantile: float) -> str:
+        quantiles = q.histogram_quantile(quantile, histogram, _MODEL, regex=_MODEL)
+        return q.with_exemplars_of(quantiles, exemplars_of, regex=_MODEL) if exemplars_of else quantiles
+
     return PanelSpec(
         title=title,
         description=description,
         unit="s",
         width=12,
         queries=tuple(
-            Query(
-                q.histogram_quantile(quantile, histogram, _MODEL, regex=_MODEL),
-                legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}",
-                exemplar=True,
-            )
+            Query(expr(quantile), legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_MODEL}}}}}",
+                  exemplar=exemplars_of is not None)
             for quantile in (0.5, 0.99)
         ),
     )
@@ -50,7 +54,7 @@ def spec() -> DashboardSpec:
                 unit="reqps",
                 width=6,
                 height=6,
-                queries=(Query(_counter_rate(sc.ENGINE_REQUESTS_TOTAL, ())),),
+                queries=(Query(_counter_rate(sc.LLM_REQUESTS_TOTAL, ())),),
             ),
             PanelSpec(
                 title="Error ratio (5m)",
@@ -75,32 +79,36 @@ def spec() -> DashboardSpec:
                 unit="percentunit",
                 width=6,
                 height=6,
-                queries=(Query(f'max({q.selector(sc.ENGINE_KV_USAGE, regex=_MODEL)})'),),
+                queries=(Query(f'max({q.selector(sc.LLM_KV_USAGE, regex=_MODEL)})'),),
             ),
             PanelSpec(
                 title="Requests by finish reason",
                 unit="reqps",
                 stacked=True,
-                queries=(Query(_counter_rate(sc.ENGINE_REQUESTS_TOTAL, (sc.LABEL_FINISH_REASON,)),
+                queries=(Query(_counter_rate(sc.LLM_REQUESTS_TOTAL, (sc.LABEL_FINISH_REASON,)),
                                "{{finish_reason}}"),),
             ),
             PanelSpec(
                 title="Errors by status code",
                 unit="reqps",
                 stacked=True,
-                queries=(Query(_counter_rate(sc.ENGINE_REQUEST_ERRORS_TOTAL, (sc.LABEL_CODE,)), "{{code}}"),),
+                queries=(Query(_counter_rate(sc.LLM_REQUEST_ERRORS_TOTAL, (sc.LABEL_CODE,)), "{{code}}"),),
             ),
         ),
     )
     latency = Row(
         "Latency",
         (
-            _quantiles("Time to first token", sc.ENGINE_TTFT_SECONDS,
-                       "Arrival to first generated token. Exemplars link to the request's trace."),
-            _quantiles("Time per output token", sc.ENGINE_TPOT_SECONDS,
+            _quantiles("Time to first token", sc.LLM_TTFT_SECONDS,
+                       "Arrival to first generated token. Exemplars link to the request's trace.",
+                       sc.ENGINE_TTFT_SECONDS),
+            _quantiles("Inter-token latency", sc.LLM_ITL_SECONDS,
+                       "Gap between consecutive tokens of a request: one observation per token.",
+                       sc.ENGINE_ITL_SECONDS),
+            _quantiles("Time per output token", sc.LLM_TPOT_SECONDS,
                        "Mean gap between generated tokens after the first, per request."),
-            _quantiles("End-to-end latency", sc.ENGINE_E2E_SECONDS, "Arrival to last token."),
-            _quantiles("Queue time", sc.ENGINE_QUEUE_SECONDS,
+            _quantiles("End-to-end latency", sc.LLM_E2E_SECONDS, "Arrival to last token.", sc.ENGINE_E2E_SECONDS),
+            _quantiles("Queue time", sc.LLM_QUEUE_SECONDS,
                        "Arrival to first scheduling: the scheduler's waiting queue."),
         ),
     )
@@ -110,49 +118,40 @@ def spec() -> DashboardSpec:
             PanelSpec(
                 title="Running and waiting requests",
                 queries=(
-                    Query(q.sum_by(_MODEL, q.selector(sc.ENGINE_RUNNING, regex=_MODEL)), "running {{model}}"),
-                    Query(q.sum_by(_MODEL, q.selector(sc.ENGINE_WAITING, regex=_MODEL)), "waiting {{model}}"),
+                    Query(q.sum_by(_MODEL, q.selector(sc.LLM_RUNNING, regex=_MODEL)), "running {{model}}"),
+                    Query(q.sum_by(_MODEL, q.selector(sc.LLM_WAITING, regex=_MODEL)), "waiting {{model}}"),
                 ),
             ),
             PanelSpec(
                 title="KV cache usage",
                 unit="percentunit",
-                queries=(Query(q.selector(sc.ENGINE_KV_USAGE, regex=_MODEL), "{{instance}} {{model}}"),),
+                queries=(Query(q.selector(sc.LLM_KV_USAGE, regex=_MODEL), "{{instance}} {{model}}"),),
             ),
             PanelSpec(
                 title="Preemptions",
                 unit="ops",
                 description="Requests evicted from the KV cache and recomputed later.",
-                queries=(Query(_counter_rate(sc.ENGINE_PREEMPTIONS_TOTAL, _MODEL), "{{model}}"),),
+                queries=(Query(_counter_rate(sc.LLM_PREEMPTIONS_TOTAL, _MODEL), "{{model}}"),),
             ),
             PanelSpec(
                 title="Token throughput",
                 unit="short",
                 queries=(
-                    Query(_counter_rate(sc.ENGINE_PROMPT_TOKENS_TOTAL, _MODEL), "prompt {{model}}"),
-                    Query(_counter_rate(sc.ENGINE_GENERATION_TOKENS_TOTAL, _MODEL), "generated {{model}}"),
-                ),
-            ),
-            PanelSpec(
-                title="Engine step duration",
-                unit="s",
-                queries=tuple(
-                    Query(q.histogram_quantile(quantile, sc.ENGINE_STEP_SECONDS, regex=_MODEL),
-                          f"P{round(quantile * 100)}", exemplar=True)
-                    for quantile in (0.5, 0.99)
+                    Query(_counter_rate(sc.LLM_PROMPT_TOKENS_TOTAL, _MODEL), "prompt {{model}}"),
+                    Query(_counter_rate(sc.LLM_GENERATION_TOKENS_TOTAL, _MODEL), "generated {{model}}"),
                 ),
             ),
             PanelSpec(
                 title="Tokens per step",
                 unit="short",
-                queries=(Query(q.mean(sc.ENGINE_STEP_TOKENS, regex=_MODEL), "mean"),),
+                queries=(Query(q.mean(sc.LLM_ITERATION_TOKENS, regex=_MODEL), "mean"),),
             ),
         ),
     )
     return DashboardSpec(
         uid=UID,
         title="Sightline / Overview",
-        description="Request rate, latency percentiles, queue and KV cache of the Sightline engine.",
-        variables=(Variable(sc.LABEL_MODEL, q.counter(sc.ENGINE_REQUESTS_TOTAL), sc.LABEL_MODEL),),
+        description="Request rate, latency percentiles, queue and KV cache of the engine (Sightline's or vLLM's).",
+        variables=(Variable(sc.LABEL_MODEL, q.counter(sc.LLM_REQUESTS_TOTAL), sc.LABEL_MODEL),),
         rows=(traffic, latency, scheduler),
     )

@@ -8,7 +8,10 @@ of queries.
 
 Guarantees: panel ids are 1..n in declaration order and grid positions depend only on
 the declaration, so a build is byte-for-byte reproducible (the committed JSON is
-compared with a fresh build in the tests).
+compared with a fresh build in the tests). Portable: every panel, query and variable is
+bound to the ``datasource`` template variable (``__inputs`` asks for it on import), and
+the JSON holds only fields of Grafana's published dashboard schema (checked with
+``@grafana/schema`` in the tests).
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from grafana_foundation_sdk.models import prometheus as prometheus_model
 
 __all__ = [
     "PROMETHEUS_DATASOURCE_UID",
+    "DATASOURCE_VARIABLE",
+    "DATASOURCE_INPUT",
     "TEMPO_DATASOURCE_UID",
     "DASHBOARD_TAG",
     "Query",
@@ -50,7 +55,19 @@ PROMETHEUS_DATASOURCE_UID = "sightline-prometheus"
 TEMPO_DATASOURCE_UID = "sightline-tempo"
 DASHBOARD_TAG = "sightline"
 
-_PROMETHEUS = dashboard_model.DataSourceRef(type_val="prometheus", uid=PROMETHEUS_DATASOURCE_UID)
+# Every query goes through this variable; on import, Grafana's dialog fills the input
+# (``${DS_PROMETHEUS}``) with the Prometheus the user picks, and it becomes the variable's
+# value. Where nothing fills it (file provisioning), Grafana selects the default Prometheus.
+DATASOURCE_VARIABLE = "datasource"
+DATASOURCE_INPUT = "DS_PROMETHEUS"
+_PROMETHEUS = dashboard_model.DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE_VARIABLE}}}")
+_INPUTS = [{"name": DATASOURCE_INPUT, "label": "Prometheus", "description": "Prometheus that scrapes the engine",
+            "type": "datasource", "pluginId": "prometheus", "pluginName": "Prometheus"}]
+# Fields the SDK writes that Grafana's schema does not define: on every variable (they
+# belong to interval variables, or to nothing) and on the dashboard (``style``, dropped
+# from the schema).
+_NOT_IN_SCHEMA = ("id", "auto", "auto_count", "auto_min")
+_DASHBOARD_NOT_IN_SCHEMA = ("style",)
 _GRID_WIDTH = 24
 
 QueryFormat = Literal["time_series", "heatmap", "table"]
@@ -155,6 +172,7 @@ class DashboardSpec:
 def _target(query: Query, ref_id: str) -> prometheus_builder.Dataquery:
     target = (
         prometheus_builder.Dataquery()
+        .datasource(_PROMETHEUS)
         .expr(query.expr)
         .ref_id(ref_id)
         .format(prometheus_model.PromQueryFormat(query.fmt))
@@ -167,7 +185,14 @@ def _target(query: Query, ref_id: str) -> prometheus_builder.Dataquery:
 
 def _panel(spec: PanelSpec, panel_id: int):
     if spec.kind == "timeseries":
-        builder = timeseries_builder.Panel().fill_opacity(10 if not spec.stacked else 40)
+        builder = (
+            timeseries_builder.Panel().fill_opacity(10 if not spec.stacked else 40)
+            .legend(common_builder.VizLegendOptions().show_legend(True)
+                    .display_mode(common_model.LegendDisplayMode.LIST)
+                    .placement(common_model.LegendPlacement.BOTTOM))
+            .tooltip(common_builder.VizTooltipOptions().mode(common_model.TooltipDisplayMode.MULTI)
+                     .sort(common_model.SortOrder.NONE))
+        )
         if spec.stacked:
             builder = builder.stacking(common_builder.StackingConfig().mode(common_model.StackingMode.NORMAL))
     elif spec.kind == "stat":
@@ -189,7 +214,7 @@ def _panel(spec: PanelSpec, panel_id: int):
         else:
             builder = builder.cell_values(heatmap_builder.CellValues().unit(spec.unit))
     elif spec.kind == "matrix":
-        builder = table_builder.Panel().with_transformation(
+        builder = table_builder.Panel().show_header(True).with_transformation(
             dashboard_model.DataTransformerConfig(
                 id_val="groupingToMatrix",
                 options={"columnField": spec.matrix_columns, "rowField": spec.matrix_rows, "valueField": "Value"},
@@ -244,6 +269,10 @@ def build_dashboard(spec: DashboardSpec) -> dashboard_model.Dashboard:
         .timezone("utc")
         .tooltip(dashboard_model.DashboardCursorSync.CROSSHAIR)
     )
+    builder = builder.with_variable(
+        dashboard_builder.DatasourceVariable(DATASOURCE_VARIABLE).label("Prometheus").type("prometheus")
+        .current(dashboard_model.VariableOption(selected=True, text=f"${{{DATASOURCE_INPUT}}}",
+                                                value=f"${{{DATASOURCE_INPUT}}}")))
     for variable in spec.variables:
         builder = builder.with_variable(_variable(variable))
     panel_id = 0
@@ -279,8 +308,16 @@ def _lay_out(built: list, specs: list[PanelSpec | None]) -> None:
 
 
 def to_json(dashboard: dashboard_model.Dashboard) -> str:
-    """Canonical JSON (sorted keys, 2-space indent, trailing newline) for committing."""
-    return json.dumps(dashboard, cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
+    """Canonical JSON (sorted keys, 2-space indent, trailing newline) for committing, with
+    the import dialog's ``__inputs`` and only the schema's fields on variables."""
+    document = json.loads(json.dumps(dashboard, cls=JSONEncoder))
+    for key in _DASHBOARD_NOT_IN_SCHEMA:
+        document.pop(key, None)
+    for variable in document.get("templating", {}).get("list", []):
+        for key in _NOT_IN_SCHEMA:
+            variable.pop(key, None)
+    document["__inputs"] = _INPUTS
+    return json.dumps(document, indent=2, sort_keys=True) + "\n"
 
 
 def all_queries(spec: DashboardSpec) -> Sequence[tuple[str, Query]]:

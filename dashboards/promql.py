@@ -30,6 +30,7 @@ __all__ = [
     "sum_by",
     "histogram_quantile",
     "mean",
+    "with_exemplars_of",
     "le_value",
     "series_names",
     "known_metric_names",
@@ -137,11 +138,20 @@ def mean(
     return f"{numerator} / {denominator}"
 
 
+def with_exemplars_of(expr: str, histogram: str, regex: Iterable[str] = ()) -> str:
+    """``expr`` plus a clause that selects no samples (a bucket counter is never negative)
+    but names ``histogram``'s buckets: Prometheus's exemplar API returns the exemplars of
+    every series an expression selects, and recording rules cannot copy exemplars, so a
+    panel on the ``llm:`` copies still finds the trace ids on the source series."""
+    return f"{expr}\n  or ({selector(bucket(histogram), regex=regex)} < 0)"
+
+
 _HISTOGRAM_SUFFIXES = ("_bucket", "_count", "_sum", "_total", "_created")
 
 
 def known_metric_names() -> frozenset[str]:
-    """Every Prometheus series name Sightline may expose or record (from ``semconv``).
+    """Every Prometheus series name Sightline may expose, record or read (from ``semconv``:
+    its own, the engine-agnostic ``llm:`` set and the vLLM series the adapter reads).
 
     Includes the client-library suffixes (``_total``, ``_bucket``, ...) of each base name
     and the recording rules' names; used by tests to reject a query with an unknown name.
@@ -150,8 +160,11 @@ def known_metric_names() -> frozenset[str]:
         value
         for key, value in vars(semconv).items()
         if isinstance(value, str)
-        and (key.startswith(("ENGINE_", "GPU_", "TELEMETRY_", "COLLECTOR_")))
-        and value.startswith("sightline_")
+        and (
+            (key.startswith(("ENGINE_", "GPU_", "TELEMETRY_", "COLLECTOR_")) and value.startswith("sightline_"))
+            or (key.startswith("LLM_") and value.startswith("llm:"))
+            or (key.startswith("VLLM_") and not key.startswith("VLLM_LABEL_"))
+        )
         and not value.endswith("_")
     }
     names = set(bases)
@@ -180,7 +193,7 @@ def is_known_metric(name: str) -> bool:
 def known_label_names() -> frozenset[str]:
     """Every label name a Sightline query may use: ``semconv.LABEL_*``, ``le`` and the
     target labels Prometheus adds itself (``job``, ``instance``)."""
-    labels = {value for key, value in vars(semconv).items() if key.startswith("LABEL_")}
+    labels = {value for key, value in vars(semconv).items() if key.startswith(("LABEL_", "VLLM_LABEL_"))}
     return frozenset(labels | {BUCKET_LABEL, "job", "instance", "slo", "window"})
 
 

@@ -5,7 +5,9 @@ The Prometheus datasource carries ``exemplarTraceIdDestinations``: an exemplar's
 ``trace_id`` label (``semconv.EXEMPLAR_TRACE_ID_LABEL``) becomes a link that opens the
 trace in the Tempo datasource, which is how a heatmap cell or a P99 line leads to the
 slow request's spans. Datasource uids are fixed (``panels.PROMETHEUS_DATASOURCE_UID``,
-``panels.TEMPO_DATASOURCE_UID``) because every panel references them by uid.
+``panels.TEMPO_DATASOURCE_UID``) because the datasources link to each other by uid; the
+dashboards bind to no uid but to their ``datasource`` variable, whose default is the
+Prometheus provisioned here (``isDefault``).
 
 ``sightline dashboards build`` writes these files under ``deploy/grafana/provisioning``
 with the compose service URLs; :func:`render_datasources` takes other URLs for other

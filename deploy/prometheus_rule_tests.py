@@ -20,13 +20,14 @@ from ..dashboards import promql as q
 from ..instrumentation import semconv as sc
 from . import prometheus_rules as rules
 
-__all__ = ["AlertCheck", "Case", "TEST_DIR", "case_files", "render_test_files", "coverage", "write_all"]
+__all__ = ["AlertCheck", "ExprCheck", "Case", "TEST_DIR", "case_files", "render_test_files", "coverage", "write_all"]
 
 TEST_DIR = rules.RULES_PATH.parent / "tests"
 
 ENGINE = {"job": rules.JOB_ENGINE, "instance": "engine-0:8000"}
 COLLECTOR = {"job": rules.JOB_COLLECTOR, "instance": "collector-0:8889"}
 MODEL = {sc.LABEL_MODEL: "llama-tiny"}
+ADAPTED = {sc.LABEL_SOURCE: sc.SOURCE_SIGHTLINE}  # the adapter's label on llm: copies
 
 
 def series(metric: str, labels: dict[str, str]) -> str:
@@ -45,11 +46,22 @@ class AlertCheck:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExprCheck:
+    """At ``eval_time``, ``expr`` returns exactly ``samples``: (series in promtool's
+    ``name{labels}`` notation, value) pairs."""
+
+    eval_time: str
+    expr: str
+    samples: tuple[tuple[str, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Case:
     name: str
     input_series: tuple[tuple[str, str], ...]
     checks: tuple[AlertCheck, ...]
     interval: str = "1m"
+    exprs: tuple[ExprCheck, ...] = ()
 
 
 def _alerts_by_name() -> dict[str, rules.AlertRule]:
@@ -159,7 +171,7 @@ def engine_cases() -> list[Case]:
         Case(
             "kv cache at 97% for 20 minutes",
             ((kv, "0.97x20"),),
-            (AlertCheck("15m", "SightlineKVCacheNearFull", ({**ENGINE, **MODEL},)),),
+            (AlertCheck("15m", "SightlineKVCacheNearFull", ({**ENGINE, **MODEL, **ADAPTED},)),),
         ),
         Case(
             "kv cache: a 5-minute spike, then 50%; a steady 90%",
@@ -169,7 +181,7 @@ def engine_cases() -> list[Case]:
         Case(
             "waiting queue growing by one request a minute",
             ((waiting, "0+1x45"),),
-            (AlertCheck("40m", "SightlineWaitingQueueGrowing", ({**ENGINE, **MODEL},)),),
+            (AlertCheck("40m", "SightlineWaitingQueueGrowing", ({**ENGINE, **MODEL, **ADAPTED},)),),
         ),
         Case(
             "waiting queue long but stable",
@@ -348,6 +360,67 @@ def pipeline_cases() -> list[Case]:
     ]
 
 
+# ---------------------------------------------------------------------------------
+# vLLM's series through the adapter: the same alerts fire on them
+# ---------------------------------------------------------------------------------
+VLLM = {"job": "vllm", "instance": "vllm-0:8000", "engine": "0", sc.VLLM_LABEL_MODEL: "llama-tiny"}
+VLLM_TARGET = {"job": "vllm", "instance": "vllm-0:8000"}
+
+
+def vllm_cases() -> list[Case]:
+    le = q.le_value(rules.SloConfig().ttft_threshold_s)
+    ttft = (
+        (series(q.bucket(sc.VLLM_TTFT_SECONDS), {**VLLM, q.BUCKET_LABEL: le}), "0+30x120"),
+        (series(q.count(sc.VLLM_TTFT_SECONDS), VLLM), "0+60x120"),
+    )
+    success = series(q.counter(sc.VLLM_REQUEST_SUCCESS_TOTAL), {**VLLM, sc.VLLM_LABEL_FINISHED_REASON: "stop"})
+    running = series(sc.VLLM_RUNNING, VLLM)
+
+    def http(status: str, handler: str = "/v1/chat/completions") -> str:
+        return series(q.counter(sc.VLLM_HTTP_REQUESTS_TOTAL), {**VLLM_TARGET, sc.VLLM_LABEL_HANDLER: handler,
+                                                               "method": "POST", sc.VLLM_LABEL_STATUS: status})
+
+    adapted = {**VLLM, sc.LABEL_MODEL: "llama-tiny", sc.LABEL_SOURCE: sc.SOURCE_VLLM}
+    kv = series(sc.VLLM_KV_USAGE, VLLM)
+    return [
+        Case(
+            "vllm: half the requests over the TTFT threshold pages",
+            ttft,
+            (AlertCheck("70m", "SightlineTTFTBudgetBurnFast", (MODEL,)),),
+        ),
+        Case(
+            "vllm: 9% 5xx responses on /v1 page; 4xx and /metrics errors do not count",
+            ((http("5xx"), "0+10x120"), (http("4xx"), "0+50x120"), (http("5xx", "/metrics"), "0+99x120"),
+             (http("2xx"), "0+100x120"), (success, "0+100x120"), (running, "3x120")),
+            (AlertCheck("70m", "SightlineErrorsBudgetBurnFast", (MODEL,)),),
+            exprs=(ExprCheck("10m", q.counter(sc.LLM_REQUEST_ERRORS_TOTAL), tuple(
+                (series(q.counter(sc.LLM_REQUEST_ERRORS_TOTAL),
+                        {**VLLM_TARGET, sc.LABEL_MODEL: "llama-tiny", sc.LABEL_CODE: code, sc.VLLM_LABEL_STATUS: code,
+                         sc.LABEL_SOURCE: sc.SOURCE_VLLM,
+                         sc.VLLM_LABEL_HANDLER: "/v1/chat/completions", "method": "POST"}), value)
+                for code, value in (("4xx", 500.0), ("5xx", 100.0)))),),
+        ),
+        Case(
+            "vllm: series land in the llm: set under model and finish_reason",
+            ((success, "0+100x20"), (running, "3x20"), (kv, "0.97x20")),
+            (AlertCheck("15m", "SightlineKVCacheNearFull", (adapted,)),),
+            exprs=(
+                ExprCheck("10m", q.counter(sc.LLM_REQUESTS_TOTAL), (
+                    (series(q.counter(sc.LLM_REQUESTS_TOTAL),
+                            {**adapted, sc.LABEL_FINISH_REASON: "stop", sc.VLLM_LABEL_FINISHED_REASON: "stop"}),
+                     1000.0),)),
+                ExprCheck("10m", sc.LLM_RUNNING, ((series(sc.LLM_RUNNING, adapted), 3.0),)),
+            ),
+        ),
+        Case(
+            "vllm: waiting queue growing; KV cache at 50%",
+            ((series(sc.VLLM_WAITING, VLLM), "0+1x45"), (kv, "0.5x45")),
+            (AlertCheck("40m", "SightlineWaitingQueueGrowing", (adapted,)),
+             AlertCheck("40m", "SightlineKVCacheNearFull")),
+        ),
+    ]
+
+
 def case_files() -> dict[str, tuple[str, list[Case]]]:
     """``{file name: (evaluation interval, cases)}``: one file per alert family."""
     return {
@@ -356,6 +429,7 @@ def case_files() -> dict[str, tuple[str, list[Case]]]:
         "gpu.yml": ("1m", gpu_cases()),
         "kernels.yml": ("10m", kernel_cases()),
         "pipeline.yml": ("1m", pipeline_cases()),
+        "vllm.yml": ("1m", vllm_cases()),
     }
 
 
@@ -372,6 +446,10 @@ def _document(evaluation_interval: str, cases: list[Case]) -> dict:
                 "interval": case.interval,
                 "input_series": [{"series": s, "values": v} for s, v in case.input_series],
                 "alert_rule_test": [_expected(check) for check in case.checks],
+                **({"promql_expr_test": [
+                    {"expr": c.expr, "eval_time": c.eval_time,
+                     "exp_samples": [{"labels": labels, "value": value} for labels, value in c.samples]}
+                    for c in case.exprs]} if case.exprs else {}),
             }
             for case in cases
         ],

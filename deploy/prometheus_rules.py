@@ -4,7 +4,9 @@
 rendered from :func:`rule_groups`, so they cannot drift from each other or from the metric
 names; the tests fail when a committed file is stale. Regenerate with
 ``python -m sightline.deploy.prometheus_rules``. :func:`alert_rules` lists the alerts: SLO
-burn rates, saturation, GPU and pipeline health.
+burn rates, saturation, GPU and pipeline health. The first groups are the adapter
+(:mod:`.prometheus_adapter`): every rule after them reads only the engine-agnostic ``llm:``
+series, so the alerts serve vLLM as well as Sightline.
 
 Guarantees: every alert has a ``severity`` label (``page`` | ``ticket``) and ``summary``,
 ``description`` and ``runbook_url`` annotations; annotations use only ``$labels`` (no
@@ -23,6 +25,7 @@ import yaml
 
 from ..dashboards import promql as q
 from ..instrumentation import semconv as sc
+from .prometheus_adapter import SOURCE_LABELS, adapter_rules
 from ..instrumentation import check_range
 
 __all__ = [
@@ -104,9 +107,13 @@ class SloConfig:
 class RecordingRule:
     record: str
     expr: str
+    labels: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict:
-        return {"record": self.record, "expr": self.expr}
+        rule = {"record": self.record, "expr": self.expr}
+        if self.labels:
+            rule["labels"] = dict(self.labels)
+        return rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,20 +172,27 @@ def _g(value: float) -> str:
 def _ttft_bad_ratio(window: str, slo: SloConfig) -> str:
     by = (sc.LABEL_MODEL,)
     le = {q.BUCKET_LABEL: q.le_value(slo.ttft_threshold_s)}
-    good = q.sum_by(by, q.rate(q.selector(q.bucket(sc.ENGINE_TTFT_SECONDS), le), window))
-    total = q.sum_by(by, q.rate(q.count(sc.ENGINE_TTFT_SECONDS), window))
+    good = q.sum_by(by, q.rate(q.selector(q.bucket(sc.LLM_TTFT_SECONDS), le), window))
+    total = q.sum_by(by, q.rate(q.count(sc.LLM_TTFT_SECONDS), window))
     return f"1 - ({good} / {total})"
 
 
 def _error_ratio(window: str) -> str:
     by = (sc.LABEL_MODEL,)
-    errors = f'{q.counter(sc.ENGINE_REQUEST_ERRORS_TOTAL)}{{{sc.LABEL_CODE}=~"{BUDGET_ERROR_CODES}"}}'
-    finished_rate = q.sum_by(by, q.rate(q.counter(sc.ENGINE_REQUESTS_TOTAL), window))
+    errors = f'{q.counter(sc.LLM_REQUEST_ERRORS_TOTAL)}{{{sc.LABEL_CODE}=~"{BUDGET_ERROR_CODES}"}}'
+    finished_rate = q.sum_by(by, q.rate(q.counter(sc.LLM_REQUESTS_TOTAL), window))
     # A model without a single budget error has no error series: count it as 0 (not
     # absent), so the ratio reads 0 rather than "no data".
     errors_rate = f"({q.sum_by(by, q.rate(errors, window))} or 0 * {finished_rate})"
     # Errored requests never reach a finish reason, so all requests = finished + errors.
     return f"{errors_rate} / ({finished_rate} + {errors_rate})"
+
+
+def adapter_groups() -> list[RuleGroup]:
+    """Sightline's and vLLM's series copied into the engine-agnostic ``llm:`` set."""
+    return [RuleGroup(name, tuple(RecordingRule(record, expr, tuple(SOURCE_LABELS[name].items()))
+                                  for record, expr in rules))
+            for name, rules in adapter_rules().items()]
 
 
 def recording_groups(slo: SloConfig) -> list[RuleGroup]:
@@ -188,7 +202,7 @@ def recording_groups(slo: SloConfig) -> list[RuleGroup]:
         "sightline-recording",
         (
             RecordingRule(sc.RULE_TTFT_P99,
-                          q.histogram_quantile(0.99, sc.ENGINE_TTFT_SECONDS, (sc.LABEL_MODEL,), window="5m")),
+                          q.histogram_quantile(0.99, sc.LLM_TTFT_SECONDS, (sc.LABEL_MODEL,), window="5m")),
             RecordingRule(sc.RULE_KERNEL_P99,
                           q.histogram_quantile(0.99, sc.COLLECTOR_KERNEL_DURATION_SECONDS, gpu_kernel, window="5m")),
             RecordingRule(sc.RULE_SM_HOTSPOT,
@@ -203,7 +217,7 @@ def recording_groups(slo: SloConfig) -> list[RuleGroup]:
         )
         + tuple(RecordingRule(f"{sc.RULE_ERROR_RATIO_PREFIX}{window}", _error_ratio(window)) for window in RATIO_WINDOWS),
     )
-    return [latency, slo_ratios]
+    return [*adapter_groups(), latency, slo_ratios]
 
 
 # ---------------------------------------------------------------------------------
@@ -265,13 +279,13 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                            "server error)", "error-budget-burn")
         ),
     )
-    waiting = sc.ENGINE_WAITING
+    waiting = sc.LLM_WAITING
     engine = RuleGroup(
         "sightline-engine-alerts",
         (
             AlertRule(
                 alert="SightlineKVCacheNearFull",
-                expr=f"{sc.ENGINE_KV_USAGE} > {_g(slo.kv_usage_threshold)}",
+                expr=f"{sc.LLM_KV_USAGE} > {_g(slo.kv_usage_threshold)}",
                 for_="10m",
                 severity="ticket",
                 summary="KV cache of {{ $labels.instance }} above "

@@ -28,7 +28,7 @@ from ..instrumentation.lifecycle import Detokenized, OpenStep, Queued, Step
 from ..instrumentation.telemetry_pipeline import TelemetryPipeline
 from .config import EngineConfig, resolve_model_config
 from .kv_cache import KVCacheConfig, KVCacheManager
-from .metrics import EngineMetrics
+from .metrics import EngineMetrics, trace_exemplar
 from .request import FinishReason, Request, SamplingParams
 from .scheduler import QueueFullError, Scheduler, StepPlan
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -97,6 +97,8 @@ class _Live:
     new_tokens: list[int] | None = None
     hold: int = 0  # chars kept back while they could start a stop string
     stopped: bool = False  # a stop string ended it
+    exemplar: dict[str, str] | None = None  # points the request's latency observations at its trace
+    last_token_s: float = 0.0  # monotonic time of its latest token (inter-token latency)
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,7 @@ class LLMEngine:
                           eos_token_id=self.eos_token_id, telemetry=key)
         stream = RequestStream(request_id, loop) if loop is not None else None
         live = _Live(request, stream, IncrementalDetokenizer(self.tokenizer), key,
-                     hold=max((len(s) for s in sampling.stop), default=1) - 1)
+                     hold=max((len(s) for s in sampling.stop), default=1) - 1, exemplar=trace_exemplar(trace))
         if key is not None:
             self._recorder.record(Queued(key, time.time_ns()))
         with self._wake:
@@ -373,6 +375,7 @@ class LLMEngine:
                         prefill_done: list[int], events: list) -> list[tuple[_Live, RequestOutput]]:
         outputs = []
         done = {r.request_id for r in finished}
+        now = time.monotonic()
         for entry in plan.scheduled:
             request_id = entry.request.request_id
             token = sampled.get(request_id)
@@ -385,6 +388,9 @@ class LLMEngine:
                     self.metrics.prompt_tokens.inc(entry.request.num_prompt_tokens)
                 if live.key is not None:
                     prefill_done.append(live.key)
+            if entry.request.num_output_tokens > 1:
+                self.metrics.itl.observe(now - live.last_token_s, live.exemplar)
+            live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)
             if self._hit_stop(live):
@@ -458,15 +464,13 @@ class LLMEngine:
             output.ttft_s = request.first_token_time_s - arrival
             if request.num_output_tokens > 1:
                 output.tpot_s = (end - request.first_token_time_s) / (request.num_output_tokens - 1)
-        m = self.metrics
-        m.finished(reason).inc()
-        m.e2e.observe(output.e2e_s)
-        if output.queue_s is not None:
-            m.queue.observe(output.queue_s)
-        if output.ttft_s is not None:
-            m.ttft.observe(output.ttft_s)
-        if output.tpot_s is not None:
-            m.tpot.observe(output.tpot_s)
+        first_token, scheduled = request.first_token_time_s, request.first_scheduled_time_s
+        self.metrics.request_finished(
+            reason, e2e_s=output.e2e_s, queue_s=output.queue_s, ttft_s=output.ttft_s, tpot_s=output.tpot_s,
+            prefill_s=first_token - scheduled if first_token is not None and scheduled is not None else None,
+            decode_s=end - first_token if first_token is not None else None,
+            prompt_tokens=request.num_prompt_tokens, generation_tokens=request.num_output_tokens,
+            exemplar=live.exemplar)
         self.runner.release(request_id)
         return live, output
 

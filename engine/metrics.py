@@ -2,19 +2,34 @@
 
 Each engine owns a ``CollectorRegistry`` (several engines may live in one test process).
 Updates are plain prometheus_client calls, thread-safe, O(1) each; the engine loop records
-per step, the server records request errors. Histogram buckets come from semconv, so the
-dashboards and rules read the same boundaries the engine writes.
+per step (and one inter-token latency per generated token), the server records request
+errors. Histogram buckets come from semconv, so the dashboards and rules read the same
+boundaries the engine writes. TTFT, ITL and end-to-end observations of a sampled request
+carry its trace id as an exemplar; ``exposition`` serves them when the scraper accepts
+OpenMetrics (the classic text format has no exemplars).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
 
 from ..instrumentation import semconv as sc
 
-__all__ = ["EngineMetrics"]
+__all__ = ["EngineMetrics", "trace_exemplar"]
+
+_OPENMETRICS_EOF = b"# EOF\n"
+
+
+def trace_exemplar(trace) -> dict[str, str] | None:
+    """Exemplar labels that point at a request's trace, ``{trace_id: 32 hex digits}``, from
+    the handle ``start_request`` returned; None without one, or when its trace is not
+    sampled (stored nowhere). The one place that reads the handle."""
+    if trace is None or not getattr(trace, "sampled", True):
+        return None
+    return {sc.EXEMPLAR_TRACE_ID_LABEL: trace.trace_id_hex}
 
 
 class EngineMetrics:
@@ -63,6 +78,17 @@ class EngineMetrics:
         self.prompt_tokens = counter(sc.ENGINE_PROMPT_TOKENS_TOTAL,
                                      "Prompt tokens of finished requests.")
         self.generation_tokens = counter(sc.ENGINE_GENERATION_TOKENS_TOTAL, "Tokens generated.")
+        self.itl = histogram(sc.ENGINE_ITL_SECONDS, "Time between consecutive tokens of a request (one "
+                             "observation per token after the first).", sc.ITL_BUCKETS_S)
+        self.request_prompt_tokens = histogram(sc.ENGINE_REQUEST_PROMPT_TOKENS,
+                                               "Prompt tokens per finished request.", sc.REQUEST_TOKENS_BUCKETS)
+        self.request_generation_tokens = histogram(sc.ENGINE_REQUEST_GENERATION_TOKENS,
+                                                   "Generated tokens per finished request.",
+                                                   sc.REQUEST_TOKENS_BUCKETS)
+        self.prefill = histogram(sc.ENGINE_PREFILL_SECONDS, "Time from first scheduling to the first token.",
+                                 sc.REQUEST_DURATION_BUCKETS_S)
+        self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
+                                sc.REQUEST_DURATION_BUCKETS_S)
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -94,9 +120,29 @@ class EngineMetrics:
         self.registry.register(collector)
         return None
 
-    def exposition(self, extra: Iterable[CollectorRegistry | None] = ()) -> bytes:
-        """The registry in Prometheus text format, followed by ``extra`` registries (e.g. the
-        tracer's ``sightline_telemetry_*`` counters)."""
-        parts = [generate_latest(self.registry)]
-        parts += [generate_latest(r) for r in extra if r is not None]
-        return b"".join(parts)
+    def request_finished(self, reason: str, *, e2e_s: float, queue_s: float | None, ttft_s: float | None,
+                         tpot_s: float | None, prefill_s: float | None, decode_s: float | None,
+                         prompt_tokens: int, generation_tokens: int,
+                         exemplar: dict[str, str] | None = None) -> None:
+        """Every per-request series of one finished request (None: the phase never happened)."""
+        self.finished(reason).inc()
+        self.e2e.observe(e2e_s, exemplar)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
+        for series, value in ((self.queue, queue_s), (self.tpot, tpot_s), (self.prefill, prefill_s),
+                              (self.decode, decode_s)):
+            if value is not None:
+                series.observe(value)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, exemplar)
+
+    def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
+                   accept: str = "") -> tuple[bytes, str]:
+        """(body, content type): the registry followed by ``extra`` registries (e.g. the
+        tracer's ``sightline_telemetry_*`` counters), in the format ``accept`` (an HTTP
+        Accept header) prefers: OpenMetrics, with exemplars, or the classic text format."""
+        encode, content_type = choose_encoder(accept)
+        parts = [encode(r) for r in (self.registry, *extra) if r is not None]
+        if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
+            parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
+        return b"".join(parts), content_type

@@ -4,9 +4,10 @@ Parsing turns a JSON body into a typed request or raises ``ProtocolError`` carry
 status and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``; the
 message names the bad value and what is allowed. Supported: ``/v1/completions`` and
 ``/v1/chat/completions`` with max_tokens (chat: also max_completion_tokens), temperature,
-top_p, seed, stop, stream, stream_options.include_usage, and the extensions ignore_eos and
-priority (int, lower = more urgent). Features this engine does not have (n > 1, logprobs,
-penalties, tools, batch prompts) are refused with a 400 that says so, never ignored.
+top_p, seed, stop, stream, stream_options (include_usage, continuous_usage_stats), and vLLM's
+extensions top_k (-1 or 0 = off), min_p, repetition_penalty, ignore_eos, plus priority (int,
+lower = more urgent), presence_penalty and frequency_penalty. Features this engine does not
+have (n > 1, logprobs, tools, batch prompts) are refused with a 400 that says so, never ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .tokenizer import ChatMessage
 
 __all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error_body",
            "parse_completion_request", "parse_chat_request", "completion_response",
-           "chat_response", "completion_chunk", "chat_chunk", "usage_chunk", "sse", "SSE_DONE"]
+           "chat_response", "completion_chunk", "chat_chunk", "usage", "usage_chunk", "sse", "SSE_DONE"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_STOP_SEQUENCES = 4
@@ -32,9 +33,11 @@ class ProtocolError(Exception):
     """A request the server refuses; ``body()`` is the OpenAI error JSON."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error") -> None:
+                 code: str | None = None, type: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type
+        self.headers = headers or {}  # extra response headers (Retry-After on a 429)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
@@ -56,6 +59,12 @@ class _Common:
     priority: int = 0
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # usage on every chunk (stream_options.continuous_usage_stats)
+    top_k: int | None = None  # None: all tokens
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
 @dataclass
@@ -105,7 +114,6 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
                             param="n", code="unsupported_value")
     for name, neutral in (("logprobs", (None, False)), ("top_logprobs", (None, 0)), ("echo", (None, False)),
                           ("best_of", (None, 1)), ("suffix", (None, "")),
-                          ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
                           ("logit_bias", (None, {})), ("tools", (None, [])), ("response_format", (None,))):
         if name in body and body[name] not in neutral:
             raise ProtocolError(f"{name}={body[name]!r} is not supported by this engine", param=name,
@@ -146,21 +154,39 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
         stream = False
     if not isinstance(stream, bool):
         raise ProtocolError(f"stream={stream!r} must be a boolean", param="stream", code="invalid_value")
-    options = body.get("stream_options")
-    include_usage = False
-    if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise ProtocolError(f"stream_options={options!r} must be an object like "
-                                '{"include_usage": true}', param="stream_options", code="invalid_value")
-        if not stream:
-            raise ProtocolError("stream_options is only allowed when stream is true",
-                                param="stream_options", code="invalid_value")
-        include_usage = options.get("include_usage", False)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
+    top_k = body.get("top_k")
+    if top_k is None or (_is_int(top_k) and top_k in (-1, 0)):
+        top_k = None
+    elif not _is_int(top_k) or top_k < 1:
+        raise ProtocolError(f"top_k={top_k!r} must be an integer >= 1, or -1 or 0 for off", param="top_k",
+                            code="invalid_value")
     return dict(model=model, max_tokens=max_tokens,
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
                 seed=seed % 2**63 if seed is not None else None, stop=stops, ignore_eos=ignore_eos,
-                priority=priority, stream=stream, include_usage=include_usage)
+                priority=priority, stream=stream, include_usage=include_usage,
+                continuous_usage=continuous_usage, top_k=top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+                repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
+                presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
+
+
+_STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
+
+
+def _stream_options(options: Any, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats) of ``stream_options``; unknown keys are refused."""
+    if options is None:
+        return False, False
+    if (not isinstance(options, dict) or set(options) - set(_STREAM_OPTIONS)
+            or not all(isinstance(options.get(k, False), bool) for k in _STREAM_OPTIONS)):
+        raise ProtocolError(f"stream_options={options!r} must be an object with boolean keys among "
+                            f"{', '.join(_STREAM_OPTIONS)}", param="stream_options", code="invalid_value")
+    if not stream:
+        raise ProtocolError("stream_options is only allowed when stream is true",
+                            param="stream_options", code="invalid_value")
+    return options.get("include_usage", False), options.get("continuous_usage_stats", False)
 
 
 def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
@@ -230,20 +256,25 @@ def chat_response(response_id: str, model: str, created: int, text: str, finish_
 
 
 def completion_chunk(response_id: str, model: str, created: int, text: str,
-                     finish_reason: str | None, include_usage: bool) -> dict:
-    chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
+                     finish_reason: str | None, include_usage: bool, usage_now: dict | None = None) -> dict:
+    """One streamed piece of a completion. ``usage`` is null on chunks when include_usage asks
+    for a final usage chunk; ``usage_now`` (continuous_usage_stats) puts the totals so far there."""
+    return _with_usage({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]},
+                       include_usage, usage_now)
 
 
 def chat_chunk(response_id: str, model: str, created: int, delta: dict[str, str],
-               finish_reason: str | None, include_usage: bool) -> dict:
-    chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
-    if include_usage:
-        chunk["usage"] = None
+               finish_reason: str | None, include_usage: bool, usage_now: dict | None = None) -> dict:
+    """One streamed piece of a chat completion (``usage`` as in :func:`completion_chunk`)."""
+    return _with_usage({"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]},
+                       include_usage, usage_now)
+
+
+def _with_usage(chunk: dict, include_usage: bool, usage_now: dict | None) -> dict:
+    if include_usage or usage_now is not None:
+        chunk["usage"] = usage_now
     return chunk
 
 

@@ -113,7 +113,8 @@ class Sampler:
             for part in history:
                 ints += part
         f = self._to_device(floats, torch.float32)
-        i = self._to_device(ints, torch.long) if ints else None
+        # empty when the penalized rows have no history yet (presence/frequency before the first token)
+        i = self._to_device(ints, torch.long) if ints else torch.empty(0, dtype=torch.long, device=self.device)
         n = len(requests)
         batch = SamplingBatch(temperatures=f[:n], top_ps=f[n:2 * n], generators=gens,
                               all_greedy=all(t == 0 for t in temps),

@@ -1,16 +1,18 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
-Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE when ``stream: true``,
-ending ``data: [DONE]``; a usage chunk with ``stream_options.include_usage``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
+``/health``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics with trace-id exemplars when
+asked). Streams as vLLM does, which benchmark tools are built against: one SSE chunk per
+generated token even when its text is empty, the chat role on the first token's chunk,
+usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
+caller's ``X-Request-Id`` is echoed and names the request's spans (generated if absent).
 
-Guarantees: errors come in OpenAI's shape with the right status (400 invalid parameters,
-malformed JSON or a prompt past the context; 404 unknown model or route; 429 queue full;
-503 shutting down; 500 engine failure) and the process keeps serving after every one. A
-client that disconnects has its request aborted, so its KV blocks return before the next
-step. SIGTERM/SIGINT: new requests and ``/health`` get 503, in-flight requests get up to
-``shutdown_timeout_s`` (a second signal cuts that short), then telemetry is flushed.
-The event loop runs in the main thread, the engine loop in its own thread.
+Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
+``Retry-After`` (queue full), 503 (shutting down), 500 (engine failure); the process serves
+on. A client that disconnects has its request aborted, its KV blocks freed before the next
+step. SIGTERM/SIGINT: new requests get 503, in-flight ones get ``shutdown_timeout_s`` (a
+second signal cuts it short), the rest are aborted, telemetry is flushed. The event loop
+runs in the main thread, the engine loop in its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import signal
 import threading
 import time
@@ -27,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
@@ -36,7 +38,7 @@ from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOu
 from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
-    parse_completion_request, parse_json, sse, usage_chunk)
+    parse_completion_request, parse_json, sse, usage, usage_chunk)
 from .request import SamplingParams
 from .tokenizer import apply_chat_template
 
@@ -44,9 +46,12 @@ __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
-_CLIENT_GONE = "client_disconnected"
-# The response id (also the engine's request id and the span attribute sightline.request.id).
+# The caller's request id (generated when absent): echoed, and the span attribute
+# sightline.request.id; the response id is "<cmpl|chatcmpl>-<it>".
 REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,256}")  # visible ASCII, as an HTTP header value can carry
+# Seconds a client refused for a full queue is told to wait: about one batch's worth of work.
+RETRY_AFTER_S = 1
 
 
 def _json_response(payload: dict, status: int = 200) -> web.Response:
@@ -67,10 +72,15 @@ class EngineServer:
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model_id:.+}", self.model_card),
             web.get("/health", self.health),
+            web.get("/ping", self.ping),
+            web.post("/ping", self.ping),
+            web.get("/version", self.version),
             web.get("/metrics", self.metrics),
             web.get("/debug/steps", self.debug_steps),
         ])
+        self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
 
     # ---- plumbing -----------------------------------------------------------------------------
     @web.middleware
@@ -80,7 +90,9 @@ class EngineServer:
             return await handler(request)
         except ProtocolError as exc:
             self.engine.metrics.error(exc.status)
-            return _json_response(exc.body(), exc.status)
+            reply = _json_response(exc.body(), exc.status)
+            reply.headers.update(exc.headers)
+            return reply
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -102,9 +114,20 @@ class EngineServer:
         return _json_response({"status": "ok", "running": self.engine.scheduler.num_running,
                                "waiting": self.engine.scheduler.num_waiting})
 
+    async def ping(self, request: web.Request) -> web.Response:
+        return web.Response(status=503 if self.draining else 200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json_response({"version": _version()})
+
     async def metrics(self, request: web.Request) -> web.Response:
-        body = self.engine.metrics.exposition([getattr(self.telemetry, "registry", None)])
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body, content_type = self.engine.metrics.exposition(
+            [getattr(self.telemetry, "registry", None)], accept=request.headers.get("Accept", ""))
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sightline",
+                "max_model_len": self.engine.max_model_len}
 
     async def debug_steps(self, request: web.Request) -> web.Response:
         """The wall times of the engine's recent steps, oldest first (what a step-time
@@ -112,9 +135,14 @@ class EngineServer:
         return _json_response({"durations_s": list(self.engine.step_durations_s)})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json_response({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": self.created, "owned_by": "sightline",
-            "max_model_len": self.engine.max_model_len}]})
+        return _json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model_card(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["model_id"]
+        if model_id != self.model:
+            raise ProtocolError(f"model {model_id!r} does not exist; this server serves {self.model!r}",
+                                status=404, param="model", code="model_not_found")
+        return _json_response(self._model_card())
 
     # ---- generation ---------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -134,14 +162,25 @@ class EngineServer:
             raise ProtocolError(f"model {params.model!r} does not exist; this server serves {self.model!r}",
                                 status=404, param="model", code="model_not_found")
         prefix = "chatcmpl" if chat else "cmpl"
-        response_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        request_id = http.headers.get(REQUEST_ID_HEADER)
+        if request_id is None:
+            request_id = response_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        elif not _REQUEST_ID.fullmatch(request_id):
+            raise ProtocolError(f"{REQUEST_ID_HEADER}={request_id[:300]!r} must be 1..256 visible ASCII "
+                                "characters", param=REQUEST_ID_HEADER, code="invalid_value")
+        else:
+            response_id = f"{prefix}-{request_id}"
+        if response_id in self._live_ids:
+            raise ProtocolError(f"{REQUEST_ID_HEADER}={request_id!r} names a request still in flight",
+                                param=REQUEST_ID_HEADER, code="duplicate_request_id")
         route = "/v1/chat/completions" if chat else "/v1/completions"
         trace = self.telemetry.start_request(
             route=route, headers=http.headers, model=self.model,
-            operation="chat" if chat else "text_completion", request_id=response_id,
+            operation="chat" if chat else "text_completion", request_id=request_id,
             priority=params.priority) if self.telemetry is not None else None
+        self._live_ids.add(response_id)
         try:
-            return await self._run(http, params, chat, response_id, trace)
+            return await self._run(http, params, chat, response_id, request_id, trace)
         except ProtocolError as exc:
             if trace is not None:
                 trace.finish(status_code=exc.status, finish_reason=None, input_tokens=0, output_tokens=0,
@@ -152,8 +191,10 @@ class EngineServer:
                 trace.finish(status_code=500, finish_reason=None, input_tokens=0, output_tokens=0,
                              error_type=type(exc).__name__)
             raise
+        finally:
+            self._live_ids.discard(response_id)
 
-    async def _run(self, http: web.Request, params, chat: bool, response_id: str, trace):
+    async def _run(self, http: web.Request, params, chat: bool, response_id: str, request_id: str, trace):
         engine = self.engine
         tokenize_start = time.time_ns()
         try:
@@ -173,19 +214,24 @@ class EngineServer:
         try:
             sampling = SamplingParams(max_tokens=max_tokens, temperature=params.temperature,
                                       top_p=params.top_p, seed=params.seed, stop=params.stop,
-                                      ignore_eos=params.ignore_eos)
+                                      ignore_eos=params.ignore_eos, top_k=params.top_k, min_p=params.min_p,
+                                      repetition_penalty=params.repetition_penalty,
+                                      presence_penalty=params.presence_penalty,
+                                      frequency_penalty=params.frequency_penalty)
         except ValueError as exc:
             raise ProtocolError(str(exc), code="invalid_value") from None
         if trace is not None:
             trace.set_attributes({sc.GEN_AI_REQUEST_MAX_TOKENS: max_tokens,
                                   sc.GEN_AI_REQUEST_TEMPERATURE: params.temperature,
-                                  sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream})
+                                  sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream,
+                                  **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
             stream = engine.add_request(response_id, prompt_ids, sampling, priority=params.priority,
                                         trace=trace, loop=asyncio.get_running_loop())
         except QueueFullError as exc:
             raise ProtocolError(f"the waiting queue is full, retry later ({exc})", status=429,
-                                type="rate_limit_error", code="queue_full") from None
+                                type="rate_limit_error", code="queue_full",
+                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStoppedError:
             raise ProtocolError("the server is shutting down", status=503, type="service_unavailable",
                                 code="shutting_down") from None
@@ -199,27 +245,26 @@ class EngineServer:
             if params.stream:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache",
-                                                       REQUEST_ID_HEADER: response_id})
+                                                       REQUEST_ID_HEADER: request_id})
                 await response.prepare(http)
-                if chat:
-                    await response.write(sse(chat_chunk(response_id, self.model, created,
-                                                        {"role": "assistant", "content": ""}, None,
-                                                        params.include_usage)))
+            first = True
             async for out in stream:
                 pieces.append(out.text)
                 if out.finished:
                     finished = out
-                if response is None or out.error:
+                if response is None or out.error or not (out.token_ids or out.finished):
                     continue
-                if out.text or out.finished:
-                    if chat:
-                        delta = {"content": out.text} if out.text else {}
-                        payload = chat_chunk(response_id, self.model, created, delta, out.finish_reason,
-                                             params.include_usage)
-                    else:
-                        payload = completion_chunk(response_id, self.model, created, out.text,
-                                                   out.finish_reason, params.include_usage)
-                    await response.write(sse(payload))
+                usage_now = (usage(out.num_prompt_tokens, out.num_output_tokens)
+                             if params.continuous_usage else None)
+                if chat:
+                    delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
+                    payload = chat_chunk(response_id, self.model, created, delta, out.finish_reason,
+                                         params.include_usage, usage_now)
+                else:
+                    payload = completion_chunk(response_id, self.model, created, out.text,
+                                               out.finish_reason, params.include_usage, usage_now)
+                first = False
+                await response.write(sse(payload))
             assert finished is not None
             if finished.error:
                 self.engine.metrics.error(500)
@@ -237,7 +282,7 @@ class EngineServer:
                 self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
                 reply = _json_response(build(response_id, self.model, created, text, finished.finish_reason,
                                              finished.num_prompt_tokens, finished.num_output_tokens))
-                reply.headers[REQUEST_ID_HEADER] = response_id
+                reply.headers[REQUEST_ID_HEADER] = request_id
                 return reply
             if params.include_usage:
                 await response.write(sse(usage_chunk(response_id, self.model, created, chat,
@@ -252,7 +297,7 @@ class EngineServer:
             if trace is not None:
                 trace.finish(status_code=499, finish_reason="abort", input_tokens=len(prompt_ids),
                              output_tokens=finished.num_output_tokens if finished else 0,
-                             error_type=_CLIENT_GONE)
+                             error_type=sc.ERROR_TYPE_CLIENT_DISCONNECTED)
             raise
         finally:
             if finished is None:
@@ -298,6 +343,15 @@ class EngineServer:
         if self.engine.num_live:
             log.warning("shutdown: aborting %d live requests", self.engine.num_live)
         await asyncio.to_thread(self.engine.shutdown)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sightline")
+    except PackageNotFoundError:  # run from a source tree without installing
+        return "unknown"
 
 
 @dataclass

@@ -121,7 +121,7 @@ class RequestEnd(NamedTuple):
 class RequestHandle:
     """The engine-side handle on one request's trace: its ids and its key in the events."""
 
-    __slots__ = ("key", "trace_id", "span_id", "request_id", "_recorder", "_ended")
+    __slots__ = ("key", "trace_id", "span_id", "request_id", "sampled", "_recorder", "_ended")
 
     def __init__(self, recorder: "LifecycleRecorder", key: int, trace_id: int, span_id: int,
                  request_id: str) -> None:
@@ -130,6 +130,7 @@ class RequestHandle:
         self.trace_id = trace_id
         self.span_id = span_id
         self.request_id = request_id
+        self.sampled = True  # False when the caller's context says not to record the trace
         self._ended = False
 
     @property
@@ -234,6 +235,7 @@ class LifecycleRecorder:
         trace_id = parent.trace_id if parent is not None else self._ids.getrandbits(128) or 1
         handle = RequestHandle(self, next(self._keys), trace_id, self._ids.getrandbits(64) or 1,
                                request_id)
+        handle.sampled = parent is None or bool(parent.trace_flags & 1)
         self.record(RequestStart(
             handle.key, start_time_ns if start_time_ns is not None else time.time_ns(), trace_id,
             handle.span_id, parent, method, route, model, operation, request_id, int(priority),

@@ -45,6 +45,8 @@ URL_PATH = "url.path"
 SERVER_ADDRESS = "server.address"
 SERVER_PORT = "server.port"
 ERROR_TYPE = "error.type"
+# error.type of a request whose client went away: its finish reason is "abort", not an error
+ERROR_TYPE_CLIENT_DISCONNECTED = "client_disconnected"
 
 GEN_AI_OPERATION_NAME = "gen_ai.operation.name"  # "chat" | "text_completion"
 GEN_AI_SYSTEM = "gen_ai.system"
@@ -54,6 +56,7 @@ GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
 GEN_AI_REQUEST_TEMPERATURE = "gen_ai.request.temperature"
 GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
+GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
@@ -149,6 +152,14 @@ ENGINE_STEP_SECONDS = "sightline_engine_step_duration_seconds"
 ENGINE_STEP_TOKENS = "sightline_engine_step_tokens"
 ENGINE_PROMPT_TOKENS_TOTAL = "sightline_engine_prompt_tokens"
 ENGINE_GENERATION_TOKENS_TOTAL = "sightline_engine_generation_tokens"
+# What vLLM users expect beside those: one ITL observation per generated token after the
+# first; per finished request its token counts and its prefill (first scheduled to first
+# token) and decode (first token to last) times.
+ENGINE_ITL_SECONDS = "sightline_engine_inter_token_latency_seconds"
+ENGINE_REQUEST_PROMPT_TOKENS = "sightline_engine_request_prompt_tokens"
+ENGINE_REQUEST_GENERATION_TOKENS = "sightline_engine_request_generation_tokens"
+ENGINE_PREFILL_SECONDS = "sightline_engine_request_prefill_time_seconds"
+ENGINE_DECODE_SECONDS = "sightline_engine_request_decode_time_seconds"
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
@@ -189,6 +200,9 @@ TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.
 TPOT_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 REQUEST_DURATION_BUCKETS_S = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12,
                               10.24, 20.48, 40.96, 81.92)
+ITL_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075) + TPOT_BUCKETS_S + (5.0, 10.0)
+# 1-2-5 steps, as vLLM's request token histograms
+REQUEST_TOKENS_BUCKETS = tuple(m * 10**e for e in range(6) for m in (1, 2, 5))
 STEP_BUCKETS_S = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 TOKENS_PER_STEP_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -260,6 +274,70 @@ EXEMPLAR_TRACE_ID_LABEL = "trace_id"
 # Fraction of requests whose TTFT exceeded the SLO threshold, per window (suffix 5m, 1h...).
 RULE_TTFT_SLO_BAD_RATIO_PREFIX = "sightline:request_ttft_over_slo_ratio:rate"
 RULE_KERNEL_P99 = "sightline:kernel_duration_seconds:p99_5m"  # gpu, kernel
+
+# ---------------------------------------------------------------------------------
+# Engine-agnostic series, recorded by the adapter rules (deploy/prometheus_adapter.py)
+# from Sightline's engine and collector and from vLLM. Dashboards and SLO alerts read
+# only these. Names follow vLLM's where one exists; histograms and counters keep the
+# client libraries' suffixes (_bucket/_sum/_count, _total). Labels: model, le,
+# finish_reason, code, priority (sampled set only, where known), plus job/instance.
+# ---------------------------------------------------------------------------------
+LLM_TTFT_SECONDS = "llm:time_to_first_token_seconds"
+LLM_ITL_SECONDS = "llm:inter_token_latency_seconds"
+LLM_TPOT_SECONDS = "llm:time_per_output_token_seconds"
+LLM_E2E_SECONDS = "llm:e2e_request_latency_seconds"
+LLM_QUEUE_SECONDS = "llm:request_queue_time_seconds"
+LLM_PREFILL_SECONDS = "llm:request_prefill_time_seconds"
+LLM_DECODE_SECONDS = "llm:request_decode_time_seconds"
+LLM_REQUEST_PROMPT_TOKENS = "llm:request_prompt_tokens"
+LLM_REQUEST_GENERATION_TOKENS = "llm:request_generation_tokens"
+LLM_ITERATION_TOKENS = "llm:iteration_tokens"  # histogram: tokens per engine step
+LLM_REQUESTS_TOTAL = "llm:requests"  # counter -> _total; finish_reason
+LLM_REQUEST_ERRORS_TOTAL = "llm:request_errors"  # counter -> _total; code ("500", or vLLM's "5xx")
+LLM_PROMPT_TOKENS_TOTAL = "llm:prompt_tokens"
+LLM_GENERATION_TOKENS_TOTAL = "llm:generation_tokens"
+LLM_PREEMPTIONS_TOTAL = "llm:preemptions"
+LLM_RUNNING = "llm:requests_running"
+LLM_WAITING = "llm:requests_waiting"
+LLM_KV_USAGE = "llm:kv_cache_usage_ratio"
+# The sampled set: per-request latencies with a priority label, from request traces where
+# a Sightline collector receives them (sampled requests only: counts undercount at
+# sampling < 1), else from the engine's own histograms (vLLM: every request, no priority).
+LLM_SAMPLED_TTFT_SECONDS = "llm:sampled_time_to_first_token_seconds"
+LLM_SAMPLED_TPOT_SECONDS = "llm:sampled_time_per_output_token_seconds"
+LLM_SAMPLED_E2E_SECONDS = "llm:sampled_e2e_request_latency_seconds"
+LLM_SAMPLED_QUEUE_SECONDS = "llm:sampled_request_queue_time_seconds"
+LLM_SAMPLED_REQUESTS_TOTAL = "llm:sampled_requests"  # counter -> _total; finish_reason, priority
+# Added by the adapter to every llm: series: which engine's series it copies.
+LABEL_SOURCE = "source"
+SOURCE_SIGHTLINE = "sightline"
+SOURCE_VLLM = "vllm"
+
+# vLLM's own series (vllm/v1/metrics/loggers.py), read by the adapter. Labels model_name
+# and engine (the engine-core index); request_success carries finished_reason.
+VLLM_TTFT_SECONDS = "vllm:time_to_first_token_seconds"
+VLLM_ITL_SECONDS = "vllm:inter_token_latency_seconds"
+VLLM_TPOT_SECONDS = "vllm:request_time_per_output_token_seconds"
+VLLM_E2E_SECONDS = "vllm:e2e_request_latency_seconds"
+VLLM_QUEUE_SECONDS = "vllm:request_queue_time_seconds"
+VLLM_PREFILL_SECONDS = "vllm:request_prefill_time_seconds"
+VLLM_DECODE_SECONDS = "vllm:request_decode_time_seconds"
+VLLM_REQUEST_PROMPT_TOKENS = "vllm:request_prompt_tokens"
+VLLM_REQUEST_GENERATION_TOKENS = "vllm:request_generation_tokens"
+VLLM_ITERATION_TOKENS = "vllm:iteration_tokens_total"  # a histogram despite its _total
+VLLM_REQUEST_SUCCESS_TOTAL = "vllm:request_success"  # counter -> _total; finished_reason
+VLLM_PROMPT_TOKENS_TOTAL = "vllm:prompt_tokens"
+VLLM_GENERATION_TOKENS_TOTAL = "vllm:generation_tokens"
+VLLM_PREEMPTIONS_TOTAL = "vllm:num_preemptions"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction 0..1 despite its name
+# vLLM's HTTP server counts responses through prometheus-fastapi-instrumentator
+VLLM_HTTP_REQUESTS_TOTAL = "http_requests"  # counter -> _total; handler, method, status ("2xx".."5xx")
+VLLM_LABEL_MODEL = "model_name"
+VLLM_LABEL_FINISHED_REASON = "finished_reason"
+VLLM_LABEL_STATUS = "status"
+VLLM_LABEL_HANDLER = "handler"
 
 # Zipkin receiver (collector/zipkin.py): how Zipkin v2 fields land in OTLP.
 RESOURCE_SERVICE_NAME = "service.name"

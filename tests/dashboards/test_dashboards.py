@@ -65,12 +65,13 @@ def test_four_dashboards_with_their_variables():
     dashboards = {d["uid"]: d for d in _committed().values()}
     assert set(dashboards) == {"sightline-overview", "sightline-requests", "sightline-gpu", "sightline-pipeline"}
     variables = {uid: [v["name"] for v in d.get("templating", {}).get("list", [])] for uid, d in dashboards.items()}
-    assert variables["sightline-overview"] == [sc.LABEL_MODEL]
-    assert variables["sightline-requests"] == [sc.LABEL_MODEL, sc.LABEL_PRIORITY]
-    assert variables["sightline-gpu"] == [sc.LABEL_GPU, sc.LABEL_KERNEL]
+    ds = panels.DATASOURCE_VARIABLE
+    assert variables["sightline-overview"] == [ds, sc.LABEL_MODEL]
+    assert variables["sightline-requests"] == [ds, sc.LABEL_MODEL, sc.LABEL_PRIORITY]
+    assert variables["sightline-gpu"] == [ds, sc.LABEL_GPU, sc.LABEL_KERNEL]
     for dashboard in dashboards.values():
-        for variable in dashboard.get("templating", {}).get("list", []):
-            match = re.fullmatch(r"label_values\((\w*)(\{.*\})?, (\w+)\)", variable["query"])
+        for variable in dashboard.get("templating", {}).get("list", [])[1:]:
+            match = re.fullmatch(r"label_values\(([\w:]*)(\{.*\})?, (\w+)\)", variable["query"])
             assert match, variable["query"]
             names = [match.group(1)] if match.group(1) else \
                 re.search(r'__name__=~"([^"]+)"', match.group(2)).group(1).split("|")
@@ -92,7 +93,7 @@ def test_every_panel_has_a_query_and_fits_the_grid():
                 continue
             targets = panel.get("targets") or []
             assert targets and all(t["expr"].strip() for t in targets), (name, panel["title"])
-            assert panel["datasource"] == {"type": "prometheus", "uid": panels.PROMETHEUS_DATASOURCE_UID}
+            assert panel["datasource"] == {"type": "prometheus", "uid": f"${{{panels.DATASOURCE_VARIABLE}}}"}
 
 
 def test_panels_the_brief_asks_for():
@@ -108,9 +109,11 @@ def test_panels_the_brief_asks_for():
     assert gpu["Kernel duration, $kernel"]["targets"][0]["format"] == "heatmap"
     requests = titles["sightline-requests"]
     assert requests["TTFT, priority $priority"]["repeat"] == sc.LABEL_PRIORITY
+    for title in ("Sampled requests by priority", "Sampled requests by finish reason"):
+        assert "Sampled traffic only" in requests[title]["description"]
     assert len(requests["Mean time per phase"]["targets"]) == 3
     overview = titles["sightline-overview"]
-    for title in ("Time to first token", "Time per output token", "End-to-end latency"):
+    for title in ("Time to first token", "Inter-token latency", "Time per output token", "End-to-end latency"):
         exprs = [t["expr"] for t in overview[title]["targets"]]
         assert [e.split(",")[0] for e in exprs] == ["histogram_quantile(0.5", "histogram_quantile(0.99"]
 
@@ -130,7 +133,15 @@ def test_queries_use_only_semconv_names_and_labels():
     assert len(used) >= 30
 
 
+# Histograms whose observations carry trace-id exemplars: the engine's TTFT, ITL and e2e,
+# and every span-derived histogram of the collector.
+_WITH_EXEMPLARS = (sc.ENGINE_TTFT_SECONDS, sc.ENGINE_ITL_SECONDS, sc.ENGINE_E2E_SECONDS, "sightline_request_",
+                   "sightline_kernel_", "sightline_step_", "sightline_sm_")
+
+
 def test_histogram_queries_request_exemplars():
+    """A histogram query asks for exemplars exactly when a series it selects carries them;
+    on the llm: copies (recording rules drop exemplars) it must name that source series."""
     checked = 0
     for dashboard in _committed().values():
         if dashboard["uid"] == "sightline-pipeline":
@@ -139,9 +150,12 @@ def test_histogram_queries_request_exemplars():
             for target in panel.get("targets") or []:
                 expr = target["expr"]
                 is_histogram = "histogram_quantile" in expr or target.get("format") == "heatmap"
-                if is_histogram and "_bucket" in expr:
-                    assert target["exemplar"] is True, (dashboard["uid"], panel["title"])
-                    checked += 1
+                if not (is_histogram and "_bucket" in expr):
+                    continue
+                sources = [n for n in promql.series_names(expr) if not n.startswith("llm:")]
+                carries = any(n.startswith(_WITH_EXEMPLARS) for n in sources)
+                assert target["exemplar"] is carries, (dashboard["uid"], panel["title"], sources)
+                checked += carries
     assert checked >= 15
 
 

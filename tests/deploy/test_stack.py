@@ -225,6 +225,35 @@ def test_exemplars_lead_from_prometheus_back_to_the_clients_requests(stack, load
         assert int(priority) == priority_of[trace_id]
 
 
+def test_engine_exemplars_on_the_overview_resolve_in_the_collector(stack, loaded):
+    """Prometheus scrapes the engine as OpenMetrics and stores its exemplars; the Overview's
+    own TTFT / ITL / e2e expressions (on the llm: copies) find them, and every trace id is
+    a request the client sent whose trace the collector's API returns."""
+    from sightline.dashboards.build import panel_queries
+    from sightline.dashboards.overview import UID
+
+    result, _ = loaded
+    sent = {r.trace_id for r in result.records}
+    exprs = {q.panel_title: q.expr for q in panel_queries(".*", rate_interval="1m", range_="5m", interval="2s")
+             if q.dashboard_uid == UID}
+    for title in ("Time to first token", "Inter-token latency", "End-to-end latency"):
+        now = time.time()
+        query = urllib.parse.urlencode({"query": exprs[title], "start": now - 600, "end": now + 60})
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"{stack.ports.prometheus_url}/api/v1/query_exemplars?{query}",
+                                        timeout=30) as response:
+                series = json.loads(response.read())["data"]
+            ids = {e["labels"][sc.EXEMPLAR_TRACE_ID_LABEL] for s in series for e in s["exemplars"]}
+            if ids or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+        assert ids and ids <= sent, (title, ids - sent)
+        for trace_id in ids:
+            with urllib.request.urlopen(f"{stack.ports.collector_url}/api/v1/traces/{trace_id}", timeout=10) as r:
+                assert any(s["name"].startswith("POST /v1/") for s in json.loads(r.read())["spans"]), trace_id
+
+
 # Panels that cannot have data in this test, each with the reason; every other panel
 # query must return data. A query is matched by the metric names it contains.
 _NVML_ONLY = (sc.GPU_MEMORY_USED_BYTES, sc.GPU_PROCESS_MEMORY_BYTES, sc.GPU_CUDA_CONTEXTS)

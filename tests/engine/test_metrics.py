@@ -21,7 +21,7 @@ def test_without_a_gpu_driver_says_why_and_exposes_no_gpu_series():
     metrics = EngineMetrics("tiny")
     reason = metrics.watch_gpu(0)
     assert reason  # a sentence saying why, not an exception
-    text = metrics.exposition().decode()
+    text = metrics.exposition()[0].decode()
     assert sc.GPU_MEMORY_USED_BYTES not in text
     assert f'{sc.ENGINE_KV_USAGE}{{model="tiny"}} 0.0' in text
 
@@ -30,6 +30,6 @@ def test_without_a_gpu_driver_says_why_and_exposes_no_gpu_series():
 def test_with_a_gpu_memory_and_contexts_are_exposed():
     metrics = EngineMetrics("tiny")
     assert metrics.watch_gpu(0) is None
-    text = metrics.exposition().decode()
+    text = metrics.exposition()[0].decode()
     assert f'{sc.GPU_MEMORY_USED_BYTES}{{gpu="0"}}' in text
     assert f'{sc.GPU_CUDA_CONTEXTS}{{gpu="0"}}' in text

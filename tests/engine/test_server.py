@@ -256,6 +256,7 @@ def test_queue_full_is_429_and_priority_orders_the_queue():
             client.completions.create(model=MODEL, prompt="four", max_tokens=4)
         assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
         assert info.value.body["type"] == "rate_limit_error"
+        assert info.value.response.headers["Retry-After"] == "1"
         first.close()  # the slot frees: the more urgent request gets it although it came later
         next(iter(urgent))
         assert scheduler.get(lax_id).status is RequestStatus.WAITING
