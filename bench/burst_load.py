@@ -1,12 +1,15 @@
-"""Bursts of concurrent streamed completions against an OpenAI-compatible server.
+"""Bursts of concurrent streamed completions against OpenAI-compatible servers, interleaved.
 
-    python -m bench.burst_load --url http://127.0.0.1:8000 --bursts 6 --concurrency 64 \
-        --prompt 128 --output 64
+    python -m bench.burst_load --url http://127.0.0.1:8000 --url http://127.0.0.1:8001 \
+        --rounds 12 --concurrency 64 --prompt 128 --output 64 [--pid 123 --pid 456]
 
-Each burst sends ``concurrency`` streamed /v1/completions at once (token-id prompts of
-``prompt`` tokens, ``output`` tokens with ignore_eos, usage in the last chunk) and waits for
-all of them. Prints one JSON line per burst: wall seconds, output tokens (from usage),
-failed requests. Runs as its own process, so that the load's CPU is not the server's.
+Each round sends one burst to every server in turn (the order rotates between rounds, so
+that drift hits every server alike): ``concurrency`` streamed /v1/completions at once
+(token-id prompts of ``prompt`` tokens, ``output`` tokens with ignore_eos, usage in the
+last chunk), waiting for all of them. Prints one JSON line per burst: server, wall seconds,
+output tokens (from usage), failed requests, and with ``--pid`` the CPU seconds that
+server's process and its children (the telemetry process) used during the burst.
+Runs as its own process, so that the load's CPU is not the servers'.
 """
 
 from __future__ import annotations
@@ -14,11 +17,33 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
+
+
+def process_cpu_s(pid: int) -> tuple[float, float]:
+    """(the process's own CPU seconds, its live children's), from Linux /proc."""
+    def cpu(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    total = 0.0
+    for child in children:
+        try:
+            total += cpu(child)
+        except OSError:
+            pass
+    return cpu(pid), total
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
@@ -32,38 +57,55 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage")
+            usage = json.loads(line[6:]).get("usage")
             if usage:
                 tokens = usage["completion_tokens"]
     return tokens
 
 
+async def burst(session, url: str, model: str, prompts: list[list[int]], output: int,
+                pid: int | None) -> dict:
+    cpu0 = process_cpu_s(pid) if pid else (0.0, 0.0)
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(one_request(session, url, model, p, output) for p in prompts),
+                                   return_exceptions=True)
+    wall = time.perf_counter() - t0
+    cpu1 = process_cpu_s(pid) if pid else (0.0, 0.0)
+    failed = [r for r in results if isinstance(r, BaseException)]
+    return {"url": url, "wall_s": round(wall, 4),
+            "output_tokens": sum(r for r in results if isinstance(r, int)),
+            "failed": len(failed), "errors": sorted({str(e)[:200] for e in failed}),
+            "server_cpu_s": round(cpu1[0] - cpu0[0], 3),
+            "children_cpu_s": round(cpu1[1] - cpu0[1], 3)}
+
+
 async def run(args) -> None:
     rng = random.Random(args.seed)
+    pids = dict(zip(args.url, args.pid or []))
     timeout = aiohttp.ClientTimeout(total=args.timeout_s)
     connector = aiohttp.TCPConnector(limit=args.concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        async with session.get(args.url + "/v1/models") as response:
-            model = (await response.json())["data"][0]["id"]
-        for burst in range(args.bursts):
+        models = {}
+        for url in args.url:
+            async with session.get(url + "/v1/models") as response:
+                models[url] = (await response.json())["data"][0]["id"]
+        for round_ in range(args.rounds):
+            shift = round_ % len(args.url)
+            order = args.url[shift:] + args.url[:shift]
+            if round_ % 2:
+                order = order[::-1]
             prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt)]
                        for _ in range(args.concurrency)]
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(one_request(session, args.url, model, p, args.output)
-                                             for p in prompts), return_exceptions=True)
-            wall = time.perf_counter() - t0
-            failed = [r for r in results if isinstance(r, BaseException)]
-            tokens = sum(r for r in results if isinstance(r, int))
-            print(json.dumps({"burst": burst, "wall_s": round(wall, 4), "output_tokens": tokens,
-                              "failed": len(failed),
-                              "errors": sorted({str(e)[:200] for e in failed})}), flush=True)
+            for url in order:
+                record = await burst(session, url, models[url], prompts, args.output, pids.get(url))
+                print(json.dumps({"round": round_, **record}), flush=True)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--bursts", type=int, default=6)
+    ap.add_argument("--url", action="append", required=True, help="a server; repeat for several")
+    ap.add_argument("--pid", action="append", type=int, help="the server's pid, same order as --url")
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)

@@ -57,7 +57,7 @@ for p in "$@"; do
         --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
-        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-2}" --bursts "${HTTP_BURSTS:-6}" \
+        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
         --levels "${HTTP_LEVELS:-off,requests,steps,kernels,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
     engine)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
