@@ -3,7 +3,8 @@
     python -m bench.overhead_http --model llama-8b --device cuda --rounds 12 --out bench/results
 
 One ``sightline collector run``; one freshly started ``sightline engine serve`` per level,
-all running at once (``--kv-cache-gib`` each, so that they fit on one GPU), idle but for
+all running at once (``--max-model-len`` bounds each one's KV cache, so that they fit on one
+GPU), idle but for
 the burst aimed at them. A separate load process (``bench.burst_load``) sends each round one
 burst of ``--concurrency`` streamed completions to every server in turn, the order rotating
 between rounds, so that drift of the machine hits every level alike; a warm-up round is
@@ -66,7 +67,7 @@ def start_engine(args, level: str, otlp: str) -> tuple[subprocess.Popen, str]:
     [port] = free_ports(1)
     engine = subprocess.Popen(CLI + ["engine", "serve", "--model", args.model, "--device", args.device,
                                      "--port", str(port), "--otlp-endpoint", otlp,
-                                     "--kv-cache-gib", str(args.kv_cache_gib),
+                                     "--max-model-len", str(args.max_model_len),
                                      "--max-num-seqs", str(args.concurrency), "--log-level", "warning",
                                      *args.engine_args, *LEVELS[level]])
     url = f"http://127.0.0.1:{port}"
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--levels", default=",".join(LEVELS))
     ap.add_argument("--rounds", type=int, default=12, help="bursts per level")
-    ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="per engine (all run at once)")
+    ap.add_argument("--max-model-len", type=int, default=512,
+                    help="per engine: bounds its KV cache, so that every level's engine fits at once")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)

@@ -7,9 +7,9 @@ the engine thread (:class:`~.lifecycle.OpenStep`).
 Engine thread, per step: one random draw and a tail check (which steps get kernel spans:
 a sampled fraction, and the steps after one slower than the recent P99.9), a stream-
 ordered copy of the step's probe records, a queue put; a traced step also switches CUPTI
-on and off and pushes/pops its external id (``step_id + 1``). One worker thread reduces
-probe records on the GPU in batches into per-(gpu, SM, kernel) histograms (always on),
-copies a traced step's CTA records to the host, flushes CUPTI after traced steps, and
+on, pushes/pops its external id (``step_id + 1``), and flushes CUPTI before switching it
+off. One worker thread reduces probe records on the GPU in batches into per-(gpu, SM,
+kernel) histograms (always on), copies a traced step's CTA records to the host, and
 every ``export_interval_s`` hands the histograms over. CUPTI buffers go over as raw bytes.
 Everything leaves through the recorder (:mod:`.gpu_records`); the telemetry process
 decodes it (:mod:`.kernel_spans`). Errors are logged and counted, never raised.
@@ -49,7 +49,6 @@ class GpuTelemetryConfig:
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
-    flush_after_s: float = 0.05         # CUPTI is flushed this long after a traced step
     cupti: bool = True                  # kernel spans (CUPTI)
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
@@ -61,7 +60,7 @@ class GpuTelemetryConfig:
     def __post_init__(self) -> None:
         checks = (("kernel_sample_ratio", 0.0, 1.0), ("tail_quantile", 0.5, 1.0),
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
-                  ("flush_after_s", 0.0, 10.0), ("probe_capacity_ctas", 1, 1 << 26),
+                  ("probe_capacity_ctas", 1, 1 << 26),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
@@ -162,7 +161,6 @@ class GpuTelemetry:
         self._open: str = ""       # the running step's trace reason ("" = not traced)
         self._follow = 0           # steps still to trace after a slow one
         self._probe_batch: list = []
-        self._flush_due: list[float] = []          # monotonic times a CUPTI flush is due
         self._interval_start_ns = time.time_ns()
         self._last_export = time.monotonic()
         self._stop = threading.Event()
@@ -229,6 +227,10 @@ class GpuTelemetry:
             reason, self._open = self._open, ""
             if reason:
                 self.tracer.pop()
+                # The step's tokens are on the host, so its kernels are done: deliver their
+                # records while the kinds are still on (a CUDA graph's kernel records
+                # flushed after the kinds went off carried the flush time as their end).
+                self.tracer.flush()
                 self.tracer.disable()
                 if reason == TRACE_SAMPLED:
                     self.stats.steps_traced_sampled += 1
@@ -296,17 +298,12 @@ class GpuTelemetry:
                     self._reduce_probe_batch()
                     if self.tracer is not None:
                         self.tracer.flush()
-                    self._flush_due.clear()
                     if export:
                         self._export()
                     done.set()
                 elif item is not None:
                     self._take_step(*item)
-                now = time.monotonic()
-                if self._flush_due and now >= self._flush_due[0]:
-                    self._flush_due.clear()
-                    self.tracer.flush()
-                if now - self._last_export >= self.config.export_interval_s:
+                if time.monotonic() - self._last_export >= self.config.export_interval_s:
                     self._export()
             except Exception:
                 self.stats.errors += 1
@@ -327,10 +324,6 @@ class GpuTelemetry:
                 self._reduce_probe_batch()
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
-        if traced and self.tracer is not None:
-            # CUPTI is off between traced steps, so this step's records sit in a part-full
-            # buffer until flushed: once its kernels had time to finish, ask for them.
-            self._flush_due.append(time.monotonic() + self.config.flush_after_s)
 
     def _reduce_probe_batch(self) -> None:
         """Enqueues the on-GPU histogram reduction of the batched steps' probe records (one

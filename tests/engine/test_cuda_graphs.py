@@ -196,3 +196,45 @@ def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     assert sum("sightline_rms_norm" in n for n in names) == 2 * layers + 1, names
     assert all(e == 77 for n, e in tagged if "sightline_" in n), tagged
 
+
+
+@pytest.mark.gpu
+def test_cupti_times_of_a_replayed_graphs_kernels_lie_inside_the_replay(request):
+    """Kernel records of a replayed graph, flushed before CUPTI is switched off (as
+    GpuTelemetry does for a traced step), start and end inside the replay's wall time."""
+    import time
+
+    import numpy as np
+
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.instrumentation.cupti_records import decode_buffer
+    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+    available = cupti_available()
+    if not available[0]:
+        pytest.skip(available[1])
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
+    request.addfinalizer(tracer.stop)
+    assert tracer.start(), tracer.unavailable_reason
+    tracer.disable()
+    engine = LLMEngine(_cuda_config())
+    graphs, dev = engine.runner.graphs, engine.runner.device
+    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
+            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([4], dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    for attempt in range(3):
+        buffers.clear()
+        t0 = time.time_ns()
+        tracer.enable()
+        tracer.push(100 + attempt)
+        graphs.run(*args, bucket=1)
+        tracer.pop()
+        torch.cuda.synchronize()
+        t1 = time.time_ns()
+        tracer.flush()
+        tracer.disable()
+        kernels = np.concatenate([decode_buffer(b).kernels for b in buffers])
+        assert len(kernels)
+        assert int(kernels["start_ns"].min()) >= t0 - 1_000_000, (attempt, int(kernels["start_ns"].min()) - t0)
+        assert int(kernels["end_ns"].max()) <= t1 + 1_000_000, (attempt, int(kernels["end_ns"].max()) - t1)
