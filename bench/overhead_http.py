@@ -37,6 +37,8 @@ LEVELS = {                                 # name -> engine serve flags
     "steps": ["--trace-level", "steps"],
     "kernels": ["--trace-level", "kernels"],
     "kernels@0.05": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05"],
+    "kernels@0": ["--trace-level", "kernels", "--kernel-sample-ratio", "0"],          # probe only
+    "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
 }
 
 

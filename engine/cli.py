@@ -61,6 +61,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--kernel-spans", choices=("attention", "all"), default=None,
                        help="a traced step's kernel spans: each attention launch and one per "
                             "other kernel name (attention, the default), or every launch (all)")
+    serve.add_argument("--sm-probe", action=argparse.BooleanOptionalAction, default=None,
+                       help="at --trace-level kernels: per-CTA SM timing in the attention kernels "
+                            "and per-SM histograms (default: SIGHTLINE_SM_PROBE, else on)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
@@ -80,7 +83,8 @@ def _serve(args: argparse.Namespace) -> int:
                                          otlp_protocol=args.otlp_protocol,
                                          capture_content=args.capture_content,
                                          kernel_sample_ratio=args.kernel_sample_ratio,
-                                         kernel_span_detail=args.kernel_spans)
+                                         kernel_span_detail=args.kernel_spans,
+                                         sm_probe=args.sm_probe)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

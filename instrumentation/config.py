@@ -120,6 +120,9 @@ class TelemetryConfig:
     # Kernel spans of a traced step: "attention" (each attention launch its own span, other
     # kernels one span per name) or "all" (every launch; for debugging).
     kernel_span_detail: str = "attention"
+    # At level kernels: the per-CTA SM probe in our attention kernels and the per-SM
+    # histograms it feeds (off leaves kernel spans without per-SM facts).
+    sm_probe: bool = True
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0
@@ -275,6 +278,7 @@ class TelemetryConfig:
         put("capture_content", "SIGHTLINE_CAPTURE_CONTENT", _parse_bool)
         put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
         put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
+        put("sm_probe", "SIGHTLINE_SM_PROBE", _parse_bool)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:

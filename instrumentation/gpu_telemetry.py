@@ -129,9 +129,10 @@ class GpuTelemetry:
         self.recorder = recorder
         self.device_index = device_index
         if config is None:
-            ratio = getattr(getattr(recorder, "config", None), "kernel_sample_ratio", None)
-            config = GpuTelemetryConfig() if ratio is None else GpuTelemetryConfig(
-                kernel_sample_ratio=ratio)
+            telemetry_config = getattr(recorder, "config", None)
+            config = GpuTelemetryConfig(
+                kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
+                probe=getattr(telemetry_config, "sm_probe", True))
         self.config = config
         self.stats = GpuTelemetryStats()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
