@@ -218,15 +218,12 @@ class CuptiTracer:
                 CuptiTracer._active = None
 
     def enable(self) -> None:
-        """Switches the activity kinds on (per traced step; no flush). Re-applies the API
-        filter, since re-enabling a kind may reset CUPTI's per-API choices (~1,000 cheap
-        CUPTI calls, paid only by traced steps)."""
+        """Switches the activity kinds on (per traced step; no flush). The per-API filter
+        set at start is not re-applied: unfiltered API records would cost only bytes here."""
         if self.available:
             try:
                 for kind in self._kinds:
                     self._cupti.activity_enable(kind)
-                if self.api_filter:
-                    self._filter_api_records(self._cupti)
             except Exception:
                 logger.exception("CUPTI enable failed")
 
