@@ -130,6 +130,8 @@ class LLMEngine:
         self._recorder = telemetry.recorder if telemetry is not None else None
         self.gpu_telemetry = self._gpu_telemetry()
         self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry)
+        if self.gpu_telemetry is not None:
+            self.gpu_telemetry.start_kernel_tracing()
         self.tokenizer = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
                                         self.model_config.eos_token_id)
         self.eos_token_id = self.model_config.eos_token_id

@@ -138,13 +138,8 @@ class GpuTelemetry:
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
                                  random.Random(config.seed), refresh_steps=16)
+        # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
         self.tracer = CuptiTracer(self._on_buffer) if config.cupti else None
-        if self.tracer is not None:
-            if self.tracer.start():
-                self.tracer.disable()       # idle until a traced step switches it on
-            else:
-                logger.warning("GPU telemetry continues without kernel spans: %s",
-                               self.tracer.unavailable_reason)
         self.probe: SmProbe | None = None
         self.histograms = None
         self._side = None
@@ -189,6 +184,19 @@ class GpuTelemetry:
         except Exception:
             logger.exception("GPU telemetry could not start; continuing without it")
             return None
+
+    def start_kernel_tracing(self) -> bool:
+        """Subscribes to CUPTI, idle until a traced step. Called after the engine captured
+        its CUDA graphs: graphs instantiated while CUPTI was subscribed replayed slower on
+        every step, traced or not (bench/results/overhead_http-*.json)."""
+        if self.tracer is None or self.tracer.available:
+            return self.kernel_spans_available
+        if self.tracer.start():
+            self.tracer.disable()
+        else:
+            logger.warning("GPU telemetry continues without kernel spans: %s",
+                           self.tracer.unavailable_reason)
+        return self.tracer.available
 
     @property
     def kernel_spans_available(self) -> bool:

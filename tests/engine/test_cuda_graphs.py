@@ -238,3 +238,47 @@ def test_cupti_times_of_a_replayed_graphs_kernels_lie_inside_the_replay(request)
         assert len(kernels)
         assert int(kernels["start_ns"].min()) >= t0 - 1_000_000, (attempt, int(kernels["start_ns"].min()) - t0)
         assert int(kernels["end_ns"].max()) <= t1 + 1_000_000, (attempt, int(kernels["end_ns"].max()) - t1)
+
+
+@pytest.mark.gpu
+def test_graphs_captured_before_cupti_starts_are_still_traced(request):
+    """The engine subscribes to CUPTI after capturing its graphs; a traced replay's kernels
+    still come back, under the pushed external id, with times inside the replay."""
+    import time
+
+    import numpy as np
+
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.instrumentation.cupti_records import decode_buffer
+    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+    available = cupti_available()
+    if not available[0]:
+        pytest.skip(available[1])
+    engine = LLMEngine(_cuda_config())
+    graphs, dev = engine.runner.graphs, engine.runner.device
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
+    request.addfinalizer(tracer.stop)
+    assert tracer.start(), tracer.unavailable_reason
+    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
+            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([4], dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    tracer.flush()
+    buffers.clear()
+    t0 = time.time_ns()
+    tracer.push(55)
+    graphs.run(*args, bucket=1)
+    tracer.pop()
+    torch.cuda.synchronize()
+    t1 = time.time_ns()
+    tracer.flush()
+    decoded = [decode_buffer(b) for b in buffers]
+    kernels = np.concatenate([d.kernels for d in decoded])
+    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
+                        np.concatenate([d.external_ids for d in decoded]).tolist()))
+    names_of = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    ours = [k for k in kernels if external.get(int(k["correlation_id"])) == 55]
+    layers = engine.model_config.num_layers
+    assert sum("sightline_paged_decode" in names_of[int(k["name_ptr"])] for k in ours) >= layers
+    assert all(t0 - 10**6 <= int(k["start_ns"]) and int(k["end_ns"]) <= t1 + 10**6 for k in ours)

@@ -308,6 +308,7 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
                                        span_exporters=[spans], metric_readers=[InMemoryMetricReader()])
     gpu = GpuTelemetry.create(pipeline.recorder, 0, GpuTelemetryConfig(kernel_sample_ratio=1.0))
     assert gpu is not None and gpu.probe is not None
+    gpu.start_kernel_tracing()
     pipeline.attach_gpu(gpu)
     exported = []
     pipeline._worker._metric_exporters = [type("Sink", (), {
