@@ -186,9 +186,9 @@ class GpuTelemetry:
             return None
 
     def start_kernel_tracing(self) -> bool:
-        """Subscribes to CUPTI, idle until a traced step. Called after the engine captured
-        its CUDA graphs: graphs instantiated while CUPTI was subscribed replayed slower on
-        every step, traced or not (bench/results/overhead_http-*.json)."""
+        """Subscribes to CUPTI, idle until a traced step. The engine calls it after capturing
+        its CUDA graphs, so that they are instantiated without CUPTI; they are traced all the
+        same (tests/engine/test_cuda_graphs.py)."""
         if self.tracer is None or self.tracer.available:
             return self.kernel_spans_available
         if self.tracer.start():
