@@ -10,8 +10,8 @@ burst of ``--concurrency`` streamed completions to every server in turn, the ord
 between rounds, so that drift of the machine hits every level alike; a warm-up round is
 discarded. Per level: output tokens/s (median of bursts), the ratio to ``off`` paired by
 round, the engine's step times (``/debug/steps``: median, steps over 2x the median), the
-engine process's and its telemetry process's CPU seconds per 1,000 output tokens, failed
-requests and telemetry drops from the engine's /metrics.
+share of the engine loop its thread spent recording telemetry, the engine process's and its
+telemetry process's CPU seconds per 1,000 output tokens, failures and telemetry drops.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
 def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
-             "| telemetry CPU s / 1k tok | failed | dropped |", "|---" * 11 + "|"]
+             "| telemetry CPU s / 1k tok | engine thread in telemetry | failed | dropped |",
+             "|---" * 12 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         lines.append(
@@ -129,6 +130,7 @@ def format_table(summary: dict) -> str:
             f"{s['ratio_vs_off_paired_median']:.3f} [{lo:.3f}, {hi:.3f}] | {s['median_step_ms']:.2f} | "
             f"{s['steps_over_2x_median']} / {s['steps']} | {s['steps_over_2x_off_median']} | "
             f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
+            f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
             f"{s['failed']} | {s['telemetry_dropped']:.0f} |")
     return "\n".join(lines)
 
@@ -165,12 +167,15 @@ def main(argv=None) -> int:
         urls = [engines[level][1] for level in levels]
         pids = [engines[level][0].pid for level in levels]
         load(args, urls, pids, 1, seed=999)                       # warm-up, discarded
-        before = {level: len(json.loads(_get(url + "/debug/steps"))["durations_s"])
-                  for level, (_, url) in engines.items()}
+        before = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
         level_of = {url: level for level, (_, url) in engines.items()}
         bursts = [{**b, "level": level_of[b["url"]]} for b in load(args, urls, pids, args.rounds, 0)]
-        steps = {level: json.loads(_get(url + "/debug/steps"))["durations_s"][before[level]:]
-                 for level, (_, url) in engines.items()}
+        after = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
+        steps = {level: after[level]["durations_s"][len(before[level]["durations_s"]):]
+                 for level in levels}
+        in_situ = {level: (after[level]["telemetry_engine_thread_s"]
+                           - before[level]["telemetry_engine_thread_s"])
+                   / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9) for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
         collector_metrics = _get(f"http://127.0.0.1:{query}/metrics").decode()
     finally:
@@ -184,6 +189,8 @@ def main(argv=None) -> int:
         collector.send_signal(signal.SIGTERM)
         collector.wait(timeout=60)
     summary = summarize(levels, bursts, steps, metrics)
+    for level in levels:
+        summary[level]["engine_thread_telemetry_share"] = in_situ[level]
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
               "time": utc_now(), "args": vars(args) | {"out": str(args.out)}, "summary": summary,
               "bursts": bursts, "collector_kernel_trace_backlog_steps":

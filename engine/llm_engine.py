@@ -153,6 +153,10 @@ class LLMEngine:
         self._last_plan_nonempty = False
         self.last_step: StepStats | None = None
         self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
+        # the engine loop's time in all, and the part of it spent recording telemetry
+        # (GpuTelemetry's begin/end_step count theirs in gpu_telemetry.stats.engine_thread_s)
+        self.loop_s = 0.0
+        self.telemetry_thread_s = 0.0
 
     def _watch_gpu_health(self) -> None:
         """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever
@@ -315,30 +319,23 @@ class LLMEngine:
             live = self._live.get(request.request_id)
             if live is not None:
                 live.prefilling = True
-        step = None
-        if self._recorder is not None:
-            trace_id, span_id = self._recorder.new_span_ids()
-            step = OpenStep(plan.step_id, trace_id, span_id, time.time_ns())
+        step = self._open_step(plan) if self._recorder is not None else None
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
         events: list = []   # finished requests' events: recorded after their step's
         try:
             sampled = self.runner.execute(plan, step)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
-            self._record_step(plan, step, (), type(exc).__name__)
+            if step is not None:
+                self._close_step(plan, step, (), [], type(exc).__name__)
             outputs += self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}")
             return outputs
-        if step is not None and self.runner.graphs is not None:   # CUDA graphs in use
-            for key, value in self.runner.last_execution.attributes().items():
-                step.set_attribute(key, value)
         with self._lock:
             finished = self.scheduler.update(plan, sampled)
         prefill_done: list[int] = []
         outputs += self._process_tokens(plan, sampled, finished, prefill_done, events)
-        self._record_step(plan, step, prefill_done, None)
-        if events:
-            for event in events:
-                self._recorder.record(event)
+        if step is not None:
+            self._close_step(plan, step, prefill_done, events, None)
         m = self.metrics
         duration = time.perf_counter() - t0
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
@@ -346,7 +343,10 @@ class LLMEngine:
         m.step.observe(duration)
         self.step_durations_s.append(duration)
         if self.gpu_telemetry is not None and step is not None:
+            c0 = time.perf_counter()
             self.gpu_telemetry.observe_step(step, duration)
+            self.telemetry_thread_s += time.perf_counter() - c0
+        self.loop_s += duration
         m.step_tokens.observe(plan.num_scheduled_tokens)
         m.generation_tokens.inc(len(sampled))
         self._record_gauges()
@@ -358,20 +358,34 @@ class LLMEngine:
         m.waiting.set(self.scheduler.num_waiting)
         m.kv_usage.set(self.kv_cache.usage)
 
-    def _record_step(self, plan: StepPlan, step: OpenStep | None, prefill_done,
-                     error_type: str | None) -> None:
-        """One Step event: the batch, the preempted requests, the finished prompts."""
-        if step is None:
-            return
+    def _open_step(self, plan: StepPlan) -> OpenStep:
+        c0 = time.perf_counter()
+        trace_id, span_id = self._recorder.new_span_ids()
+        step = OpenStep(plan.step_id, trace_id, span_id, time.time_ns())
+        self.telemetry_thread_s += time.perf_counter() - c0
+        return step
+
+    def _close_step(self, plan: StepPlan, step: OpenStep, prefill_done, events: list,
+                    error_type: str | None) -> None:
+        """One Step event (the batch, the preempted requests, the finished prompts), then the
+        events of the requests it finished."""
+        c0 = time.perf_counter()
+        if self.runner.graphs is not None:   # CUDA graphs in use: which bucket ran
+            for key, value in self.runner.last_execution.attributes().items():
+                step.set_attribute(key, value)
         scheduled = plan.scheduled
-        keys = tuple(k for k in (e.request.telemetry for e in scheduled) if k is not None)
-        preempted = tuple(k for k in (r.telemetry for r in plan.preempted) if k is not None)
-        num_decode = sum(1 for e in scheduled if not e.is_prefill)
+        # a request's key, None when it is not traced (the assembler skips those)
+        keys = tuple([e.request.telemetry for e in scheduled])
+        preempted = tuple([r.telemetry for r in plan.preempted]) if plan.preempted else ()
+        num_decode = plan.num_decode_tokens      # one token per decode
         self._recorder.record(Step(
             step.step_id, step.start_ns, time.time_ns(), step.trace_id, step.span_id, keys,
             len(scheduled), preempted, tuple(prefill_done), plan.num_prefill_tokens,
             plan.num_decode_tokens, len(scheduled) - num_decode, num_decode,
             plan.kv_blocks_used, plan.kv_blocks_total, error_type, step.attributes))
+        for event in events:
+            self._recorder.record(event)
+        self.telemetry_thread_s += time.perf_counter() - c0
 
     def _process_tokens(self, plan: StepPlan, sampled: dict[str, int], finished: list[Request],
                         prefill_done: list[int], events: list) -> list[tuple[_Live, RequestOutput]]:

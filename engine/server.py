@@ -131,8 +131,14 @@ class EngineServer:
 
     async def debug_steps(self, request: web.Request) -> web.Response:
         """The wall times of the engine's recent steps, oldest first (what a step-time
-        histogram cannot answer: how many steps were over twice the median)."""
-        return _json_response({"durations_s": list(self.engine.step_durations_s)})
+        histogram cannot answer: how many steps were over twice the median), and the loop's
+        total time beside the part of it the engine thread spent recording telemetry."""
+        engine = self.engine
+        gpu = engine.gpu_telemetry
+        return _json_response({
+            "durations_s": list(engine.step_durations_s), "loop_s": engine.loop_s,
+            "telemetry_engine_thread_s": engine.telemetry_thread_s
+            + (gpu.stats.engine_thread_s if gpu is not None else 0.0)})
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})

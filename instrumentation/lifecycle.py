@@ -74,16 +74,16 @@ class Queued(NamedTuple):
 
 
 class Step(NamedTuple):
-    """One engine iteration. Keys are those of traced requests, in batch order."""
+    """One engine iteration. Request keys in batch order; None for an untraced request."""
 
     step_id: int
     start_ns: int
     end_ns: int
     trace_id: int                     # the step span's ids (drawn here, for exemplars)
     span_id: int
-    scheduled: tuple[int, ...]        # every request of the batch (None-free keys)
+    scheduled: tuple[int | None, ...]  # every request of the batch
     batch_size: int                   # requests in the batch, traced or not
-    preempted: tuple[int, ...]        # sent back to the queue before this step
+    preempted: tuple[int | None, ...]  # sent back to the queue before this step
     prefill_done: tuple[int, ...]     # finished their (re)computed prompt in this step
     prefill_tokens: int
     decode_tokens: int
