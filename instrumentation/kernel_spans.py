@@ -8,8 +8,8 @@ step by the external-correlation id the engine pushed around the step's launches
 
 - every attention launch (names matching ``attention_markers``: our FA2 prefill and
   paged decode, PyTorch's flash kernels) is its own span, with launch and per-SM facts;
-- every other kernel is one span per (step, kernel name): launches, total and max
-  duration, from the first launch's start to the last one's end;
+- every other kernel is one ``kernels <name>`` span per (step, kernel name): launches,
+  total and max duration, from the first launch's start to the last one's end;
 - ``detail="all"`` gives every launch its own span (for debugging).
 
 Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 _SPAN_NAME_MAX = 160
 
 
-def kernel_span_name(kernel_name: str) -> str:
+def kernel_span_name(kernel_name: str, prefix: str = semconv.SPAN_KERNEL_PREFIX) -> str:
     """``kernel <name>``, cut to a length span stores accept (C++ names run to kilobytes)."""
-    return (semconv.SPAN_KERNEL_PREFIX + kernel_name)[:_SPAN_NAME_MAX]
+    return (prefix + kernel_name)[:_SPAN_NAME_MAX]
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,8 @@ class KernelSpanBuilder:
                      semconv.KERNEL_LAUNCHES: len(rows),
                      semconv.KERNEL_TOTAL_DURATION_S: float(durations.sum()) * 1e-9,
                      semconv.KERNEL_MAX_DURATION_S: float(durations.max()) * 1e-9}
-            spans.emit(kernel_span_name(name), spans.child_context(parent), parent,
+            spans.emit(kernel_span_name(name, semconv.SPAN_KERNEL_SUMMARY_PREFIX),
+                       spans.child_context(parent), parent,
                        int(group["start_ns"].min()), int(group["end_ns"].max()), attrs)
             self.stats.kernel_spans += 1
 

@@ -32,6 +32,9 @@ SPAN_DETOKENIZE = "detokenize"
 SPAN_ENGINE_STEP = "engine.step"
 # Kernel spans are named after the kernel itself; this prefix marks them.
 SPAN_KERNEL_PREFIX = "kernel "
+# A traced step's launches of one (non-attention) kernel summarised in one span: "kernels <name>".
+# Not a kernel's duration, so the collector's per-kernel latency series leave it out.
+SPAN_KERNEL_SUMMARY_PREFIX = "kernels "
 
 REQUEST_PHASE_SPANS = (SPAN_TOKENIZE, SPAN_QUEUE, SPAN_PREFILL, SPAN_DECODE, SPAN_DETOKENIZE)
 

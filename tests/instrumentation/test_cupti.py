@@ -185,15 +185,16 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
     assert gpu.flush(timeout_s=10)
     assert _wait(lambda: pipeline.counters().get("kernel_spans") == 4)
     pipeline.shutdown()
-    kernel_spans = [s for s in spans.get_finished_spans() if s.name.startswith(semconv.SPAN_KERNEL_PREFIX)]
+    kernel_spans = [s for s in spans.get_finished_spans()
+                    if s.name.startswith((semconv.SPAN_KERNEL_PREFIX, semconv.SPAN_KERNEL_SUMMARY_PREFIX))]
     by_step = {st.span_id: sorted((s.name, s.attributes.get(semconv.KERNEL_LAUNCHES),
                                    s.end_time - s.start_time) for s in kernel_spans
                                   if s.parent.span_id == st.span_id) for st in steps}
-    assert by_step[steps[0].span_id] == [("kernel rms_norm", 2, 1400),
-                                         ("kernel sightline_paged_decode", None, 700)]
-    assert by_step[steps[1].span_id] == [("kernel gemv_bf16", 1, 900),
-                                         ("kernel sightline_paged_decode", None, 600)]
-    [rms] = [s for s in kernel_spans if s.name == "kernel rms_norm"]
+    assert by_step[steps[0].span_id] == [("kernel sightline_paged_decode", None, 700),
+                                         ("kernels rms_norm", 2, 1400)]
+    assert by_step[steps[1].span_id] == [("kernel sightline_paged_decode", None, 600),
+                                         ("kernels gemv_bf16", 1, 900)]
+    [rms] = [s for s in kernel_spans if s.name == "kernels rms_norm"]
     assert rms.attributes[semconv.KERNEL_TOTAL_DURATION_S] == pytest.approx(500e-9)
     assert rms.attributes[semconv.KERNEL_MAX_DURATION_S] == pytest.approx(300e-9)
     [attn] = [s for s in kernel_spans if s.attributes.get(semconv.CUDA_CORRELATION_ID) == 2]
