@@ -33,6 +33,8 @@ _STEP_MASK = (1 << _STEP_BITS) - 1
 _MAX_DUR_NS = (1 << (62 - _STEP_BITS)) - 1   # ~73 min: durations clamp here (never reached)
 
 
+_NO_MIN = (1 << 63) - 1    # min_ns of a row with no CTA yet
+
 def torch_bucket_indices(values: torch.Tensor, scale: int) -> torch.Tensor:
     """``exphist.bucket_indices`` in torch (float64, positive values, scale > 0)."""
     mantissa, exponent = torch.frexp(values)
@@ -62,8 +64,10 @@ class DeviceCtaHistograms:
         self.zeros = torch.zeros(self.rows, dtype=torch.int64, **z)
         self.count = torch.zeros(self.rows, dtype=torch.int64, **z)
         self.sum = torch.zeros(self.rows, dtype=torch.float64, **z)
-        self.min = torch.full((self.rows,), float("inf"), dtype=torch.float64, **z)
-        self.max = torch.full((self.rows,), float("-inf"), dtype=torch.float64, **z)
+        # min/max in integer ns: 64-bit integer atomics are native on the GPU, float64
+        # min/max are compare-and-swap loops that contend on a few hundred rows
+        self.min_ns = torch.full((self.rows,), _NO_MIN, dtype=torch.int64, **z)
+        self.max_ns = torch.full((self.rows,), -1, dtype=torch.int64, **z)
         self.best = torch.full((self.rows,), float("-inf"), dtype=torch.float64, **z)
         self.best_seq = torch.zeros(self.rows, dtype=torch.int64, **z)
         self.clamped = torch.zeros((), dtype=torch.int64, **z)
@@ -137,8 +141,8 @@ class DeviceCtaHistograms:
         self.zeros.index_add_(0, row, (~positive).to(torch.int64))
         self.count.index_add_(0, row, torch.ones_like(row))
         self.sum.index_add_(0, row, dur)
-        self.min.scatter_reduce_(0, row, dur, reduce="amin")
-        self.max.scatter_reduce_(0, row, dur, reduce="amax")
+        self.min_ns.scatter_reduce_(0, row, dur_ns, reduce="amin")
+        self.max_ns.scatter_reduce_(0, row, dur_ns, reduce="amax")
         # the slowest CTA per row and its step, in one reduction: duration in the high bits,
         # the step's index in this batch in the low bits (inverted: on a tie the earlier
         # step wins, as it does across calls)
@@ -158,13 +162,14 @@ class DeviceCtaHistograms:
             return t.to("cpu", copy=True).numpy()   # a copy even for CPU tensors (reset below)
         table = host(self.table.view(self.rows, self.nb))
         zeros, count = host(self.zeros), host(self.count)
-        total, low, high = host(self.sum), host(self.min), host(self.max)
+        total = host(self.sum)
+        low, high = host(self.min_ns) * 1e-9, host(self.max_ns) * 1e-9
         best, best_seq = host(self.best), host(self.best_seq)
         self.clamped_total += int(self.clamped.item())
         for t in (self.table, self.zeros, self.count, self.sum, self.best_seq, self.clamped):
             t.zero_()
-        self.min.fill_(float("inf"))
-        self.max.fill_(float("-inf"))
+        self.min_ns.fill_(_NO_MIN)
+        self.max_ns.fill_(-1)
         self.best.fill_(float("-inf"))
         with self._lock:
             steps, self._steps = self._steps, {}
