@@ -1,21 +1,17 @@
 """Per-SM data at fleet scale on one collector replica: CPU, /metrics, RSS, heatmap latency.
 
-A simulated fleet of ``--gpus`` GPUs (8 per host, one engine process per GPU, each its own
-OTLP resource with ``service.instance.id``; every point carries ``gpu.id`` and
-``gpu.uuid``) x 132 SMs x ``--kernels`` kernels (real CUPTI kernel names from the
-committed H200 capture) sends one delta export per GPU every ``--interval-s`` seconds,
-spread evenly over the interval, to ``sightline collector run`` in its own process. After
-``--warmup-rounds`` the bench measures, over ``--rounds`` intervals: the collector's CPU
-seconds per wall second (share of the machine's cores), whether each round was
-aggregated within its interval (queue empty and every point counted), ``/metrics``
-(bytes, gzip bytes, seconds; scraped while ingest runs), heatmap query latency (JSON,
-both views, random GPUs and kernels), RSS and peak RSS, and every per-SM P99 gauge
-against the exact P99 of the values sent.
+A simulated fleet (``--gpus`` GPUs x 132 SMs x ``--kernels`` kernels) sends one delta
+export per GPU every ``--interval-s`` seconds to ``sightline collector run`` in its own
+process. Over ``--rounds`` intervals after ``--warmup-rounds`` it measures the collector's
+CPU (cores busy), whether each interval was aggregated in time, ``/metrics`` size and
+scrape time during ingest, heatmap query latency, RSS and peak RSS.
+Guarantee: every per-SM P99 gauge is checked against the exact P99 of the values sent.
+Cost: (warm-up + measured rounds) x ``--interval-s`` of wall time plus building the
+exports; the load runs on the collector's machine.
 
 Results: bench/results/collector_scale.json and .md (with the git commit).
-Run: ``.venv/bin/python bench/collector_scale.py`` (about three minutes).
+Run: ``.venv/bin/python -m bench.collector_scale``
 """
-
 from __future__ import annotations
 
 import argparse
@@ -62,6 +58,8 @@ def kernel_names(n: int) -> list[str]:
 
 def build_requests(gpus: int, kernels: list[str], ctas: int, seed: int = 0):
     """Per GPU: its encoded export (timestamps as placeholders) and the exact P99 per (gpu label, sm, kernel)."""
+    # The fleet as engines export it: 8 GPUs per host, one engine process per GPU, each its own
+    # OTLP resource with service.instance.id; every point carries gpu.id and gpu.uuid.
     from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
     from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
@@ -195,7 +193,7 @@ def main(argv=None) -> int:
                     scrapes.append({"bytes": len(body), "gzip_bytes": len(gz), "seconds": round(seconds, 3),
                                     "gzip_seconds": round(gz_seconds, 3),
                                     "lines": body.count(b"\n")})
-                elif len(heatmaps) < args.heatmap_queries:
+                elif len(heatmaps) < args.heatmap_queries:  # JSON, both views, random GPUs and kernels
                     g, k = rng.randrange(args.gpus), rng.randrange(args.kernels)
                     kind = ("time_sm", "sm_latency")[len(heatmaps) % 2]
                     query = (f"/api/v1/heatmap?instance_id=gpu-node-{g // 8:03d}-{g % 8}&gpu={g % 8}"
@@ -215,7 +213,7 @@ def main(argv=None) -> int:
             retries = 0
             cpu0 = _cpu_s(collector.process.pid)
             for g, body in enumerate(bodies):
-                due = round_start + args.interval_s * g / len(bodies)
+                due = round_start + args.interval_s * g / len(bodies)  # spread evenly over the interval
                 time.sleep(max(0.0, due - time.monotonic()))
                 now_ns = time.time_ns()
                 payload = body.replace(_TIME, struct.pack("<Q", now_ns)).replace(
