@@ -12,6 +12,7 @@ exports; the load runs on the collector's machine.
 Results: bench/results/collector_scale.json and .md (with the git commit).
 Run: ``.venv/bin/python -m bench.collector_scale``
 """
+
 from __future__ import annotations
 
 import argparse
