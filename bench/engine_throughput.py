@@ -1,24 +1,17 @@
 """Engine decode speed next to the weight-read floor, CUDA graphs and eager side by side.
 
-    python bench/engine_throughput.py --model llama-8b --device cuda      # H200: ~2 min
-    python bench/engine_throughput.py --model tiny --device cpu --single-output-len 16 \\
-        --concurrency 4 --output-len 8 --repeats 1                          # CPU smoke run
-
-Requests go through ``LLMEngine.step()`` (scheduler, model runner, sampler, detokenizer,
-metrics: everything but HTTP), greedy with ignore_eos, random seeded prompts. Measured in one
-process on one engine, each repeat running every mode in turn (medians over repeats):
-
-* ``single``: one request (``--prompt-len`` prompt, ``--single-output-len`` output): median
-  decode step ms and the decode tok/s it implies, and end-to-end output tok/s;
-* ``concurrent``: ``--concurrency`` requests submitted together (``--output-len`` each): end-to-end
-  output tok/s (prefill included) and the median decode-only step ms at full batch.
-
-Modes: ``graphs`` (decode steps replay CUDA graphs; on the CPU the same padded static path
-without capture) and ``eager``. Floor: parameter bytes / the bandwidth of a device-to-device
-copy measured in this run (bytes read + written per second), i.e. the time to read every
-weight once; each step time is reported as a multiple of it. ``agreement``: share of
-requests whose greedy tokens are identical between the modes. Writes
+Requests go through ``LLMEngine.step()`` (everything but HTTP), greedy with ignore_eos,
+seeded random prompts, on one engine in one process. Each repeat runs every mode in turn
+(medians over repeats): one request (decode step ms, tok/s, end-to-end output tok/s) and
+``--concurrency`` requests together (output tok/s, full-batch decode step ms).
+Guarantee: each step time is also given as a multiple of the floor, the time to read every
+weight once at a device-to-device copy's bandwidth measured in the same run; ``agreement``
+counts requests whose greedy tokens are identical between the modes.
+Cost: one warm-up and ``--repeats`` runs of each mode; writes
 ``engine_throughput_<model>_<device>.json`` into ``--out``.
+
+    python -m bench.engine_throughput --model llama-8b --device cuda
+    python -m bench.engine_throughput --device cpu --concurrency 4 --repeats 1   # smoke run
 """
 
 from __future__ import annotations
@@ -102,12 +95,17 @@ def run(engine: LLMEngine, args: argparse.Namespace, floor_s: float) -> dict:
 
     single_prompt, batch_prompts = prompts(1), prompts(args.concurrency)
     graphs = runner.graphs
+    # graphs: decode steps replay CUDA graphs (on the CPU the same padded static path, without
+    # capture); eager: every step runs the model directly. Side by side on one engine, in turn.
     modes = ["graphs", "eager"] if graphs is not None else ["eager"]
     raw: dict[str, dict[str, list]] = {m: {"single": [], "concurrent": []} for m in modes}
     for mode in modes:  # warm-up: Triton compiles each mode's kernel variants
         runner.graphs = graphs if mode == "graphs" else None
         generate(engine, single_prompt, 4)
         generate(engine, batch_prompts, 4)
+    # single: one request (--prompt-len prompt, --single-output-len output): median decode step
+    # and end-to-end output tok/s. concurrent: --concurrency requests submitted together
+    # (--output-len each): end-to-end output tok/s (prefill included), median full-batch step.
     for _ in range(args.repeats):
         for mode in modes:
             runner.graphs = graphs if mode == "graphs" else None
@@ -191,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         runner.static_decode(capture=False)  # the graphs' padded path, minus capture
     cap = runner.graph_capture
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    # The floor: the time to read every weight once, at the bandwidth of a device-to-device
+    # copy (bytes read + written per second) measured here; decode reads all weights per step.
     bandwidth = copy_bandwidth(runner.device)
     floor_s = weight_bytes / bandwidth
     print(f"{args.model} on {runner.device} ({runner.dtype}): loaded in {load_s:.1f} s; weights "
