@@ -1,24 +1,11 @@
 """A noisy neighbour for the engine's GPU: a persistent Triton kernel whose CTAs occupy a
 few SMs for a set time, each recording the SM it ran on.
 
-Why it slows FlashAttention-2 CTAs on exactly those SMs, and only there:
-
-* Same process, own stream. Kernels of two processes on one GPU (without MPS, a device
-  setting this tool must not change) are time-sliced: every SM alternates between them,
-  which would slow all SMs alike. Kernels of one process on two streams run side by side,
-  CTA by CTA, so the neighbour is launched from a thread of the engine's process on a
-  non-blocking, high-priority stream: its CTAs take SMs as soon as resources free up.
-* Persistent and small: ``ctas`` CTAs of 4 warps (one per SM sub-partition), ~16 KB of
-  shared memory and few registers, so the block scheduler spreads them one per SM (a GPU
-  fills SMs breadth first) and FA2 and decode CTAs still fit beside them on those SMs.
-* Contending for what attention needs: each iteration reloads a 64x64 fp16 tile (L1 /
-  load-store pipe) and issues two independent tensor-core dots into fp32 accumulators,
-  back to back until ``%globaltimer`` passes the deadline. A co-resident FA2 CTA then
-  shares its SM's warp schedulers, tensor cores and L1 with the neighbour and runs slower;
-  FA2 CTAs on other SMs do not.
-* Placement is the hardware's choice, so it is measured, not assumed: each CTA writes
-  ``(%smid, start, end)`` (``%globaltimer`` ns) like the engine's SM probe.
-
+Launched from a thread of the engine's own process on a high-priority stream, its small CTAs
+sit one per SM beside FlashAttention-2 and decode CTAs and contend for their SM's warp
+schedulers, tensor cores and L1, so attention slows on exactly those SMs and only there
+(why, in comments by the code). Guarantee: placement is measured, not assumed: each CTA
+writes ``(%smid, start, end)`` (``%globaltimer`` ns) like the engine's SM probe.
 Under ``TRITON_INTERPRET=1`` (``MODE_FAKE``) inline PTX cannot run: CTAs loop a fixed
 number of times and write fake SM ids (``pid % 8``) and times, and the host waits out the
 duration; such runs say ``fake``.
@@ -45,6 +32,14 @@ TILE = 64
 KERNEL_NAME = "sightline_noisy_neighbour"
 
 
+# Persistent and small: ``ctas`` CTAs of 4 warps (one per SM sub-partition), ~16 KB of shared
+# memory and few registers, so the block scheduler spreads them one per SM (a GPU fills SMs
+# breadth first) and FA2 and decode CTAs still fit beside them on those SMs.
+# Contending for what attention needs: each iteration reloads a 64x64 fp16 tile (L1 /
+# load-store pipe) and issues two independent tensor-core dots into fp32 accumulators, back to
+# back until ``%globaltimer`` passes the deadline. A co-resident FA2 CTA then shares its SM's
+# warp schedulers, tensor cores and L1 with the neighbour and runs slower; FA2 CTAs on other
+# SMs do not.
 @triton.jit(do_not_specialize=["deadline_ns"])  # one compile, whatever the deadline's divisibility
 def sightline_noisy_neighbour(records_ptr, tile_ptr, sink_ptr, deadline_ns, fake_iters,
                               TILE: tl.constexpr, MODE: tl.constexpr):
@@ -75,6 +70,7 @@ def sightline_noisy_neighbour(records_ptr, tile_ptr, sink_ptr, deadline_ns, fake
             acc1 = tl.dot(b, a, acc1)
         now = start + 500
         smid = (pid % 8).to(tl.int64)
+    # Placement is the hardware's choice, so each CTA records where and when it ran.
     tl.store(records_ptr + pid * 3, smid)
     tl.store(records_ptr + pid * 3 + 1, start)
     tl.store(records_ptr + pid * 3 + 2, now)
@@ -115,6 +111,11 @@ class NoisyNeighbour:
             raise ValueError(f"device {self.device}: the neighbour needs CUDA (or TRITON_INTERPRET=1)")
         gen = torch.Generator().manual_seed(0)
         self.tile = (torch.rand(2, TILE, TILE, generator=gen) / TILE).to(torch.float16).to(self.device)
+        # Same process, own stream: kernels of two processes on one GPU (without MPS, a device
+        # setting this tool must not change) are time-sliced, every SM alternating between them,
+        # which would slow all SMs alike. Kernels of one process on two streams run side by side,
+        # CTA by CTA; on a non-blocking, high-priority stream the neighbour's CTAs take SMs as
+        # soon as resources free up.
         self.stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         # Allocated once: no allocation (or its synchronization) while the engine runs.
         self.records = torch.full((ctas, 3), -1, dtype=torch.int64, device=self.device)
