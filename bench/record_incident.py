@@ -1,27 +1,18 @@
 """Records an H200 incident capture: minutes of HTTP-served load with a noisy neighbour
 planted on known SMs in known intervals, then checks that Sightline finds it.
 
-    python bench/record_incident.py --out "$OUT"          # H200: llama-8b, 170 s, ~4-5 min in all
-    TRITON_INTERPRET=1 python bench/record_incident.py --device cpu --model tiny \\
-        --duration-s 20 --interval 6,12 --out /tmp/ri    # CPU check (fake neighbour)
+The engine's server runs in this process (bench/record_capture.py's ``start_server``, trace
+level ``kernels``) and writes an OTLP capture during ``--duration-s`` of timed load; in each
+``--interval`` a thread runs bench/noisy_neighbour.py. Guarantee: the planted SMs are those
+its CTAs ran on (``%smid``) and the interval their ``%globaltimer`` span (else the host's
+clock), written in the capture's metadata line; the capture is then replayed into an
+in-process aggregator and the demo's finding scored (precision, recall of flagged SMs).
+Cost: the load's duration plus engine start-up and the replay. Writes the capture (the name
+the demo looks for) and ``record_incident-<device>-<commit8>.json`` into ``--out``.
 
-The engine's server runs in this process (bench/record_capture.py's ``start_server``: trace
-level ``kernels``, CUPTI kernel spans for ``--kernel-sample-ratio`` of the steps plus the
-slow tail, per-SM CTA histograms every ``--metric-export-interval`` seconds) and writes an
-OTLP capture. Load over ``--duration-s``: Poisson arrivals at ``--rate`` per second, a burst
-of ``--burst`` requests every ``--burst-every-s``; prompts short (64-512 characters) or, one
-in four, long (2,000-6,000); 16-64 output tokens; priorities 0-2; one in six a chat request.
-In each ``--interval START,END`` (seconds from the load's start) a thread of this process
-runs the noisy neighbour (bench/noisy_neighbour.py: why it slows FA2 CTAs on its SMs only
-is said there) with ``--neighbour-ctas`` CTAs; the SMs its CTAs ran on (``%smid``) and the
-interval (its CTAs' ``%globaltimer`` span, else the host's launch and finish times) go into
-the capture's metadata line (deploy/incident.py). FA2 runs with 4 warps (``--fa2-config``),
-so that its CTAs fit beside a neighbour CTA on one SM.
-
-Afterwards the capture is replayed into an in-process collector aggregator and the same
-finding as the demo's is computed: per interval and kernel, the SMs flagged hot against the
-planted ones (precision, recall). Writes ``<out>/h200-noisy-neighbour.jsonl.gz`` (the name
-the demo looks for) and ``<out>/record_incident-<device>-<commit8>.json``; prints a summary.
+    python -m bench.record_incident --out "$OUT"                     # H200, llama-8b
+    TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny \\
+        --duration-s 20 --interval 6,12 --out /tmp/ri               # CPU check (fake neighbour)
 """
 
 from __future__ import annotations
@@ -53,6 +44,9 @@ HOT_THRESHOLD = 1.5  # deploy/demo.py's DemoConfig.hot_sm_threshold
 def plan_load(args: argparse.Namespace, model: str, max_model_len: int) -> list[tuple[float, PlannedRequest]]:
     """(send offset in seconds, request) for the whole run, in time order; prompts are cut
     to fit ``max_model_len`` tokens (one per character under the byte tokenizer)."""
+    # Poisson arrivals at --rate per second, a burst of --burst requests every --burst-every-s;
+    # prompts short (64-512 characters) or, one in four, long (2,000-6,000); 16-64 output
+    # tokens; priorities 0-2; one in six a chat request.
     rng = random.Random(args.seed)
     offsets = []
     t = 0.0
@@ -177,11 +171,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # FA2 with 4 warps (--fa2-config), so that its CTAs fit beside a neighbour CTA on one SM.
     os.environ["SIGHTLINE_FA2_PREFILL_CONFIG"] = args.fa2_config
     wall0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     raw, capture = args.out / "raw-capture.jsonl.gz", args.out / CAPTURE_NAME
     raw.unlink(missing_ok=True)
+    # CUPTI kernel spans for --kernel-sample-ratio of the steps plus the slow tail, per-SM CTA
+    # histograms every --metric-export-interval seconds.
     running, telemetry = start_server(args, raw)
     device_obj = running.engine.runner.device
     device = device_name(device_obj, cpu_fallback="cpu")
