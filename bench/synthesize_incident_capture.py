@@ -1,25 +1,17 @@
 """Makes a SYNTHETIC incident capture from a measured one: what the demo runs until a
 recorded H200 incident capture (bench/record_incident.py) is committed.
 
-    python bench/synthesize_incident_capture.py            # writes deploy/captures/synthetic-...
+The measured ``--source`` capture is tiled: a copy starts every ``--period-s`` seconds until
+``--duration-s``, each with its own trace and span ids. Then an incident is planted, and
+nothing of it is measured: in each ``--interval`` a seeded set of ``--planted-sms`` SMs has
+its per-SM CTA durations multiplied by ``--slowdown``, and copies starting there run
+``--stretch`` times slower, their attention kernel spans naming a planted SM as slowest.
+Guarantee: the metadata line (deploy/incident.py, ``synthetic: true``) says all of this, and
+the demo prints it as synthetic, never as measured; links, parents and exemplars stay
+consistent across the new ids. Cost: one pass over the source per copy; non-attention
+kernel spans are kept in one copy of ``--keep-kernels-every`` only.
 
-The source capture (measured on the H200, deploy/captures/h200-20261130-http.jsonl.gz: 32
-requests over ~10 s) is tiled: a copy starts every ``--period-s`` seconds until
-``--duration-s``, each copy with its own trace and span ids (a keyed hash of the source
-ids, so links, parents and exemplars stay consistent), and the non-attention kernel spans
-kept in one copy of ``--keep-kernels-every`` only (they are most of the bytes). Then an
-incident is planted, and nothing of it is measured:
-
-* in each interval (``--interval START,END`` seconds from the capture's start, default two),
-  a fixed random set of ``--planted-sms`` SMs (seeded) has the CTA durations of every
-  per-SM histogram point stamped inside the interval multiplied by ``--slowdown`` (the
-  exponential buckets shifted by log2 of it; sum, min, max and exemplars scaled alike);
-* copies that start inside an interval run ``--stretch`` times slower (every timestamp of
-  the copy stretched from its start: requests, steps and kernels last longer), and their
-  attention kernel spans name a planted SM as their slowest.
-
-The metadata line (deploy/incident.py, ``synthetic: true``) says all of this; the demo
-prints it as synthetic and never as measured.
+    python -m bench.synthesize_incident_capture     # writes deploy/captures/synthetic-...
 """
 
 from __future__ import annotations
@@ -43,6 +35,8 @@ ATTENTION_KERNELS = ("sightline_fa2_prefill", "sightline_paged_decode")
 
 
 def _new_id(old: bytes, copy: int) -> bytes:
+    # A keyed hash of the source id: the same id maps alike wherever it appears in one copy,
+    # so links, parents and exemplars stay consistent.
     if not old or copy == 0 or not any(old):
         return old
     return hashlib.blake2b(old, digest_size=len(old), key=copy.to_bytes(4, "big")).digest()
@@ -66,6 +60,8 @@ class _Copy:
         self.slowdown = slowdown
 
     def time(self, t_ns: int) -> int:
+        # Every timestamp of a stretched copy is stretched from its start: its requests, steps
+        # and kernels last longer.
         return self.start_ns + int(round((t_ns - self.src_t0) * self.stretch))
 
     def id(self, old: bytes) -> bytes:
@@ -78,6 +74,7 @@ class _Copy:
             for ss in rs.scope_spans:
                 keep = []
                 for span in ss.spans:
+                    # Non-attention kernel spans are most of the bytes: kept in some copies only.
                     if span.name.startswith(sc.SPAN_KERNEL_PREFIX) and not self.keep_other_kernels and \
                             not any(k in span.name for k in ATTENTION_KERNELS):
                         continue
@@ -113,6 +110,9 @@ class _Copy:
             sm = _attr(point.attributes, sc.ATTR_SM_ID)
             if interval is None or sm is None or sm.value.int_value not in interval.sms:
                 continue
+            # Durations times the slowdown: the exponential buckets shifted by log2 of it (whole
+            # buckets, so the factor is the nearest one the scale can express); sum, min, max and
+            # exemplars scaled alike.
             shift = round(math.log2(self.slowdown) * 2.0 ** point.scale)  # whole buckets
             factor = 2.0 ** (shift / 2.0 ** point.scale)
             point.positive.offset += shift
