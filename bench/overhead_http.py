@@ -177,7 +177,6 @@ def main(argv=None) -> int:
                            - before[level]["telemetry_engine_thread_s"])
                    / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9) for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
-        collector_metrics = _get(f"http://127.0.0.1:{query}/metrics").decode()
     finally:
         for engine, _ in engines.values():
             engine.send_signal(signal.SIGTERM)
@@ -193,8 +192,7 @@ def main(argv=None) -> int:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
               "time": utc_now(), "args": vars(args) | {"out": str(args.out)}, "summary": summary,
-              "bursts": bursts, "collector_kernel_trace_backlog_steps":
-                  _metric(collector_metrics, "sightline_steps_kernel_trace_backlog_total")}
+              "bursts": bursts}
     print(format_table(summary))
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

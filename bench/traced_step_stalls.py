@@ -23,6 +23,9 @@ from sightline.instrumentation import semconv
 from .kernel_containment import attribute, capture_spans
 
 
+# engines before the telemetry process marked steps run while a traced step was processed
+LEGACY_BACKLOG_ATTRIBUTE = "sightline.step.kernel_trace_backlog"
+
 def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict:
     """Per traced step: its duration and the next ``after`` steps' (ms); the first
     ``warmup_steps`` steps (compilation, allocator growth) are left out of the baseline."""
@@ -58,7 +61,7 @@ def traced_step_stalls(path: str, after: int = 2, warmup_steps: int = 5) -> dict
         "traced": rows,
         "next_step_over_median": [round(r["next_ms"][0] / median, 1) for r in rows
                                   if r["next_ms"] and median],
-        "marked_backlog": sum(1 for s in steps if attribute(s, semconv.STEP_KERNEL_TRACE_BACKLOG)),
+        "marked_backlog": sum(1 for s in steps if attribute(s, LEGACY_BACKLOG_ATTRIBUTE)),
         # every untraced step over 5x the median, and how soon after a traced step it began
         "slow_steps": slow,
     }

@@ -143,8 +143,7 @@ class Aggregator:
                 requests={k: {f: s.classic.copy() for f, s in v.items()} for k, v in self._spans.requests.items()},
                 requests_total=dict(self._spans.requests_total),
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
-                steps={k: s.classic.copy() for k, s in self._spans.steps.items()},
-                kernel_trace_backlog_steps=self._spans.kernel_trace_backlog_steps)
+                steps={k: s.classic.copy() for k, s in self._spans.steps.items()})
         blocks = self.sm.snapshot(now_s)  # its own lock, once per block: ingest goes on meanwhile
         return ExpositionSnapshot(**spans, sm_blocks=blocks, overflow=dict(self.overflow),
                                   dropped=dict(self.dropped))

@@ -62,9 +62,6 @@ class StepSummary:
     decode_tokens: int | None
     kernels: list[KernelSummary] = field(default_factory=list)
     kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
-    # it ran while the engine's telemetry processed a traced step's kernel records, whose
-    # CPU may account for much of its duration (not the model's own cost)
-    kernel_trace_backlog: bool = False
 
 
 @dataclass
@@ -223,8 +220,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
                                      step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels,
-                                     a.get(sc.STEP_TRACE_REASON),
-                                     a.get(sc.STEP_KERNEL_TRACE_BACKLOG) is True))
+                                     a.get(sc.STEP_TRACE_REASON)))
     all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
     slowest_kernel = all_kernels[0] if all_kernels else None
     slowest_sm = None

@@ -56,7 +56,6 @@ class ExpositionSnapshot:
     requests_total: dict[tuple[str, str, str], int]
     kernels: dict[tuple[str, str], ClassicHistogram]
     steps: dict[str, ClassicHistogram]
-    kernel_trace_backlog_steps: int
     sm_blocks: list[BlockSnapshot]
     overflow: dict[str, int]
     dropped: dict[str, int]
@@ -100,10 +99,6 @@ class AggregatorCollector:
         step = HistogramMetricFamily(L.COLLECTOR_STEP_DURATION_SECONDS,
                                      "Engine step durations (from engine.step spans).",
                                      labels=[L.LABEL_PHASE])
-        backlog = CounterMetricFamily(L.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL,
-                                      "Engine steps run while the engine's telemetry processed a "
-                                      "kernel-traced step (that CPU may have slowed them).",
-                                      labels=[])
         per_sm = [L.LABEL_GPU, L.LABEL_SM, L.LABEL_KERNEL]
         per_gpu = [L.LABEL_GPU, L.LABEL_KERNEL]
         sm_hist = HistogramMetricFamily(L.COLLECTOR_SM_CTA_DURATION_SECONDS,
@@ -140,7 +135,6 @@ class AggregatorCollector:
                 kernel.add_metric([gpu, name], prometheus_buckets(h), h.sum)
             for phase, h in snap.steps.items():
                 step.add_metric([phase], prometheus_buckets(h), h.sum)
-            backlog.add_metric([], snap.kernel_trace_backlog_steps)  # at 0 from the start
             gpus, kernels = set(), {}
             for block in snap.sm_blocks:
                 instance, gpu, name = block.key
@@ -173,7 +167,7 @@ class AggregatorCollector:
             for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
         yield from fams.values()
-        yield from (requests_total, kernel, step, backlog, sm_p99, hotspot, hottest, gpu_hist, gpu_info, kernel_info)
+        yield from (requests_total, kernel, step, sm_p99, hotspot, hottest, gpu_hist, gpu_info, kernel_info)
         if snap is None or any(b.classic_sm is not None for b in snap.sm_blocks):
             yield sm_hist
         yield from (overflow, dropped)

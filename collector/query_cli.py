@@ -131,8 +131,6 @@ def format_explanation(result: dict) -> str:
             note = ""
             if s.get("kernel_trace_reason"):
                 note += f"  [kernels traced: {s['kernel_trace_reason']}]"
-            if s.get("kernel_trace_backlog"):
-                note += "  [during kernel-trace processing: telemetry CPU may account for it]"
             lines.append(f"    step {s['step_id']}  {ms(s['duration_s'])}  batch={s['batch_size']}  "
                          f"prefill_tokens={s['prefill_tokens']} decode_tokens={s['decode_tokens']}{note}")
             for k in s["kernels"]:

@@ -31,7 +31,6 @@ import math
 from bisect import bisect_left
 from collections.abc import Callable
 
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
 from ..instrumentation import semconv as sc
 from .aggregation_config import AggregationConfig, WindowConfig
@@ -144,8 +143,6 @@ _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes 
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
 # A marked step's attribute as encoders write it (key, then value): found in a lean span's
 # encoded attributes by one list membership test, nothing decoded.
-_BACKLOG = sc.STEP_KERNEL_TRACE_BACKLOG
-_BACKLOG_TRUE = KeyValue(key=_BACKLOG, value=AnyValue(bool_value=True)).SerializeToString()
 
 
 class SpanSeries:
@@ -164,7 +161,6 @@ class SpanSeries:
         self.requests: dict[tuple[str, str], dict[str, _LatencySeries]] = {}
         self.requests_total: dict[tuple[str, str, str], int] = {}
         self.steps: dict[str, _LatencySeries] = {}
-        self.kernel_trace_backlog_steps = 0  # step spans the engine marked (STEP_KERNEL_TRACE_BACKLOG)
         self.newest_data_s = 0.0  # newest span end time taken (clamped to the clock)
         # Span name -> handler, or None for the names no distribution needs (most spans:
         # queue, prefill, decode, ...). REQUEST_SPAN_NAMES holds the lower-cased spellings
@@ -359,8 +355,6 @@ class SpanSeries:
     def _on_step_full(self, span, now: float) -> None:
         prefill = decode = None
         attrs = span.attributes
-        if any(kv.key == _BACKLOG and kv.value.bool_value for kv in attrs):
-            self.kernel_trace_backlog_steps += 1
         for kv in attrs:
             key = kv.key
             if key == _PREFILL_TOKENS:
@@ -375,8 +369,6 @@ class SpanSeries:
 
     def _on_step(self, span, now: float) -> None:
         attrs = span.attributes
-        if _BACKLOG_TRUE in attrs:
-            self.kernel_trace_backlog_steps += 1
         n = len(attrs)
         i, j = self._prefill_pos, self._decode_pos
         if i < n and j < n:

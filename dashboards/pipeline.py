@@ -103,17 +103,15 @@ def spec() -> DashboardSpec:
                                "{{instance}} {{signal}}"),),
             ),
             PanelSpec(
-                title="Steps slowed by kernel tracing",
-                unit="percentunit",
+                title="Telemetry records dropped by the engine",
+                unit="short",
                 width=6,
-                description=("Share of engine steps that ran while the engine's telemetry turned a "
-                             "kernel-traced step's CUPTI records into spans (marked "
-                             "sightline.step.kernel_trace_backlog). That work takes the GIL: in the "
-                             "H200 capture such steps took ~0.5 s instead of 35 ms. The telemetry's "
-                             "own cost at the step-time tail; lower --kernel-sample-ratio if high."),
-                queries=(Query(f"{_rate(sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL, ())} / "
-                               f"{q.sum_by((), q.rate(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS)))}",
-                               "marked steps / all steps"),),
+                description=("Lifecycle events and GPU records the engine could not hand to its "
+                             "telemetry process, per second, by reason: buffer_full, queue_full, "
+                             "process_down (the process died and is being restarted). Requests are "
+                             "unaffected; their traces are incomplete."),
+                queries=(Query(_rate(sc.TELEMETRY_EVENTS_DROPPED_TOTAL, ("instance", sc.LABEL_REASON)),
+                               "{{instance}} {{reason}}"),),
             ),
         ),
     )

@@ -301,21 +301,19 @@ def pipeline_cases() -> list[Case]:
     failures = series(q.counter(sc.TELEMETRY_EXPORT_FAILURES_TOTAL), {**ENGINE, sc.LABEL_SIGNAL: "traces"})
     spans_dropped = series(q.counter(sc.TELEMETRY_SPANS_DROPPED_TOTAL), ENGINE)
     job_only = {"job": rules.JOB_COLLECTOR}
-    backlog = series(q.counter(sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL), COLLECTOR)
-    steps = series(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS), {**COLLECTOR, sc.LABEL_PHASE: "decode"})
-    prefill_steps = series(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS), {**COLLECTOR, sc.LABEL_PHASE: "prefill"})
+    records_dropped = series(q.counter(sc.TELEMETRY_EVENTS_DROPPED_TOTAL),
+                             {**ENGINE, sc.LABEL_REASON: "process_down"})
     return [
         Case(
-            # 2,000 steps a minute over two phases, 60 of them marked: 3 % > 2 %
-            "kernel tracing slowing 3 % of steps",
-            ((backlog, "0+60x90"), (steps, "0+1500x90"), (prefill_steps, "0+500x90")),
-            (AlertCheck("70m", "SightlineKernelTracingSlowingSteps", (job_only,)),),
+            "engine dropping telemetry records while its telemetry process is down",
+            ((records_dropped, "0+50x30"),),
+            (AlertCheck("20m", "SightlineTelemetryRecordsDropped",
+                        ({**ENGINE, sc.LABEL_REASON: "process_down"},)),),
         ),
         Case(
-            # 20 of 2,000 marked: 1 %, the default policy's order of magnitude
-            "kernel tracing slowing 1 % of steps",
-            ((backlog, "0+20x90"), (steps, "0+1500x90"), (prefill_steps, "0+500x90")),
-            (AlertCheck("70m", "SightlineKernelTracingSlowingSteps"),),
+            "engine telemetry records all handed over",
+            ((records_dropped, "7x30"),),
+            (AlertCheck("20m", "SightlineTelemetryRecordsDropped"),),
         ),
         Case(
             "collector rejecting oversized OTLP/HTTP bodies",

@@ -84,7 +84,6 @@ class SloConfig:
     kernel_regression_factor: float = 1.5
     memory_growth_factor: float = 1.5  # predicted in 6h over now
     context_growth: int = 2  # contexts above the last hour's minimum
-    kernel_trace_backlog_share: float = 0.02  # steps slowed by kernel tracing, of all steps
 
     def __post_init__(self) -> None:
         if self.ttft_threshold_s not in sc.TTFT_BUCKETS_S:
@@ -99,8 +98,6 @@ class SloConfig:
         for name in ("sm_hotspot_ratio", "kernel_regression_factor", "memory_growth_factor"):
             check_range(name, getattr(self, name), 1, 100, lo_open=True)
         check_range("context_growth", self.context_growth, 1, 1000, integer=True)
-        check_range("kernel_trace_backlog_share", self.kernel_trace_backlog_share, 0, 1,
-                    lo_open=True, hi_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -406,19 +403,15 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                 runbook="telemetry-export-failing",
             ),
             AlertRule(
-                alert="SightlineKernelTracingSlowingSteps",
-                expr=f"{q.sum_by(('job',), q.rate(q.counter(sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL), '30m'))}"
-                f"\n / {q.sum_by(('job',), q.rate(q.count(sc.COLLECTOR_STEP_DURATION_SECONDS), '30m'))}"
-                f"\n > {_g(slo.kernel_trace_backlog_share)}",
-                for_="30m",
+                alert="SightlineTelemetryRecordsDropped",
+                expr=rate_above_zero(sc.TELEMETRY_EVENTS_DROPPED_TOTAL, ("job", "instance", sc.LABEL_REASON)),
+                for_="15m",
                 severity="ticket",
-                summary="Kernel tracing is slowing over "
-                f"{_g(100 * slo.kernel_trace_backlog_share)} % of engine steps ({{{{ $labels.job }}}})",
-                description="Engine steps ran while the engine's telemetry turned kernel-traced steps' "
-                f"CUPTI records into spans, above {_g(100 * slo.kernel_trace_backlog_share)} % of all "
-                "steps for 30 minutes. That work takes the engine's GIL: such steps can take 10x "
-                "longer, so the telemetry itself is adding to the step-time tail.",
-                runbook="kernel-tracing-slowing-steps",
+                summary="Engine {{ $labels.instance }} dropping telemetry records ({{ $labels.reason }})",
+                description="The engine could not hand lifecycle events or GPU records to its telemetry "
+                "process (buffer or queue full, or the process down and being restarted). Requests are "
+                "unaffected; their traces, kernel spans or per-SM data are incomplete.",
+                runbook="telemetry-records-dropped",
             ),
             AlertRule(
                 alert="SightlineTelemetrySpansDropped",

@@ -97,11 +97,7 @@ STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
 STEP_KV_BLOCKS_USED = "sightline.step.kv_blocks_used"
 STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 # on a step whose kernels were traced (CUPTI on), and on its kernel spans
-STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # "sampled" | "after_tail"
-# true on a step that ran while the telemetry still processed a traced step's kernel
-# records (their CPU may have slowed it; bench/results/overhead.md): not the engine's own cost
-STEP_KERNEL_TRACE_BACKLOG = "sightline.step.kernel_trace_backlog"
-# whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
+STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
@@ -219,9 +215,6 @@ COLLECTOR_REQUEST_QUEUE_SECONDS = "sightline_request_queue_seconds"
 COLLECTOR_REQUESTS_TOTAL = "sightline_requests"  # model, priority, finish_reason
 COLLECTOR_KERNEL_DURATION_SECONDS = "sightline_kernel_duration_seconds"  # gpu, kernel
 COLLECTOR_STEP_DURATION_SECONDS = "sightline_step_duration_seconds"
-# counter -> _total: step spans marked STEP_KERNEL_TRACE_BACKLOG (slowed, maybe, by the
-# engine's own kernel tracing)
-COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL = "sightline_steps_kernel_trace_backlog"
 COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, sm, kernel
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99

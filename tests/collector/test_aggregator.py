@@ -446,35 +446,3 @@ def test_classic_rebinning_matches_binning_each_bucket_point():
                 want[int(np.searchsorted(np.asarray(bounds), point, side="left"))] += int(c)
             assert got.counts == want, scale
             assert sum(got.counts) == h.count
-
-
-def test_steps_marked_during_kernel_trace_processing_are_counted_in_either_parse():
-    """Step spans the engine marked (kernel_trace_backlog=true) are counted, read from the
-    full request and from the lean parse (taken when kernel spans dominate); an unmarked
-    step, or one marked false, is not. The counter is exposed at 0 before any step."""
-    def step(i: int, marked: bool | None):
-        attrs = {sc.STEP_PREFILL_TOKENS: 0, sc.STEP_DECODE_TOKENS: 8}
-        if marked is not None:
-            attrs[sc.STEP_KERNEL_TRACE_BACKLOG] = marked
-        return otlp_span(sc.SPAN_ENGINE_STEP, bytes([i + 1]) * 16, bytes([i + 1]) * 8, T0_S - 2, T0_S - 1.9, attrs)
-
-    def counted(agg) -> float:
-        registry = CollectorRegistry()
-        registry.register(agg.prometheus_collector())
-        fams = {f.name: f for f in text_string_to_metric_families(openmetrics_latest(registry).decode())}
-        [sample] = [s for s in fams[sc.COLLECTOR_STEPS_KERNEL_TRACE_BACKLOG_TOTAL].samples
-                    if s.name.endswith("_total")]
-        return sample.value
-
-    full = make_aggregator()
-    assert counted(full) == 0
-    full.consume_traces(otlp_traces([step(0, True), step(1, None), step(2, False), step(3, True)]))
-    assert counted(full) == 2
-    lean = make_aggregator()
-    kernels = [otlp_span(sc.SPAN_KERNEL_PREFIX + "k", b"\x09" * 16, bytes([9, i]) * 4, T0_S - 2, T0_S - 1.99,
-                         {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: "k"}, parent=b"\x01" * 8) for i in range(40)]
-    request = otlp_traces([step(0, True), step(1, None), step(2, False), *kernels, step(3, True)])
-    source, is_lean = lean._spans.source(request, request.SerializeToString())
-    assert is_lean                                   # the lean path is the one under test
-    lean.consume_traces(request, request.SerializeToString())
-    assert counted(lean) == 2

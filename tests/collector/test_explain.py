@@ -92,9 +92,9 @@ def test_slowest_requests_explained_exactly():
     assert (r.slowest_sm.sm, r.slowest_sm.source) == ("3", "kernel_span")  # 10 % 7
 
 
-def test_steps_say_when_kernels_were_traced_and_when_tracing_work_ran_during_them():
-    """A traced step and a step run during the kernel-trace backlog carry the engine's
-    attributes into the explanation and its text; a step with neither says nothing."""
+def test_steps_say_when_their_kernels_were_traced():
+    """A traced step carries the engine's reason into the explanation and its text; a step
+    without one says nothing."""
     from sightline.collector.query_cli import format_explanation
     from tests.collector.test_aggregator import otlp_attrs
 
@@ -103,22 +103,17 @@ def test_steps_say_when_kernels_were_traced_and_when_tracing_work_ran_during_the
     for span in spans:
         if span.span_id == sid(2, 1):        # step 1: its kernels were traced
             span.attributes.extend(otlp_attrs({sc.STEP_TRACE_REASON: "sampled"}))
-        if span.span_id == sid(3, 1):        # step 101: ran while they were processed
-            span.attributes.extend(otlp_attrs({sc.STEP_KERNEL_TRACE_BACKLOG: True}))
     agg.consume_traces(otlp_traces(spans))
     result = explain_slowest(agg, quantile=1.0, limit=1)
     steps = {s.step_id: s for s in result.requests[0].steps}
-    assert (steps[1].kernel_trace_reason, steps[1].kernel_trace_backlog) == ("sampled", False)
-    assert (steps[101].kernel_trace_reason, steps[101].kernel_trace_backlog) == (None, True)
+    assert (steps[1].kernel_trace_reason, steps[101].kernel_trace_reason) == ("sampled", None)
     lines = {line.split()[1]: line for line in format_explanation(result.to_dict()).splitlines()
              if line.startswith("    step ")}
     assert lines["1"].endswith("[kernels traced: sampled]")
-    assert lines["101"].endswith("[during kernel-trace processing: telemetry CPU may account for it]")
+    assert "traced" not in lines["101"]
     plain = make_aggregator()
     plain.consume_traces(otlp_traces(build(1)))
-    assert "kernel-trace" not in format_explanation(explain_slowest(plain, 1.0, 1).to_dict())
     assert "traced" not in format_explanation(explain_slowest(plain, 1.0, 1).to_dict())
-
 
 def test_slowest_sm_falls_back_to_per_sm_exemplars():
     agg = make_aggregator()
