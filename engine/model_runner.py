@@ -2,19 +2,16 @@
 
 The runner owns the device state: the model, the paged KV cache tensor
 ``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides ``num_blocks`` for the
-scheduler's block manager) and the sampler's generators. Each step it builds the batch as
-Python lists and copies them to the device at once (one int64 buffer and one float32 buffer,
-pinned and non-blocking on CUDA); the only host-device sync is the copy of the sampled tokens
-into pinned memory. On CUDA, decode-only steps replay CUDA graphs captured at start-up
-(``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager`` turns them off); the others, and
-every step on the CPU, run eagerly.
+scheduler's block manager) and the sampler's generators. On CUDA, decode-only steps replay
+CUDA graphs captured at start-up (``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager``
+turns them off); the others, and every step on the CPU, run eagerly.
 
-KV budget: on CUDA, ``gpu_memory_utilization * total`` minus what is already in use once the
-weights are loaded and a full-size step (``max_num_batched_tokens`` tokens, ``max_num_seqs``
-sampled rows) has run; on the CPU, ``kv_cache_gib``. Either is capped at what
-``max_num_seqs`` sequences of ``max_model_len`` tokens can use (no point zeroing 100 GB for the
-tiny model) and at 2**31 elements per layer's K or V (int32 indexing in kernels). One more
-block than the scheduler manages is allocated: padded rows of graph replays write there.
+Cost per step: the batch is built as Python lists and copied to the device at once (one
+int64 and one float32 buffer, pinned and non-blocking on CUDA); the only host-device sync is
+the copy of the sampled tokens into pinned memory. KV budget: on CUDA,
+``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
+step (``_warmup``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
+sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
 """
 
 from __future__ import annotations
@@ -114,6 +111,7 @@ class ModelRunner:
             head_dim=model_config.head_dim, block_size=self.block_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
         self.num_blocks = self._kv_blocks()
+        # One block more than the scheduler manages: padded rows of graph replays write there.
         self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv, D]; block N: padding's scratch
             model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
             model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
@@ -167,8 +165,9 @@ class ModelRunner:
             current = torch.cuda.memory_allocated(self.device)
             budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
             blocks = int(max(budget, 0)) // self.bytes_per_block
-        # Caps: more blocks than max_num_seqs full-length sequences can never be in use, and
-        # one layer's K (or V) cache stays under 2**31 elements so kernels may index it in int32.
+        # Caps: more blocks than max_num_seqs full-length sequences can never be in use (no point
+        # zeroing memory for them, for a tiny model on a large GPU), and one layer's K (or V)
+        # cache stays under 2**31 elements so kernels may index it in int32.
         mc = self.model_config
         limit = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         useful = self.config.scheduler.max_num_seqs * -(-limit // self.block_size)
