@@ -4,14 +4,10 @@ Format (JSON Lines; gzip when the file name ends in ``.gz``), one export per lin
 
     {"signal": "traces"|"metrics", "time_unix_nano": <int>, "request": <OTLP/JSON>}
 
-A capture may begin with one metadata line, ``{"signal": "meta", "meta": {...}}``: what
-the recording was (tool, device, what was planted and when); :func:`read_capture_meta`
-returns it and :func:`read_capture` skips it.
-
-``request`` is the OTLP/JSON form of ``ExportTraceServiceRequest`` or
-``ExportMetricsServiceRequest``: lowerCamelCase keys, enums as integers, and trace/span ids
-as hex strings (not protobuf-JSON base64), as the OTLP specification requires, so a line's
-``request`` can be POSTed as-is to any OTLP/HTTP JSON receiver.
+An optional first line, ``{"signal": "meta", "meta": {...}}``, says what the recording was
+(:func:`read_capture_meta` returns it, :func:`read_capture` skips it). ``request`` is
+OTLP/JSON as the OTLP specification defines it (hex ids), so it can be POSTed as-is to any
+OTLP/HTTP JSON receiver.
 
 Guarantees: writes are serialized by a lock (exporter threads may share a writer); each
 line is flushed as it is written, so a capture cut short by a crash loses at most the line
@@ -90,6 +86,9 @@ def _id_to_base64(key: str, value: str) -> str:
 
 def to_otlp_json(request: ExportTraceServiceRequest | ExportMetricsServiceRequest) -> dict:
     """The OTLP/JSON dict of an OTLP request (hex ids, integer enums, camelCase keys)."""
+    # OTLP/JSON, not protobuf-JSON: the OTLP specification requires trace and span ids as hex
+    # strings where protobuf's JSON mapping writes base64, so that a capture line's request can
+    # be POSTed as-is to any OTLP/HTTP JSON receiver.
     as_dict = json_format.MessageToDict(request, use_integers_for_enums=True)
     return convert_ids(as_dict, base64_to_hex)
 
@@ -155,6 +154,7 @@ class CaptureWriter:
 
     def write_meta(self, meta: dict) -> None:
         """Writes the metadata line; only as the file's first line (read_capture_meta)."""
+        # What the recording was: tool, device, what was planted and when.
         if self.lines_written:
             raise ValueError(f"capture {self.path}: metadata must be its first line")
         line = json.dumps({"signal": META_SIGNAL, "meta": meta}, separators=(",", ":"), sort_keys=True)
