@@ -29,12 +29,7 @@ PROCESS_REFERENCES = re.compile(r"TEAM\.md|\bE\d{1,2}'s\b|\(E\d{1,2}\b|\bby E\d{
 
 # Modules being rewritten elsewhere; each entry is removed once its module complies.
 LONG_DOCSTRING_ALLOWED = {
-    "bench/collector_scale.py",
-    "bench/engine_throughput.py",
-    "bench/noisy_neighbour.py",
     "bench/overhead.py",
-    "bench/record_incident.py",
-    "bench/synthesize_incident_capture.py",
     "collector/aggregator.py",
     "collector/api.py",
     "collector/app.py",
@@ -49,8 +44,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/trace_store.py",
     "collector/windows.py",
     "collector/zipkin.py",
-    "engine/model_runner.py",
-    "instrumentation/capture.py",
     "instrumentation/kernel_spans.py",
     "instrumentation/tracing.py",
 }
