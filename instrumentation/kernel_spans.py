@@ -1,16 +1,13 @@
 """Kernel spans of traced steps, built from raw CUPTI buffers and per-CTA probe records.
 
-Runs where spans are assembled (the telemetry process), never on the engine thread.
-CUPTI buffers are decoded in bulk (:mod:`.cupti_records`); kernels are joined to their
-step by the external-correlation id the engine pushed around the step's launches
-(``step_id + 1``). Once a traced step's records have gone quiet (``settle_s``) or
-``max_wait_s`` passed, its spans go out as children of its step span:
-
-- every attention launch (names matching ``attention_markers``: our FA2 prefill and
-  paged decode, PyTorch's flash kernels) is its own span, with launch and per-SM facts;
-- every other kernel is one ``kernels <name>`` span per (step, kernel name): launches,
-  total and max duration, from the first launch's start to the last one's end;
-- ``detail="all"`` gives every launch its own span (for debugging).
+Runs where spans are assembled (the telemetry process), never on the engine thread. CUPTI
+buffers are decoded in bulk (:mod:`.cupti_records`); kernels join their step by the external
+id the engine pushed around its launches (``step_id + 1``). Once a traced step's records went
+quiet (``settle_s``) or ``max_wait_s`` passed, its spans go out as children of its step span:
+each attention launch (``attention_markers``: our FA2 prefill and paged decode, PyTorch's
+flash kernels) is a ``kernel <name>`` span with launch and per-SM facts; every other kernel
+is one ``kernels <name>`` span per (step, name) with launches, total and max duration, from
+the first launch's start to the last one's end; ``detail="all"`` gives every launch a span.
 
 Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
 known step are counted. Cost: numpy per buffer, Python per emitted span (~100 a step).

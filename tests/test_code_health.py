@@ -44,7 +44,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/trace_store.py",
     "collector/windows.py",
     "collector/zipkin.py",
-    "instrumentation/kernel_spans.py",
     "instrumentation/tracing.py",
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
