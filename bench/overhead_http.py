@@ -176,6 +176,8 @@ def main(argv=None) -> int:
         in_situ = {level: (after[level]["telemetry_engine_thread_s"]
                            - before[level]["telemetry_engine_thread_s"])
                    / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9) for level in levels}
+        gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
+                          - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
     finally:
         for engine, _ in engines.values():
@@ -190,6 +192,8 @@ def main(argv=None) -> int:
     summary = summarize(levels, bursts, steps, metrics)
     for level in levels:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
+        summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
+            sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
               "time": utc_now(), "args": vars(args) | {"out": str(args.out)}, "summary": summary,
               "bursts": bursts}

@@ -138,7 +138,8 @@ class EngineServer:
         return _json_response({
             "durations_s": list(engine.step_durations_s), "loop_s": engine.loop_s,
             "telemetry_engine_thread_s": engine.telemetry_thread_s
-            + (gpu.stats.engine_thread_s if gpu is not None else 0.0)})
+            + (gpu.stats.engine_thread_s if gpu is not None else 0.0),
+            "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0})
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
