@@ -28,7 +28,8 @@ from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import read_capture, read_capture_meta
 from sightline.instrumentation.exphist import ExpHistogram
 
-__all__ = ["HOT_THRESHOLD", "STARVE_RATIO", "ExportWindow", "analyse", "evaluate", "export_windows", "interval_report", "step_report"]
+__all__ = ["HOT_THRESHOLD", "STARVE_RATIO", "ExportWindow", "analyse", "evaluate", "export_windows",
+           "interval_report", "step_report"]
 
 HOT_THRESHOLD = 1.5  # deploy/demo.py's DemoConfig.hot_sm_threshold
 STARVE_RATIO = 0.25  # an SM that ran under a quarter of the median SM's CTAs in an interval
@@ -177,8 +178,9 @@ def step_report(capture: Path, intervals: list[tuple[int, int]], t0_ns: int, lon
                                   "duration_s": round((longest[1] - longest[0]) / 1e9, 3)} if longest else None),
                 "longest_time_without_a_step_start_s": round(max(gaps) / 1e9, 3) if gaps else None,
                 "steps_over_s": {str(long_step_s): sum(e - s > long_step_s * 1e9 for s, e in chosen)},
-                "attention_launch_spans_sms_used": {k: {"launches": len(v), "min": min(v), "median": statistics.median(v),
-                                                        "max": max(v)} for k, v in sorted(sms_used.items())}}
+                "attention_launch_spans_sms_used": {
+                    k: {"launches": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)}
+                    for k, v in sorted(sms_used.items())}}
 
     out = {"intervals": [summary(a, b, lambda s, a=a, b=b: s[0] < b and s[1] > a) for a, b in intervals]}
     first, last = (steps[0][0], steps[-1][1]) if steps else (0, 0)
@@ -261,9 +263,10 @@ def format_report(report: dict) -> str:
         for cls, body in iv["by_export_window"].items():
             for kernel, k in body["kernels"].items():
                 p, o = k["planted"], k["others"]
-                lines.append(f"  {cls:10s} {kernel:24s} CTAs planted {p['ctas']:>9d} (share {_f(k['planted_cta_share'])}"
-                             f", even {k['even_share']:.3f}) others {o['ctas']:>9d}; median SM P99 us planted "
-                             f"{_f(p['median_sm_p99_us'])} others {_f(o['median_sm_p99_us'])} ratio {_f(k['p99_ratio'])}")
+                lines.append(f"  {cls:10s} {kernel:24s} CTAs planted {p['ctas']:>9d} "
+                             f"(share {_f(k['planted_cta_share'])}, even {k['even_share']:.3f}) "
+                             f"others {o['ctas']:>9d}; median SM P99 us planted {_f(p['median_sm_p99_us'])} "
+                             f"others {_f(o['median_sm_p99_us'])} ratio {_f(k['p99_ratio'])}")
         lines.append(f"  steps: {json.dumps(st)}")
     lines.append(f"steps outside: {json.dumps(report['steps']['outside'])}")
     for f in report["finding"]["findings"]:

@@ -53,7 +53,8 @@ def parse_variants(text: str) -> list[tuple[int, str]]:
             warps, carveout = part.split(":")
             NeighbourConfig((0,), warps=int(warps), carveout=carveout)
         except ValueError as exc:
-            raise ValueError(f"neighbour variant {part!r}: expected WARPS:CARVEOUT, e.g. 8:max_shared ({exc})") from None
+            raise ValueError(f"neighbour variant {part!r}: expected WARPS:CARVEOUT, "
+                             f"e.g. 8:max_shared ({exc})") from None
         out.append((int(warps), carveout))
     return out
 
