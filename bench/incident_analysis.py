@@ -154,10 +154,10 @@ def step_report(capture: Path, intervals: list[tuple[int, int]], t0_ns: int, lon
             for ss in rs.scope_spans:
                 for span in ss.spans:
                     if span.name == sc.SPAN_ENGINE_STEP:
-                        steps.append((span.start_time_unix_nano, span.end_time_unix_nano))
+                        steps.append((span.start_time_unix_nano, span.end_time_unix_nano, span.span_id))
                     elif span.name.startswith(sc.SPAN_KERNEL_PREFIX) and _attr(span, sc.KERNEL_SMS_USED) is not None:
                         launches.append((span.start_time_unix_nano, span.name[len(sc.SPAN_KERNEL_PREFIX):],
-                                         int(_attr(span, sc.KERNEL_SMS_USED))))
+                                         int(_attr(span, sc.KERNEL_SMS_USED)), span.parent_span_id))
     steps.sort()
 
     def rel(t: int) -> float:
@@ -169,15 +169,24 @@ def step_report(capture: Path, intervals: list[tuple[int, int]], t0_ns: int, lon
         gaps = [b - a for a, b in zip([lo] + starts, starts + [hi])] if hi > lo else []
         longest = max(chosen, key=lambda s: s[1] - s[0], default=None)
         sms_used: dict[str, list[int]] = {}
-        for t, kernel, used in launches:
+        for t, kernel, used, _ in launches:
             if inside((t, t)):
                 sms_used.setdefault(kernel, []).append(used)
+        longest_step = None
+        if longest is not None:
+            longest_step = {"start_s": rel(longest[0]), "end_s": rel(longest[1]),
+                            "duration_s": round((longest[1] - longest[0]) / 1e9, 3)}
+            # a traced step's attention launches: where in the step the time went
+            own = sorted(t for t, _, _, parent in launches if parent == longest[2])
+            if len(own) > 1:
+                a, b = max(zip(own, own[1:]), key=lambda ab: ab[1] - ab[0])
+                longest_step["attention_launches"] = len(own)
+                longest_step["widest_gap_between_attention_launches_s"] = [rel(a), rel(b)]
         return {"steps": len(chosen),
-                "busy_s": round(sum(e - s for s, e in chosen) / 1e9, 3),
-                "longest_step": ({"start_s": rel(longest[0]), "end_s": rel(longest[1]),
-                                  "duration_s": round((longest[1] - longest[0]) / 1e9, 3)} if longest else None),
+                "busy_s": round(sum(s[1] - s[0] for s in chosen) / 1e9, 3),
+                "longest_step": longest_step,
                 "longest_time_without_a_step_start_s": round(max(gaps) / 1e9, 3) if gaps else None,
-                "steps_over_s": {str(long_step_s): sum(e - s > long_step_s * 1e9 for s, e in chosen)},
+                "steps_over_s": {str(long_step_s): sum(s[1] - s[0] > long_step_s * 1e9 for s in chosen)},
                 "attention_launch_spans_sms_used": {
                     k: {"launches": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)}
                     for k, v in sorted(sms_used.items())}}

@@ -41,17 +41,22 @@ def _metrics(start_s: int, end_s: int, per_sm: dict[int, tuple[int, float]]) -> 
     return request
 
 
-def _spans(steps: list[tuple[float, float]], launch_at_s: float, sms_used: int) -> ExportTraceServiceRequest:
+def _spans(steps: list[tuple[float, float]], launches: list[tuple[float, int, int]],
+           first_id: int) -> ExportTraceServiceRequest:
+    """Step spans (start, end in seconds) and FA2 launch spans (at, sms_used, parent step's index);
+    span ids from ``first_id`` on."""
     request = ExportTraceServiceRequest()
     spans = request.resource_spans.add().scope_spans.add().spans
     for i, (a, b) in enumerate(steps):
-        span = spans.add(name=sc.SPAN_ENGINE_STEP, trace_id=bytes([1] * 16), span_id=(i + 1).to_bytes(8, "big"),
-                         start_time_unix_nano=T + int(a * S), end_time_unix_nano=T + int(b * S))
-    span = spans.add(name=sc.SPAN_KERNEL_PREFIX + "sightline_fa2_prefill", trace_id=bytes([1] * 16),
-                     span_id=(99).to_bytes(8, "big"), start_time_unix_nano=T + int(launch_at_s * S),
-                     end_time_unix_nano=T + int(launch_at_s * S) + 1000)
-    kv = span.attributes.add()
-    kv.key, kv.value.int_value = sc.KERNEL_SMS_USED, sms_used
+        spans.add(name=sc.SPAN_ENGINE_STEP, trace_id=bytes([1] * 16), span_id=(first_id + i).to_bytes(8, "big"),
+                  start_time_unix_nano=T + int(a * S), end_time_unix_nano=T + int(b * S))
+    for j, (at, sms_used, parent) in enumerate(launches):
+        span = spans.add(name=sc.SPAN_KERNEL_PREFIX + "sightline_fa2_prefill", trace_id=bytes([1] * 16),
+                         span_id=(first_id + 50 + j).to_bytes(8, "big"),
+                         parent_span_id=(first_id + parent).to_bytes(8, "big"),
+                         start_time_unix_nano=T + int(at * S), end_time_unix_nano=T + int(at * S) + 1000)
+        kv = span.attributes.add()
+        kv.key, kv.value.int_value = sc.KERNEL_SMS_USED, sms_used
     return request
 
 
@@ -63,12 +68,13 @@ def report(tmp_path_factory):
     slowed = {**normal, 1: (10, 30e-6)}  # during the interval SM 1 runs few, slow CTAs
     with CaptureWriter(path) as writer:
         writer.write_meta(incident.to_meta())
-        writer.write_traces(_spans([(1, 1.5), (2, 2.5)], 3.0, 4), T)
+        writer.write_traces(_spans([(1, 1.5), (2, 2.5)], [(1.2, 4, 0)], 1), T)
         for k in range(5):
             writer.write_metrics(_metrics(10 * k, 10 * (k + 1), slowed if k in (2, 3) else normal),
                                  T + (10 * (k + 1)) * S + 1000)
-        # steps in the interval: a 10 s one from T+25 s, then one at T+36 s
-        writer.write_traces(_spans([(25, 35), (36, 36.5), (45, 45.2)], 30.0, 3), T + 50 * S + 2000)
+        # steps in the interval: a 10 s one from T+25 s (its launches at 25.5, 26 and 34 s), then one at T+36 s
+        writer.write_traces(_spans([(25, 35), (36, 36.5), (45, 45.2)], [(25.5, 3, 0), (26, 3, 0), (34, 3, 0)], 100),
+                            T + 50 * S + 2000)
     return analyse(path)
 
 
@@ -94,10 +100,11 @@ def test_exports_split_by_the_interval_with_planted_against_other_sms(report):
 def test_steps_and_launches_inside_and_outside(report):
     [during] = report["steps"]["intervals"]
     assert during["steps"] == 2 and during["busy_s"] == 10.5
-    assert during["longest_step"] == {"start_s": 25.0, "end_s": 35.0, "duration_s": 10.0}
+    assert during["longest_step"] == {"start_s": 25.0, "end_s": 35.0, "duration_s": 10.0, "attention_launches": 3,
+                                      "widest_gap_between_attention_launches_s": [26.0, 34.0]}
     # step starts at 25 and 36 between 20 and 40: the longest stretch without one is 25 -> 36
     assert during["longest_time_without_a_step_start_s"] == 11.0 and during["steps_over_s"] == {"0.5": 1}
-    assert during["attention_launch_spans_sms_used"] == {"sightline_fa2_prefill": {"launches": 1, "min": 3,
+    assert during["attention_launch_spans_sms_used"] == {"sightline_fa2_prefill": {"launches": 3, "min": 3,
                                                                                   "median": 3, "max": 3}}
     outside = report["steps"]["outside"]
     assert outside["steps"] == 3 and outside["attention_launch_spans_sms_used"]["sightline_fa2_prefill"]["max"] == 4
