@@ -6,9 +6,10 @@ engine's FA2 prefill kernel runs ``launches`` times with the SM probe on (Llama-
 32 query, 8 key/value, head dim 128, bf16, ``batch`` causal sequences of ``seq`` tokens);
 the same launches also run once without a neighbour. Reported per run: FA2 CTAs on the SMs
 the neighbour held against the others (their share, and the share an even spread would
-give), the median over SMs of each SM's P99 and median CTA duration, both as held/others
-ratios, and the launches' wall time. Guarantee: every figure comes from the CTAs' own
-``%smid`` and ``%globaltimer`` records (fake ones under ``TRITON_INTERPRET=1``, marked).
+give), the median over SMs of each SM's P99 and median CTA duration as held/others ratios,
+the share of FA2 CTAs that started while the neighbour ran, and the wall time. Guarantee:
+every figure comes from the CTAs' own ``%smid`` and ``%globaltimer`` records (fake ones
+under ``TRITON_INTERPRET=1``, marked).
 Cost: per variant about ``neighbour_s`` seconds plus the neighbour kernel's compilation.
 """
 
@@ -39,6 +40,7 @@ class CalibrationRun:
     p99_ratio: float | None         # median SM P99 on held SMs / on the others
     median_ratio: float | None      # median SM median CTA duration, held / others
     wall_s: float                   # the FA2 launches, first launch to records on the host
+    overlap: float | None           # share of FA2 CTAs that started while the neighbour ran
     fake: bool
 
     def to_dict(self) -> dict:
@@ -106,13 +108,8 @@ class _Fa2Workload:
                                  probe=probe, out=self.out)
 
 
-def _run_fa2(workload: _Fa2Workload, device: torch.device, launches: int):
+def _run_fa2(workload: _Fa2Workload, probe, launches: int):
     """The FA2 launches with the probe on: their CTA records and the wall time they took."""
-    from sightline.instrumentation.sm_probe import SmProbe
-
-    # an upper bound on CTAs per launch: query blocks are at least 16 rows
-    ctas_per_launch = workload.q.shape[1] * (workload.cu.numel() - 1) * (workload.seq // 16 + 1)
-    probe = SmProbe(device, capacity_ctas=launches * ctas_per_launch)
     t0 = time.perf_counter()
     for _ in range(launches):
         workload(probe)
@@ -123,9 +120,12 @@ def _run_fa2(workload: _Fa2Workload, device: torch.device, launches: int):
     return batch, time.perf_counter() - t0
 
 
-def _result(batch, wall_s: float, held: tuple[int, ...], num_sms: int, warps: int, carveout: str) -> CalibrationRun:
+def _result(batch, wall_s: float, held: tuple[int, ...], num_sms: int, warps: int, carveout: str,
+            span: tuple[int, int] | None = None) -> CalibrationRun:
     stats = split_by_sms(batch.sm_id, batch.duration_s, held, num_sms)
-    return CalibrationRun(warps, carveout, tuple(held), wall_s=wall_s, fake=batch.fake, **stats)
+    overlap = (None if span is None else
+               float(np.mean((batch.start_ns >= span[0]) & (batch.start_ns <= span[1]))))
+    return CalibrationRun(warps, carveout, tuple(held), wall_s=wall_s, overlap=overlap, fake=batch.fake, **stats)
 
 
 def calibrate(device: torch.device, target_sms: tuple[int, ...], variants: list[tuple[int, str]],
@@ -134,10 +134,15 @@ def calibrate(device: torch.device, target_sms: tuple[int, ...], variants: list[
               dtype: torch.dtype = torch.bfloat16, slice_s: float = 0.25) -> list[CalibrationRun]:
     """The baseline run (no neighbour, split by ``target_sms``) then one run per variant,
     each split by the SMs that neighbour really held."""
+    from sightline.instrumentation.sm_probe import SmProbe
+
     workload = _Fa2Workload(device, seq, batch, heads, kv_heads, head_dim, dtype)
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8)
     workload(None)  # compiles FA2 for these shapes before anything is timed
-    cta_batch, wall_s = _run_fa2(workload, device, launches)
+    # Allocated before any neighbour runs: an allocation while it runs may wait for it to end.
+    # An upper bound on CTAs per launch: query blocks are at least 16 rows.
+    probe = SmProbe(device, capacity_ctas=launches * heads * batch * (seq // 16 + 1))
+    cta_batch, wall_s = _run_fa2(workload, probe, launches)
     runs = [_result(cta_batch, wall_s, target_sms, num_sms, 0, "-")]
     for warps, carveout in variants:
         neighbour = NoisyNeighbour(NeighbourConfig(target_sms, warps=warps, carveout=carveout, slice_s=slice_s,
@@ -145,15 +150,16 @@ def calibrate(device: torch.device, target_sms: tuple[int, ...], variants: list[
         neighbour.run(0.0)  # compiles it (and sets its carveout) before the measurement
         if neighbour.fake:  # the interpreter is not thread-safe: one after the other (fake figures)
             held = neighbour.run(neighbour_s)
-            cta_batch, wall_s = _run_fa2(workload, device, launches)
+            cta_batch, wall_s = _run_fa2(workload, probe, launches)
         else:
             neighbour.start(neighbour_s)
             time.sleep(settle_s)
             try:
-                cta_batch, wall_s = _run_fa2(workload, device, launches)
+                cta_batch, wall_s = _run_fa2(workload, probe, launches)
             finally:
                 held = neighbour.join(timeout_s=neighbour_s + 60)
-        runs.append(_result(cta_batch, wall_s, held.sms, num_sms, warps, neighbour.carveout))
+        runs.append(_result(cta_batch, wall_s, held.sms, num_sms, warps, neighbour.carveout,
+                            (held.start_ns, held.end_ns)))
     return runs
 
 

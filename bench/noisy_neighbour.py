@@ -196,7 +196,7 @@ class NoisyNeighbour:
         targets[list(config.target_sms)] = 1
         self.targets = targets.to(self.device)
         self.sink = torch.zeros(self.num_sms, dtype=torch.float32, device=self.device)
-        self.carveout = "default" if config.carveout == "default" else "not yet set"
+        self.carveout = "not yet set"
         self._thread: threading.Thread | None = None
         self._result: NeighbourRun | BaseException | None = None
 
@@ -207,7 +207,7 @@ class NoisyNeighbour:
             int(self.config.linger_us * 1000), fake_iters, NUM_SMS=self.num_sms, TILE=TILE, MODE=mode,
             num_warps=self.config.warps, num_stages=1)
         if self.carveout == "not yet set":
-            self.carveout = _prefer_shared(kernel)
+            self.carveout = _set_carveout(kernel, self.config.carveout)
 
     def run(self, duration_s: float, fake_iters: int = 2) -> NeighbourRun:
         cfg = self.config
@@ -284,14 +284,16 @@ def _wait(event) -> None:
         time.sleep(0.002)
 
 
-def _prefer_shared(kernel) -> str:
-    """Asks the driver for the largest shared-memory carveout for the neighbour kernel."""
+def _set_carveout(kernel, carveout: str) -> str:
+    """Sets the neighbour kernel's shared-memory preference (``CARVEOUTS``) through libcuda;
+    returns it, or why it could not be set. Set every time: instances with the same warps
+    share one compiled kernel, so a preference set by one would otherwise stay for the next."""
     # Why: in the first H200 run no FA2 prefill or paged-decode CTA ran on an SM the neighbour
     # held, though the registers and shared memory of one FA2 CTA fit beside it. One
     # explanation to test: an SM's L1/shared split is set for the kernels resident on it; the
     # neighbour (16 KB of shared memory) got the driver's default, smaller than FA2's (Triton
-    # asks for the largest for kernels over 48 KB). This asks for the same split as FA2's;
-    # the recorder's calibration measures whether FA2 CTAs then share the SM.
+    # asks for the largest for kernels over 48 KB). "max_shared" asks for FA2's split; the
+    # recorder's calibration measures whether FA2 CTAs then share the SM.
     function = getattr(kernel, "function", None)
     if function is None:
         return "not set: no CUDA function handle (interpreter)"
@@ -300,8 +302,9 @@ def _prefer_shared(kernel) -> str:
     except OSError as exc:
         return f"not set: {exc}"
     handle = ctypes.c_void_p(function)
-    # CU_FUNC_CACHE_PREFER_SHARED = 1; CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
-    # (a percentage of the maximum; CU_SHAREDMEM_CARVEOUT_MAX_SHARED = 100)
-    codes = (libcuda.cuFuncSetCacheConfig(handle, ctypes.c_int(1)),
-             libcuda.cuFuncSetAttribute(handle, ctypes.c_int(9), ctypes.c_int(100)))
-    return "max_shared" if codes == (0, 0) else f"not set: CUresult {codes}"
+    # CU_FUNC_CACHE_PREFER_SHARED = 1, _NONE = 0; CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+    # = 9, in percent of the maximum (100 = CU_SHAREDMEM_CARVEOUT_MAX_SHARED, -1 = _DEFAULT)
+    cache, percent = (1, 100) if carveout == "max_shared" else (0, -1)
+    codes = (libcuda.cuFuncSetCacheConfig(handle, ctypes.c_int(cache)),
+             libcuda.cuFuncSetAttribute(handle, ctypes.c_int(9), ctypes.c_int(percent)))
+    return carveout if codes == (0, 0) else f"not set: CUresult {codes}"

@@ -5,15 +5,14 @@ The engine's server runs in this process (bench/record_capture.py's ``start_serv
 level ``kernels``) and writes an OTLP capture during ``--duration-s`` of timed load; in each
 ``--interval`` a thread runs bench/noisy_neighbour.py on ``--neighbour-sms``, in the variant
 bench/neighbour_calibration.py found to slow FA2 CTAs most (CUDA only). Guarantee: the
-planted SMs are those its CTAs held (``%smid``) for at least half the interval, the interval
-their ``%globaltimer`` span (else the host's clock), all in the capture's metadata; the
-capture is then replayed in-process, the demo's finding scored (precision, recall) and the
-capture diagnosed (bench/incident_analysis.py). Cost: the load, engine start-up, about 10 s
-of calibration, the replay. Writes the capture and ``record_incident-<device>-<commit8>.json``.
+planted SMs are those its CTAs held (``%smid``) for half the interval or more, the interval
+their ``%globaltimer`` span (else the host's clock), all in the capture's metadata; the demo's
+finding is scored and the capture diagnosed in-process (bench/incident_analysis.py). Cost:
+the load, engine start-up, about 20 s of calibration, the replay. Writes the capture and
+``record_incident-<device>-<commit8>.json`` into ``--out``.
 
     python -m bench.record_incident --out "$OUT"                     # H200, llama-8b
-    TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny \\
-        --duration-s 20 --interval 6,12 --out /tmp/ri               # CPU check (fake neighbour)
+    TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny --duration-s 20 --interval 6,12
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def test_fa2_ctas_split_by_held_sms_and_the_variant_chosen():
                      "p99_ratio": 2.0, "median_ratio": 2.0}
 
     def run(warps, share, ratio):
-        return CalibrationRun(warps, "max_shared", (1,), 1, 1, share, 0.25, ratio, ratio, 0.1, False)
+        return CalibrationRun(warps, "max_shared", (1,), 1, 1, share, 0.25, ratio, ratio, 0.1, 1.0, False)
 
     # the baseline never wins; a variant whose FA2 CTAs hardly ran on its SMs does not either
     assert choose([run(0, 0.25, 9.0), run(8, 0.05, 3.0), run(4, 0.2, 1.4), run(8, 0.25, 1.6)]) == 3
@@ -109,6 +109,7 @@ def test_calibration_measures_fa2_with_each_variant_interpreted():
     # fake probe SMs are CTA slot % 8: 3 of 8 SMs hold 3/8 of the CTAs, the same in every run
     assert {(r["ctas_held"], r["ctas_other"], r["held_share"]) for r in runs} == {(12, 20, 0.375)}
     assert out["best"] == 1  # equal fake figures: the first variant
+    assert runs[0]["overlap"] is None and all(0.0 <= r["overlap"] <= 1.0 for r in runs[1:])
 
 
 def test_recording_plants_the_neighbour_interval_in_the_capture_metadata(tmp_path):
