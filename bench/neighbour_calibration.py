@@ -148,16 +148,21 @@ def calibrate(device: torch.device, target_sms: tuple[int, ...], variants: list[
         neighbour = NoisyNeighbour(NeighbourConfig(target_sms, warps=warps, carveout=carveout, slice_s=slice_s,
                                                    max_duration_s=max(neighbour_s, slice_s)), device)
         neighbour.run(0.0)  # compiles it (and sets its carveout) before the measurement
-        if neighbour.fake:  # the interpreter is not thread-safe: one after the other (fake figures)
-            held = neighbour.run(neighbour_s)
-            cta_batch, wall_s = _run_fa2(workload, probe, launches)
-        else:
-            neighbour.start(neighbour_s)
-            time.sleep(settle_s)
-            try:
+        try:
+            if neighbour.fake:  # the interpreter is not thread-safe: one after the other (fake figures)
+                held = neighbour.run(neighbour_s)
                 cta_batch, wall_s = _run_fa2(workload, probe, launches)
-            finally:
-                held = neighbour.join(timeout_s=neighbour_s + 60)
+            else:
+                neighbour.start(neighbour_s)
+                time.sleep(settle_s)
+                try:
+                    cta_batch, wall_s = _run_fa2(workload, probe, launches)
+                finally:
+                    held = neighbour.join(timeout_s=neighbour_s + 60)
+        except RuntimeError as exc:  # e.g. it held no target SM: said in the run, the next variant goes on
+            runs.append(CalibrationRun(warps, f"{neighbour.carveout}; failed: {exc}", (), 0, 0, None, 0.0,
+                                       None, None, 0.0, None, neighbour.fake))
+            continue
         runs.append(_result(cta_batch, wall_s, held.sms, num_sms, warps, neighbour.carveout,
                             (held.start_ns, held.end_ns)))
     return runs

@@ -180,13 +180,17 @@ def choose_neighbour(args: argparse.Namespace, device, num_sms: int) -> tuple[Ne
         small = {} if device.type == "cuda" else {
             "launches": 2, "neighbour_s": 0.3, "seq": 64, "batch": 2, "heads": 2, "kv_heads": 1,
             "head_dim": 16, "dtype": torch.float16}
-        runs = calibrate(device, targets, args.calibration_variants, slice_s=args.slice_s, **small)
-        best = choose(runs)
-        if best is not None:
-            warps, carveout = args.calibration_variants[best - 1]  # runs[0] is the baseline
-            how = f"calibration: variant {warps}:{carveout}"
+        try:
+            runs = calibrate(device, targets, args.calibration_variants, slice_s=args.slice_s, **small)
+        except Exception as exc:  # the recording is worth more than the calibration: go on, say why
+            how = f"flags: calibration failed: {exc!r}"
         else:
-            how = "flags: no calibrated variant ran FA2 CTAs on the SMs it held"
+            best = choose(runs)
+            if best is not None:
+                warps, carveout = args.calibration_variants[best - 1]  # runs[0] is the baseline
+                how = f"calibration: variant {warps}:{carveout}"
+            else:
+                how = "flags: no calibrated variant ran FA2 CTAs on the SMs it held"
     return NeighbourConfig(warps=warps, carveout=carveout, **base), {
         "chosen_by": how, "calibration": [r.to_dict() for r in runs]}
 
@@ -255,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     raw.unlink(missing_ok=True)
     print(f"[{time.time() - wall0:.0f}s] wrote {capture} ({capture.stat().st_size / 1e6:.2f} MB); "
           "checking what Sightline finds in it", flush=True)
-    report = analyse(capture, HOT_THRESHOLD)
-    found = report.pop("finding")
+    try:
+        report = analyse(capture, HOT_THRESHOLD)
+        found = report.pop("finding")
+    except Exception as exc:  # keep the record (and the capture) whatever the analysis does
+        report, found = {"error": repr(exc)}, {"findings": [], "hotspot_ratio": {}, "columns_with_data": {}}
     commit = git_commit()
     record = {"commit": commit, "device": device, "time_utc": utc_now(),
               "command": "python bench/record_incident.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -271,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {f['kernel']}: planted {len(f['planted'])} SMs, flagged hot {len(f['flagged'])} "
               f"(precision {f['precision']}, recall {f['recall']}), starved {len(f['starved'])} "
               f"(precision {f['starved_precision']}, recall {f['starved_recall']}) in {f['slots']} slots")
-    for n, interval in enumerate(report["intervals"], start=1):
+    for n, interval in enumerate(report.get("intervals", []), start=1):
         for cls, body in interval["by_export_window"].items():
             for kernel, k in body["kernels"].items():
                 print(f"  interval {n} {cls} exports, {kernel}: planted-SM CTA share {k['planted_cta_share']} "
