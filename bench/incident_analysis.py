@@ -10,7 +10,7 @@ time x SM heatmaps built and the planted SMs scored against the flagged ones
 the collector's own histogram and replay code; P99s are within the histograms' relative
 error. Cost: two passes over the capture (about 10 s for a 2 MB, 3-minute capture).
 
-    python -m bench.incident_analysis CAPTURE [--json OUT.json]
+    python -m bench.incident_analysis CAPTURE [--json OUT.json] [--threshold 1.5] [--starve-ratio 0.25]
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def evaluate(capture: Path, incident: Incident, threshold: float = HOT_THRESHOLD
             "exports": result.exports, "spans": result.spans, "data_points": result.data_points}
 
 
-def analyse(capture: Path, threshold: float = HOT_THRESHOLD) -> dict:
+def analyse(capture: Path, threshold: float = HOT_THRESHOLD, starve_ratio: float = STARVE_RATIO) -> dict:
     """Everything above, as one JSON-ready dict; times in seconds from the capture's first export."""
     incident = Incident.from_meta(read_capture_meta(capture))
     if incident is None:
@@ -260,7 +260,7 @@ def analyse(capture: Path, threshold: float = HOT_THRESHOLD) -> dict:
             "planted_sms": len(interval.sms),
             "by_export_window": interval_report(windows, spans, index, set(interval.sms), incident.num_sms, t0_ns)})
     report["steps"] = step_report(capture, spans, t0_ns)
-    report["finding"] = evaluate(capture, incident, threshold, export_ends_ns=[w.end_ns for w in windows])
+    report["finding"] = evaluate(capture, incident, threshold, starve_ratio, export_ends_ns=[w.end_ns for w in windows])
     return report
 
 
@@ -294,9 +294,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("capture", type=Path)
     ap.add_argument("--json", type=Path, default=None, help="also write the whole report here")
-    ap.add_argument("--threshold", type=float, default=HOT_THRESHOLD)
+    ap.add_argument("--threshold", type=float, default=HOT_THRESHOLD, help="hot: SM P99 over the median SM's")
+    ap.add_argument("--starve-ratio", type=float, default=STARVE_RATIO, help="starved: SM CTAs over the median SM's")
     args = ap.parse_args(argv)
-    report = analyse(args.capture, args.threshold)
+    report = analyse(args.capture, args.threshold, args.starve_ratio)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
