@@ -143,3 +143,20 @@ def test_recording_plants_the_neighbour_interval_in_the_capture_metadata(tmp_pat
     spans_during = [s for s in roots if s.start_time_unix_nano < interval.end_unix_nano
                     and s.end_time_unix_nano > interval.start_unix_nano]
     assert spans_during  # the load ran while the neighbour did
+
+
+@pytest.mark.gpu
+def test_neighbour_holds_its_target_sms_on_the_gpu():
+    import torch
+
+    from bench.noisy_neighbour import NeighbourConfig, NoisyNeighbour
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    targets = tuple(range(0, sms, 4))
+    neighbour = NoisyNeighbour(NeighbourConfig(targets, slice_s=0.1, max_duration_s=2.0), "cuda")
+    neighbour.run(0.0)
+    run = neighbour.run(1.0)
+    assert run.fake is False and run.slices == 10 and neighbour.carveout == "max_shared"
+    assert run.sms == targets and set(run.occupancy) == set(targets)  # held, and nothing else
+    assert min(run.occupancy.values()) >= 0.9
+    assert run.host_launch_ns - 1e9 <= run.start_ns < run.end_ns <= run.host_done_ns + 1e9  # %globaltimer
