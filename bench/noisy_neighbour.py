@@ -242,8 +242,9 @@ class NoisyNeighbour:
     def _summarise(self, occ, slices: int, launch_ns: int) -> NeighbourRun:
         held = occ[:, :, 0] >= 0  # [slice, sm]
         done_ns = time.time_ns()
-        if not held.any():
-            raise RuntimeError(f"no neighbour CTA held a target SM in {slices} slices")
+        if not held.any():  # said by an empty ``sms``; the caller decides what that means
+            return NeighbourRun(self.config.target_sms, (), {}, slices, launch_ns, launch_ns, launch_ns, done_ns,
+                                self.fake, self.config.warps, self.carveout)
         start, end = int(occ[:, :, 0][held].min()), int(occ[:, :, 1][held].max())
         if self.fake:  # fake times: the share of slices each SM was held in
             share = held.sum(axis=0) / slices
