@@ -11,7 +11,8 @@
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
-# incident (bench.record_incident: served load with a noisy neighbour on measured SMs).
+# incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
+# neighbour on measured SMs, calibrated first, the capture diagnosed after).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -67,7 +68,9 @@ for p in "$@"; do
         part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
             --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
             --out "$OUT" ${SIGHTLINE_ENGINE_ARGS:-} ;;
-    incident) part "incident-$commit" "${INCIDENT_LIMIT_S:-360}" python3 -m bench.record_incident --out "$OUT" ;;
+    incident)
+        part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
+        part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$OUT" ;;
     *) echo "unknown part: $p" ;;
     esac
 done

@@ -1,18 +1,18 @@
 """Records an H200 incident capture: minutes of HTTP-served load with a noisy neighbour
-planted on known SMs in known intervals, then checks that Sightline finds it.
+holding known SMs in known intervals, then checks that Sightline finds it.
 
 The engine's server runs in this process (bench/record_capture.py's ``start_server``, trace
 level ``kernels``) and writes an OTLP capture during ``--duration-s`` of timed load; in each
-``--interval`` a thread runs bench/noisy_neighbour.py. Guarantee: the planted SMs are those
-its CTAs ran on (``%smid``) and the interval their ``%globaltimer`` span (else the host's
-clock), written in the capture's metadata line; the capture is then replayed into an
-in-process aggregator and the demo's finding scored (precision, recall of flagged SMs).
-Cost: the load's duration plus engine start-up and the replay. Writes the capture (the name
-the demo looks for) and ``record_incident-<device>-<commit8>.json`` into ``--out``.
+``--interval`` a thread runs bench/noisy_neighbour.py on ``--neighbour-sms``, in the variant
+bench/neighbour_calibration.py found to slow FA2 CTAs most (CUDA only). Guarantee: the
+planted SMs are those its CTAs held (``%smid``) for half the interval or more, the interval
+their ``%globaltimer`` span (else the host's clock), all in the capture's metadata; the demo's
+finding is scored and the capture diagnosed in-process (bench/incident_analysis.py). Cost:
+the load, engine start-up, about 20 s of calibration, the replay. Writes the capture and
+``record_incident-<device>-<commit8>.json`` into ``--out``.
 
     python -m bench.record_incident --out "$OUT"                     # H200, llama-8b
-    TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny \\
-        --duration-s 20 --interval 6,12 --out /tmp/ri               # CPU check (fake neighbour)
+    TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny --duration-s 20 --interval 6,12
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ import time
 from pathlib import Path
 
 from ._common import device_name, git_commit, utc_now
-from .noisy_neighbour import NeighbourRun, NoisyNeighbour
+from .incident_analysis import HOT_THRESHOLD, analyse
+from .neighbour_calibration import calibrate, choose, parse_variants
+from .noisy_neighbour import NeighbourConfig, NeighbourRun, NoisyNeighbour, parse_sms
 from .record_capture import PlannedRequest, _prompt_text, start_server, stream_one
 
-from sightline.deploy.incident import interval_s, Incident, PlantedInterval, find
+from sightline.deploy.incident import interval_s, Incident, PlantedInterval
 from sightline.deploy.load import format_summary, summarize
 from sightline.instrumentation.capture import CaptureWriter
 
 CAPTURE_NAME = "h200-noisy-neighbour.jsonl.gz"  # deploy/demo.py's INCIDENT_CAPTURE
-HOT_THRESHOLD = 1.5  # deploy/demo.py's DemoConfig.hot_sm_threshold
 
 
 def plan_load(args: argparse.Namespace, model: str, max_model_len: int) -> list[tuple[float, PlannedRequest]]:
@@ -103,7 +104,10 @@ def run_neighbours(neighbour: NoisyNeighbour, intervals: list[tuple[float, float
 
 def planted_interval(run: NeighbourRun) -> tuple[PlantedInterval, str]:
     """The interval a run occupied, and which clock gave it: the CTAs' own ``%globaltimer``
-    when it agrees with the host's clock within 1 s, else the host's launch and finish."""
+    when it agrees with the host's clock within 1 s, else the host's launch and finish.
+    Its SMs are those the run held for at least half of it (ValueError when none was)."""
+    if not run.sms:
+        raise ValueError(f"the neighbour held no SM for half the run (occupancy {run.occupancy})")
     device_clock = (not run.fake and run.host_launch_ns - 1e9 <= run.start_ns < run.end_ns
                     <= run.host_done_ns + 1e9)
     start, end = (run.start_ns, run.end_ns) if device_clock else (run.host_launch_ns, run.host_done_ns)
@@ -119,28 +123,6 @@ def write_capture(raw: Path, target: Path, incident: Incident) -> None:
         shutil.copyfileobj(src, dst)
 
 
-def evaluate(capture: Path, incident: Incident) -> dict:
-    """The demo's finding, computed in-process: replay, heatmaps, planted vs flagged SMs."""
-    from sightline.collector.aggregator import Aggregator
-    from sightline.collector.explain import explain_slowest
-    from sightline.collector.heatmap import time_sm
-    from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
-
-    aggregator = Aggregator()
-    result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0))
-    heatmaps = [time_sm(aggregator, e["gpu"], e["kernel"]).to_dict() for e in aggregator.kernels()
-                if e["source"] == "sm_probe"]
-    findings = find(incident, heatmaps, result.time_map, HOT_THRESHOLD)
-    slowest = explain_slowest(aggregator, 0.99, 3).to_dict()
-    return {"findings": [f.to_dict() for f in findings],
-            "hotspot_ratio": {h["kernel"]: h["hotspot"]["ratio"] for h in heatmaps},
-            "columns_with_data": {h["kernel"]: sum(any(row[c] is not None for row in h["p99_s"])
-                                                   for c in range(len(h["times_unix_s"]))) for h in heatmaps},
-            "slowest": [{"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "slowest_sm": r.get("slowest_sm")}
-                        for r in slowest.get("requests", [])],
-            "exports": result.exports, "spans": result.spans, "data_points": result.data_points}
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
@@ -149,8 +131,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "collector's 180 s window, so that a replay shows all of it)")
     ap.add_argument("--interval", type=interval_s, action="append", default=None,
                     help="START,END of a neighbour interval, seconds from the load's start "
-                         "(repeatable; default 60,95 and 125,155)")
-    ap.add_argument("--neighbour-ctas", type=int, default=33, help="neighbour CTAs (~SMs taken)")
+                         "(repeatable; default 50,95 and 120,160)")
+    ap.add_argument("--neighbour-sms", default=None,
+                    help="SMs the neighbour holds: START:STOP:STEP or a comma list (default every 4th SM)")
+    ap.add_argument("--neighbour-warps", type=int, default=8, choices=(4, 8),
+                    help="warps of each neighbour CTA, when not calibrated")
+    ap.add_argument("--neighbour-carveout", default="max_shared", choices=("max_shared", "default"),
+                    help="shared-memory preference of the neighbour kernel, when not calibrated")
+    ap.add_argument("--slice-s", type=float, default=0.25, help="length of each neighbour launch")
+    ap.add_argument("--calibrate", default="auto", choices=("auto", "on", "off"),
+                    help="measure the neighbour variants on FA2 first (auto: on CUDA)")
+    ap.add_argument("--calibration-variants", type=parse_variants,
+                    default=parse_variants("8:max_shared,4:max_shared,8:default,4:default"),
+                    help="WARPS:CARVEOUT,... tried by the calibration, in order of preference on a tie")
     ap.add_argument("--rate", type=float, default=1.5, help="Poisson arrivals per second")
     ap.add_argument("--burst", type=int, default=12, help="requests per burst")
     ap.add_argument("--burst-every-s", type=float, default=40.0)
@@ -161,12 +154,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
-    args.interval = args.interval or [(60.0, 95.0), (125.0, 155.0)]
+    # Long intervals: per-SM histograms leave the engine every 10 s and the collector keeps
+    # 10 s slots, so an interval needs several whole slots inside it.
+    args.interval = args.interval or [(50.0, 95.0), (120.0, 160.0)]
     if not 10 <= args.duration_s <= 3600 or any(b > args.duration_s for _, b in args.interval):
         ap.error(f"--duration-s {args.duration_s} must be in [10, 3600] and hold every interval")
     if not (0 < args.rate <= 100 and 0 <= args.burst <= 1000 and args.burst_every_s > 0):
         ap.error("need 0 < --rate <= 100, 0 <= --burst <= 1000, --burst-every-s > 0")
+    if not 0.01 <= args.slice_s <= 10:
+        ap.error(f"--slice-s {args.slice_s} must be in [0.01, 10]")
     return args
+
+
+def choose_neighbour(args: argparse.Namespace, device, num_sms: int) -> tuple[NeighbourConfig, dict]:
+    """The neighbour's config: the calibrated variant that slowed FA2 CTAs most on the SMs it
+    held (CUDA, unless ``--calibrate off``), else the flags'; and how it was chosen."""
+    import torch
+
+    targets = parse_sms(args.neighbour_sms, num_sms) if args.neighbour_sms else tuple(range(0, num_sms, 4))
+    base = {"target_sms": targets, "slice_s": args.slice_s,
+            "max_duration_s": max(b - a for a, b in args.interval) + 1.0}
+    warps, carveout, how, runs = args.neighbour_warps, args.neighbour_carveout, "flags", []
+    if args.calibrate == "on" or (args.calibrate == "auto" and device.type == "cuda"):
+        # tiny shapes off the GPU, where the interpreter runs FA2 (plumbing only, fake figures)
+        small = {} if device.type == "cuda" else {
+            "launches": 2, "neighbour_s": 0.3, "seq": 64, "batch": 2, "heads": 2, "kv_heads": 1,
+            "head_dim": 16, "dtype": torch.float16}
+        try:
+            runs = calibrate(device, targets, args.calibration_variants, slice_s=args.slice_s, **small)
+        except Exception as exc:  # the recording is worth more than the calibration: go on, say why
+            how = f"flags: calibration failed: {exc!r}"
+        else:
+            best = choose(runs)
+            if best is not None:
+                warps, carveout = args.calibration_variants[best - 1]  # runs[0] is the baseline
+                how = f"calibration: variant {warps}:{carveout}"
+            else:
+                how = "flags: no calibrated variant ran FA2 CTAs on the SMs it held"
+    return NeighbourConfig(warps=warps, carveout=carveout, **base), {
+        "chosen_by": how, "calibration": [r.to_dict() for r in runs]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,24 +206,35 @@ def main(argv: list[str] | None = None) -> int:
     # CUPTI kernel spans for --kernel-sample-ratio of the steps plus the slow tail, per-SM CTA
     # histograms every --metric-export-interval seconds.
     running, telemetry = start_server(args, raw)
-    device_obj = running.engine.runner.device
-    device = device_name(device_obj, cpu_fallback="cpu")
-    neighbour = NoisyNeighbour(args.neighbour_ctas, device_obj)
-    neighbour.run(0.0)  # compiles it before the load starts
-    plans = plan_load(args, running.engine.model_name, running.engine.max_model_len)
-    print(f"[{time.time() - wall0:.0f}s] serving {args.model} on {device}: {len(plans)} requests over "
-          f"{args.duration_s:.0f} s, neighbour ({args.neighbour_ctas} CTAs) in {args.interval}", flush=True)
-    runs: list[NeighbourRun | BaseException] = []
-    t0 = time.monotonic()
-    schedule = run_neighbours(neighbour, args.interval, t0, runs)
     try:
+        device_obj = running.engine.runner.device
+        device = device_name(device_obj, cpu_fallback="cpu")
+        num_sms = _num_sms(device_obj)
+        config, chosen = choose_neighbour(args, device_obj, num_sms)
+        for run in chosen["calibration"]:
+            print(f"  calibration warps {run['warps']} carveout {run['carveout']}: FA2 CTAs on held SMs "
+                  f"{run['ctas_held']} (share {run['held_share']}, even {run['even_share']:.3f}), "
+                  f"P99 ratio {run['p99_ratio']}, median ratio {run['median_ratio']}", flush=True)
+        neighbour = NoisyNeighbour(config, device_obj)
+        neighbour.run(0.0)  # compiles it before the load starts
+        plans = plan_load(args, running.engine.model_name, running.engine.max_model_len)
+        print(f"[{time.time() - wall0:.0f}s] serving {args.model} on {device}: {len(plans)} requests over "
+              f"{args.duration_s:.0f} s, neighbour on {len(config.target_sms)} SMs ({config.warps} warps, "
+              f"carveout {neighbour.carveout}; {chosen['chosen_by']}) in {args.interval}", flush=True)
+        runs: list[NeighbourRun | BaseException] = []
+        t0 = time.monotonic()
+        schedule = run_neighbours(neighbour, args.interval, t0, runs)
         records = asyncio.run(drive_timed(running.url, plans, t0))
         load_s = time.monotonic() - t0
         schedule.join(timeout=max(0.0, t0 + args.interval[-1][1] + 60 - time.monotonic()))
     finally:
         running.stop(timeout_s=300.0)
-    planted = [planted_interval(r) for r in runs if isinstance(r, NeighbourRun)]
-    failures = [repr(r) for r in runs if not isinstance(r, NeighbourRun)]
+    planted, failures = [], [repr(r) for r in runs if not isinstance(r, NeighbourRun)]
+    for run in (r for r in runs if isinstance(r, NeighbourRun)):
+        try:
+            planted.append((planted_interval(run), run))
+        except ValueError as exc:
+            failures.append(str(exc))
     client = summarize(records, load_s)
     print(format_summary(client), flush=True)
     if not planted:
@@ -206,32 +243,46 @@ def main(argv: list[str] | None = None) -> int:
     incident = Incident(
         synthetic=False,
         description=(f"recorded: {args.model} served over HTTP for {args.duration_s:.0f} s with a noisy "
-                     f"neighbour ({args.neighbour_ctas} persistent CTAs of bench/noisy_neighbour.py on "
-                     "its own stream of the engine's process) in each interval"),
-        tool="bench/record_incident.py", device=device, num_sms=_num_sms(device_obj),
-        intervals=tuple(p for p, _ in planted),
-        details={"clock": [c for _, c in planted], "neighbour_ctas": args.neighbour_ctas,
-                 "neighbour_fake": any(r.fake for r in runs if isinstance(r, NeighbourRun)),
-                 "cta_sms": [list(r.cta_sms) for r in runs if isinstance(r, NeighbourRun)],
+                     f"neighbour (bench/noisy_neighbour.py holding {len(config.target_sms)} SMs with "
+                     f"{config.warps}-warp tensor-core CTAs, on its own stream of the engine's process) "
+                     "in each interval"),
+        tool="bench/record_incident.py", device=device, num_sms=num_sms,
+        intervals=tuple(p for (p, _), _ in planted),
+        details={"clock": [c for (_, c), _ in planted], "neighbour_fake": any(r.fake for _, r in planted),
+                 "target_sms": list(config.target_sms),
+                 "occupancy": [{str(sm): share for sm, share in r.occupancy.items()} for _, r in planted],
+                 "neighbour": {"warps": config.warps, "carveout": neighbour.carveout, "slice_s": config.slice_s,
+                               "chosen_by": chosen["chosen_by"]},
                  "intervals_requested_s": args.interval, "fa2_config": args.fa2_config,
                  "failures": failures})
     write_capture(raw, capture, incident)
     raw.unlink(missing_ok=True)
     print(f"[{time.time() - wall0:.0f}s] wrote {capture} ({capture.stat().st_size / 1e6:.2f} MB); "
           "checking what Sightline finds in it", flush=True)
-    found = evaluate(capture, incident)
+    try:
+        report = analyse(capture, HOT_THRESHOLD)
+        found = report.pop("finding")
+    except Exception as exc:  # keep the record (and the capture) whatever the analysis does
+        report, found = {"error": repr(exc)}, {"findings": [], "hotspot_ratio": {}, "columns_with_data": {}}
     commit = git_commit()
     record = {"commit": commit, "device": device, "time_utc": utc_now(),
               "command": "python bench/record_incident.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "wall_s": time.time() - wall0, "capture": str(capture), "capture_bytes": capture.stat().st_size,
               "requests": len(records), "requests_ok": client.ok,
               "errors": [r.error for r in records if r.error][:5], "dropped_spans": telemetry.dropped_spans(),
-              "incident": incident.to_meta(), **found}
+              "incident": incident.to_meta(), "calibration": chosen["calibration"], **found,
+              "diagnostics": report}
     path = args.out / f"record_incident-{device.replace(' ', '-').lower()}-{commit[:8]}.json"
     path.write_text(json.dumps(record, indent=1))
     for f in found["findings"]:
-        print(f"  {f['kernel']}: planted {len(f['planted'])} SMs, flagged {len(f['flagged'])}, "
-              f"precision {f['precision']}, recall {f['recall']} ({f['slots']} slots)")
+        print(f"  {f['kernel']}: planted {len(f['planted'])} SMs, flagged hot {len(f['flagged'])} "
+              f"(precision {f['precision']}, recall {f['recall']}), starved {len(f['starved'])} "
+              f"(precision {f['starved_precision']}, recall {f['starved_recall']}) in {f['slots']} slots")
+    for n, interval in enumerate(report.get("intervals", []), start=1):
+        for cls, body in interval["by_export_window"].items():
+            for kernel, k in body["kernels"].items():
+                print(f"  interval {n} {cls} exports, {kernel}: planted-SM CTA share {k['planted_cta_share']} "
+                      f"(even {k['even_share']:.3f}), P99 ratio {k['p99_ratio']}")
     print(f"hotspot ratio {found['hotspot_ratio']}, heatmap columns with data {found['columns_with_data']}")
     print(f"[{time.time() - wall0:.0f}s] wrote {path}", flush=True)
     return 0 if client.ok == len(records) and not failures else 1

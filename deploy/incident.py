@@ -8,8 +8,9 @@ in the same interval: in every heatmap slot lying at least half inside the inter
 SM's score is its P99 CTA duration over the median SM's P99 in that slot (the hotspot
 score of collector/heatmap.py, per slot); an SM is flagged when the median of its scores
 over those slots is at least ``threshold``. Precision is the share of flagged SMs that
-were planted, recall the share of planted SMs that were flagged.
-Cost: one pass over the heatmap's cells per interval.
+were planted, recall the share of planted SMs that were flagged. Optionally (``starve_ratio``)
+also the SMs that ran fewer than that share of the median SM's CTAs in those slots, scored
+the same way. Cost: one pass over the heatmap's cells per interval.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["INCIDENT_FORMAT", "Finding", "Incident", "PlantedInterval", "find", "flag_hot_sms", "interval_s"]
+__all__ = ["INCIDENT_FORMAT", "Finding", "Incident", "PlantedInterval", "find", "flag_hot_sms", "flag_starved_sms",
+           "interval_s"]
 
 INCIDENT_FORMAT = "sightline.incident/1"
 
@@ -98,6 +100,9 @@ class Finding:
     planted: list[int]
     flagged: dict[int, float]  # SM -> its median score over the slots
     threshold: float
+    # SMs that ran few CTAs then: SM -> its CTAs over the median SM's (with starve_ratio only)
+    starved: dict[int, float] = field(default_factory=dict)
+    starve_ratio: float | None = None
 
     @property
     def true_positives(self) -> int:
@@ -111,9 +116,21 @@ class Finding:
     def recall(self) -> float | None:
         return self.true_positives / len(self.planted) if self.planted else None
 
+    @property
+    def starved_precision(self) -> float | None:
+        return len(set(self.planted) & set(self.starved)) / len(self.starved) if self.starved else None
+
+    @property
+    def starved_recall(self) -> float | None:
+        if self.starve_ratio is None or not self.planted:
+            return None
+        return len(set(self.planted) & set(self.starved)) / len(self.planted)
+
     def to_dict(self) -> dict[str, Any]:
         return dict(asdict(self), flagged={str(k): v for k, v in self.flagged.items()},
-                    precision=self.precision, recall=self.recall)
+                    starved={str(k): v for k, v in self.starved.items()},
+                    precision=self.precision, recall=self.recall,
+                    starved_precision=self.starved_precision, starved_recall=self.starved_recall)
 
 
 def interval_s(text: str) -> tuple[float, float]:
@@ -158,9 +175,29 @@ def flag_hot_sms(heatmap: dict[str, Any], start_s: float, end_s: float,
     return dict(sorted(flagged.items())), len(columns)
 
 
-def find(incident: Incident, heatmaps: list[dict[str, Any]], time_map, threshold: float) -> list[Finding]:
+def flag_starved_sms(heatmap: dict[str, Any], start_s: float, end_s: float, ratio: float,
+                     num_sms: int) -> dict[int, float]:
+    """SMs (of ``0..num_sms-1``) that ran fewer than ``ratio`` times the median SM's CTAs in
+    the slots of ``[start_s, end_s]`` (an SM absent from the heatmap ran none), each with
+    its CTAs over the median's; empty when the median SM ran none."""
+    if not 0.0 < ratio < 1.0:
+        raise ValueError(f"starve_ratio={ratio} must be in (0, 1) (an SM's CTAs over the median SM's)")
+    columns = _interval_columns(heatmap["times_unix_s"], heatmap["slot_s"], start_s, end_s)
+    ctas = dict.fromkeys(range(num_sms), 0)
+    for sm, row in zip(heatmap["sms"], heatmap["counts"]):
+        if str(sm).isdigit() and int(sm) < num_sms:
+            ctas[int(sm)] += sum(row[c] for c in columns)
+    median = statistics.median(ctas.values()) if ctas else 0
+    if median <= 0:
+        return {}
+    return {sm: n / median for sm, n in sorted(ctas.items()) if n < ratio * median}
+
+
+def find(incident: Incident, heatmaps: list[dict[str, Any]], time_map, threshold: float,
+         starve_ratio: float | None = None) -> list[Finding]:
     """A :class:`Finding` per (interval, heatmap of that interval's GPU); ``time_map`` maps
-    capture time (ns) to replayed time (ns), e.g. ``collector.replay.TimeMap``."""
+    capture time (ns) to replayed time (ns), e.g. ``collector.replay.TimeMap``; with
+    ``starve_ratio`` the findings also say which SMs ran few CTAs (heatmaps need ``counts``)."""
     findings = []
     for interval in incident.intervals:
         start_s = time_map(interval.start_unix_nano) / 1e9
@@ -169,6 +206,8 @@ def find(incident: Incident, heatmaps: list[dict[str, Any]], time_map, threshold
             if str(heatmap["gpu"]) != interval.gpu:
                 continue
             flagged, slots = flag_hot_sms(heatmap, start_s, end_s, threshold)
+            starved = ({} if starve_ratio is None else
+                       flag_starved_sms(heatmap, start_s, end_s, starve_ratio, incident.num_sms))
             findings.append(Finding(str(heatmap["kernel"]), interval.gpu, start_s, end_s, slots,
-                                    sorted(interval.sms), flagged, threshold))
+                                    sorted(interval.sms), flagged, threshold, starved, starve_ratio))
     return findings

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sightline.collector.replay import TimeMap
-from sightline.deploy.incident import Incident, PlantedInterval, find, flag_hot_sms, interval_s
+from sightline.deploy.incident import Incident, PlantedInterval, find, flag_hot_sms, flag_starved_sms, interval_s
 
 SLOT_S = 10.0
 
@@ -59,3 +59,21 @@ def test_metadata_round_trip_and_bad_records():
     assert interval_s("60,95") == (60.0, 95.0)
     with pytest.raises(ValueError, match="'9,3'"):
         interval_s("9,3")
+
+
+def test_starved_sms_ran_under_the_ratio_of_the_median_sms_ctas_in_the_interval():
+    # 6 SMs (num_sms 6; SM 5 absent: ran nothing); interval 1015..1045 reads columns 1-4
+    hm = dict(heatmap(6, {}), sms=[str(s) for s in range(5)])
+    hm["p99_s"] = hm["p99_s"][:5]
+    hm["counts"] = [[100] * 6, [100] * 6, [0, 5, 5, 5, 5, 100], [0, 30, 30, 30, 30, 0], [50] * 6]
+    starved = flag_starved_sms(hm, 1015.0, 1045.0, 0.25, num_sms=6)
+    # per SM over columns 1-4: 400, 400, 20, 120, 200, 0 -> median 160; under 40: SMs 2 and 5
+    assert starved == {2: 20 / 160, 5: 0.0}
+    incident = Incident(False, "test", "t", "cpu", 6, (PlantedInterval(1015 * 10**9, 1045 * 10**9, (2, 3, 5)),))
+    [f] = find(incident, [hm], TimeMap(), 1.5, starve_ratio=0.25)
+    assert f.starved == starved and (f.starved_precision, f.starved_recall) == (1.0, 2 / 3)
+    assert f.to_dict()["starved"] == {"2": 0.125, "5": 0.0} and f.flagged == {}
+    [plain] = find(incident, [hm], TimeMap(), 1.5)  # without the ratio: nothing said about starving
+    assert plain.starved == {} and plain.starved_recall is None
+    with pytest.raises(ValueError, match="starve_ratio=1.0"):
+        flag_starved_sms(hm, 1015.0, 1045.0, 1.0, num_sms=6)
