@@ -132,7 +132,8 @@ class GpuTelemetry:
             telemetry_config = getattr(recorder, "config", None)
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
-                probe=getattr(telemetry_config, "sm_probe", True))
+                probe=getattr(telemetry_config, "sm_probe", True),
+                export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
         self.stats = GpuTelemetryStats()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
