@@ -17,7 +17,7 @@ Same payloads, same load generator, one run, side by side:
 Method: a separate process serves; this process posts pre-serialized
 ``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
 attributes each) over ``--connections`` keep-alive connections for ``--seconds``, after
-a warm-up. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
+a warm-up; every send carries trace ids not sent before (``FreshIds``), as real exporters do. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
 process used in the window (user + system, from /proc), so it does not depend on how
 many cores the machine lends the server while the loader competes for them. Wall-clock
 spans/s is reported too. Each target runs ``--repeats`` times, interleaved; medians.
@@ -139,6 +139,46 @@ def make_engine_mix_payloads(n_payloads: int) -> tuple[list[bytes], int]:
     return [r.SerializeToString() for r in requests], counts.pop()
 
 
+class FreshIds:
+    """The payloads, each send with trace ids never sent before (the collector drops retried spans
+    as duplicates, so a loop over a few payloads must not resend the same ids).
+
+    Send ``i`` takes payload ``i % n`` and XORs the cycle number ``i // n`` into the first 8 bytes of
+    every trace id in it (spans and links alike, so spans of one trace stay one trace): one numpy
+    copy and scatter per send, in the load generator's process."""
+
+    def __init__(self, payloads: list[bytes]) -> None:
+        import numpy as np
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self._np = np
+        self.payloads = payloads
+        self._offsets = []
+        for payload in payloads:
+            starts = set()
+            request = ExportTraceServiceRequest.FromString(payload)
+            for rs in request.resource_spans:
+                for scope in rs.scope_spans:
+                    for span in scope.spans:
+                        for ids in (span, *span.links):
+                            at = payload.find(b"\n\x10" + ids.trace_id + b"\x12\x08" + ids.span_id)
+                            assert at >= 0, "ids not found in the encoding"
+                            starts.add(at + 2)
+            self._offsets.append(np.array(sorted(starts))[:, None] + np.arange(8))
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def body(self, i: int) -> bytes:
+        n = len(self.payloads)
+        cycle, index = divmod(i, n)
+        if cycle == 0:
+            return self.payloads[index]
+        data = self._np.frombuffer(self.payloads[index], dtype=self._np.uint8).copy()
+        data[self._offsets[index]] ^= self._np.frombuffer(cycle.to_bytes(8, "little"), dtype=self._np.uint8)
+        return data.tobytes()
+
+
 class Server:
     """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
 
@@ -205,7 +245,7 @@ def _queue_depth(metrics_url: str | None) -> float:
     return 0.0
 
 
-async def _load(url: str, payloads: list[bytes], spans_per_request: int, connections: int,
+async def _load(url: str, payloads: FreshIds, spans_per_request: int, connections: int,
                 warmup_s: float, seconds: float, pid: int, metrics_url: str | None) -> tuple:
     headers = {"Content-Type": "application/x-protobuf"}
     counts = {"acked": 0, "429": 0, "failed": 0}
@@ -215,7 +255,7 @@ async def _load(url: str, payloads: list[bytes], spans_per_request: int, connect
     async def sender(session: aiohttp.ClientSession, k: int) -> None:
         i = k
         while time.monotonic() < stop_at:
-            body = payloads[i % len(payloads)]
+            body = payloads.body(i)
             i += connections
             try:
                 async with session.post(url, data=body, headers=headers) as response:
@@ -248,7 +288,7 @@ async def _load(url: str, payloads: list[bytes], spans_per_request: int, connect
     return counts, cpu1 - cpu0, t1 - t0, depth1 - depth0
 
 
-def run_once(target: str, repeat: int, payloads: list[bytes], args, workdir: Path) -> RunResult:
+def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path) -> RunResult:
     server = Server(target, workdir)
     try:
         counts, cpu_s, wall_s, depth_growth = asyncio.run(_load(
@@ -306,10 +346,11 @@ def main(argv=None) -> int:
         payloads = make_payloads(16, args.spans_per_request)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    fresh = FreshIds(payloads)
     runs: list[RunResult] = []
     for repeat in range(args.repeats):
         for target in targets:  # interleaved, so drift in machine load hits every target
-            result = run_once(target, repeat, payloads, args, workdir)
+            result = run_once(target, repeat, fresh, args, workdir)
             print(json.dumps(asdict(result)), flush=True)
             runs.append(result)
     summary = {}
