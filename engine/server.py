@@ -47,6 +47,7 @@ __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 log = logging.getLogger(__name__)
 
 _CLIENT_GONE = "client_disconnected"
+RETRY_AFTER_S = 1  # the hint sent with 429 (queue full): requests finish and free slots quickly
 # The response id (also the engine's request id and the span attribute sightline.request.id).
 REQUEST_ID_HEADER = "X-Request-Id"
 
@@ -81,7 +82,9 @@ class EngineServer:
             return await handler(request)
         except ProtocolError as exc:
             self.engine.metrics.error(exc.status)
-            return _json_response(exc.body(), exc.status)
+            response = _json_response(exc.body(), exc.status)
+            response.headers.update(exc.headers)
+            return response
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -192,7 +195,8 @@ class EngineServer:
                                         trace=trace, loop=asyncio.get_running_loop())
         except QueueFullError as exc:
             raise ProtocolError(f"the waiting queue is full, retry later ({exc})", status=429,
-                                type="rate_limit_error", code="queue_full") from None
+                                type="rate_limit_error", code="queue_full",
+                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStoppedError:
             raise ProtocolError("the server is shutting down", status=503, type="service_unavailable",
                                 code="shutting_down") from None

@@ -227,6 +227,23 @@ def test_malformed_json_and_unknown_model_and_route(server):
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
     status, body = _post_raw(url, "/v1/embeddings", b"{}")
     assert status == 404 and body["error"]["code"] == "not_found"
+    # Nested 5,000 deep (the JSON parser's own limit) and 40 deep (past ours): 400, not 500.
+    for depth in (5000, 40):
+        deep = b'{"model": "tiny", "prompt": "x", "logit_bias": ' + b"[" * depth + b"]" * depth + b"}"
+        status, body = _post_raw(url, "/v1/completions", deep)
+        assert status == 400 and body["error"]["code"] == "invalid_json", (depth, body)
+        assert "nested deeper than 32" in body["error"]["message"]
+    # A lone surrogate is valid JSON but not text: 400 naming the field, in both routes.
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "ab\\udc80"}')
+    assert status == 400 and body["error"]["param"] == "prompt" and "surrogate" in body["error"]["message"]
+    status, body = _post_raw(url, "/v1/chat/completions",
+                             b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800x"}]}')
+    assert status == 400 and body["error"]["param"] == "messages[0].content"
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}')
+    assert status == 400 and body["error"]["param"] == "stop"
+    # A surrogate pair is an ordinary character.
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert status == 200
     # Still serving after all that.
     assert _client(url).completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 
@@ -256,6 +273,7 @@ def test_queue_full_is_429_and_priority_orders_the_queue():
             client.completions.create(model=MODEL, prompt="four", max_tokens=4)
         assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
         assert info.value.body["type"] == "rate_limit_error"
+        assert info.value.response.headers["Retry-After"] == "1"
         first.close()  # the slot frees: the more urgent request gets it although it came later
         next(iter(urgent))
         assert scheduler.get(lax_id).status is RequestStatus.WAITING
