@@ -40,7 +40,8 @@ from collections.abc import Callable
 
 from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.collector.exposition import AggregatorCollector, ClassicHistogram, ExpositionSnapshot
-from sightline.collector.otlp_points import PointRefused, clamped_time_s, cta_point_histogram, label as _label
+from sightline.collector.otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label as _label,
+                                             points_in)
 from sightline.collector.span_series import SpanSeries
 from sightline.collector.trace_store import TraceStore
 from sightline.collector.windows import Exemplar, SlidingHistogram, merge_all, subtract_cumulative
@@ -121,6 +122,7 @@ class Aggregator:
                 for sm_scope in rm.scope_metrics:
                     for metric in sm_scope.metrics:
                         if metric.name != sc.METRIC_CTA_DURATION:
+                            self._drop("unknown_metric", points_in(metric))
                             continue
                         kind = metric.WhichOneof("data")
                         if kind == "exponential_histogram":
@@ -135,7 +137,7 @@ class Aggregator:
                         elif kind == "histogram":
                             self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
                         else:
-                            self._drop("unsupported_metric_type", 1)
+                            self._drop("unsupported_metric_type", points_in(metric))
             self.points_seen += taken
         return taken
 
