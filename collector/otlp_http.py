@@ -118,7 +118,7 @@ def parse_otlp_json(body: bytes | str | dict, message_cls: type[Message],
     convert_ids(document, _hex_to_base64)
     try:
         return json_format.ParseDict(document, message_cls(), ignore_unknown_fields=False)
-    except (json_format.ParseError, ValueError, TypeError, RecursionError) as exc:
+    except (json_format.ParseError, ValueError, TypeError, OverflowError, RecursionError) as exc:
         raise IngestError(400, "malformed", f"not an OTLP/JSON {message_cls.__name__}: {exc}"[:1000]) from None
 
 
