@@ -46,9 +46,12 @@ class IngestLimits:
 
 
 class IngestError(Exception):
-    """A request refused with ``status``; ``reason`` is the self-metric label."""
+    """A request refused with ``status``; ``reason`` is the self-metric label. ``message``
+    is made safe to send: UTF-8 encodable (a lone surrogate quoted from the request is
+    escaped) and at most 1,000 characters."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")[:1000]
         super().__init__(message)
         self.status = status
         self.reason = reason

@@ -118,7 +118,8 @@ def parse_otlp_json(body: bytes | str | dict, message_cls: type[Message],
     convert_ids(document, _hex_to_base64)
     try:
         return json_format.ParseDict(document, message_cls(), ignore_unknown_fields=False)
-    except (json_format.ParseError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+    # SystemError: upb's field-name lookup fails that way on a key holding a lone surrogate.
+    except (json_format.ParseError, ValueError, TypeError, OverflowError, RecursionError, SystemError) as exc:
         raise IngestError(400, "malformed", f"not an OTLP/JSON {message_cls.__name__}: {exc}"[:1000]) from None
 
 

@@ -96,5 +96,16 @@ class SelfMetrics:
         if count:
             self._dropped_by[reason].inc(count)
 
+    def snapshot(self) -> dict[tuple[str, ...], float]:
+        """The counters as ``{(sample name, *label values): value}``: received, rejected and
+        dropped (benchmarks and tests that follow every request; a few hundred µs)."""
+        out: dict[tuple[str, ...], float] = {}
+        for counter in (self._spans, self._points, self._rejected, self._dropped):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out[(sample.name, *sample.labels.values())] = sample.value
+        return out
+
     def processed(self, signal: str, seconds: float) -> None:
         self._processing_by[signal].observe(seconds)

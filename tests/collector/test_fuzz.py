@@ -121,6 +121,8 @@ def test_zipkin_decoder_refuses_with_its_error_only(document, as_text):
 @FUZZ
 @given(OTLP_DOCUMENT, st.booleans())
 @example({"resourceSpans": [{"scopeSpans": [{"spans": [{"kind": math.inf}]}]}]}, False)  # was a 500
+@example({"resourceSpans": [{"scopeSpans": [{"spans": [{"\udc80": 1}]}]}]}, True)  # was a 500
+@example({"resourceSpans": "\udfff\udfff"}, True)  # was a 500 (the error message itself)
 def test_otlp_json_decoder_refuses_with_its_error_only(document, as_text):
     body = _encode(document) if as_text else json.dumps(document).encode() \
         if json_depth(document, 900) < 900 else b"[]"
