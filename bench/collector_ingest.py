@@ -13,6 +13,9 @@ Same payloads, same load generator, one run, side by side:
   parse, count, queue; the aggregator replaced by a discard sink (rotel's counterpart).
 * ``sightline-e2e-eager``: ``sightline-e2e`` with ``--trace-store eager`` (the trace store
   indexes spans as they arrive instead of on the first query).
+* ``<target>@base`` (with ``--baseline-rev REV``): the same target running the code of
+  commit REV (``git archive`` into a scratch folder, first on the server's PYTHONPATH),
+  interleaved with the current code: a before/after ratio from one run.
 
 Method: a separate process serves; this process posts pre-serialized
 ``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
@@ -182,20 +185,24 @@ class FreshIds:
 class Server:
     """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
 
-    def __init__(self, target: str, workdir: Path) -> None:
+    def __init__(self, target: str, workdir: Path, baseline: Path | None = None) -> None:
         self.target = target
+        name, _, variant = target.partition("@")
         http_port, grpc_port = _free_port(), _free_port()
-        self.log = workdir / f"{target}.log"
+        self.log = workdir / f"{target.replace('@', '-')}.log"
         env = dict(os.environ)
         env.pop("SIGHTLINE_COLLECTOR_TOKEN", None)
-        if target.startswith("sightline"):
+        if variant == "base":
+            assert baseline is not None, "an @base target needs --baseline-rev"
+            env["PYTHONPATH"] = str(baseline) + os.pathsep + env.get("PYTHONPATH", "")
+        if name.startswith("sightline"):
             query_port = _free_port()
             command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
                        "--otlp-http", f"127.0.0.1:{http_port}", "--otlp-grpc", f"127.0.0.1:{grpc_port}",
                        "--zipkin", f"127.0.0.1:{_free_port()}", "--http", f"127.0.0.1:{query_port}",
                        "--log-level", "WARNING",
-                       "--sink", "discard" if target == "sightline-ingest" else "aggregator"]
-            if target == "sightline-e2e-eager":
+                       "--sink", "discard" if name == "sightline-ingest" else "aggregator"]
+            if name == "sightline-e2e-eager":
                 command += ["--trace-store", "eager"]
             ready = f"http://127.0.0.1:{query_port}/readyz"
             self.metrics_url = f"http://127.0.0.1:{query_port}/metrics"
@@ -288,8 +295,21 @@ async def _load(url: str, payloads: FreshIds, spans_per_request: int, connection
     return counts, cpu1 - cpu0, t1 - t0, depth1 - depth0
 
 
-def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path) -> RunResult:
-    server = Server(target, workdir)
+def baseline_tree(rev: str, workdir: Path) -> Path:
+    """A folder whose ``sightline`` package is commit ``rev``'s rooms (for PYTHONPATH)."""
+    source, package = workdir / "baseline-src", workdir / "baseline" / "sightline"
+    source.mkdir(parents=True, exist_ok=True)
+    package.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    for room in ("instrumentation", "engine", "collector", "dashboards", "deploy"):
+        (package / room).symlink_to(source / room)
+    return package.parent
+
+
+def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
+             baseline: Path | None = None) -> RunResult:
+    server = Server(target, workdir, baseline)
     try:
         counts, cpu_s, wall_s, depth_growth = asyncio.run(_load(
             server.url, payloads, args.spans_per_request, args.connections, args.warmup_s,
@@ -338,19 +358,24 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS / "collector_ingest")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="also run every sightline target on this commit's code (target@base), interleaved")
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if args.baseline_rev:
+        targets = [v for t in targets for v in ((t, t + "@base") if t.startswith("sightline") else (t,))]
     if args.mix == "engine":
         payloads, args.spans_per_request = make_engine_mix_payloads(16)
     else:
         payloads = make_payloads(16, args.spans_per_request)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    baseline = baseline_tree(args.baseline_rev, workdir) if args.baseline_rev else None
     fresh = FreshIds(payloads)
     runs: list[RunResult] = []
     for repeat in range(args.repeats):
         for target in targets:  # interleaved, so drift in machine load hits every target
-            result = run_once(target, repeat, fresh, args, workdir)
+            result = run_once(target, repeat, fresh, args, workdir, baseline)
             print(json.dumps(asdict(result)), flush=True)
             runs.append(result)
     summary = {}
@@ -382,7 +407,7 @@ def main(argv=None) -> int:
                     "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
         "method": {"mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
                    "connections": args.connections, "seconds": args.seconds, "warmup_s": args.warmup_s,
-                   "repeats": args.repeats,
+                   "repeats": args.repeats, "baseline_rev": args.baseline_rev,
                    "spans_per_core": "spans acknowledged / server CPU seconds (user+system, all threads)"},
         "receiver_protobuf_cost": _in_process_parse_us(payloads[0]),
         "summary": summary,
@@ -407,10 +432,16 @@ def main(argv=None) -> int:
             "sightline-ingest": "receivers + queue, discard sink",
             "sightline-e2e-eager": "e2e with `--trace-store eager` (indexed as spans arrive)"}
     for target, s in summary.items():
-        lines.append(f"| {target} | {what.get(target, '')} | {s['median_through_per_cpu_s']:,.0f} | "
+        lines.append(f"| {target} | {what.get(target.partition('@')[0], '')} | {s['median_through_per_cpu_s']:,.0f} | "
                      f"{s['min_through_per_cpu_s']:,.0f} .. {s['max_through_per_cpu_s']:,.0f} | "
                      f"{s['median_spans_per_s_wall']:,.0f} | {s['median_server_cpu_cores']} | "
                      f"{s['median_peak_rss_mib']:.0f} | {s['requests_429']} |")
+    if args.baseline_rev:
+        lines += ["", f"Current code / `{args.baseline_rev}` (`@base`), medians of the same interleaved run:"]
+        for target, s in summary.items():
+            base = summary.get(target + "@base")
+            if base:
+                lines.append(f"- {target}: {s['median_through_per_cpu_s'] / base['median_through_per_cpu_s']:.3f}")
     cost = document["receiver_protobuf_cost"]
     lines += [
         "",

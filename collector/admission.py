@@ -17,10 +17,12 @@ Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
 from .self_metrics import SelfMetrics
-from .span_ids import SpanWindow, remove_spans, span_keys
+from .span_ids import SpanWindow, fingerprints, remove_spans, span_keys
 
 __all__ = ["Intake", "admit"]
 
@@ -57,23 +59,23 @@ class Intake:
     def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
                encoded: bytes | None = None) -> None:
         """Admits ``request`` (``items`` spans or data points) or raises IngestError."""
-        repeats: list[int] = []
-        keys: list[bytes] = []
+        repeats = 0
+        fp = None
         if signal == "traces":
-            keys = span_keys(request, encoded)
-            repeats = self.window.repeats(keys)
+            fp = fingerprints(span_keys(request, encoded))
+            positions = self.window.repeats(fp)
+            repeats = len(positions)
             if repeats:
-                remove_spans(request, repeats)
+                remove_spans(request, positions)
                 encoded = None  # no longer the request's encoding
-                skip = set(repeats)
-                keys = [key for i, key in enumerate(keys) if i not in skip]
-        kept = items - len(repeats)
+                fp = np.delete(fp, positions)
+        kept = items - repeats
         if kept or not repeats:  # a request of nothing but repeats has nothing to queue
             admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
-        if signal == "traces":
-            self.window.remember(keys)
+        if fp is not None:
+            self.window.remember(fp)
             self.metrics.accepted(receiver, items, 0)
         else:
             self.metrics.accepted(receiver, 0, items)
         if repeats:
-            self.metrics.dropped("duplicate", len(repeats))
+            self.metrics.dropped("duplicate", repeats)

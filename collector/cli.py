@@ -57,8 +57,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add("--header-timeout-s", type=float, default=_D["header_timeout_s"],
         help="a new connection must send its request headers within this many seconds (else 408)")
     add("--dedupe-window-spans", type=int, default=_D["dedupe_window_spans"],
-        help="remember the ids of this many recent spans; a span sent again is acknowledged, not counted "
-             "twice (0 = off; ~100 bytes per span)")
+        help="remember the ids of about this many recent spans; a span sent again is acknowledged, not "
+             "counted twice (0 = off; 8 bytes per span)")
     add("--max-json-depth", type=int, default=_D["max_json_depth"],
         help="OTLP/JSON and Zipkin bodies nested deeper are refused with 400")
     add("--retry-after-s", type=int, default=_D["retry_after_s"], help="retry hint sent with 429/RESOURCE_EXHAUSTED")

@@ -81,10 +81,10 @@ class CollectorConfig:
       listeners together stay under the process's file-descriptor limit.
     - ``header_timeout_s``: a new connection must send its request headers within this
       (else 408 and closed): connections that never finish their headers cannot pile up.
-    - ``dedupe_window_spans``: (trace id, span id) of the last N/2..N spans admitted are
-      remembered; a span arriving again (an exporter's retry) is acknowledged, not stored
-      or counted twice, and counted in ``dropped_total{reason="duplicate"}``. 0 = off.
-      About 100 bytes per remembered span.
+    - ``dedupe_window_spans``: a fingerprint of (trace id, span id) of about the last N
+      spans admitted is remembered; a span arriving again (an exporter's retry) is
+      acknowledged, not stored or counted twice, and counted in
+      ``dropped_total{reason="duplicate"}``. 0 = off. 8 bytes per remembered span.
     - ``max_json_depth``: OTLP/JSON and Zipkin bodies nested deeper -> 400.
 
     Query API auth (``/api/v1/``: it serves span attributes): on when ``query_auth`` is set

@@ -2,17 +2,19 @@
 
 ``span_keys`` checks that every span has a 16-byte trace id and an 8-byte span id, neither
 all zeros (OTLP trace.proto; Zipkin ids are converted to these lengths first), else raises
-IngestError(400) naming the first bad span. It returns one key per span, (trace id, span
-id), in span order. A parent span id is a reference, not the span's identity: one of any
-length is kept, and (like a parent that never reports) matches no span.
-``SpanWindow`` remembers the keys of the last ``capacity`` to ``capacity / 2`` spans admitted
-(two generations of sets), so a span sent again by an exporter's retry is recognised.
+IngestError(400) naming the first bad span. It returns the keys as one ``uint8`` array,
+a row of trace id + span id per span, in span order. A parent span id is a reference, not
+the span's identity: one of any length is kept and (like a parent that never reports)
+matches no span.
+``SpanWindow`` remembers a 64-bit fingerprint of the key of about the last ``capacity``
+spans admitted, so a span sent again by an exporter's retry is recognised (false
+"repeat" only for a fingerprint collision: ~capacity / 2**63 per span for random ids).
 
 Cost: for a protobuf body, an ids-only re-parse, ``DiscardUnknownFields`` and a re-encoding
 of just the ids (upb's C code), whose spans are then 30-byte records checked as one numpy
-array; the keys come out of numpy as bytes. A request whose encoding is not of that shape,
-or not protobuf (JSON, Zipkin), takes the exact path: a Python loop over the spans. The
-window costs ~100 bytes per remembered span and set operations per request.
+array. A request whose encoding is not of that shape, or not protobuf (JSON, Zipkin),
+takes the exact path: a Python loop over the spans. The window is numpy work per request
+(no Python object per span) and 8 bytes per remembered span.
 """
 
 from __future__ import annotations
@@ -24,12 +26,10 @@ from google.protobuf.message import DecodeError
 from .ingest import IngestError
 from .otlp_points import lean_trace_request_class
 
-__all__ = ["SpanWindow", "remove_spans", "span_keys"]
+__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
-_SEPARATOR = b"\x12\x08"  # a key is trace id + this + span id, as in the canonical encoding
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
-_KEY = np.dtype((np.void, 26))
 # Each record's fixed bytes (header, trace id tag, span id tag): checked by one XOR and mask.
 _EXPECTED = np.zeros(_RECORD, dtype=np.uint8)
 _EXPECTED[[0, 1, 2, 3, 20, 21]] = (0x12, 0x1C, 0x0A, 0x10, 0x12, 0x08)
@@ -40,14 +40,15 @@ _FIXED[[0, 1, 2, 3, 20, 21]] = 0xFF
 # exact path looks closer).
 _ZERO_TRACE_ID = b"\n\x10" + bytes(16) + b"\x12\x08"
 _ZERO_SPAN_ID = b"\x12\x08" + bytes(8)
+_NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None)])
 
 
-def span_keys(request, encoded: bytes | None = None) -> list[bytes]:
-    """One key per span of ``request`` (``encoded``: its protobuf encoding, when at hand),
-    or IngestError(400) for the first span with a bad id."""
+def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
+    """``uint8[spans, 24]``: trace id + span id of each span of ``request`` (``encoded``: its
+    protobuf encoding, when at hand), or IngestError(400) for the first span with a bad id."""
     if encoded is not None:
         keys = _canonical_keys(encoded)
         if keys is not None:
@@ -66,7 +67,7 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
         shift += 7
 
 
-def _canonical_keys(encoded: bytes) -> list[bytes] | None:
+def _canonical_keys(encoded: bytes) -> np.ndarray | None:
     """Keys read from upb's re-encoding of the ids alone; None when it is not the shape that
     only valid ids give (the exact path then decides, and names the bad span).
 
@@ -97,16 +98,16 @@ def _canonical_keys(encoded: bytes) -> list[bytes] | None:
             parts.append(data[at:at + size])
             at += size
     if not parts:
-        return []
+        return _NO_KEYS
     rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(-1, _RECORD)
     if ((rows ^ _EXPECTED) & _FIXED).any():
         return None
     if _ZERO_TRACE_ID in compact or _ZERO_SPAN_ID in compact:
         return None
-    return np.ascontiguousarray(rows[:, 4:30]).view(_KEY).ravel().tolist()
+    return np.concatenate((rows[:, 4:20], rows[:, 22:30]), axis=1)
 
 
-def _exact_keys(request) -> list[bytes]:
+def _exact_keys(request) -> np.ndarray:
     keys = []
     index = 0
     for rs in request.resource_spans:
@@ -119,14 +120,14 @@ def _exact_keys(request) -> list[bytes]:
                 if len(span_id) != 8 or span_id == _ZERO_SPAN:
                     raise IngestError(400, "malformed", f"span {index}: span id {span_id.hex()!r} is not "
                                       "8 bytes with one non-zero")
-                keys.append(trace_id + _SEPARATOR + span_id)
+                keys.append(trace_id + span_id)
                 index += 1
-    return keys
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 24) if keys else _NO_KEYS
 
 
-def remove_spans(request, positions: list[int]) -> None:
-    """Deletes the spans at ``positions`` (indexes in span order, ascending) from ``request``."""
-    doomed = set(positions)
+def remove_spans(request, positions) -> None:
+    """Deletes the spans at ``positions`` (indexes in span order) from ``request``."""
+    doomed = set(int(i) for i in positions)
     index = 0
     for rs in request.resource_spans:
         for scope in rs.scope_spans:
@@ -137,8 +138,32 @@ def remove_spans(request, positions: list[int]) -> None:
                 del spans[i]
 
 
+# splitmix64's multipliers and shifts, applied word by word (uint64 products wrap, as intended):
+# structured ids (counters, small integers) spread over every bit like random ones.
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_WAYS = 4  # fingerprints per bucket: a bucket forgets its oldest when a fifth arrives
+_NO_POSITIONS = np.zeros(0, dtype=np.intp)
+
+
+def fingerprints(keys: np.ndarray) -> np.ndarray:
+    """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
+    words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
+    fp = words[:, 0] * _MIX[2]
+    for word in (words[:, 1], words[:, 2]):
+        fp ^= word
+        fp ^= fp >> _S30
+        fp *= _MIX[0]
+        fp ^= fp >> _S27
+        fp *= _MIX[1]
+        fp ^= fp >> _S31
+    fp |= np.uint64(1)
+    return fp
+
+
 class SpanWindow:
-    """Keys of recently admitted spans: the last ``capacity / 2`` at least, ``capacity`` at most.
+    """Fingerprints of about the last ``capacity`` spans admitted: a table of ``capacity / 4``
+    buckets of 4, each bucket forgetting its oldest fingerprint first.
 
     Not thread-safe: the receivers call it from the event-loop thread. ``capacity`` 0 turns
     it off (every span is new)."""
@@ -147,34 +172,31 @@ class SpanWindow:
         if not 0 <= capacity <= 100_000_000:
             raise ValueError(f"capacity={capacity!r} is outside the allowed range 0..100000000")
         self.capacity = capacity
-        self._half = max(1, capacity // 2)
-        self._current: set[bytes] = set()
-        self._previous: set[bytes] = set()
+        bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
+        self._shift = np.uint64(64 - bits)
+        self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
+        self._next = np.zeros(1 << bits, dtype=np.uint8)
 
-    def repeats(self, keys: list[bytes]) -> list[int]:
-        """Positions in ``keys`` of spans seen before (in the window, or earlier in ``keys``)."""
-        if not self.capacity:
-            return []
-        fresh = set(keys)
-        if (len(fresh) == len(keys) and self._current.isdisjoint(fresh)
-                and self._previous.isdisjoint(fresh)):
-            return []
-        seen: set[bytes] = set()
-        repeated = []
-        for i, key in enumerate(keys):
-            if key in seen or key in self._current or key in self._previous:
-                repeated.append(i)
-            else:
-                seen.add(key)
-        return repeated
+    def repeats(self, fp: np.ndarray) -> np.ndarray:
+        """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
+        seen before: in the window, or earlier in the same request."""
+        if not self.capacity or not len(fp):
+            return _NO_POSITIONS
+        seen = (self._table[fp >> self._shift] == fp[:, None]).any(axis=1)
+        ordered = np.sort(fp)
+        if (ordered[1:] == ordered[:-1]).any():  # copies within the request: all but the first
+            order = np.argsort(fp, kind="stable")
+            ordered = fp[order]
+            seen[order[1:][ordered[1:] == ordered[:-1]]] = True
+        elif not seen.any():
+            return _NO_POSITIONS
+        return np.flatnonzero(seen)
 
-    def remember(self, keys: list[bytes]) -> None:
-        """Adds the keys of spans just admitted."""
-        if not self.capacity:
+    def remember(self, fp: np.ndarray) -> None:
+        """Adds the fingerprints of spans just admitted."""
+        if not self.capacity or not len(fp):
             return
-        self._current.update(keys)
-        if len(self._current) >= self._half:
-            self._previous, self._current = self._current, set()
-
-    def __len__(self) -> int:
-        return len(self._current) + len(self._previous)
+        bucket = (fp >> self._shift).astype(np.intp)
+        way = self._next[bucket]
+        self._table[bucket, way] = fp
+        self._next[bucket] = (way + 1) % _WAYS
