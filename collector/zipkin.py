@@ -26,7 +26,8 @@ body is not a JSON list of valid v2 spans (the whole request is refused: Zipkin 
 partial success); 413/415/429/401/503 as the OTLP/HTTP receiver.
 
 Valid means: ids of exactly 16 or 32 (trace) and 16 (span, parent) hex digits; times and
-durations finite, non-negative microseconds before 2262 (int64 nanoseconds); names, tag
+durations finite, non-negative microseconds before 2262 (int64 nanoseconds); ports
+integers in 0..65535 (0 or absent: unknown); names, tag
 and annotation values strings (numbers and booleans are written as JSON), none holding
 a lone UTF-16 surrogate; JSON nested at most ``max_json_depth`` deep.
 """
@@ -120,10 +121,13 @@ def _endpoint(attributes, endpoint: Any, *, address_key: str, port_key: str, ind
     if address:
         _add_str(attributes, address_key, address, index)
     port = endpoint.get("port")
-    if isinstance(port, int) and not isinstance(port, bool) and port > 0:
-        kv = attributes.add()
-        kv.key = port_key
-        kv.value.int_value = port
+    if port is None or port == 0:  # 0: Zipkin's "unknown"
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+        raise IngestError(400, "malformed", f"span {index}: port {_show(port)} is not an integer in 1..65535")
+    kv = attributes.add()
+    kv.key = port_key
+    kv.value.int_value = port
 
 
 def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:

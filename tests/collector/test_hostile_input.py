@@ -135,7 +135,8 @@ ZIPKIN_EDGES = [
     '{"tags": {"\\udfff": "v"}}', '{"localEndpoint": {"serviceName": "\\udc80"}}',
     '{"annotations": [{"timestamp": 1, "value": "\\udc80"}]}', '{"annotations": [{"timestamp": NaN, "value": "x"}]}',
     '{"tags": {"k": {"nested": 1}}}', '{"name": ["not", "a", "string"]}', '{"kind": ["SERVER"]}',
-    '{"tags": {"k": NaN}}',
+    '{"tags": {"k": NaN}}', '{"localEndpoint": {"serviceName": "s", "port": 18446744073709551616}}',
+    '{"remoteEndpoint": {"port": 70000}}', '{"localEndpoint": {"port": "80"}}',
 ]
 
 
