@@ -160,7 +160,7 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     if stop is None:
         stops = ()
     elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
+        stops = (_text(stop, "stop"),) if stop else ()
     elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_SEQUENCES:
         stops = tuple(_text(s, "stop") for s in stop)
     else:

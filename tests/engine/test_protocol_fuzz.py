@@ -15,7 +15,7 @@ import json
 import math
 import os
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from sightline.engine.openai_protocol import (ProtocolError, parse_chat_request, parse_completion_request,
@@ -62,6 +62,7 @@ def _encode(document) -> bytes:
 
 
 @FUZZ
+@example(b'{"model": "tiny", "prompt": [1, 2], "stop": "\\udc80"}', False)  # found by bench/fuzz.py
 @given(st.one_of(COMPLETION, CHAT, ANY).map(_encode) | st.binary(max_size=200), st.booleans())
 def test_request_parser_answers_4xx_or_a_request(body, chat):
     try:

@@ -239,8 +239,9 @@ def test_malformed_json_and_unknown_model_and_route(server):
     status, body = _post_raw(url, "/v1/chat/completions",
                              b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800x"}]}')
     assert status == 400 and body["error"]["param"] == "messages[0].content"
-    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["\\udfff"]}')
-    assert status == 400 and body["error"]["param"] == "stop"
+    for stop in (b'["\\udfff"]', b'"\\udc80"'):
+        status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ' + stop + b"}")
+        assert status == 400 and body["error"]["param"] == "stop"
     # A surrogate pair is an ordinary character.
     status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
     assert status == 200
