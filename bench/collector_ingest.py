@@ -2,17 +2,32 @@
 
     python -m bench.collector_ingest [--mix engine]      # about a minute; 2 CPUs are enough
 
-Same payloads, same load generator, one run, side by side: ``sightline-e2e`` (the collector
-as deployed: receivers, limits, parse, bounded queue, the real aggregator; its rate is what
-left the queue, once full the rest is answered 429 and retried), ``rotel-blackhole`` (a Rust
-collector that receives, decodes, batches and drops), ``sightline-ingest`` (``--sink
-discard``: rotel's counterpart) and ``sightline-e2e-eager`` (``--trace-store eager``).
+* ``sightline-e2e``: ``sightline collector run`` as deployed, end to end: receivers,
+  limits, parse, bounded queue, the real aggregator (span distributions, trace store).
+  Its rate is what left the queue into the aggregator in the window (acknowledged minus
+  queue growth; once the queue is full the rest is answered 429, which the loader counts
+  and retries later).
+* ``rotel-blackhole``: ``rotel-agent start --exporter blackhole`` (a Rust collector
+  that receives, decodes and batches, then drops).
+* ``sightline-ingest``: ``sightline collector run --sink discard`` — receivers, limits,
+  parse, count, queue; the aggregator replaced by a discard sink (rotel's counterpart).
+* ``sightline-e2e-eager``: ``sightline-e2e`` with ``--trace-store eager`` (the trace store
+  indexes spans as they arrive instead of on the first query).
+* ``<target>@base`` (with ``--baseline-rev REV``): the same target running the code of
+  commit REV (``git archive`` into a scratch folder, first on the server's PYTHONPATH),
+  interleaved with the current code: a before/after ratio from one run.
 
-Method: a separate process serves; this one posts pre-serialized requests over keep-alive
-connections after a warm-up. Spans/s per core = spans acknowledged / CPU seconds the server
-used in the window (from /proc), so it does not depend on how many cores the loader leaves
-it; each target runs ``--repeats`` times, interleaved; medians; peak RSS is the server's
-VmHWM. Writes bench/results/collector_ingest[_engine_mix].json and .md.
+Method: a separate process serves; this process posts pre-serialized
+``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
+attributes each) over ``--connections`` keep-alive connections for ``--seconds``, after
+a warm-up; every send carries trace ids not sent before (``FreshIds``), as real exporters do. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
+process used in the window (user + system, from /proc), so it does not depend on how
+many cores the machine lends the server while the loader competes for them. Wall-clock
+spans/s is reported too. Each target runs ``--repeats`` times, interleaved; medians.
+Peak RSS is the server's VmHWM at the end.
+
+Results: bench/results/collector_ingest.json and .md (with the git commit).
+Run: ``.venv/bin/python -m bench.collector_ingest`` (about a minute).
 """
 
 from __future__ import annotations
@@ -123,23 +138,67 @@ def make_engine_mix_payloads(n_payloads: int) -> tuple[list[bytes], int]:
     return [r.SerializeToString() for r in requests], counts.pop()
 
 
+class FreshIds:
+    """The payloads, each send with trace ids never sent before (the collector drops retried spans
+    as duplicates, so a loop over a few payloads must not resend the same ids).
+
+    Send ``i`` takes payload ``i % n`` and XORs the cycle number ``i // n`` into the first 8 bytes of
+    every trace id in it (spans and links alike, so spans of one trace stay one trace): one numpy
+    copy and scatter per send, in the load generator's process."""
+
+    def __init__(self, payloads: list[bytes]) -> None:
+        import numpy as np
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+        self._np = np
+        self.payloads = payloads
+        self._offsets = []
+        for payload in payloads:
+            starts = set()
+            request = ExportTraceServiceRequest.FromString(payload)
+            for rs in request.resource_spans:
+                for scope in rs.scope_spans:
+                    for span in scope.spans:
+                        for ids in (span, *span.links):
+                            at = payload.find(b"\n\x10" + ids.trace_id + b"\x12\x08" + ids.span_id)
+                            assert at >= 0, "ids not found in the encoding"
+                            starts.add(at + 2)
+            self._offsets.append(np.array(sorted(starts))[:, None] + np.arange(8))
+
+    def __len__(self) -> int:
+        return len(self.payloads)
+
+    def body(self, i: int) -> bytes:
+        n = len(self.payloads)
+        cycle, index = divmod(i, n)
+        if cycle == 0:
+            return self.payloads[index]
+        data = self._np.frombuffer(self.payloads[index], dtype=self._np.uint8).copy()
+        data[self._offsets[index]] ^= self._np.frombuffer(cycle.to_bytes(8, "little"), dtype=self._np.uint8)
+        return data.tobytes()
+
+
 class Server:
     """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
 
-    def __init__(self, target: str, workdir: Path) -> None:
+    def __init__(self, target: str, workdir: Path, baseline: Path | None = None) -> None:
         self.target = target
+        name, _, variant = target.partition("@")
         http_port, grpc_port = _free_port(), _free_port()
-        self.log = workdir / f"{target}.log"
+        self.log = workdir / f"{target.replace('@', '-')}.log"
         env = dict(os.environ)
         env.pop("SIGHTLINE_COLLECTOR_TOKEN", None)
-        if target.startswith("sightline"):
+        if variant == "base":
+            assert baseline is not None, "an @base target needs --baseline-rev"
+            env["PYTHONPATH"] = str(baseline) + os.pathsep + env.get("PYTHONPATH", "")
+        if name.startswith("sightline"):
             query_port = _free_port()
             command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
                        "--otlp-http", f"127.0.0.1:{http_port}", "--otlp-grpc", f"127.0.0.1:{grpc_port}",
                        "--zipkin", f"127.0.0.1:{_free_port()}", "--http", f"127.0.0.1:{query_port}",
                        "--log-level", "WARNING",
-                       "--sink", "discard" if target == "sightline-ingest" else "aggregator"]
-            if target == "sightline-e2e-eager":
+                       "--sink", "discard" if name == "sightline-ingest" else "aggregator"]
+            if name == "sightline-e2e-eager":
                 command += ["--trace-store", "eager"]
             ready = f"http://127.0.0.1:{query_port}/readyz"
             self.metrics_url = f"http://127.0.0.1:{query_port}/metrics"
@@ -189,7 +248,7 @@ def _queue_depth(metrics_url: str | None) -> float:
     return 0.0
 
 
-async def _load(url: str, payloads: list[bytes], spans_per_request: int, connections: int,
+async def _load(url: str, payloads: FreshIds, spans_per_request: int, connections: int,
                 warmup_s: float, seconds: float, pid: int, metrics_url: str | None) -> tuple:
     headers = {"Content-Type": "application/x-protobuf"}
     counts = {"acked": 0, "429": 0, "failed": 0}
@@ -199,7 +258,7 @@ async def _load(url: str, payloads: list[bytes], spans_per_request: int, connect
     async def sender(session: aiohttp.ClientSession, k: int) -> None:
         i = k
         while time.monotonic() < stop_at:
-            body = payloads[i % len(payloads)]
+            body = payloads.body(i)
             i += connections
             try:
                 async with session.post(url, data=body, headers=headers) as response:
@@ -232,8 +291,21 @@ async def _load(url: str, payloads: list[bytes], spans_per_request: int, connect
     return counts, cpu1 - cpu0, t1 - t0, depth1 - depth0
 
 
-def run_once(target: str, repeat: int, payloads: list[bytes], args, workdir: Path) -> RunResult:
-    server = Server(target, workdir)
+def baseline_tree(rev: str, workdir: Path) -> Path:
+    """A folder whose ``sightline`` package is commit ``rev``'s rooms (for PYTHONPATH)."""
+    source, package = workdir / "baseline-src", workdir / "baseline" / "sightline"
+    source.mkdir(parents=True, exist_ok=True)
+    package.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(source)], input=archive, check=True)
+    for room in ("instrumentation", "engine", "collector", "dashboards", "deploy"):
+        (package / room).symlink_to(source / room)
+    return package.parent
+
+
+def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
+             baseline: Path | None = None) -> RunResult:
+    server = Server(target, workdir, baseline)
     try:
         counts, cpu_s, wall_s, depth_growth = asyncio.run(_load(
             server.url, payloads, args.spans_per_request, args.connections, args.warmup_s,
@@ -282,18 +354,24 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-s", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=RESULTS / "collector_ingest")
+    parser.add_argument("--baseline-rev", default=None,
+                        help="also run every sightline target on this commit's code (target@base), interleaved")
     args = parser.parse_args(argv)
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if args.baseline_rev:
+        targets = [v for t in targets for v in ((t, t + "@base") if t.startswith("sightline") else (t,))]
     if args.mix == "engine":
         payloads, args.spans_per_request = make_engine_mix_payloads(16)
     else:
         payloads = make_payloads(16, args.spans_per_request)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    baseline = baseline_tree(args.baseline_rev, workdir) if args.baseline_rev else None
+    fresh = FreshIds(payloads)
     runs: list[RunResult] = []
     for repeat in range(args.repeats):
         for target in targets:  # interleaved, so drift in machine load hits every target
-            result = run_once(target, repeat, payloads, args, workdir)
+            result = run_once(target, repeat, fresh, args, workdir, baseline)
             print(json.dumps(asdict(result)), flush=True)
             runs.append(result)
     summary = {}
@@ -325,7 +403,7 @@ def main(argv=None) -> int:
                     "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
         "method": {"mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
                    "connections": args.connections, "seconds": args.seconds, "warmup_s": args.warmup_s,
-                   "repeats": args.repeats,
+                   "repeats": args.repeats, "baseline_rev": args.baseline_rev,
                    "spans_per_core": "spans acknowledged / server CPU seconds (user+system, all threads)"},
         "receiver_protobuf_cost": _in_process_parse_us(payloads[0]),
         "summary": summary,
@@ -350,10 +428,16 @@ def main(argv=None) -> int:
             "sightline-ingest": "receivers + queue, discard sink",
             "sightline-e2e-eager": "e2e with `--trace-store eager` (indexed as spans arrive)"}
     for target, s in summary.items():
-        lines.append(f"| {target} | {what.get(target, '')} | {s['median_through_per_cpu_s']:,.0f} | "
+        lines.append(f"| {target} | {what.get(target.partition('@')[0], '')} | {s['median_through_per_cpu_s']:,.0f} | "
                      f"{s['min_through_per_cpu_s']:,.0f} .. {s['max_through_per_cpu_s']:,.0f} | "
                      f"{s['median_spans_per_s_wall']:,.0f} | {s['median_server_cpu_cores']} | "
                      f"{s['median_peak_rss_mib']:.0f} | {s['requests_429']} |")
+    if args.baseline_rev:
+        lines += ["", f"Current code / `{args.baseline_rev}` (`@base`), medians of the same interleaved run:"]
+        for target, s in summary.items():
+            base = summary.get(target + "@base")
+            if base:
+                lines.append(f"- {target}: {s['median_through_per_cpu_s'] / base['median_through_per_cpu_s']:.3f}")
     cost = document["receiver_protobuf_cost"]
     lines += [
         "",

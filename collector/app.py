@@ -10,6 +10,11 @@ registry; a scraper that asks for OpenMetrics (``Accept:
 application/openmetrics-text``) gets it, so exemplars are visible. Rendering runs in a
 thread so that a scrape never stalls ingestion.
 
+Every HTTP listener runs behind :class:`~.connection_guard.GuardedListener` (connection
+cap answered 503, request-header deadline answered 408); asyncio's own errors (e.g.
+``accept()`` at the descriptor limit) are logged rate-limited. The query API takes an
+optional bearer token (``CollectorConfig.read_query_token``).
+
 Shutdown (SIGTERM/SIGINT, or ``Collector.stop``): readiness turns 503; the ingest
 listeners stop accepting and in-flight requests finish; the pipeline drains everything
 acknowledged into the aggregator; the summary (acknowledged vs aggregated, see
@@ -32,14 +37,19 @@ from aiohttp import web
 from prometheus_client import disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 
+from sightline.collector.admission import Intake
 from sightline.collector.aggregator import AggregationConfig, Aggregator
 from sightline.collector.api import add_api_routes
 from sightline.collector.auth import TokenAuth, grpc_server_credentials, http_ssl_context
 from sightline.collector.config import CollectorConfig
+from sightline.collector.connection_guard import (ConnectionLimits, GuardedListener, RateLimitedLog,
+                                                  effective_max_connections)
+from sightline.collector.ingest import IngestLimits
 from sightline.collector.otlp_grpc import OtlpGrpcReceiver
-from sightline.collector.otlp_http import IngestLimits, OtlpHttpReceiver
+from sightline.collector.otlp_http import OtlpHttpReceiver
 from sightline.collector.pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
 from sightline.collector.self_metrics import SelfMetrics
+from sightline.collector.span_ids import SpanWindow
 from sightline.collector.zipkin import ZipkinReceiver
 
 __all__ = ["BoundPorts", "Collector", "run"]
@@ -78,16 +88,19 @@ class Collector:
         self.pipeline = Pipeline(sink, self.metrics, max_items=config.queue_max_items,
                                  max_bytes=config.queue_max_bytes, workers=config.workers)
         auth = TokenAuth(config.read_auth_token())
+        self._query_auth = TokenAuth(config.read_query_token())
         limits = IngestLimits(config.max_request_bytes, config.max_decompressed_bytes,
                               config.retry_after_s, config.max_inflight_requests,
-                              config.request_timeout_s)
-        self._grpc = OtlpGrpcReceiver(self.pipeline, self.metrics, auth,
-                                      max_message_bytes=config.max_decompressed_bytes,
+                              config.request_timeout_s, config.max_json_depth)
+        self.errors = RateLimitedLog(log)
+        intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans))
+        self._grpc = OtlpGrpcReceiver(intake, auth, max_message_bytes=config.max_decompressed_bytes,
                                       retry_after_s=config.retry_after_s,
-                                      max_concurrent_rpcs=config.max_inflight_requests)
-        self._otlp_http = OtlpHttpReceiver(self.pipeline, self.metrics, auth, limits)
-        self._zipkin = ZipkinReceiver(self.pipeline, self.metrics, auth, limits)
+                                      max_concurrent_rpcs=config.max_inflight_requests, errors=self.errors)
+        self._otlp_http = OtlpHttpReceiver(intake, auth, limits, self.errors)
+        self._zipkin = ZipkinReceiver(intake, auth, limits, self.errors)
         self._ingest_runners: list[web.AppRunner] = []
+        self._listeners: list[GuardedListener] = []
         self._http_runner: web.AppRunner | None = None
         self._ready = False
         self.ports: BoundPorts | None = None
@@ -99,17 +112,17 @@ class Collector:
                        if cfg.tls_enabled else None)
         credentials = (grpc_server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
                        if cfg.tls_enabled else None)
+        asyncio.get_running_loop().set_exception_handler(self.errors.loop_exception_handler)
         host, port = cfg.address("otlp_grpc")
         grpc_port = await self._grpc.start(host, port, credentials)
         http_ports = []
-        for name, app in (("otlp_http", self._otlp_http.build_app()),
-                          ("zipkin", self._zipkin.build_app())):
-            runner = await self._serve(app, cfg.address(name), ssl_context)
+        for name, receiver in (("otlp_http", self._otlp_http), ("zipkin", self._zipkin)):
+            runner, bound = await self._serve(receiver.build_app(), cfg.address(name), ssl_context,
+                                              receiver.receiver)
             self._ingest_runners.append(runner)
-            http_ports.append(runner.addresses[0][1])
-        self._http_runner = await self._serve(self._query_app(), cfg.address("http"), None)
-        self.ports = BoundPorts(grpc_port, http_ports[0], http_ports[1],
-                                self._http_runner.addresses[0][1])
+            http_ports.append(bound)
+        self._http_runner, query_port = await self._serve(self._query_app(), cfg.address("http"), None, None)
+        self.ports = BoundPorts(grpc_port, http_ports[0], http_ports[1], query_port)
         self._ready = True
         log.info("collector listening: otlp-grpc %s, otlp-http %s, zipkin %s, http %s (tls %s, auth %s)",
                  self.ports.otlp_grpc, self.ports.otlp_http, self.ports.zipkin, self.ports.http,
@@ -117,41 +130,64 @@ class Collector:
                  "on" if self._otlp_http._auth.enabled else "off")
         return self.ports
 
-    async def _serve(self, app: web.Application, address: tuple[str, int], ssl_context) -> web.AppRunner:
+    async def _serve(self, app: web.Application, address: tuple[str, int], ssl_context,
+                     receiver: str | None) -> tuple[web.AppRunner, int]:
         # access_log=None: a log line per export request would cost more than parsing it.
         # auto_decompress=False: the receivers decompress themselves, with a size cap.
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False,
-                               shutdown_timeout=self.config.shutdown_timeout_s)
+        # keepalive_timeout: an idle kept-alive connection (or one stalled in a later
+        # request's headers) is closed after this.
+        cfg = self.config
+        runner = web.AppRunner(app, access_log=None, auto_decompress=False, keepalive_timeout=75.0,
+                               shutdown_timeout=cfg.shutdown_timeout_s)
         await runner.setup()
-        site = web.TCPSite(runner, address[0], address[1], ssl_context=ssl_context,
-                           reuse_address=True, backlog=1024)
-        await site.start()
-        return runner
+        limits = ConnectionLimits(effective_max_connections(cfg.max_connections, listeners=4),
+                                  cfg.header_timeout_s, cfg.retry_after_s)
+        on_refused = None
+        if receiver is not None:
+            def on_refused(reason: str, receiver: str = receiver) -> None:
+                self.metrics.rejected(receiver, reason)
+        listener = GuardedListener(runner, limits, on_refused)
+        port = await listener.start(address[0], address[1], ssl_context)
+        self._listeners.append(listener)
+        return runner, port
 
     async def stop(self) -> PipelineSummary:
         """Graceful stop; see the module docstring for the order. Returns the summary."""
         self._ready = False
         grace = self.config.shutdown_timeout_s
+        for listener in self._listeners[:len(self._ingest_runners)]:
+            listener.close()
         await asyncio.gather(self._grpc.stop(grace),
                              *(runner.cleanup() for runner in self._ingest_runners))
+        self._otlp_http.close()
+        self._zipkin.close()
         loop = asyncio.get_running_loop()
         summary = await loop.run_in_executor(None, self.pipeline.close, grace)
         log.info("collector stopped: %s", json.dumps(summary.to_dict(), sort_keys=True))
         if self.config.summary_file is not None:
             _write_atomically(Path(self.config.summary_file), json.dumps(summary.to_dict(), indent=2))
+        for listener in self._listeners[len(self._ingest_runners):]:
+            listener.close()
         if self._http_runner is not None:
             await self._http_runner.cleanup()
         return summary
 
     # -- query port ----------------------------------------------------------------------
     def _query_app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._query_auth_middleware] if self._query_auth.enabled else [])
         app.router.add_get("/metrics", self._metrics_handler)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         if self.aggregator is not None:
             add_api_routes(app, self.aggregator)
         return app
+
+    @web.middleware
+    async def _query_auth_middleware(self, request: web.Request, handler):
+        if request.path.startswith("/api/") and not self._query_auth.allows(request.headers.get("Authorization")):
+            return web.json_response({"error": {"code": 401, "message": "missing or wrong bearer token"}},
+                                     status=401, headers={"WWW-Authenticate": 'Bearer realm="sightline-query"'})
+        return await handler(request)
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))

@@ -2,10 +2,11 @@
 
 Auth: when a token is configured (file or environment variable, see ``CollectorConfig``),
 every ingest request must carry ``Authorization: Bearer <token>`` (HTTP header or gRPC
-metadata ``authorization``). A missing or wrong token gets HTTP 401 with
-``WWW-Authenticate: Bearer`` or gRPC UNAUTHENTICATED, before the body is read. The
-comparison is constant-time. The query/metrics port is not covered: it serves
-aggregates, and Prometheus scrapes it; put it behind your network policy.
+metadata ``authorization``; the scheme is case-insensitive, RFC 7235). A missing or
+wrong token gets HTTP 401 with ``WWW-Authenticate: Bearer`` or gRPC UNAUTHENTICATED,
+before the body is read. The comparison is constant-time. The query API (``/api/v1/``)
+takes its own optional token (``CollectorConfig.read_query_token``); ``/metrics``,
+``/healthz`` and ``/readyz`` stay open for scrapers and probes.
 
 TLS: with ``--tls-cert-file``/``--tls-key-file`` the three ingest listeners (OTLP gRPC,
 OTLP HTTP, Zipkin) serve TLS only.
@@ -26,15 +27,23 @@ class TokenAuth:
 
     def __init__(self, token: str | None) -> None:
         self.enabled = token is not None
-        self._expected = f"Bearer {token}".encode() if token is not None else b""
+        self._expected = token.encode() if token is not None else b""
 
     def allows(self, authorization: str | None) -> bool:
-        """True when auth is off or ``authorization`` is exactly ``Bearer <token>``."""
+        """True when auth is off or ``authorization`` is ``Bearer <token>`` (any case of
+        the scheme, any run of spaces after it)."""
         if not self.enabled:
             return True
         if authorization is None:
             return False
-        return hmac.compare_digest(authorization.strip().encode(), self._expected)
+        scheme, _, credentials = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        try:
+            given = credentials.strip().encode()
+        except UnicodeEncodeError:
+            return False
+        return hmac.compare_digest(given, self._expected)
 
     def allows_grpc(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bool:
         if not self.enabled:

@@ -53,11 +53,27 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="export requests read/parsed at once per listener before 429/RESOURCE_EXHAUSTED")
     add("--request-timeout-s", type=float, default=_D["request_timeout_s"],
         help="a request body must arrive within this many seconds (else 408)")
+    add("--max-connections", type=int, default=_D["max_connections"],
+        help="open connections per HTTP listener before 503 (lowered to fit the file-descriptor limit)")
+    add("--header-timeout-s", type=float, default=_D["header_timeout_s"],
+        help="a new connection must send its request headers within this many seconds (else 408)")
+    add("--dedupe-window-spans", type=int, default=_D["dedupe_window_spans"],
+        help="remember the ids of about this many recent spans; a span sent again is acknowledged, not "
+             "counted twice (0 = off; 8 bytes per span)")
+    add("--max-json-depth", type=int, default=_D["max_json_depth"],
+        help="OTLP/JSON and Zipkin bodies nested deeper are refused with 400")
     add("--retry-after-s", type=int, default=_D["retry_after_s"], help="retry hint sent with 429/RESOURCE_EXHAUSTED")
     add("--shutdown-timeout-s", type=float, default=_D["shutdown_timeout_s"], help="how long the drain on SIGTERM may take")
     add("--auth-token-file", type=Path, default=None, help="file holding the ingest bearer token")
     add("--auth-token-env", default=_D["auth_token_env"],
         help="environment variable holding the ingest bearer token (if set)")
+    add("--query-auth", action="store_true",
+        help="require a bearer token on the query API (/api/v1/): the read token if one is set, else the "
+             "ingest token; /metrics, /healthz, /readyz stay open")
+    add("--query-token-file", type=Path, default=None,
+        help="file holding the query API's read token (turns query auth on)")
+    add("--query-token-env", default=_D["query_token_env"],
+        help="environment variable holding the query API's read token (if set, query auth is on)")
     add("--tls-cert-file", type=Path, default=None, help="PEM certificate for the ingest listeners")
     add("--tls-key-file", type=Path, default=None, help="PEM private key for the ingest listeners")
     add("--summary-file", type=Path, default=None,
@@ -151,10 +167,17 @@ def _collector_config(args: argparse.Namespace) -> CollectorConfig:
         workers=args.workers,
         max_inflight_requests=args.max_inflight_requests,
         request_timeout_s=args.request_timeout_s,
+        max_connections=args.max_connections,
+        header_timeout_s=args.header_timeout_s,
+        dedupe_window_spans=args.dedupe_window_spans,
+        max_json_depth=args.max_json_depth,
         retry_after_s=args.retry_after_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         auth_token_file=args.auth_token_file,
         auth_token_env=args.auth_token_env,
+        query_auth=args.query_auth,
+        query_token_file=args.query_token_file,
+        query_token_env=args.query_token_env,
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         summary_file=args.summary_file,

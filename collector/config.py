@@ -11,7 +11,8 @@ and Kubernetes pass ``--otlp-grpc 0.0.0.0:4317`` etc. explicitly (deploy/ does).
 
 Secrets never travel as flag values (they would show in ``ps`` and shell history): the
 ingest bearer token comes from a file (``--auth-token-file``) or from an environment
-variable whose *name* is configurable (default ``SIGHTLINE_COLLECTOR_TOKEN``).
+variable whose *name* is configurable (default ``SIGHTLINE_COLLECTOR_TOKEN``); the query
+API's read token likewise (``--query-token-file``, ``SIGHTLINE_COLLECTOR_READ_TOKEN``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "DEFAULT_READ_TOKEN_ENV",
     "DEFAULT_TOKEN_ENV",
     "CollectorConfig",
     "parse_address",
 ]
 
 DEFAULT_TOKEN_ENV = "SIGHTLINE_COLLECTOR_TOKEN"
+DEFAULT_READ_TOKEN_ENV = "SIGHTLINE_COLLECTOR_READ_TOKEN"
 MiB = 1024 * 1024
 
 
@@ -68,11 +71,26 @@ class CollectorConfig:
       memory (upb, measured on engine-like spans), and protobuf trace requests keep their
       encoding too (the trace store takes it), so the default 32 MiB is ~150 MiB
       resident at most.
-    - ``max_inflight_requests``: export requests being read/parsed at once, per
-      listener (gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at
-      once. With the body limits this bounds the memory of requests not yet queued.
+    - ``max_inflight_requests``: export requests being decoded at once, per listener
+      (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
+      gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.
     - ``request_timeout_s``: a body that has not fully arrived by then -> 408 (a slow or
-      stalled sender cannot hold a slot forever).
+      stalled sender cannot hold a connection forever).
+    - ``max_connections``: open connections per HTTP listener (both ingest ports and the
+      query port); one more is answered 503 and closed. Lowered at start so that all
+      listeners together stay under the process's file-descriptor limit.
+    - ``header_timeout_s``: a new connection must send its request headers within this
+      (else 408 and closed): connections that never finish their headers cannot pile up.
+    - ``dedupe_window_spans``: a fingerprint of (trace id, span id) of about the last N
+      spans admitted is remembered; a span arriving again (an exporter's retry) is
+      acknowledged, not stored or counted twice, and counted in
+      ``dropped_total{reason="duplicate"}``. 0 = off. 8 bytes per remembered span.
+    - ``max_json_depth``: OTLP/JSON and Zipkin bodies nested deeper -> 400.
+
+    Query API auth (``/api/v1/``: it serves span attributes): on when ``query_auth`` is set
+    or a read token is configured (file or environment variable). The read token, when
+    there is one, is required; otherwise the ingest token. ``/metrics``, ``/healthz`` and
+    ``/readyz`` stay open (scrapers and probes).
     """
 
     otlp_grpc_address: str = "127.0.0.1:4317"
@@ -86,10 +104,17 @@ class CollectorConfig:
     workers: int = 1
     max_inflight_requests: int = 64
     request_timeout_s: float = 30.0
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    dedupe_window_spans: int = 262_144
+    max_json_depth: int = 64
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
     auth_token_file: Path | None = None
     auth_token_env: str = DEFAULT_TOKEN_ENV
+    query_auth: bool = False
+    query_token_file: Path | None = None
+    query_token_env: str = DEFAULT_READ_TOKEN_ENV
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     summary_file: Path | None = None
@@ -112,6 +137,10 @@ class CollectorConfig:
         _check_range("workers", self.workers, 1, 64)
         _check_range("max_inflight_requests", self.max_inflight_requests, 1, 100_000)
         _check_range("request_timeout_s", self.request_timeout_s, 0.1, 3600.0)
+        _check_range("max_connections", self.max_connections, 8, 1_000_000)
+        _check_range("header_timeout_s", self.header_timeout_s, 0.1, 3600.0)
+        _check_range("dedupe_window_spans", self.dedupe_window_spans, 0, 100_000_000)
+        _check_range("max_json_depth", self.max_json_depth, 2, 512)
         _check_range("retry_after_s", self.retry_after_s, 1, 3600)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
@@ -119,12 +148,14 @@ class CollectorConfig:
                 f"tls_cert_file={self.tls_cert_file!r} and tls_key_file={self.tls_key_file!r}: "
                 "give both or neither"
             )
-        for name in ("tls_cert_file", "tls_key_file", "auth_token_file"):
+        for name in ("tls_cert_file", "tls_key_file", "auth_token_file", "query_token_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}={str(path)!r} is not a readable file")
-        if not self.auth_token_env or not self.auth_token_env.replace("_", "").isalnum():
-            raise ValueError(f"auth_token_env={self.auth_token_env!r} is not an environment variable name")
+        for name in ("auth_token_env", "query_token_env"):
+            value = getattr(self, name)
+            if not value or not value.replace("_", "").isalnum():
+                raise ValueError(f"{name}={value!r} is not an environment variable name")
         if self.sink not in ("aggregator", "discard"):
             raise ValueError(f"sink={self.sink!r} is not one of 'aggregator', 'discard'")
 
@@ -143,15 +174,36 @@ class CollectorConfig:
         Raises ValueError when the configured source exists but is empty, since an empty
         token would silently turn authentication off.
         """
-        if self.auth_token_file is not None:
-            token = Path(self.auth_token_file).read_text(encoding="utf-8").strip()
-            if not token:
-                raise ValueError(f"auth_token_file={str(self.auth_token_file)!r} is empty")
+        return _read_token(self.auth_token_file, "auth_token_file", self.auth_token_env)
+
+    def read_query_token(self) -> str | None:
+        """The token the query API requires (see the class docstring); None = open.
+
+        Raises ValueError when query auth is asked for and there is no token at all."""
+        token = _read_token(self.query_token_file, "query_token_file", self.query_token_env)
+        if token is not None:
             return token
-        token = os.environ.get(self.auth_token_env)
-        if token is None:
+        if not self.query_auth:
             return None
-        token = token.strip()
-        if not token:
-            raise ValueError(f"environment variable {self.auth_token_env} is set but empty")
+        token = self.read_auth_token()
+        if token is None:
+            raise ValueError("query_auth is on but there is no token: set a read token "
+                             f"(query_token_file or ${self.query_token_env}) or an ingest token "
+                             f"(auth_token_file or ${self.auth_token_env})")
         return token
+
+
+def _read_token(path: Path | None, path_name: str, env_name: str) -> str | None:
+    """A token from ``path`` (wins) or the environment variable ``env_name``; None if neither."""
+    if path is not None:
+        token = Path(path).read_text(encoding="utf-8").strip()
+        if not token:
+            raise ValueError(f"{path_name}={str(path)!r} is empty")
+        return token
+    token = os.environ.get(env_name)
+    if token is None:
+        return None
+    token = token.strip()
+    if not token:
+        raise ValueError(f"environment variable {env_name} is set but empty")
+    return token

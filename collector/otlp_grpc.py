@@ -2,11 +2,14 @@
 
 The methods are registered as generic handlers that receive the raw request bytes, so
 that decoding is ours: an undecodable request answers INVALID_ARGUMENT (the stock
-generated servicer would answer INTERNAL), and the request is parsed exactly once.
+generated servicer would answer INTERNAL), and the request is parsed exactly once. They
+are registered as request-streaming handlers (on the wire a unary call is the same), so
+that a message gRPC core refused for its size still reaches our handler as "no message"
+and is counted; a call with more than one message is refused.
 
 Status codes (OTLP/gRPC specification):
 - OK + ``Export*ServiceResponse`` when the whole request was queued.
-- INVALID_ARGUMENT: not a valid protobuf message (not retryable).
+- INVALID_ARGUMENT: not a valid protobuf message, or a bad span id (not retryable).
 - RESOURCE_EXHAUSTED: queue over capacity, with ``google.rpc.RetryInfo`` in the
   ``grpc-status-details-bin`` trailer (the OTel SDK exporters honour its delay);
   gRPC core itself answers RESOURCE_EXHAUSTED for a message over
@@ -14,9 +17,14 @@ Status codes (OTLP/gRPC specification):
   decompressed size), before our handler runs.
 - UNAUTHENTICATED: bearer token missing or wrong (``authorization`` metadata).
 - UNAVAILABLE: shutting down (retryable; the client's next attempt reaches a peer).
+- INTERNAL: a bug, counted ``internal_error`` and logged rate-limited.
+Every refusal is counted in ``sightline_collector_rejected_total`` with its reason;
+admission, span checks and duplicates as for every receiver (:mod:`.admission`).
 """
 
 from __future__ import annotations
+
+import logging
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -30,10 +38,11 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
+from sightline.collector.admission import Intake
 from sightline.collector.auth import TokenAuth
+from sightline.collector.connection_guard import RateLimitedLog
+from sightline.collector.ingest import IngestError
 from sightline.collector.otlp_http import count_data_points, count_spans
-from sightline.collector.pipeline import Admission, Batch, Pipeline
-from sightline.collector.self_metrics import SelfMetrics
 from sightline.instrumentation import semconv as sc
 
 __all__ = ["OtlpGrpcReceiver", "TRACE_SERVICE", "METRICS_SERVICE"]
@@ -42,6 +51,10 @@ TRACE_SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 METRICS_SERVICE = "opentelemetry.proto.collector.metrics.v1.MetricsService"
 _EMPTY_TRACE_RESPONSE = ExportTraceServiceResponse().SerializeToString()
 _EMPTY_METRICS_RESPONSE = ExportMetricsServiceResponse().SerializeToString()
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          499: grpc.StatusCode.CANCELLED, 500: grpc.StatusCode.INTERNAL, 503: grpc.StatusCode.UNAVAILABLE}
+log = logging.getLogger(__name__)
 
 
 def _retry_trailer(code: int, message: str, retry_after_s: int) -> tuple[tuple[str, bytes], ...]:
@@ -55,14 +68,16 @@ class OtlpGrpcReceiver:
 
     receiver = sc.RECEIVER_OTLP_GRPC
 
-    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, auth: TokenAuth, *,
-                 max_message_bytes: int, retry_after_s: int, max_concurrent_rpcs: int = 64) -> None:
-        self._pipeline = pipeline
-        self._metrics = metrics
+    def __init__(self, intake: Intake, auth: TokenAuth, *, max_message_bytes: int, retry_after_s: int,
+                 max_concurrent_rpcs: int = 64, errors: RateLimitedLog | None = None) -> None:
+        self._intake = intake
+        self._pipeline = intake.pipeline
+        self._metrics = intake.metrics
         self._auth = auth
         self._retry_after_s = retry_after_s
         self._max_message_bytes = max_message_bytes
         self._max_concurrent_rpcs = max_concurrent_rpcs
+        self._errors = errors or RateLimitedLog(log)
         self.server: grpc.aio.Server | None = None
         self.port: int | None = None
 
@@ -70,9 +85,9 @@ class OtlpGrpcReceiver:
         raw = dict(request_deserializer=None, response_serializer=None)  # bytes in, bytes out
         return [
             grpc.method_handlers_generic_handler(TRACE_SERVICE, {
-                "Export": grpc.unary_unary_rpc_method_handler(self._export_traces, **raw)}),
+                "Export": grpc.stream_unary_rpc_method_handler(self._export_traces, **raw)}),
             grpc.method_handlers_generic_handler(METRICS_SERVICE, {
-                "Export": grpc.unary_unary_rpc_method_handler(self._export_metrics, **raw)}),
+                "Export": grpc.stream_unary_rpc_method_handler(self._export_metrics, **raw)}),
         ]
 
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
@@ -100,50 +115,55 @@ class OtlpGrpcReceiver:
         if self.server is not None:
             await self.server.stop(grace_s)
 
-    async def _export_traces(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        await self._export(body, context, "traces")
+    async def _export_traces(self, messages, context: grpc.aio.ServicerContext) -> bytes:
+        await self._export(messages, context, "traces")
         return _EMPTY_TRACE_RESPONSE
 
-    async def _export_metrics(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        await self._export(body, context, "metrics")
+    async def _export_metrics(self, messages, context: grpc.aio.ServicerContext) -> bytes:
+        await self._export(messages, context, "metrics")
         return _EMPTY_METRICS_RESPONSE
 
-    async def _export(self, body: bytes, context: grpc.aio.ServicerContext, signal: str) -> None:
-        """Returns normally only when the batch was queued; otherwise aborts the RPC."""
-        metrics, name = self._metrics, self.receiver
-        if not self._auth.allows_grpc(context.invocation_metadata()):
-            metrics.rejected(name, "unauthenticated")
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
-        if not self._pipeline.has_room(len(body)):  # overloaded: refuse before parsing
-            await self._refuse(context, self._pipeline.accepting)
+    async def _export(self, messages, context: grpc.aio.ServicerContext, signal: str) -> None:
+        """Returns normally only when the request was admitted; otherwise aborts the RPC."""
         try:
-            if signal == "traces":
-                message = ExportTraceServiceRequest.FromString(body)
-                items = count_spans(message)
-            else:
-                message = ExportMetricsServiceRequest.FromString(body)
-                items = count_data_points(message)
-        except (DecodeError, ValueError) as exc:
-            metrics.rejected(name, "malformed")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable {signal} export request: {exc}")
-        verdict = self._pipeline.offer(Batch(signal, message, items, len(body), name,
-                                             body if signal == "traces" else None))
-        if verdict is Admission.ACCEPTED:
-            if signal == "traces":
-                metrics.accepted(name, items, 0)
-            else:
-                metrics.accepted(name, 0, items)
+            if not self._auth.allows_grpc(context.invocation_metadata()):
+                raise IngestError(401, "unauthenticated", "missing or wrong bearer token")
+            body = await self._one_message(messages, context)
+            self._intake.check_room(len(body))  # overloaded: refuse before parsing
+            try:
+                if signal == "traces":
+                    message = ExportTraceServiceRequest.FromString(body)
+                    items = count_spans(message)
+                else:
+                    message = ExportMetricsServiceRequest.FromString(body)
+                    items = count_data_points(message)
+            except (DecodeError, ValueError) as exc:
+                raise IngestError(400, "malformed", f"undecodable {signal} export request: {exc}") from None
+            self._intake.accept(self.receiver, signal, message, items, len(body),
+                                body if signal == "traces" else None)
             return
-        await self._refuse(context, verdict is Admission.FULL)
+        except IngestError as error:
+            refusal = error
+        except Exception as exc:  # a bug: answered INTERNAL and counted
+            self._errors.error(f"{self.receiver}:{type(exc).__name__}", "%s receiver failed on a request",
+                               self.receiver, exc_info=exc)
+            refusal = IngestError(500, "internal_error", f"internal error: {type(exc).__name__}")
+        self._metrics.rejected(self.receiver, refusal.reason)
+        trailer = ()
+        if refusal.status in (429, 503):
+            code = code_pb2.RESOURCE_EXHAUSTED if refusal.status == 429 else code_pb2.UNAVAILABLE
+            trailer = _retry_trailer(code, refusal.message, self._retry_after_s)
+        await context.abort(_CODES[refusal.status], refusal.message, trailer)
 
-    async def _refuse(self, context: grpc.aio.ServicerContext, full: bool) -> None:
-        """Aborts with RESOURCE_EXHAUSTED (queue full) or UNAVAILABLE (shutting down)."""
-        if full:
-            self._metrics.rejected(self.receiver, "over_capacity")
-            text = "collector queue is full; retry later"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, text,
-                                _retry_trailer(code_pb2.RESOURCE_EXHAUSTED, text, self._retry_after_s))
-        self._metrics.rejected(self.receiver, "shutting_down")
-        text = "collector is shutting down"
-        await context.abort(grpc.StatusCode.UNAVAILABLE, text,
-                            _retry_trailer(code_pb2.UNAVAILABLE, text, self._retry_after_s))
+    async def _one_message(self, messages, context: grpc.aio.ServicerContext) -> bytes:
+        body = None
+        async for message in messages:
+            if body is not None:
+                raise IngestError(400, "malformed", "an export call carries one request message")
+            body = message
+        if body is None:
+            if context.cancelled():
+                raise IngestError(499, "client_disconnected", "the client cancelled the call")
+            # gRPC core refused the message for its size (RESOURCE_EXHAUSTED is already set)
+            raise IngestError(413, "too_large", f"request message over {self._max_message_bytes} bytes")
+        return body

@@ -1,11 +1,12 @@
 """Reading OTLP protobuf values and CTA-duration points into Sightline's own types.
 
 ``any_value`` reads an ``AnyValue`` as a plain Python value; ``num`` and ``label`` as a
-number or a bounded label string (the common cases without building Python values). ``cta_point_histogram``
-checks one ``gpu.kernel.cta.duration`` exponential-histogram point and turns it into an
-:class:`~sightline.instrumentation.exphist.ExpHistogram`, or raises :class:`PointRefused`
-whose ``reason`` is the ``dropped`` label the aggregator counts. Cost: O(buckets) numpy
-work per point; a point at most ``max_buckets`` wide adopts its counts array without a copy.
+number or a bounded label string (the common cases without building Python values).
+``cta_point_histogram`` checks one ``gpu.kernel.cta.duration`` exponential-histogram point
+(:mod:`.point_check`) and turns it into an :class:`~sightline.instrumentation.exphist.ExpHistogram`,
+or raises :class:`PointRefused` whose ``reason`` is the ``dropped`` label the aggregator counts.
+``points_in`` is a metric's data-point count (what its drops are counted in). Cost: O(buckets)
+numpy work per point; a point at most ``max_buckets`` wide adopts its counts array without a copy.
 
 ``LeanTraceRequest`` parses an encoded ``ExportTraceServiceRequest`` keeping only what the
 span distributions read (ids, name, times, status code) and each attribute as its raw
@@ -28,12 +29,13 @@ from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from ..instrumentation import semconv
 from ..instrumentation.exphist import MAX_SCALE, MIN_SCALE, ExpHistogram
+from .point_check import PointRefused, check_exp_point
 
 __all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "any_value", "clamped_time_s",
-           "cta_point_histogram", "decode_attribute", "label", "num", "resource_instance"]
+           "cta_point_histogram", "decode_attribute", "label", "lean_trace_request_class", "num",
+           "points_in", "resource_instance"]
 
 MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
-_MAX_POINT_BUCKETS = 16_384
 _MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
 
 
@@ -44,12 +46,10 @@ def clamped_time_s(unix_nano: int, now: float) -> float:
     return now if t > now or t <= 0 else t
 
 
-class PointRefused(ValueError):
-    """A point that cannot be merged; ``reason`` is the refusal's counter label."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+def points_in(metric) -> int:
+    """Data points of one OTLP ``Metric`` (0 when it carries no data)."""
+    kind = metric.WhichOneof("data")
+    return len(getattr(metric, kind).data_points) if kind is not None else 0
 
 
 def any_value(value) -> Any:
@@ -107,15 +107,9 @@ def resource_instance(resource) -> str:
 
 def cta_point_histogram(point, max_buckets: int) -> ExpHistogram:
     """The point's positive buckets (zeros and negatives counted as zeros) as an
-    ExpHistogram; raises PointRefused("bad_scale" | "too_many_buckets" |
-    "inconsistent_count" | "out_of_range")."""
-    if not MIN_SCALE <= point.scale <= MAX_SCALE:
-        raise PointRefused("bad_scale")
-    counts = np.asarray(point.positive.bucket_counts, dtype=np.int64)
-    if counts.size > _MAX_POINT_BUCKETS:
-        raise PointRefused("too_many_buckets")
-    if int(counts.sum()) + int(point.zero_count) + int(sum(point.negative.bucket_counts)) != point.count:
-        raise PointRefused("inconsistent_count")
+    ExpHistogram; raises PointRefused (:func:`.point_check.check_exp_point`'s reasons, or
+    "out_of_range")."""
+    counts = check_exp_point(point)
     nonzero = np.flatnonzero(counts)
     if nonzero.size:
         # Durations outside 2**-40 s (~1 ps) .. 2**20 s (12 days) are not durations; refusing
@@ -156,10 +150,14 @@ def decode_attribute(raw: bytes) -> tuple[str, object]:
     return kv.key, kv.value
 
 
-def _lean_classes():
+def lean_trace_request_class(package: str, span_fields: list[tuple]) -> type:
+    """A message class that reads an encoded ``ExportTraceServiceRequest`` keeping only
+    ``span_fields`` of each span: ``(name, number, FieldDescriptorProto type, repeated,
+    message type name or None)``, numbers and wire types as in OTLP's trace.proto; a
+    ``Status`` message (its ``code``) may be referred to. Everything else is unknown fields."""
     f = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(name="sightline_collector_lean_trace.proto",
-                                              package="sightline.collector.lean", syntax="proto3")
+    file = descriptor_pb2.FileDescriptorProto(name=package.replace(".", "_") + ".proto",
+                                              package=package, syntax="proto3")
 
     def message(name, fields):
         m = file.message_type.add(name=name)
@@ -167,22 +165,23 @@ def _lean_classes():
             field = m.field.add(name=field_name, number=number, type=kind,
                                 label=f.LABEL_REPEATED if repeated else f.LABEL_OPTIONAL)
             if type_name:
-                field.type_name = ".sightline.collector.lean." + type_name
+                field.type_name = f".{package}.{type_name}"
 
-    # Field numbers and wire types of opentelemetry/proto/trace/v1/trace.proto.
     message("Status", [("code", 3, f.TYPE_INT32, False, None)])
-    message("Span", [("trace_id", 1, f.TYPE_BYTES, False, None), ("span_id", 2, f.TYPE_BYTES, False, None),
-                     ("name", 5, f.TYPE_STRING, False, None),
-                     ("start_time_unix_nano", 7, f.TYPE_FIXED64, False, None),
-                     ("end_time_unix_nano", 8, f.TYPE_FIXED64, False, None),
-                     ("attributes", 9, f.TYPE_BYTES, True, None),  # each an encoded KeyValue
-                     ("status", 15, f.TYPE_MESSAGE, False, "Status")])
+    message("Span", span_fields)
     message("ScopeSpans", [("spans", 2, f.TYPE_MESSAGE, True, "Span")])
     message("ResourceSpans", [("scope_spans", 2, f.TYPE_MESSAGE, True, "ScopeSpans")])
     message("Request", [("resource_spans", 1, f.TYPE_MESSAGE, True, "ResourceSpans")])
     pool = descriptor_pool.DescriptorPool()
     pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName("sightline.collector.lean.Request"))
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Request"))
 
 
-LeanTraceRequest = _lean_classes()
+_F = descriptor_pb2.FieldDescriptorProto
+LeanTraceRequest = lean_trace_request_class("sightline.collector.lean", [
+    ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None),
+    ("name", 5, _F.TYPE_STRING, False, None),
+    ("start_time_unix_nano", 7, _F.TYPE_FIXED64, False, None),
+    ("end_time_unix_nano", 8, _F.TYPE_FIXED64, False, None),
+    ("attributes", 9, _F.TYPE_BYTES, True, None),  # each an encoded KeyValue
+    ("status", 15, _F.TYPE_MESSAGE, False, "Status")])

@@ -8,10 +8,14 @@ What each series means (names from ``instrumentation.semconv``):
   data points.
 - ``sightline_collector_rejected_total{receiver,reason}``: *requests* refused, by reason
   (``malformed``, ``too_large``, ``unsupported_media_type``, ``over_capacity``,
-  ``unauthenticated``, ``shutting_down``, ``timeout``).
+  ``unauthenticated``, ``shutting_down``, ``timeout`` (body or headers too slow),
+  ``client_disconnected`` (gone mid-body), ``too_many_connections`` (HTTP connection cap),
+  ``internal_error`` (a 500 / INTERNAL: a bug, logged rate-limited)).
 - ``sightline_collector_dropped_total{reason}``: spans+data points that were
-  acknowledged and then not aggregated (``aggregator_error``, ``shutdown_timeout``).
-  Zero in a healthy collector: this is the number a client would call "lost".
+  acknowledged and then not aggregated (``aggregator_error``, ``shutdown_timeout``), and
+  spans acknowledged as repeats of spans already admitted (``duplicate``: an exporter's
+  retry). Zero for the first two in a healthy collector: that is what a client would
+  call "lost".
 - ``sightline_collector_queue_depth``: spans+data points waiting in the queue.
 - ``sightline_collector_processing_seconds{signal}``: time the aggregator spent on one
   queued batch (one export request).
@@ -27,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sightline.instrumentation import semconv as sc
 
-__all__ = ["REJECT_REASONS", "SelfMetrics"]
+__all__ = ["DROP_REASONS", "REJECT_REASONS", "SelfMetrics"]
 
 RECEIVERS = (sc.RECEIVER_OTLP_GRPC, sc.RECEIVER_OTLP_HTTP, sc.RECEIVER_ZIPKIN)
 REJECT_REASONS = (
@@ -38,7 +42,11 @@ REJECT_REASONS = (
     "unauthenticated",
     "shutting_down",
     "timeout",
+    "client_disconnected",
+    "too_many_connections",
+    "internal_error",
 )
+DROP_REASONS = ("aggregator_error", "shutdown_timeout", "duplicate")
 PROCESSING_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                         0.5, 1.0, 2.5)
 
@@ -73,8 +81,7 @@ class SelfMetrics:
         self._rejected_by = {(name, reason): self._rejected.labels(name, reason)
                              for name in RECEIVERS for reason in REJECT_REASONS}
         self._processing_by = {s: self._processing.labels(s) for s in ("traces", "metrics")}
-        for reason in ("aggregator_error", "shutdown_timeout"):
-            self._dropped.labels(reason)
+        self._dropped_by = {reason: self._dropped.labels(reason) for reason in DROP_REASONS}
 
     def accepted(self, receiver: str, spans: int, points: int) -> None:
         if spans:
@@ -87,7 +94,18 @@ class SelfMetrics:
 
     def dropped(self, reason: str, count: int) -> None:
         if count:
-            self._dropped.labels(reason).inc(count)
+            self._dropped_by[reason].inc(count)
+
+    def snapshot(self) -> dict[tuple[str, ...], float]:
+        """The counters as ``{(sample name, *label values): value}``: received, rejected and
+        dropped (benchmarks and tests that follow every request; a few hundred µs)."""
+        out: dict[tuple[str, ...], float] = {}
+        for counter in (self._spans, self._points, self._rejected, self._dropped):
+            for family in counter.collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_total"):
+                        out[(sample.name, *sample.labels.values())] = sample.value
+        return out
 
     def processed(self, signal: str, seconds: float) -> None:
         self._processing_by[signal].observe(seconds)

@@ -29,7 +29,8 @@ import numpy as np
 from ..instrumentation import semconv as sc
 from ..instrumentation.exphist import ExpHistogram
 from .aggregation_config import AggregationConfig
-from .otlp_points import PointRefused, clamped_time_s, cta_point_histogram, label, resource_instance
+from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
+                          resource_instance)
 from .sm_blocks import SmBlock
 from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 
@@ -135,13 +136,14 @@ class SmStore:
                 for scope in rm.scope_metrics:
                     for metric in scope.metrics:
                         if metric.name != sc.METRIC_CTA_DURATION:
+                            self._drop("unknown_metric", points_in(metric))
                             continue
                         kind = metric.WhichOneof("data")
                         if kind == "histogram":
                             self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
                             continue
                         if kind != "exponential_histogram":
-                            self._drop("unsupported_metric_type")
+                            self._drop("unsupported_metric_type", points_in(metric))
                             continue
                         data = metric.exponential_histogram
                         cumulative = data.aggregation_temporality == _CUMULATIVE

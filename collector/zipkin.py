@@ -24,19 +24,27 @@ shared                       attribute ``zipkin.shared`` = true
 Answers (Zipkin's own): 202 empty on success; 400 with a plain-text reason when the
 body is not a JSON list of valid v2 spans (the whole request is refused: Zipkin has no
 partial success); 413/415/429/401/503 as the OTLP/HTTP receiver.
+
+Valid means: ids of exactly 16 or 32 (trace) and 16 (span, parent) hex digits; times and
+durations finite, non-negative microseconds before 2262 (int64 nanoseconds); ports
+integers in 0..65535 (0 or absent: unknown); names, tag
+and annotation values strings (numbers and booleans are written as JSON), none holding
+a lone UTF-16 surrogate; JSON nested at most ``max_json_depth`` deep.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from sightline.collector.otlp_http import Handler, HttpIngestReceiver, IngestError, admit, read_body
-from sightline.collector.pipeline import Batch
+from sightline.collector.ingest import IngestError, load_json
+from sightline.collector.otlp_http import Handler, HttpIngestReceiver
 from sightline.instrumentation import semconv as sc
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
@@ -48,6 +56,9 @@ _KINDS = {
     "CONSUMER": trace_pb2.Span.SPAN_KIND_CONSUMER,
 }
 _UNKNOWN_SERVICE = "unknown_service"
+_HEX_DIGITS = re.compile(r"[0-9a-fA-F]+")
+# Timestamps and durations (µs) beyond int64 nanoseconds (year 2262) are not times.
+_MAX_MICROS = (2**63 - 1) // 1000
 
 
 def _hex_id(span: dict, key: str, lengths: tuple[int, ...], index: int, required: bool) -> bytes:
@@ -56,42 +67,67 @@ def _hex_id(span: dict, key: str, lengths: tuple[int, ...], index: int, required
         if required:
             raise IngestError(400, "malformed", f"span {index}: {key} is required")
         return b""
-    if not isinstance(value, str) or len(value) not in lengths:
-        raise IngestError(400, "malformed",
-                          f"span {index}: {key} {value!r} is not {' or '.join(map(str, lengths))} hex characters")
-    try:
-        raw = bytes.fromhex(value)
-    except ValueError:
-        raise IngestError(400, "malformed", f"span {index}: {key} {value!r} is not hex") from None
-    return raw
+    if not isinstance(value, str) or len(value) not in lengths or not _HEX_DIGITS.fullmatch(value):
+        raise IngestError(400, "malformed", f"span {index}: {key} {_show(value)} is not "
+                          f"{' or '.join(map(str, lengths))} hex digits")
+    return bytes.fromhex(value)
+
+
+def _show(value: Any) -> str:
+    """A bounded, always printable rendering of a bad value for an error message."""
+    if isinstance(value, (dict, list)):
+        return f"<a JSON {'object' if isinstance(value, dict) else 'array'}>"
+    return ascii(value)[:80]
 
 
 def _micros(span: dict, key: str, index: int) -> int:
     value = span.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise IngestError(400, "malformed", f"span {index}: {key} {value!r} is not a non-negative number of µs")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (isinstance(value, float) and not math.isfinite(value)) or not 0 <= value <= _MAX_MICROS):
+        raise IngestError(400, "malformed", f"span {index}: {key} {_show(value)} is not a number of µs "
+                          f"in 0..{_MAX_MICROS}")
     return int(value)
 
 
-def _add_str(attributes, key: str, value: Any) -> None:
+def _text(value: Any, what: str, index: int) -> str:
+    """A string value as text: strings as they are, numbers and booleans as JSON."""
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate ("\udc80"): not text
+                raise IngestError(400, "malformed", f"span {index}: {what} {_show(value)} is not "
+                                  "valid Unicode (lone surrogate)") from None
+        return value
+    if value is None or isinstance(value, (bool, int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise IngestError(400, "malformed", f"span {index}: {what} {_show(value)} is not a finite number")
+        return json.dumps(value)
+    raise IngestError(400, "malformed", f"span {index}: {what} {_show(value)} is not a string")
+
+
+def _add_str(attributes, key: str, value: Any, index: int) -> None:
     kv = attributes.add()
-    kv.key = key
-    kv.value.string_value = value if isinstance(value, str) else json.dumps(value)
+    kv.key = _text(key, "attribute key", index)
+    kv.value.string_value = _text(value, key, index)
 
 
 def _endpoint(attributes, endpoint: Any, *, address_key: str, port_key: str, index: int) -> None:
     if endpoint is None:
         return
     if not isinstance(endpoint, dict):
-        raise IngestError(400, "malformed", f"span {index}: endpoint {endpoint!r} is not an object")
+        raise IngestError(400, "malformed", f"span {index}: endpoint {_show(endpoint)} is not an object")
     address = endpoint.get("ipv4") or endpoint.get("ipv6")
     if address:
-        _add_str(attributes, address_key, address)
+        _add_str(attributes, address_key, address, index)
     port = endpoint.get("port")
-    if isinstance(port, int) and not isinstance(port, bool) and port > 0:
-        kv = attributes.add()
-        kv.key = port_key
-        kv.value.int_value = port
+    if port is None or port == 0:  # 0: Zipkin's "unknown"
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+        raise IngestError(400, "malformed", f"span {index}: port {_show(port)} is not an integer in 1..65535")
+    kv = attributes.add()
+    kv.key = port_key
+    kv.value.int_value = port
 
 
 def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
@@ -111,7 +147,7 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
         parent_id = _hex_id(span, "parentId", (16,), index, required=False)
         local = span.get("localEndpoint")
         service = local.get("serviceName") if isinstance(local, dict) else None
-        service = service if isinstance(service, str) and service else _UNKNOWN_SERVICE
+        service = _text(service, "localEndpoint.serviceName", index) if service else _UNKNOWN_SERVICE
         scope = scopes.get(service)
         if scope is None:
             rs = request.resource_spans.add()
@@ -126,15 +162,17 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
         out.span_id = span_id
         if parent_id:
             out.parent_span_id = parent_id
-        name = span.get("name", "")
-        out.name = name if isinstance(name, str) else str(name)
+        name = span.get("name")
+        out.name = _text(name, "name", index) if name is not None else ""
         kind = span.get("kind")
         if kind is not None:
-            if kind not in _KINDS:
-                raise IngestError(400, "malformed", f"span {index}: kind {kind!r} is not one of {sorted(_KINDS)}")
+            if not isinstance(kind, str) or kind not in _KINDS:
+                raise IngestError(400, "malformed", f"span {index}: kind {_show(kind)} is not one of {sorted(_KINDS)}")
             out.kind = _KINDS[kind]
         start_us = _micros(span, "timestamp", index)
         duration_us = _micros(span, "duration", index)
+        if start_us + duration_us > _MAX_MICROS:
+            raise IngestError(400, "malformed", f"span {index}: timestamp + duration ends after {_MAX_MICROS} µs")
         out.start_time_unix_nano = start_us * 1000
         out.end_time_unix_nano = (start_us + duration_us) * 1000
         attributes = out.attributes
@@ -142,7 +180,7 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
                   port_key=sc.NETWORK_LOCAL_PORT, index=index)
         remote = span.get("remoteEndpoint")
         if isinstance(remote, dict) and remote.get("serviceName"):
-            _add_str(attributes, sc.PEER_SERVICE, remote["serviceName"])
+            _add_str(attributes, sc.PEER_SERVICE, remote["serviceName"], index)
         _endpoint(attributes, remote, address_key=sc.NETWORK_PEER_ADDRESS,
                   port_key=sc.NETWORK_PEER_PORT, index=index)
         if span.get("shared") is True:
@@ -155,22 +193,25 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
         for key, value in tags.items():
             if key == "error":
                 out.status.code = trace_pb2.Status.STATUS_CODE_ERROR
-                out.status.message = value if isinstance(value, str) else json.dumps(value)
+                out.status.message = _text(value, "tag error", index)
             elif key == "otel.status_code":
                 if value == "ERROR":
                     out.status.code = trace_pb2.Status.STATUS_CODE_ERROR
                 elif value == "OK":
                     out.status.code = trace_pb2.Status.STATUS_CODE_OK
             elif key == "otel.status_description":
-                out.status.message = str(value)
+                out.status.message = _text(value, "tag otel.status_description", index)
             else:
-                _add_str(attributes, key, value)
-        for annotation in span.get("annotations") or ():
+                _add_str(attributes, key, value, index)
+        annotations = span.get("annotations") or []
+        if not isinstance(annotations, list):
+            raise IngestError(400, "malformed", f"span {index}: annotations {_show(annotations)} is not a list")
+        for annotation in annotations:
             if not isinstance(annotation, dict) or "value" not in annotation:
-                raise IngestError(400, "malformed", f"span {index}: annotation {annotation!r} has no value")
+                raise IngestError(400, "malformed", f"span {index}: annotation {_show(annotation)} has no value")
             event = out.events.add()
             event.time_unix_nano = _micros(annotation, "timestamp", index) * 1000
-            event.name = str(annotation["value"])
+            event.name = _text(annotation["value"], "annotation value", index)
     return request
 
 
@@ -183,41 +224,25 @@ class ZipkinReceiver(HttpIngestReceiver):
         return [("/api/v2/spans", self.spans)]
 
     async def spans(self, request: web.Request) -> web.Response:
-        if not self._inflight.try_enter():
-            return self._refusal(IngestError(429, "over_capacity", "too many requests in progress"))
-        try:
-            return await self._spans(request)
-        finally:
-            self._inflight.leave()
+        return await self._ingest(request, "traces", True)
 
-    def _refusal(self, error: IngestError) -> web.Response:
-        self._metrics.rejected(self.receiver, error.reason)
+    def _check_content_type(self, request: web.Request) -> None:
+        if request.content_type != "application/json":
+            raise IngestError(415, "unsupported_media_type",
+                              f"Content-Type {request.content_type!r} is not application/json "
+                              "(Zipkin v2 JSON; proto3 is not supported)")
+
+    def _decode(self, body: bytes, signal: str, as_json: bool) -> tuple[Any, int, bytes | None]:
+        document = load_json(body, self._limits.max_json_depth)
+        return zipkin_to_otlp(document), len(document), None
+
+    def _ok(self, signal: str, as_json: bool) -> web.Response:
+        return web.Response(status=202)
+
+    def _refusal(self, error: IngestError, as_json: bool) -> web.Response:
         headers = {}
         if error.status in (429, 503):
             headers["Retry-After"] = str(self._limits.retry_after_s)
         if error.status == 401:
             headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
         return web.Response(status=error.status, text=error.message + "\n", headers=headers)
-
-    async def _spans(self, request: web.Request) -> web.Response:
-        try:
-            if not self._auth.allows(request.headers.get("Authorization")):
-                raise IngestError(401, "unauthenticated", "missing or wrong bearer token")
-            if request.content_type != "application/json":
-                raise IngestError(415, "unsupported_media_type",
-                                  f"Content-Type {request.content_type!r} is not application/json "
-                                  "(Zipkin v2 JSON; proto3 is not supported)")
-            if not self._pipeline.has_room(request.content_length or 0):
-                admit(self._pipeline, None)  # overloaded: refuse before reading the body
-            body = await read_body(request, self._limits)
-            try:
-                document = json.loads(body)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise IngestError(400, "malformed", f"body is not JSON: {exc}") from None
-            message = zipkin_to_otlp(document)
-            items = len(document)
-            admit(self._pipeline, Batch("traces", message, items, len(body), self.receiver))
-        except IngestError as error:
-            return self._refusal(error)
-        self._metrics.accepted(self.receiver, items, 0)
-        return web.Response(status=202)

@@ -2,7 +2,9 @@
 
 Parsing turns a JSON body into a typed request or raises ``ProtocolError`` carrying the HTTP
 status and OpenAI's error shape ``{"error": {"message", "type", "param", "code"}}``; the
-message names the bad value and what is allowed. Supported: ``/v1/completions`` and
+message names the bad value and what is allowed. Bodies nested deeper than
+``MAX_JSON_DEPTH`` and text holding a lone UTF-16 surrogate (``"\udc80"``: valid JSON,
+not Unicode text) are refused with 400 too. Supported: ``/v1/completions`` and
 ``/v1/chat/completions`` with max_tokens (chat: also max_completion_tokens), temperature,
 top_p, seed, stop, stream, stream_options (include_usage, continuous_usage_stats), and vLLM's
 extensions top_k (-1 or 0 = off), min_p, repetition_penalty, ignore_eos, plus priority (int,
@@ -26,6 +28,7 @@ __all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error
 
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_STOP_SEQUENCES = 4
+MAX_JSON_DEPTH = 32  # a chat request with content parts is 5 deep
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -83,9 +86,37 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ProtocolError(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:  # the parser's own guard, far deeper than MAX_JSON_DEPTH
+        raise ProtocolError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels",
+                            code="invalid_json") from None
     if not isinstance(body, dict):
         raise ProtocolError(f"request body must be a JSON object, got {type(body).__name__}")
+    if _too_deep(body, MAX_JSON_DEPTH):
+        raise ProtocolError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
     return body
+
+
+def _too_deep(document: Any, limit: int) -> bool:
+    """Whether a parsed JSON value nests deeper than ``limit`` (walked without recursion)."""
+    stack = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = node.values() if isinstance(node, dict) else node
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def _text(value: str, param: str) -> str:
+    """``value`` if it is Unicode text; a lone surrogate (valid JSON escape) is not."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ProtocolError(f"{param} is not valid Unicode text: lone surrogate {value[exc.start]!r} at "
+                                f"character {exc.start}", param=param, code="invalid_value") from None
+    return value
 
 
 def _is_int(x: Any) -> bool:
@@ -108,6 +139,7 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise ProtocolError(f"model={model!r} must be a non-empty string", param="model",
                             code="invalid_value")
+    _text(model, "model")
     n = body.get("n")
     if n is not None and n != 1:
         raise ProtocolError(f"n={n!r} is not supported: this engine returns one choice per request (n=1)",
@@ -130,12 +162,13 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
         raise ProtocolError(f"seed={seed!r} must be an integer", param="seed", code="invalid_value")
     stop = body.get("stop")
+    stops: tuple[str, ...]
     if stop is None:
-        stops: tuple[str, ...] = ()
+        stops = ()
     elif isinstance(stop, str):
-        stops = (stop,) if stop else ()
+        stops = (_text(stop, "stop"),) if stop else ()
     elif isinstance(stop, list) and all(isinstance(s, str) and s for s in stop) and len(stop) <= MAX_STOP_SEQUENCES:
-        stops = tuple(stop)
+        stops = tuple(_text(s, "stop") for s in stop)
     else:
         raise ProtocolError(f"stop={stop!r} must be a string or a list of at most {MAX_STOP_SEQUENCES} "
                             "non-empty strings", param="stop", code="invalid_value")
@@ -201,6 +234,8 @@ def parse_completion_request(body: dict[str, Any]) -> CompletionRequest:
     elif not isinstance(prompt, str):
         raise ProtocolError(f"prompt={prompt!r} must be a string or a list of token ids", param="prompt",
                             code="invalid_value")
+    else:
+        _text(prompt, "prompt")
     return CompletionRequest(prompt=prompt, **_common(body, ("max_tokens",)))
 
 
@@ -229,7 +264,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
         if not isinstance(content, str):
             raise ProtocolError(f"messages[{i}].content={content!r} must be a string",
                                 param=f"messages[{i}].content", code="invalid_value")
-        parsed.append(ChatMessage(message["role"], content))
+        parsed.append(ChatMessage(message["role"], _text(content, f"messages[{i}].content")))
     return ChatCompletionRequest(messages=parsed,
                                  **_common(body, ("max_tokens", "max_completion_tokens")))
 

@@ -46,6 +46,7 @@ __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
+_CLIENT_GONE = "client_disconnected"
 # The caller's request id (generated when absent): echoed, and the span attribute
 # sightline.request.id; the response id is "<cmpl|chatcmpl>-<it>".
 REQUEST_ID_HEADER = "X-Request-Id"

@@ -227,6 +227,24 @@ def test_malformed_json_and_unknown_model_and_route(server):
     assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
     status, body = _post_raw(url, "/v1/embeddings", b"{}")
     assert status == 404 and body["error"]["code"] == "not_found"
+    # Nested 5,000 deep (the JSON parser's own limit) and 40 deep (past ours): 400, not 500.
+    for depth in (5000, 40):
+        deep = b'{"model": "tiny", "prompt": "x", "logit_bias": ' + b"[" * depth + b"]" * depth + b"}"
+        status, body = _post_raw(url, "/v1/completions", deep)
+        assert status == 400 and body["error"]["code"] == "invalid_json", (depth, body)
+        assert "nested deeper than 32" in body["error"]["message"]
+    # A lone surrogate is valid JSON but not text: 400 naming the field, in both routes.
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "ab\\udc80"}')
+    assert status == 400 and body["error"]["param"] == "prompt" and "surrogate" in body["error"]["message"]
+    status, body = _post_raw(url, "/v1/chat/completions",
+                             b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800x"}]}')
+    assert status == 400 and body["error"]["param"] == "messages[0].content"
+    for stop in (b'["\\udfff"]', b'"\\udc80"'):
+        status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ' + stop + b"}")
+        assert status == 400 and body["error"]["param"] == "stop"
+    # A surrogate pair is an ordinary character.
+    status, body = _post_raw(url, "/v1/completions", b'{"model": "tiny", "prompt": "\\ud83d\\ude00", "max_tokens": 1}')
+    assert status == 200
     # Still serving after all that.
     assert _client(url).completions.create(model=MODEL, prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 

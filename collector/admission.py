@@ -1,0 +1,81 @@
+"""Admission of one decoded export request: span checks, duplicates, the queue, the counters.
+
+Every receiver (OTLP gRPC, OTLP HTTP, Zipkin) hands its decoded request to
+``Intake.accept``, which either admits it or raises ``IngestError``:
+
+- traces: every span id is checked (:func:`.span_ids.span_keys`, 400 on a bad one) and
+  spans already admitted within the window (:class:`.span_ids.SpanWindow`: exporters
+  retry after timeouts, so one span can arrive twice) are removed from the request and
+  counted in ``sightline_collector_dropped_total{reason="duplicate"}``;
+- the pipeline either queues the rest or refuses (429 queue full, 503 shutting down);
+- only then are the ids remembered (a refused request's retry is not a duplicate) and
+  the items counted as received. So, for everything acknowledged:
+  received = aggregated + dropped, exactly.
+
+Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .ingest import IngestError
+from .pipeline import Admission, Batch, Pipeline, Signal
+from .self_metrics import SelfMetrics
+from .span_ids import SpanWindow, fingerprints, remove_spans, span_keys
+
+__all__ = ["Intake", "admit"]
+
+
+def admit(pipeline: Pipeline, batch: Batch | None) -> None:
+    """Offers ``batch``; raises the 429/503 IngestError when the pipeline refuses it.
+
+    ``batch=None`` only raises the refusal (the caller already knows there is no room).
+    """
+    if batch is None:
+        verdict = Admission.CLOSED if not pipeline.accepting else Admission.FULL
+    else:
+        verdict = pipeline.offer(batch)
+    if verdict is Admission.ACCEPTED:
+        return
+    if verdict is Admission.FULL:
+        raise IngestError(429, "over_capacity", "collector queue is full; retry later")
+    raise IngestError(503, "shutting_down", "collector is shutting down")
+
+
+class Intake:
+    """What the receivers share downstream of decoding (event-loop thread only)."""
+
+    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, window: SpanWindow) -> None:
+        self.pipeline = pipeline
+        self.metrics = metrics
+        self.window = window
+
+    def check_room(self, size_bytes: int) -> None:
+        """The cheap refusal before a body is read: raises 429/503 when there is no room."""
+        if not self.pipeline.has_room(size_bytes):
+            admit(self.pipeline, None)
+
+    def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
+               encoded: bytes | None = None) -> None:
+        """Admits ``request`` (``items`` spans or data points) or raises IngestError."""
+        repeats = 0
+        fp = None
+        if signal == "traces":
+            fp = fingerprints(span_keys(request, encoded))
+            positions = self.window.repeats(fp)
+            repeats = len(positions)
+            if repeats:
+                remove_spans(request, positions)
+                encoded = None  # no longer the request's encoding
+                fp = np.delete(fp, positions)
+        kept = items - repeats
+        if kept or not repeats:  # a request of nothing but repeats has nothing to queue
+            admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
+        if fp is not None:
+            self.window.remember(fp)
+            self.metrics.accepted(receiver, items, 0)
+        else:
+            self.metrics.accepted(receiver, 0, items)
+        if repeats:
+            self.metrics.dropped("duplicate", repeats)

@@ -1,0 +1,202 @@
+"""Span identity: id checks on every trace export, and a bounded window of ids seen.
+
+``span_keys`` checks that every span has a 16-byte trace id and an 8-byte span id, neither
+all zeros (OTLP trace.proto; Zipkin ids are converted to these lengths first), else raises
+IngestError(400) naming the first bad span. It returns the keys as one ``uint8`` array,
+a row of trace id + span id per span, in span order. A parent span id is a reference, not
+the span's identity: one of any length is kept and (like a parent that never reports)
+matches no span.
+``SpanWindow`` remembers a 64-bit fingerprint of the key of about the last ``capacity``
+spans admitted, so a span sent again by an exporter's retry is recognised (false
+"repeat" only for a fingerprint collision: ~capacity / 2**63 per span for random ids).
+
+Cost: for a protobuf body, an ids-only re-parse, ``DiscardUnknownFields`` and a re-encoding
+of just the ids (upb's C code), whose spans are then 30-byte records checked as one numpy
+array. A request whose encoding is not of that shape, or not protobuf (JSON, Zipkin),
+takes the exact path: a Python loop over the spans. The window is numpy work per request
+(no Python object per span) and 8 bytes per remembered span.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf import descriptor_pb2
+from google.protobuf.message import DecodeError
+
+from .ingest import IngestError
+from .otlp_points import lean_trace_request_class
+
+__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
+
+_ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
+_RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
+# Each record's fixed bytes (header, trace id tag, span id tag): checked by one XOR and mask.
+_EXPECTED = np.zeros(_RECORD, dtype=np.uint8)
+_EXPECTED[[0, 1, 2, 3, 20, 21]] = (0x12, 0x1C, 0x0A, 0x10, 0x12, 0x08)
+_FIXED = np.zeros(_RECORD, dtype=np.uint8)
+_FIXED[[0, 1, 2, 3, 20, 21]] = 0xFF
+# In records of that shape, 16 zero bytes fit only in a trace id's place, so this finds
+# exactly the zero trace ids; the span id pattern may also hit inside a trace id (then the
+# exact path looks closer).
+_ZERO_TRACE_ID = b"\n\x10" + bytes(16) + b"\x12\x08"
+_ZERO_SPAN_ID = b"\x12\x08" + bytes(8)
+_NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
+_F = descriptor_pb2.FieldDescriptorProto
+_IdsRequest = lean_trace_request_class("sightline.collector.ids", [
+    ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None)])
+
+
+def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
+    """``uint8[spans, 24]``: trace id + span id of each span of ``request`` (``encoded``: its
+    protobuf encoding, when at hand), or IngestError(400) for the first span with a bad id."""
+    if encoded is not None:
+        keys = _canonical_keys(encoded)
+        if keys is not None:
+            return keys
+    return _exact_keys(request)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, at
+        shift += 7
+
+
+def _canonical_keys(encoded: bytes) -> np.ndarray | None:
+    """Keys read from upb's re-encoding of the ids alone; None when it is not the shape that
+    only valid ids give (the exact path then decides, and names the bad span).
+
+    Why the shape check is exact: a scope's bytes (ids-only) are its span records back to
+    back. Its first record starts at 0; a header ``12 1c`` says that record is 28 bytes of
+    content, which ``0a 10`` + 16 + ``12 08`` + 8 fills exactly with a 16-byte trace id and
+    an 8-byte span id, so the next record starts at 30; and so on through every row."""
+    try:
+        ids = _IdsRequest.FromString(encoded)
+    except DecodeError:
+        return None
+    ids.DiscardUnknownFields()
+    compact = ids.SerializeToString()
+    data = np.frombuffer(compact, dtype=np.uint8)
+    parts = []
+    at, end = 0, len(compact)
+    while at < end:  # resource_spans (field 1), each holding scope_spans (field 2)
+        if compact[at] != 0x0A:
+            return None
+        size, at = _varint(compact, at + 1)
+        resource_end = at + size
+        while at < resource_end:
+            if compact[at] != 0x12:
+                return None
+            size, at = _varint(compact, at + 1)
+            if size % _RECORD:
+                return None
+            parts.append(data[at:at + size])
+            at += size
+    if not parts:
+        return _NO_KEYS
+    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(-1, _RECORD)
+    if ((rows ^ _EXPECTED) & _FIXED).any():
+        return None
+    if _ZERO_TRACE_ID in compact or _ZERO_SPAN_ID in compact:
+        return None
+    return np.concatenate((rows[:, 4:20], rows[:, 22:30]), axis=1)
+
+
+def _exact_keys(request) -> np.ndarray:
+    keys = []
+    index = 0
+    for rs in request.resource_spans:
+        for scope in rs.scope_spans:
+            for span in scope.spans:
+                trace_id, span_id = span.trace_id, span.span_id
+                if len(trace_id) != 16 or trace_id == _ZERO_TRACE:
+                    raise IngestError(400, "malformed", f"span {index}: trace id {trace_id.hex()!r} is not "
+                                      "16 bytes with one non-zero")
+                if len(span_id) != 8 or span_id == _ZERO_SPAN:
+                    raise IngestError(400, "malformed", f"span {index}: span id {span_id.hex()!r} is not "
+                                      "8 bytes with one non-zero")
+                keys.append(trace_id + span_id)
+                index += 1
+    return np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(-1, 24) if keys else _NO_KEYS
+
+
+def remove_spans(request, positions) -> None:
+    """Deletes the spans at ``positions`` (indexes in span order) from ``request``."""
+    doomed = set(int(i) for i in positions)
+    index = 0
+    for rs in request.resource_spans:
+        for scope in rs.scope_spans:
+            spans = scope.spans
+            drop = [i for i in range(len(spans)) if index + i in doomed]
+            index += len(spans)
+            for i in reversed(drop):
+                del spans[i]
+
+
+# splitmix64's multipliers and shifts, applied word by word (uint64 products wrap, as intended):
+# structured ids (counters, small integers) spread over every bit like random ones.
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_WAYS = 4  # fingerprints per bucket: a bucket forgets its oldest when a fifth arrives
+_NO_POSITIONS = np.zeros(0, dtype=np.intp)
+
+
+def fingerprints(keys: np.ndarray) -> np.ndarray:
+    """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
+    words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
+    fp = words[:, 0] * _MIX[2]
+    for word in (words[:, 1], words[:, 2]):
+        fp ^= word
+        fp ^= fp >> _S30
+        fp *= _MIX[0]
+        fp ^= fp >> _S27
+        fp *= _MIX[1]
+        fp ^= fp >> _S31
+    fp |= np.uint64(1)
+    return fp
+
+
+class SpanWindow:
+    """Fingerprints of about the last ``capacity`` spans admitted: a table of ``capacity / 4``
+    buckets of 4, each bucket forgetting its oldest fingerprint first.
+
+    Not thread-safe: the receivers call it from the event-loop thread. ``capacity`` 0 turns
+    it off (every span is new)."""
+
+    def __init__(self, capacity: int) -> None:
+        if not 0 <= capacity <= 100_000_000:
+            raise ValueError(f"capacity={capacity!r} is outside the allowed range 0..100000000")
+        self.capacity = capacity
+        bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
+        self._shift = np.uint64(64 - bits)
+        self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
+        self._next = np.zeros(1 << bits, dtype=np.uint8)
+
+    def repeats(self, fp: np.ndarray) -> np.ndarray:
+        """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
+        seen before: in the window, or earlier in the same request."""
+        if not self.capacity or not len(fp):
+            return _NO_POSITIONS
+        seen = (self._table[fp >> self._shift] == fp[:, None]).any(axis=1)
+        ordered = np.sort(fp)
+        if (ordered[1:] == ordered[:-1]).any():  # copies within the request: all but the first
+            order = np.argsort(fp, kind="stable")
+            ordered = fp[order]
+            seen[order[1:][ordered[1:] == ordered[:-1]]] = True
+        elif not seen.any():
+            return _NO_POSITIONS
+        return np.flatnonzero(seen)
+
+    def remember(self, fp: np.ndarray) -> None:
+        """Adds the fingerprints of spans just admitted."""
+        if not self.capacity or not len(fp):
+            return
+        bucket = (fp >> self._shift).astype(np.intp)
+        way = self._next[bucket]
+        self._table[bucket, way] = fp
+        self._next[bucket] = (way + 1) % _WAYS
