@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from ..instrumentation.exphist import MAX_SCALE, MIN_SCALE
+from ..instrumentation import MAX_SCALE, MIN_SCALE
 
 __all__ = ["MAX_POINT_BUCKETS", "MAX_POINT_COUNT", "PointRefused", "check_exp_point", "exact_total"]
 
