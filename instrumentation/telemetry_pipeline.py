@@ -69,6 +69,7 @@ class TelemetryPipeline:
         self._child_base: dict = {}            # sums of earlier (dead) children's counters
         self._stopping = False
         self._lock = threading.Lock()
+        self._ship_lock = threading.Lock()     # one shipper at a time (force_flush ships too)
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_PipelineMetrics(self))
         self._telemetry = telemetry            # thread mode: the span builder in this process
@@ -138,6 +139,10 @@ class TelemetryPipeline:
                 logger.exception("telemetry shipping failed; continuing")
 
     def _ship_once(self) -> None:
+        with self._ship_lock:
+            self._ship_locked()
+
+    def _ship_locked(self) -> None:
         items = self.recorder.drain()
         if self._worker is not None:
             if items:
@@ -249,7 +254,8 @@ class TelemetryPipeline:
         """Ships what is recorded now and, in thread mode, exports it (tests, benchmarks)."""
         self._ship_once()
         if self._worker is not None:
-            self._worker.poll(force=True)
+            with self._ship_lock:
+                self._worker.poll(force=True)
             return self._telemetry.force_flush(timeout_s)
         return True
 
@@ -288,8 +294,9 @@ class TelemetryPipeline:
         for _ in range(2):
             items = self.recorder.drain()
             if self._worker is not None:
-                self._worker.handle(items)
-                self._worker.poll(force=True)
+                with self._ship_lock:
+                    self._worker.handle(items)
+                    self._worker.poll(force=True)
             elif self._process is not None and items:
                 try:
                     self._outbox.put(items, timeout=1.0)

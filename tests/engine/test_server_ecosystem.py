@@ -17,6 +17,7 @@ in-memory exporter), an offline engine with the same weights for exact expected 
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import openai
@@ -148,9 +149,14 @@ def test_x_request_id_is_echoed_and_names_the_span(served):
                                             max_tokens=2, stream=True)
     generated = stream.response.headers["x-request-id"]
     assert [c.id for c in stream] == [generated] * 2 and generated.startswith("chatcmpl-")
-    running.server.telemetry.force_flush()
-    ids = {s.attributes[sc.REQUEST_ID] for s in exporter.get_finished_spans()
-           if s.name.startswith("POST /v1/") and format(s.context.trace_id, "032x") == TRACE_ID}
+    deadline = time.monotonic() + 10   # the server ends a request's span after its last chunk
+    while True:
+        running.server.telemetry.force_flush()
+        ids = {s.attributes[sc.REQUEST_ID] for s in exporter.get_finished_spans()
+               if s.name.startswith("POST /v1/") and format(s.context.trace_id, "032x") == TRACE_ID}
+        if {"caller-42", generated} <= ids or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert {"caller-42", generated} <= ids
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_headers={"X-Request-Id": "a b"})
