@@ -151,44 +151,61 @@ def test_probe_records_come_back_from_a_replayed_graph():
     assert starts[1] > starts[0]
 
 
+def _cupti(request):
+    """A started CuptiTracer collecting raw buffers into a list (skips without cupti)."""
+    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+    available = cupti_available()
+    if not available[0]:
+        pytest.skip(available[1])
+    buffers: list[bytes] = []
+    tracer = CuptiTracer(buffers.append)
+    request.addfinalizer(tracer.stop)
+    assert tracer.start(), tracer.unavailable_reason
+    return tracer, buffers
+
+
+def _replay_args(engine) -> tuple:
+    """One decode row's static inputs for the batch-1 graph."""
+    dev = engine.runner.device
+    return (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
+            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
+            torch.tensor([4], dtype=torch.int32, device=dev))
+
+
+def _decoded(buffers: list[bytes]):
+    """(kernel records, correlation -> external id, name pointer -> name) of the buffers."""
+    import numpy as np
+
+    from sightline.instrumentation.cupti_records import decode_buffer
+    from sightline.instrumentation.cupti_tracer import CuptiTracer
+    decoded = [decode_buffer(b) for b in buffers]
+    kernels = np.concatenate([d.kernels for d in decoded])
+    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
+                        np.concatenate([d.external_ids for d in decoded]).tolist()))
+    return kernels, external, CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+
+
 @pytest.mark.gpu
 def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     """CUPTI switched on after the graphs were captured (as kernel telemetry does for a
     traced step): every kernel node of the replay comes back under the external id pushed
     around the launch."""
     from sightline.engine.llm_engine import LLMEngine
-    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
-    available = cupti_available()
-    if not available[0]:
-        pytest.skip(available[1])
-    import numpy as np
-
-    from sightline.instrumentation.cupti_records import decode_buffer
-    buffers: list[bytes] = []
-    tracer = CuptiTracer(buffers.append)
-    request.addfinalizer(tracer.stop)
-    assert tracer.start(), tracer.unavailable_reason
+    tracer, buffers = _cupti(request)
     tracer.disable()   # idle until a traced step, as GpuTelemetry keeps it
     engine = LLMEngine(_cuda_config())
-    graphs, dev = engine.runner.graphs, engine.runner.device
-    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
-            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
-            torch.tensor([4], dtype=torch.int32, device=dev))
+    args = _replay_args(engine)
     torch.cuda.synchronize()
     tracer.flush()
     buffers.clear()
     tracer.enable()
     tracer.push(77)
-    graphs.run(*args, bucket=1)
+    engine.runner.graphs.run(*args, bucket=1)
     tracer.pop()
     torch.cuda.synchronize()
     tracer.disable()
     tracer.flush()
-    decoded = [decode_buffer(b) for b in buffers]
-    kernels = np.concatenate([d.kernels for d in decoded])
-    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
-                        np.concatenate([d.external_ids for d in decoded]).tolist()))
-    names_of = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    kernels, external, names_of = _decoded(buffers)
     tagged = [(names_of[int(k["name_ptr"])], external.get(int(k["correlation_id"]))) for k in kernels]
     names = [n for n, e in tagged if e == 77]
     layers = engine.model_config.num_layers
@@ -197,44 +214,30 @@ def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     assert all(e == 77 for n, e in tagged if "sightline_" in n), tagged
 
 
-
 @pytest.mark.gpu
 def test_cupti_times_of_a_replayed_graphs_kernels_lie_inside_the_replay(request):
     """Kernel records of a replayed graph, flushed before CUPTI is switched off (as
     GpuTelemetry does for a traced step), start and end inside the replay's wall time."""
     import time
 
-    import numpy as np
-
     from sightline.engine.llm_engine import LLMEngine
-    from sightline.instrumentation.cupti_records import decode_buffer
-    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
-    available = cupti_available()
-    if not available[0]:
-        pytest.skip(available[1])
-    buffers: list[bytes] = []
-    tracer = CuptiTracer(buffers.append)
-    request.addfinalizer(tracer.stop)
-    assert tracer.start(), tracer.unavailable_reason
+    tracer, buffers = _cupti(request)
     tracer.disable()
     engine = LLMEngine(_cuda_config())
-    graphs, dev = engine.runner.graphs, engine.runner.device
-    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
-            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
-            torch.tensor([4], dtype=torch.int32, device=dev))
+    args = _replay_args(engine)
     torch.cuda.synchronize()
     for attempt in range(3):
         buffers.clear()
         t0 = time.time_ns()
         tracer.enable()
         tracer.push(100 + attempt)
-        graphs.run(*args, bucket=1)
+        engine.runner.graphs.run(*args, bucket=1)
         tracer.pop()
         torch.cuda.synchronize()
         t1 = time.time_ns()
         tracer.flush()
         tracer.disable()
-        kernels = np.concatenate([decode_buffer(b).kernels for b in buffers])
+        kernels, _, _ = _decoded(buffers)
         assert len(kernels)
         assert int(kernels["start_ns"].min()) >= t0 - 1_000_000, (attempt, int(kernels["start_ns"].min()) - t0)
         assert int(kernels["end_ns"].max()) <= t1 + 1_000_000, (attempt, int(kernels["end_ns"].max()) - t1)
@@ -246,38 +249,21 @@ def test_graphs_captured_before_cupti_starts_are_still_traced(request):
     still come back, under the pushed external id, with times inside the replay."""
     import time
 
-    import numpy as np
-
     from sightline.engine.llm_engine import LLMEngine
-    from sightline.instrumentation.cupti_records import decode_buffer
-    from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
-    available = cupti_available()
-    if not available[0]:
-        pytest.skip(available[1])
     engine = LLMEngine(_cuda_config())
-    graphs, dev = engine.runner.graphs, engine.runner.device
-    buffers: list[bytes] = []
-    tracer = CuptiTracer(buffers.append)
-    request.addfinalizer(tracer.stop)
-    assert tracer.start(), tracer.unavailable_reason
-    args = (torch.tensor([5], device=dev), torch.tensor([3], device=dev),
-            torch.tensor([3], device=dev), torch.zeros(1, 1, dtype=torch.int32, device=dev),
-            torch.tensor([4], dtype=torch.int32, device=dev))
+    tracer, buffers = _cupti(request)
+    args = _replay_args(engine)
     torch.cuda.synchronize()
     tracer.flush()
     buffers.clear()
     t0 = time.time_ns()
     tracer.push(55)
-    graphs.run(*args, bucket=1)
+    engine.runner.graphs.run(*args, bucket=1)
     tracer.pop()
     torch.cuda.synchronize()
     t1 = time.time_ns()
     tracer.flush()
-    decoded = [decode_buffer(b) for b in buffers]
-    kernels = np.concatenate([d.kernels for d in decoded])
-    external = dict(zip(np.concatenate([d.correlation_ids for d in decoded]).tolist(),
-                        np.concatenate([d.external_ids for d in decoded]).tolist()))
-    names_of = CuptiTracer.resolve_names(np.unique(kernels["name_ptr"]))
+    kernels, external, names_of = _decoded(buffers)
     ours = [k for k in kernels if external.get(int(k["correlation_id"])) == 55]
     layers = engine.model_config.num_layers
     assert sum("sightline_paged_decode" in names_of[int(k["name_ptr"])] for k in ours) >= layers
