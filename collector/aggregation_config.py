@@ -39,7 +39,7 @@ class WindowConfig:
     def new_histogram(self):
         """An empty ``ExpHistogram`` at the initial scale (numpy imported here, not at
         module level: the CLI reads these configs without the heavy imports)."""
-        from sightline.instrumentation.exphist import ExpHistogram
+        from ..instrumentation import ExpHistogram
 
         return ExpHistogram(scale=self.initial_scale, max_buckets=self.max_buckets)
 
