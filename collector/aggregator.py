@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..instrumentation.exphist import ExpHistogram
+from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
 from .exposition import AggregatorCollector, ExpositionSnapshot
 from .sm_store import SmKey, SmStore
