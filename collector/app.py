@@ -37,20 +37,20 @@ from aiohttp import web
 from prometheus_client import disable_created_metrics
 from prometheus_client.exposition import choose_encoder
 
-from sightline.collector.admission import Intake
-from sightline.collector.aggregator import AggregationConfig, Aggregator
-from sightline.collector.api import add_api_routes
-from sightline.collector.auth import TokenAuth, grpc_server_credentials, http_ssl_context
-from sightline.collector.config import CollectorConfig
-from sightline.collector.connection_guard import (ConnectionLimits, GuardedListener, RateLimitedLog,
-                                                  effective_max_connections)
-from sightline.collector.ingest import IngestLimits
-from sightline.collector.otlp_grpc import OtlpGrpcReceiver
-from sightline.collector.otlp_http import OtlpHttpReceiver
-from sightline.collector.pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
-from sightline.collector.self_metrics import SelfMetrics
-from sightline.collector.span_ids import SpanWindow
-from sightline.collector.zipkin import ZipkinReceiver
+from .admission import Intake
+from .aggregator import AggregationConfig, Aggregator
+from .api import add_api_routes
+from .auth import TokenAuth, grpc_server_credentials, http_ssl_context
+from .config import CollectorConfig
+from .connection_guard import (ConnectionLimits, GuardedListener, RateLimitedLog,
+                               effective_max_connections)
+from .ingest import IngestLimits
+from .otlp_grpc import OtlpGrpcReceiver
+from .otlp_http import OtlpHttpReceiver
+from .pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
+from .self_metrics import SelfMetrics
+from .span_ids import SpanWindow
+from .zipkin import ZipkinReceiver
 
 __all__ = ["BoundPorts", "Collector", "run"]
 
