@@ -12,9 +12,9 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from sightline.collector.aggregation_config import (AggregationConfig, TraceStoreConfig,  # stdlib-only
-                                                    WindowConfig)
-from sightline.collector.config import CollectorConfig  # stdlib-only module
+from .aggregation_config import (AggregationConfig, TraceStoreConfig,  # stdlib-only
+                                 WindowConfig)
+from .config import CollectorConfig  # stdlib-only module
 
 __all__ = ["aggregation_config", "register"]
 
@@ -84,7 +84,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     _add_aggregation_flags(run)
     run.set_defaults(handler=_run)
 
-    from sightline.collector import query_cli  # heatmap, explain, replay (stdlib-only module level)
+    from . import query_cli  # heatmap, explain, replay (stdlib-only module level)
 
     query_cli.register(subcommands)
 
@@ -150,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as error:  # a bad flag value: say which, like argparse does
         print(f"sightline collector run: error: {error}", file=sys.stderr)
         return 2
-    from sightline.collector.app import run
+    from .app import run
     return run(config, aggregation)
 
 

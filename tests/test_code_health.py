@@ -52,7 +52,6 @@ LONG_DOCSTRING_ALLOWED = {
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
 IMPORTS_ALLOWED = {
-    "collector/cli.py",
     "collector/heatmap.py",
     "collector/otlp_grpc.py",
     "collector/otlp_http.py",
