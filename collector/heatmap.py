@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..instrumentation.exphist import ExpHistogram, relative_error
+from ..instrumentation import ExpHistogram, relative_error
 from .hotspot import HotspotSummary, hotspots
 from .query import SmQuery
 from .sm_store import GpuKey, SmKey
