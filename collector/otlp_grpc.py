@@ -38,12 +38,12 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from sightline.collector.admission import Intake
-from sightline.collector.auth import TokenAuth
-from sightline.collector.connection_guard import RateLimitedLog
-from sightline.collector.ingest import IngestError
-from sightline.collector.otlp_http import count_data_points, count_spans
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from .admission import Intake
+from .auth import TokenAuth
+from .connection_guard import RateLimitedLog
+from .ingest import IngestError
+from .otlp_http import count_data_points, count_spans
 
 __all__ = ["OtlpGrpcReceiver", "TRACE_SERVICE", "METRICS_SERVICE"]
 
