@@ -44,13 +44,13 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from sightline.collector.admission import Intake, admit
-from sightline.collector.auth import TokenAuth
-from sightline.collector.connection_guard import RateLimitedLog
-from sightline.collector.ingest import (IngestError, IngestLimits, InflightLimit, content_encoding, decode_body,
-                                        decompress_bounded, load_json, read_body, read_raw)
-from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.otlp_json_ids import base64_to_hex, convert_ids
+from ..instrumentation import base64_to_hex, convert_ids
+from ..instrumentation import semconv as sc
+from .admission import Intake, admit
+from .auth import TokenAuth
+from .connection_guard import RateLimitedLog
+from .ingest import (IngestError, IngestLimits, InflightLimit, content_encoding, decode_body,
+                     decompress_bounded, load_json, read_body, read_raw)
 
 __all__ = [
     "Handler",
