@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
-from sightline.collector.self_metrics import SelfMetrics
+from .self_metrics import SelfMetrics
 
 __all__ = ["Admission", "Batch", "DiscardSink", "Pipeline", "PipelineSummary", "Sink"]
 
