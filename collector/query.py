@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from ..instrumentation.exphist import ExpHistogram
+    from ..instrumentation import ExpHistogram
     from .aggregation_config import WindowConfig
     from .sm_store import GpuKey, Refusal, SmKey
     from .trace_store import TraceStore
