@@ -159,7 +159,7 @@ def _explain(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from sightline.collector.replay import AggregatorSink, HttpSink, ReplayConfig, replay
+    from .replay import AggregatorSink, HttpSink, ReplayConfig, replay
 
     config = ReplayConfig(speed=args.speed, rebase=not args.no_rebase)
     if args.collector:
@@ -167,12 +167,12 @@ def _replay(args: argparse.Namespace) -> int:
         print(f"replayed {result.exports} exports ({result.spans} spans, {result.data_points} data points) "
               f"to {args.collector} in {result.duration_s:.2f} s ({result.retries} retries)")
         return 0
-    from sightline.collector.aggregator import Aggregator
-    from sightline.collector.api import all_heatmaps
-    from sightline.collector.explain import explain_slowest
-    from sightline.collector.heatmap import render_png, sm_latency, time_sm
-    from sightline.collector.heatmap_page import render_page
-    from sightline.collector.sm_store import SmKey
+    from .aggregator import Aggregator
+    from .api import all_heatmaps
+    from .explain import explain_slowest
+    from .heatmap import render_png, sm_latency, time_sm
+    from .heatmap_page import render_page
+    from .sm_store import SmKey
 
     aggregator = Aggregator()
     result = replay(args.file, AggregatorSink(aggregator), config)

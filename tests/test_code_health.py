@@ -52,7 +52,6 @@ LONG_DOCSTRING_ALLOWED = {
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
 IMPORTS_ALLOWED = {
-    "collector/query_cli.py",
     "collector/replay.py",
     "collector/self_metrics.py",
     "collector/sm_blocks.py",
