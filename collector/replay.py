@@ -198,8 +198,8 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     """Sends every export of the capture at ``path`` to ``sink``; see the module docstring.
     ``time_map``: that of an earlier replay of the same capture (e.g. its metrics first,
     then its spans), instead of one anchored now."""
-    from sightline.collector.otlp_http import count_data_points, count_spans
-    from sightline.instrumentation.capture import read_capture
+    from .otlp_http import count_data_points, count_spans
+    from ..instrumentation import read_capture
 
     config = config or ReplayConfig()
     path = Path(path)
