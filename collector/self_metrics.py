@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
 
 __all__ = ["DROP_REASONS", "REJECT_REASONS", "SelfMetrics"]
 
