@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..instrumentation.exphist import ExpHistogram
+from ..instrumentation import ExpHistogram
 from .windows import ClassicHistogram, Exemplar
 
 __all__ = ["SmBlock", "quantiles"]
