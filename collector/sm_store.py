@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..instrumentation import semconv as sc
-from ..instrumentation.exphist import ExpHistogram
+from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig
 from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
                           resource_instance)

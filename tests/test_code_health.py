@@ -52,7 +52,6 @@ LONG_DOCSTRING_ALLOWED = {
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
 IMPORTS_ALLOWED = {
-    "collector/sm_store.py",
     "collector/windows.py",
     "collector/zipkin.py",
     "engine/llm_engine.py",
