@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..instrumentation.exphist import ExpHistogram
+from ..instrumentation import ExpHistogram
 from .aggregation_config import WindowConfig
 
 __all__ = ["ClassicHistogram", "Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
