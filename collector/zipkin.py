@@ -43,9 +43,9 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from sightline.collector.ingest import IngestError, load_json
-from sightline.collector.otlp_http import Handler, HttpIngestReceiver
-from sightline.instrumentation import semconv as sc
+from ..instrumentation import semconv as sc
+from .ingest import IngestError, load_json
+from .otlp_http import Handler, HttpIngestReceiver
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
 

@@ -52,7 +52,6 @@ LONG_DOCSTRING_ALLOWED = {
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
 IMPORTS_ALLOWED = {
-    "collector/zipkin.py",
     "engine/llm_engine.py",
     "instrumentation/request_trace.py",
     "instrumentation/tracing.py",
