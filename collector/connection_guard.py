@@ -1,19 +1,12 @@
 """Connection-level guards for the collector's HTTP listeners, and rate-limited error logs.
 
 ``GuardedListener`` serves an aiohttp ``AppRunner`` on one address through two guards:
-
-- a cap on open connections: one past ``max_connections`` is answered
-  ``503 Service Unavailable`` with ``Retry-After`` (once its request headers arrived, or
-  after ``_REFUSAL_LINGER_S``) and closed, so a flood of sockets cannot take every file
-  descriptor the process has (``effective_max_connections`` keeps the caps of all
-  listeners together under the ``RLIMIT_NOFILE`` soft limit);
-- a deadline for the first request's headers: a connection that has not sent them within
-  ``header_timeout_s`` is answered ``408 Request Timeout`` and closed. Later requests on a
-  kept-alive connection are bounded by aiohttp's keep-alive timeout.
-
-``RateLimitedLog`` logs the first occurrence of each kind of error in full and then at
-most one line per interval with the number of occurrences it held back; the collector
-routes asyncio's loop errors (``accept()`` at the descriptor limit) through it.
+a connection past ``max_connections`` is answered ``503`` with ``Retry-After`` and closed,
+and one that has not sent its first request's headers within ``header_timeout_s`` is
+answered ``408`` and closed. ``effective_max_connections`` keeps the caps of all listeners
+together under the ``RLIMIT_NOFILE`` soft limit, so a flood of sockets cannot take every
+file descriptor. ``RateLimitedLog`` logs the first error of each kind in full, then at most
+one line per interval counting the ones it held back (asyncio's loop errors go through it).
 
 Cost: one wrapper call per ``data_received`` and, until the first headers end, one
 ``find`` over the received bytes.
@@ -82,9 +75,12 @@ class _Guarded(asyncio.Protocol):
         self._transport = transport
         loop = asyncio.get_running_loop()
         if listener.open_connections >= listener.limits.max_connections:
+            # refused (503) once its request headers arrived, or after _REFUSAL_LINGER_S
             self._timer = loop.call_later(_REFUSAL_LINGER_S, self._refuse)
             return
         listener.open_connections += 1
+        # only the first request's headers have a deadline here: later requests on a
+        # kept-alive connection are bounded by aiohttp's keep-alive timeout
         self._timer = loop.call_later(listener.limits.header_timeout_s, self._headers_late)
         self._inner = listener.runner.server()
         self._inner.connection_made(transport)
