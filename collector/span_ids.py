@@ -2,19 +2,15 @@
 
 ``span_keys`` checks that every span has a 16-byte trace id and an 8-byte span id, neither
 all zeros (OTLP trace.proto; Zipkin ids are converted to these lengths first), else raises
-IngestError(400) naming the first bad span. It returns the keys as one ``uint8`` array,
-a row of trace id + span id per span, in span order. A parent span id is a reference, not
-the span's identity: one of any length is kept and (like a parent that never reports)
-matches no span.
-``SpanWindow`` remembers a 64-bit fingerprint of the key of about the last ``capacity``
-spans admitted, so a span sent again by an exporter's retry is recognised (false
-"repeat" only for a fingerprint collision: ~capacity / 2**63 per span for random ids).
+IngestError(400) naming the first bad span; it returns the keys as one ``uint8`` array,
+a row of trace id + span id per span, in span order. ``SpanWindow`` remembers a 64-bit
+fingerprint of the key of about the last ``capacity`` spans admitted, so a span sent again
+by an exporter's retry is recognised (false "repeat" only for a fingerprint collision:
+~capacity / 2**63 per span for random ids).
 
-Cost: for a protobuf body, an ids-only re-parse, ``DiscardUnknownFields`` and a re-encoding
-of just the ids (upb's C code), whose spans are then 30-byte records checked as one numpy
-array. A request whose encoding is not of that shape, or not protobuf (JSON, Zipkin),
-takes the exact path: a Python loop over the spans. The window is numpy work per request
-(no Python object per span) and 8 bytes per remembered span.
+Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then one
+numpy check over 30-byte records; other bodies (JSON, Zipkin, an unusual encoding) take a
+Python loop over the spans. The window is numpy work per request, 8 bytes per span.
 """
 
 from __future__ import annotations
@@ -49,6 +45,8 @@ _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
 def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
     """``uint8[spans, 24]``: trace id + span id of each span of ``request`` (``encoded``: its
     protobuf encoding, when at hand), or IngestError(400) for the first span with a bad id."""
+    # A parent span id is a reference, not the span's identity: one of any length is kept
+    # and (like a parent that never reports) matches no span.
     if encoded is not None:
         keys = _canonical_keys(encoded)
         if keys is not None:

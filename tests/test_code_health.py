@@ -31,7 +31,6 @@ PROCESS_REFERENCES = re.compile(r"TEAM\.md|\bE\d{1,2}'s\b|\(E\d{1,2}\b|\bby E\d{
 LONG_DOCSTRING_ALLOWED = {
     "bench/collector_ingest.py",
     "bench/fuzz.py",
-    "collector/span_ids.py",
     "bench/overhead.py",
     "collector/aggregator.py",
     "collector/api.py",
