@@ -1,23 +1,13 @@
-"""The collector's query API under ``/api/v1/`` (aiohttp routes).
+"""The collector's query API under ``/api/v1/`` (aiohttp routes, all GET).
 
-Routes (all GET):
-
-* ``/api/v1/kernels`` — which (instance, gpu, kernel) have per-SM data (and any admission
-  refusal of their GPU), and which (gpu, kernel) have kernel spans.
-* ``/api/v1/heatmap?instance_id=&gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=``
-  — one heatmap (:mod:`.heatmap`); ``gpu`` is the GPU's UUID, index or /metrics label, ``kernel``
-  its name or /metrics label; any of the three may be left out when only one choice matches. A GPU refused by an admission limit answers 404
-  naming the limit and its value.
-* ``/api/v1/heatmap.html`` — the interactive page with every (gpu, kernel) and both views.
-* ``/api/v1/explain?quantile=0.99&limit=10`` — the slowest requests explained (:mod:`.explain`);
-  ``/api/v1/explain?trace_id=...`` — one request explained (e.g. an exemplar's trace).
-* ``/api/v1/traces/{trace_id}`` — the stored spans of one trace (32 hex digits, or 16: a
-  64-bit B3 id, zero-padded on the left as Zipkin's receiver stores it), with their events
-  and status messages.
+``/kernels`` lists what has per-SM data and kernel spans; ``/heatmap`` renders one heatmap
+(:mod:`.heatmap`) as JSON, PNG or HTML and ``/heatmap.html`` the page with all of them;
+``/explain`` explains the slowest requests or one trace (:mod:`.explain`); ``/traces/{id}``
+returns a trace's stored spans. Each handler below documents its parameters.
 
 Bad parameters answer 400 with ``{"error": {"code": 400, "param": ..., "message": ...}}``;
-an unknown trace or kernel answers 404 in the same shape. Heatmaps and explanations are
-computed on the default thread pool so the event loop keeps receiving telemetry.
+an unknown trace or kernel answers 404 in the same shape. Cost: heatmaps and explanations
+are computed on the default thread pool, so the event loop keeps receiving telemetry.
 """
 
 from __future__ import annotations
@@ -134,9 +124,15 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
     async def kernels(request: web.Request) -> web.Response:
+        # which (instance, gpu, kernel) have per-SM data (and any admission refusal of their
+        # GPU), and which (gpu, kernel) have kernel spans
         return _json({"kernels": aggregator.kernels()})
 
     async def heatmap(request: web.Request) -> web.Response:
+        # ?instance_id=&gpu=&kernel=&kind=time_sm|sm_latency&format=json|png|html&window_s=
+        # gpu: the GPU's UUID, index or /metrics label; kernel: its name or /metrics label; any
+        # of the three may be left out when only one choice matches. A GPU refused by an
+        # admission limit answers 404 naming the limit and its value.
         base = f"{request.scheme}://{request.host}"
         try:
             kind = _choice(request, "kind", _KINDS)
@@ -165,6 +161,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return _json(body)
 
     async def heatmap_page(request: web.Request) -> web.Response:
+        # the interactive page with every (gpu, kernel) and both views
         try:
             window_s = _float(request, "window_s", None, 1e-3, horizon)
         except _BadParam as exc:
@@ -174,6 +171,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:
+        # ?quantile=0.99&limit=10: the slowest requests; ?trace_id=...: one request
         trace_id = request.query.get("trace_id")
         if trace_id is not None:  # one request, e.g. from an exemplar
             if not _TRACE_ID.match(trace_id):
@@ -194,6 +192,8 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return _json(result.to_dict())
 
     async def trace(request: web.Request) -> web.Response:
+        # the stored spans of one trace, with their events and status messages; the id is 32
+        # hex digits, or 16: a 64-bit B3 id, zero-padded on the left as Zipkin's receiver stores it
         trace_id = request.match_info["trace_id"]
         if not _TRACE_ID.match(trace_id):
             return _error(400, f"trace_id={trace_id!r} is not 32 (or 16) hex digits", "trace_id")
