@@ -1,25 +1,16 @@
 """The collector process: every receiver, the pipeline, the aggregator and the query port.
 
 One asyncio loop serves four listeners: OTLP/gRPC (grpc.aio), OTLP/HTTP and Zipkin
-(aiohttp, each on its own port) and the query port (aiohttp: ``/metrics``,
-``/healthz``, ``/readyz`` and ``/api/v1/`` from ``collector/api.py``). Receivers parse
-and count on the loop; the aggregator runs on the pipeline's worker thread(s).
+(aiohttp, each on its own port) and the query port (``/metrics``, ``/healthz``,
+``/readyz`` and ``/api/v1/`` from :mod:`.api`, behind an optional bearer token). Every
+HTTP listener runs behind :class:`~.connection_guard.GuardedListener`. Receivers parse and
+count on the loop; the aggregator runs on the pipeline's worker thread(s).
 
-``/metrics`` serves the collector's self-metrics and the aggregator's series from one
-registry; a scraper that asks for OpenMetrics (``Accept:
-application/openmetrics-text``) gets it, so exemplars are visible. Rendering runs in a
-thread so that a scrape never stalls ingestion.
-
-Every HTTP listener runs behind :class:`~.connection_guard.GuardedListener` (connection
-cap answered 503, request-header deadline answered 408); asyncio's own errors (e.g.
-``accept()`` at the descriptor limit) are logged rate-limited. The query API takes an
-optional bearer token (``CollectorConfig.read_query_token``).
-
-Shutdown (SIGTERM/SIGINT, or ``Collector.stop``): readiness turns 503; the ingest
-listeners stop accepting and in-flight requests finish; the pipeline drains everything
-acknowledged into the aggregator; the summary (acknowledged vs aggregated, see
-``PipelineSummary``) is logged and, with ``--summary-file``, written as JSON; the query
-port closes last, so /metrics stays scrapeable during the drain.
+Guarantee: a graceful stop (SIGTERM/SIGINT or ``Collector.stop``) drains everything
+acknowledged into the aggregator within ``shutdown_timeout_s``, and its ``PipelineSummary``
+(acknowledged vs aggregated) is logged and, with ``--summary-file``, written as JSON. Cost: ``/metrics`` (self-metrics and
+the aggregator's series from one registry) renders on a thread, so a scrape never stalls
+ingestion.
 """
 
 from __future__ import annotations
@@ -112,6 +103,7 @@ class Collector:
                        if cfg.tls_enabled else None)
         credentials = (grpc_server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
                        if cfg.tls_enabled else None)
+        # asyncio's own errors (e.g. accept() at the descriptor limit) are logged rate-limited
         asyncio.get_running_loop().set_exception_handler(self.errors.loop_exception_handler)
         host, port = cfg.address("otlp_grpc")
         grpc_port = await self._grpc.start(host, port, credentials)
@@ -152,7 +144,11 @@ class Collector:
         return runner, port
 
     async def stop(self) -> PipelineSummary:
-        """Graceful stop; see the module docstring for the order. Returns the summary."""
+        """Graceful stop; returns the summary."""
+        # Order: readiness turns 503; the ingest listeners stop accepting and in-flight
+        # requests finish; the pipeline drains everything acknowledged into the aggregator;
+        # the summary is logged and written; the query port closes last, so /metrics stays
+        # scrapeable during the drain.
         self._ready = False
         grace = self.config.shutdown_timeout_s
         for listener in self._listeners[:len(self._ingest_runners)]:
@@ -190,6 +186,8 @@ class Collector:
         return await handler(request)
 
     async def _metrics_handler(self, request: web.Request) -> web.Response:
+        # a scraper that asks for OpenMetrics (Accept: application/openmetrics-text) gets it,
+        # so exemplars are visible
         encoder, content_type = choose_encoder(request.headers.get("Accept", ""))
         loop = asyncio.get_running_loop()
         body = await loop.run_in_executor(None, encoder, self.metrics.registry)

@@ -33,7 +33,6 @@ LONG_DOCSTRING_ALLOWED = {
     "bench/fuzz.py",
     "bench/overhead.py",
     "collector/aggregator.py",
-    "collector/app.py",
     "collector/explain.py",
     "collector/otlp_grpc.py",
     "collector/otlp_http.py",
