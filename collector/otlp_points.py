@@ -1,21 +1,16 @@
 """Reading OTLP protobuf values and CTA-duration points into Sightline's own types.
 
-``any_value`` reads an ``AnyValue`` as a plain Python value; ``num`` and ``label`` as a
-number or a bounded label string (the common cases without building Python values).
-``cta_point_histogram`` checks one ``gpu.kernel.cta.duration`` exponential-histogram point
-(:mod:`.point_check`) and turns it into an :class:`~sightline.instrumentation.exphist.ExpHistogram`,
-or raises :class:`PointRefused` whose ``reason`` is the ``dropped`` label the aggregator counts.
-``points_in`` is a metric's data-point count (what its drops are counted in). Cost: O(buckets)
-numpy work per point; a point at most ``max_buckets`` wide adopts its counts array without a copy.
-
+``any_value``, ``num`` and ``label`` read an ``AnyValue`` as a plain value, a number or a
+label string cut at ``MAX_LABEL_CHARS``. ``cta_point_histogram`` checks one
+``gpu.kernel.cta.duration`` exponential-histogram point (:mod:`.point_check`) and turns it
+into an ``ExpHistogram``, or raises :class:`PointRefused` whose ``reason`` is the
+``dropped`` label the aggregator counts; ``points_in`` is a metric's data-point count.
 ``LeanTraceRequest`` parses an encoded ``ExportTraceServiceRequest`` keeping only what the
-span distributions read (ids, name, times, status code) and each attribute as its raw
-encoded ``KeyValue`` bytes; the rest is skipped as unknown fields. Wire-compatible by
-construction (same field numbers and wire types as OTLP's trace.proto). Why: with the upb
-backend every nested message read from Python builds a wrapper object (~0.2-0.5 us each), so
-reading two attributes of a full span costs ~2 us; here an attribute is one bytes object,
-looked up in a cache of decoded attributes (``attribute``). Measured on the engine-like
-mix: the lean parse costs ~0.4 us per span, a quarter of the full parse.
+span distributions read (ids, name, times, status code, each attribute as its raw encoded
+``KeyValue``); it is wire-compatible by construction (OTLP trace.proto's field numbers).
+
+Cost: O(buckets) numpy work per point, with no copy of a point's counts when it is at most
+``max_buckets`` wide; a lean span is a few bytes objects instead of a tree of upb wrappers.
 """
 
 from __future__ import annotations
@@ -178,6 +173,9 @@ def lean_trace_request_class(package: str, span_fields: list[tuple]) -> type:
 
 
 _F = descriptor_pb2.FieldDescriptorProto
+# With the upb backend every nested message read from Python builds a wrapper object, so
+# reading two attributes of a full span costs several wrappers; here an attribute is one
+# bytes object, and a reader decodes (``decode_attribute``) only the ones it wants.
 LeanTraceRequest = lean_trace_request_class("sightline.collector.lean", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None),
     ("name", 5, _F.TYPE_STRING, False, None),

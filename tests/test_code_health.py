@@ -36,7 +36,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/explain.py",
     "collector/otlp_grpc.py",
     "collector/otlp_http.py",
-    "collector/otlp_points.py",
     "collector/pipeline.py",
     "collector/replay.py",
     "collector/self_metrics.py",
