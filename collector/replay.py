@@ -1,25 +1,16 @@
 """Replays an OTLP capture file into a running collector or an in-process aggregator.
 
-A capture (``instrumentation/capture.py``: JSON Lines of OTLP/JSON export requests with
-the time each was written, after an optional metadata line) is read line by line and each
-export is either POSTed as OTLP/HTTP protobuf to a collector's ingest port
-(``/v1/traces``, ``/v1/metrics``) or handed to an :class:`~.aggregator.Aggregator`.
-
-Time (:class:`TimeMap`): with ``rebase`` (the default) the capture happens now and keeps its
-spacing. ``speed=0`` sends as fast as the sink accepts, every timestamp shifted by one
-offset so that the last export lands at the moment replay starts: a 3-minute capture fills
-the collector's last 3 minutes of windows at once. ``speed=N`` paces the exports at N times
-the recorded rate and compresses time to match: an instant ``t`` of the capture becomes
-``start + (t - first) / N``, so what arrives is stamped with the wall time it arrives at.
-Spans keep their durations (start mapped, end = start + duration), so a child stays inside
-its parent; metric points map their start and time. Without ``rebase`` timestamps are
-untouched (old captures then fall outside any live window). ``signals`` replays one kind
-only (the other lines are skipped undecoded); a later replay of the rest may pass the
+A capture (JSON Lines of OTLP/JSON export requests with the time each was written, after
+an optional metadata line: ``instrumentation/capture.py``) is read line by line; each export
+is POSTed as OTLP/HTTP protobuf to a collector's ingest port or handed to an
+:class:`~.aggregator.Aggregator`. With ``rebase`` (the default) the capture happens now and
+keeps its spacing (:class:`TimeMap`); spans keep their durations, so a child stays inside
+its parent. ``signals`` replays one kind only; a later replay of the rest may pass the
 first one's ``time_map`` so both land on the same clock.
 
-Back-pressure: an HTTP 429/503 answer is retried after its ``Retry-After`` (at most
-``max_retries`` times); any other non-2xx answer stops the replay with an error naming
-the line. Memory: one export at a time, plus one pass over the file's times first.
+Guarantee: every export is delivered or the replay stops with an error naming its line
+(429/503 are retried after ``Retry-After``, at most ``max_retries`` times). Memory: one
+export at a time, plus one pass over the file's times first.
 """
 
 from __future__ import annotations
@@ -59,6 +50,13 @@ class ReplayConfig:
 class TimeMap:
     """Where an instant of the capture lands: ``origin + (t - first) / speed`` when paced,
     ``t + (origin - first)`` otherwise (speed 0: ``first`` is then the capture's last export)."""
+
+    # speed 0 sends as fast as the sink accepts, every timestamp shifted by one offset so that
+    # the last export lands at the moment replay starts: a 3-minute capture fills the
+    # collector's last 3 minutes of windows at once. speed N paces the exports at N times the
+    # recorded rate and compresses time to match, so what arrives is stamped with the wall
+    # time it arrives at. Without rebase timestamps are untouched (old captures then fall
+    # outside any live window).
 
     first_ns: int = 0
     origin_ns: int = 0
@@ -198,8 +196,8 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     """Sends every export of the capture at ``path`` to ``sink``; see the module docstring.
     ``time_map``: that of an earlier replay of the same capture (e.g. its metrics first,
     then its spans), instead of one anchored now."""
-    from .otlp_http import count_data_points, count_spans
     from ..instrumentation import read_capture
+    from .otlp_http import count_data_points, count_spans
 
     config = config or ReplayConfig()
     path = Path(path)
