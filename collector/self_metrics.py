@@ -1,28 +1,15 @@
-"""The collector's own metrics (``sightline_collector_*``), served on its /metrics.
+"""The collector's own metrics (``sightline_collector_*``, names from ``semconv``), on its /metrics.
 
-What each series means (names from ``instrumentation.semconv``):
-- ``sightline_collector_spans_received_total{receiver}``: spans *acknowledged* by a
-  receiver, i.e. accepted into the pipeline queue (the client got 2xx/OK). A rejected
-  request adds nothing here.
-- ``sightline_collector_data_points_received_total{receiver}``: the same for metric
-  data points.
-- ``sightline_collector_rejected_total{receiver,reason}``: *requests* refused, by reason
-  (``malformed``, ``too_large``, ``unsupported_media_type``, ``over_capacity``,
-  ``unauthenticated``, ``shutting_down``, ``timeout`` (body or headers too slow),
-  ``client_disconnected`` (gone mid-body), ``too_many_connections`` (HTTP connection cap),
-  ``internal_error`` (a 500 / INTERNAL: a bug, logged rate-limited)).
-- ``sightline_collector_dropped_total{reason}``: spans+data points that were
-  acknowledged and then not aggregated (``aggregator_error``, ``shutdown_timeout``), and
-  spans acknowledged as repeats of spans already admitted (``duplicate``: an exporter's
-  retry). Zero for the first two in a healthy collector: that is what a client would
-  call "lost".
-- ``sightline_collector_queue_depth``: spans+data points waiting in the queue.
-- ``sightline_collector_processing_seconds{signal}``: time the aggregator spent on one
-  queued batch (one export request).
+Spans and data points *acknowledged* by each receiver (accepted into the pipeline queue:
+the client got 2xx/OK), requests *rejected* by receiver and reason, items acknowledged and
+then *dropped* by reason, the queue depth, and the aggregator's time per queued export.
+Guarantee: a rejected request adds nothing to the received counts, and the drop reasons
+``aggregator_error`` and ``shutdown_timeout`` stay zero in a healthy collector (that is what
+a client would call "lost"); every series exists at 0 from the start.
 
-The metrics live in a private ``CollectorRegistry`` so that several collectors can run
-in one process (tests) without colliding. Label children are bound once, so the hot
-path costs one dictionary lookup and one locked add per request, not per span.
+The metrics live in a private ``CollectorRegistry``, so several collectors can run in one
+process (tests) without colliding. Cost: label children are bound once, so the hot path is
+one dictionary lookup and one locked add per request, not per span.
 """
 
 from __future__ import annotations
@@ -34,6 +21,9 @@ from ..instrumentation import semconv as sc
 __all__ = ["DROP_REASONS", "REJECT_REASONS", "SelfMetrics"]
 
 RECEIVERS = (sc.RECEIVER_OTLP_GRPC, sc.RECEIVER_OTLP_HTTP, sc.RECEIVER_ZIPKIN)
+# Why a request was refused: timeout is a body or headers too slow, client_disconnected a
+# client gone mid-body, too_many_connections the HTTP connection cap, internal_error a 500
+# / INTERNAL (a bug, logged rate-limited).
 REJECT_REASONS = (
     "malformed",
     "too_large",
@@ -46,6 +36,7 @@ REJECT_REASONS = (
     "too_many_connections",
     "internal_error",
 )
+# duplicate: a span acknowledged as a repeat of one already admitted (an exporter's retry)
 DROP_REASONS = ("aggregator_error", "shutdown_timeout", "duplicate")
 PROCESSING_BUCKETS_S = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                         0.5, 1.0, 2.5)
@@ -98,7 +89,7 @@ class SelfMetrics:
 
     def snapshot(self) -> dict[tuple[str, ...], float]:
         """The counters as ``{(sample name, *label values): value}``: received, rejected and
-        dropped (benchmarks and tests that follow every request; a few hundred µs)."""
+        dropped (benchmarks and tests that follow every request)."""
         out: dict[tuple[str, ...], float] = {}
         for counter in (self._spans, self._points, self._rejected, self._dropped):
             for family in counter.collect():

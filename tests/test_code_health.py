@@ -37,7 +37,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/otlp_grpc.py",
     "collector/otlp_http.py",
     "collector/pipeline.py",
-    "collector/self_metrics.py",
     "collector/span_series.py",
     "collector/trace_store.py",
     "collector/windows.py",
