@@ -1,33 +1,18 @@
 """OTLP/HTTP protobuf ingest: spans/s per core and memory, Sightline's collector vs rotel.
 
-    python -m bench.collector_ingest [--mix engine]      # about a minute; 2 CPUs are enough
+    python -m bench.collector_ingest [--mix engine] [--baseline-rev REV]   # 2 CPUs are enough
 
-* ``sightline-e2e``: ``sightline collector run`` as deployed, end to end: receivers,
-  limits, parse, bounded queue, the real aggregator (span distributions, trace store).
-  Its rate is what left the queue into the aggregator in the window (acknowledged minus
-  queue growth; once the queue is full the rest is answered 429, which the loader counts
-  and retries later).
-* ``rotel-blackhole``: ``rotel-agent start --exporter blackhole`` (a Rust collector
-  that receives, decodes and batches, then drops).
-* ``sightline-ingest``: ``sightline collector run --sink discard`` — receivers, limits,
-  parse, count, queue; the aggregator replaced by a discard sink (rotel's counterpart).
-* ``sightline-e2e-eager``: ``sightline-e2e`` with ``--trace-store eager`` (the trace store
-  indexes spans as they arrive instead of on the first query).
-* ``<target>@base`` (with ``--baseline-rev REV``): the same target running the code of
-  commit REV (``git archive`` into a scratch folder, first on the server's PYTHONPATH),
-  interleaved with the current code: a before/after ratio from one run.
+Targets (see ``Server``): ``sightline-e2e`` (the collector as deployed, aggregator
+included), ``sightline-e2e-eager`` (with ``--trace-store eager``), ``sightline-ingest``
+(aggregator replaced by a discard sink) and ``rotel-blackhole`` (rotel's counterpart);
+``<target>@base`` runs commit REV's code interleaved with the current code.
 
-Method: a separate process serves; this process posts pre-serialized
-``ExportTraceServiceRequest`` bodies (``--spans-per-request`` engine-like spans, 6
-attributes each) over ``--connections`` keep-alive connections for ``--seconds``, after
-a warm-up; every send carries trace ids not sent before (``FreshIds``), as real exporters do. "Spans/s per core" = spans acknowledged (HTTP 200) / CPU seconds the server
-process used in the window (user + system, from /proc), so it does not depend on how
-many cores the machine lends the server while the loader competes for them. Wall-clock
-spans/s is reported too. Each target runs ``--repeats`` times, interleaved; medians.
-Peak RSS is the server's VmHWM at the end.
-
+Method: a separate process serves; this one posts pre-serialized engine-like export
+requests, every send with fresh trace ids (``FreshIds``), over keep-alive connections.
+Spans/s per core = spans acknowledged / server CPU seconds in the window (so it does not
+depend on how many cores the loader leaves the server); wall-clock spans/s and peak RSS
+too. Each target runs ``--repeats`` times, interleaved; medians.
 Results: bench/results/collector_ingest.json and .md (with the git commit).
-Run: ``.venv/bin/python -m bench.collector_ingest`` (about a minute).
 """
 
 from __future__ import annotations
@@ -191,6 +176,14 @@ class Server:
         if variant == "base":
             assert baseline is not None, "an @base target needs --baseline-rev"
             env["PYTHONPATH"] = str(baseline) + os.pathsep + env.get("PYTHONPATH", "")
+        # sightline-e2e: `sightline collector run` as deployed, end to end: receivers, limits,
+        # parse, bounded queue, the real aggregator (span distributions, trace store).
+        # sightline-ingest: the same with `--sink discard` (rotel's counterpart).
+        # sightline-e2e-eager: the trace store indexes spans as they arrive instead of on the
+        # first query. rotel-blackhole: `rotel-agent start --exporter blackhole` (a Rust
+        # collector that receives, decodes and batches, then drops). target@base: the same
+        # target with commit REV's code (`git archive` into a scratch folder) first on its
+        # PYTHONPATH: a before/after ratio from one run.
         if name.startswith("sightline"):
             query_port = _free_port()
             command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
@@ -314,6 +307,10 @@ def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
         peak = _status_mib(server.process.pid, "VmHWM")
     finally:
         server.stop()
+    # The rate counts spans acknowledged (HTTP 200) per CPU second of the server process
+    # (user + system, from /proc). For sightline-e2e, "aggregated" is what left the queue
+    # into the aggregator in the window (acknowledged minus queue growth; once the queue is
+    # full the rest is answered 429, which the loader counts and retries later).
     spans = counts["acked"] * args.spans_per_request
     aggregated = int(spans - depth_growth) if target.startswith("sightline-e2e") else None
     return RunResult(target, repeat, round(wall_s, 3), spans, counts["acked"], counts["429"], counts["failed"],
