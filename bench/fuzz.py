@@ -2,25 +2,13 @@
 generated hostile requests: each case must get a protocol refusal or an acknowledgement,
 be counted as what it got, and leave the next known-good batch counted exactly.
 
-Targets: ``otlp_http_protobuf`` and ``otlp_http_json`` (POST /v1/traces and /v1/metrics),
-``zipkin`` (POST /api/v2/spans), ``otlp_grpc`` (TraceService/MetricsService Export) against
-one collector on loopback ports (in this process, its event loop on a thread); ``engine_parser``
-(``parse_json`` + the completion/chat parsers) and ``point_validator``
-(:func:`~sightline.collector.point_check.check_exp_point`) in-process.
-
-Cases (seeded ``random.Random``, fast enough for 100,000s): valid requests with ids of
-every length, bit flips and truncations of valid encodings, random bytes, JSON nested up to
-100,000 deep, NaN/Infinity/1e999/2**70/year-3000 numbers, lone surrogates (``\\udc80``)
-and invalid UTF-8, wrong types in every field, unknown fields, gzip with many members,
-truncated gzip, decompression bombs, unknown encodings and content types, repeated spans,
-corrupt exponential-histogram points, metrics of unknown names and unsupported types.
-
-Per case: the response status and the collector's counters before and after: a 2xx must
-move no refusal counter; a refusal must move exactly one ``rejected_total{reason}`` by 1
-(recorded by reason); a 5xx (other than 503) or INTERNAL/UNKNOWN, or no response, is
-"unhandled". Then a known-good batch (3 spans with fresh ids) must be acknowledged and
-counted exactly. At the end: everything acknowledged was processed, and every span the
-collector counted as received is aggregated or counted as a duplicate.
+Targets (``TARGETS``): the OTLP/HTTP (protobuf and JSON), Zipkin and OTLP/gRPC receivers of
+one collector on loopback ports (in this process, its event loop on a thread), and in-process
+the engine's request parsers and the exponential-histogram point check. Cases come from a
+seeded ``random.Random`` (``Cases``): valid requests and every way to spoil them.
+A case is "unhandled" when the answer is a 5xx other than 503, gRPC INTERNAL/UNKNOWN, or
+none; at the end, everything acknowledged was processed, and every span counted as
+received is aggregated or counted as a duplicate.
 
 Run: ``.venv/bin/python -m bench.fuzz --cases 100000`` (or ``--seconds`` per target);
 results: bench/results/fuzz.json and .md.
@@ -57,6 +45,13 @@ _DUPLICATES = ("sightline_collector_dropped_total", "duplicate")
 # -- generators --------------------------------------------------------------------------------
 class Cases:
     """Hostile requests from one seeded generator; ``fresh_*`` are the known-good batches."""
+
+    # Valid requests with ids of every length, bit flips and truncations of valid encodings,
+    # random bytes, JSON nested up to 100,000 deep, NaN/Infinity/1e999/2**70/year-3000
+    # numbers, lone surrogates and invalid UTF-8, wrong types in every field, unknown fields,
+    # gzip with many members, truncated gzip, decompression bombs, unknown encodings and
+    # content types, repeated spans, corrupt exponential-histogram points, metrics of unknown
+    # names and unsupported types.
 
     NUMBERS = ("0", "-1", "1.5", "1e30", "-1e30", "1e999", "NaN", "Infinity", "-Infinity", "2147483648",
                "9223372036854775807", "9223372036854775808", "18446744073709551616", "1180591620717411303424",
@@ -440,6 +435,9 @@ def run_receiver(target: str, col: FuzzCollector, cases: Cases, n: int, seconds:
 
     started, cpu0 = time.monotonic(), time.process_time()
     drops0 = col.point_drops()
+    # Per case, the collector's counters before and after: a 2xx must move no refusal
+    # counter, a refusal exactly one rejected_total{reason} by 1; then a known-good batch
+    # (3 spans with fresh ids) must be acknowledged and counted exactly.
     while tally.cases < n and time.monotonic() - started < seconds:
         before = col.counters()
         status, kind = send_case()
