@@ -1,18 +1,14 @@
 """The bounded queue between the receivers and the aggregator, and its worker threads.
 
 Guarantees:
-- A receiver acknowledges a request only after ``Pipeline.offer`` returned ACCEPTED;
-  from then on the batch is either aggregated, or counted in
-  ``sightline_collector_dropped_total`` (aggregator raised, or the shutdown drain ran
-  past its timeout). Nothing acknowledged disappears silently.
-- Memory: the queue holds at most ``max_items`` spans+data points and ``max_bytes``
-  payload bytes (the decoded request size). One exception keeps progress possible:
-  a single batch larger than ``max_items`` is admitted when the queue is empty
-  (request bodies are capped separately, so its bytes are still bounded).
+- A receiver acknowledges a request only after ``Pipeline.offer`` returned ACCEPTED; from
+  then on the batch is either aggregated or counted in ``sightline_collector_dropped_total``
+  (aggregator raised, or the shutdown drain ran past its timeout): nothing acknowledged
+  disappears silently. ``close`` drains everything queued and returns a ``PipelineSummary``.
+- Memory: at most ``max_items`` spans+data points and ``max_bytes`` decoded payload bytes
+  queued (a single larger batch is admitted into an empty queue, see ``offer``).
 - ``offer`` never blocks: over capacity it answers FULL at once and the receiver turns
   that into 429 / RESOURCE_EXHAUSTED, pushing back on the sender instead of buffering.
-- ``close`` stops admission, lets the workers drain everything queued, and returns
-  a ``PipelineSummary`` with what was acknowledged vs aggregated.
 
 Cost: ``offer`` is one lock acquisition and a deque append; the aggregator runs on
 ``workers`` threads (1 is right under the GIL; more only helps a sink that releases it).
@@ -129,6 +125,8 @@ class Pipeline:
         with self._lock:
             if self._closed:
                 return Admission.CLOSED
+            # an empty queue admits even a batch larger than max_items, so progress stays
+            # possible (request bodies are capped separately: its bytes are still bounded)
             if self._queue and (self._items + batch.items > self._max_items
                                 or self._bytes + batch.size_bytes > self._max_bytes):
                 return Admission.FULL

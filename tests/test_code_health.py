@@ -34,7 +34,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/explain.py",
     "collector/otlp_grpc.py",
     "collector/otlp_http.py",
-    "collector/pipeline.py",
     "collector/span_series.py",
     "collector/trace_store.py",
     "collector/windows.py",
