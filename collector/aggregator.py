@@ -1,20 +1,17 @@
 """Turns received OTLP traces and metrics into windowed distributions and indexes.
 
-Inputs (one form: the receivers convert Zipkin to OTLP first):
-
-* ``gpu.kernel.cta.duration`` exponential-histogram points go to the per-SM store
-  (:mod:`.sm_store`: identity, fair admission, cumulative streams; :mod:`.sm_blocks`:
-  accuracy and memory). Explicit-bucket histograms of that metric cannot be merged into
-  exponential sketches without losing the error bound, so they are refused and counted.
-* Spans, dispatched on their name alone, feed request, step and kernel latency series
-  (:class:`~.span_series.SpanSeries`, which states their cost). Every export request also
-  goes to the :class:`~.trace_store.TraceStore` (bounded; indexed when first queried).
+Inputs (one form: the receivers convert Zipkin to OTLP first): ``gpu.kernel.cta.duration``
+exponential-histogram points go to the per-SM store (:mod:`.sm_store`: identity, fair
+admission, cumulative streams; :mod:`.sm_blocks`: accuracy and memory). Spans, dispatched
+on their name alone, feed request, step and kernel latency series
+(:class:`~.span_series.SpanSeries`, which states their cost); every export request also
+goes to the bounded :class:`~.trace_store.TraceStore` (indexed when first queried).
 
 Guarantees: memory bounded whatever arrives (each store states its bound); timestamps
 ahead of the collector's clock are clamped to it; per-SM points older than the
-full-resolution window are refused (``reason="late"``).
-Thread-safety: the span series under one lock per export request; the per-SM store and the
-trace store have their own locks, so metrics, spans and scrapes do not wait on each other.
+full-resolution window are refused (``reason="late"``). Thread-safety: the span series
+under one lock per export request; the per-SM store and the trace store have their own
+locks, so metrics, spans and scrapes do not wait on each other.
 """
 
 from __future__ import annotations

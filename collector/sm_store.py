@@ -139,6 +139,8 @@ class SmStore:
                             self._drop("unknown_metric", points_in(metric))
                             continue
                         kind = metric.WhichOneof("data")
+                        # explicit buckets cannot merge into exponential sketches without
+                        # losing the error bound: refused and counted
                         if kind == "histogram":
                             self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
                             continue
