@@ -1,25 +1,15 @@
 """Why was a request slow: phase breakdown, the steps it rode, their kernels and SMs.
 
 ``explain_trace(sources, trace_id)`` explains one request (say, a Prometheus exemplar's
-trace id); ``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
-``explain_slowest(sources, quantile, limit)`` takes the request root spans in the trace store, finds the exact value at rank ``ceil(quantile * n)`` of their end-to-end
-latencies (exact: the store holds every one of them, no sketch), and explains each
-request at or above it, slowest first:
+trace id); ``explain_slowest(sources, quantile, limit)`` explains every request at or above
+the exact ``quantile`` of the end-to-end latencies in the trace store, slowest first.
+``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
+An explanation holds the request's phases (``queue``, ``prefill``, ``decode``, the rest of
+e2e as ``other_s``), the ``engine.step`` spans it rode (found through span links in both
+directions) with their slowest kernel spans, and its slowest SM.
 
-* phases: the summed durations of its ``queue``, ``prefill`` and ``decode`` spans (a
-  chunked prefill has several), the rest of e2e as ``other_s``;
-* steps: the ``engine.step`` spans it rode, found through span links in both directions
-  (its prefill/decode spans link to steps; steps link back to request spans);
-* in those steps, the slowest kernel spans (children of the step span); the slowest
-  ``max_steps`` steps are shown, plus the slowest step with kernel spans if none of them has;
-* the slowest SM, from the first source that knows: the slowest kernel span's
-  ``sightline.kernel.slowest_sm`` attribute, else a per-SM histogram exemplar pointing
-  at one of the request's step spans, else the SM whose P99 stood out most (over the
-  median SM's) in the per-SM window slots overlapping the request (in the slowest
-  kernel's series when kernel spans named one).
-
-Explanations only cover what the bounded store still holds: a step evicted (or never
-received, e.g. kernel spans that were not sampled) is absent, never invented.
+Guarantee: explanations only cover what the bounded store still holds: a step evicted
+(or never received, e.g. kernel spans that were not sampled) is absent, never invented.
 Cost: O(spans of the selected requests and their steps) plus one pass over the
 requests for the threshold.
 """
@@ -165,7 +155,9 @@ def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
 
 def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
                     max_steps: int = 5, max_kernels: int = 3) -> Explanation:
-    """The requests at or above ``quantile`` of e2e latency, explained (module docstring)."""
+    """The requests at or above ``quantile`` of e2e latency, explained, slowest first: the
+    threshold is the exact value at rank ``ceil(quantile * n)`` of the request root spans'
+    latencies (the store holds every one of them, no sketch)."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"quantile={quantile} is outside [0, 1]")
     if not 1 <= limit <= 1000:
@@ -194,7 +186,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
     spans = trace.spans if trace else [root]
     totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
     seen_phase = set()
-    for s in spans:
+    for s in spans:  # a chunked prefill has several prefill spans: summed
         if s.name in totals:
             totals[s.name] += s.duration_s
             seen_phase.add(s.name)
@@ -228,6 +220,10 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         if k.slowest_sm is not None:
             slowest_sm = SlowestSm(k.instance, k.gpu, k.slowest_sm, k.name, "kernel_span", None)
             break
+    # The slowest max_steps steps are shown. Slowest SM, from the first source that knows:
+    # the slowest kernel span's slowest_sm attribute here, else (_slowest_sm_from_sm_data)
+    # a per-SM exemplar pointing at one of the request's step spans, else the SM whose P99
+    # stood out most.
     summaries.sort(key=lambda s: -s.duration_s)
     shown = summaries[:max_steps]
     if not any(s.kernels for s in shown):
