@@ -1,25 +1,15 @@
 """OTLP/gRPC receiver: TraceService/Export and MetricsService/Export on grpc.aio.
 
-The methods are registered as generic handlers that receive the raw request bytes, so
-that decoding is ours: an undecodable request answers INVALID_ARGUMENT (the stock
-generated servicer would answer INTERNAL), and the request is parsed exactly once. They
-are registered as request-streaming handlers (on the wire a unary call is the same), so
-that a message gRPC core refused for its size still reaches our handler as "no message"
-and is counted; a call with more than one message is refused.
+Status codes follow the OTLP/gRPC specification: OK when the whole request was queued;
+INVALID_ARGUMENT for an undecodable message or a bad span id; RESOURCE_EXHAUSTED over
+capacity or size, with ``google.rpc.RetryInfo`` (which the OTel SDK exporters honour) when
+the queue is full; UNAUTHENTICATED for a missing or wrong bearer token; UNAVAILABLE while
+shutting down (retryable); INTERNAL for a bug, logged rate-limited. Every refusal is
+counted in ``sightline_collector_rejected_total`` with its reason; admission, span checks
+and duplicates as for every receiver (:mod:`.admission`).
 
-Status codes (OTLP/gRPC specification):
-- OK + ``Export*ServiceResponse`` when the whole request was queued.
-- INVALID_ARGUMENT: not a valid protobuf message, or a bad span id (not retryable).
-- RESOURCE_EXHAUSTED: queue over capacity, with ``google.rpc.RetryInfo`` in the
-  ``grpc-status-details-bin`` trailer (the OTel SDK exporters honour its delay);
-  gRPC core itself answers RESOURCE_EXHAUSTED for a message over
-  ``max_decompressed_bytes`` (``grpc.max_receive_message_length`` counts the
-  decompressed size), before our handler runs.
-- UNAUTHENTICATED: bearer token missing or wrong (``authorization`` metadata).
-- UNAVAILABLE: shutting down (retryable; the client's next attempt reaches a peer).
-- INTERNAL: a bug, counted ``internal_error`` and logged rate-limited.
-Every refusal is counted in ``sightline_collector_rejected_total`` with its reason;
-admission, span checks and duplicates as for every receiver (:mod:`.admission`).
+Cost: the request is parsed exactly once, by us (the methods receive raw bytes), plus one
+pass over the resource/scope lists to count its items.
 """
 
 from __future__ import annotations
@@ -82,6 +72,11 @@ class OtlpGrpcReceiver:
         self.port: int | None = None
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
+        # Generic handlers that receive the raw request bytes, so that decoding is ours: an
+        # undecodable request answers INVALID_ARGUMENT (the stock generated servicer would
+        # answer INTERNAL). Request-streaming (a unary call is the same on the wire), so that
+        # a message gRPC core refused for its size still reaches _export as "no message" and
+        # is counted; a call with more than one message is refused.
         raw = dict(request_deserializer=None, response_serializer=None)  # bytes in, bytes out
         return [
             grpc.method_handlers_generic_handler(TRACE_SERVICE, {
@@ -93,6 +88,8 @@ class OtlpGrpcReceiver:
     async def start(self, host: str, port: int, credentials: grpc.ServerCredentials | None) -> int:
         """Binds and starts; returns the bound port (``port`` 0 picks a free one)."""
         options = [
+            # counts the decompressed size: gRPC core answers RESOURCE_EXHAUSTED over it,
+            # before our handler runs
             ("grpc.max_receive_message_length", self._max_message_bytes),
             ("grpc.max_send_message_length", 1024 * 1024),
             ("grpc.so_reuseport", 0),
