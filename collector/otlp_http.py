@@ -1,25 +1,17 @@
 """OTLP/HTTP receiver: ``POST /v1/traces`` and ``POST /v1/metrics``, protobuf and JSON.
 
-Behaviour (OTLP/HTTP specification 1.x):
-- ``Content-Type: application/x-protobuf`` (or ``application/protobuf``) or
-  ``application/json``; anything else -> 415. The response uses the request's encoding:
-  ``ExportTraceServiceResponse`` / ``ExportMetricsServiceResponse`` on success, a
-  ``google.rpc.Status`` on failure.
-- ``Content-Encoding: gzip | deflate | identity``; others -> 415. Body limits, timeouts
-  and decompression: :mod:`.ingest` (413 over a size limit, 408 too slow, counted
-  ``client_disconnected`` when the client goes away mid-body).
-- Undecodable body, JSON nested too deep, a bad span id -> 400. Queue over capacity, or
-  ``max_inflight_requests`` bodies already being decoded -> 429 with ``Retry-After``
-  (a request takes a slot only once its body has arrived, so slow senders cannot lock
-  fast ones out); collector shutting down -> 503 with ``Retry-After``; bad token -> 401;
-  a bug -> 500 ``google.rpc.Status`` INTERNAL, counted ``internal_error``, logged rate-limited.
-- Admission, span checks and duplicates: :mod:`.admission`.
-- OTLP/JSON: trace and span ids are hex strings (not base64 as in protobuf's canonical
-  JSON mapping); ``parse_otlp_json`` converts them before ``json_format`` sees them.
+Behaviour (OTLP/HTTP specification 1.x): protobuf (``application/x-protobuf`` or
+``application/protobuf``) or ``application/json``, ``gzip``, ``deflate`` or identity, else
+415; the response uses the request's encoding (``Export*ServiceResponse``, or a
+``google.rpc.Status`` on failure). Body limits, timeouts and decompression: :mod:`.ingest`;
+admission, span checks and duplicates: :mod:`.admission`. Undecodable body, JSON nested
+too deep or a bad span id: 400; queue over capacity or too many bodies being decoded: 429
+with ``Retry-After``; shutting down: 503 with ``Retry-After``; bad token: 401; a bug: 500
+INTERNAL, counted ``internal_error`` and logged rate-limited. OTLP/JSON ids are hex strings
+(not base64 as in protobuf's canonical JSON mapping): ``parse_otlp_json`` converts them.
 
-Cost of the hot path (protobuf): one upb parse plus one pass over the
-resource/scope lists to count spans (``len`` of each repeated field; no span is
-touched). Nothing else reads the message before the aggregator does.
+Cost of the hot path (protobuf): one upb parse plus one pass over the resource/scope lists
+to count spans (no span is touched); nothing else reads the message before the aggregator.
 """
 
 from __future__ import annotations
@@ -211,6 +203,8 @@ class HttpIngestReceiver:
             # Overloaded: answer before reading and parsing the body (the cheap 429).
             self._intake.check_room(request.content_length or 0)
             raw = await read_raw(request, self._limits)
+            # a request takes a decoding slot only once its body has arrived, so slow senders
+            # cannot lock fast ones out
             if not self._inflight.try_enter():
                 raise IngestError(429, "over_capacity", "too many export requests being decoded")
             try:
