@@ -33,7 +33,6 @@ LONG_DOCSTRING_ALLOWED = {
     "collector/span_series.py",
     "collector/trace_store.py",
     "collector/windows.py",
-    "collector/zipkin.py",
     "instrumentation/tracing.py",
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
