@@ -7,19 +7,11 @@ queue time by (model, priority); ``engine.step`` spans give step durations by ph
 arrives: at most ``max_{request,kernel,step}_series + 1`` series each (the extra one is the
 overflow series that absorbs every new key past the limit, counted in ``overflow``).
 Timestamps ahead of the collector's clock are clamped to it; late spans still count in the
-cumulative Prometheus histograms.
+cumulative Prometheus histograms. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`)
+holds its lock around :meth:`SpanSeries.consume` and around every read of the series.
 
 Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
-read of the few attributes they need; values are gathered per series and folded in once per
-export request (:class:`_LatencySeries`). With upb every nested message read from Python
-builds a wrapper object, so when many spans are kernel spans (>= 1/5, estimated from the
-encoding's bytes) the spans are read from a lean re-parse of the encoding instead
-(``otlp_points.LeanTraceRequest``: attributes as raw bytes, the hot ones decoded once and
-cached; kernel name and GPU id read at the positions they were last found). Both handler
-sets (full form and lean) leave the same state.
-
-Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
-:meth:`SpanSeries.consume` and around every read of the series.
+read of the few attributes they need, folded in once per export request (:class:`_LatencySeries`).
 """
 
 from __future__ import annotations
@@ -182,7 +174,10 @@ class SpanSeries:
         """What to read the spans from: ``(lean re-parse of encoded, True)`` when enough spans
         look like kernel spans, else ``(request, False)``. Needs no lock."""
         # The lean parse pays off when many spans have attributes to read: kernel spans.
-        # (A byte count: it only picks the faster path, both give the same state.)
+        # With upb every nested message read from Python builds a wrapper object; the lean
+        # form (otlp_points.LeanTraceRequest) holds attributes as raw bytes, the hot ones
+        # decoded once and cached, kernel name and GPU id read at the positions they were
+        # last found. (A byte count: it only picks the faster path, both give the same state.)
         total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
         if encoded is not None and _kernel_spans_estimate(encoded) * _LEAN_MIN_KERNEL_SHARE_INV >= total:
             try:
