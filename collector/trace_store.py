@@ -1,31 +1,18 @@
 """A bounded store of recent traces, indexed for request roots, steps and span links.
 
-``add_request`` takes a parsed export request. With ``defer_index`` (the default) it
-queues the request's encoding — the bytes it was received as when the caller passes
-them, else one ``SerializeToString`` — and the index (trace id -> spans, request roots,
-steps, links) is built from the queue when a query first needs it
-(:meth:`TraceStore.read`), a bounded chunk at a time so a long backlog never holds the
-lock for long. Without it, each request is indexed as it arrives. Either way each kept
-span is held as its own protobuf encoding, decoded again only for the spans a query
-returns.
+``add_request`` takes a parsed export request; with ``defer_index`` (the default) it only
+queues the request's encoding, and the index (trace id -> spans, request roots, steps,
+links both ways) is built when a query first needs it (:meth:`TraceStore.read`). Each kept
+span is held as its own protobuf encoding, decoded again only for the spans a query returns.
 
 Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one
 trace, ``max_spans`` indexed spans and ``max_bytes`` encoded bytes (queued requests plus
 kept spans) in all; when a bound is reached the *oldest trace* (by first indexing) is
 evicted whole, then the oldest queued requests; spans beyond a trace's own bound are
-counted in ``dropped_spans``. Memory is about ``max_bytes`` plus ~350 B of index per kept
-span (defaults: 48 MiB, 200,000 spans: under ~120 MiB).
-
-Links are followed both ways: a request's prefill/decode spans link to the steps they
-rode, and every ``engine.step`` span links back to the request spans it served, so the
-store keeps ``linked[trace] -> traces`` in both directions from whichever side arrives.
-A link to a trace that was evicted (or never arrived) is simply not returned.
-
-Thread-safety: one lock of its own (ingest never waits for the aggregator's). Cost per
-span: one ``SerializeToString``, a small object and a few dict operations (~5 µs), paid
-on the query path with ``defer_index`` (ingest then costs a deque append, or one
-``SerializeToString`` of the whole request when no encoding comes with it), on the
-ingest path without.
+counted in ``dropped_spans``. A link to a trace evicted (or never received) is not returned.
+Cost: memory ``max_bytes`` plus a small index object per kept span; per span one
+``SerializeToString`` and a few dict operations, paid on the query path with ``defer_index``
+(ingest: a deque append), on ingest without. Thread-safe: one lock of its own.
 """
 
 from __future__ import annotations
@@ -190,6 +177,9 @@ class TraceStore:
         queued as its encoding, to be indexed on the next query. ``encoded`` (the bytes the
         request was parsed from, when the caller has them) spares encoding it again."""
         if self.config.defer_index:
+            # ingest then costs a deque append, or one SerializeToString of the whole request
+            # when no encoding comes with it; read() indexes a bounded chunk per lock hold, so
+            # a long backlog never holds the lock for long
             if encoded is None:
                 encoded = request.SerializeToString()
             with self._lock:
@@ -288,6 +278,9 @@ class TraceStore:
             self._evict()
 
     def _link(self, a: bytes, b: bytes) -> None:
+        # Called both ways: a request's prefill/decode spans link to the steps they rode, and
+        # every engine.step span links back to the request spans it served, so linked[trace]
+        # is complete from whichever side arrives first.
         peers = self._linked.get(a)
         if peers is None:
             peers = self._linked[a] = set()
