@@ -1,34 +1,18 @@
 """Sliding time windows of mergeable exponential histograms.
 
-A :class:`SlidingHistogram` is a ring of ``num_slots`` slots, each ``slot_s`` seconds
-long and holding one :class:`~sightline.instrumentation.exphist.ExpHistogram`. A value
-(or a received OTLP bucket set) lands in the slot of its own timestamp; a query merges
-the slots of the last ``N`` seconds. Because exponential histograms merge exactly
-(bucket counts add, the finer side is downscaled), the merged window answers a quantile
-with the same guarantee as one histogram fed every value:
+A :class:`SlidingHistogram` is a ring of ``num_slots`` slots, each ``slot_s`` seconds long
+and holding one ``ExpHistogram``; a value (or a received OTLP bucket set) lands in the slot
+of its own timestamp, and a query merges the slots of the last ``N`` seconds. Exponential
+histograms merge exactly, so the merged window answers like one histogram fed every value.
+:class:`ClassicHistogram` keeps cumulative counts over fixed bounds for Prometheus.
 
-Accuracy: the value at rank ``ceil(q * count)`` within ``relative_error(scale)``. Slots
-start at scale 6 (0.54 %) and keep it while the values of one slot span at most
-``max_buckets`` buckets: with the default 1,024 that is 16 octaves (a 65,536x range,
-e.g. 1 us .. 65 ms); only a wider slot halves its resolution (scale 5, 1.08 %). A
-merged window answers at the coarsest scale among its slots; callers report the bound
-that applies (``relative_error(hist.scale)``).
-
-Memory: at most ``num_slots * (max_buckets * 8 + ~400)`` bytes per series, whatever
-arrives (default 18 slots x 1,024 buckets: <= 155 KiB); a typical CTA distribution
-spanning 10x in a slot uses ~215 buckets (1.7 KiB), ~31 KiB per series for 18 slots;
-plus a pending list of at most ``flush_every`` floats. Timestamps older than the ring
-(``num_slots * slot_s`` behind the newest slot) are refused and counted by the caller,
-so a late or replayed point never grows memory.
-
-:class:`ClassicHistogram` keeps cumulative counts over fixed bucket bounds (Prometheus's
-``histogram_quantile`` reads them); a received exponential histogram is re-binned at each
-bucket's representative point, so a count is misplaced only when its value lies within the
-source's relative error of a classic bound. Memory: one int and one exemplar per bound.
-
-Cost: ``record`` of one scalar is a list append (values are folded into the histogram
-``flush_every`` at a time with one vectorized ``ExpHistogram.record``); ``add_buckets``
-is one numpy merge. Not thread-safe by itself: the aggregator holds one lock around it.
+Accuracy: the value at rank ``ceil(q * count)`` within ``relative_error(scale)``, at the
+coarsest scale among the merged slots (callers report ``relative_error(hist.scale)``).
+Memory: at most ``num_slots * (max_buckets * 8 + ~400)`` bytes per series whatever arrives,
+plus at most ``flush_every`` pending floats; timestamps older than the ring are refused
+and counted by the caller, so a late or replayed point never grows memory.
+Cost: ``record`` of one scalar is a list append (folded in ``flush_every`` at a time by one
+vectorized ``ExpHistogram.record``); ``add_buckets`` is one numpy merge. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -127,7 +111,13 @@ class _Slot:
 
 
 class SlidingHistogram:
-    """A ring of per-slot exponential histograms; see the module docstring."""
+    """A ring of per-slot exponential histograms; see the module docstring.
+
+    Slots start at scale 6 (relative error 0.54 %) and keep it while the values of one slot
+    span at most ``max_buckets`` buckets: with the default 1,024 that is 16 octaves (a
+    65,536x range, e.g. 1 us .. 65 ms); only a wider slot halves its resolution (scale 5,
+    1.08 %). The default 18 slots x 1,024 buckets bound a series at about 155 kB; a slot's
+    arrays grow only as wide as its values spread. The aggregator holds one lock around it."""
 
     __slots__ = ("config", "_slots", "_pending", "_pending_epoch", "_pending_exemplar", "newest_epoch",
                  "_slot_s", "_flush_every")
@@ -277,7 +267,12 @@ class SlidingHistogram:
 
 
 class ClassicHistogram:
-    """Cumulative counts over fixed upper bounds (plus +Inf), with per-bucket exemplars."""
+    """Cumulative counts over fixed upper bounds (plus +Inf), with per-bucket exemplars.
+
+    Prometheus's ``histogram_quantile`` reads them. A received exponential histogram is
+    re-binned at each bucket's representative point, so a count is misplaced only when its
+    value lies within the source's relative error of a classic bound. Memory: one int and
+    one exemplar per bound."""
 
     __slots__ = ("bounds", "counts", "sum", "count", "exemplars")
 

@@ -30,7 +30,6 @@ PROCESS_REFERENCES = re.compile(r"TEAM\.md|\bE\d{1,2}'s\b|\(E\d{1,2}\b|\bby E\d{
 # Modules being rewritten elsewhere; each entry is removed once its module complies.
 LONG_DOCSTRING_ALLOWED = {
     "bench/overhead.py",
-    "collector/windows.py",
     "instrumentation/tracing.py",
 }
 PROCESS_REFERENCE_ALLOWED: set[str] = set()
