@@ -2,11 +2,10 @@
 # One lent-GPU call: install what the device machine lacks, then run the named parts, each
 # under its own time limit so that one slow part cannot cost the others' results.
 #
-#   bash bench/gpu_session.sh overhead probe tests      # parts, in the order given
+#   bash bench/gpu_session.sh tests engine overhead-http   # parts, in the order given
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
-# probe), kernels (all of bench.kernels), overhead (bench.overhead --mode levels),
-# profiler (--mode profiler), capture (bench.record_capture; HTTP-served requests),
+# probe), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
 # overhead-http (bench.overhead_http: served engine, spans to a collector),
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
@@ -51,11 +50,6 @@ for p in "$@"; do
         tests/engine/test_metrics.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
-    overhead) part "overhead-levels-$commit" 330 python3 -m bench.overhead --mode levels \
-        --requests 64 --prompt 128 --output 48 --repeats 5 --in-situ-runs 2 \
-        --batches 1 64 --out "$OUT" ;;
-    profiler) part "overhead-profiler-$commit" 240 python3 -m bench.overhead --mode profiler \
-        --requests 64 --prompt 128 --output 48 --repeats 3 --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \

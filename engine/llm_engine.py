@@ -24,8 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..instrumentation.lifecycle import Detokenized, OpenStep, Queued, Step
-from ..instrumentation.telemetry_pipeline import TelemetryPipeline
+from ..instrumentation import Detokenized, OpenStep, Queued, Step, TelemetryPipeline
 from .config import EngineConfig, resolve_model_config
 from .kv_cache import KVCacheConfig, KVCacheManager
 from .metrics import EngineMetrics, trace_exemplar
@@ -179,7 +178,7 @@ class LLMEngine:
             if not torch.cuda.is_available() or self.config.device == "cpu":
                 log.info("trace level kernels: no CUDA device, kernel tracing is off")
                 return None
-            from ..instrumentation.gpu_telemetry import GpuTelemetry
+            from ..instrumentation import GpuTelemetry
             gpu = GpuTelemetry.create(self._recorder, torch.cuda.current_device())
             if gpu is not None:
                 self.telemetry.attach_gpu(gpu)   # the pipeline shuts it down

@@ -79,8 +79,7 @@ def build_sampler(name: str, arg: float) -> sampling.Sampler:
 class _HashedOnceResource(Resource):
     """A Resource whose hash is computed once. The OTLP span encoder groups spans by
     resource and so hashes it for every span it encodes, and ``Resource.__hash__`` is a
-    sorted JSON dump of the attributes: ~10 % of encoding a traced step's ~1,500 kernel
-    spans (``bench/tracing_overhead.py``). The attributes are immutable, so is the hash."""
+    sorted JSON dump of the attributes. The attributes are immutable, so is the hash."""
 
     def __init__(self, attributes, schema_url: str | None = None) -> None:
         super().__init__(attributes, schema_url)

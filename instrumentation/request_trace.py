@@ -28,10 +28,10 @@ from opentelemetry.context import Context
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
-from sightline.instrumentation import semconv
+from . import semconv
 
 if TYPE_CHECKING:
-    from sightline.instrumentation.tracing import Telemetry
+    from .tracing import Telemetry
 
 __all__ = ["RequestTrace", "StepTrace"]
 

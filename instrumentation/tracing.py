@@ -1,57 +1,17 @@
-"""Request and engine-step tracing for an LLM server: the API the engine codes against.
+"""Request and engine-step spans: the builders the telemetry worker drives (and tests use).
 
-Usable inside any PyTorch server. A request is one trace (or continues the caller's):
+A request is one trace, continuing the caller's W3C or B3 context: ``POST /v1/...`` (SERVER)
+> tokenize > queue > prefill > decode > detokenize. Each engine iteration is one
+``engine.step`` root span linked to the requests it served; prefill/decode spans link back
+to the first ``max_phase_links`` steps they rode (the rest counted in
+``sightline.span.links_dropped``). An engine does not call these in its loop: it records
+lifecycle events (:mod:`.lifecycle`) and :mod:`.span_assembler` calls them elsewhere.
 
-    POST /v1/chat/completions (SERVER) > tokenize > queue > prefill > decode > detokenize
-
-where the phases are children of the server span, opened and closed by the server/engine
-(:meth:`RequestTrace.start_phase` / :meth:`RequestTrace.end_phase`). Each engine iteration
-is one ``engine.step`` root span linked to the request spans it served; prefill/decode
-spans link back to the steps they rode (the first ``max_phase_links`` of them, 16 by
-default; step spans link to at most ``max_links_per_span`` requests; links beyond a cap
-are counted in ``sightline.span.links_dropped``).
-
-Guarantees and costs:
-
-- Level OFF costs one branch: ``telemetry.requests_on`` / ``steps_on`` / ``kernels_on`` are
-  plain bools, ``start_request`` / ``start_step`` return None, callers test for None.
-- Telemetry errors never reach the caller: every public method catches, logs once per
-  call site, and carries on (a broken trace is lost, the request is not).
-- Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
-  the engine thread both touch it); the span processors are thread-safe.
-- Costs when on (bench/tracing_overhead.py; bench/results/tracing_overhead_cpu.json): every
-  span here is built finished (:mod:`.finished_spans`: the SDK's ``ReadableSpan`` straight
-  to the span processors, without the live span's per-link and per-attribute checks); on
-  the project's CPU box a request's six spans cost ~93 µs and a batch-64 step ~39 µs, since
-  ``link_step`` only appends to a list (or, once a phase's links are capped, counts) and
-  phase spans are made, links and all, when they close. Export, with its OTLP encoding,
-  runs on the SDK worker thread, never on the caller's.
-- Prompt and completion text are recorded only when ``capture_content`` is set.
-Timestamps given explicitly are Unix-epoch nanoseconds (``time.time_ns()``).
-
-Use in a server (any framework; ``headers`` is any str->str mapping)::
-
-    telemetry = Telemetry.start(TelemetryConfig.from_env())      # once, at start-up
-    trace = telemetry.start_request(route="/v1/completions", headers=request.headers,
-                                    model=name, operation="text_completion",
-                                    request_id=rid, priority=0)   # None when off
-    if trace is not None:
-        trace.start_phase("queue")
-    ...                                                           # engine loop thread:
-    step = telemetry.start_step(step_id, requests=traces, attributes={...})
-    if step is not None:
-        for t in traces:
-            if t is not None:
-                t.link_step(step)
-    ...
-    if trace is not None:
-        trace.finish(status_code=200, finish_reason="stop", input_tokens=n_in,
-                     output_tokens=n_out, ttft_s=ttft, tpot_s=tpot, queue_s=q, e2e_s=e2e)
-    telemetry.shutdown()                                          # flushes, bounded
-
-This module is the facade (:class:`Telemetry`); the span handles it returns,
-:class:`RequestTrace` and :class:`StepTrace`, live in ``request_trace.py`` and are
-re-exported here.
+Guarantees: level OFF costs one branch (``requests_on`` / ``steps_on`` / ``kernels_on``);
+telemetry errors are logged once per call site and never raised; the handles are
+thread-safe. Spans are built finished (:mod:`.finished_spans`) and exported by the SDK's
+batch processors on their own thread. Prompt and completion text only with
+``capture_content``. Explicit timestamps are Unix-epoch ns (``time.time_ns()``).
 """
 
 from __future__ import annotations
@@ -65,12 +25,12 @@ from opentelemetry import metrics as otel_metrics
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from sightline.instrumentation import semconv
-from sightline.instrumentation.config import TelemetryConfig, TraceLevel
-from sightline.instrumentation.finished_spans import FinishedSpans
-from sightline.instrumentation.propagation import HeaderPropagator
-from sightline.instrumentation.request_trace import RequestTrace, StepTrace
-from sightline.instrumentation.request_trace import report_error as _report
+from . import semconv
+from .config import TelemetryConfig, TraceLevel
+from .finished_spans import FinishedSpans
+from .propagation import HeaderPropagator
+from .request_trace import RequestTrace, StepTrace
+from .request_trace import report_error as _report
 
 __all__ = ["TraceLevel", "TelemetryConfig", "Telemetry", "RequestTrace", "StepTrace"]
 
@@ -146,7 +106,7 @@ class Telemetry:
         if config.level == TraceLevel.OFF:
             return cls.disabled(config)
         try:
-            from sightline.instrumentation.otel_setup import build_providers
+            from .otel_setup import build_providers
 
             providers = build_providers(
                 config, registry=registry, span_exporters=span_exporters,
