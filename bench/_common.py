@@ -22,7 +22,8 @@ from typing import Sequence
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-__all__ = ["ROOT", "DiscardExporter", "InSituTimer", "device_name", "git_commit", "utc_now"]
+__all__ = ["ROOT", "DiscardExporter", "InSituTimer", "device_name", "git_commit", "utc_now",
+           "write_report"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,6 +48,18 @@ def git_commit(*, short: bool = False, dirty_paths: Sequence[str] = ()) -> str:
         return commit
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_report(out: Path, module: str, argv: Sequence[str] | None, lines: list[str]) -> None:
+    """Prints a result's markdown lines and writes them to ``out`` with suffix .md, ending
+    with the command that reproduces it (``python -m bench.<module> <args>``)."""
+    import shlex
+    import sys
+    args = sys.argv[1:] if argv is None else argv
+    lines = [*lines, f"Command: `.venv/bin/python -m bench.{module}"
+             + "".join(" " + shlex.quote(a) for a in args) + "`"]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def utc_now() -> str:

@@ -22,7 +22,6 @@ import asyncio
 import json
 import os
 import platform
-import shlex
 import socket
 import statistics
 import subprocess
@@ -34,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from ._common import ROOT, git_commit, utc_now
+from ._common import ROOT, git_commit, utc_now, write_report
 
 RESULTS = ROOT / "bench" / "results"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -449,11 +448,8 @@ def main(argv=None) -> int:
         "(bounded: 48 MiB of encoded requests by default). The default trace store keeps each request's "
         "encoding and indexes it on the first query (explain, /api/v1/traces), so that cost is paid at "
         "query time, not here; `sightline-e2e-eager` pays it on ingest.",
-        "Command: `.venv/bin/python -m bench.collector_ingest" + "".join(
-            " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "collector_ingest", argv, lines)
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import ROOT, git_commit, utc_now
+from ._common import ROOT, git_commit, utc_now, write_report
 from .collector_ingest import _cpu_s, _free_port, _status_mib
 
 RESULTS = ROOT / "bench" / "results"
@@ -318,11 +318,8 @@ def main(argv=None) -> int:
         "The load generator (this script) runs on the same machine; scrapes and heatmap queries run during "
         "ingest. 1,000 GPUs: 16 such replicas behind the gateway's resource-routing exporter "
         "(tests/collector/test_replicas.py shows routed replicas answer like one collector).",
-        "Command: `.venv/bin/python bench/collector_scale.py" + "".join(
-            " " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)) + "`",
     ]
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_report(args.out, "collector_scale", argv, lines)
     return 0
 
 
