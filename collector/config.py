@@ -67,10 +67,9 @@ class CollectorConfig:
     - ``queue_max_items`` / ``queue_max_bytes``: the pipeline queue between receivers and
       the aggregator holds at most this many spans+data points and this many payload
       bytes; beyond either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint
-      of ``retry_after_s``. A parsed request occupies about 3.7x its encoded size in
-      memory (upb, measured on engine-like spans), and protobuf trace requests keep their
-      encoding too (the trace store takes it), so the default 32 MiB is ~150 MiB
-      resident at most.
+      of ``retry_after_s``. A parsed request occupies a few times its encoded size in
+      memory, and protobuf trace requests keep their encoding too (the trace store takes
+      it), so resident memory is a small multiple of this bound.
     - ``max_inflight_requests``: export requests being decoded at once, per listener
       (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
       gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.

@@ -152,14 +152,10 @@ class CuptiTracer:
         return True
 
     def _filter_api_records(self, cupti) -> None:
-        """Keeps API records only for launches, copies and memsets.
-
-        Measured on the H200 with the llama-8b engine: with every RUNTIME and DRIVER call
-        recorded, a 20-step run produced ~860 K records (~43 K per step; Triton's launcher
-        and PyTorch make many small driver calls) and steps ran 8x slower, mostly in
-        cupti-python's per-record Python objects on CUPTI's thread competing for the GIL.
-        External correlation only needs the launch calls. If CUPTI refuses per-cbid
-        control, all API records stay on (slower, still correct) and a warning says so."""
+        """Keeps API records only for launches, copies and memsets: external correlation
+        needs only the launch calls, and Triton's launcher and PyTorch make many small
+        driver calls per step, each a record otherwise. If CUPTI refuses per-cbid control,
+        all API records stay on (more bytes, still correct) and a warning says so."""
         if self._filtered_cbids is None:     # learn once which calls CUPTI accepts
             keep = ("Launch", "Memcpy", "Memset")
             accepted = []
