@@ -369,6 +369,11 @@ def _process_status_kib(pid: int, field: str) -> int:
     raise AssertionError(field)
 
 
+def _refused(metrics) -> float:
+    return sum(v for (name, labels), v in metrics.items()
+               if name == sc.COLLECTOR_REJECTED_TOTAL + "_total" and ("reason", "over_capacity") in labels)
+
+
 def test_memory_bounded_under_sustained_overload(tmp_path):
     # Overloaded on purpose, whatever the aggregator's speed: the queue holds one 5,000-span
     # request (a batch is admitted only into an empty queue), so of 4 senders that each
@@ -385,8 +390,13 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
                                                         5000, i % 2 == 1, 100 + i)) for i in range(4)]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + 30   # a loaded CI machine may take longer to overload it
         time.sleep(3.0)
-        metrics = scrape(f"http://127.0.0.1:{ports['query']}/metrics")
+        while True:
+            metrics = scrape(f"http://127.0.0.1:{ports['query']}/metrics")
+            if _refused(metrics) > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         peak_mib = _process_status_kib(process.pid, "VmHWM") / 1024
         stop.set()
         process.send_signal(signal.SIGTERM)
@@ -396,9 +406,7 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
     finally:
         if process.poll() is None:
             process.kill()
-    refused = sum(v for (name, labels), v in metrics.items()
-                  if name == sc.COLLECTOR_REJECTED_TOTAL + "_total" and ("reason", "over_capacity") in labels)
-    assert refused > 0, "the load did not overload the collector; the bound was not exercised"
+    assert _refused(metrics) > 0, "the load did not overload the collector; the bound was not exercised"
     summary = json.loads(summary_path.read_text())
     assert summary["spans_processed"] == summary["spans_acknowledged"] == sum(acked)
     # The bound from configuration: queue <= one 1.1 MB request (parsed + encoded), in-flight

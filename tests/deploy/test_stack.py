@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -337,8 +336,22 @@ def test_sightline_up_starts_and_stops_cleanly_on_sigterm(tmp_path):
     assert len(started) == 4  # collector, rotel, alertmanager, prometheus
     for line in started:
         pid = int(line.split("started pid ")[1].split(":")[0])
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert _gone_within(pid, 15.0), line
+
+
+def _gone_within(pid: int, timeout_s: float) -> bool:
+    """True once ``pid`` no longer runs (gone, or a zombie nobody has reaped yet)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        if state == "Z":
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
 
 
 def test_stack_config_checks_and_port_resolution():
