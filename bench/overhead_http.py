@@ -39,6 +39,7 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels@0.05": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05"],
     "kernels@0": ["--trace-level", "kernels", "--kernel-sample-ratio", "0"],          # probe only
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
+    "kernels-probe-all": ["--trace-level", "kernels", "--sm-probe-every", "1"],     # every step's CTAs
 }
 
 
@@ -65,16 +66,14 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def start_engine(args, level: str, otlp: str) -> tuple[subprocess.Popen, str]:
-    [port] = free_ports(1)
+def start_engine(args, level: str, otlp: str, port: int) -> tuple[subprocess.Popen, str]:
+    """Starts one engine; the caller waits for its ``/health`` (engines start in parallel)."""
     engine = subprocess.Popen(CLI + ["engine", "serve", "--model", args.model, "--device", args.device,
                                      "--port", str(port), "--otlp-endpoint", otlp,
                                      "--max-model-len", str(args.max_model_len),
                                      "--max-num-seqs", str(args.concurrency), "--log-level", "warning",
                                      *args.engine_args, *LEVELS[level]])
-    url = f"http://127.0.0.1:{port}"
-    _wait_http(url + "/health", engine, args.start_timeout_s)
-    return engine, url
+    return engine, f"http://127.0.0.1:{port}"
 
 
 def load(args, urls: list[str], pids: list[int], rounds: int, seed: int) -> list[dict]:
@@ -93,6 +92,7 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
     for b in bursts:
         by_round.setdefault(b["round"], {})[b["level"]] = b["output_tokens"] / b["wall_s"]
     summary = {}
+    off_median = statistics.median(steps["off"] or [0.0])
     for level in levels:
         mine = [b for b in bursts if b["level"] == level]
         tokens = sum(b["output_tokens"] for b in mine)
@@ -107,8 +107,7 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
             "median_step_ms": 1000 * median_step,
             "steps": len(durations),
             "steps_over_2x_median": sum(1 for d in durations if d > 2 * median_step),
-            "steps_over_2x_off_median": sum(1 for d in durations
-                                            if d > 2 * statistics.median(steps["off"] or [0.0])),
+            "steps_over_2x_off_median": sum(1 for d in durations if d > 2 * off_median),
             "engine_cpu_s_per_1k_tokens": 1000 * sum(b["server_cpu_s"] for b in mine) / max(tokens, 1),
             "telemetry_cpu_s_per_1k_tokens": 1000 * sum(b["children_cpu_s"] for b in mine) / max(tokens, 1),
             "failed": sum(b["failed"] for b in mine),
@@ -161,9 +160,11 @@ def main(argv=None) -> int:
     engines: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
-        for level in levels:
-            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}")
-            print(f"{level}: serving on {engines[level][1]}", flush=True)
+        for level, port in zip(levels, free_ports(len(levels))):
+            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port)
+        for level, (engine, url) in engines.items():
+            _wait_http(url + "/health", engine, args.start_timeout_s)
+            print(f"{level}: serving on {url}", flush=True)
         urls = [engines[level][1] for level in levels]
         pids = [engines[level][0].pid for level in levels]
         load(args, urls, pids, 1, seed=999)                       # warm-up, discarded

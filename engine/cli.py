@@ -64,6 +64,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--sm-probe", action=argparse.BooleanOptionalAction, default=None,
                        help="at --trace-level kernels: per-CTA SM timing in the attention kernels "
                             "and per-SM histograms (default: SIGHTLINE_SM_PROBE, else on)")
+    serve.add_argument("--sm-probe-every", type=int, default=None, metavar="N",
+                       help="per-SM histograms take the CTAs of every Nth step and of every "
+                            "step with kernel spans (default: SIGHTLINE_SM_PROBE_EVERY, else 16)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
@@ -84,7 +87,8 @@ def _serve(args: argparse.Namespace) -> int:
                                          capture_content=args.capture_content,
                                          kernel_sample_ratio=args.kernel_sample_ratio,
                                          kernel_span_detail=args.kernel_spans,
-                                         sm_probe=args.sm_probe)
+                                         sm_probe=args.sm_probe,
+                                         sm_probe_every=args.sm_probe_every)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

@@ -123,6 +123,9 @@ class TelemetryConfig:
     # At level kernels: the per-CTA SM probe in our attention kernels and the per-SM
     # histograms it feeds (off leaves kernel spans without per-SM facts).
     sm_probe: bool = True
+    # Steps whose probe records feed the per-SM histograms: every Nth step (and every step
+    # with kernel spans). The kernels probe every step; the records of the others are not read.
+    sm_probe_every: int = 16
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0
@@ -172,6 +175,7 @@ class TelemetryConfig:
             )
         check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
         check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
+        check_range("sm_probe_every", self.sm_probe_every, 1, 1_000_000, integer=True)
         if self.kernel_span_detail not in ("attention", "all"):
             raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
                              "attention|all")
@@ -227,7 +231,9 @@ class TelemetryConfig:
         ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_BSP_EXPORT_TIMEOUT``,
         ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
         ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
-        ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the variable and its bad value.
+        ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_SM_PROBE``,
+        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the
+        variable and its bad value.
         """
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
@@ -279,6 +285,7 @@ class TelemetryConfig:
         put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
         put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
         put("sm_probe", "SIGHTLINE_SM_PROBE", _parse_bool)
+        put("sm_probe_every", "SIGHTLINE_SM_PROBE_EVERY", _parse_int)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:

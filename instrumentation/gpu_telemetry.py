@@ -5,12 +5,13 @@ attention ops; ``begin_step(step)`` / ``end_step(step)`` bracket each step's lau
 the engine thread (:class:`~.lifecycle.OpenStep`).
 
 Engine thread, per step: one random draw and a tail check (which steps get kernel spans:
-a sampled fraction, and the steps after one slower than the recent P99.9), a stream-
-ordered copy of the step's probe records, a queue put; a traced step also switches CUPTI
-on, pushes/pops its external id (``step_id + 1``), and flushes CUPTI before switching it
-off. One worker thread reduces probe records on the GPU in batches into per-(gpu, SM,
-kernel) histograms (always on), copies a traced step's CTA records to the host, and
-every ``export_interval_s`` hands the histograms over. CUPTI buffers go over as raw bytes.
+a sampled fraction, and the steps after one slower than the recent P99.9); every
+``probe_every_steps``-th step and every traced step, a stream-ordered copy of the step's
+probe records and a queue put; a traced step also switches CUPTI on, pushes/pops its
+external id (``step_id + 1``), and flushes CUPTI before switching it off. One worker thread
+reduces those probe records on the GPU in batches into per-(gpu, SM, kernel) histograms,
+copies a traced step's CTA records to the host, and every ``export_interval_s`` hands the
+histograms over: they describe a 1-in-``probe_every_steps`` sample of the steps. CUPTI buffers go over as raw bytes.
 Everything leaves through the recorder (:mod:`.gpu_records`); the telemetry process
 decodes it (:mod:`.kernel_spans`). Errors are logged and counted, never raised.
 """
@@ -52,6 +53,7 @@ class GpuTelemetryConfig:
     cupti: bool = True                  # kernel spans (CUPTI)
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
+    probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = 10.0
     max_pending_steps: int = 4096
@@ -60,7 +62,7 @@ class GpuTelemetryConfig:
     def __post_init__(self) -> None:
         checks = (("kernel_sample_ratio", 0.0, 1.0), ("tail_quantile", 0.5, 1.0),
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
-                  ("probe_capacity_ctas", 1, 1 << 26),
+                  ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
@@ -108,6 +110,7 @@ class TailPolicy:
 @dataclass
 class GpuTelemetryStats:
     steps: int = 0
+    steps_probed: int = 0           # steps whose probe records were read (1 in N, and traced)
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99.9
@@ -133,6 +136,7 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
+                probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
         self.stats = GpuTelemetryStats()
@@ -231,7 +235,8 @@ class GpuTelemetry:
         self.stats.engine_thread_s += time.perf_counter() - t0
 
     def end_step(self, step) -> None:
-        """Closes the step's tag and hands its probe records to the worker (no device sync)."""
+        """Closes the step's tag and hands its probe records to the worker (no device sync)
+        if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them."""
         t0 = time.perf_counter()
         try:
             reason, self._open = self._open, ""
@@ -248,7 +253,11 @@ class GpuTelemetry:
                     self.stats.steps_traced_tail += 1
             pending = None
             if self.probe is not None:
-                pending = self.probe.end_step(step.trace_id, step.span_id)
+                if reason or self.stats.steps % self.config.probe_every_steps == 0:
+                    pending = self.probe.end_step(step.trace_id, step.span_id)
+                    self.stats.steps_probed += pending is not None
+                else:
+                    self.probe.discard()
             self.stats.steps += 1
             if pending is not None or reason:
                 try:

@@ -343,3 +343,43 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
               for m in sm.metrics for p in m.data.data_points]
     assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
     assert all(p.exemplars and p.exemplars[0].span_id in step_ids for p in points)
+
+
+@pytest.mark.gpu
+def test_per_sm_histograms_take_every_nth_step():
+    import torch
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader, MetricExportResult
+
+    from sightline.engine.kernels.attention import prefill_attention
+
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none"),
+                                       span_exporters=[], metric_readers=[InMemoryMetricReader()])
+    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe_every_steps=4))
+    pipeline.attach_gpu(gpu)
+    exported = []
+    pipeline._worker._metric_exporters = [type("Sink", (), {
+        "export": lambda self, data, **_: exported.append(data) or MetricExportResult.SUCCESS})()]
+    q = torch.randn(512, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
+    prefill_attention(q, k, k, cu, cu, 512, 512, 0.088)
+
+    def run(step_ids):
+        for i in step_ids:
+            step = OpenStep(i, *pipeline.recorder.new_span_ids(), time.time_ns())
+            gpu.begin_step(step)
+            prefill_attention(q, k, k, cu, cu, 512, 512, 0.088, probe=gpu.probe)
+            gpu.end_step(step)
+        assert gpu.flush(timeout_s=60)
+
+    run([0])                                    # step 0 is probed: one step's CTAs
+    per_step = gpu.stats.ctas_probed
+    run(range(1, 8))                            # of steps 1..7 only step 4 is
+    assert per_step > 0 and gpu.stats.ctas_probed == 2 * per_step
+    assert (gpu.stats.steps, gpu.stats.steps_probed) == (8, 2)
+    assert _wait(lambda: exported, timeout_s=30)
+    pipeline.shutdown()
+    points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
+              for m in sm.metrics if m.name == semconv.METRIC_CTA_DURATION
+              for p in m.data.data_points]
+    assert sum(p.count for p in points) == 2 * per_step
