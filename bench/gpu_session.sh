@@ -5,7 +5,7 @@
 #   bash bench/gpu_session.sh tests engine overhead-http   # parts, in the order given
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
-# probe), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
+# probe), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
 # overhead-http (bench.overhead_http: served engine, spans to a collector),
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
@@ -49,6 +49,7 @@ for p in "$@"; do
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
+    cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
