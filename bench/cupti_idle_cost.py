@@ -9,7 +9,10 @@ replay (50 kernels), per pinned host-to-device copy and per ``synchronize``.
 States: ``none`` (CUPTI never loaded); ``kinds-off`` (``CuptiTracer`` started, then its
 kinds switched off: what the engine does between traced steps); ``kernel-kind-off`` (only
 CONCURRENT_KERNEL ever enabled, then off); ``finalized`` (``CuptiTracer`` started, off,
-then ``cuptiFinalize``: CUPTI detached); ``kinds-on`` (a traced step's state).
+then ``cuptiFinalize``: CUPTI detached); ``kinds-on`` (a traced step's state); ``cycled``
+(20 traced replays, each with CUPTI attached before and detached after: the attach/detach
+cost, and whether detaching leaves anything behind). Besides host times: GPU time per
+replay of a 300-kernel graph (CUDA events), the figure a decode step's graph pays.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 
 from ._common import ROOT, device_name, git_commit, utc_now
 
-STATES = ("none", "kinds-off", "kernel-kind-off", "finalized", "kinds-on")
+STATES = ("none", "kinds-off", "kernel-kind-off", "finalized", "kinds-on", "cycled")
 
 
 def _per_call_us(fn, calls: int) -> float:
@@ -53,6 +56,11 @@ def measure(state: str) -> dict:
         with torch.cuda.graph(graph, stream=stream):
             for _ in range(50):
                 x.add_(1)
+    big = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(big, stream=stream):
+            for _ in range(300):
+                x.add_(1)
     torch.cuda.synchronize()
     tracer = None
     if state in ("kinds-off", "finalized", "kinds-on"):
@@ -70,11 +78,31 @@ def measure(state: str) -> dict:
         x.add_(1)
         cupti.activity_disable(kind)
     result = {"state": state}
+    if state == "cycled":
+        cycles = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            tracer = CuptiTracer(lambda buffer: None)
+            assert tracer.start(), tracer.unavailable_reason
+            big.replay()
+            torch.cuda.synchronize()
+            tracer.stop()          # flush, kinds off, cuptiFinalize
+            cycles.append(time.perf_counter() - t0)
+        tracer = None
+        result["attach_detach_ms"] = 1e3 * statistics.median(cycles)
+        result["attach_detach_max_ms"] = 1e3 * max(cycles)
     for _ in range(2):     # the second round is the one kept (warm)
         result["launch_us"] = _per_call_us(lambda: x.add_(1), 20000)
         result["graph_replay_us"] = _per_call_us(graph.replay, 2000)
         result["h2d_copy_us"] = _per_call_us(lambda: dev.copy_(host, non_blocking=True), 5000)
         result["synchronize_us"] = _per_call_us(torch.cuda.synchronize, 5000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(200):
+            big.replay()
+        end.record()
+        end.synchronize()
+        result["graph300_gpu_us"] = 1e3 * start.elapsed_time(end) / 200
     if tracer is not None and state == "kinds-on":
         tracer.stop()
     return result
@@ -99,11 +127,13 @@ def main(argv=None) -> int:
                 print(f"{state}: failed\n{out.stderr[-2000:]}", flush=True)
                 continue
             runs[state].append(json.loads(lines[-1]))
-    keys = ("launch_us", "graph_replay_us", "h2d_copy_us", "synchronize_us")
-    summary = {s: {k: statistics.median(r[k] for r in rs) for k in keys}
+    keys = ("launch_us", "graph_replay_us", "h2d_copy_us", "synchronize_us", "graph300_gpu_us",
+            "attach_detach_ms")
+    summary = {s: {k: statistics.median(r.get(k, 0.0) for r in rs) for k in keys}
                for s, rs in runs.items() if rs}
-    print("| state | launch µs | graph replay µs | H2D copy µs | synchronize µs |")
-    print("|---|---|---|---|---|")
+    print("| state | launch µs | graph replay µs | H2D copy µs | synchronize µs "
+          "| 300-kernel graph, GPU µs | attach+detach ms |")
+    print("|---|---|---|---|---|---|---|")
     for s, v in summary.items():
         print(f"| {s} | " + " | ".join(f"{v[k]:.2f}" for k in keys) + " |")
     if args.out is not None:
