@@ -10,8 +10,8 @@ States: ``none`` (CUPTI never loaded); ``kinds-off`` (``CuptiTracer`` started, t
 kinds switched off: what the engine does between traced steps); ``kernel-kind-off`` (only
 CONCURRENT_KERNEL ever enabled, then off); ``finalized`` (``CuptiTracer`` started, off,
 then ``cuptiFinalize``: CUPTI detached); ``kinds-on`` (a traced step's state); ``cycled``
-(20 traced replays, each with CUPTI attached before and detached after: the attach/detach
-cost, and whether detaching leaves anything behind). Besides host times: GPU time per
+(20 traced replays, each with ``CuptiTracer.enable`` attaching CUPTI before and ``detach``
+after: the cost of a traced step's attach and detach, and what detaching leaves behind). Besides host times: GPU time per
 replay of a 300-kernel graph (CUDA events), the figure a decode step's graph pays.
 """
 
@@ -79,15 +79,21 @@ def measure(state: str) -> dict:
         cupti.activity_disable(kind)
     result = {"state": state}
     if state == "cycled":
+        tracer = CuptiTracer(lambda buffer: None)
+        assert tracer.start(), tracer.unavailable_reason
+        tracer.detach()
         cycles = []
-        for _ in range(20):
+        for i in range(20):     # what GpuTelemetry does around a traced step
             t0 = time.perf_counter()
-            tracer = CuptiTracer(lambda buffer: None)
-            assert tracer.start(), tracer.unavailable_reason
+            tracer.enable()
+            tracer.push(i + 1)
             big.replay()
             torch.cuda.synchronize()
-            tracer.stop()          # flush, kinds off, cuptiFinalize
+            tracer.pop()
+            tracer.flush()
+            tracer.detach()
             cycles.append(time.perf_counter() - t0)
+        assert tracer.detaches == 21 and tracer.available
         tracer = None
         result["attach_detach_ms"] = 1e3 * statistics.median(cycles)
         result["attach_detach_max_ms"] = 1e3 * max(cycles)

@@ -67,6 +67,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--sm-probe-every", type=int, default=None, metavar="N",
                        help="per-SM histograms take the CTAs of every Nth step and of every "
                             "step with kernel spans (default: SIGHTLINE_SM_PROBE_EVERY, else 16)")
+    serve.add_argument("--cupti-detach", action=argparse.BooleanOptionalAction, default=None,
+                       help="at --trace-level kernels: detach CUPTI between traced steps, so "
+                            "that untraced steps pay nothing for it (default: "
+                            "SIGHTLINE_CUPTI_DETACH, else on)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
@@ -88,7 +92,8 @@ def _serve(args: argparse.Namespace) -> int:
                                          kernel_sample_ratio=args.kernel_sample_ratio,
                                          kernel_span_detail=args.kernel_spans,
                                          sm_probe=args.sm_probe,
-                                         sm_probe_every=args.sm_probe_every)
+                                         sm_probe_every=args.sm_probe_every,
+                                         cupti_detach=args.cupti_detach)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

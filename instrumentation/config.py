@@ -126,6 +126,9 @@ class TelemetryConfig:
     # Steps whose probe records feed the per-SM histograms: every Nth step (and every step
     # with kernel spans). The kernels probe every step; the records of the others are not read.
     sm_probe_every: int = 16
+    # CUPTI detached between traced steps (no cost to untraced steps' CUDA calls; a traced
+    # step pays the attach), else attached with its activity kinds off.
+    cupti_detach: bool = True
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0
@@ -232,7 +235,7 @@ class TelemetryConfig:
         ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
         ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
         ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_SM_PROBE``,
-        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the
+        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CUPTI_DETACH``, ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the
         variable and its bad value.
         """
         env = os.environ if env is None else env
@@ -286,6 +289,7 @@ class TelemetryConfig:
         put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
         put("sm_probe", "SIGHTLINE_SM_PROBE", _parse_bool)
         put("sm_probe_every", "SIGHTLINE_SM_PROBE_EVERY", _parse_int)
+        put("cupti_detach", "SIGHTLINE_CUPTI_DETACH", _parse_bool)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:

@@ -70,8 +70,9 @@ def _loaded_libcupti() -> ctypes.CDLL:
 class CuptiTracer:
     """Process-wide CUPTI activity capture (CUPTI's activity API is per process).
 
-    ``start()`` -> bool; ``enable()`` / ``disable()`` around traced steps; ``push(id)`` /
-    ``pop()`` around their launches; ``flush()`` delivers part-full buffers; ``stop()``.
+    ``start()`` -> bool; ``enable()`` / ``disable()`` (or ``detach()``) around traced steps;
+    ``push(id)`` / ``pop()`` around their launches; ``flush()`` delivers part-full buffers;
+    ``stop()``.
     ``on_buffer(bytes)`` receives each completed buffer on CUPTI's thread (or the
     flushing one) and must return quickly. Buffers are ``buffer_bytes`` each, reused."""
 
@@ -91,6 +92,8 @@ class CuptiTracer:
         self.api_cbids_disabled = 0
         self._filtered_cbids: list | None = None   # (enable function, cbid) pairs switched off
         self.available = False
+        self.attached = False                  # False between ``detach`` and ``enable``
+        self.detaches = 0
         self.unavailable_reason = "not started"
         self.buffers_completed = 0
         self.bytes_completed = 0
@@ -120,36 +123,62 @@ class CuptiTracer:
                                          "process")
             from cupti import cupti
             self._cupti = cupti
-            kinds = [cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.RUNTIME,
-                     cupti.ActivityKind.DRIVER, cupti.ActivityKind.EXTERNAL_CORRELATION]
+            self._kinds = [cupti.ActivityKind.CONCURRENT_KERNEL, cupti.ActivityKind.RUNTIME,
+                           cupti.ActivityKind.DRIVER, cupti.ActivityKind.EXTERNAL_CORRELATION]
             self._ext_kind = cupti.ExternalCorrelationKind.CUSTOM2
-            enabled = []
             try:
                 getattr(cupti, "get_version", lambda: None)()   # cupti-python loads libcupti
                 self._lib = _loaded_libcupti()
-                result = self._lib.cuptiActivityRegisterCallbacks(*self._callbacks)
-                if result != 0:
-                    raise RuntimeError(f"cuptiActivityRegisterCallbacks returned {result}")
-                for kind in kinds:
-                    cupti.activity_enable(kind)
-                    enabled.append(kind)
-                if self.api_filter:
-                    self._filter_api_records(cupti)
-                if self.flush_period_ms:
-                    cupti.activity_flush_period(self.flush_period_ms)
+                self._attach()
             except Exception as exc:
-                for kind in enabled:
-                    try:
-                        cupti.activity_disable(kind)
-                    except Exception:
-                        pass
                 return self._unavailable(f"CUPTI refused activity tracing ({exc}); another "
                                          "subscriber (e.g. torch.profiler) may hold it")
-            self._kinds = kinds
             CuptiTracer._active = self
         self.available = True
         self.unavailable_reason = ""
         return True
+
+    def _attach(self) -> None:
+        """Callbacks registered, kinds on, API filter applied; on failure, kinds off again."""
+        cupti = self._cupti
+        enabled = []
+        try:
+            result = self._lib.cuptiActivityRegisterCallbacks(*self._callbacks)
+            if result != 0:
+                raise RuntimeError(f"cuptiActivityRegisterCallbacks returned {result}")
+            for kind in self._kinds:
+                cupti.activity_enable(kind)
+                enabled.append(kind)
+            if self.api_filter:
+                self._filter_api_records(cupti)
+            if self.flush_period_ms:
+                cupti.activity_flush_period(self.flush_period_ms)
+        except Exception:
+            for kind in enabled:
+                try:
+                    cupti.activity_disable(kind)
+                except Exception:
+                    pass
+            raise
+        self.attached = True
+
+    def detach(self) -> None:
+        """Delivers every record, switches the kinds off and detaches CUPTI from the process
+        (``cuptiFinalize``): CUDA calls then cost what they cost without CUPTI, where merely
+        disabled kinds leave a few microseconds on every call. ``enable`` attaches again
+        (milliseconds). The caller makes sure no other thread is in a CUDA call meanwhile."""
+        if not (self.available and self.attached):
+            return
+        cupti = self._cupti
+        try:
+            cupti.activity_flush_all(1)
+            for kind in self._kinds:
+                cupti.activity_disable(kind)
+            cupti.finalize()
+        except Exception:
+            logger.exception("CUPTI detach failed")
+        self.attached = False
+        self.detaches += 1
 
     def _filter_api_records(self, cupti) -> None:
         """Keeps API records only for launches, copies and memsets: external correlation
@@ -190,23 +219,11 @@ class CuptiTracer:
         return False
 
     def stop(self) -> None:
-        """Flushes (delivering what is left), disables and lets CUPTI go."""
+        """Flushes (delivering what is left), disables and lets CUPTI go (a later
+        subscriber, e.g. torch.profiler, can start)."""
         if not self.available:
             return
-        cupti = self._cupti
-        try:
-            cupti.activity_flush_all(1)
-        except Exception:
-            logger.exception("CUPTI flush at stop failed")
-        for kind in self._kinds:
-            try:
-                cupti.activity_disable(kind)
-            except Exception:
-                logger.exception("CUPTI disable failed")
-        try:
-            cupti.finalize()   # lets another subscriber (e.g. torch.profiler) start later
-        except Exception:
-            pass
+        self.detach()
         self.available = False
         self.unavailable_reason = "stopped"
         with CuptiTracer._class_lock:
@@ -214,9 +231,17 @@ class CuptiTracer:
                 CuptiTracer._active = None
 
     def enable(self) -> None:
-        """Switches the activity kinds on (per traced step; no flush). The per-API filter
-        set at start is not re-applied: unfiltered API records would cost only bytes here."""
+        """Switches the activity kinds on (per traced step; no flush), attaching CUPTI
+        first if ``detach`` let it go. The per-API filter set at attach is not re-applied
+        when only the kinds were off: unfiltered API records would cost only bytes here."""
         if self.available:
+            if not self.attached:
+                try:
+                    self._attach()
+                except Exception as exc:
+                    self._unavailable(f"CUPTI refused to attach again ({exc}); kernel spans "
+                                      "are off")
+                return
             try:
                 for kind in self._kinds:
                     self._cupti.activity_enable(kind)
@@ -224,10 +249,9 @@ class CuptiTracer:
                 logger.exception("CUPTI enable failed")
 
     def disable(self) -> None:
-        """Switches the activity kinds off: no records and no per-launch CUPTI cost until
-        ``enable``. Records already made stay in their buffer until it completes or a
-        ``flush``."""
-        if self.available:
+        """Switches the activity kinds off: no records until ``enable``, CUPTI still attached.
+        Records already made stay in their buffer until it completes or a ``flush``."""
+        if self.available and self.attached:
             try:
                 for kind in self._kinds:
                     self._cupti.activity_disable(kind)
@@ -237,14 +261,14 @@ class CuptiTracer:
     # -- engine thread ----------------------------------------------------------------
     def push(self, external_id: int) -> None:
         """Tags the calling thread's following CUDA launches with ``external_id``."""
-        if self.available:
+        if self.available and self.attached:
             try:
                 self._cupti.activity_push_external_correlation_id(self._ext_kind, external_id)
             except Exception:
                 logger.exception("CUPTI push failed")
 
     def pop(self) -> None:
-        if self.available:
+        if self.available and self.attached:
             try:
                 self._cupti.activity_pop_external_correlation_id(self._ext_kind)
             except Exception:
@@ -277,8 +301,9 @@ class CuptiTracer:
             self.callback_errors += 1
 
     def flush(self) -> None:
-        """Forces CUPTI to deliver every record of finished work now (blocks)."""
-        if self.available:
+        """Forces CUPTI to deliver every record of finished work now (blocks). Nothing while
+        detached: any CUPTI call would attach it again."""
+        if self.available and self.attached:
             try:
                 self._cupti.activity_flush_all(1)
             except Exception:

@@ -7,8 +7,9 @@ the engine thread (:class:`~.lifecycle.OpenStep`).
 Engine thread, per step: one random draw and a tail check (which steps get kernel spans:
 a sampled fraction, and the steps after one slower than the recent P99.9); every
 ``probe_every_steps``-th step and every traced step, a stream-ordered copy of the step's
-probe records and a queue put; a traced step also switches CUPTI on, pushes/pops its
-external id (``step_id + 1``), and flushes CUPTI before switching it off. One worker thread
+probe records and a queue put; a traced step also attaches CUPTI (milliseconds), pushes/
+pops its external id (``step_id + 1``), and flushes CUPTI before detaching it: attached but
+idle, CUPTI would add microseconds to every CUDA call of every step. One worker thread
 reduces those probe records on the GPU in batches into per-(gpu, SM, kernel) histograms,
 copies a traced step's CTA records to the host, and every ``export_interval_s`` hands the
 histograms over: they describe a 1-in-``probe_every_steps`` sample of the steps. CUPTI buffers go over as raw bytes.
@@ -51,6 +52,9 @@ class GpuTelemetryConfig:
     tail_min_steps: int = 64            # no tail rule before this many steps
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     cupti: bool = True                  # kernel spans (CUPTI)
+    # CUPTI detached between traced steps: untraced steps' CUDA calls pay nothing, a
+    # traced step pays the attach (see bench/results/cupti_idle_cost*)
+    cupti_detach: bool = True
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
     probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
@@ -136,6 +140,7 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
+                cupti_detach=getattr(telemetry_config, "cupti_detach", True),
                 probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
@@ -159,6 +164,9 @@ class GpuTelemetry:
             self._side = torch.cuda.Stream(device=device)
         recorder.record(GpuIdentity(device_index, _gpu_uuid(device_index)))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
+        # held by the worker around its CUDA calls and by the engine thread while CUPTI
+        # attaches or detaches: cuptiFinalize must not race another thread's CUDA call
+        self._cuda_lock = threading.Lock()
         self._open: str = ""       # the running step's trace reason ("" = not traced)
         self._follow = 0           # steps still to trace after a slow one
         self._probe_batch: list = []
@@ -197,7 +205,7 @@ class GpuTelemetry:
         if self.tracer is None or self.tracer.available:
             return self.kernel_spans_available
         if self.tracer.start():
-            self.tracer.disable()
+            self._idle_tracer()
         else:
             logger.warning("GPU telemetry continues without kernel spans: %s",
                            self.tracer.unavailable_reason)
@@ -225,7 +233,11 @@ class GpuTelemetry:
                 elif self.policy.sample():
                     reason = TRACE_SAMPLED
                 if reason:
-                    self.tracer.enable()
+                    if self.tracer.attached:
+                        self.tracer.enable()
+                    else:
+                        with self._cuda_lock:
+                            self.tracer.enable()
                     self.tracer.push(step.step_id + 1)
                     step.set_attribute(semconv.STEP_TRACE_REASON, reason)
             self._open = reason
@@ -246,7 +258,7 @@ class GpuTelemetry:
                 # records while the kinds are still on (a CUDA graph's kernel records
                 # flushed after the kinds went off carried the flush time as their end).
                 self.tracer.flush()
-                self.tracer.disable()
+                self._idle_tracer()
                 if reason == TRACE_SAMPLED:
                     self.stats.steps_traced_sampled += 1
                 else:
@@ -268,6 +280,14 @@ class GpuTelemetry:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
         self.stats.engine_thread_s += time.perf_counter() - t0
+
+    def _idle_tracer(self) -> None:
+        """Between traced steps: CUPTI detached (``cupti_detach``) or its kinds off."""
+        if self.config.cupti_detach:
+            with self._cuda_lock:
+                self.tracer.detach()
+        else:
+            self.tracer.disable()
 
     def observe_step(self, step, duration_s: float) -> None:
         """The tail rule, once the step's wall time is known: a step slower than the recent
@@ -312,23 +332,27 @@ class GpuTelemetry:
                 item = None
             cpu0 = time.thread_time()
             try:
-                if item is not None and item[0] == "flush":
-                    _, export, done = item
-                    self._reduce_probe_batch()
-                    if self.tracer is not None:
-                        self.tracer.flush()
-                    if export:
-                        self._export()
-                    done.set()
-                elif item is not None:
-                    self._take_step(*item)
-                if time.monotonic() - self._last_export >= self.config.export_interval_s:
-                    self._export()
+                with self._cuda_lock:
+                    self._work(item)
             except Exception:
                 self.stats.errors += 1
                 logger.exception("GPU telemetry worker step failed")
             finally:
                 self.stats.worker_cpu_s += time.thread_time() - cpu0
+
+    def _work(self, item) -> None:
+        if item is not None and item[0] == "flush":
+            _, export, done = item
+            self._reduce_probe_batch()
+            if self.tracer is not None:
+                self.tracer.flush()
+            if export:
+                self._export()
+            done.set()
+        elif item is not None:
+            self._take_step(*item)
+        if time.monotonic() - self._last_export >= self.config.export_interval_s:
+            self._export()
 
     def _take_step(self, step_id: int, pending, end_ns: int, traced: bool) -> None:
         if pending is not None and self.histograms is not None:

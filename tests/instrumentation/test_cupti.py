@@ -107,14 +107,21 @@ class _FakeTracer:
     def __init__(self) -> None:
         self.pending: list[bytes] = []
         self.pushed: list[int] = []
-        self.enabled = self.flushes = 0
+        self.enabled = self.flushes = self.detaches = 0
+        self.attached = False
         self.on_buffer = None
 
     def enable(self):
         self.enabled += 1
+        self.attached = True
 
     def disable(self):
         pass
+
+    def detach(self):
+        assert self.attached, "detached twice"
+        self.detaches += 1
+        self.attached = False
 
     def push(self, ext):
         self.pushed.append(ext)
@@ -237,7 +244,7 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     _run_step(pipeline, gpu, 64, t + 64 * 10**7, 0.05)
     traced = [_run_step(pipeline, gpu, 65 + j, t + (65 + j) * 10**7, d)
               for j, d in enumerate((0.2, 0.2, 0.010))]
-    assert tracer.pushed == [66, 67] and tracer.enabled == 2
+    assert tracer.pushed == [66, 67] and tracer.enabled == tracer.detaches == 2
     assert gpu.stats.tail_steps == 1 and gpu.stats.steps_traced_tail == 2
     assert [st.attributes for st in traced] == [{semconv.STEP_TRACE_REASON: "after_tail"}] * 2 + [None]
     pipeline.shutdown()
