@@ -49,7 +49,7 @@ for p in "$@"; do
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
-    cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --out "$OUT" ;;
+    cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
