@@ -33,6 +33,7 @@ from ._common import ROOT, device_name, git_commit, utc_now
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags
     "off": ["--trace-level", "off"],
+    "off-b": ["--trace-level", "off"],      # a second off engine: the method's own spread
     "requests": ["--trace-level", "requests"],
     "steps": ["--trace-level", "steps"],
     "kernels": ["--trace-level", "kernels"],
@@ -41,8 +42,8 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
     "kernels-probe-all": ["--trace-level", "kernels", "--sm-probe-every", "1"],     # every step's CTAs
     "kernels-attached": ["--trace-level", "kernels", "--no-cupti-detach"],          # CUPTI kept attached
-    "kernels@0.05-attached": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05",
-                              "--no-cupti-detach"],
+    "kernels@0.05-detached": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05",
+                              "--cupti-detach"],
 }
 
 

@@ -38,12 +38,17 @@ class ReplayConfig:
     rebase: bool = True
     max_retries: int = 20
     signals: tuple[str, ...] = ("traces", "metrics")  # replay only these
+    # > 0 (with speed 0): anchored so that the metric exports' median phase lands 1 ms
+    # before a boundary of the collector's ``slot_s`` slots, never after now: each slot then
+    # holds the export that covers it, the same way on every run (else up to a slot off)
+    align_slot_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.signals or set(self.signals) - set(_PATHS):
             raise ValueError(f"signals={self.signals} must be a non-empty subset of {tuple(_PATHS)}")
         check_range("speed", self.speed, 0, 1000, hint="(0 = as fast as possible)")
         check_range("max_retries", self.max_retries, 0, 1000, integer=True)
+        check_range("align_slot_s", self.align_slot_s, 0, 3600)
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,18 @@ def _capture_times(path: Path) -> tuple[int, int] | None:
     return None if first is None else (first, last)
 
 
+def _slot_aligned(path: Path, last_ns: int, now_ns: int, slot_ns: int) -> int:
+    """The latest anchor <= ``now_ns`` for ``TimeMap(last_ns, anchor)`` that puts the median
+    phase of the capture's metric points 1 ms before a slot boundary."""
+    from ..instrumentation import read_capture
+    phases = sorted(point.time_unix_nano % slot_ns for _, _, request in read_capture(path, ("metrics",))
+                    for _, point in metric_points(request))
+    if not phases:
+        return now_ns
+    residue = (last_ns - phases[len(phases) // 2] - 1_000_000) % slot_ns
+    return now_ns - (now_ns - residue) % slot_ns
+
+
 def rebase_request(signal: str, request, time_map) -> None:
     """Maps every timestamp of an export request through ``time_map`` (in place): a
     :class:`TimeMap`, or an int offset in ns. Spans and their events keep their offsets
@@ -212,9 +229,13 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     first_ns, last_ns = times
     if time_map is not None:
         result.time_map = time_map
+    elif config.rebase and config.speed > 0:
+        result.time_map = TimeMap(first_ns, now_ns, config.speed)
     elif config.rebase:
-        result.time_map = (TimeMap(first_ns, now_ns, config.speed) if config.speed > 0
-                           else TimeMap(last_ns, now_ns))
+        anchor_ns = now_ns
+        if config.align_slot_s > 0:
+            anchor_ns = _slot_aligned(path, last_ns, now_ns, int(config.align_slot_s * 1e9))
+        result.time_map = TimeMap(last_ns, anchor_ns)
     start_ns = now_ns if time_map is None else time_map(first_ns)
     for line_no, (signal, t_ns, request) in enumerate(read_capture(path, config.signals), start=1):
         if config.speed > 0:

@@ -31,7 +31,7 @@ from typing import IO, Any, Literal
 from ..collector.aggregation_config import WindowConfig
 from ..instrumentation import check_range, read_capture_meta
 from .demo_incident import (SM_HOTSPOT_ALERT, demo_rules, format_incident, incident_record,
-                            screenshot_heatmap, wait_for_alert)
+                            screenshot_heatmap, story_kernel, wait_for_alert)
 from .incident import Finding, Incident, find
 from .load import LoadConfig, LoadResult, format_summary, run_load_sync
 from .stack import Stack, StackConfig, format_urls
@@ -105,6 +105,7 @@ class DemoReport:
     incident: Incident | None = None  # what the replayed capture says was planted
     findings: list[Finding] = field(default_factory=list)
     alerts: list[dict[str, Any]] = field(default_factory=list)  # SM-hotspot alerts in Alertmanager
+    story_kernel: str | None = None   # the kernel whose per-SM view the story follows
     files: dict[str, Path] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -195,8 +196,9 @@ def _replay_capture(capture: Path, otlp_http_url: str, speed: float, signals: tu
     a one-line account and the replay's TimeMap."""
     from ..collector.replay import HttpSink, ReplayConfig, replay
 
-    result = replay(capture, HttpSink(otlp_http_url), ReplayConfig(speed=speed, rebase=True, signals=signals),
-                    time_map=time_map)
+    from ..collector.aggregation_config import WindowConfig
+    aligned = ReplayConfig(speed=speed, rebase=True, signals=signals, align_slot_s=WindowConfig().slot_s)
+    result = replay(capture, HttpSink(otlp_http_url), aligned, time_map=time_map)
     pace = "at once, shifted to end now" if speed == 0 else f"at {speed:g}x, time compressed"
     what = f"{result.spans} spans" if signals == ("traces",) else f"{result.data_points} data points"
     return f"{result.exports} exports ({what}) in {result.duration_s:.1f}s ({pace})", result.time_map
@@ -226,7 +228,7 @@ def _fetch_heatmaps(collector_url: str, folder: Path) -> tuple[list[Path], list[
                 path.write_bytes(body)
                 written.append(path)
                 if fmt == "json" and kind == "time_sm":
-                    time_sm.append(json.loads(body))
+                    time_sm.append({**json.loads(body), "gpu_index": entry.get("gpu_index")})
                 elif fmt == "json":
                     line = _hotspot_line(json.loads(body))
                     if line:
@@ -366,6 +368,7 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
                 replayed = (capture, label, time_map)
 
         heatmaps, hotspots, time_sm = _fetch_heatmaps(p.collector_url, out / "heatmaps")
+        report.story_kernel = story_kernel(time_sm)
         if replayed is not None:
             capture, label, time_map = replayed
             if report.incident is not None:
@@ -382,7 +385,7 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         if heatmaps:
             report.files["per-SM heatmaps (PNG + HTML)"] = out / "heatmaps"
             try:
-                shot = screenshot_heatmap(out / "heatmaps")
+                shot = screenshot_heatmap(out / "heatmaps", report.story_kernel)
                 report.files["heatmap page in headless Chromium"] = shot
             except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
                 report.notes.append(f"no screenshot of the heatmap page: {exc}")

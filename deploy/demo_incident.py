@@ -4,7 +4,9 @@
   seconds, so that the alert can fire within the demo (production waits 15 minutes); the
   summary says so.
 * :func:`wait_for_alert`: that alert as the demo's real Alertmanager lists it.
-* :func:`screenshot_heatmap`: the FA2 kernel's time x SM heatmap page in headless Chromium,
+* :func:`story_kernel`: the attention kernel the story follows, the one whose per-SM view
+  stands out most (highest hotspot ratio): what a user looking at the heatmaps would pick.
+* :func:`screenshot_heatmap`: that kernel's time x SM heatmap page in headless Chromium,
   saved next to the heatmap PNGs.
 * :func:`format_incident` / :func:`incident_record`: the summary's lines and JSON: each
   interval's planted SMs, the SMs flagged hot then (deploy/incident.py), precision and
@@ -26,10 +28,18 @@ from .screenshot import screenshot
 from .stack import default_rules_files
 
 __all__ = ["SM_HOTSPOT_ALERT", "demo_rules", "format_incident", "incident_record",
-           "screenshot_heatmap", "wait_for_alert"]
+           "screenshot_heatmap", "story_kernel", "wait_for_alert"]
 
 SM_HOTSPOT_ALERT = "SightlineSMHotspot"
-STORY_KERNEL = "sightline_fa2_prefill"  # FlashAttention-2: the kernel the story follows
+
+
+def story_kernel(time_sm: list[dict[str, Any]]) -> str | None:
+    """The kernel of the time x SM heatmap with the highest hotspot ratio (hottest SM's
+    P99 over the median SM's); None without one. Chosen from the data alone: no planted
+    SM is looked at."""
+    rated = [(h["hotspot"]["ratio"], h["kernel"]) for h in time_sm
+             if (h.get("hotspot") or {}).get("ratio") is not None]
+    return max(rated, key=lambda r: (r[0], r[1]))[1] if rated else None
 
 
 def demo_rules(folder: Path, for_s: int) -> tuple[Path, ...] | None:
@@ -69,13 +79,13 @@ def wait_for_alert(alertmanager_url: str, name: str, timeout_s: float) -> list[d
         time.sleep(1.0)
 
 
-def screenshot_heatmap(folder: Path) -> Path:
-    """A Chromium screenshot of the FA2 kernel's time x SM page (else the first one) in
+def screenshot_heatmap(folder: Path, kernel: str | None) -> Path:
+    """A Chromium screenshot of ``kernel``'s time x SM page (else the first one) in
     ``folder``, written beside it as ``<page>-chromium.png``."""
     pages = sorted(folder.glob("*-time_sm.html"))
     if not pages:
         raise RuntimeError(f"no time x SM heatmap page in {folder}")
-    page = next((p for p in pages if STORY_KERNEL in p.name), pages[0])
+    page = next((p for p in pages if kernel and f"-{kernel}-" in p.name), pages[0])
     return screenshot(page.resolve().as_uri(), page.with_name(page.stem + "-chromium.png"))
 
 
@@ -112,7 +122,8 @@ def _by_interval(report) -> list[tuple[float, float]]:
 
 
 def incident_record(report) -> dict[str, Any]:
-    return {"incident": report.incident.to_meta(), "replayed_intervals_unix_s": _by_interval(report),
+    return {"incident": report.incident.to_meta(), "story_kernel": report.story_kernel,
+            "replayed_intervals_unix_s": _by_interval(report),
             "findings": [f.to_dict() for f in report.findings], "slowest_requests": _slowest_requests(report),
             "alerts": report.alerts}
 
@@ -122,6 +133,9 @@ def format_incident(report) -> list[str]:
     kind = ("SYNTHETIC (planted into a measured capture, not a measurement)" if incident.synthetic
             else f"recorded on {incident.device} by {incident.tool}")
     lines = [f"The incident in the replayed capture, {kind}:", f"  {incident.description}"]
+    if report.story_kernel:
+        lines.append(f"  The story follows {report.story_kernel}: its per-SM view stands out most "
+                     "(highest hotspot ratio of the attention kernels).")
     replayed = _by_interval(report)
     for n, interval in enumerate(incident.intervals):
         when = (f"{_clock(replayed[n][0])}..{_clock(replayed[n][1])} UTC as replayed"

@@ -197,13 +197,15 @@ def find(incident: Incident, heatmaps: list[dict[str, Any]], time_map, threshold
          starve_ratio: float | None = None) -> list[Finding]:
     """A :class:`Finding` per (interval, heatmap of that interval's GPU); ``time_map`` maps
     capture time (ns) to replayed time (ns), e.g. ``collector.replay.TimeMap``; with
-    ``starve_ratio`` the findings also say which SMs ran few CTAs (heatmaps need ``counts``)."""
+    ``starve_ratio`` the findings also say which SMs ran few CTAs (heatmaps need ``counts``).
+    A heatmap is the interval's GPU when its ``gpu`` or ``gpu_index`` is the interval's
+    (heatmaps name a GPU by its UUID when the engine had NVML; incidents by index)."""
     findings = []
     for interval in incident.intervals:
         start_s = time_map(interval.start_unix_nano) / 1e9
         end_s = time_map(interval.end_unix_nano) / 1e9
         for heatmap in heatmaps:
-            if str(heatmap["gpu"]) != interval.gpu:
+            if interval.gpu not in (str(heatmap["gpu"]), str(heatmap.get("gpu_index"))):
                 continue
             flagged, slots = flag_hot_sms(heatmap, start_s, end_s, threshold)
             starved = ({} if starve_ratio is None else

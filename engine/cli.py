@@ -69,8 +69,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                             "step with kernel spans (default: SIGHTLINE_SM_PROBE_EVERY, else 16)")
     serve.add_argument("--cupti-detach", action=argparse.BooleanOptionalAction, default=None,
                        help="at --trace-level kernels: detach CUPTI between traced steps, so "
-                            "that untraced steps pay nothing for it (default: "
-                            "SIGHTLINE_CUPTI_DETACH, else on)")
+                            "that untraced steps pay nothing for it and each traced step pays "
+                            "an attach (default: SIGHTLINE_CUPTI_DETACH, else on when "
+                            "--kernel-sample-ratio is at most 0.02)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")

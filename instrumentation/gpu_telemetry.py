@@ -38,6 +38,10 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 
 logger = logging.getLogger(__name__)
 
+# Where detaching stops paying: a traced step's attach and detach cost about 50 times what
+# an attached-but-idle CUPTI adds to one step (bench/results/overhead_http.md)
+DETACH_BELOW_RATIO = 0.02
+
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -52,9 +56,10 @@ class GpuTelemetryConfig:
     tail_min_steps: int = 64            # no tail rule before this many steps
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     cupti: bool = True                  # kernel spans (CUPTI)
-    # CUPTI detached between traced steps: untraced steps' CUDA calls pay nothing, a
-    # traced step pays the attach (see bench/results/cupti_idle_cost*)
-    cupti_detach: bool = True
+    # CUPTI between traced steps: detached (untraced steps' CUDA calls pay nothing, each
+    # traced step pays an attach) or attached with its kinds off (every CUDA call pays a
+    # little). None: detached when kernel_sample_ratio <= DETACH_BELOW_RATIO.
+    cupti_detach: bool | None = None
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
     probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
@@ -62,6 +67,13 @@ class GpuTelemetryConfig:
     export_interval_s: float = 10.0
     max_pending_steps: int = 4096
     seed: int | None = None
+
+    @property
+    def detaches_cupti(self) -> bool:
+        """Whether CUPTI is detached between traced steps (``cupti_detach``, else by ratio)."""
+        if self.cupti_detach is None:
+            return self.kernel_sample_ratio <= DETACH_BELOW_RATIO
+        return self.cupti_detach
 
     def __post_init__(self) -> None:
         checks = (("kernel_sample_ratio", 0.0, 1.0), ("tail_quantile", 0.5, 1.0),
@@ -140,7 +152,7 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
-                cupti_detach=getattr(telemetry_config, "cupti_detach", True),
+                cupti_detach=getattr(telemetry_config, "cupti_detach", None),
                 probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
@@ -283,7 +295,7 @@ class GpuTelemetry:
 
     def _idle_tracer(self) -> None:
         """Between traced steps: CUPTI detached (``cupti_detach``) or its kinds off."""
-        if self.config.cupti_detach:
+        if self.config.detaches_cupti:
             with self._cuda_lock:
                 self.tracer.detach()
         else:

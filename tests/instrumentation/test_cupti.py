@@ -74,6 +74,11 @@ def test_config_ranges_name_the_bad_value():
         GpuTelemetryConfig(kernel_sample_ratio=1.5)
     with pytest.raises(ValueError, match="tail_min_steps=0"):
         GpuTelemetryConfig(tail_min_steps=0)
+    # CUPTI is detached between traced steps at low sampling ratios, unless told
+    assert GpuTelemetryConfig().detaches_cupti and GpuTelemetryConfig(kernel_sample_ratio=0.02).detaches_cupti
+    assert not GpuTelemetryConfig(kernel_sample_ratio=0.05).detaches_cupti
+    assert GpuTelemetryConfig(kernel_sample_ratio=0.05, cupti_detach=True).detaches_cupti
+    assert not GpuTelemetryConfig(cupti_detach=False).detaches_cupti
 
 
 def test_create_returns_none_below_kernels_level_or_without_cuda():
