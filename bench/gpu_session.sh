@@ -5,7 +5,8 @@
 #   bash bench/gpu_session.sh tests engine overhead-http   # parts, in the order given
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
-# probe), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
+# probe), profile (bench.profile_levels: py-spy stacks of each level's engine under load;
+# carry .pyspy too), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
 # overhead-http (bench.overhead_http: served engine, spans to a collector),
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
@@ -49,6 +50,9 @@ for p in "$@"; do
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
+    profile) python3 -m pip install -q --no-index --no-deps --target /tmp/site .pyspy/*.whl >>"$OUT/pip.log" 2>&1
+        PATH=/tmp/site/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
+            --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ;;
     cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;

@@ -1,0 +1,110 @@
+"""Where each telemetry level's engine spends its CPU under load: py-spy stacks (a diagnosis).
+
+    python -m bench.profile_levels --levels steps,kernels --out "$OUT"
+
+Starts one engine per level (bench/overhead_http.py's flags) and a collector, sends bursts
+of streamed completions to each engine in turn from a separate process, and meanwhile
+records every engine with ``py-spy record --threads --nonblocking`` (raw collapsed stacks,
+one file per level). ``--top`` prints the functions with the most samples on the engine's
+step thread per level, self time and total, so that two levels can be compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sightline.deploy.processes import free_ports
+
+from .overhead_http import CLI, _wait_http, load, start_engine
+
+
+def top_functions(raw: Path, n: int) -> list[str]:
+    """The ``n`` frames with the most samples (total) on threads whose stacks pass through
+    the engine's step, with their self samples."""
+    total, own, samples = collections.Counter(), collections.Counter(), 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "step (" not in stack and "step(" not in stack:
+            continue
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]   # per function
+        samples += int(count)
+        for frame in set(frames):
+            total[frame] += int(count)
+        own[frames[-1]] += int(count)
+    return [f"{100 * c / max(samples, 1):5.1f} % total {100 * own[f] / max(samples, 1):5.1f} % self  {f}"
+            for f, c in total.most_common(n)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="llama-8b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--levels", default="steps,kernels")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--duration-s", type=float, default=20.0)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--output", type=int, default=64)
+    ap.add_argument("--start-timeout-s", type=float, default=300.0)
+    ap.add_argument("--engine-args", nargs="*", default=[])
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+    levels = args.levels.split(",")
+    grpc, http, zipkin, query = free_ports(4)
+    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
+                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
+                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
+                                        "--log-level", "WARNING"])
+    engines = {}
+    try:
+        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
+        for level, port in zip(levels, free_ports(len(levels))):
+            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port)
+        for level, (engine, url) in engines.items():
+            _wait_http(url + "/health", engine, args.start_timeout_s)
+        urls = [url for _, url in engines.values()]
+        pids = [engine.pid for engine, _ in engines.values()]
+        load(args, urls, pids, 1, seed=999)                   # warm-up
+        args.out.mkdir(parents=True, exist_ok=True)
+        spies = {level: subprocess.Popen(["py-spy", "record", "-p", str(engine.pid), "-d",
+                                          str(int(args.duration_s)), "-r", "200", "--threads",
+                                          "--nonblocking", "-f", "raw", "-o",
+                                          str(args.out / f"pyspy-{level}.txt")],
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for level, (engine, _) in engines.items()}
+        deadline = time.monotonic() + args.duration_s
+        while time.monotonic() < deadline:
+            load(args, urls, pids, 2, seed=int(time.time()))
+        for level, spy in spies.items():
+            _, err = spy.communicate(timeout=60)
+            if spy.returncode:
+                print(f"{level}: py-spy failed: {err.decode()[-500:]}")
+    finally:
+        for engine, _ in engines.values():
+            engine.send_signal(signal.SIGTERM)
+        for engine, _ in engines.values():
+            try:
+                engine.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(timeout=60)
+    for level in levels:
+        raw = args.out / f"pyspy-{level}.txt"
+        if raw.exists():
+            print(f"== {level}: engine step thread, top {args.top}")
+            print("\n".join(top_functions(raw, args.top)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
