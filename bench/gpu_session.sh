@@ -50,8 +50,8 @@ for p in "$@"; do
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
-    profile) python3 -m pip install -q --no-index --no-deps --target /tmp/site .pyspy/*.whl >>"$OUT/pip.log" 2>&1
-        PATH=/tmp/site/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
+    profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl >>"$OUT/pip.log" 2>&1
+        PATH=/tmp/pyspy/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
             --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ;;
     cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
