@@ -8,7 +8,10 @@ GPU), idle but for
 the burst aimed at them. A separate load process (``bench.burst_load``) sends each round one
 burst of ``--concurrency`` streamed completions to every server in turn, the order rotating
 between rounds, so that drift of the machine hits every level alike; a warm-up round is
-discarded. Per level: output tokens/s (median of bursts), the ratio to ``off`` paired by
+discarded. With ``--pin`` (the default when there are cores enough) every engine process
+(and its telemetry process) runs on its own CPUs, and the load and the collector on others,
+so that no engine's step thread shares a CPU with the load by chance of the scheduler.
+Per level: output tokens/s (median of bursts), the ratio to ``off`` paired by
 round, the engine's step times (``/debug/steps``: median, steps over 2x the median), the
 share of the engine loop its thread spent recording telemetry, the engine process's and its
 telemetry process's CPU seconds per 1,000 output tokens, failures and telemetry drops.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -70,14 +74,28 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def start_engine(args, level: str, otlp: str, port: int) -> tuple[subprocess.Popen, str]:
-    """Starts one engine; the caller waits for its ``/health`` (engines start in parallel)."""
+def start_engine(args, level: str, otlp: str, port: int,
+                 cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts one engine (on ``cpus``, which its threads and telemetry process inherit); the
+    caller waits for its ``/health`` (engines start in parallel)."""
     engine = subprocess.Popen(CLI + ["engine", "serve", "--model", args.model, "--device", args.device,
                                      "--port", str(port), "--otlp-endpoint", otlp,
                                      "--max-model-len", str(args.max_model_len),
                                      "--max-num-seqs", str(args.concurrency), "--log-level", "warning",
-                                     *args.engine_args, *LEVELS[level]])
+                                     *args.engine_args, *LEVELS[level]],
+                              preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     return engine, f"http://127.0.0.1:{port}"
+
+
+def cpu_plan(levels: list[str], cpus: list[int]) -> dict[str, set[int]] | None:
+    """Disjoint CPU sets: one per level, as even as the CPUs allow, and "load" (the load
+    process and the collector) with the rest; None when a set would have fewer than two."""
+    per = len(cpus) // (len(levels) + 1)
+    if per < 2:
+        return None
+    plan = {level: set(cpus[i * per:(i + 1) * per]) for i, level in enumerate(levels)}
+    plan["load"] = set(cpus[len(levels) * per:])
+    return plan
 
 
 def load(args, urls: list[str], pids: list[int], rounds: int, seed: int) -> list[dict]:
@@ -86,7 +104,9 @@ def load(args, urls: list[str], pids: list[int], rounds: int, seed: int) -> list
                "--output", str(args.output), "--seed", str(seed)]
     for url, pid in zip(urls, pids):
         command += ["--url", url, "--pid", str(pid)]
-    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT).stdout
+    cpus = getattr(args, "load_cpus", None)
+    out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
@@ -151,21 +171,29 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--engine-args", nargs="*", default=[])
+    ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                    help="each engine, and the load with the collector, on CPUs of their own")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     levels = args.levels.split(",")
     if levels[0] != "off":
         raise SystemExit("--levels must start with off (the reference)")
+    plan = cpu_plan(levels, sorted(os.sched_getaffinity(0))) if args.pin else None
+    args.load_cpus = plan["load"] if plan else None
+    args.cpu_plan = {k: sorted(v) for k, v in plan.items()} if plan else None
     grpc, http, zipkin, query = free_ports(4)
     collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
                                         "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
                                         f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
                                         "--log-level", "WARNING"])
+    if plan:
+        os.sched_setaffinity(collector.pid, plan["load"])
     engines: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
         _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
         for level, port in zip(levels, free_ports(len(levels))):
-            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port)
+            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port,
+                                          plan[level] if plan else None)
         for level, (engine, url) in engines.items():
             _wait_http(url + "/health", engine, args.start_timeout_s)
             print(f"{level}: serving on {url}", flush=True)
@@ -200,7 +228,7 @@ def main(argv=None) -> int:
         summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
             sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
-              "time": utc_now(), "args": vars(args) | {"out": str(args.out)}, "summary": summary,
+              "time": utc_now(), "args": vars(args) | {"out": str(args.out), "load_cpus": None}, "summary": summary,
               "bursts": bursts}
     print(format_table(summary))
     if args.out is not None:

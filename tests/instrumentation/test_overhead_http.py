@@ -1,0 +1,30 @@
+"""bench/overhead_http.py's arithmetic: CPU sets for pinning, paired ratios and stall counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.overhead_http import cpu_plan, summarize
+
+
+def test_cpu_plan_gives_every_engine_its_own_cpus_and_the_load_the_rest():
+    levels = ["off", "off-b", "steps", "kernels", "kernels-attached", "kernels@0.05"]
+    plan = cpu_plan(levels, list(range(16)))
+    assert [sorted(plan[level]) for level in levels] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+    assert sorted(plan["load"]) == [12, 13, 14, 15]
+    assert cpu_plan(["off", "kernels"], [0, 1, 2, 3, 4]) is None     # under two CPUs a set
+
+
+def test_summary_pairs_bursts_by_round_and_counts_steps_over_twice_offs_median():
+    bursts = [{"round": r, "level": level, "output_tokens": 1000, "wall_s": wall, "failed": 0,
+               "server_cpu_s": 0.2, "children_cpu_s": 0.01}
+              for r, walls in enumerate([(1.0, 1.25), (1.0, 1.0), (2.0, 2.5)])
+              for level, wall in zip(("off", "kernels"), walls)]
+    steps = {"off": [0.010, 0.010, 0.030], "kernels": [0.010, 0.021, 0.019]}
+    summary = summarize(["off", "kernels"], bursts, steps, {"off": "", "kernels": ""})
+    assert summary["kernels"]["ratio_vs_off_paired_median"] == 0.8
+    assert summary["kernels"]["ratio_vs_off_paired_range"] == [0.8, 1.0]
+    assert summary["off"]["steps_over_2x_off_median"] == 1       # 0.030 > 2 x 0.010
+    assert summary["kernels"]["steps_over_2x_off_median"] == 1   # 0.021
+    assert summary["kernels"]["steps_over_2x_median"] == 0       # its own median is 0.019
+    assert summary["kernels"]["engine_cpu_s_per_1k_tokens"] == pytest.approx(0.2)   # 3 x 0.2 s / 3k
