@@ -3,18 +3,15 @@
     python -m bench.overhead_http --model llama-8b --device cuda --rounds 12 --out bench/results
 
 One ``sightline collector run``; one freshly started ``sightline engine serve`` per level,
-all running at once (``--max-model-len`` bounds each one's KV cache, so that they fit on one
-GPU), idle but for
-the burst aimed at them. A separate load process (``bench.burst_load``) sends each round one
-burst of ``--concurrency`` streamed completions to every server in turn, the order rotating
-between rounds, so that drift of the machine hits every level alike; a warm-up round is
-discarded. With ``--pin`` (the default when there are cores enough) every engine process
-(and its telemetry process) runs on its own CPUs, and the load and the collector on others,
-so that no engine's step thread shares a CPU with the load by chance of the scheduler.
-Per level: output tokens/s (median of bursts), the ratio to ``off`` paired by
-round, the engine's step times (``/debug/steps``: median, steps over 2x the median), the
-share of the engine loop its thread spent recording telemetry, the engine process's and its
-telemetry process's CPU seconds per 1,000 output tokens, failures and telemetry drops.
+all serving at once (``--max-model-len`` bounds each KV cache so that they fit on one GPU),
+each on CPUs of its own with ``--pin`` (the load and the collector on the rest). A separate
+load process (``bench.burst_load``) sends each round one burst of ``--concurrency`` streamed
+completions to every server in turn, the order rotating between rounds, so that drift of the
+machine hits every level alike; a warm-up round is discarded. Per level: output tokens/s
+(median of bursts), the ratio to ``off`` paired by round, the engine's step times
+(``/debug/steps``: median, steps over 2x the median), the share of the engine loop its
+thread spent recording telemetry, the engine's and its telemetry process's CPU seconds per
+1,000 output tokens, failures and telemetry drops.
 """
 
 from __future__ import annotations

@@ -36,15 +36,12 @@ from .incident import Finding, Incident, find
 from .load import LoadConfig, LoadResult, format_summary, run_load_sync
 from .stack import Stack, StackConfig, format_urls
 
-__all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture", "INCIDENT_CAPTURE",
-           "SYNTHETIC_CAPTURE"]
+__all__ = ["DemoConfig", "DemoReport", "demo", "run_demo", "find_capture", "INCIDENT_CAPTURE"]
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 CAPTURES_DIR = _REPO_ROOT / "deploy" / "captures"
-# The recorded H200 incident (bench/record_incident.py writes it under this name); until it
-# is committed, the synthetic one made from a measured capture (labelled so everywhere).
+# The recorded H200 incident (bench/record_incident.py writes it under this name)
 INCIDENT_CAPTURE = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
-SYNTHETIC_CAPTURE = CAPTURES_DIR / "synthetic-h200-noisy-neighbour.jsonl.gz"
 
 
 @dataclass(frozen=True)
@@ -111,11 +108,10 @@ class DemoReport:
 
 
 def find_capture() -> Path | None:
-    """The recorded H200 incident capture, else the synthetic one, else the newest recorded
-    H200 capture in deploy/captures/, else None."""
-    for capture in (INCIDENT_CAPTURE, SYNTHETIC_CAPTURE):
-        if capture.is_file():
-            return capture
+    """The recorded H200 incident capture, else the newest recorded H200 capture in
+    deploy/captures/, else None."""
+    if INCIDENT_CAPTURE.is_file():
+        return INCIDENT_CAPTURE
     captures = sorted(CAPTURES_DIR.glob("h200-*.jsonl.gz"))
     return captures[-1] if captures else None
 

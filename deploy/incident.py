@@ -2,7 +2,7 @@
 
 A capture may say in its metadata (instrumentation/capture.py) that a noisy neighbour
 occupied known SMs in known intervals (bench/record_incident.py measures them with
-``%smid``; bench/synthesize_incident_capture.py plants them synthetically and says so).
+``%smid``; a capture whose incident was planted synthetically says so, ``synthetic``).
 :func:`find` compares those SMs with the SMs the collector's time x SM heatmap flags hot
 in the same interval: in every heatmap slot lying at least half inside the interval, an
 SM's score is its P99 CTA duration over the median SM's P99 in that slot (the hotspot

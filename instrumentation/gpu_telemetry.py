@@ -4,17 +4,15 @@
 attention ops; ``begin_step(step)`` / ``end_step(step)`` bracket each step's launches on
 the engine thread (:class:`~.lifecycle.OpenStep`).
 
-Engine thread, per step: one random draw and a tail check (which steps get kernel spans:
-a sampled fraction, and the steps after one slower than the recent P99.9); every
-``probe_every_steps``-th step and every traced step, a stream-ordered copy of the step's
-probe records and a queue put; a traced step also attaches CUPTI (milliseconds), pushes/
-pops its external id (``step_id + 1``), and flushes CUPTI before detaching it: attached but
-idle, CUPTI would add microseconds to every CUDA call of every step. One worker thread
-reduces those probe records on the GPU in batches into per-(gpu, SM, kernel) histograms,
-copies a traced step's CTA records to the host, and every ``export_interval_s`` hands the
-histograms over: they describe a 1-in-``probe_every_steps`` sample of the steps. CUPTI buffers go over as raw bytes.
-Everything leaves through the recorder (:mod:`.gpu_records`); the telemetry process
-decodes it (:mod:`.kernel_spans`). Errors are logged and counted, never raised.
+Engine thread, per step: a random draw and a tail check (kernel spans for a sampled fraction
+and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
+every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
+also attaches CUPTI (ms; idle but attached, it adds µs to every CUDA call), pushes/pops its
+external id (``step_id + 1``), flushes and detaches CUPTI (or only switches it off). One
+worker thread reduces the probe records on the GPU in batches into per-(gpu, SM, kernel)
+histograms (a 1-in-``probe_every_steps`` sample of the steps), copies a traced step's CTA
+records to the host and hands the histograms over every ``export_interval_s``; CUPTI buffers
+go over as raw bytes, through the recorder (:mod:`.gpu_records`). Errors are counted, never raised.
 """
 
 from __future__ import annotations
