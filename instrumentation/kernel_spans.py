@@ -73,7 +73,6 @@ class KernelSpanStats:
 class _Traced:
     step_id: int
     kernels: list = field(default_factory=list)   # KERNEL_DTYPE arrays
-    facts: list[LaunchFacts] | None = None
     first_seen: float = 0.0
     last_match: float = 0.0
 
@@ -100,7 +99,6 @@ class KernelSpanBuilder:
         self._unjoined_age = 0
         self._traced: OrderedDict[int, _Traced] = OrderedDict()
         self._facts: dict[int, list[LaunchFacts]] = {}
-        self._recent_steps: deque[int] = deque(maxlen=4096)
 
     # -- inputs ---------------------------------------------------------------------
     def expect_step(self, step_id: int) -> None:
@@ -121,10 +119,14 @@ class KernelSpanBuilder:
             corr = np.concatenate([self._corr, decoded.correlation_ids])
             ext = np.concatenate([self._ext, decoded.external_ids])
             order = np.argsort(corr, kind="stable")
-            self._corr, self._ext = corr[order], ext[order]
+            corr, ext = corr[order], ext[order]
+            # a correlation id seen again (CUPTI attached anew may count from 1 again) now
+            # means the newest launch: of equal ids, the stable sort put the newest last
+            last = np.append(corr[1:] != corr[:-1], True)
+            self._corr, self._ext = corr[last], ext[last]
             if len(self._corr) > self.config.max_correlations:   # keep the newest half
-                keep = np.argsort(self._corr)[-self.config.max_correlations // 2:]
-                self._corr, self._ext = self._corr[np.sort(keep)], self._ext[np.sort(keep)]
+                half = self.config.max_correlations // 2
+                self._corr, self._ext = self._corr[-half:], self._ext[-half:]
         if len(decoded.kernels):
             self._unjoined.append(decoded.kernels)
             new = np.setdiff1d(np.unique(decoded.kernels["name_ptr"]),

@@ -217,6 +217,25 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
     assert pipeline.counters()["kernels_unmatched"] == 1      # the orphan's step 41 never ran
 
 
+def test_a_correlation_id_seen_again_joins_the_newer_launch():
+    """CUPTI attached anew may count correlation ids from 1 again: step 1's kernel with
+    correlation 1 joins step 1, not step 0 whose kernel had correlation 1 before."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.01, cupti_detach=True, tail_min_steps=64)
+    gpu.policy.ratio = 1.0                  # every step traced, CUPTI detached in between
+    t0 = time.time_ns()
+    steps = []
+    for i, name in enumerate(("rms_norm", "gemv_bf16")):
+        steps.append(_run_step(pipeline, gpu, i, t0 + i * 10**7, 0.01))
+        tracer.on_buffer(kernel_record(name, 1, t0 + i * 10**7 + 100) + correlation_record(1, i + 1))
+    assert tracer.detaches == 2
+    assert gpu.flush(timeout_s=10)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans") == 2)
+    pipeline.shutdown()
+    by_parent = {s.parent.span_id: s.name for s in spans.get_finished_spans()
+                 if s.name.startswith(semconv.SPAN_KERNEL_SUMMARY_PREFIX)}
+    assert by_parent == {steps[0].span_id: "kernels rms_norm", steps[1].span_id: "kernels gemv_bf16"}
+
+
 def test_every_launch_its_own_span_at_detail_all():
     spans = InMemorySpanExporter()
     pipeline = TelemetryPipeline.start(
@@ -395,3 +414,43 @@ def test_per_sm_histograms_take_every_nth_step():
               for m in sm.metrics if m.name == semconv.METRIC_CTA_DURATION
               for p in m.data.data_points]
     assert sum(p.count for p in points) == 2 * per_step
+
+
+@pytest.mark.gpu
+def test_cupti_detached_between_traced_steps_still_names_and_joins_their_kernels():
+    """CUPTI attached for each traced step and detached (cuptiFinalize) after: every step
+    gets its own FA2 span, named right (names are read after the detach)."""
+    import torch
+
+    from sightline.engine.kernels.attention import prefill_attention
+
+    spans = InMemorySpanExporter()
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none",
+                                                       schedule_delay_s=0.05, metrics_enabled=False),
+                                       span_exporters=[spans])
+    gpu = GpuTelemetry.create(pipeline.recorder, 0, GpuTelemetryConfig(
+        kernel_sample_ratio=1.0, cupti_detach=True, probe=False))
+    assert gpu is not None and gpu.config.detaches_cupti
+    assert gpu.start_kernel_tracing(), gpu.tracer.unavailable_reason
+    pipeline.attach_gpu(gpu)
+    q = torch.randn(512, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(512, 8, 128, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 512], dtype=torch.int32, device="cuda")
+    prefill_attention(q, k, k, cu, cu, 512, 512, 0.088)
+    torch.cuda.synchronize()
+    steps = []
+    for i in range(4):
+        step = OpenStep(i, *pipeline.recorder.new_span_ids(), time.time_ns())
+        gpu.begin_step(step)
+        prefill_attention(q, k, k, cu, cu, 512, 512, 0.088)
+        torch.cuda.synchronize()
+        gpu.end_step(step)
+        pipeline.recorder.record(Step(i, step.start_ns, time.time_ns(), step.trace_id, step.span_id,
+                                      (), 0, (), (), 0, 0, 0, 0, 0, 0, None, step.attributes))
+        steps.append(step)
+    assert gpu.tracer.detaches == 5 and not gpu.tracer.attached
+    assert gpu.flush(timeout_s=60)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans", 0) >= 4, timeout_s=30)
+    pipeline.shutdown()
+    fa = [s for s in spans.get_finished_spans() if s.name == "kernel sightline_fa2_prefill"]
+    assert sorted(s.parent.span_id for s in fa) == sorted(st.span_id for st in steps)
