@@ -42,9 +42,7 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels@0": ["--trace-level", "kernels", "--kernel-sample-ratio", "0"],          # probe only
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
     "kernels-probe-all": ["--trace-level", "kernels", "--sm-probe-every", "1"],     # every step's CTAs
-    "kernels-attached": ["--trace-level", "kernels", "--no-cupti-detach"],          # CUPTI kept attached
-    "kernels@0.05-detached": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05",
-                              "--cupti-detach"],
+    "kernels-detached": ["--trace-level", "kernels", "--cupti-detach"],             # CUPTI detached between traced steps
 }
 
 

@@ -70,8 +70,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--cupti-detach", action=argparse.BooleanOptionalAction, default=None,
                        help="at --trace-level kernels: detach CUPTI between traced steps, so "
                             "that untraced steps pay nothing for it and each traced step pays "
-                            "an attach (default: SIGHTLINE_CUPTI_DETACH, else on when "
-                            "--kernel-sample-ratio is at most 0.02)")
+                            "an attach of about 16 ms (default: SIGHTLINE_CUPTI_DETACH, else off)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")

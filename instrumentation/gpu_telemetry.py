@@ -8,7 +8,7 @@ Engine thread, per step: a random draw and a tail check (kernel spans for a samp
 and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
 every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
 also attaches CUPTI (ms; idle but attached, it adds µs to every CUDA call), pushes/pops its
-external id (``step_id + 1``), flushes and detaches CUPTI (or only switches it off). One
+external id (``step_id + 1``), flushes CUPTI and switches it off (or detaches it). One
 worker thread reduces the probe records on the GPU in batches into per-(gpu, SM, kernel)
 histograms (a 1-in-``probe_every_steps`` sample of the steps), copies a traced step's CTA
 records to the host and hands the histograms over every ``export_interval_s``; CUPTI buffers
@@ -36,10 +36,6 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 
 logger = logging.getLogger(__name__)
 
-# Where detaching stops paying: a traced step's attach and detach cost about 50 times what
-# an attached-but-idle CUPTI adds to one step (bench/results/overhead_http.md)
-DETACH_BELOW_RATIO = 0.02
-
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -55,9 +51,9 @@ class GpuTelemetryConfig:
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     cupti: bool = True                  # kernel spans (CUPTI)
     # CUPTI between traced steps: detached (untraced steps' CUDA calls pay nothing, each
-    # traced step pays an attach) or attached with its kinds off (every CUDA call pays a
-    # little). None: detached when kernel_sample_ratio <= DETACH_BELOW_RATIO.
-    cupti_detach: bool | None = None
+    # traced step pays an attach; opt-in until kernel names read after a detach are checked
+    # on a GPU) or attached with its kinds off (every CUDA call pays a few µs).
+    cupti_detach: bool = False
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
     probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
@@ -65,13 +61,6 @@ class GpuTelemetryConfig:
     export_interval_s: float = 10.0
     max_pending_steps: int = 4096
     seed: int | None = None
-
-    @property
-    def detaches_cupti(self) -> bool:
-        """Whether CUPTI is detached between traced steps (``cupti_detach``, else by ratio)."""
-        if self.cupti_detach is None:
-            return self.kernel_sample_ratio <= DETACH_BELOW_RATIO
-        return self.cupti_detach
 
     def __post_init__(self) -> None:
         checks = (("kernel_sample_ratio", 0.0, 1.0), ("tail_quantile", 0.5, 1.0),
@@ -150,7 +139,7 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
-                cupti_detach=getattr(telemetry_config, "cupti_detach", None),
+                cupti_detach=getattr(telemetry_config, "cupti_detach", False),
                 probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
@@ -293,7 +282,7 @@ class GpuTelemetry:
 
     def _idle_tracer(self) -> None:
         """Between traced steps: CUPTI detached (``cupti_detach``) or its kinds off."""
-        if self.config.detaches_cupti:
+        if self.config.cupti_detach:
             with self._cuda_lock:
                 self.tracer.detach()
         else:

@@ -74,11 +74,6 @@ def test_config_ranges_name_the_bad_value():
         GpuTelemetryConfig(kernel_sample_ratio=1.5)
     with pytest.raises(ValueError, match="tail_min_steps=0"):
         GpuTelemetryConfig(tail_min_steps=0)
-    # CUPTI is detached between traced steps at low sampling ratios, unless told
-    assert GpuTelemetryConfig().detaches_cupti and GpuTelemetryConfig(kernel_sample_ratio=0.02).detaches_cupti
-    assert not GpuTelemetryConfig(kernel_sample_ratio=0.05).detaches_cupti
-    assert GpuTelemetryConfig(kernel_sample_ratio=0.05, cupti_detach=True).detaches_cupti
-    assert not GpuTelemetryConfig(cupti_detach=False).detaches_cupti
 
 
 def test_create_returns_none_below_kernels_level_or_without_cuda():
@@ -220,8 +215,7 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
 def test_a_correlation_id_seen_again_joins_the_newer_launch():
     """CUPTI attached anew may count correlation ids from 1 again: step 1's kernel with
     correlation 1 joins step 1, not step 0 whose kernel had correlation 1 before."""
-    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.01, cupti_detach=True, tail_min_steps=64)
-    gpu.policy.ratio = 1.0                  # every step traced, CUPTI detached in between
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(1.0, cupti_detach=True)
     t0 = time.time_ns()
     steps = []
     for i, name in enumerate(("rms_norm", "gemv_bf16")):
@@ -261,7 +255,7 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     """Ratio 0: no step is sampled. After 64 fast steps (the tail rule's minimum), one step
     far slower than their P99.9 switches CUPTI on for exactly the next tail_follow_steps
     steps; traced steps are slow too, but arm nothing."""
-    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0, tail_follow_steps=2)
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0, tail_follow_steps=2, cupti_detach=True)
     t = time.time_ns()
     for i in range(64):
         _run_step(pipeline, gpu, i, t + i * 10**7, 0.010)
@@ -430,7 +424,7 @@ def test_cupti_detached_between_traced_steps_still_names_and_joins_their_kernels
                                        span_exporters=[spans])
     gpu = GpuTelemetry.create(pipeline.recorder, 0, GpuTelemetryConfig(
         kernel_sample_ratio=1.0, cupti_detach=True, probe=False))
-    assert gpu is not None and gpu.config.detaches_cupti
+    assert gpu is not None and gpu.config.cupti_detach
     assert gpu.start_kernel_tracing(), gpu.tracer.unavailable_reason
     pipeline.attach_gpu(gpu)
     q = torch.randn(512, 32, 128, device="cuda", dtype=torch.bfloat16)

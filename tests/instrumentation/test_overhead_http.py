@@ -8,7 +8,7 @@ from bench.overhead_http import cpu_plan, summarize
 
 
 def test_cpu_plan_gives_every_engine_its_own_cpus_and_the_load_the_rest():
-    levels = ["off", "off-b", "steps", "kernels", "kernels-attached", "kernels@0.05"]
+    levels = ["off", "off-b", "steps", "kernels", "kernels-detached", "kernels@0.05"]
     plan = cpu_plan(levels, list(range(16)))
     assert [sorted(plan[level]) for level in levels] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
     assert sorted(plan["load"]) == [12, 13, 14, 15]
