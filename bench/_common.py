@@ -22,8 +22,8 @@ from typing import Sequence
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
-__all__ = ["ROOT", "DiscardExporter", "InSituTimer", "device_name", "git_commit", "utc_now",
-           "write_report"]
+__all__ = ["ROOT", "DiscardExporter", "InSituTimer", "children_cpu_s", "device_name", "git_commit",
+           "process_cpu_s", "utc_now", "write_report"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,6 +60,29 @@ def write_report(out: Path, module: str, argv: Sequence[str] | None, lines: list
              + "".join(" " + shlex.quote(a) for a in args) + "`"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid``, all its threads (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_s(pid: int) -> float:
+    """``process_cpu_s`` summed over the live child processes of ``pid`` (gone ones: 0)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    total = 0.0
+    for child in children:
+        try:
+            total += process_cpu_s(child)
+        except OSError:
+            pass
+    return total
 
 
 def utc_now() -> str:

@@ -25,25 +25,13 @@ from pathlib import Path
 
 import aiohttp
 
+from ._common import children_cpu_s
+from ._common import process_cpu_s as own_cpu_s
+
 
 def process_cpu_s(pid: int) -> tuple[float, float]:
-    """(the process's own CPU seconds, its live children's), from Linux /proc."""
-    def cpu(p: int) -> float:
-        fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    total = 0.0
-    for child in children:
-        try:
-            total += cpu(child)
-        except OSError:
-            pass
-    return cpu(pid), total
+    """(the process's own CPU seconds, its live children's)."""
+    return own_cpu_s(pid), children_cpu_s(pid)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],

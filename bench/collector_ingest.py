@@ -33,10 +33,9 @@ from pathlib import Path
 
 import aiohttp
 
-from ._common import ROOT, git_commit, utc_now, write_report
+from ._common import ROOT, git_commit, process_cpu_s, utc_now, write_report
 
 RESULTS = ROOT / "bench" / "results"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass
@@ -61,12 +60,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _cpu_s(pid: int) -> float:
-    """user + system CPU seconds of ``pid`` and all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def _status_mib(pid: int, field: str) -> float:
@@ -274,9 +267,9 @@ async def _load(url: str, payloads: FreshIds, spans_per_request: int, connection
         await asyncio.sleep(warmup_s)
         depth0 = await asyncio.to_thread(_queue_depth, metrics_url)
         measuring = True
-        cpu0, t0 = _cpu_s(pid), time.monotonic()
+        cpu0, t0 = process_cpu_s(pid), time.monotonic()
         await asyncio.sleep(seconds)
-        cpu1, t1 = _cpu_s(pid), time.monotonic()
+        cpu1, t1 = process_cpu_s(pid), time.monotonic()
         measuring = False
         depth1 = await asyncio.to_thread(_queue_depth, metrics_url)
         await asyncio.gather(*tasks)

@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import ROOT, git_commit, utc_now, write_report
-from .collector_ingest import _cpu_s, _free_port, _status_mib
+from ._common import ROOT, git_commit, process_cpu_s, utc_now, write_report
+from .collector_ingest import _free_port, _status_mib
 
 RESULTS = ROOT / "bench" / "results"
 SMS = 132
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
                 prober.start()
             round_start = time.monotonic()
             retries = 0
-            cpu0 = _cpu_s(collector.process.pid)
+            cpu0 = process_cpu_s(collector.process.pid)
             for g, body in enumerate(bodies):
                 due = round_start + args.interval_s * g / len(bodies)  # spread evenly over the interval
                 time.sleep(max(0.0, due - time.monotonic()))
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
                 if response.status != 200:
                     raise RuntimeError(f"export refused: {response.status} {answer[:300]!r}")
             time.sleep(max(0.0, round_start + args.interval_s - time.monotonic()))
-            cpu1 = _cpu_s(collector.process.pid)
+            cpu1 = process_cpu_s(collector.process.pid)
             metrics, _ = collector.get("/metrics")
             text = metrics.decode()
             depth = _metric_value(text, "sightline_collector_queue_depth")

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 from opentelemetry import trace
 
+from . import semconv
 from .config import TelemetryConfig, TraceLevel
 from .propagation import HeaderPropagator
 
@@ -148,7 +149,6 @@ class RequestHandle:
         config = self._recorder.config
         if not config.capture_content:
             return
-        from . import semconv
         limit = config.content_max_chars
         attributes = {}
         if prompt is not None:
