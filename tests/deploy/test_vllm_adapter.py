@@ -102,8 +102,8 @@ def prometheus(tmp_path_factory):
         server.shutdown()
 
 
-def _query(base: str, expr: str) -> dict:
-    data = urllib.parse.urlencode({"query": expr}).encode()
+def _query(base: str, expr: str, at: float | None = None) -> dict:
+    data = urllib.parse.urlencode({"query": expr} | ({"time": repr(at)} if at is not None else {})).encode()
     try:
         with urllib.request.urlopen(f"{base}/api/v1/query", data=data, timeout=10) as response:
             return json.loads(response.read())
@@ -111,8 +111,8 @@ def _query(base: str, expr: str) -> dict:
         return json.loads(exc.read())
 
 
-def _result(base: str, expr: str) -> list[dict]:
-    answer = _query(base, expr)
+def _result(base: str, expr: str, at: float | None = None) -> list[dict]:
+    answer = _query(base, expr, at)
     assert answer["status"] == "success", (expr, answer.get("error"))
     return answer["data"]["result"]
 
@@ -145,11 +145,16 @@ def test_adapted_counts_equal_the_fixture(prometheus):
     """At scrape k the fixture's counters are k windows; the copies say the same, exactly."""
     query = (f'{{__name__=~"{sc.VLLM_REQUEST_SUCCESS_TOTAL}_total|{sc.LLM_REQUESTS_TOTAL}_total",'
              f'finished_reason="stop"}}')
+    # Read both at the copy's last evaluation time: the rule saw exactly the raw sample that
+    # was latest then (reading "now" races the next scrape against the next evaluation).
+    copy = f'{sc.LLM_REQUESTS_TOTAL}_total{{finished_reason="stop"}}'
     deadline = time.monotonic() + 20
     while True:
-        values = {r["metric"]["__name__"]: float(r["value"][1]) for r in _result(prometheus, query)}
-        # Evaluated after the same scrape (a rule may run between two scrapes: retry).
-        if len(set(values.values())) == 1 or time.monotonic() > deadline:
+        stamps = _result(prometheus, f"timestamp({copy})")
+        values = ({r["metric"]["__name__"]: float(r["value"][1])
+                   for r in _result(prometheus, query, at=float(stamps[0]["value"][1]))}
+                  if stamps else {})
+        if len(values) == 2 or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert len(values) == 2 and len(set(values.values())) == 1, values
