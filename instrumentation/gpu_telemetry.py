@@ -1,18 +1,18 @@
 """The engine process's side of GPU telemetry: it records raw GPU facts, nothing more.
 
-``GpuTelemetry.create(recorder, device_index)`` -> instance or None. ``probe`` goes to the
-attention ops; ``begin_step(step)`` / ``end_step(step)`` bracket each step's launches on
-the engine thread (:class:`~.lifecycle.OpenStep`).
+``GpuTelemetry.create(recorder, device_index)`` -> instance or None; ``probe`` goes to the
+attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread).
 
 Engine thread, per step: a random draw and a tail check (kernel spans for a sampled fraction
 and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
 every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
-also attaches CUPTI (ms; idle but attached, it adds µs to every CUDA call), pushes/pops its
-external id (``step_id + 1``), flushes CUPTI and switches it off (or detaches it). One
-worker thread reduces the probe records on the GPU in batches into per-(gpu, SM, kernel)
-histograms (a 1-in-``probe_every_steps`` sample of the steps), copies a traced step's CTA
-records to the host and hands the histograms over every ``export_interval_s``; CUPTI buffers
-go over as raw bytes, through the recorder (:mod:`.gpu_records`). Errors are counted, never raised.
+also switches CUPTI on, pushes/pops its external id (``step_id + 1``), flushes CUPTI and
+switches it off; with ``cupti_detach`` it attaches and detaches CUPTI instead (ms per traced
+step; attached but off, CUPTI adds µs to every CUDA call). One worker thread reduces the
+probe records on the GPU in batches into per-(gpu, SM, kernel) histograms (a 1-in-
+``probe_every_steps`` sample of the steps), copies a traced step's CTA records to the host
+and hands the histograms over every ``export_interval_s``; CUPTI buffers go over as raw
+bytes. All leaves through the recorder (:mod:`.gpu_records`); errors are counted, not raised.
 """
 
 from __future__ import annotations
