@@ -157,7 +157,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--levels", default=",".join(LEVELS))
+    ap.add_argument("--levels", default="off,off-b,steps,kernels,kernels-detached,kernels@0.05",
+                    help=f"comma-separated, off first; known: {','.join(LEVELS)}")
     ap.add_argument("--rounds", type=int, default=12, help="bursts per level")
     ap.add_argument("--max-model-len", type=int, default=512,
                     help="per engine: bounds its KV cache, so that every level's engine fits at once")
@@ -173,6 +174,9 @@ def main(argv=None) -> int:
     levels = args.levels.split(",")
     if levels[0] != "off":
         raise SystemExit("--levels must start with off (the reference)")
+    unknown = [level for level in levels if level not in LEVELS]
+    if unknown:
+        raise SystemExit(f"--levels: unknown {unknown}; known: {','.join(LEVELS)}")
     plan = cpu_plan(levels, sorted(os.sched_getaffinity(0))) if args.pin else None
     args.load_cpus = plan["load"] if plan else None
     args.cpu_plan = {k: sorted(v) for k, v in plan.items()} if plan else None
