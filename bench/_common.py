@@ -23,7 +23,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 __all__ = ["ROOT", "DiscardExporter", "InSituTimer", "children_cpu_s", "device_name", "git_commit",
-           "process_cpu_s", "utc_now", "write_report"]
+           "process_cpu_s", "utc_now", "write_json", "write_report"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,6 +48,17 @@ def git_commit(*, short: bool = False, dirty_paths: Sequence[str] = ()) -> str:
         return commit
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def write_json(out: Path, record: dict) -> Path:
+    """Writes ``record`` (with "bench", "device" and "commit") to
+    ``out/<bench>-<device slug>-<commit8>.json`` and returns the path."""
+    import json
+    out.mkdir(parents=True, exist_ok=True)
+    device = record["device"].replace(" ", "-").lower()
+    path = out / f"{record['bench']}-{device}-{record['commit'][:8]}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
 
 
 def write_report(out: Path, module: str, argv: Sequence[str] | None, lines: list[str]) -> None:

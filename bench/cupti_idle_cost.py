@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from ._common import ROOT, device_name, git_commit, utc_now
+from ._common import ROOT, device_name, git_commit, utc_now, write_json
 
 STATES = ("none", "kinds-off", "kernel-kind-off", "finalized", "kinds-on", "cycled")
 
@@ -145,9 +145,7 @@ def main(argv=None) -> int:
     if args.out is not None:
         record = {"bench": "cupti_idle_cost", "commit": git_commit(), "device": device_name("cuda"),
                   "time": utc_now(), "summary": summary, "runs": runs}
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"cupti_idle_cost-{record['device'].replace(' ', '-').lower()}-{record['commit'][:8]}.json"
-        (args.out / name).write_text(json.dumps(record, indent=1))
+        write_json(args.out, record)
     return 0
 
 

@@ -199,31 +199,22 @@ def step_report(capture: Path, intervals: list[tuple[int, int]], t0_ns: int, lon
 
 
 def evaluate(capture: Path, incident: Incident, threshold: float = HOT_THRESHOLD,
-             starve_ratio: float = STARVE_RATIO, export_ends_ns: list[int] | None = None) -> dict:
-    """The demo's finding, computed in-process: replay, heatmaps, planted vs flagged SMs.
-    With ``export_ends_ns`` (the per-SM exports' point times) the replay is slot-aligned."""
+             starve_ratio: float = STARVE_RATIO) -> dict:
+    """The demo's finding, computed in-process: replay (slot-aligned, as the demo's), heatmaps,
+    planted vs flagged SMs."""
     import time
 
     from sightline.collector.aggregator import Aggregator
     from sightline.collector.explain import explain_slowest
     from sightline.collector.heatmap import time_sm
-    from sightline.collector.replay import AggregatorSink, ReplayConfig, _capture_times, replay
+    from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 
-    # A replay anchored at "now" puts an export's delta points, which cover the 10 s before
-    # them, in whichever 10 s slot "now" dictates: up to a whole slot off, differently on
-    # every run. Here the clock is pinned so that the exports' median phase lands 1 ms before
-    # a slot boundary: each slot then holds the export that covers it, the same way every run.
-    slot_ns = int(Aggregator().config.window.slot_s * 1e9)
     now_ns = time.time_ns()
-    times = _capture_times(capture)
-    if export_ends_ns and times is not None:
-        phase = int(statistics.median(t % slot_ns for t in export_ends_ns))
-        now_ns = now_ns // slot_ns * slot_ns + (times[1] - phase - 1_000_000) % slot_ns
     aggregator = Aggregator(clock=lambda: now_ns / 1e9)
-    result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0), clock_ns=lambda: now_ns)
-    # matched to the incident's GPU by index: the heatmap names a GPU by its UUID when NVML gave one
+    aligned = ReplayConfig(speed=0.0, align_slot_s=aggregator.config.window.slot_s)
+    result = replay(capture, AggregatorSink(aggregator), aligned, clock_ns=lambda: now_ns)
     heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
-                     gpu=str(e["gpu_index"]))
+                     gpu_index=e["gpu_index"])
                 for e in aggregator.kernels() if e["source"] == "sm_probe"]
     findings = find(incident, heatmaps, result.time_map, threshold, starve_ratio)
     slowest = explain_slowest(aggregator, 0.99, 3).to_dict()
@@ -260,7 +251,7 @@ def analyse(capture: Path, threshold: float = HOT_THRESHOLD, starve_ratio: float
             "planted_sms": len(interval.sms),
             "by_export_window": interval_report(windows, spans, index, set(interval.sms), incident.num_sms, t0_ns)})
     report["steps"] = step_report(capture, spans, t0_ns)
-    report["finding"] = evaluate(capture, incident, threshold, starve_ratio, export_ends_ns=[w.end_ns for w in windows])
+    report["finding"] = evaluate(capture, incident, threshold, starve_ratio)
     return report
 
 

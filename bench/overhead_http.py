@@ -17,6 +17,7 @@ thread spent recording telemetry, the engine's and its telemetry process's CPU s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from sightline.deploy.processes import free_ports
 
-from ._common import ROOT, device_name, git_commit, utc_now
+from ._common import ROOT, device_name, git_commit, utc_now, write_json
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags
@@ -93,16 +94,49 @@ def cpu_plan(levels: list[str], cpus: list[int]) -> dict[str, set[int]] | None:
     return plan
 
 
-def load(args, urls: list[str], pids: list[int], rounds: int, seed: int) -> list[dict]:
+def load(args, urls: list[str], pids: list[int], rounds: int, seed: int,
+         cpus: set[int] | None = None) -> list[dict]:
     command = [sys.executable, "-m", "bench.burst_load", "--rounds", str(rounds),
                "--concurrency", str(args.concurrency), "--prompt", str(args.prompt),
                "--output", str(args.output), "--seed", str(seed)]
     for url, pid in zip(urls, pids):
         command += ["--url", url, "--pid", str(pid)]
-    cpus = getattr(args, "load_cpus", None)
     out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
+    """A running collector and one engine per level (on ``plan``'s CPUs, the collector on
+    "load"'s), each answering; yields ``{level: (process, url)}`` and stops them all after."""
+    grpc, http, zipkin, query = free_ports(4)
+    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
+                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
+                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
+                                        "--log-level", "WARNING"])
+    if plan:
+        os.sched_setaffinity(collector.pid, plan["load"])
+    engines: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
+        for level, port in zip(levels, free_ports(len(levels))):
+            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port,
+                                          plan[level] if plan else None)
+        for level, (engine, url) in engines.items():
+            _wait_http(url + "/health", engine, args.start_timeout_s)
+            print(f"{level}: serving on {url}", flush=True)
+        yield engines
+    finally:
+        for engine, _ in engines.values():
+            engine.send_signal(signal.SIGTERM)
+        for engine, _ in engines.values():
+            try:
+                engine.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                engine.kill()
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(timeout=60)
 
 
 def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float]],
@@ -178,30 +212,14 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--levels: unknown {unknown}; known: {','.join(LEVELS)}")
     plan = cpu_plan(levels, sorted(os.sched_getaffinity(0))) if args.pin else None
-    args.load_cpus = plan["load"] if plan else None
-    args.cpu_plan = {k: sorted(v) for k, v in plan.items()} if plan else None
-    grpc, http, zipkin, query = free_ports(4)
-    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
-                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
-                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-                                        "--log-level", "WARNING"])
-    if plan:
-        os.sched_setaffinity(collector.pid, plan["load"])
-    engines: dict[str, tuple[subprocess.Popen, str]] = {}
-    try:
-        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
-        for level, port in zip(levels, free_ports(len(levels))):
-            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port,
-                                          plan[level] if plan else None)
-        for level, (engine, url) in engines.items():
-            _wait_http(url + "/health", engine, args.start_timeout_s)
-            print(f"{level}: serving on {url}", flush=True)
+    with serving(args, levels, plan) as engines:
         urls = [engines[level][1] for level in levels]
         pids = [engines[level][0].pid for level in levels]
-        load(args, urls, pids, 1, seed=999)                       # warm-up, discarded
+        load_cpus = plan["load"] if plan else None
+        load(args, urls, pids, 1, seed=999, cpus=load_cpus)       # warm-up, discarded
         before = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
         level_of = {url: level for level, (_, url) in engines.items()}
-        bursts = [{**b, "level": level_of[b["url"]]} for b in load(args, urls, pids, args.rounds, 0)]
+        bursts = [{**b, "level": level_of[b["url"]]} for b in load(args, urls, pids, args.rounds, 0, load_cpus)]
         after = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
         steps = {level: after[level]["durations_s"][len(before[level]["durations_s"]):]
                  for level in levels}
@@ -211,29 +229,18 @@ def main(argv=None) -> int:
         gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
                           - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
-    finally:
-        for engine, _ in engines.values():
-            engine.send_signal(signal.SIGTERM)
-        for engine, _ in engines.values():
-            try:
-                engine.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(timeout=60)
     summary = summarize(levels, bursts, steps, metrics)
     for level in levels:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
         summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
             sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
-              "time": utc_now(), "args": vars(args) | {"out": str(args.out), "load_cpus": None}, "summary": summary,
-              "bursts": bursts}
+              "time": utc_now(), "args": vars(args) | {"out": str(args.out)},
+              "cpu_plan": {k: sorted(v) for k, v in plan.items()} if plan else None,
+              "summary": summary, "bursts": bursts}
     print(format_table(summary))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        name = f"overhead_http-{record['device'].replace(' ', '-').lower()}-{record['commit'][:8]}.json"
-        (args.out / name).write_text(json.dumps(record, indent=1))
+        write_json(args.out, record)
     return 0
 
 

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import collections
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from sightline.deploy.processes import free_ports
-
-from .overhead_http import CLI, _wait_http, load, start_engine
+from .overhead_http import load, serving
 
 
 def top_functions(raw: Path, n: int) -> list[str]:
@@ -59,18 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     levels = args.levels.split(",")
-    grpc, http, zipkin, query = free_ports(4)
-    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
-                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
-                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-                                        "--log-level", "WARNING"])
-    engines = {}
-    try:
-        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
-        for level, port in zip(levels, free_ports(len(levels))):
-            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port)
-        for level, (engine, url) in engines.items():
-            _wait_http(url + "/health", engine, args.start_timeout_s)
+    with serving(args, levels) as engines:
         urls = [url for _, url in engines.values()]
         pids = [engine.pid for engine, _ in engines.values()]
         load(args, urls, pids, 1, seed=999)                   # warm-up
@@ -88,16 +74,6 @@ def main(argv=None) -> int:
             _, err = spy.communicate(timeout=60)
             if spy.returncode:
                 print(f"{level}: py-spy failed: {err.decode()[-500:]}")
-    finally:
-        for engine, _ in engines.values():
-            engine.send_signal(signal.SIGTERM)
-        for engine, _ in engines.values():
-            try:
-                engine.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(timeout=60)
     for level in levels:
         raw = args.out / f"pyspy-{level}.txt"
         if raw.exists():

@@ -10,7 +10,8 @@ first one's ``time_map`` so both land on the same clock.
 
 Guarantee: every export is delivered or the replay stops with an error naming its line
 (429/503 are retried after ``Retry-After``, at most ``max_retries`` times). Memory: one
-export at a time, plus one pass over the file's times first.
+export at a time, plus one pass over the file's times first (and, with ``align_slot_s``,
+one over its metric points).
 """
 
 from __future__ import annotations
