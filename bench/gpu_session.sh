@@ -48,7 +48,7 @@ for p in "$@"; do
     tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
-        tests/engine/test_metrics.py ;;
+        tests/engine/test_metrics.py tests/engine/test_async_scheduling.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
     profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl >>"$OUT/pip.log" 2>&1
         PATH=/tmp/pyspy/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
@@ -58,11 +58,11 @@ for p in "$@"; do
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
-        --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-detached,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
+        --levels "${HTTP_LEVELS:-off,off-sync,steps,kernels,kernels-detached,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
     engine)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
             tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
-            tests/engine/test_sampling.py
+            tests/engine/test_sampling.py tests/engine/test_async_scheduling.py
         # shellcheck disable=SC2086  # the extra flags are meant to split
         part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
             --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \

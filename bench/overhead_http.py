@@ -36,6 +36,8 @@ CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main;
 LEVELS = {                                 # name -> engine serve flags
     "off": ["--trace-level", "off"],
     "off-b": ["--trace-level", "off"],      # a second off engine: the method's own spread
+    "off-sync": ["--trace-level", "off", "--no-async-scheduling"],   # each step waited for
+    "kernels-sync": ["--trace-level", "kernels", "--no-async-scheduling"],
     "requests": ["--trace-level", "requests"],
     "steps": ["--trace-level", "steps"],
     "kernels": ["--trace-level", "kernels"],
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--levels", default="off,off-b,steps,kernels,kernels-detached,kernels@0.05",
+    ap.add_argument("--levels", default="off,off-sync,steps,kernels,kernels-detached,kernels@0.05",
                     help=f"comma-separated, off first; known: {','.join(LEVELS)}")
     ap.add_argument("--rounds", type=int, default=12, help="bursts per level")
     ap.add_argument("--max-model-len", type=int, default=512,

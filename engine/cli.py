@@ -42,6 +42,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(by default they are captured at start-up on CUDA)")
+    serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                       help="plan and launch the next step while the device runs this one "
+                            "(default: on with CUDA, off on the CPU)")
     serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -102,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)

@@ -180,6 +180,10 @@ class EngineConfig:
     # only); True runs every step eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
     cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
+    # Overlapped scheduling: the next step is planned and launched while the device runs this
+    # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
+    # runs synchronously and there is nothing to overlap.
+    async_scheduling: bool | None = None
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
@@ -210,6 +214,8 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
         check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
+        if self.async_scheduling not in (None, True, False):
+            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)

@@ -6,6 +6,10 @@
 else happens on the loop thread: apply aborts, ``schedule()``, run the model (the only
 device work), ``update()``, detokenize, finish requests on stop strings, and hand every
 request's new text to its asyncio queue with ONE ``call_soon_threadsafe`` per step.
+With overlapped scheduling (``EngineConfig.async_scheduling``, on with CUDA) the next step is
+planned and launched before the one on the device is waited for: the scheduler holds
+stand-ins for its tokens (``Scheduler.update_pending``, then ``resolve``), and a request that
+ends on eos or a stop string has computed one token too many, which is dropped.
 
 The scheduler's lock is held only around ``add``/``schedule``/``update``/``finish``, never
 around the model. Telemetry: the loop only records lifecycle events (a request queued, a
@@ -17,12 +21,14 @@ elsewhere (:mod:`sightline.instrumentation.telemetry_pipeline`). Off costs one b
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..instrumentation import Detokenized, OpenStep, Queued, Step, TelemetryPipeline
 from .config import EngineConfig, resolve_model_config
@@ -31,6 +37,9 @@ from .metrics import EngineMetrics, trace_exemplar
 from .request import FinishReason, Request, SamplingParams
 from .scheduler import QueueFullError, Scheduler, StepPlan
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
+
+if TYPE_CHECKING:   # torch comes with the engine, not with this module
+    from .model_runner import LaunchedStep, StepExecution
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "StepStats", "EngineStoppedError",
            "QueueFullError"]
@@ -89,7 +98,6 @@ class _Live:
     stream: RequestStream | None
     detok: IncrementalDetokenizer
     key: int | None  # its key in the lifecycle events; None when not traced
-    prefilling: bool = True  # its (re)computed prompt has not produced a token yet
     text: str = ""  # generated text after stop-string truncation
     emitted: int = 0  # chars of text already handed out
     checked: int = 0  # chars of text already searched for stop strings
@@ -109,6 +117,29 @@ class StepStats:
     num_decode_tokens: int
     num_seqs: int
     duration_s: float  # schedule + model + sampling + update + detokenize
+
+
+@dataclass
+class _Launched:
+    """A step on the device, applied to the scheduler with stand-ins for its tokens."""
+
+    plan: StepPlan
+    step: OpenStep | None           # its telemetry record; None when tracing is off
+    run: LaunchedStep
+    finished: list[Request]         # requests it ends on max_tokens (outputs still to make)
+    t0: float                       # perf_counter at launch
+
+
+def _without_ended(plan: StepPlan) -> StepPlan | None:
+    """The plan without the requests that ended after it was made (None if none is left)."""
+    kept = [e for e in plan.scheduled if not e.request.is_finished]
+    if len(kept) == len(plan.scheduled):
+        return plan
+    if not kept:
+        return None
+    prefill = sum(e.num_new_tokens for e in kept if e.is_prefill)
+    return dataclasses.replace(plan, scheduled=kept, num_prefill_tokens=prefill,
+                               num_decode_tokens=sum(e.num_new_tokens for e in kept) - prefill)
 
 
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
@@ -150,6 +181,10 @@ class LLMEngine:
         self._accepting = True
         self._next_id = 0
         self._last_plan_nonempty = False
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.runner.device.type == "cuda")
+        self._in_flight: _Launched | None = None   # the step launched, not completed (overlapped)
+        self._last_step_done = 0.0
         self.last_step: StepStats | None = None
         self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
         # the engine loop's time in all, and the part of it spent recording telemetry
@@ -191,6 +226,11 @@ class LLMEngine:
     @property
     def num_live(self) -> int:
         return len(self._live)
+
+    @property
+    def has_work(self) -> bool:
+        """Requests queued or running, or a step still on the device."""
+        return self.scheduler.has_work or self._in_flight is not None
 
     @property
     def accepting(self) -> bool:
@@ -272,9 +312,10 @@ class LLMEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not (self._stopping or self._aborts or self.scheduler.has_work):
+                while not (self._stopping or self._aborts or self.scheduler.has_work
+                           or self._in_flight is not None):
                     self._wake.wait()
-                if self._stopping and not self._aborts:
+                if self._stopping and not self._aborts and self._in_flight is None:
                     return
             try:
                 did_work = self.step_and_deliver()
@@ -287,7 +328,7 @@ class LLMEngine:
                     self._wake.wait(timeout=0.005)
 
     def step_and_deliver(self) -> bool:
-        outputs = self.step()
+        outputs = self.step_overlapped() if self.async_scheduling else self.step()
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for live, output in outputs:
             if live.stream is not None:
@@ -297,11 +338,37 @@ class LLMEngine:
                 loop.call_soon_threadsafe(_deliver, batch)
             except RuntimeError:  # the server's loop closed under us (shutdown)
                 pass
-        return bool(outputs) or self._last_plan_nonempty
+        return bool(outputs) or self._last_plan_nonempty or self._in_flight is not None
 
     def step(self) -> list[tuple[_Live, RequestOutput]]:
-        """One iteration on the caller's thread. Returns the outputs it produced."""
-        t0 = time.perf_counter()
+        """One iteration on the caller's thread, waited for. Returns the outputs it produced."""
+        outputs, plan = self._schedule()
+        if plan is not None:
+            launched = self._launch(plan, None, outputs)
+            if launched is not None:
+                outputs += self._complete(launched)
+        return outputs
+
+    def step_overlapped(self) -> list[tuple[_Live, RequestOutput]]:
+        """One iteration of overlapped scheduling: plans and launches the next step while the
+        one in flight runs on the device, then completes that one (its outputs are returned)
+        and leaves the new one in flight. A plan with penalized sampling needs the host's
+        tokens, so it waits for the step in flight first."""
+        previous, self._in_flight = self._in_flight, None
+        outputs, plan = self._schedule()
+        if plan is not None and previous is not None and any(
+                e.request.sampling.penalized for e in plan.scheduled):
+            outputs += self._complete(previous)
+            previous = None
+            plan = _without_ended(plan)   # the wait may have ended some (eos, stop string)
+        launched = self._launch(plan, previous, outputs) if plan is not None else None
+        if previous is not None:
+            outputs += self._complete(previous)
+        self._in_flight = launched
+        return outputs
+
+    def _schedule(self) -> tuple[list[tuple[_Live, RequestOutput]], StepPlan | None]:
+        """Applies aborts and plans the next step (None when there is nothing to run)."""
         outputs: list[tuple[_Live, RequestOutput]] = []
         with self._lock:
             aborts, self._aborts = self._aborts, []
@@ -312,31 +379,55 @@ class LLMEngine:
         self._last_plan_nonempty = not plan.is_empty
         if plan.is_empty:
             self._record_gauges()
-            return outputs
-        for request in plan.preempted:
+            return outputs, None
+        for _ in plan.preempted:
             self.metrics.preemptions.inc()
-            live = self._live.get(request.request_id)
-            if live is not None:
-                live.prefilling = True
+        return outputs, plan
+
+    def _launch(self, plan: StepPlan, previous: _Launched | None,
+                outputs: list[tuple[_Live, RequestOutput]]) -> _Launched | None:
+        """Enqueues the plan on the device and applies it to the scheduler with stand-ins for
+        its tokens; on failure, fails its requests (into ``outputs``) and returns None."""
+        t0 = time.perf_counter()
         step = self._open_step(plan) if self._recorder is not None else None
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
-        events: list = []   # finished requests' events: recorded after their step's
         try:
-            sampled = self.runner.execute(plan, step)
+            run = self.runner.launch(plan, step, previous.run.tokens if previous else None)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             if step is not None:
-                self._close_step(plan, step, (), [], type(exc).__name__)
+                self._close_step(plan, step, None, (), [], type(exc).__name__)
             outputs += self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}")
-            return outputs
+            return None
         with self._lock:
-            finished = self.scheduler.update(plan, sampled)
+            finished = self.scheduler.update_pending(
+                plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
+        return _Launched(plan, step, run, finished, t0)
+
+    def _complete(self, launched: _Launched) -> list[tuple[_Live, RequestOutput]]:
+        """Waits for a launched step's tokens, puts them in place and turns them into outputs."""
+        plan, step = launched.plan, launched.step
+        try:
+            sampled = launched.run.wait()
+        except Exception as exc:
+            log.exception("model step %d failed", plan.step_id)
+            if step is not None:
+                self._close_step(plan, step, launched.run.execution, (), [], type(exc).__name__)
+            return self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}",
+                                   launched.finished)
+        with self._lock:
+            finished = launched.finished + self.scheduler.resolve(plan, sampled)
         prefill_done: list[int] = []
-        outputs += self._process_tokens(plan, sampled, finished, prefill_done, events)
+        events: list = []   # finished requests' events: recorded after their step's
+        outputs = self._process_tokens(plan, sampled, finished, prefill_done, events)
         if step is not None:
-            self._close_step(plan, step, prefill_done, events, None)
+            self._close_step(plan, step, launched.run.execution, prefill_done, events, None)
         m = self.metrics
-        duration = time.perf_counter() - t0
+        # the step's share of the loop: from its launch, or from the previous step's end when
+        # it was launched while that one ran (overlapped steps would otherwise count twice)
+        done = time.perf_counter()
+        duration = done - max(launched.t0, self._last_step_done)
+        self._last_step_done = done
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
         m.step.observe(duration)
@@ -364,13 +455,13 @@ class LLMEngine:
         self.telemetry_thread_s += time.perf_counter() - c0
         return step
 
-    def _close_step(self, plan: StepPlan, step: OpenStep, prefill_done, events: list,
-                    error_type: str | None) -> None:
+    def _close_step(self, plan: StepPlan, step: OpenStep, execution: StepExecution | None,
+                    prefill_done, events: list, error_type: str | None) -> None:
         """One Step event (the batch, the preempted requests, the finished prompts), then the
         events of the requests it finished."""
         c0 = time.perf_counter()
-        if self.runner.graphs is not None:   # CUDA graphs in use: which bucket ran
-            for key, value in self.runner.last_execution.attributes().items():
+        if self.runner.graphs is not None and execution is not None:   # which bucket ran
+            for key, value in execution.attributes().items():
                 step.set_attribute(key, value)
         scheduled = plan.scheduled
         # a request's key, None when it is not traced (the assembler skips those)
@@ -397,23 +488,29 @@ class LLMEngine:
             live = self._live.get(request_id)
             if token is None or live is None:
                 continue
-            if live.prefilling:  # this chunk finished the (re)computed prompt
-                live.prefilling = False
-                if entry.request.num_output_tokens == 1:
+            # the token at position entry.end: later ones may be stand-ins already
+            first_token = entry.end == entry.request.num_prompt_tokens
+            if entry.is_prefill:  # this chunk finished the (re)computed prompt
+                if first_token:
                     self.metrics.prompt_tokens.inc(entry.request.num_prompt_tokens)
                 if live.key is not None:
                     prefill_done.append(live.key)
-            if entry.request.num_output_tokens > 1:
+            if not first_token:
                 self.metrics.itl.observe(now - live.last_token_s, live.exemplar)
             live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)
             if self._hit_stop(live):
+                request = entry.request
                 if request_id in done:  # it also hit eos/max_tokens: the stop string came first
-                    entry.request.finish_reason = FinishReason.STOP
+                    request.finish_reason = FinishReason.STOP
                 else:
                     with self._lock:
                         if self.scheduler.finish(request_id, FinishReason.STOP) is not None:
+                            done.add(request_id)
+                        elif request.is_finished:  # on max_tokens by the step in flight
+                            request.finish_reason = FinishReason.STOP
+                            del request.output_token_ids[entry.end - request.num_prompt_tokens + 1:]
                             done.add(request_id)
             if request_id in done:
                 outputs.append(self._finish_output(request_id, events=events))
@@ -448,7 +545,7 @@ class LLMEngine:
         request = live.request
         return RequestOutput(request.request_id, text, tokens,
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens)
+                             num_output_tokens=request.num_output_tokens_read)
 
     def _finish_output(self, request_id: str, error: str | None = None,
                        events: list | None = None) -> tuple[_Live, RequestOutput]:
@@ -489,12 +586,20 @@ class LLMEngine:
         self.runner.release(request_id)
         return live, output
 
-    def _fail_plan(self, plan: StepPlan, message: str) -> list[tuple[_Live, RequestOutput]]:
+    def _fail_plan(self, plan: StepPlan, message: str,
+                   finished: Sequence[Request] = ()) -> list[tuple[_Live, RequestOutput]]:
+        """Ends the plan's requests with ``message``, and those it had ``finished`` (on
+        max_tokens, their last token never read)."""
         outputs = []
         with self._lock:
             for entry in plan.scheduled:
                 if self.scheduler.finish(entry.request.request_id, FinishReason.ABORT) is not None:
                     outputs.append(self._finish_output(entry.request.request_id, error=message))
+            for request in finished:
+                if request.request_id in self._live:
+                    request.finish_reason = FinishReason.ABORT
+                    del request.output_token_ids[-1:]
+                    outputs.append(self._finish_output(request.request_id, error=message))
         self._record_gauges()
         return outputs
 
@@ -511,6 +616,7 @@ class LLMEngine:
             request_id = self.new_request_id("offline")
             self.add_request(request_id, prompt, params[i], priority=priorities[i] if priorities else 0)
             requests.append(self._live[request_id].request)
-        while self.scheduler.has_work:
-            self.step()
+        run = self.step_overlapped if self.async_scheduling else self.step
+        while self.has_work:
+            run()
         return requests

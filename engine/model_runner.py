@@ -8,7 +8,10 @@ turns them off); the others, and every step on the CPU, run eagerly.
 
 Cost per step: the batch is built as Python lists and copied to the device at once (one
 int64 and one float32 buffer, pinned and non-blocking on CUDA); the only host-device sync is
-the copy of the sampled tokens into pinned memory. KV budget: on CUDA,
+the copy of the sampled tokens into pinned memory, which ``launch`` issues and
+``LaunchedStep.wait`` waits for: in between, the engine can plan and launch the next step,
+whose inputs still unknown on the host (``pending_token`` stand-ins) are gathered on the
+device from this step's sampled ids. KV budget: on CUDA,
 ``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
 step (``_warmup``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
 sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
@@ -28,10 +31,10 @@ from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, GraphCapture
 from .kv_cache import kv_bytes_per_block
 from .model import AttentionMetadata, build_model
-from .sampling import Sampler, SamplingBatch
+from .sampling import SampledTokens, Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, StepPlan
 
-__all__ = ["ModelRunner", "StepBatch", "StepExecution", "resolve_device", "resolve_dtype"]
+__all__ = ["LaunchedStep", "ModelRunner", "StepBatch", "StepExecution", "resolve_device", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,18 @@ class StepExecution:
 
 
 _EAGER = StepExecution(cuda_graph=False)
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device: ``wait()`` -> request_id -> sampled token."""
+
+    request_ids: list[str]          # the sampled rows, in order
+    tokens: SampledTokens | None    # None when no row samples
+    execution: StepExecution
+
+    def wait(self) -> dict[str, int]:
+        return dict(zip(self.request_ids, self.tokens.wait())) if self.tokens is not None else {}
 
 
 class ModelRunner:
@@ -208,8 +223,10 @@ class ModelRunner:
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
     # ---- one step ----------------------------------------------------------------------------
-    def prepare(self, plan: StepPlan) -> StepBatch:
-        """Lists -> device tensors. Prefill chunks go first, then one token per decode."""
+    def prepare(self, plan: StepPlan, previous: SampledTokens | None = None) -> StepBatch:
+        """Lists -> device tensors. Prefill chunks go first, then one token per decode. A
+        decode whose input is a ``pending_token`` stand-in takes it from ``previous``'s
+        sampled ids on the device (one gather; no host sync)."""
         bs = self.block_size
         prefills: list[ScheduledRequest] = []
         decodes: list[ScheduledRequest] = []
@@ -252,9 +269,15 @@ class ModelRunner:
         max_blocks = max((len(e.request.block_ids) for e in decodes), default=0)
         tables: list[int] = []
         context_lens: list[int] = []
+        pending_at: list[int] = []   # input positions of stand-ins, and their rows in previous
+        pending_rows: list[int] = []
         for entry in decodes:
             req, pos = entry.request, entry.computed_before
-            input_ids += req.token_ids(pos, pos + 1)
+            token = req.token_ids(pos, pos + 1)[0]
+            if token < 0:
+                pending_at.append(len(input_ids))
+                pending_rows.append(-1 - token)
+            input_ids.append(token)
             positions.append(pos)
             slots.append(req.block_ids[pos // bs] * bs + pos % bs)
             tables += req.block_ids
@@ -264,7 +287,10 @@ class ModelRunner:
                 sample_row(entry, len(input_ids) - 1)
 
         # One host buffer, one copy; the views below are slices of it.
-        parts = (input_ids, positions, slots, cu_q, cu_k, kv_slots, tables, context_lens, logits_indices)
+        if pending_at and previous is None:
+            raise RuntimeError(f"step {plan.step_id}: inputs pending without the step that samples them")
+        parts = (input_ids, positions, slots, cu_q, cu_k, kv_slots, tables, context_lens, logits_indices,
+                 pending_at, pending_rows)
         flat = [x for part in parts for x in part]
         host = torch.tensor(flat, dtype=torch.long, pin_memory=self._pin)
         dev = host.to(self.device, non_blocking=True)
@@ -273,7 +299,9 @@ class ModelRunner:
         for part in parts:
             views.append(dev[offset:offset + len(part)])
             offset += len(part)
-        d_ids, d_pos, d_slots, d_cu_q, d_cu_k, d_kv_slots, d_tables, d_ctx, d_logits = views
+        d_ids, d_pos, d_slots, d_cu_q, d_cu_k, d_kv_slots, d_tables, d_ctx, d_logits, d_at, d_rows = views
+        if pending_at:
+            d_ids[d_at] = previous.device[d_rows]
         meta = AttentionMetadata(
             num_prefill_tokens=num_prefill,
             slot_mapping=d_slots,
@@ -291,13 +319,19 @@ class ModelRunner:
         return StepBatch(d_ids, d_pos, meta, d_logits, sampling, [r.request_id for r in sampled],
                          num_prefill_seqs=len(prefills), num_decode_seqs=len(decodes))
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan, step_trace=None) -> dict[str, int]:
-        """Runs the plan; returns request_id -> sampled token for every chunk that samples.
-        One host-device sync (reading the tokens). ``last_execution`` says how it ran."""
+        """Runs the plan and waits: request_id -> sampled token for every chunk that samples."""
+        return self.launch(plan, step_trace).wait()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, step_trace=None,
+               previous: SampledTokens | None = None) -> LaunchedStep:
+        """Enqueues the plan on the device and the copy of its sampled ids, without waiting
+        (``previous``: the step in flight, whose ids stand-in inputs take). A step with
+        kernel spans is waited for here: CUPTI delivers its records once its kernels are done."""
         if plan.is_empty:
-            return {}
-        batch = self.prepare(plan)
+            return LaunchedStep([], None, _EAGER)
+        batch = self.prepare(plan, previous)
         bucket = None
         if self.graphs is not None and batch.num_prefill_seqs == 0:
             bucket = self.graphs.bucket_for(batch.num_decode_seqs, batch.meta.block_tables.shape[1])
@@ -306,21 +340,24 @@ class ModelRunner:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe
             gpu.begin_step(step_trace)
+        tokens = None
         try:
             if bucket is None:
-                self.last_execution = _EAGER
+                execution = _EAGER
                 logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
                                     batch.logits_indices)  # [S, V]
             else:
-                self.last_execution = StepExecution(cuda_graph=self.graphs.capture,
-                                                    graph_batch_size=bucket)
+                execution = StepExecution(cuda_graph=self.graphs.capture, graph_batch_size=bucket)
                 logits = self._replay(batch, bucket, gpu)
-            tokens = (self.sampler.to_host(self.sampler.sample(logits, batch.sampling))
-                      if batch.sampled_request_ids else [])
+            if batch.sampled_request_ids:
+                tokens = self.sampler.start_copy(self.sampler.sample(logits, batch.sampling))
         finally:
             if gpu is not None:
+                if gpu.tracing and tokens is not None:
+                    tokens.wait()
                 gpu.end_step(step_trace)
-        return dict(zip(batch.sampled_request_ids, tokens))
+        self.last_execution = execution
+        return LaunchedStep(batch.sampled_request_ids, tokens, execution)
 
     def _replay(self, batch: StepBatch, bucket: int, gpu) -> torch.Tensor:
         """A decode-only step through the static path; logits [S, V] of the sampled rows."""

@@ -16,7 +16,13 @@ from enum import Enum
 
 from ..instrumentation import check_range
 
-__all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request"]
+__all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request", "pending_token"]
+
+
+def pending_token(row: int) -> int:
+    """Stand-in for a token sampled on the device but not read yet (overlapped scheduling):
+    row ``row`` of its step's sampled ids. Negative, so never a vocabulary id."""
+    return -1 - row
 
 
 class FinishReason(str, Enum):
@@ -99,6 +105,8 @@ class Request:
 
     Invariants kept by the scheduler: ``num_computed_tokens <= num_tokens``; a WAITING request
     holds no blocks and has ``num_computed_tokens == 0``; a FINISHED request holds no blocks.
+    While a step is in flight, its sampled tokens are ``pending_token`` stand-ins in
+    ``output_token_ids`` until ``Scheduler.resolve``.
     """
 
     request_id: str
@@ -136,6 +144,14 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def num_output_tokens_read(self) -> int:
+        """Output tokens known on the host: stand-ins of steps in flight excluded."""
+        n = len(self.output_token_ids)
+        while n and self.output_token_ids[n - 1] < 0:
+            n -= 1
+        return n
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from .request import Request
 
-__all__ = ["Penalties", "SamplingBatch", "Sampler"]
+__all__ = ["Penalties", "SampledTokens", "SamplingBatch", "Sampler"]
 
 
 @dataclass
@@ -63,8 +63,10 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
         self._pin = device.type == "cuda"
-        self._host = torch.empty(0, dtype=torch.long)
-        self._copied = torch.cuda.Event() if self._pin else None
+        # two pinned buffers, alternating: with overlapped scheduling the previous step's
+        # copy may still be unread when the next step's copy is issued
+        self._host = [torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)]
+        self._next_host = 0
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator | None:
         """The request's own generator (created at its first sampled token), or None."""
@@ -166,19 +168,40 @@ class Sampler:
         return torch.where(batch.temperatures > 0, sampled, greedy)
 
     def to_host(self, tokens: torch.Tensor) -> list[int]:
-        """The step's one device-to-host copy: sampled ids [S] into pinned memory, then a
-        wait for that copy alone."""
+        """The sampled ids [S] on the host: ``start_copy(tokens).wait()``."""
+        return self.start_copy(tokens).wait()
+
+    def start_copy(self, tokens: torch.Tensor) -> SampledTokens:
+        """The step's one device-to-host copy, issued without waiting: sampled ids [S] into
+        pinned memory (two buffers, alternating, so that at most two steps are in flight)."""
         if not self._pin:
-            return tokens.tolist()
+            return SampledTokens(tokens, None, None)
         n = tokens.shape[0]
-        if self._host.shape[0] < n:
-            self._host = torch.empty(max(n, 2 * self._host.shape[0]), dtype=torch.long,
-                                     pin_memory=True)
-        out = self._host[:n]
+        index, self._next_host = self._next_host, 1 - self._next_host
+        if self._host[index].shape[0] < n:
+            self._host[index] = torch.empty(max(n, 2 * self._host[index].shape[0]),
+                                            dtype=torch.long, pin_memory=True)
+        out = self._host[index][:n]
         out.copy_(tokens, non_blocking=True)
-        self._copied.record()
-        self._copied.synchronize()
-        return out.tolist()
+        copied = torch.cuda.Event()
+        copied.record()
+        return SampledTokens(tokens, out, copied)
+
+
+@dataclass
+class SampledTokens:
+    """A step's sampled ids: ``device`` [S] (the next step may gather its inputs from it) and,
+    on CUDA, their pinned host copy in flight; ``wait()`` waits for that copy alone."""
+
+    device: torch.Tensor
+    host: torch.Tensor | None
+    copied: object | None   # torch.cuda.Event recorded after the copy
+
+    def wait(self) -> list[int]:
+        if self.copied is None:
+            return self.device.tolist()
+        self.copied.synchronize()
+        return self.host.tolist()
 
 
 def _history(requests: Sequence[Request]) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from ..instrumentation import check_range
 from .kv_cache import KVCacheManager
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request, RequestStatus, pending_token
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
 
@@ -296,6 +296,48 @@ class Scheduler:
                 finished.append(request)
         return finished
 
+    def update_pending(self, plan: StepPlan, rows: dict[str, int]) -> list[Request]:
+        """``update`` for a step still running on the device (overlapped scheduling): each
+        sampled request gets ``pending_token(row)``, so that the next ``schedule()`` can plan
+        its decode; max_tokens finishes as in ``update``, an eos waits for ``resolve``."""
+        return self.update(plan, {rid: pending_token(row) for rid, row in rows.items()})
+
+    def resolve(self, plan: StepPlan, sampled: dict[str, int]) -> list[Request]:
+        """Puts the tokens of a step applied by ``update_pending`` in place of their stand-ins,
+        then does what ``update`` would have: a request on its eos token finishes with STOP
+        (one already finished on max_tokens says STOP too: the eos came first), and a first
+        token or a finish is timed now. A request that ended meanwhile (abort, stop string,
+        an earlier eos) dropped its stand-ins and is skipped. Returns the requests finished
+        here, in plan order. O(sampled rows)."""
+        now = self.clock()
+        finished: list[Request] = []
+        for entry in plan.scheduled:
+            request = entry.request
+            token = sampled.get(request.request_id) if entry.samples_token else None
+            index = entry.end - request.num_prompt_tokens  # the token at position entry.end
+            outputs = request.output_token_ids
+            if token is None or index >= len(outputs) or outputs[index] >= 0:
+                continue
+            outputs[index] = token
+            if index == 0:
+                request.first_token_time_s = now
+            eos = (not request.sampling.ignore_eos and request.eos_token_id is not None
+                   and token == request.eos_token_id)
+            if request.status is RequestStatus.FINISHED:  # on max_tokens, by update_pending
+                if eos:
+                    request.finish_reason = FinishReason.STOP
+                if index == len(outputs) - 1:
+                    request.finish_time_s = now
+                elif eos:    # it ended before the step that reached max_tokens: ended here
+                    del outputs[index + 1:]
+                    request.finish_time_s = now
+                    finished.append(request)
+            elif eos:
+                del outputs[index + 1:]    # stand-ins of the steps after it
+                self._finish(request, FinishReason.STOP, now)
+                finished.append(request)
+        return finished
+
     def abort(self, request_id: str) -> Request | None:
         """Finish a waiting or running request with ABORT and free its blocks; None if unknown or done."""
         return self.finish(request_id, FinishReason.ABORT)
@@ -305,6 +347,9 @@ class Scheduler:
         request = self._live.get(request_id)
         if request is None:
             return None
+        outputs = request.output_token_ids
+        while outputs and outputs[-1] < 0:   # stand-ins of steps in flight: never delivered
+            outputs.pop()
         self._finish(request, reason, self.clock())
         return request
 

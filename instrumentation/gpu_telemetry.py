@@ -214,6 +214,11 @@ class GpuTelemetry:
     def kernel_spans_available(self) -> bool:
         return self.tracer is not None and self.tracer.available
 
+    @property
+    def tracing(self) -> bool:
+        """The running step (between ``begin_step`` and ``end_step``) gets kernel spans."""
+        return bool(self._open)
+
     def resolve_names(self, pointers) -> None:
         """Answers the telemetry process's question: the names behind kernel pointers."""
         self.recorder.record(KernelNames(CuptiTracer.resolve_names(pointers)))

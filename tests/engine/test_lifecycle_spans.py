@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from sightline.engine.config import EngineConfig
@@ -25,10 +27,11 @@ from .span_trees import canonical_tree
 FIXTURE = Path(__file__).parent / "fixtures" / "span_tree_preempted.json"
 
 
-def run_preempting_workload(pipeline: TelemetryPipeline) -> dict:
+def run_preempting_workload(pipeline: TelemetryPipeline, async_scheduling: bool = False) -> dict:
     """4 requests of 30 prompt tokens in 9 KV blocks of 16: two are preempted."""
     engine = LLMEngine(EngineConfig(model="tiny", device="cpu", kv_cache_gib=9 * 32768 / 2**30,
-                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128)),
+                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=128),
+                                    async_scheduling=async_scheduling),
                        pipeline)
     handles = {}
     for i in range(4):
@@ -40,8 +43,9 @@ def run_preempting_workload(pipeline: TelemetryPipeline) -> dict:
         sampling = SamplingParams(max_tokens=20 if i != 3 else 6, temperature=0.0, ignore_eos=True)
         engine.add_request(request_id, list(range(1, 31)), sampling, priority=i, trace=handles[request_id])
     finals = {}
-    while engine.scheduler.has_work:
-        for _, output in engine.step():
+    step = engine.step_overlapped if async_scheduling else engine.step
+    while engine.has_work:
+        for _, output in step():
             if output.finished:
                 finals[output.request_id] = output
     for request_id, out in finals.items():
@@ -53,11 +57,14 @@ def run_preempting_workload(pipeline: TelemetryPipeline) -> dict:
     return finals
 
 
-def test_spans_from_events_equal_the_in_process_span_tree():
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_spans_from_events_equal_the_in_process_span_tree(async_scheduling):
+    """Overlapped scheduling plans each step before the previous one's tokens are read: the
+    same steps, batches, preemptions and spans."""
     exporter = InMemorySpanExporter()
     pipeline = TelemetryPipeline.start(TelemetryConfig(level="steps", exporter="none", metrics_enabled=False),
                                        span_exporters=[exporter])
-    finals = run_preempting_workload(pipeline)
+    finals = run_preempting_workload(pipeline, async_scheduling)
     assert {r: o.num_preemptions for r, o in finals.items()} == {"p0": 0, "p1": 0, "p2": 1, "p3": 1}
     tree = canonical_tree(exporter.get_finished_spans())
     expected = json.loads(FIXTURE.read_text())

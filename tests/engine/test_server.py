@@ -299,16 +299,16 @@ def test_failed_model_step_is_a_500_and_the_server_goes_on():
     try:
         client = _client(running.url)
         runner = running.engine.runner
-        real_execute = runner.execute
+        real_launch = runner.launch
         failures = []
 
-        def fail_twice(plan, step_trace=None):  # a device error, as CUDA would raise it
+        def fail_twice(plan, step_trace=None, previous=None):  # a device error, as CUDA would raise it
             if len(failures) < 2:
                 failures.append(plan.step_id)
                 raise RuntimeError("CUDA error: an illegal memory access was encountered")
-            return real_execute(plan, step_trace)
+            return real_launch(plan, step_trace, previous)
 
-        runner.execute = fail_twice
+        runner.launch = fail_twice
         with pytest.raises(openai.InternalServerError) as info:
             client.completions.create(model=MODEL, prompt="boom", max_tokens=4)
         assert info.value.status_code == 500 and info.value.body["code"] == "engine_error"
@@ -317,7 +317,7 @@ def test_failed_model_step_is_a_500_and_the_server_goes_on():
         # which the SDK raises.
         with pytest.raises(openai.APIError, match="illegal memory access"):
             list(client.completions.create(model=MODEL, prompt="boom", max_tokens=4, stream=True))
-        runner.execute = real_execute
+        runner.launch = real_launch
         assert running.engine.kv_cache.num_used_blocks == 0 and running.engine.num_live == 0
         ok = client.completions.create(model=MODEL, prompt="fine", max_tokens=3, extra_body={"ignore_eos": True})
         assert ok.usage.completion_tokens == 3 and len(failures) == 2

@@ -1,0 +1,223 @@
+"""Overlapped scheduling: the next step is planned and launched before this one's tokens are
+read, with stand-ins in the scheduler. Outputs must equal the synchronous engine's exactly:
+tokens, text, finish reasons, token counts, and no KV block left behind."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sightline.engine.config import EngineConfig
+from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
+from sightline.engine.request import FinishReason, Request, SamplingParams, pending_token
+from sightline.engine.scheduler import Scheduler, SchedulerConfig
+
+
+# -- the scheduler's stand-ins ---------------------------------------------------------------------
+
+def _scheduler(blocks=64):
+    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+                     KVCacheManager(KVCacheConfig(block_size=4, num_blocks=blocks)))
+
+
+def test_stand_ins_plan_the_next_decode_and_resolve_in_place():
+    s = _scheduler()
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=99)
+    s.add(a)
+    first = s.schedule()
+    assert s.update_pending(first, {"a": 0}) == []
+    assert a.output_token_ids == [pending_token(0)] and a.num_computed_tokens == 3
+    second = s.schedule()                       # planned before the first token is known
+    (entry,) = second.scheduled
+    assert entry.computed_before == 3 and entry.num_new_tokens == 1 and not entry.is_prefill
+    s.update_pending(second, {"a": 0})
+    assert s.resolve(first, {"a": 7}) == [] and a.output_token_ids == [7, pending_token(0)]
+    assert a.first_token_time_s is not None
+    assert s.resolve(second, {"a": 8}) == [] and a.output_token_ids == [7, 8]
+
+
+def test_eos_found_late_ends_the_request_and_drops_the_step_after_it():
+    s = _scheduler()
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=10), eos_token_id=99)
+    s.add(a)
+    first = s.schedule()
+    s.update_pending(first, {"a": 0})
+    second = s.schedule()
+    s.update_pending(second, {"a": 0})
+    assert s.resolve(first, {"a": 99}) == [a]
+    assert a.is_finished and a.finish_reason is FinishReason.STOP and a.output_token_ids == [99]
+    assert s.kv_cache.num_used_blocks == 0
+    assert s.resolve(second, {"a": 5}) == [] and a.output_token_ids == [99]   # the extra token
+
+
+def test_max_tokens_finishes_at_launch_and_an_earlier_eos_still_wins():
+    s = _scheduler()
+    a = Request("a", [1, 2], SamplingParams(max_tokens=2), eos_token_id=99)
+    b = Request("b", [1, 2], SamplingParams(max_tokens=2), eos_token_id=99)
+    for r in (a, b):
+        s.add(r)
+    first = s.schedule()
+    s.update_pending(first, {"a": 0, "b": 1})
+    second = s.schedule()
+    assert s.update_pending(second, {"a": 0, "b": 1}) == [a, b]     # max_tokens reached
+    assert a.finish_reason is FinishReason.LENGTH and s.kv_cache.num_used_blocks == 0
+    assert s.resolve(first, {"a": 99, "b": 4}) == [a]               # a's eos came first
+    assert a.finish_reason is FinishReason.STOP and a.output_token_ids == [99]
+    assert s.resolve(second, {"a": 5, "b": 99}) == []
+    assert b.output_token_ids == [4, 99] and b.finish_reason is FinishReason.STOP
+    assert a.output_token_ids == [99]
+
+
+def test_an_abort_drops_stand_ins():
+    s = _scheduler()
+    a = Request("a", [1, 2], SamplingParams(max_tokens=8))
+    s.add(a)
+    first = s.schedule()
+    s.update_pending(first, {"a": 0})
+    assert s.abort("a") is a and a.output_token_ids == []
+    assert s.resolve(first, {"a": 5}) == [] and a.output_token_ids == []
+
+
+# -- the engine, overlapped against synchronous ----------------------------------------------------
+
+def _engine(async_scheduling: bool, eos: int | None = None, static: bool = False):
+    from sightline.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.004, async_scheduling=async_scheduling,
+                                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48)))
+    if static:
+        engine.runner.static_decode(capture=False)
+    if eos is not None:
+        engine.eos_token_id = eos
+    return engine
+
+
+def _requests(texts_stop: str | None = None):
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 250) for _ in range(n)] for n in (9, 30, 4, 17, 12, 40, 6)]
+    params = [SamplingParams(max_tokens=m, temperature=0.0) for m in (6, 11, 3, 14, 9, 5, 12)]
+    params[4] = SamplingParams(max_tokens=9, temperature=0.0, frequency_penalty=0.5)   # needs host tokens
+    params[6] = SamplingParams(max_tokens=12, temperature=0.8, seed=11)
+    if texts_stop:
+        params[1] = SamplingParams(max_tokens=11, temperature=0.0, stop=(texts_stop,))
+    return prompts, params
+
+
+def _outcome(requests):
+    return [(r.output_token_ids, r.finish_reason, r.num_output_tokens) for r in requests]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-decode"])
+def test_overlapped_engine_gives_the_synchronous_outputs(static):
+    """Greedy, penalized and seeded rows; an eos id taken from a real output so that one
+    request ends on it mid-stream while the step after it is already launched."""
+    prompts, params = _requests()
+    probe = _engine(False).generate(prompts, [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                             seed=p.seed, ignore_eos=True) for p in params])
+    eos = probe[3].output_token_ids[4]
+    sync = _engine(False, eos, static)
+    want = _outcome(sync.generate(prompts, params))
+    assert any(reason is FinishReason.STOP for _, reason, _ in want)
+    overlapped = _engine(True, eos, static)
+    got = _outcome(overlapped.generate(prompts, params))
+    assert got == want
+    assert overlapped.kv_cache.num_used_blocks == 0 and overlapped.num_live == 0
+    assert not overlapped.scheduler.has_work and overlapped._in_flight is None
+
+
+def test_overlapped_engine_stops_on_stop_strings_like_the_synchronous_one():
+    prompts, params = _requests()
+    probe = _engine(False).generate(prompts, SamplingParams(max_tokens=11, temperature=0.0, ignore_eos=True))
+    text = _engine(False).tokenizer.decode(probe[1].output_token_ids)
+    stop = text[5:7] if len(text) > 8 else text[-2:]
+    prompts, params = _requests(stop)
+    sync, overlapped = _engine(False, -5), _engine(True, -5)
+    got = [r.output_token_ids for r in overlapped.generate(prompts, params)]
+    want = [r.output_token_ids for r in sync.generate(prompts, params)]
+    assert got == want
+
+
+def test_served_overlapped_engine_streams_what_the_synchronous_one_does():
+    """The server's path (loop thread, streams, usage) with overlapped scheduling on the CPU."""
+    openai = pytest.importorskip("openai")
+    from sightline.engine.server import serve_in_thread
+    answers = {}
+    for mode in (False, True):
+        running = serve_in_thread(EngineConfig(model="tiny", device="cpu", kv_cache_gib=0.01, port=0,
+                                               shutdown_timeout_s=5, async_scheduling=mode))
+        try:
+            client = openai.OpenAI(base_url=running.url + "/v1", api_key="x")
+            texts = []
+            for prompt, n in (("hello", 7), ("sightline", 1), ("overlap", 12)):
+                chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=n,
+                                                        temperature=0, stream=True,
+                                                        stream_options={"include_usage": True},
+                                                        extra_body={"ignore_eos": True}))
+                texts.append(("".join(c.choices[0].text for c in chunks if c.choices),
+                              chunks[-1].usage.completion_tokens))
+            answers[mode] = texts
+            assert running.engine.async_scheduling is mode
+            assert running.engine.kv_cache.num_used_blocks == 0
+        finally:
+            running.stop()
+    assert answers[True] == answers[False]
+    assert [n for _, n in answers[True]] == [7, 1, 12]
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+
+def _cuda_engine(telemetry=None, **kw):
+    from sightline.engine.llm_engine import LLMEngine
+    return LLMEngine(EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                                  scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+                                  **kw), telemetry)
+
+
+@pytest.mark.gpu
+def test_overlapped_graph_replays_give_the_eager_tokens_on_gpu():
+    """CUDA graphs with overlapped scheduling (the default on CUDA) against eager synchronous
+    steps: the same tokens, finish reasons and counts, an eos found mid-stream included."""
+    import torch
+    prompts, params = _requests()
+    eager = _cuda_engine(enforce_eager=True, async_scheduling=False)
+    probe = eager.generate(prompts, [SamplingParams(max_tokens=p.max_tokens, temperature=p.temperature,
+                                                    seed=p.seed, ignore_eos=True) for p in params])
+    eager.eos_token_id = probe[3].output_token_ids[4]
+    want = _outcome(eager.generate(prompts, params))
+    eos = eager.eos_token_id
+    del eager
+    torch.cuda.empty_cache()
+    fast = _cuda_engine()
+    assert fast.async_scheduling and fast.runner.graphs is not None
+    fast.eos_token_id = eos
+    assert _outcome(fast.generate(prompts, params)) == want
+    assert fast.kv_cache.num_used_blocks == 0 and not fast.has_work
+
+
+@pytest.mark.gpu
+def test_overlapped_steps_keep_kernel_spans_inside_their_step():
+    """Level kernels with overlapped scheduling: a traced step is waited for before the next
+    launch, so each kernel span lies inside its step span, and untraced steps overlap."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sightline.instrumentation import semconv
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+    spans = InMemorySpanExporter()
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none", metrics_enabled=False,
+                                                       kernel_sample_ratio=0.3),
+                                       span_exporters=[spans])
+    engine = _cuda_engine(pipeline)
+    assert engine.async_scheduling and engine.gpu_telemetry is not None
+    prompts, _ = _requests()
+    engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    engine.gpu_telemetry.flush(timeout_s=60)
+    pipeline.shutdown()
+    finished = spans.get_finished_spans()
+    steps = {s.context.span_id: s for s in finished if s.name == semconv.SPAN_ENGINE_STEP}
+    kernels = [s for s in finished if s.name.startswith((semconv.SPAN_KERNEL_PREFIX,
+                                                           semconv.SPAN_KERNEL_SUMMARY_PREFIX))]
+    assert engine.gpu_telemetry.stats.steps_traced_sampled > 0 and kernels
+    for span in kernels:
+        step = steps[span.parent.span_id]
+        assert step.start_time <= span.start_time <= span.end_time <= step.end_time, span.name
