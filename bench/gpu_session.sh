@@ -52,7 +52,7 @@ for p in "$@"; do
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
     profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl >>"$OUT/pip.log" 2>&1
         PATH=/tmp/pyspy/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
-            --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ;;
+            --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ${PROFILE_ARGS:-} ;;
     cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;

@@ -6,7 +6,9 @@ Starts one engine per level (bench/overhead_http.py's flags) and a collector, se
 of streamed completions to each engine in turn from a separate process, and meanwhile
 records every engine with ``py-spy record --threads --nonblocking`` (raw collapsed stacks,
 one file per level). ``--top`` prints the functions with the most samples on the engine's
-step thread per level, self time and total, so that two levels can be compared.
+step thread per level, self time and total, so that two levels can be compared. With
+``--gil`` only the thread holding the GIL is sampled: the share of each thread then says who
+keeps the engine's step thread waiting, and what it runs meanwhile.
 """
 
 from __future__ import annotations
@@ -20,6 +22,23 @@ import time
 from pathlib import Path
 
 from .overhead_http import load, serving
+
+
+def gil_holders(raw: Path, n: int) -> list[str]:
+    """Per thread (its frame in the stacks): its share of the GIL-holding samples and its
+    ``n`` most frequent innermost frames."""
+    threads: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        thread = next((f for f in frames if f.startswith("thread")), frames[0])
+        threads[thread][re.sub(r":\d+\)$", ")", frames[-1])] += int(count)
+    samples = sum(sum(c.values()) for c in threads.values()) or 1
+    out = []
+    for thread, frames in sorted(threads.items(), key=lambda t: -sum(t[1].values())):
+        out.append(f"{100 * sum(frames.values()) / samples:5.1f} % of GIL samples: {thread}")
+        out += [f"      {100 * c / samples:5.2f} %  {f}" for f, c in frames.most_common(n)]
+    return out
 
 
 def top_functions(raw: Path, n: int) -> list[str]:
@@ -53,6 +72,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--engine-args", nargs="*", default=[])
     ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--gil", action="store_true", help="sample only the thread holding the GIL")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     levels = args.levels.split(",")
@@ -63,7 +83,8 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         spies = {level: subprocess.Popen(["py-spy", "record", "-p", str(engine.pid), "-d",
                                           str(int(args.duration_s)), "-r", "200", "--threads",
-                                          "--nonblocking", "-f", "raw", "-o",
+                                          "--nonblocking", *(["--gil"] if args.gil else []),
+                                          "-f", "raw", "-o",
                                           str(args.out / f"pyspy-{level}.txt")],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for level, (engine, _) in engines.items()}
@@ -77,8 +98,12 @@ def main(argv=None) -> int:
     for level in levels:
         raw = args.out / f"pyspy-{level}.txt"
         if raw.exists():
-            print(f"== {level}: engine step thread, top {args.top}")
-            print("\n".join(top_functions(raw, args.top)))
+            if args.gil:
+                print(f"== {level}: threads holding the GIL")
+                print("\n".join(gil_holders(raw, 8)))
+            else:
+                print(f"== {level}: engine step thread, top {args.top}")
+                print("\n".join(top_functions(raw, args.top)))
     return 0
 
 
