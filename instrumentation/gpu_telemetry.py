@@ -36,6 +36,7 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 
 logger = logging.getLogger(__name__)
 
+_STOP = object()   # wakes the worker to stop
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -318,6 +319,10 @@ class GpuTelemetry:
             self.flush(export=True)
         finally:
             self._stop.set()
+            try:
+                self._queue.put(_STOP, timeout=1.0)
+            except queue.Full:
+                pass
             self._worker.join(timeout=10)
             if self.tracer is not None:
                 self.tracer.stop()
@@ -330,10 +335,14 @@ class GpuTelemetry:
     # -- worker thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
+            # asleep until a step or the next export: each wake-up takes the engine's GIL
+            wait_s = self._last_export + self.config.export_interval_s - time.monotonic()
             try:
-                item = self._queue.get(timeout=0.02)
+                item = self._queue.get(timeout=min(max(wait_s, 0.001), 1.0))
             except queue.Empty:
                 item = None
+            if item is _STOP:
+                break
             cpu0 = time.thread_time()
             try:
                 with self._cuda_lock:

@@ -49,7 +49,7 @@ class TelemetryPipeline:
     """See the module docstring. ``recorder`` is what the engine and server write to."""
 
     def __init__(self, config: TelemetryConfig, mode: Literal["process", "thread"] = "process",
-                 telemetry=None, ship_interval_s: float = 0.02, max_queued_batches: int = 512,
+                 telemetry=None, ship_interval_s: float = 0.1, max_queued_batches: int = 512,
                  recorder_capacity: int = 1 << 16) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"mode={mode!r} is not one of process|thread")
@@ -75,6 +75,7 @@ class TelemetryPipeline:
         self._telemetry = telemetry            # thread mode: the span builder in this process
         self._worker = None
         self._process: subprocess.Popen | None = None
+        self._next_poll = 0.0
         self._outbox: queue.Queue = queue.Queue(maxsize=max_queued_batches)
         if mode == "thread":
             from .telemetry_worker import TelemetryWorker
@@ -149,8 +150,14 @@ class TelemetryPipeline:
                 self._worker.handle(items)
             self._worker.poll()
             return
-        if self._process is None or self._process.poll() is not None:
+        # a dead process shows as a broken pipe in the writer at once; the poll that restarts
+        # it runs once a second: every wake-up of this thread takes the engine's GIL
+        if self._process is None:
             self._restart()
+        elif time.monotonic() >= self._next_poll:
+            self._next_poll = time.monotonic() + 1.0
+            if self._process.poll() is not None:
+                self._restart()
         if not items:
             return
         if self._process is None:
