@@ -195,9 +195,11 @@ def test_overlapped_graph_replays_give_the_eager_tokens_on_gpu():
 
 
 @pytest.mark.gpu
-def test_overlapped_steps_keep_kernel_spans_inside_their_step():
-    """Level kernels with overlapped scheduling: a traced step is waited for before the next
-    launch, so each kernel span lies inside its step span, and untraced steps overlap."""
+@pytest.mark.parametrize("cupti_detach", [True, False], ids=["detached", "attached"])
+def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
+    """Level kernels with overlapped scheduling, CUPTI detached or attached between traced
+    steps: a traced step is waited for before the next launch, so each kernel span lies inside
+    its step span, and untraced steps overlap."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from sightline.instrumentation import semconv
@@ -205,10 +207,11 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step():
     from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
     spans = InMemorySpanExporter()
     pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none", metrics_enabled=False,
-                                                       kernel_sample_ratio=0.3),
+                                                       kernel_sample_ratio=0.3, cupti_detach=cupti_detach),
                                        span_exporters=[spans])
     engine = _cuda_engine(pipeline)
     assert engine.async_scheduling and engine.gpu_telemetry is not None
+    assert engine.gpu_telemetry.config.cupti_detach is cupti_detach
     prompts, _ = _requests()
     engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     engine.gpu_telemetry.flush(timeout_s=60)
