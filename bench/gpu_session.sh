@@ -58,7 +58,7 @@ for p in "$@"; do
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
-        --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-attached,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
+        --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-detached,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
     engine)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
             tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \

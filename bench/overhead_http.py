@@ -46,7 +46,6 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
     "kernels-probe-all": ["--trace-level", "kernels", "--sm-probe-every", "1"],     # every step's CTAs
     "kernels-detached": ["--trace-level", "kernels", "--cupti-detach"],             # CUPTI detached between traced steps
-    "kernels-attached": ["--trace-level", "kernels", "--no-cupti-detach"],          # CUPTI attached, kinds off
 }
 
 
@@ -194,7 +193,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--levels", default="off,off-b,steps,kernels,kernels-attached,kernels@0.05",
+    ap.add_argument("--levels", default="off,off-b,steps,kernels,kernels-detached,kernels@0.05",
                     help=f"comma-separated, off first; known: {','.join(LEVELS)}")
     ap.add_argument("--rounds", type=int, default=12, help="bursts per level")
     ap.add_argument("--max-model-len", type=int, default=512,

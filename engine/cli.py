@@ -73,8 +73,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--cupti-detach", action=argparse.BooleanOptionalAction, default=None,
                        help="at --trace-level kernels: detach CUPTI between traced steps, so "
                             "that untraced steps pay nothing for it and each traced step pays "
-                            "an attach of milliseconds (default: SIGHTLINE_CUPTI_DETACH, else "
-                            "on when at most 2 %% of steps are traced)")
+                            "an attach of about 16 ms (default: SIGHTLINE_CUPTI_DETACH, else off)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")

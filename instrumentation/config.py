@@ -127,9 +127,8 @@ class TelemetryConfig:
     # with kernel spans). The kernels probe every step; the records of the others are not read.
     sm_probe_every: int = 16
     # CUPTI detached between traced steps (no cost to untraced steps' CUDA calls; a traced
-    # step pays the attach), or attached with its activity kinds off. None: detached when at
-    # most 2 % of steps are sampled, where the attaches cost less than staying attached.
-    cupti_detach: bool | None = None
+    # step pays the attach), else attached with its activity kinds off (the default).
+    cupti_detach: bool = False
     max_queue_size: int = 2048
     max_export_batch_size: int = 512
     schedule_delay_s: float = 1.0

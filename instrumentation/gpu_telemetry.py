@@ -7,8 +7,8 @@ Engine thread, per step: a random draw and a tail check (kernel spans for a samp
 and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
 every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
 also switches CUPTI on, pushes/pops its external id (``step_id + 1``), flushes CUPTI and
-switches it off; with ``cupti_detach`` (the default up to 2 % sampling) it attaches and
-detaches CUPTI instead (ms per traced step; attached but off, CUPTI adds µs to every CUDA call). One worker thread reduces the
+switches it off; with ``cupti_detach`` it attaches and detaches CUPTI instead (ms per traced
+step; attached but off, CUPTI adds µs to every CUDA call). One worker thread reduces the
 probe records on the GPU in batches into per-(gpu, SM, kernel) histograms (a 1-in-
 ``probe_every_steps`` sample of the steps), copies a traced step's CTA records to the host
 and hands the histograms over every ``export_interval_s``; CUPTI buffers go over as raw
@@ -37,10 +37,6 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 logger = logging.getLogger(__name__)
 
 _STOP = object()   # wakes the worker to stop
-# Sampling ratio up to which CUPTI is detached between traced steps by default: an attach per
-# traced step costs less than the µs that every CUDA call pays while attached
-# (bench/results/overhead_http.md).
-DETACH_BELOW_RATIO = 0.02
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -56,9 +52,10 @@ class GpuTelemetryConfig:
     tail_follow_steps: int = 1          # steps traced after a step slower than the quantile
     cupti: bool = True                  # kernel spans (CUPTI)
     # CUPTI between traced steps: detached (untraced steps' CUDA calls pay nothing, each
-    # traced step pays an attach of milliseconds) or attached with its kinds off (every CUDA
-    # call pays a few µs). None: detached at a kernel_sample_ratio of at most 0.02.
-    cupti_detach: bool | None = None
+    # traced step pays an attach of ms on the engine thread) or attached with its kinds off
+    # (every CUDA call pays a few µs). Paired runs put the two within noise of each other in
+    # throughput; attached keeps traced steps short (bench/results/overhead_http.md).
+    cupti_detach: bool = False
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
     probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
@@ -77,8 +74,6 @@ class GpuTelemetryConfig:
             value = getattr(self, name)
             if not low <= value <= high:
                 raise ValueError(f"{name}={value} not in [{low}, {high}]")
-        if self.cupti_detach is None:
-            object.__setattr__(self, "cupti_detach", self.kernel_sample_ratio <= DETACH_BELOW_RATIO)
         if not 1 <= self.tail_min_steps <= self.tail_window_steps:
             raise ValueError(f"tail_min_steps={self.tail_min_steps} not in "
                              f"[1, tail_window_steps={self.tail_window_steps}]")
@@ -146,7 +141,7 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
-                cupti_detach=getattr(telemetry_config, "cupti_detach", None),
+                cupti_detach=getattr(telemetry_config, "cupti_detach", False),
                 probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config

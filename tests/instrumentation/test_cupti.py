@@ -76,14 +76,6 @@ def test_config_ranges_name_the_bad_value():
         GpuTelemetryConfig(tail_min_steps=0)
 
 
-def test_cupti_is_detached_between_traced_steps_up_to_two_percent_sampling():
-    assert GpuTelemetryConfig().cupti_detach is True                          # 1 %
-    assert GpuTelemetryConfig(kernel_sample_ratio=0.02).cupti_detach is True
-    assert GpuTelemetryConfig(kernel_sample_ratio=0.05).cupti_detach is False
-    assert GpuTelemetryConfig(kernel_sample_ratio=0.05, cupti_detach=True).cupti_detach is True
-    assert GpuTelemetryConfig(kernel_sample_ratio=0.001, cupti_detach=False).cupti_detach is False
-
-
 def test_create_returns_none_below_kernels_level_or_without_cuda():
     pipeline = TelemetryPipeline(TelemetryConfig(level="steps", exporter="none"), mode="thread")
     assert GpuTelemetry.create(pipeline.recorder, 0) is None
