@@ -34,7 +34,8 @@ def escape_label_value(value: str) -> str:
 
 
 def _number(value: float) -> str:
-    # Go's float syntax, as prometheus_client writes it; both parsers read Python's repr
+    # repr: what prometheus_client writes below 1e6 (it switches to Go's exponent form above), and
+    # Prometheus and both prometheus_client parsers read it at any size
     if value == math.inf:
         return "+Inf"
     return repr(float(value))

@@ -39,6 +39,7 @@ from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 __all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
 
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_YIELD_BLOCKS = 32  # a snapshot lets waiting queries in after this many blocks
 _MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
 
 
@@ -452,16 +453,18 @@ class SmStore:
             keys = [(SmKey(i, g, k), gpu.index) for (i, g), gpu in self._gpus.items() for k in gpu.blocks]
         first, last = self._epochs(now_s, self.config.gauge_window_s)
         out = []
-        for key, index in keys:
+        for i, (key, index) in enumerate(keys):
+            if i % _YIELD_BLOCKS == _YIELD_BLOCKS - 1:
+                # Python's lock is not fair: without letting go of the GIL now and then, this
+                # loop takes the lock again before a waiting query (a heatmap) runs, which then
+                # waits for every block; each yield costs up to a GIL switch interval
+                time.sleep(0)
             with self._lock:
                 block = self._block(key)
                 if block is None:
                     continue
                 out.append(BlockSnapshot(key, index, list(block.sms), block.p99(first, last), block.classic.copy(),
                                          [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None))
-            # Python's lock is not fair: without letting go of the GIL here this loop takes the
-            # lock again before a waiting query (heatmap) runs, which then waits for all blocks
-            time.sleep(0)
         return out
 
     def counts(self) -> dict[str, int]:
