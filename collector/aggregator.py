@@ -134,16 +134,14 @@ class Aggregator:
         return self.store.read(fn)
 
     def exposition_snapshot(self) -> ExpositionSnapshot:
-        now_s = self.clock()
+        """The span-derived series and counters for /metrics (the per-SM ones: ``sm.snapshot``)."""
         with self._lock:
             spans = dict(
                 requests={k: {f: s.classic.copy() for f, s in v.items()} for k, v in self._spans.requests.items()},
                 requests_total=dict(self._spans.requests_total),
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
                 steps={k: s.classic.copy() for k, s in self._spans.steps.items()})
-        blocks = self.sm.snapshot(now_s)  # its own lock, once per block: ingest goes on meanwhile
-        return ExpositionSnapshot(**spans, sm_blocks=blocks, overflow=dict(self.overflow),
-                                  dropped=dict(self.dropped))
+        return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped))
 
     def memory_bytes(self) -> int:
         """Bytes held by every histogram's bucket arrays (the part that grows with data)."""

@@ -12,7 +12,8 @@ counted once in ``overflow["sm_cta"]``, its points in ``dropped``, and :meth:`re
 the limit and its value. CUMULATIVE points become deltas against the stream's previous
 point; a stream whose state was let go (idle past the horizon) or that does not fit in
 ``max_sm_series`` streams restarts as a baseline or is refused, counted, never re-counted.
-Thread-safety: one lock; queries copy out, and a snapshot takes it once per block.
+Thread-safety: one lock, not held while an export's points are read; queries copy out, and
+a snapshot takes it once per block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
@@ -37,12 +39,17 @@ from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 __all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
 
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
+_YIELD_BLOCKS = 32  # a snapshot lets waiting queries in after this many blocks
 _MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
 
 
 class GpuKey(NamedTuple):
     instance: str
     gpu: str
+
+
+def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
+    counts[reason] = counts.get(reason, 0) + n
 
 
 def gpu_label(instance: str, gpu: str, index: str) -> str:
@@ -123,45 +130,62 @@ class SmStore:
 
     # -- ingest -----------------------------------------------------------------------
     def consume(self, request, now: float) -> int:
-        """Takes the CTA points of an ``ExportMetricsServiceRequest``; returns those taken."""
+        """Takes the CTA points of an ``ExportMetricsServiceRequest``; returns those taken.
+
+        Points are read and checked before the lock is taken (most of the cost), so queries
+        and snapshots wait only for admission and the numpy merges of one export."""
         if self._wc.epoch(now) != self._expired_epoch:
             self._expired_epoch = self._wc.epoch(now)
             self.expire(now)
+        drops: dict[str, int] = {}
+        streams = []
+        for rm in request.resource_metrics:
+            instance = resource_instance(rm.resource)
+            for scope in rm.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name != sc.METRIC_CTA_DURATION:
+                        _count(drops, "unknown_metric", points_in(metric))
+                        continue
+                    kind = metric.WhichOneof("data")
+                    # explicit buckets cannot merge into exponential sketches without
+                    # losing the error bound: refused and counted
+                    if kind == "histogram":
+                        _count(drops, "explicit_bucket_histogram", len(metric.histogram.data_points))
+                        continue
+                    if kind != "exponential_histogram":
+                        _count(drops, "unsupported_metric_type", points_in(metric))
+                        continue
+                    data = metric.exponential_histogram
+                    cumulative = data.aggregation_temporality == _CUMULATIVE
+                    resource_key = rm.resource.SerializeToString(deterministic=True) if cumulative else None
+                    points = []
+                    for point in data.data_points:
+                        try:
+                            points.append(self._read(point, now, drops))
+                        except Exception:  # keep the batch's other points
+                            _count(drops, "malformed_point")
+                    streams.append((instance, cumulative, resource_key, points))
         batches: dict[tuple[int, int], tuple[SmBlock, list, list, list]] = {}
         taken = 0
         with self._lock:
-            for rm in request.resource_metrics:
-                instance = resource_instance(rm.resource)
-                resource_key = None
-                for scope in rm.scope_metrics:
-                    for metric in scope.metrics:
-                        if metric.name != sc.METRIC_CTA_DURATION:
-                            self._drop("unknown_metric", points_in(metric))
-                            continue
-                        kind = metric.WhichOneof("data")
-                        # explicit buckets cannot merge into exponential sketches without
-                        # losing the error bound: refused and counted
-                        if kind == "histogram":
-                            self._drop("explicit_bucket_histogram", len(metric.histogram.data_points))
-                            continue
-                        if kind != "exponential_histogram":
-                            self._drop("unsupported_metric_type", points_in(metric))
-                            continue
-                        data = metric.exponential_histogram
-                        cumulative = data.aggregation_temporality == _CUMULATIVE
-                        if cumulative and resource_key is None:
-                            resource_key = rm.resource.SerializeToString(deterministic=True)
-                        for point in data.data_points:
-                            try:
-                                taken += self._point(point, instance, cumulative, resource_key, now, batches)
-                            except Exception:  # keep the batch's other points
-                                self._drop("malformed_point")
+            for reason, n in drops.items():
+                self._drop(reason, n)
+            for instance, cumulative, resource_key, points in streams:
+                for read in points:
+                    if read is None:
+                        continue
+                    try:
+                        taken += self._point(read, instance, cumulative, resource_key, now, batches)
+                    except Exception:  # keep the batch's other points
+                        self._drop("malformed_point")
             for block, rows, hists, exemplars in batches.values():
                 block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
             self.points_seen += taken
         return taken
 
-    def _point(self, point, instance: str, cumulative: bool, resource_key, now: float, batches) -> int:
+    def _read(self, point, now: float, drops: dict[str, int]) -> tuple | None:
+        """The point's identity, histogram, time and slowest exemplar (None: refused, counted
+        in ``drops``). Touches no shared state, so it runs outside the lock."""
         gpu_id = uuid = sm = kernel = None
         for kv in point.attributes:
             key = kv.key
@@ -174,25 +198,34 @@ class SmStore:
             elif key == sc.ATTR_KERNEL_NAME:
                 kernel = label(kv.value)
         if sm is None or kernel is None:
-            self._drop("missing_attributes")
-            return 0
+            _count(drops, "missing_attributes")
+            return None
         gpu_id = gpu_id or "0"
-        gpu = uuid or gpu_id
         try:
             hist = cta_point_histogram(point, self._wc.max_buckets)
         except PointRefused as refused:
-            self._drop(refused.reason)
-            return 0
+            _count(drops, refused.reason)
+            return None
         t = clamped_time_s(point.time_unix_nano, now)
         if t <= now - self._wc.horizon_s:
-            self._drop("late")
-            return 0
+            _count(drops, "late")
+            return None
+        exemplar = None
+        for e in point.exemplars:
+            value = e.as_double if e.WhichOneof("value") == "as_double" else float(e.as_int)
+            if exemplar is None or value > exemplar.value:
+                exemplar = Exemplar(value, e.trace_id, e.span_id, e.time_unix_nano)
+        return gpu_id, uuid or gpu_id, sm, kernel, hist, t, point.start_time_unix_nano, exemplar
+
+    def _point(self, read: tuple, instance: str, cumulative: bool, resource_key, now: float, batches) -> int:
+        """Admits one read point and adds it to its (block, slot) batch (under the lock)."""
+        gpu_id, gpu, sm, kernel, hist, t, start_ns, exemplar = read
         block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm)
         if block is None:
             self._drop("sm_series_limit")
             return 0
         if cumulative:
-            hist = self._delta((resource_key, gpu, sm, kernel), point.start_time_unix_nano, hist, now)
+            hist = self._delta((resource_key, gpu, sm, kernel), start_ns, hist, now)
             if hist is None:
                 return 0
             if hist.count == 0:
@@ -203,11 +236,6 @@ class SmStore:
             return 0
         if t > self.newest_point_s:
             self.newest_point_s = t
-        exemplar = None
-        for e in point.exemplars:
-            value = e.as_double if e.WhichOneof("value") == "as_double" else float(e.as_int)
-            if exemplar is None or value > exemplar.value:
-                exemplar = Exemplar(value, e.trace_id, e.span_id, e.time_unix_nano)
         batch = batches.get((id(block), epoch))
         if batch is None:
             batch = batches[(id(block), epoch)] = (block, [], [], [])
@@ -310,7 +338,7 @@ class SmStore:
                     del self._gpus[key]
 
     def _drop(self, reason: str, n: int = 1) -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + n
+        _count(self.dropped, reason, n)
 
     # -- queries ----------------------------------------------------------------------
     def _epochs(self, now_s: float, last_s: float) -> tuple[int, int]:
@@ -425,7 +453,12 @@ class SmStore:
             keys = [(SmKey(i, g, k), gpu.index) for (i, g), gpu in self._gpus.items() for k in gpu.blocks]
         first, last = self._epochs(now_s, self.config.gauge_window_s)
         out = []
-        for key, index in keys:
+        for i, (key, index) in enumerate(keys):
+            if i % _YIELD_BLOCKS == _YIELD_BLOCKS - 1:
+                # Python's lock is not fair: without letting go of the GIL now and then, this
+                # loop takes the lock again before a waiting query (a heatmap) runs, which then
+                # waits for every block; each yield costs up to a GIL switch interval
+                time.sleep(0)
             with self._lock:
                 block = self._block(key)
                 if block is None:

@@ -14,17 +14,18 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
 from sightline.collector.aggregator import AggregationConfig, Aggregator
+from sightline.collector.exposition import metrics_page
 from sightline.collector.sm_store import GpuKey, Refusal
 from sightline.collector.windows import WindowConfig
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
 
 T0_S = 1_800_000_000.0  # a fixed "now" (2027) the tests pin the clock to
+OPENMETRICS = "application/openmetrics-text; version=1.0.0"  # an Accept header asking for it
 
 
 # -- OTLP builders (shared with test_heatmap*, test_explain, test_replay) --------------------
@@ -206,7 +207,7 @@ def test_two_engines_sending_gpu_0_are_two_series():
         agg.sm_windows("0", "fa2")
     registry = CollectorRegistry()
     registry.register(agg.prometheus_collector())
-    text = generate_latest(registry).decode()
+    text = metrics_page(registry, agg)[0].decode()
     for gpu in ("node-a:0", "node-b:0", "GPU-c0ffee"):  # the label: the UUID, else instance:index
         assert f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{gpu="{gpu}",kernel="fa2",sm="5"}}' in text
     assert f'{sc.COLLECTOR_GPU_INFO}{{gpu="GPU-c0ffee",gpu_index="0",instance_id="node-a"}} 1.0' in text
@@ -271,7 +272,7 @@ def test_span_series_and_prometheus_exposition():
                                                      exemplar=(90e-6, b"\xaa" * 16, b"\xab" * 8))]))
     registry = CollectorRegistry()
     registry.register(agg.prometheus_collector())
-    text = openmetrics_latest(registry).decode()
+    text = metrics_page(registry, agg, OPENMETRICS)[0].decode()
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     e2e = {(s.labels.get("priority"), s.labels.get("le")): s.value for s in fams[sc.COLLECTOR_REQUEST_E2E_SECONDS].samples
            if s.name.endswith("_bucket")}
@@ -351,8 +352,8 @@ def test_span_series_cardinality_limits():
     over = (sc.OVERFLOW_LABEL_VALUE, sc.OVERFLOW_LABEL_VALUE)
     assert agg.latency_window("kernel", over).count == 3 and agg.latency_window("e2e", over).count == 2
     assert [k["kernel"] for k in agg.kernels()] == ["k0", "k1", sc.OVERFLOW_LABEL_VALUE]
-    snap = agg.exposition_snapshot()
-    assert snap.sm_blocks == [] and snap.requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
+    assert agg.sm.snapshot(T0_S) == []
+    assert agg.exposition_snapshot().requests_total[over + (sc.OVERFLOW_LABEL_VALUE,)] == 2
 
 
 def test_cumulative_stream_downscaled_between_exports_and_reset():

@@ -14,23 +14,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from prometheus_client import CollectorRegistry
-from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from sightline.collector.exposition import metrics_page
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import (T0_S, _request_span, otlp_cta_point, otlp_metrics,
+from tests.collector.test_aggregator import (OPENMETRICS, T0_S, _request_span, otlp_cta_point, otlp_metrics,
                                              otlp_traces)
 from tests.support import free_port, wait_for_http
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (scripts/setup.sh)")
 
 
-def _serve(registry) -> tuple[ThreadingHTTPServer, int]:
+def _serve(registry, agg) -> tuple[ThreadingHTTPServer, int]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            body = generate_latest(registry)
+            body, content_type = metrics_page(registry, agg, OPENMETRICS)
             self.send_response(200)
-            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -65,7 +65,7 @@ def test_real_prometheus_scrapes_quantiles_and_exemplars(tmp_path):
         otlp_cta_point(0, 4, "fa2", [20e-6] * 100, now - 1)]))
     registry = CollectorRegistry()
     registry.register(agg.prometheus_collector())
-    server, target = _serve(registry)
+    server, target = _serve(registry, agg)
     port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
