@@ -138,12 +138,12 @@ def remove_spans(request, positions) -> None:
                 del spans[i]
 
 
-# Each 64-bit word times its own odd constant (a bijection that carries low bits upward),
-# the products XORed, then one splitmix64 finalizer round: structured ids (counters, small
-# integers) spread over every bit like random ones, the top bits (the bucket) included.
-_WORD_MIX = tuple(np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
-_FINAL_MIX = np.uint64(0xD6E8FEB86659FD93)
-_S32, _S29 = np.uint64(32), np.uint64(29)
+# splitmix64's multipliers and shifts, applied word by word (uint64 products wrap, as intended):
+# structured ids (counters, small integers, in either byte order) spread over every bit like
+# random ones. Each word's high bits are shifted down before the next product: a product
+# alone carries low bits upward only, so big-endian counters would keep their top bits.
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
@@ -152,12 +152,14 @@ _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 def fingerprints(keys: np.ndarray) -> np.ndarray:
     """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
     words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
-    fp = words[:, 0] * _WORD_MIX[0]  # uint64 products wrap, as intended
-    fp ^= words[:, 1] * _WORD_MIX[1]
-    fp ^= words[:, 2] * _WORD_MIX[2]
-    fp ^= fp >> _S32
-    fp *= _FINAL_MIX
-    fp ^= fp >> _S29
+    fp = words[:, 0] * _MIX[2]
+    for word in (words[:, 1], words[:, 2]):
+        fp ^= word
+        fp ^= fp >> _S30
+        fp *= _MIX[0]
+        fp ^= fp >> _S27
+        fp *= _MIX[1]
+        fp ^= fp >> _S31
     fp |= _ONE
     return fp
 
@@ -206,6 +208,14 @@ class SpanWindow:
         if not self.capacity or not len(fp):
             return
         bucket = self._buckets(fp)
-        # 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps the ways' order
-        self._slots[bucket * _WAYS + (self._next[bucket] & (_WAYS - 1))] = fp
-        self._next[bucket] += 1
+        order = np.argsort(bucket, kind="stable")
+        ordered = bucket[order]
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        counts = np.diff(np.append(starts, len(ordered)))
+        # Spans of one request that share a bucket take successive ways (arrival order), so
+        # none overwrites another; 256 is a multiple of _WAYS, so the uint8 counter wrapping
+        # keeps the ways' order.
+        rank = np.arange(len(ordered)) - np.repeat(starts, counts)
+        way = (self._next[ordered] + rank) & (_WAYS - 1)
+        self._slots[ordered * _WAYS + way] = fp[order]
+        self._next[ordered[starts]] += counts.astype(np.uint8)

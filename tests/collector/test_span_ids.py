@@ -68,6 +68,17 @@ def test_fingerprints_of_structured_ids_are_distinct_non_zero_and_spread():
     assert load.min() > 0 and load.max() <= 40
 
 
+def test_fingerprints_of_big_endian_counters_in_both_ids_are_distinct():
+    # Zipkin-born ids such as trace 00..01f4, span 00..07d0: every word's information sits in
+    # its top bytes once read as a little-endian uint64.
+    traces, spans_per_trace = 2000, 64
+    keys = np.zeros((traces * spans_per_trace, 24), dtype=np.uint8)
+    trace = np.repeat(np.arange(1, traces + 1, dtype=">u8"), spans_per_trace)
+    keys[:, 8:16] = trace.view(np.uint8).reshape(-1, 8)
+    keys[:, 16:] = np.arange(1, len(keys) + 1, dtype=">u8").view(np.uint8).reshape(-1, 8)
+    assert len(np.unique(fingerprints(keys))) == len(keys)
+
+
 def test_window_remembers_admitted_spans_and_flags_copies_within_a_request():
     window = SpanWindow(1 << 12)
     fp = fingerprints(_counter_keys(100))
