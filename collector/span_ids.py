@@ -8,9 +8,10 @@ fingerprint of the key of about the last ``capacity`` spans admitted, so a span 
 by an exporter's retry is recognised (false "repeat" only for a fingerprint collision:
 ~capacity / 2**63 per span for random ids).
 
-Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then one
-numpy check over 30-byte records; other bodies (JSON, Zipkin, an unusual encoding) take a
-Python loop over the spans. The window is numpy work per request, 8 bytes per span.
+Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
+fixed number of numpy operations over the 30-byte records read in place; other bodies
+(JSON, Zipkin, an unusual encoding) take a Python loop over the spans. Fingerprints and the
+window are a fixed number of numpy operations per request; the window holds 8 bytes per span.
 """
 
 from __future__ import annotations
@@ -26,16 +27,13 @@ __all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
-# Each record's fixed bytes (header, trace id tag, span id tag): checked by one XOR and mask.
-_EXPECTED = np.zeros(_RECORD, dtype=np.uint8)
-_EXPECTED[[0, 1, 2, 3, 20, 21]] = (0x12, 0x1C, 0x0A, 0x10, 0x12, 0x08)
-_FIXED = np.zeros(_RECORD, dtype=np.uint8)
-_FIXED[[0, 1, 2, 3, 20, 21]] = 0xFF
-# In records of that shape, 16 zero bytes fit only in a trace id's place, so this finds
-# exactly the zero trace ids; the span id pattern may also hit inside a trace id (then the
-# exact path looks closer).
-_ZERO_TRACE_ID = b"\n\x10" + bytes(16) + b"\x12\x08"
-_ZERO_SPAN_ID = b"\x12\x08" + bytes(8)
+# That record as one numpy row (unaligned fields, read in place): its fixed bytes are two
+# integers to compare, the ids three 64-bit words to copy out.
+_RECORD_DTYPE = np.dtype({"names": ["head", "trace_hi", "trace_lo", "span_tag", "span"],
+                          "formats": ["<u4", "<u8", "<u8", "<u2", "<u8"],
+                          "offsets": [0, 4, 12, 20, 22], "itemsize": _RECORD})
+_HEAD = np.uint32(int.from_bytes(b"\x12\x1c\x0a\x10", "little"))
+_SPAN_TAG = np.uint16(int.from_bytes(b"\x12\x08", "little"))
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
@@ -97,12 +95,16 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
             at += size
     if not parts:
         return _NO_KEYS
-    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).reshape(-1, _RECORD)
-    if ((rows ^ _EXPECTED) & _FIXED).any():
+    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).view(_RECORD_DTYPE)
+    if not ((rows["head"] == _HEAD).all() and (rows["span_tag"] == _SPAN_TAG).all()):
         return None
-    if _ZERO_TRACE_ID in compact or _ZERO_SPAN_ID in compact:
+    keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
+    keys[:, 0] = rows["trace_hi"]
+    keys[:, 1] = rows["trace_lo"]
+    keys[:, 2] = rows["span"]
+    if not ((keys[:, 0] | keys[:, 1]).all() and keys[:, 2].all()):  # an all-zero id
         return None
-    return np.concatenate((rows[:, 4:20], rows[:, 22:30]), axis=1)
+    return keys.view(np.uint8)
 
 
 def _exact_keys(request) -> np.ndarray:
@@ -137,9 +139,12 @@ def remove_spans(request, positions) -> None:
 
 
 # splitmix64's multipliers and shifts, applied word by word (uint64 products wrap, as intended):
-# structured ids (counters, small integers) spread over every bit like random ones.
+# structured ids (counters, small integers, in either byte order) spread over every bit like
+# random ones. Each word's high bits are shifted down before the next product: a product
+# alone carries low bits upward only, so big-endian counters would keep their top bits.
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 
@@ -155,7 +160,7 @@ def fingerprints(keys: np.ndarray) -> np.ndarray:
         fp ^= fp >> _S27
         fp *= _MIX[1]
         fp ^= fp >> _S31
-    fp |= np.uint64(1)
+    fp |= _ONE
     return fp
 
 
@@ -173,7 +178,12 @@ class SpanWindow:
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
         self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
-        self._next = np.zeros(1 << bits, dtype=np.uint8)
+        self._slots = self._table.reshape(-1)  # the same memory, one slot index per fingerprint
+        self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
+
+    def _buckets(self, fp: np.ndarray) -> np.ndarray:
+        # the shifted values are below 2**bits: read as intp (int64) without a conversion
+        return (fp >> self._shift).view(np.intp)
 
     def repeats(self, fp: np.ndarray) -> np.ndarray:
         """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
@@ -182,7 +192,7 @@ class SpanWindow:
             return _NO_POSITIONS
         # np.take and a 4-byte view of each row of 4 bools: fancy indexing and any(axis=1)
         # cost several times as much per call at these sizes.
-        bucket = (fp >> self._shift).astype(np.intp)
+        bucket = self._buckets(fp)
         seen = (np.take(self._table, bucket, axis=0) == fp[:, None]).view(np.uint32).ravel() != 0
         ordered = np.sort(fp)
         if (ordered[1:] == ordered[:-1]).any():  # copies within the request: all but the first
@@ -197,7 +207,15 @@ class SpanWindow:
         """Adds the fingerprints of spans just admitted."""
         if not self.capacity or not len(fp):
             return
-        bucket = (fp >> self._shift).astype(np.intp)
-        way = self._next[bucket]
-        self._table[bucket, way] = fp
-        self._next[bucket] = (way + 1) % _WAYS
+        bucket = self._buckets(fp)
+        order = np.argsort(bucket, kind="stable")
+        ordered = bucket[order]
+        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+        counts = np.diff(np.append(starts, len(ordered)))
+        # Spans of one request that share a bucket take successive ways (arrival order), so
+        # none overwrites another; 256 is a multiple of _WAYS, so the uint8 counter wrapping
+        # keeps the ways' order.
+        rank = np.arange(len(ordered)) - np.repeat(starts, counts)
+        way = (self._next[ordered] + rank) & (_WAYS - 1)
+        self._slots[ordered * _WAYS + way] = fp[order]
+        self._next[ordered[starts]] += counts.astype(np.uint8)
