@@ -8,12 +8,10 @@ One :class:`~.sm_blocks.SmBlock` holds the SMs of one (instance, gpu, kernel).
 Admission is fair per GPU: at most ``max_gpus`` GPUs; ``max_sm_series`` is shared equally
 among the GPUs present, a kernel is admitted whole or not at all, and when a new GPU
 arrives, GPUs over their new share give back their latest kernels. Every refused series is
-counted once in ``overflow["sm_cta"]``, its points in ``dropped``, and :meth:`refusal` names
-the limit and its value. CUMULATIVE points become deltas against the stream's previous
-point; a stream whose state was let go (idle past the horizon) or that does not fit in
-``max_sm_series`` streams restarts as a baseline or is refused, counted, never re-counted.
-Thread-safety: one lock, not held while an export's points are read; queries copy out, and
-a snapshot takes it once per block.
+counted once in ``overflow["sm_cta"]``, its points in ``dropped``; :meth:`refusal` names
+the limit. CUMULATIVE points become deltas against the stream's previous point; a stream
+whose state was let go (idle past the horizon) restarts as a baseline, never re-counted.
+One lock, not held while an export's points are read; queries copy out.
 """
 
 from __future__ import annotations

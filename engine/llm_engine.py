@@ -7,15 +7,11 @@ else happens on the loop thread: apply aborts, ``schedule()``, run the model (th
 device work), ``update()``, detokenize, finish requests on stop strings, and hand every
 request's new text to its asyncio queue with ONE ``call_soon_threadsafe`` per step.
 With overlapped scheduling (``EngineConfig.async_scheduling``, on with CUDA) the next step is
-planned and launched before the one on the device is waited for: the scheduler holds
-stand-ins for its tokens (``Scheduler.update_pending``, then ``resolve``), and a request that
-ends on eos or a stop string has computed one token too many, which is dropped.
-
-The scheduler's lock is held only around ``add``/``schedule``/``update``/``finish``, never
-around the model. Telemetry: the loop only records lifecycle events (a request queued, a
-step with its batch, preemptions and finished prompts, the final flush) through the
-pipeline's recorder, O(1) appends per step and per request event; spans are made from them
-elsewhere (:mod:`sightline.instrumentation.telemetry_pipeline`). Off costs one branch.
+planned and launched before the one on the device is waited for (stand-in tokens,
+``Scheduler.update_pending`` then ``resolve``); a request ending on eos or a stop string has
+computed one token too many, which is dropped. The scheduler's lock is never held around
+the model. Telemetry: the loop only records lifecycle events, O(1) appends per step and per
+request event; spans are made elsewhere (``instrumentation.telemetry_pipeline``).
 """
 
 from __future__ import annotations

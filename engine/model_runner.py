@@ -6,12 +6,10 @@ scheduler's block manager) and the sampler's generators. On CUDA, decode-only st
 CUDA graphs captured at start-up (``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager``
 turns them off); the others, and every step on the CPU, run eagerly.
 
-Cost per step: the batch is built as Python lists and copied to the device at once (one
-int64 and one float32 buffer, pinned and non-blocking on CUDA); the only host-device sync is
-the copy of the sampled tokens into pinned memory, which ``launch`` issues and
-``LaunchedStep.wait`` waits for: in between, the engine can plan and launch the next step,
-whose inputs still unknown on the host (``pending_token`` stand-ins) are gathered on the
-device from this step's sampled ids. KV budget: on CUDA,
+Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
+non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
+issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
+the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
 ``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
 step (``_warmup``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
 sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
