@@ -66,13 +66,15 @@ def generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> di
     for prompt in prompts:
         tokens[engine.new_request_id("bench")] = []
         engine.add_request(list(tokens)[-1], prompt, params)
-    full, decode, graph_steps = [], [], 0
+    full, decode, prefill, graph_steps = [], [], [], 0
     step = engine.step_overlapped if engine.async_scheduling else engine.step
     start = time.perf_counter()
     while engine.has_work:
         for _, output in step():
             tokens[output.request_id] += output.token_ids
         stats = engine.last_step
+        if stats is not None and stats.num_prefill_tokens:
+            prefill.append((stats.num_prefill_tokens, stats.duration_s))
         if stats is not None and stats.num_prefill_tokens == 0 and stats.num_decode_tokens:
             decode.append(stats.duration_s)
             graph_steps += engine.runner.last_step_graph_bucket is not None
@@ -80,7 +82,7 @@ def generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> di
                 full.append(stats.duration_s)
     wall = time.perf_counter() - start
     return {"wall_s": wall, "full_batch_step_s": full, "decode_step_s": decode,
-            "graph_steps": graph_steps, "tokens": list(tokens.values())}
+            "prefill_steps": prefill, "graph_steps": graph_steps, "tokens": list(tokens.values())}
 
 
 def _median_ms(values: list[float]) -> float | None:
@@ -144,6 +146,14 @@ def run(engine: LLMEngine, args: argparse.Namespace, floor_s: float) -> dict:
                 "full_batch_decode_step_ms": full_ms,
                 "step_x_floor": round(full_ms / floor_ms, 2) if full_ms else None,
                 "wall_s": [round(r["wall_s"], 4) for r in conc],
+                # steps with prompt tokens (prefill and mixed): their share of the wall time,
+                # and the rate of 2 x params FLOPs per prompt token they reached
+                "prefill_steps": len(conc[-1]["prefill_steps"]),
+                "prefill_s": round(statistics.median(sum(d for _, d in r["prefill_steps"])
+                                                     for r in conc), 4),
+                "prefill_tflop_per_s": round(statistics.median(
+                    2 * engine.model_config.num_params * sum(n for n, _ in r["prefill_steps"])
+                    / max(sum(d for _, d in r["prefill_steps"]), 1e-9) for r in conc) / 1e12, 1),
                 "graph_steps": conc[-1]["graph_steps"],
             },
         }
@@ -159,6 +169,35 @@ def run(engine: LLMEngine, args: argparse.Namespace, floor_s: float) -> dict:
                    "concurrent_output": round(out[mode]["concurrent"]["output_tokens_per_s"]
                                               / e["concurrent"]["output_tokens_per_s"], 2)}
             for mode in modes if mode != "eager" and out[mode]["single"]["decode_step_ms"]}
+    return out
+
+
+def gpu_time_breakdown(engine: LLMEngine, prompts: list[list[int]], output_len: int,
+                       top: int = 15) -> dict:
+    """Where a concurrent run's GPU time goes: kernels by total device time (torch.profiler,
+    so only where no other CUPTI subscriber runs), and one full-batch decode graph's replay
+    timed alone with events, next to the step time the engine saw."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        generate(engine, prompts, output_len)
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total_us = sum(e.self_device_time_total for e in rows)
+    kernels = [{"name": e.key[:120], "calls": e.count, "total_ms": round(e.self_device_time_total / 1e3, 3),
+                "share": round(e.self_device_time_total / total_us, 4)} for e in rows[:top]]
+    out = {"device_ms_total": round(total_us / 1e3, 3), "kernels": kernels}
+    graphs = engine.runner.graphs
+    if graphs is not None and graphs.buckets:
+        bucket = max(graphs.buckets)
+        times = []
+        for _ in range(21):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.replay(bucket)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        out["graph_replay_ms"] = {"bucket": bucket, "median_ms": round(statistics.median(times[1:]), 4)}
     return out
 
 
@@ -178,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
     parser.add_argument("--enforce-eager", action="store_true", help="eager mode only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-profile", action="store_true",
+                        help="skip the GPU-time breakdown (torch.profiler) after the runs")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
@@ -205,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{weight_bytes / 1e9:.2f} GB, copy {bandwidth / 1e12:.2f} TB/s, floor "
           f"{floor_s * 1e3:.3f} ms/step", flush=True)
     results = run(engine, args, floor_s)
+    if runner.device.type == "cuda" and not args.no_profile:
+        rng = random.Random(args.seed + 1)
+        vocab = min(engine.model_config.vocab_size, 32000)
+        prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)]
+                   for _ in range(args.concurrency)]
+        try:   # a diagnosis: its failure must not cost the figures above
+            results["gpu_breakdown"] = gpu_time_breakdown(engine, prompts, args.output_len)
+            for k in results["gpu_breakdown"]["kernels"]:
+                print(f"  {k['total_ms']:9.3f} ms {k['calls']:6d}x {k['share']:.3f}  {k['name']}")
+            print("  graph replay alone:", results["gpu_breakdown"].get("graph_replay_ms"), flush=True)
+        except Exception as exc:
+            print(f"GPU-time breakdown failed: {type(exc).__name__}: {exc}", flush=True)
     for mode in ("overlap", "graphs", "eager"):
         if mode in results:
             s, c = results[mode]["single"], results[mode]["concurrent"]

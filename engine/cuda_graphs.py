@@ -159,6 +159,11 @@ class DecodeGraphs:
         self._graphs[bucket].replay()
         return self._logits[bucket]
 
+    def replay(self, bucket: int) -> torch.Tensor:
+        """Replays ``bucket``'s graph on the static inputs as they stand (for timing it alone)."""
+        self._graphs[bucket].replay()
+        return self._logits[bucket]
+
     def launches(self, bucket: int) -> tuple:
         """The probed launches captured in ``bucket``'s graph (for ``SmProbe.adopt``)."""
         return self._launches.get(bucket, ())

@@ -326,7 +326,8 @@ class ModelRunner:
                previous: SampledTokens | None = None) -> LaunchedStep:
         """Enqueues the plan on the device and the copy of its sampled ids, without waiting
         (``previous``: the step in flight, whose ids stand-in inputs take). A step with
-        kernel spans is waited for here: CUPTI delivers its records once its kernels are done."""
+        kernel spans is waited for here only when CUPTI is detached after it
+        (``GpuTelemetry.waits_for_traced_steps``)."""
         if plan.is_empty:
             return LaunchedStep([], None, _EAGER)
         batch = self.prepare(plan, previous)
@@ -351,7 +352,7 @@ class ModelRunner:
                 tokens = self.sampler.start_copy(self.sampler.sample(logits, batch.sampling))
         finally:
             if gpu is not None:
-                if gpu.tracing and tokens is not None:
+                if gpu.tracing and gpu.waits_for_traced_steps and tokens is not None:
                     tokens.wait()
                 gpu.end_step(step_trace)
         self.last_execution = execution

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _REQUEST = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p),
                             ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
+_FLUSH_FORCED = 1   # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: part-full buffers too
 _COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p,
                              ctypes.c_size_t, ctypes.c_size_t)
 
@@ -171,7 +172,7 @@ class CuptiTracer:
             return
         cupti = self._cupti
         try:
-            cupti.activity_flush_all(1)
+            cupti.activity_flush_all(_FLUSH_FORCED)
             for kind in self._kinds:
                 cupti.activity_disable(kind)
             cupti.finalize()
@@ -301,11 +302,15 @@ class CuptiTracer:
             self.callback_errors += 1
 
     def flush(self) -> None:
-        """Forces CUPTI to deliver every record of finished work now (blocks). Nothing while
-        detached: any CUPTI call would attach it again."""
+        """Forces CUPTI to deliver every record of finished work now (blocks). Called through
+        ctypes, which lets the GIL go for the call: CUPTI's record processing then does not
+        stall the engine thread (the buffer callback takes the GIL once per buffer). Nothing
+        while detached: any CUPTI call would attach it again."""
         if self.available and self.attached:
             try:
-                self._cupti.activity_flush_all(1)
+                result = self._lib.cuptiActivityFlushAll(ctypes.c_uint32(_FLUSH_FORCED))
+                if result != 0:
+                    raise RuntimeError(f"cuptiActivityFlushAll returned {result}")
             except Exception:
                 logger.exception("CUPTI flush failed")
 

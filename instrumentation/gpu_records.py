@@ -12,7 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["KernelActivity", "KernelNames", "StepCtas", "CtaHistograms", "GpuIdentity"]
+__all__ = ["KernelActivity", "KernelNames", "StepCtas", "CtaHistograms", "GpuIdentity",
+           "UNTRACED_EXTERNAL_ID"]
+
+# The external correlation id of a step launched while CUPTI still records the traced step
+# before it: its kernels are recorded, belong to no traced step and are dropped, counted.
+# A traced step's id is ``step_id + 1``, never 0.
+UNTRACED_EXTERNAL_ID = 0
 
 
 class KernelActivity(NamedTuple):

@@ -2,17 +2,16 @@
 
 ``GpuTelemetry.create(recorder, device_index)`` -> instance or None; ``probe`` goes to the
 attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread).
-
 Engine thread, per step: a random draw and a tail check (kernel spans for a sampled fraction
 and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
 every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
-also switches CUPTI on, pushes/pops its external id (``step_id + 1``), flushes CUPTI and
-switches it off; with ``cupti_detach`` it attaches and detaches CUPTI instead (ms per traced
-step; attached but off, CUPTI adds µs to every CUDA call). One worker thread reduces the
-probe records on the GPU in batches into per-(gpu, SM, kernel) histograms (a 1-in-
-``probe_every_steps`` sample of the steps), copies a traced step's CTA records to the host
-and hands the histograms over every ``export_interval_s``; CUPTI buffers go over as raw
-bytes. All leaves through the recorder (:mod:`.gpu_records`); errors are counted, not raised.
+switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited for:
+the worker waits for its kernels, flushes CUPTI and switches it off; steps launched meanwhile
+are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step. With
+``cupti_detach`` the engine waits, flushes and detaches CUPTI itself (ms per traced step).
+The worker also reduces probe records on the GPU in batches into per-(gpu, SM, kernel)
+histograms, exported every ``export_interval_s``; CUPTI buffers go over as raw bytes. All
+leaves through the recorder (:mod:`.gpu_records`); errors are counted, not raised.
 """
 
 from __future__ import annotations
@@ -29,7 +28,8 @@ import numpy as np
 
 from . import semconv
 from .cupti_tracer import CuptiTracer
-from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
+from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
+                          KernelNames, StepCtas)
 from .sm_probe import SmProbe
 
 __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
@@ -119,6 +119,7 @@ class GpuTelemetryStats:
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99.9
+    steps_recorded_untraced: int = 0  # launched while CUPTI closed a traced step
     tail_steps: int = 0             # steps slower than the recent P99.9
     ctas_probed: int = 0            # grid CTAs of probed launches (idle ones included)
     probe_launches_dropped: int = 0
@@ -169,7 +170,14 @@ class GpuTelemetry:
         # attaches or detaches: cuptiFinalize must not race another thread's CUDA call
         self._cuda_lock = threading.Lock()
         self._open: str = ""       # the running step's trace reason ("" = not traced)
+        self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
         self._follow = 0           # steps still to trace after a slow one
+        self._owed = 0             # samples drawn while a traced step was being closed
+        # True from a traced step's end until the worker has flushed CUPTI and switched it
+        # off (set by the engine thread, cleared by the worker after the switch)
+        self._closing = False
+        self._recorded_untraced: set[int] = set()   # their CUPTI cost stays out of the tail rule
+        self._done_marker = _cuda_event if config.cupti else (lambda: None)
         self._probe_batch: list = []
         self._interval_start_ns = time.time_ns()
         self._last_export = time.monotonic()
@@ -221,6 +229,17 @@ class GpuTelemetry:
         """The running step (between ``begin_step`` and ``end_step``) gets kernel spans."""
         return bool(self._open)
 
+    @property
+    def waits_for_traced_steps(self) -> bool:
+        """The engine must wait for a traced step's tokens before ``end_step``: detaching
+        CUPTI needs the step's records delivered first."""
+        return self.config.cupti_detach
+
+    @property
+    def closing(self) -> bool:
+        """A traced step has ended and CUPTI is not yet flushed and switched off."""
+        return self._closing
+
     def resolve_names(self, pointers) -> None:
         """Answers the telemetry process's question: the names behind kernel pointers."""
         self.recorder.record(KernelNames(CuptiTracer.resolve_names(pointers)))
@@ -233,10 +252,19 @@ class GpuTelemetry:
         try:
             reason = ""
             if self.tracer is not None and self.tracer.available:
-                if self._follow > 0:
+                if self._closing:
+                    # CUPTI still records the last traced step: this one's kernels are
+                    # recorded too but kept out of it, and a sample drawn now is owed
+                    self._owed += self.policy.sample()
+                    self.tracer.push(UNTRACED_EXTERNAL_ID)
+                    self._untraced_push = True
+                    self._recorded_untraced.add(step.step_id)
+                    self.stats.steps_recorded_untraced += 1
+                elif self._follow > 0:
                     self._follow -= 1
                     reason = TRACE_AFTER_TAIL
-                elif self.policy.sample():
+                elif self._owed > 0 or self.policy.sample():
+                    self._owed = max(self._owed - 1, 0)
                     reason = TRACE_SAMPLED
                 if reason:
                     if self.tracer.attached:
@@ -258,13 +286,22 @@ class GpuTelemetry:
         t0 = time.perf_counter()
         try:
             reason, self._open = self._open, ""
+            done = None
+            if self._untraced_push:
+                self._untraced_push = False
+                self.tracer.pop()
             if reason:
                 self.tracer.pop()
-                # The step's tokens are on the host, so its kernels are done: deliver their
-                # records while the kinds are still on (a CUDA graph's kernel records
-                # flushed after the kinds went off carried the flush time as their end).
-                self.tracer.flush()
-                self._idle_tracer()
+                if self.waits_for_traced_steps:
+                    # The step's tokens are on the host, so its kernels are done: deliver
+                    # their records while the kinds are still on (a CUDA graph's kernel
+                    # records flushed after the kinds went off carried the flush time as
+                    # their end).
+                    self.tracer.flush()
+                    self._idle_tracer()
+                else:   # the worker does both once the step's kernels are done
+                    done = self._done_marker()
+                    self._closing = True
                 if reason == TRACE_SAMPLED:
                     self.stats.steps_traced_sampled += 1
                 else:
@@ -279,9 +316,12 @@ class GpuTelemetry:
             self.stats.steps += 1
             if pending is not None or reason:
                 try:
-                    self._queue.put_nowait((step.step_id, pending, time.time_ns(), bool(reason)))
+                    self._queue.put_nowait((step.step_id, pending, time.time_ns(), bool(reason),
+                                            done))
                 except queue.Full:
                     self.stats.steps_dropped += 1
+                    if done is not None or self._closing:
+                        self._close_traced(None)   # never leave CUPTI recording
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
@@ -300,6 +340,9 @@ class GpuTelemetry:
         P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps. Traced steps stay
         out of the rule: their CUPTI cost would arm the next one."""
         if step.attributes and semconv.STEP_TRACE_REASON in step.attributes:
+            return
+        if step.step_id in self._recorded_untraced:
+            self._recorded_untraced.discard(step.step_id)
             return
         if self.policy.is_tail(duration_s):
             self._follow = self.config.tail_follow_steps
@@ -368,7 +411,18 @@ class GpuTelemetry:
         if time.monotonic() - self._last_export >= self.config.export_interval_s:
             self._export()
 
-    def _take_step(self, step_id: int, pending, end_ns: int, traced: bool) -> None:
+    def _close_traced(self, done) -> None:
+        """After a traced step's kernels (``done``: an event recorded after them, or None):
+        its records delivered while the kinds are still on, then CUPTI switched off."""
+        if done is not None:
+            done.synchronize()       # lets the GIL go while it waits
+        self.tracer.flush()
+        self._idle_tracer()
+        self._closing = False
+
+    def _take_step(self, step_id: int, pending, end_ns: int, traced: bool, done=None) -> None:
+        if traced and self._closing:
+            self._close_traced(done)
         if pending is not None and self.histograms is not None:
             self._probe_batch.append((pending, end_ns))
             self.stats.ctas_probed += sum(n for _, n in pending.launches)
@@ -411,6 +465,16 @@ class GpuTelemetry:
         if hists:
             self.recorder.record(CtaHistograms(hists, exemplars, start, now))
             self.stats.histogram_exports += 1
+
+
+def _cuda_event():
+    """An event recorded on the current stream: done when the work enqueued so far is."""
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def _gpu_uuid(device_index: int) -> str | None:

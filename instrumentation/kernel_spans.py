@@ -26,6 +26,7 @@ import numpy as np
 
 from . import semconv
 from .cupti_records import KERNEL_DTYPE, decode_buffer
+from .gpu_records import UNTRACED_EXTERNAL_ID
 from .sm_probe import CtaBatch, LaunchFacts, launch_facts
 
 __all__ = ["KernelSpanConfig", "KernelSpanBuilder", "KernelSpanStats", "kernel_span_name"]
@@ -61,6 +62,7 @@ class KernelSpanStats:
     buffers: int = 0
     kernels_seen: int = 0
     kernels_unmatched: int = 0       # no step claimed them (launched outside a traced step)
+    kernels_untraced: int = 0        # recorded while CUPTI closed a traced step: not kept
     kernels_dropped: int = 0         # pending beyond max_pending_kernels
     kernel_spans: int = 0
     steps_traced: int = 0
@@ -168,6 +170,10 @@ class KernelSpanBuilder:
         else:
             self._unjoined_age = 0
         kernels, ext = kernels[found], ext[found]
+        untraced = ext == UNTRACED_EXTERNAL_ID
+        if untraced.any():
+            self.stats.kernels_untraced += int(untraced.sum())
+            kernels, ext = kernels[~untraced], ext[~untraced]
         if not len(kernels):
             return
         now = time.monotonic()

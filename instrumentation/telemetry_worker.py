@@ -125,7 +125,8 @@ class TelemetryWorker:
         counters = getattr(getattr(self.telemetry, "providers", None), "counters", None)
         st = self.kernels.stats
         out = {"kernel_spans": st.kernel_spans, "kernels_seen": st.kernels_seen,
-               "kernels_unmatched": st.kernels_unmatched, "steps_traced": st.steps_traced,
+               "kernels_unmatched": st.kernels_unmatched, "kernels_untraced": st.kernels_untraced,
+               "steps_traced": st.steps_traced,
                "orphan_events": self.assembler.orphan_events, "errors": self.errors,
                "metric_exports": self.metric_exports}
         if counters is not None:

@@ -198,8 +198,9 @@ def test_overlapped_graph_replays_give_the_eager_tokens_on_gpu():
 @pytest.mark.parametrize("cupti_detach", [True, False], ids=["detached", "attached"])
 def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
     """Level kernels with overlapped scheduling, CUPTI detached or attached between traced
-    steps: a traced step is waited for before the next launch, so each kernel span lies inside
-    its step span, and untraced steps overlap."""
+    steps. Detached, a traced step is waited for before the next launch; attached, it is not,
+    and steps launched while the worker closes it are recorded but kept out. Either way every
+    traced step gets kernel spans and each lies inside its step span."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from sightline.instrumentation import semconv
@@ -224,3 +225,7 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
     for span in kernels:
         step = steps[span.parent.span_id]
         assert step.start_time <= span.start_time <= span.end_time <= step.end_time, span.name
+    traced = {i for i, s in steps.items() if semconv.STEP_TRACE_REASON in (s.attributes or {})}
+    assert traced == {span.parent.span_id for span in kernels}
+    if not cupti_detach:
+        assert engine.gpu_telemetry.stats.steps_recorded_untraced > 0

@@ -6,6 +6,7 @@ CUPTI buffers, kernel spans under the step span, per-SM metrics."""
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ from sightline.instrumentation.cupti_records import (API_DTYPE, EXTERNAL_CORRELA
                                                      KIND_EXTERNAL_CORRELATION, KIND_RUNTIME,
                                                      decode_buffer)
 from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
+from sightline.instrumentation.gpu_records import UNTRACED_EXTERNAL_ID
 from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
 from sightline.instrumentation.lifecycle import OpenStep, Step
 from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
@@ -107,7 +109,7 @@ class _FakeTracer:
     def __init__(self) -> None:
         self.pending: list[bytes] = []
         self.pushed: list[int] = []
-        self.enabled = self.flushes = self.detaches = 0
+        self.enabled = self.disabled = self.flushes = self.detaches = 0
         self.attached = False
         self.on_buffer = None
 
@@ -116,7 +118,7 @@ class _FakeTracer:
         self.attached = True
 
     def disable(self):
-        pass
+        self.disabled += 1
 
     def detach(self):
         assert self.attached, "detached twice"
@@ -178,8 +180,11 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
     kernel of an unknown step is counted, not emitted."""
     pipeline, gpu, tracer, spans = _pipeline_with_gpu(1.0)
     t0 = time.time_ns()
-    steps = [_run_step(pipeline, gpu, i, t0 + i * 10**7, 0.01) for i in range(2)]
-    assert tracer.pushed == [1, 2] and tracer.enabled == 2
+    steps = []
+    for i in range(2):
+        steps.append(_run_step(pipeline, gpu, i, t0 + i * 10**7, 0.01))
+        assert _wait(lambda: not gpu.closing)     # the worker switched CUPTI off
+    assert tracer.pushed == [1, 2] and tracer.enabled == 2 and tracer.disabled == 2
     tracer.pending.append(
         kernel_record("rms_norm", 1, t0 + 100, 300) + correlation_record(1, 1) + api_record(1)
         + kernel_record("sightline_paged_decode", 2, t0 + 500, 700) + correlation_record(2, 1)
@@ -210,6 +215,48 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
     step_spans = {s.context.span_id: s for s in spans.get_finished_spans() if s.name == semconv.SPAN_ENGINE_STEP}
     assert {step_spans[st.span_id].attributes[semconv.STEP_TRACE_REASON] for st in steps} == {"sampled"}
     assert pipeline.counters()["kernels_unmatched"] == 1      # the orphan's step 41 never ran
+
+
+class _HeldEvent:
+    """A traced step's done-marker that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def synchronize(self) -> None:
+        assert self.released.wait(10)
+
+
+def test_a_traced_step_is_closed_by_the_worker_once_its_kernels_are_done():
+    """The engine does not wait for a traced step: the worker flushes CUPTI and switches it
+    off once the step's done-marker completes. Steps launched meanwhile are recorded under
+    the untraced id (their kernels dropped, counted), their sample owed to the next step,
+    and their CUPTI cost kept out of the tail rule."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(1.0)
+    held = _HeldEvent()
+    gpu._done_marker = lambda: held
+    t0 = time.time_ns()
+    traced = _run_step(pipeline, gpu, 0, t0, 0.01)
+    recorded = [_run_step(pipeline, gpu, i, t0 + i * 10**7, 0.5) for i in (1, 2)]
+    assert gpu.closing and tracer.flushes == 0 and tracer.disabled == 0
+    assert tracer.pushed == [1, UNTRACED_EXTERNAL_ID, UNTRACED_EXTERNAL_ID]
+    assert [st.attributes for st in recorded] == [None, None]
+    tracer.pending.append(kernel_record("rms_norm", 1, t0 + 100, 300) + correlation_record(1, 1)
+                          + kernel_record("rms_norm", 2, t0 + 10**7, 300)
+                          + correlation_record(2, UNTRACED_EXTERNAL_ID))
+    held.released.set()
+    assert _wait(lambda: not gpu.closing)
+    assert tracer.flushes == 1 and tracer.disabled == 1
+    owed = _run_step(pipeline, gpu, 3, t0 + 3 * 10**7, 0.01)     # takes a sample owed
+    assert owed.attributes == {semconv.STEP_TRACE_REASON: "sampled"} and tracer.pushed[-1] == 4
+    assert gpu.stats.steps_recorded_untraced == 2
+    assert len(gpu.policy._recent) == 0        # neither traced nor recorded steps fed it
+    assert gpu.flush(timeout_s=10)
+    assert _wait(lambda: pipeline.counters().get("kernel_spans") == 1)
+    pipeline.shutdown()
+    assert pipeline.counters()["kernels_untraced"] == 1
+    [span] = [s for s in spans.get_finished_spans() if s.name == "kernels rms_norm"]
+    assert span.parent.span_id == traced.span_id and span.attributes[semconv.KERNEL_LAUNCHES] == 1
 
 
 def test_a_correlation_id_seen_again_joins_the_newer_launch():
@@ -351,6 +398,7 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
         gpu.begin_step(step)
         prefill_attention(q, k, k, cu, cu, 512, 512, 0.088, probe=gpu.probe)
         gpu.end_step(step)
+        assert _wait(lambda: not gpu.closing)    # else the next step is recorded, not traced
         pipeline.recorder.record(Step(i, step.start_ns, time.time_ns(), step.trace_id, step.span_id,
                                       (), 0, (), (), 0, 0, 0, 0, 0, 0, None, step.attributes))
         steps.append(step)
