@@ -354,7 +354,7 @@ class ModelRunner:
             if gpu is not None:
                 if gpu.tracing and gpu.waits_for_traced_steps and tokens is not None:
                     tokens.wait()
-                gpu.end_step(step_trace)
+                gpu.end_step(step_trace, tokens.copied if tokens is not None else None)
         self.last_execution = execution
         return LaunchedStep(batch.sampled_request_ids, tokens, execution)
 

@@ -68,6 +68,18 @@ def _loaded_libcupti() -> ctypes.CDLL:
     raise OSError("libcupti is not loaded and not on the library path")
 
 
+def _gil_holding(lib: ctypes.CDLL) -> ctypes.PyDLL:
+    """The external-correlation push/pop of ``lib`` through ``ctypes.PyDLL``, whose calls
+    keep the GIL (a ``CDLL`` call, like cupti-python's, lets it go)."""
+    held = ctypes.PyDLL(lib._name)
+    held.cuptiActivityPushExternalCorrelationId.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    held.cuptiActivityPushExternalCorrelationId.restype = ctypes.c_int
+    held.cuptiActivityPopExternalCorrelationId.argtypes = [ctypes.c_int,
+                                                           ctypes.POINTER(ctypes.c_uint64)]
+    held.cuptiActivityPopExternalCorrelationId.restype = ctypes.c_int
+    return held
+
+
 class CuptiTracer:
     """Process-wide CUPTI activity capture (CUPTI's activity API is per process).
 
@@ -101,6 +113,7 @@ class CuptiTracer:
         self.callback_errors = 0
         self._cupti = None
         self._lib = None
+        self._held = None                      # push/pop entry points that keep the GIL
         self._kinds: list = []
         self._ext_kind = None
         self._free: list = []                  # buffers CUPTI gave back, for reuse
@@ -130,6 +143,7 @@ class CuptiTracer:
             try:
                 getattr(cupti, "get_version", lambda: None)()   # cupti-python loads libcupti
                 self._lib = _loaded_libcupti()
+                self._held = _gil_holding(self._lib)
                 self._attach()
             except Exception as exc:
                 return self._unavailable(f"CUPTI refused activity tracing ({exc}); another "
@@ -261,17 +275,26 @@ class CuptiTracer:
 
     # -- engine thread ----------------------------------------------------------------
     def push(self, external_id: int) -> None:
-        """Tags the calling thread's following CUDA launches with ``external_id``."""
+        """Tags the calling thread's following CUDA launches with ``external_id``. The GIL is
+        kept: the call only touches a thread-local stack, and letting the GIL go could hand
+        it to another thread for milliseconds."""
         if self.available and self.attached:
             try:
-                self._cupti.activity_push_external_correlation_id(self._ext_kind, external_id)
+                result = self._held.cuptiActivityPushExternalCorrelationId(
+                    int(self._ext_kind), external_id)
+                if result != 0:
+                    raise RuntimeError(f"cuptiActivityPushExternalCorrelationId returned {result}")
             except Exception:
                 logger.exception("CUPTI push failed")
 
     def pop(self) -> None:
         if self.available and self.attached:
             try:
-                self._cupti.activity_pop_external_correlation_id(self._ext_kind)
+                last = ctypes.c_uint64()
+                result = self._held.cuptiActivityPopExternalCorrelationId(
+                    int(self._ext_kind), ctypes.byref(last))
+                if result != 0:
+                    raise RuntimeError(f"cuptiActivityPopExternalCorrelationId returned {result}")
             except Exception:
                 logger.exception("CUPTI pop failed")
 

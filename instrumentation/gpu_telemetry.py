@@ -16,7 +16,9 @@ leaves through the recorder (:mod:`.gpu_records`); errors are counted, not raise
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import queue
 import random
 import threading
@@ -24,7 +26,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
 
 from . import semconv
 from .cupti_tracer import CuptiTracer
@@ -95,10 +96,13 @@ class TailPolicy:
         self._since_refresh = refresh_steps
 
     def threshold(self) -> float | None:
-        if len(self._recent) < self.min_steps:
+        """``np.quantile(recent, quantile, method="higher")``, i.e. the sorted value at rank
+        ceil(quantile * (n - 1)), as the k-th largest: numpy would let the GIL go."""
+        n = len(self._recent)
+        if n < self.min_steps:
             return None
-        return float(np.quantile(np.fromiter(self._recent, float), self.quantile,
-                                 method="higher"))
+        k = n - math.ceil(self.quantile * (n - 1))
+        return heapq.nlargest(k, self._recent)[-1]
 
     def is_tail(self, duration_s: float) -> bool:
         if self._since_refresh >= self.refresh_steps or self._limit is None:
@@ -164,6 +168,7 @@ class GpuTelemetry:
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
             self._side = torch.cuda.Stream(device=device)
+            self._engine_stream = torch.cuda.current_stream(device)   # the steps' stream
         recorder.record(GpuIdentity(device_index, _gpu_uuid(device_index)))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
         # held by the worker around its CUDA calls and by the engine thread while CUPTI
@@ -280,13 +285,13 @@ class GpuTelemetry:
             logger.exception("GpuTelemetry.begin_step failed")
         self.stats.engine_thread_s += time.perf_counter() - t0
 
-    def end_step(self, step) -> None:
+    def end_step(self, step, done=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
-        if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them."""
+        if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them.
+        ``done``: a CUDA event after the step's kernels (e.g. its token copy), if one exists."""
         t0 = time.perf_counter()
         try:
             reason, self._open = self._open, ""
-            done = None
             if self._untraced_push:
                 self._untraced_push = False
                 self.tracer.pop()
@@ -300,7 +305,7 @@ class GpuTelemetry:
                     self.tracer.flush()
                     self._idle_tracer()
                 else:   # the worker does both once the step's kernels are done
-                    done = self._done_marker()
+                    done = done if done is not None else self._done_marker()
                     self._closing = True
                 if reason == TRACE_SAMPLED:
                     self.stats.steps_traced_sampled += 1
@@ -444,9 +449,9 @@ class GpuTelemetry:
             return
         import torch
         with torch.cuda.stream(self._side):
-            last_event = batch[-1][0].event
-            if last_event is not None:           # recorded after every earlier step's copy
-                self._side.wait_event(last_event)
+            # after every snapshot copy in the batch: each was enqueued before its queue item
+            # (an event per snapshot would cost the engine thread a GIL hand-off per step)
+            self._side.wait_stream(self._engine_stream)
             for pending, _ in batch:
                 pending.snapshot.record_stream(self._side)
             self.histograms.add_steps([(p.snapshot, p.launches, p.trace_id, p.span_id, end_ns)

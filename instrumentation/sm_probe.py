@@ -382,10 +382,9 @@ class PendingCtas:
     """One step's records on their way to the host; ``wait()`` returns the ``CtaBatch``."""
 
     def __init__(self, snapshot, launches: list[tuple[str, int]], gpu_id: int, fake: bool,
-                 trace_id: int, span_id: int, event=None) -> None:
+                 trace_id: int, span_id: int) -> None:
         self.snapshot = snapshot             # device tensor [n * 3] int64 (its own copy)
         self.launches = launches
-        self.event = event                   # CUDA event after the copy (None on the CPU)
         self.trace_id, self.span_id = trace_id, span_id
         self._meta = (gpu_id, fake, trace_id, span_id)
         self._batch: CtaBatch | None = None
@@ -470,17 +469,13 @@ class SmProbe:
         return True
 
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
-        """Snapshots this step's records (a device copy, stream-ordered) and resets the
-        slots; None when nothing was probed. Costs one small copy kernel launch."""
+        """Snapshots this step's records (a device copy, ordered on the launching stream) and
+        resets the slots; None when nothing was probed. Costs one small copy kernel launch;
+        a reader on another stream first waits for the launching one."""
         if self._used == 0:
             return None
         snapshot = self.buffer[: self._used * RECORD_WORDS].clone()
-        event = None
-        if self.device.type == "cuda":
-            import torch
-            event = torch.cuda.Event()
-            event.record()                   # on the launching (current) stream
         pending = PendingCtas(snapshot, self._launches, self.gpu_id, self.fake,
-                              trace_id, span_id, event)
+                              trace_id, span_id)
         self._launches, self._used = [], 0
         return pending

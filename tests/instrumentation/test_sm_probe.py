@@ -160,6 +160,17 @@ def test_tail_policy_flags_every_step_above_recent_p99():
     assert policy.is_tail(0.0111) is True
 
 
+@pytest.mark.parametrize("quantile", [0.5, 0.9, 0.99, 0.999, 1.0])
+def test_tail_threshold_is_numpys_higher_quantile(quantile):
+    rng = np.random.default_rng(3)
+    for n in (64, 100, 1000, 1024):
+        policy = TailPolicy(0.0, quantile, window=n, min_steps=n, rng=random.Random(0))
+        values = rng.lognormal(-5, 1, n)
+        for v in values:
+            policy._recent.append(float(v))
+        assert policy.threshold() == np.quantile(values, quantile, method="higher")
+
+
 def test_tail_policy_samples_the_configured_fraction():
     policy = TailPolicy(ratio=0.25, quantile=1.0, window=16, min_steps=16,
                         rng=random.Random(7))
