@@ -28,7 +28,7 @@ from torch import nn
 from .config import ModelConfig
 from .kernels.attention import paged_decode_attention, prefill_attention
 from .kernels.rmsnorm import rms_norm
-from .kernels.rope import rope_
+from .kernels.rope import KvStore, rope_
 from .kernels.swiglu import swiglu
 
 __all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "rope_cos_sin"]
@@ -133,14 +133,12 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], views into the projection
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        rope_(q, k, cos, sin, meta.backend)  # in place
-        k_cache = v_cache = None
+        k_cache = v_cache = store = None
         if kv_cache is not None:  # [2, num_blocks, block_size, Hkv, D]
             k_cache, v_cache = kv_cache[0], kv_cache[1]
-            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)  # [slots, Hkv, D]
-            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
+            store = KvStore(v, k_cache.view(-1, self.num_kv_heads, self.head_dim),  # [slots, Hkv, D]
+                            v_cache.view(-1, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+        rope_(q, k, cos, sin, meta.backend, store)  # q, k in place; k, v into the cache
         n_pre = meta.num_prefill_tokens
         if n_pre == t:
             o = self._prefill(q, k, v, meta, k_cache, v_cache)

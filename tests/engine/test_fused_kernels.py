@@ -28,6 +28,20 @@ def _inputs(t, hidden, hq, hkv, d, dtype=torch.float32, device="cpu", seed=0):
     return x, res, w, qkv, angles.cos().to(device), angles.sin().to(device), gate_up
 
 
+def _store(qkv, hq, hkv, d, slots):
+    """A copy of the projection and a KvStore into caches of ``slots`` rows (NaN-filled, so
+    a row written wrongly shows), each token at a distinct shuffled slot."""
+    from sightline.engine.kernels.rope import KvStore
+    qkv = qkv.clone()
+    t = qkv.shape[0]
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    gen = torch.Generator().manual_seed(t)
+    where = torch.randperm(slots, generator=gen)[:t].to(qkv.device)
+    caches = [torch.full((slots, hkv, d), float("nan"), dtype=qkv.dtype, device=qkv.device)
+              for _ in range(2)]
+    return qkv, KvStore(v, caches[0], caches[1], where)
+
+
 def _qk(qkv, hq, hkv, d):
     t = qkv.shape[0]
     q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
@@ -95,7 +109,7 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
     os.environ["TRITON_INTERPRET"] = "1"
     import torch
     sys.path.insert(0, os.getcwd())
-    from tests.engine.test_fused_kernels import _inputs, _qk
+    from tests.engine.test_fused_kernels import _inputs, _qk, _store
     from sightline.engine.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
     from sightline.engine.kernels.rope import rope_ref_, rope_triton_
     from sightline.engine.kernels.swiglu import swiglu_ref, swiglu_triton
@@ -114,10 +128,22 @@ _INTERPRETER_SCRIPT = textwrap.dedent("""
         q2, k2 = _qk(qkv.clone(), hq, hkv, d)
         rope_triton_(q1, k1, cos, sin)
         rope_ref_(q2, k2, cos, sin)
+        stores = [_store(qkv, hq, hkv, d, slots=16) for _ in range(2)]
+        (q3, k3), (q4, k4) = _qk(stores[0][0], hq, hkv, d), _qk(stores[1][0], hq, hkv, d)
+        rope_triton_(q3, k3, cos, sin, stores[0][1])
+        rope_ref_(q4, k4, cos, sin, stores[1][1])
         results[name] = {"norm": diff(out_k, out_r), "stream": diff(s_k, s_r),
                          "stream_in_place": s_k.data_ptr() == r1.data_ptr(),
                          "plain": diff(plain_k, plain_r), "q": diff(q1, q2), "k": diff(k1, k2),
                          "swiglu": diff(swiglu_triton(gate_up), swiglu_ref(gate_up)),
+                         "stored_q": diff(q3, q4), "stored_k": diff(k3, k4),
+                         "k_cache": diff(stores[0][1].k_cache[stores[0][1].slots],
+                                         stores[1][1].k_cache[stores[1][1].slots]),
+                         "v_cache_equal": torch.equal(stores[0][1].v_cache.nan_to_num(),
+                                                      stores[1][1].v_cache.nan_to_num()),
+                         "rows_untouched": [int(st.k_cache.isnan().all(-1).all(-1).sum())
+                                            for _, st in stores],
+                         "k_cache_is_k": torch.equal(stores[0][1].k_cache[stores[0][1].slots], k3),
                          "scale": max(out_r.abs().max().item(), q2.abs().max().item())}
     print("RESULTS" + json.dumps(results))
 """)
@@ -133,8 +159,10 @@ def test_fused_kernels_interpreted_match_references(interpreted, dtype):
     r = interpreted[dtype]
     tol = 2e-6 if dtype == "fp32" else 2e-3   # fp16: one rounding step apart at most
     assert r["stream"] == 0.0 and r["stream_in_place"]          # the sum is the same sum
-    for key in ("norm", "plain", "q", "k", "swiglu"):
+    for key in ("norm", "plain", "q", "k", "swiglu", "stored_q", "stored_k", "k_cache"):
         assert r[key] <= tol * max(1.0, r["scale"]), (key, r)
+    assert r["v_cache_equal"] and r["k_cache_is_k"]     # v copied as is; k stored as rotated
+    assert r["rows_untouched"] == [16 - {"fp32": 7, "fp16": 5}[dtype]] * 2   # only the slots
 
 
 # -- on a GPU at real sizes -------------------------------------------------------------
@@ -159,5 +187,12 @@ def test_fused_kernels_on_gpu_match_references(dtype):
     rope_ref_(q2, k2, cos, sin)
     torch.testing.assert_close(q1, q2, rtol=2 * ulp, atol=2 * ulp)
     torch.testing.assert_close(k1, k2, rtol=2 * ulp, atol=2 * ulp)
+    (qkv3, s3), (qkv4, s4) = _store(qkv, hq, hkv, d, 4096), _store(qkv, hq, hkv, d, 4096)
+    (q3, k3), (q4, k4) = _qk(qkv3, hq, hkv, d), _qk(qkv4, hq, hkv, d)
+    rope_triton_(q3, k3, cos, sin, s3)
+    rope_ref_(q4, k4, cos, sin, s4)
+    torch.testing.assert_close(s3.k_cache, s4.k_cache, rtol=2 * ulp, atol=2 * ulp, equal_nan=True)
+    assert torch.equal(s3.v_cache.nan_to_num(), s4.v_cache.nan_to_num())
+    assert torch.equal(s3.k_cache[s3.slots], k3)
     torch.testing.assert_close(swiglu_triton(gate_up), swiglu_ref(gate_up), rtol=2 * ulp,
                                atol=2 * ulp)
