@@ -125,9 +125,11 @@ def sightline_paged_decode_reduce(O, PART_O, PART_LSE, stride_ob, stride_oh, num
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
                       min_tokens_per_split: int = 512) -> int:
-    """Splits so that pass 1 has about 4 CTAs per SM, each split >= min_tokens_per_split."""
+    """Splits so that pass 1 has about 4 CTAs per SM (no split once (sequence, KV head)
+    pairs alone give that: a second split would cost the merge pass and, under a CUDA graph
+    sized for ``max_model_len``, mostly run empty), each split >= min_tokens_per_split."""
     base = max(1, batch * num_kv_heads)
-    want = triton.cdiv(4 * num_sms, base)
+    want = max(1, (4 * num_sms) // base)
     cap = max(1, triton.cdiv(max_context, min_tokens_per_split))
     return int(max(1, min(want, cap, 64)))
 

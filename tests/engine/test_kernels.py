@@ -242,3 +242,13 @@ def test_auto_dispatch_uses_triton_on_cuda():
     out = prefill_attention(q, k, v, cu_q, cu_k, 300, 300, 0.125)
     ref = prefill_attention(q, k, v, cu_q, cu_k, 300, 300, 0.125, backend="torch")
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_splits_only_while_pairs_leave_the_sms_short_of_work():
+    from sightline.engine.kernels.paged_decode_attention import choose_num_splits
+    # 64 x 8 (sequence, KV head) pairs = 3.9 CTAs per SM on 132 SMs: no merge pass
+    assert choose_num_splits(64, 8, 4096, num_sms=132) == 1
+    assert choose_num_splits(48, 8, 4096, num_sms=132) == 1
+    assert choose_num_splits(32, 8, 4096, num_sms=132) == 2      # 528 // 256
+    assert choose_num_splits(1, 8, 4096, num_sms=132) == 8       # capped: 512 tokens a split
+    assert choose_num_splits(1, 8, 100, num_sms=132) == 1        # a short context is not split
