@@ -138,6 +138,24 @@ def _without_ended(plan: StepPlan) -> StepPlan | None:
                                num_decode_tokens=sum(e.num_new_tokens for e in kept) - prefill)
 
 
+def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: tuple[int, ...],
+                execution: StepExecution | None, error_type: str | None) -> Step:
+    """The Step event of a closed step, built on the telemetry's thread (the plan, its
+    requests' keys and the step's attributes no longer change once it is closed)."""
+    scheduled = plan.scheduled
+    # a request's key, None when it is not traced (the assembler skips those)
+    keys = tuple([e.request.telemetry for e in scheduled])
+    preempted = tuple([r.telemetry for r in plan.preempted]) if plan.preempted else ()
+    attributes = step.attributes
+    if execution is not None:
+        attributes = {**(attributes or {}), **execution.attributes()}
+    num_decode = plan.num_decode_tokens      # one token per decode
+    return Step(step.step_id, step.start_ns, end_ns, step.trace_id, step.span_id, keys,
+                len(scheduled), preempted, prefill_done, plan.num_prefill_tokens,
+                num_decode, len(scheduled) - num_decode, num_decode, plan.kv_blocks_used,
+                plan.kv_blocks_total, error_type, attributes)
+
+
 def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
     for stream, output in batch:
         stream.queue.put_nowait(output)
@@ -456,19 +474,9 @@ class LLMEngine:
         """One Step event (the batch, the preempted requests, the finished prompts), then the
         events of the requests it finished."""
         c0 = time.perf_counter()
-        if self.runner.graphs is not None and execution is not None:   # which bucket ran
-            for key, value in execution.attributes().items():
-                step.set_attribute(key, value)
-        scheduled = plan.scheduled
-        # a request's key, None when it is not traced (the assembler skips those)
-        keys = tuple([e.request.telemetry for e in scheduled])
-        preempted = tuple([r.telemetry for r in plan.preempted]) if plan.preempted else ()
-        num_decode = plan.num_decode_tokens      # one token per decode
-        self._recorder.record(Step(
-            step.step_id, step.start_ns, time.time_ns(), step.trace_id, step.span_id, keys,
-            len(scheduled), preempted, tuple(prefill_done), plan.num_prefill_tokens,
-            plan.num_decode_tokens, len(scheduled) - num_decode, num_decode,
-            plan.kv_blocks_used, plan.kv_blocks_total, error_type, step.attributes))
+        shown = execution if self.runner.graphs is not None else None   # which bucket ran
+        self._recorder.record_later(_step_event, plan, step, time.time_ns(), tuple(prefill_done),
+                                    shown, error_type)
         for event in events:
             self._recorder.record(event)
         self.telemetry_thread_s += time.perf_counter() - c0

@@ -168,7 +168,7 @@ TELEMETRY_SPANS_DROPPED_TOTAL = "sightline_telemetry_spans_dropped"
 TELEMETRY_EXPORT_FAILURES_TOTAL = "sightline_telemetry_export_failures"
 TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
 # counter -> _total, label reason: lifecycle events and GPU records the engine could not
-# hand to its telemetry process (buffer_full | process_down | queue_full)
+# hand to its telemetry process (buffer_full | process_down | queue_full | build_error)
 TELEMETRY_EVENTS_DROPPED_TOTAL = "sightline_telemetry_events_dropped"
 TELEMETRY_PROCESS_RESTARTS_TOTAL = "sightline_telemetry_process_restarts"  # counter -> _total
 TELEMETRY_PROCESS_UP = "sightline_telemetry_process_up"  # gauge: 1 while it runs

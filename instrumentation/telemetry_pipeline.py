@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 DROP_BUFFER_FULL = "buffer_full"       # the recorder's buffer (engine side) was full
 DROP_QUEUE_FULL = "queue_full"         # the hand-off to the telemetry process was full
 DROP_PROCESS_DOWN = "process_down"     # the telemetry process was not running
+DROP_BUILD_ERROR = "build_error"       # a deferred event's builder raised
 
 
 class TelemetryPipeline:
@@ -254,6 +255,7 @@ class TelemetryPipeline:
     def dropped_events(self) -> dict[str, int]:
         dropped = dict(self.dropped)
         dropped[DROP_BUFFER_FULL] = self.recorder.dropped
+        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
         return dropped
 
     # -- lifecycle ------------------------------------------------------------------------

@@ -71,4 +71,5 @@ def test_spans_from_events_equal_the_in_process_span_tree(async_scheduling):
     assert len(tree) == len(expected) == 53
     for got, want in zip(tree, expected):
         assert got == want, got["span"]
-    assert pipeline.dropped_events() == {"queue_full": 0, "process_down": 0, "buffer_full": 0}
+    assert pipeline.dropped_events() == {"queue_full": 0, "process_down": 0, "buffer_full": 0,
+                                         "build_error": 0}
