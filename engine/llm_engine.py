@@ -32,6 +32,7 @@ from .kv_cache import KVCacheConfig, KVCacheManager
 from .metrics import EngineMetrics, trace_exemplar
 from .request import FinishReason, Request, SamplingParams
 from .scheduler import QueueFullError, Scheduler, StepPlan
+from .request_output import LiveRequest, RequestOutput, RequestStream, deliver
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
@@ -45,63 +46,6 @@ log = logging.getLogger(__name__)
 
 class EngineStoppedError(RuntimeError):
     """The engine is draining or stopped: no new requests (the server answers 503)."""
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request; the last one has ``finished=True``."""
-
-    request_id: str
-    text: str  # new text since the previous output (stop strings never included)
-    token_ids: list[int]  # new tokens since the previous output
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    error: str | None = None  # set when the engine failed this request
-    ttft_s: float | None = None  # the timing fields are set on the final output
-    tpot_s: float | None = None
-    queue_s: float | None = None
-    e2e_s: float | None = None
-    num_preemptions: int = 0
-
-
-class RequestStream:
-    """Async iterator over one request's outputs; created and consumed on the server's loop."""
-
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.finished = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        output = await self.queue.get()
-        self.finished = output.finished
-        return output
-
-
-@dataclass(eq=False)
-class _Live:
-    """Engine-thread state of one live request."""
-
-    request: Request
-    stream: RequestStream | None
-    detok: IncrementalDetokenizer
-    key: int | None  # its key in the lifecycle events; None when not traced
-    text: str = ""  # generated text after stop-string truncation
-    emitted: int = 0  # chars of text already handed out
-    checked: int = 0  # chars of text already searched for stop strings
-    new_tokens: list[int] | None = None
-    hold: int = 0  # chars kept back while they could start a stop string
-    stopped: bool = False  # a stop string ended it
-    exemplar: dict[str, str] | None = None  # points the request's latency observations at its trace
-    last_token_s: float = 0.0  # monotonic time of its latest token (inter-token latency)
 
 
 @dataclass(frozen=True)
@@ -156,11 +100,6 @@ def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: tuple
                 plan.kv_blocks_total, error_type, attributes)
 
 
-def _deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:
-    for stream, output in batch:
-        stream.queue.put_nowait(output)
-
-
 class LLMEngine:
     """One model, one device, one loop thread (or ``step()`` driven by the caller, offline)."""
 
@@ -189,7 +128,7 @@ class LLMEngine:
         self._lock = threading.Lock()  # guards the scheduler and the inboxes
         self._wake = threading.Condition(self._lock)
         self._aborts: list[str] = []
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._accepting = True
@@ -272,7 +211,7 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), sampling, priority=priority,
                           eos_token_id=self.eos_token_id, telemetry=key)
         stream = RequestStream(request_id, loop) if loop is not None else None
-        live = _Live(request, stream, IncrementalDetokenizer(self.tokenizer), key,
+        live = LiveRequest(request, stream, IncrementalDetokenizer(self.tokenizer), key,
                      hold=max((len(s) for s in sampling.stop), default=1) - 1, exemplar=trace_exemplar(trace))
         if key is not None:
             self._recorder.record(Queued(key, time.time_ns()))
@@ -349,12 +288,12 @@ class LLMEngine:
                 batches.setdefault(live.stream.loop, []).append((live.stream, output))
         for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, batch)
+                loop.call_soon_threadsafe(deliver, batch)
             except RuntimeError:  # the server's loop closed under us (shutdown)
                 pass
         return bool(outputs) or self._last_plan_nonempty or self._in_flight is not None
 
-    def step(self) -> list[tuple[_Live, RequestOutput]]:
+    def step(self) -> list[tuple[LiveRequest, RequestOutput]]:
         """One iteration on the caller's thread, waited for. Returns the outputs it produced."""
         outputs, plan = self._schedule()
         if plan is not None:
@@ -363,7 +302,7 @@ class LLMEngine:
                 outputs += self._complete(launched)
         return outputs
 
-    def step_overlapped(self) -> list[tuple[_Live, RequestOutput]]:
+    def step_overlapped(self) -> list[tuple[LiveRequest, RequestOutput]]:
         """One iteration of overlapped scheduling: plans and launches the next step while the
         one in flight runs on the device, then completes that one (its outputs are returned)
         and leaves the new one in flight. A plan with penalized sampling needs the host's
@@ -381,9 +320,9 @@ class LLMEngine:
         self._in_flight = launched
         return outputs
 
-    def _schedule(self) -> tuple[list[tuple[_Live, RequestOutput]], StepPlan | None]:
+    def _schedule(self) -> tuple[list[tuple[LiveRequest, RequestOutput]], StepPlan | None]:
         """Applies aborts and plans the next step (None when there is nothing to run)."""
-        outputs: list[tuple[_Live, RequestOutput]] = []
+        outputs: list[tuple[LiveRequest, RequestOutput]] = []
         with self._lock:
             aborts, self._aborts = self._aborts, []
             for request_id in aborts:
@@ -399,7 +338,7 @@ class LLMEngine:
         return outputs, plan
 
     def _launch(self, plan: StepPlan, previous: _Launched | None,
-                outputs: list[tuple[_Live, RequestOutput]]) -> _Launched | None:
+                outputs: list[tuple[LiveRequest, RequestOutput]]) -> _Launched | None:
         """Enqueues the plan on the device and applies it to the scheduler with stand-ins for
         its tokens; on failure, fails its requests (into ``outputs``) and returns None."""
         t0 = time.perf_counter()
@@ -418,7 +357,7 @@ class LLMEngine:
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
         return _Launched(plan, step, run, finished, t0)
 
-    def _complete(self, launched: _Launched) -> list[tuple[_Live, RequestOutput]]:
+    def _complete(self, launched: _Launched) -> list[tuple[LiveRequest, RequestOutput]]:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs."""
         plan, step = launched.plan, launched.step
         try:
@@ -482,7 +421,7 @@ class LLMEngine:
         self.telemetry_thread_s += time.perf_counter() - c0
 
     def _process_tokens(self, plan: StepPlan, sampled: dict[str, int], finished: list[Request],
-                        prefill_done: list[int], events: list) -> list[tuple[_Live, RequestOutput]]:
+                        prefill_done: list[int], events: list) -> list[tuple[LiveRequest, RequestOutput]]:
         outputs = []
         done = {r.request_id for r in finished}
         now = time.monotonic()
@@ -504,7 +443,7 @@ class LLMEngine:
             live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)
-            if self._hit_stop(live):
+            if live.hit_stop():
                 request = entry.request
                 if request_id in done:  # it also hit eos/max_tokens: the stop string came first
                     request.finish_reason = FinishReason.STOP
@@ -519,40 +458,11 @@ class LLMEngine:
             if request_id in done:
                 outputs.append(self._finish_output(request_id, events=events))
             else:
-                outputs.append((live, self._delta(live, final=False)))
+                outputs.append((live, live.delta(final=False)))
         return outputs
 
-    def _hit_stop(self, live: _Live) -> bool:
-        """Truncates ``live.text`` at the first stop string; True when one appeared."""
-        stops = live.request.sampling.stop
-        if not stops:
-            return False
-        start = max(0, live.checked - live.hold)
-        cut = -1
-        for stop in stops:
-            index = live.text.find(stop, start)
-            if index >= 0 and (cut < 0 or index < cut):
-                cut = index
-        live.checked = len(live.text)
-        if cut >= 0:
-            live.text = live.text[:cut]
-            live.checked = cut
-            live.stopped = True
-            return True
-        return False
-
-    def _delta(self, live: _Live, final: bool) -> RequestOutput:
-        end = len(live.text) if final else max(live.emitted, len(live.text) - live.hold)
-        text = live.text[live.emitted:end]
-        live.emitted = end
-        tokens, live.new_tokens = live.new_tokens or [], None
-        request = live.request
-        return RequestOutput(request.request_id, text, tokens,
-                             num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens_read)
-
     def _finish_output(self, request_id: str, error: str | None = None,
-                       events: list | None = None) -> tuple[_Live, RequestOutput]:
+                       events: list | None = None) -> tuple[LiveRequest, RequestOutput]:
         """Final output of a request the scheduler finished; records its metrics and its
         ``Detokenized`` event (into ``events`` when given, else at once)."""
         live = self._live.pop(request_id)
@@ -562,8 +472,8 @@ class LLMEngine:
         if not live.stopped and reason != FinishReason.ABORT.value:
             # Bytes held back as an incomplete character are final now (U+FFFD if still bad).
             live.text += live.detok.flush()
-            self._hit_stop(live)
-        output = self._delta(live, final=True)
+            live.hit_stop()
+        output = live.delta(final=True)
         if live.key is not None:
             event = Detokenized(live.key, detok_start, time.time_ns())
             if events is not None:
@@ -591,7 +501,7 @@ class LLMEngine:
         return live, output
 
     def _fail_plan(self, plan: StepPlan, message: str,
-                   finished: Sequence[Request] = ()) -> list[tuple[_Live, RequestOutput]]:
+                   finished: Sequence[Request] = ()) -> list[tuple[LiveRequest, RequestOutput]]:
         """Ends the plan's requests with ``message``, and those it had ``finished`` (on
         max_tokens, their last token never read)."""
         outputs = []
