@@ -90,7 +90,7 @@ class Sampler:
     # ---- host -> device -------------------------------------------------------------------
     def batch(self, requests: Sequence[Request], vocab_size: int) -> SamplingBatch:
         """The sampling rows of one step (one per request, in logits-row order): at most two
-        host-to-device copies (floats, and ints when top-k or penalties are in use)."""
+        host-to-device copies (floats, and ints when top-k, penalties or allowed ids are in use)."""
         temps, top_ps, gens = [], [], []
         top_k_rows = min_p_rows = penalized = restricted = False
         for req in requests:
