@@ -8,9 +8,11 @@ mean TTFT and inter-token latency with the engine's (histogram sum / count over 
 requests) and its token totals with the engine's exact counters. Prints a table; writes
 ``bench/results/benchmark_tools-cpu-<commit>.md``.
 
-The tools need a Hugging Face tokenizer for their synthetic prompts; a byte-level one (as
-the tiny model's) is written to a temporary folder, so nothing is downloaded.
-Usage: ``.venv/bin/python -m bench.benchmark_tools --tools-venv /path/to/venv [--requests 16]``.
+Requests set ``allowed_token_ids`` to printable ASCII (``--all-token-ids``: not): both tools
+time the first token at the first chunk with text, and most of the random-weight model's
+tokens decode to nothing (ids past the byte range, bytes of an unfinished UTF-8 character).
+The tools' synthetic prompts need a Hugging Face tokenizer: a byte-level one is written to a
+temporary folder. Usage: ``.venv/bin/python -m bench.benchmark_tools --tools-venv VENV``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 204
           open(sys.argv[1] + "/tokenizer_config.json", "w"))
 """
 
+# One character per token, so that "first chunk with text" is the first token.
+PRINTABLE_IDS = list(range(0x20, 0x7f))
+
 
 @dataclass
 class Comparison:
@@ -53,6 +58,7 @@ class Comparison:
     itl_ms: tuple[float, float]
     output_tokens: tuple[int, int]
     prompt_tokens: tuple[int, int]
+    text_ttft_ms: float | None = None  # the tool's mean time to the first chunk with text, when it reports one
 
 
 def _scrape(url: str) -> dict[str, float]:
@@ -76,6 +82,11 @@ def _engine_delta(before: dict, after: dict) -> dict[str, float]:
             "prompt_tokens": d(sc.ENGINE_REQUEST_PROMPT_TOKENS + "_sum")}
 
 
+def _allowed(args, spell) -> list[str]:
+    """The tool's spelling of ``{"allowed_token_ids": [...]}``; none with ``--all-token-ids``."""
+    return [] if args.all_token_ids else [spell({"allowed_token_ids": PRINTABLE_IDS})]
+
+
 def _aiperf(venv: Path, url: str, tokenizer: Path, work: Path, args) -> dict:
     out = work / "aiperf"
     subprocess.run([str(venv / "bin" / "aiperf"), "profile", "--model", "tiny", "--tokenizer", str(tokenizer),
@@ -83,8 +94,8 @@ def _aiperf(venv: Path, url: str, tokenizer: Path, work: Path, args) -> dict:
                     str(args.requests), "--concurrency", "1", "--use-server-token-count",
                     "--synthetic-input-tokens-mean", str(args.prompt_tokens), "--synthetic-input-tokens-stddev", "0",
                     "--output-tokens-mean", str(args.output_tokens), "--output-tokens-stddev", "0",
-                    "--extra-inputs", "ignore_eos:true", "--random-seed", "1", "--output-artifact-dir", str(out),
-                    "--no-auto-plot"], check=True, capture_output=True, text=True, timeout=900, cwd=work)
+                    "--extra-inputs", "ignore_eos:true", *_allowed(args, json.dumps), "--random-seed", "1",
+                    "--output-artifact-dir", str(out), "--no-auto-plot"], check=True, capture_output=True, text=True, timeout=900, cwd=work)
     data = json.loads((out / "profile_export_aiperf.json").read_text())
     return {"requests": data["request_count"]["avg"], "ttft_ms": data["time_to_first_token"]["avg"],
             "itl_ms": data["inter_token_latency"]["avg"], "output_tokens": data["total_output_tokens"]["avg"],
@@ -93,8 +104,10 @@ def _aiperf(venv: Path, url: str, tokenizer: Path, work: Path, args) -> dict:
 
 def _guidellm(venv: Path, url: str, tokenizer: Path, work: Path, args) -> dict:
     out = work / "guidellm.json"
+    allowed = "".join(_allowed(args, lambda body: "".join(
+        f",extras.body.allowed_token_ids[{i}]={t}" for i, t in enumerate(body["allowed_token_ids"]))))
     subprocess.run([str(venv / "bin" / "guidellm"), "run", "--backend",
-                    f"kind=openai_http,target={url},model=tiny", "--profile", "kind=synchronous",
+                    f"kind=openai_http,target={url},model=tiny{allowed}", "--profile", "kind=synchronous",
                     "--constraint", f"kind=max_requests,count={args.requests}", "--data",
                     f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
                     "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out}",
@@ -116,30 +129,35 @@ def _plain_http(venv: Path, url: str, tokenizer: Path, work: Path, args) -> dict
     from urllib.parse import urlsplit
 
     host = urlsplit(url)
-    ttfts, gaps, outputs, prompts = [], [], 0, 0
+    ttfts, text_ttfts, gaps, outputs, prompts = [], [], [], 0, 0
     body = json.dumps({"model": "tiny", "prompt": "x" * args.prompt_tokens, "max_tokens": args.output_tokens,
-                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
+                       "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True},
+                       **({} if args.all_token_ids else {"allowed_token_ids": PRINTABLE_IDS})})
     for _ in range(args.requests):
         conn = http.client.HTTPConnection(host.hostname, host.port, timeout=60)
         start = time.perf_counter()
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         response = conn.getresponse()
-        arrivals, usage = [], None
+        arrivals, first_text, usage = [], None, None
         for line in response:
             if not line.startswith(b"data: {"):
                 continue
             chunk = json.loads(line[6:])
             if chunk["choices"]:
                 arrivals.append(time.perf_counter())
+                if first_text is None and chunk["choices"][0]["text"]:
+                    first_text = arrivals[-1]
             elif chunk.get("usage"):
                 usage = chunk["usage"]
         conn.close()
         ttfts.append(arrivals[0] - start)
+        text_ttfts.append((first_text or arrivals[-1]) - start)
         gaps += [b - a for a, b in zip(arrivals, arrivals[1:])]
         outputs += usage["completion_tokens"]
         prompts += usage["prompt_tokens"]
     return {"requests": args.requests, "ttft_ms": 1e3 * sum(ttfts) / len(ttfts), "itl_ms": 1e3 * sum(gaps) / len(gaps),
-            "output_tokens": outputs, "prompt_tokens": prompts}
+            "output_tokens": outputs, "prompt_tokens": prompts,
+            "text_ttft_ms": 1e3 * sum(text_ttfts) / len(text_ttfts)}
 
 
 def run(args) -> list[Comparison]:
@@ -178,7 +196,8 @@ def run(args) -> list[Comparison]:
                                           (seen["ttft_ms"], engine_seen["ttft_ms"]),
                                           (seen["itl_ms"], engine_seen["itl_ms"]),
                                           (int(seen["output_tokens"]), int(engine_seen["output_tokens"])),
-                                          (int(seen["prompt_tokens"]), int(engine_seen["prompt_tokens"]))))
+                                          (int(seen["prompt_tokens"]), int(engine_seen["prompt_tokens"])),
+                                          seen.get("text_ttft_ms")))
                 if engine_seen["requests"] != seen["requests"]:
                     print(f"{name}: the engine saw {engine_seen['requests']:g} requests, the tool "
                           f"{seen['requests']:g} (warm-up requests?)")
@@ -192,7 +211,9 @@ def report(results: list[Comparison], args) -> str:
     lines = [f"# guidellm and aiperf against `sightline engine serve --model tiny --device cpu`", "",
              f"commit {git_commit(short=True)}, {device_name('cpu')}, {utc_now()}; {args.requests} sequential streamed "
              f"completions per tool, {args.prompt_tokens} prompt / {args.output_tokens} output tokens "
-             "(server-reported counts).", "",
+             "(server-reported counts); "
+             + ("any token id may be sampled." if args.all_token_ids else
+                "`allowed_token_ids` = printable ASCII (one character per token)."), "",
              "Engine figures: histogram sum / count over the tool's requests (`/metrics` before and after).", "",
              "| tool | requests | TTFT tool / engine (ms) | ITL tool / engine (ms) | output tokens tool / engine "
              "| prompt tokens tool / engine |",
@@ -202,8 +223,10 @@ def report(results: list[Comparison], args) -> str:
                      f"(Δ {r.ttft_ms[0] - r.ttft_ms[1]:+.2f}) | {r.itl_ms[0]:.2f} / {r.itl_ms[1]:.2f} "
                      f"(Δ {r.itl_ms[0] - r.itl_ms[1]:+.2f}) | {r.output_tokens[0]} / {r.output_tokens[1]} "
                      f"| {r.prompt_tokens[0]} / {r.prompt_tokens[1]} |")
+    lines += [f"\n{r.tool}: first chunk with text after {r.text_ttft_ms:.2f} ms on average (TTFT as the "
+              "tools count it)." for r in results if r.text_ttft_ms is not None]
     lines += ["", f"Command: `.venv/bin/python -m bench.benchmark_tools --tools-venv {args.tools_venv} "
-              f"--requests {args.requests}`", ""]
+              f"--requests {args.requests}{' --all-token-ids' if args.all_token_ids else ''}`", ""]
     return "\n".join(lines)
 
 
@@ -213,11 +236,14 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--all-token-ids", action="store_true",
+                        help="no allowed_token_ids: any token may be sampled, most decode to no text")
     args = parser.parse_args()
     results = run(args)
     text = report(results, args)
     print(text)
-    out = ROOT / "bench" / "results" / f"benchmark_tools-cpu-{git_commit(short=True)}.md"
+    suffix = "-all-token-ids" if args.all_token_ids else ""
+    out = ROOT / "bench" / "results" / f"benchmark_tools-cpu-{git_commit(short=True)}{suffix}.md"
     out.write_text(text, encoding="utf-8")
     print(out)
     return 0

@@ -7,8 +7,8 @@ message names the bad value and what is allowed. Bodies nested deeper than
 not Unicode text) are refused with 400 too. Supported: ``/v1/completions`` and
 ``/v1/chat/completions`` with max_tokens (chat: also max_completion_tokens), temperature,
 top_p, seed, stop, stream, stream_options (include_usage, continuous_usage_stats), and vLLM's
-extensions top_k (-1 or 0 = off), min_p, repetition_penalty, ignore_eos, plus priority (int,
-lower = more urgent), presence_penalty and frequency_penalty. Features this engine does not
+extensions top_k (-1 or 0 = off), min_p, repetition_penalty, ignore_eos, allowed_token_ids, plus
+priority (int, lower = more urgent), presence_penalty and frequency_penalty. Features this engine does not
 have (n > 1, logprobs, tools, batch prompts) are refused with a 400 that says so, never ignored.
 """
 
@@ -68,6 +68,7 @@ class _Common:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every token id
 
 
 @dataclass
@@ -194,6 +195,11 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     elif not _is_int(top_k) or top_k < 1:
         raise ProtocolError(f"top_k={top_k!r} must be an integer >= 1, or -1 or 0 for off", param="top_k",
                             code="invalid_value")
+    allowed = body.get("allowed_token_ids")
+    if allowed is not None and (not isinstance(allowed, list) or not allowed
+                                or not all(_is_int(t) and t >= 0 for t in allowed)):
+        raise ProtocolError(f"allowed_token_ids={allowed!r} must be a non-empty list of token ids",
+                            param="allowed_token_ids", code="invalid_value")
     return dict(model=model, max_tokens=max_tokens,
                 temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True),
@@ -202,7 +208,8 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
                 continuous_usage=continuous_usage, top_k=top_k, min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
                 repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
                 presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
-                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0))
+                frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                allowed_token_ids=tuple(allowed) if allowed is not None else None)
 
 
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")

@@ -56,6 +56,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # logits of prompt/output tokens: / when > 0, * when < 0
     presence_penalty: float = 0.0  # subtracted from the logits of tokens already generated
     frequency_penalty: float = 0.0  # subtracted once per earlier occurrence in the output
+    allowed_token_ids: tuple[int, ...] | None = None  # only these ids can be sampled (None: all)
 
     def __post_init__(self) -> None:
         check_range("max_tokens", self.max_tokens, 1, integer=True)
@@ -82,6 +83,12 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
+            if not self.allowed_token_ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be None or a non-empty list of token ids >= 0, got "
+                                 f"{self.allowed_token_ids!r}")
 
     @property
     def greedy(self) -> bool:

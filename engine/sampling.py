@@ -1,7 +1,7 @@
-"""Next-token choice for a batch on the device: penalties, temperature, min-p, top-k, top-p.
+"""Next-token choice for a batch on the device: allowed ids, penalties, temperature, min-p, top-k, top-p.
 
-Order per row: repetition / presence / frequency penalties on the logits (greedy rows too),
-argmax for temperature 0; else softmax of logits / temperature, tokens below
+Order per row: logits outside ``allowed_token_ids`` to -inf, repetition / presence / frequency
+penalties (greedy rows too), argmax for temperature 0; else softmax of logits / temperature, tokens below
 ``min_p * max prob`` dropped, then all but the ``top_k`` most likely, then the tail past the
 smallest prefix whose mass reaches ``top_p`` (the most likely token always survives).
 Sampling uses the exponential race ``argmax(p / E)``, ``E ~ Exp(1)`` per vocabulary entry,
@@ -11,7 +11,7 @@ its seed, logits and position; others share the engine's generator (``EngineConf
 
 Cost: no host-device sync until ``to_host``, one copy of the sampled ids into pinned memory
 per step. One sort of ``[S, V]`` when some row has top-k or top-p; penalties build a token
-count ``[S, V]`` from the penalized rows' tokens (one host-to-device copy of them per step).
+count ``[S, V]`` from the penalized rows' tokens, allowed ids a mask ``[S, V]`` (each a copy per step).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None  # [S] int64 (vocab size = all); None: no row uses it
     min_ps: torch.Tensor | None = None  # [S] float32; None: no row uses it
     penalties: Penalties | None = None
+    allowed: torch.Tensor | None = None  # [S, V] bool; None: no row restricts its tokens
 
 
 class Sampler:
@@ -89,9 +90,9 @@ class Sampler:
     # ---- host -> device -------------------------------------------------------------------
     def batch(self, requests: Sequence[Request], vocab_size: int) -> SamplingBatch:
         """The sampling rows of one step (one per request, in logits-row order): at most two
-        host-to-device copies (floats, and ints when top-k or penalties are in use)."""
+        host-to-device copies (floats, and ints when top-k, penalties or allowed ids are in use)."""
         temps, top_ps, gens = [], [], []
-        top_k_rows = min_p_rows = penalized = False
+        top_k_rows = min_p_rows = penalized = restricted = False
         for req in requests:
             s = req.sampling
             temps.append(s.temperature)
@@ -100,6 +101,7 @@ class Sampler:
             top_k_rows |= s.top_k is not None and s.temperature > 0
             min_p_rows |= s.min_p > 0.0 and s.temperature > 0
             penalized |= s.penalized
+            restricted |= s.allowed_token_ids is not None
         floats = temps + top_ps
         if min_p_rows:
             floats += [r.sampling.min_p for r in requests]
@@ -113,6 +115,10 @@ class Sampler:
         history = _history(requests) if penalized else None
         if history is not None:
             for part in history:
+                ints += part
+        allowed = _allowed(requests) if restricted else None
+        if allowed is not None:
+            for part in allowed:
                 ints += part
         f = self._to_device(floats, torch.float32)
         # empty when the penalized rows have no history yet (presence/frequency before the first token)
@@ -134,6 +140,15 @@ class Sampler:
                 ioff += length
             batch.penalties = Penalties(f[off:off + n], f[off + n:off + 2 * n],
                                         f[off + 2 * n:off + 3 * n], *views)
+        if allowed is not None:
+            rows, pair_rows, pair_ids = (len(part) for part in allowed)
+            restricted_rows = i[ioff:ioff + rows]
+            pair_rows_d = i[ioff + rows:ioff + rows + pair_rows]
+            pair_ids_d = i[ioff + rows + pair_rows:ioff + rows + pair_rows + pair_ids]
+            mask = torch.ones((n, vocab_size), dtype=torch.bool, device=self.device)  # [S, V]
+            mask[restricted_rows] = False
+            mask[pair_rows_d, pair_ids_d] = True
+            batch.allowed = mask
         return batch
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -143,6 +158,8 @@ class Sampler:
     # ---- sampling ---------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """logits [S, V] float32 -> token ids [S] int64 (on the logits' device, no sync)."""
+        if batch.allowed is not None:
+            logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.penalties is not None:
             logits = _apply_penalties(logits, batch.penalties)
         greedy = logits.argmax(dim=-1)  # [S]
@@ -219,6 +236,20 @@ def _history(requests: Sequence[Request]) -> tuple[list[int], list[int], list[in
             prompt_ids += req.prompt_token_ids
             prompt_rows += [row] * req.num_prompt_tokens
     return out_rows, out_ids, prompt_rows, prompt_ids
+
+
+def _allowed(requests: Sequence[Request]) -> tuple[list[int], list[int], list[int]]:
+    """(restricted rows, row of each allowed id, allowed ids) of the rows with allowed_token_ids."""
+    rows: list[int] = []
+    pair_rows: list[int] = []
+    ids: list[int] = []
+    for row, req in enumerate(requests):
+        allowed = req.sampling.allowed_token_ids
+        if allowed is not None:
+            rows.append(row)
+            pair_rows += [row] * len(allowed)
+            ids += allowed
+    return rows, pair_rows, ids
 
 
 def _apply_penalties(logits: torch.Tensor, p: Penalties) -> torch.Tensor:

@@ -225,7 +225,8 @@ class EngineServer:
                                       ignore_eos=params.ignore_eos, top_k=params.top_k, min_p=params.min_p,
                                       repetition_penalty=params.repetition_penalty,
                                       presence_penalty=params.presence_penalty,
-                                      frequency_penalty=params.frequency_penalty)
+                                      frequency_penalty=params.frequency_penalty,
+                                      allowed_token_ids=params.allowed_token_ids)
         except ValueError as exc:
             raise ProtocolError(str(exc), code="invalid_value") from None
         if trace is not None:
@@ -312,8 +313,14 @@ class EngineServer:
                 engine.abort(response_id)
 
     def _tokenize(self, params, chat: bool) -> tuple[str | None, list[int]]:
-        """(prompt text or None, prompt token ids); a token id outside the vocabulary is a 400."""
+        """(prompt text or None, prompt token ids); a token id outside the vocabulary (in the
+        prompt or in allowed_token_ids) is a 400."""
         engine = self.engine
+        vocab = engine.model_config.vocab_size
+        bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
+        if bad is not None:
+            raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",
+                                param="allowed_token_ids", code="invalid_value")
         if chat:
             prompt_text = apply_chat_template(params.messages)
             prompt_ids = engine.tokenizer.encode(prompt_text)
@@ -322,7 +329,6 @@ class EngineServer:
             prompt_ids = engine.tokenizer.encode(prompt_text)
         else:
             prompt_text, prompt_ids = None, params.prompt
-            vocab = engine.model_config.vocab_size
             bad = next((t for t in prompt_ids if t >= vocab), None)
             if bad is not None:
                 raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",

@@ -1,4 +1,4 @@
-"""The batch sampler's top-k, min-p and penalties against exact answers, and the host-side
+"""The batch sampler's allowed ids, top-k, min-p and penalties against exact answers, and the host-side
 batch builder against the requests it was built from."""
 
 from __future__ import annotations
@@ -84,11 +84,28 @@ def test_batch_builder_copies_only_what_rows_use():
     assert sampler.to_host(torch.tensor([7, 8])) == [7, 8]
 
 
+def test_allowed_token_ids_leave_only_those_ids():
+    sampler = Sampler(torch.device("cpu"), seed=4)
+    rows = [_request(f"r{i}", allowed_token_ids=(1, 3)) for i in range(N)] + [_request("free")]
+    batch = sampler.batch(rows, vocab_size=5)
+    assert batch.allowed[:2].tolist() == [[False, True, False, True, False]] * 2 and batch.allowed[-1].all()
+    drawn = sampler.sample(PROBS.log().repeat(N + 1, 1), batch)[:N]
+    freq = torch.bincount(drawn, minlength=5).double() / N
+    assert freq[[0, 2, 4]].tolist() == [0.0, 0.0, 0.0]
+    assert freq[1].item() == pytest.approx(0.3 / 0.36, abs=0.015)  # renormalized over {1, 3}
+    greedy = sampler.batch([_request("g", temperature=0.0, allowed_token_ids=(2, 4)),
+                            _request("p", temperature=0.0, allowed_token_ids=(0, 4), output=(0,),
+                                     presence_penalty=2.0, frequency_penalty=1.0)], vocab_size=5)
+    assert sampler.sample(PROBS.log().repeat(2, 1), greedy).tolist() == [2, 4]
+
+
 def test_sampling_params_name_the_bad_value():
     for kwargs, text in (({"top_k": 0}, "top_k must be"), ({"min_p": 1.5}, "min_p must be"),
                          ({"repetition_penalty": 0.0}, "repetition_penalty must be"),
                          ({"presence_penalty": 3}, "presence_penalty must be"),
-                         ({"frequency_penalty": float("nan")}, "frequency_penalty must be")):
+                         ({"frequency_penalty": float("nan")}, "frequency_penalty must be"),
+                         ({"allowed_token_ids": ()}, "allowed_token_ids must be"),
+                         ({"allowed_token_ids": (1, -2)}, "allowed_token_ids must be")):
         with pytest.raises(ValueError, match=text):
             SamplingParams(**kwargs)
     assert SamplingParams(frequency_penalty=0.1).penalized and not SamplingParams().penalized

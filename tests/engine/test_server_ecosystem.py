@@ -8,8 +8,8 @@ in-memory exporter), an offline engine with the same weights for exact expected 
 - ``X-Request-Id`` echoed, used as the span's request id and the response id; generated
   when absent; a reused in-flight id and a malformed one are 400s;
 - ``models.retrieve``, ``/version``, ``/ping``;
-- top_k, min_p, repetition, presence and frequency penalties change tokens exactly as the
-  offline engine does; top_k=1 and min_p=1 reduce sampling to greedy; bad values are 400s;
+- top_k, min_p, repetition, presence and frequency penalties and allowed_token_ids change
+  tokens exactly as the offline engine does; top_k=1 and min_p=1 reduce sampling to greedy; bad values are 400s;
 - per-token ITL and per-request token / phase histograms count exactly; OpenMetrics
   negotiation carries trace-id exemplars on TTFT, ITL and e2e.
 """
@@ -217,6 +217,21 @@ def test_sampling_parameters_reach_the_sampler(served, offline, params):
     assert result.choices[0].text == offline.tokenizer.decode(expected)
 
 
+def test_allowed_token_ids_give_one_character_per_chunk(served, offline):
+    running, _ = served
+    printable = list(range(0x20, 0x7f))  # the byte tokenizer's ids of printable ASCII
+    expected = _offline_ids(offline, "text only", max_tokens=32, seed=5, allowed_token_ids=printable)
+    assert set(expected) <= set(printable)
+    _, chunks = _sse(running.url, "/v1/completions", {
+        "model": MODEL, "prompt": "text only", "max_tokens": 32, "seed": 5, "stream": True,
+        "ignore_eos": True, "allowed_token_ids": printable})
+    assert [c["choices"][0]["text"] for c in chunks] == [chr(t) for t in expected]
+    chat = _client(running.url).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=16, temperature=0,
+        extra_body={"ignore_eos": True, "allowed_token_ids": [ord("a"), ord("b")]})
+    assert len(chat.choices[0].message.content) == 16 and set(chat.choices[0].message.content) <= {"a", "b"}
+
+
 def test_repetition_penalty_avoids_seen_tokens(offline):
     prompt = ByteTokenizer().encode("penalty")
     [request] = offline.generate([prompt], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
@@ -229,6 +244,8 @@ def test_repetition_penalty_avoids_seen_tokens(offline):
     ({"top_k": -2}, "top_k"), ({"top_k": 1.5}, "top_k"), ({"min_p": 1.5}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"), ({"presence_penalty": 2.5}, "presence_penalty"),
     ({"frequency_penalty": -3}, "frequency_penalty"), ({"logprobs": 2}, "logprobs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [1, 512]}, "allowed_token_ids"),
+    ({"allowed_token_ids": "abc"}, "allowed_token_ids"),
     ({"stream": True, "stream_options": {"include_usage": True, "bogus": True}}, "stream_options"),
 ])
 def test_bad_sampling_parameters_are_400(served, body, param):
