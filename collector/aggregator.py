@@ -24,6 +24,7 @@ from collections.abc import Callable
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
 from .exposition import AggregatorCollector, ExpositionSnapshot
+from .sm_exposition import SmPage
 from .sm_store import SmKey, SmStore
 from .span_series import SpanSeries
 from .trace_store import TraceStore
@@ -51,6 +52,7 @@ class Aggregator:
         # Span-derived series and per-SM series; both add to these overflow and dropped counters.
         self._spans = SpanSeries(self.config, self.overflow, self.dropped)
         self.sm = SmStore(self.config, self.overflow, self.dropped, clock)
+        self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
 
     @property
     def points_seen(self) -> int:

@@ -10,7 +10,8 @@ and per (gpu, kernel) a hotspot ratio, the hottest SM and a histogram over all S
 histograms are opt-in (``expose_sm_histograms``). Exemplars appear in OpenMetrics only.
 A scrape reads a snapshot taken block by block (:meth:`.sm_store.SmStore.snapshot`), so
 ingest goes on while it renders.
-Cost of a scrape: one vectorised P99 per (instance, gpu, kernel) block, one string per line.
+Cost of a scrape: per (instance, gpu, kernel) block written since the last scrape, one
+vectorised P99 and one string per line (:class:`~.sm_exposition.SmPage`); bytes joined for the rest.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.samples import Exemplar as PromExemplar
 
 from ..instrumentation import semconv
-from .sm_exposition import render_sm_families
 from .windows import ClassicHistogram
 
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ def metrics_page(registry, aggregator: Aggregator | None, accept: str = "") -> t
     openmetrics = content_type.startswith("application/openmetrics-text")
     parts = [encode(registry).removesuffix(_OPENMETRICS_EOF)]
     if aggregator is not None:
-        parts.append(render_sm_families(aggregator.sm.snapshot(aggregator.now()), openmetrics))
+        parts.append(aggregator.sm_page.render(aggregator.now(), openmetrics))
     if openmetrics:
         parts.append(_OPENMETRICS_EOF)
     return b"".join(parts), content_type

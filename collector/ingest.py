@@ -95,14 +95,24 @@ async def read_raw(request: web.Request, limits: IngestLimits) -> bytes:
         raise IngestError(413, "too_large", f"body of {declared} bytes exceeds the "
                           f"{limits.max_request_bytes}-byte limit")
     try:
-        # aiohttp stops reading at client_max_size; wait_for keeps Python 3.10 working
-        return await asyncio.wait_for(request.read(), limits.request_timeout_s)
+        # aiohttp stops reading at client_max_size
+        return await _within(request.read(), limits.request_timeout_s)
     except web.HTTPRequestEntityTooLarge:
         raise IngestError(413, "too_large", f"body exceeds the {limits.max_request_bytes}-byte limit") from None
     except asyncio.TimeoutError:
         raise IngestError(408, "timeout", f"body did not arrive within {limits.request_timeout_s} s") from None
     except (ConnectionError, EOFError) as exc:  # the client went away mid-body
         raise IngestError(499, "client_disconnected", f"client disconnected mid-body: {exc}") from None
+
+
+async def _within(awaitable, timeout_s: float):
+    """``await awaitable``, or asyncio.TimeoutError after ``timeout_s``."""
+    if hasattr(asyncio, "timeout"):
+        # a timer on the current task: wait_for wraps the read in a task of its own and
+        # wakes both for every chunk of the body
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)  # Python 3.10
 
 
 async def decode_body(raw: bytes, encoding: str, limits: IngestLimits, executor) -> bytes:

@@ -71,13 +71,15 @@ class SmBlock:
     """The SMs of one (instance, gpu, kernel); see the module docstring."""
 
     def __init__(self, num_slots: int, detail_slots: int, scale: int, max_buckets: int,
-                 bounds: tuple[float, ...], per_sm_classic: bool) -> None:
+                 bounds: tuple[float, ...], per_sm_classic: bool, serial: int = 0) -> None:
+        self.serial = serial  # its owner's count of blocks made: tells a block from its successor
         self.sms: list[str] = []
         self.rows: dict[str, int] = {}
         self.scale = scale
         self.max_buckets = max_buckets
         self.num_slots, self.detail_slots = num_slots, detail_slots
         self.newest_epoch = -1
+        self.version = 0  # changes with every write, so readers can keep what they derived
         self._detail: list[_Detail | None] = [None] * detail_slots
         self._cap = 0
         self.s_epoch = np.full(num_slots, -1, dtype=np.int64)
@@ -94,6 +96,7 @@ class SmBlock:
         """The row of ``sm``, added when new (the caller checked admission)."""
         r = self.rows.get(sm)
         if r is None:
+            self.version += 1
             r = self.rows[sm] = len(self.sms)
             self.sms.append(sm)
             if r >= self._cap:
@@ -131,6 +134,7 @@ class SmBlock:
     def merge(self, epoch: int, rows: list[int], hists: list[ExpHistogram],
               exemplars: list[Exemplar | None]) -> None:
         """Adds ``hists[i]`` to SM row ``rows[i]`` in slot ``epoch`` (``accepts(epoch)`` held)."""
+        self.version += 1
         finest = min(h.scale for h in hists)
         if finest < self.scale:
             self._downscale(self.scale - finest)
@@ -235,6 +239,12 @@ class SmBlock:
     def _details(self, first_epoch: int, last_epoch: int) -> list[_Detail]:
         return sorted((d for d in self._detail if d is not None and first_epoch <= d.epoch <= last_epoch),
                       key=lambda d: d.epoch)
+
+    def stamp(self, first_epoch: int, last_epoch: int) -> tuple:
+        """Equal for two calls exactly when ``p99``, ``classic`` and ``classic_sm`` over the
+        range would answer the same: the writes so far and the slots the range takes."""
+        return self.serial, self.version, tuple(sorted(d.epoch for d in self._detail
+                                          if d is not None and first_epoch <= d.epoch <= last_epoch))
 
     def merged(self, first_epoch: int, last_epoch: int) -> _Detail | None:
         """The full-resolution slots in ``[first_epoch, last_epoch]``, added (None if none)."""

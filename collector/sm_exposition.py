@@ -1,29 +1,31 @@
 """The per-SM families of /metrics, written as exposition text in bulk, block by block.
 
-:func:`render_sm_families` writes what grows with the fleet, from
-:class:`~.sm_store.BlockSnapshot`s: per (gpu, SM, kernel) the P99 gauge and, opt-in, the
-CTA-duration histogram; per (gpu, kernel) the hotspot ratio, the hottest SM and the histogram
-over all SMs; the GPU and kernel info gauges. Labels are named and escaped once per block
-and values formatted in one pass over its numpy row, where ``prometheus_client`` would build
-and format a Sample object per line.
+:class:`SmPage` writes what grows with the fleet, from :class:`~.sm_store.BlockSnapshot`s:
+per (gpu, SM, kernel) the P99 gauge and, opt-in, the CTA-duration histogram; per (gpu,
+kernel) the hotspot ratio, the hottest SM and the histogram over all SMs; the GPU and kernel
+info gauges. Labels are escaped once per block and values formatted in one pass over its
+numpy row; each block's lines are kept until its data or its gauge window changes.
 Guarantee: the Prometheus text format 0.0.4, or OpenMetrics 1.0 (exemplars on histogram
 buckets, no ``# EOF``: the caller ends the page), as ``prometheus_client``'s parsers read
 them: ``# HELP``/``# TYPE`` once per family, its lines together, label names sorted, label
-values escaped; a P99 keeps 6 significant digits.
-Cost: one formatted string per line and no object per sample.
+values escaped; a P99 keeps 6 significant digits; kept lines are byte for byte what
+formatting the block again would give.
+Cost of a scrape: one formatted string per line of the blocks written since the last
+scrape, a stamp comparison per other block, one join of the page.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from typing import NamedTuple
 
 from ..instrumentation import semconv as sc
 from .hotspot import hottest_sm
-from .sm_store import BlockSnapshot, gpu_label, kernel_label
+from .sm_store import BlockSnapshot, SmKey, SmStore, gpu_label, kernel_label
 from .windows import ClassicHistogram
 
-__all__ = ["escape_label_value", "render_sm_families"]
+__all__ = ["SmPage", "escape_label_value"]
 
 _SPECIAL = ("\\", "\n", '"')
 
@@ -41,21 +43,9 @@ def _number(value: float) -> str:
     return repr(float(value))
 
 
-def _header(name: str, kind: str, help_text: str) -> str:
+def _header(name: str, kind: str, help_text: str) -> bytes:
     doc = help_text.replace("\\", r"\\").replace("\n", r"\n")
-    return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n"
-
-
-class _Block:
-    """One block's escaped labels and what the families read of it."""
-
-    __slots__ = ("snap", "gpu", "kernel", "sms")
-
-    def __init__(self, snap: BlockSnapshot, gpu: str, kernel: str) -> None:
-        self.snap, self.gpu, self.kernel = snap, gpu, kernel
-        joined = "".join(snap.sms)
-        # SM labels come from the wire: escaped one by one only when one of them needs it
-        self.sms = [escape_label_value(s) for s in snap.sms] if any(c in joined for c in _SPECIAL) else snap.sms
+    return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n".encode()
 
 
 def _histogram_lines(name: str, labels: str, h: ClassicHistogram, les: list[str], openmetrics: bool) -> Iterator[str]:
@@ -73,66 +63,99 @@ def _histogram_lines(name: str, labels: str, h: ClassicHistogram, les: list[str]
     yield f"{name}_sum{{{labels}}} {_number(h.sum)}\n"
 
 
-def render_sm_families(blocks: Iterable[BlockSnapshot], openmetrics: bool) -> bytes:
-    """The per-SM families of ``blocks`` (see the module docstring); empty families keep
-    their ``# HELP``/``# TYPE`` lines, and the opt-in per-SM histogram appears only when a
-    block has it."""
-    esc = escape_label_value
-    names: dict[str, str] = {}  # kernel -> escaped short label
-    gpus: dict[str, tuple[str, str]] = {}  # escaped gpu label -> (instance, gpu.id), escaped
-    kernels: list[tuple[str, str]] = []
-    view = []
-    for snap in blocks:
-        instance, gpu, kernel = snap.key
-        label = esc(gpu_label(instance, gpu, snap.gpu_index))
-        gpus.setdefault(label, (esc(instance), esc(snap.gpu_index)))
-        short = names.get(kernel)
-        if short is None:
-            short = names[kernel] = esc(kernel_label(kernel))
-            kernels.append((short, esc(kernel)))
-        view.append(_Block(snap, label, short))
-    # the Prometheus checker (and bench/collector_scale.py) read labels sorted by name
-    p99_name, out = sc.COLLECTOR_SM_CTA_P99_SECONDS, []
-    out.append(_header(p99_name, "gauge", "P99 CTA duration per SM over the last gauge window."))
-    hot_ratio, hot_sm = [], []
-    for b in view:
-        prefix = f'{p99_name}{{{sc.LABEL_GPU}="{b.gpu}",{sc.LABEL_KERNEL}="{b.kernel}",{sc.LABEL_SM}="'
-        # 6 significant digits ("%g" reads back as the same float as repr of it would): the
-        # sketch's own error is 0.5 %, more would be noise (and bytes); NaN: no CTAs, no line
-        out.extend(f'{prefix}{sm}"}} {v:.6g}\n' for sm, v in zip(b.sms, b.snap.p99_s.tolist()) if v == v)
-        _, ratio, hottest = hottest_sm(b.snap.sms, b.snap.p99_s)
-        per_gpu = f'{sc.LABEL_GPU}="{b.gpu}",{sc.LABEL_KERNEL}="{b.kernel}"'
-        if ratio is not None:
-            hot_ratio.append(f"{sc.COLLECTOR_SM_HOTSPOT_RATIO}{{{per_gpu}}} {_number(ratio)}\n")
-            if hottest.isdigit():
-                hot_sm.append(f"{sc.COLLECTOR_SM_HOTTEST}{{{per_gpu}}} {float(int(hottest))!r}\n")
-    out.append(_header(sc.COLLECTOR_SM_HOTSPOT_RATIO, "gauge",
-                       "Slowest SM's P99 CTA duration over the median SM's P99."))
-    out.extend(hot_ratio)
-    out.append(_header(sc.COLLECTOR_SM_HOTTEST, "gauge", "The SM with the largest P99 CTA duration (its number)."))
-    out.extend(hot_sm)
-    name = sc.COLLECTOR_GPU_CTA_DURATION_SECONDS
-    out.append(_header(name, "histogram", "Duration of each attention CTA, all SMs of a GPU together."))
-    for b in view:
-        h = b.snap.classic
-        les = [repr(float(x)) for x in h.bounds] + ["+Inf"]
-        out.extend(_histogram_lines(name, f'{sc.LABEL_GPU}="{b.gpu}",{sc.LABEL_KERNEL}="{b.kernel}"', h, les,
-                                    openmetrics))
-    out.append(_header(sc.COLLECTOR_GPU_INFO, "gauge", "1 per GPU with per-SM data: its instance and gpu.id."))
-    out.extend(f'{sc.COLLECTOR_GPU_INFO}{{{sc.LABEL_GPU}="{gpu}",{sc.LABEL_GPU_INDEX}="{index}",'
-               f'{sc.LABEL_INSTANCE_ID}="{instance}"}} 1.0\n' for gpu, (instance, index) in gpus.items())
-    out.append(_header(sc.COLLECTOR_SM_KERNEL_INFO, "gauge", "1 per kernel with per-SM data: its whole name."))
-    out.extend(f'{sc.COLLECTOR_SM_KERNEL_INFO}{{{sc.LABEL_KERNEL}="{short}",{sc.LABEL_KERNEL_NAME}="{whole}"}} 1.0\n'
-               for short, whole in kernels)
-    with_sm_hist = [b for b in view if b.snap.classic_sm is not None]
-    if with_sm_hist:
-        name = sc.COLLECTOR_SM_CTA_DURATION_SECONDS
-        out.append(_header(name, "histogram", "Duration of each attention CTA by the SM that ran it (opt-in)."))
-        for b in with_sm_hist:
-            les = None
-            for sm, h in zip(b.sms, b.snap.classic_sm):
-                les = les or [repr(float(x)) for x in h.bounds] + ["+Inf"]
-                out.extend(_histogram_lines(
-                    name, f'{sc.LABEL_GPU}="{b.gpu}",{sc.LABEL_KERNEL}="{b.kernel}",{sc.LABEL_SM}="{sm}"', h, les,
-                    openmetrics))
-    return "".join(out).encode()
+class _Lines(NamedTuple):
+    """One block's lines of each per-block family, encoded; kept while its stamp holds."""
+
+    stamp: tuple
+    p99: bytes
+    hot_ratio: bytes
+    hot_sm: bytes
+    gpu_histogram: bytes
+    sm_histogram: bytes | None
+
+
+def _block_lines(snap: BlockSnapshot, gpu: str, kernel: str, openmetrics: bool) -> _Lines:
+    """``snap``'s lines (``gpu`` and ``kernel``: its escaped labels)."""
+    joined = "".join(snap.sms)
+    # SM labels come from the wire: escaped one by one only when one of them needs it
+    sms = [escape_label_value(s) for s in snap.sms] if any(c in joined for c in _SPECIAL) else snap.sms
+    per_gpu = f'{sc.LABEL_GPU}="{gpu}",{sc.LABEL_KERNEL}="{kernel}"'
+    prefix = f'{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{{per_gpu},{sc.LABEL_SM}="'
+    # 6 significant digits ("%g" reads back as the same float as repr of it would): the
+    # sketch's own error is 0.5 %, more would be noise (and bytes); NaN: no CTAs, no line
+    p99 = "".join(f'{prefix}{sm}"}} {v:.6g}\n' for sm, v in zip(sms, snap.p99_s.tolist()) if v == v)
+    _, ratio, hottest = hottest_sm(snap.sms, snap.p99_s)
+    hot_ratio = hot_sm = ""
+    if ratio is not None:
+        hot_ratio = f"{sc.COLLECTOR_SM_HOTSPOT_RATIO}{{{per_gpu}}} {_number(ratio)}\n"
+        if hottest.isdigit():
+            hot_sm = f"{sc.COLLECTOR_SM_HOTTEST}{{{per_gpu}}} {float(int(hottest))!r}\n"
+    h = snap.classic
+    les = [repr(float(x)) for x in h.bounds] + ["+Inf"]
+    gpu_hist = "".join(_histogram_lines(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, per_gpu, h, les, openmetrics))
+    sm_hist = None
+    if snap.classic_sm is not None:
+        name, les = sc.COLLECTOR_SM_CTA_DURATION_SECONDS, None
+        parts = []
+        for sm, h in zip(sms, snap.classic_sm):
+            les = les or [repr(float(x)) for x in h.bounds] + ["+Inf"]
+            parts.extend(_histogram_lines(name, f'{per_gpu},{sc.LABEL_SM}="{sm}"', h, les, openmetrics))
+        sm_hist = "".join(parts).encode()
+    return _Lines(snap.stamp, p99.encode(), hot_ratio.encode(), hot_sm.encode(), gpu_hist.encode(), sm_hist)
+
+
+class SmPage:
+    """The per-SM families of ``store`` on /metrics (see the module docstring).
+
+    Each block's lines are kept, per format, until its stamp changes (a write, or the gauge
+    window taking other slots), so a scrape formats only the blocks written since the one
+    before and joins bytes for the rest. Scrapes may run at once: each builds its own
+    dict of lines and the last one keeps its dict (no lock; at worst a block is formatted twice).
+    """
+
+    def __init__(self, store: SmStore) -> None:
+        self._store = store
+        self._lines: dict[bool, dict[SmKey, _Lines]] = {False: {}, True: {}}
+
+    def render(self, now_s: float, openmetrics: bool) -> bytes:
+        """The families at ``now_s``: empty ones keep their ``# HELP``/``# TYPE`` lines, and
+        the opt-in per-SM histogram appears only when a block has it."""
+        esc = escape_label_value
+        known = self._lines[openmetrics]
+        lines: dict[SmKey, _Lines] = {}
+        names: dict[str, str] = {}  # kernel -> escaped short label
+        gpus: dict[str, tuple[str, str]] = {}  # escaped gpu label -> (instance, gpu.id), escaped
+        kernels: list[tuple[str, str]] = []
+        for snap in self._store.snapshot(now_s, {k: v.stamp for k, v in known.items()}):
+            instance, gpu, kernel = snap.key
+            label = esc(gpu_label(instance, gpu, snap.gpu_index))
+            gpus.setdefault(label, (esc(instance), esc(snap.gpu_index)))
+            short = names.get(kernel)
+            if short is None:
+                short = names[kernel] = esc(kernel_label(kernel))
+                kernels.append((short, esc(kernel)))
+            lines[snap.key] = _block_lines(snap, label, short, openmetrics) if snap.current else known[snap.key]
+        self._lines[openmetrics] = lines
+        blocks = lines.values()
+        # the Prometheus checker (and bench/collector_scale.py) read labels sorted by name
+        out = [_header(sc.COLLECTOR_SM_CTA_P99_SECONDS, "gauge", "P99 CTA duration per SM over the last gauge window."),
+               *(b.p99 for b in blocks),
+               _header(sc.COLLECTOR_SM_HOTSPOT_RATIO, "gauge", "Slowest SM's P99 CTA duration over the median SM's P99."),
+               *(b.hot_ratio for b in blocks),
+               _header(sc.COLLECTOR_SM_HOTTEST, "gauge", "The SM with the largest P99 CTA duration (its number)."),
+               *(b.hot_sm for b in blocks),
+               _header(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, "histogram",
+                       "Duration of each attention CTA, all SMs of a GPU together."),
+               *(b.gpu_histogram for b in blocks),
+               _header(sc.COLLECTOR_GPU_INFO, "gauge", "1 per GPU with per-SM data: its instance and gpu.id."),
+               *(f'{sc.COLLECTOR_GPU_INFO}{{{sc.LABEL_GPU}="{gpu}",{sc.LABEL_GPU_INDEX}="{index}",'
+                 f'{sc.LABEL_INSTANCE_ID}="{instance}"}} 1.0\n'.encode() for gpu, (instance, index) in gpus.items()),
+               _header(sc.COLLECTOR_SM_KERNEL_INFO, "gauge", "1 per kernel with per-SM data: its whole name."),
+               *(f'{sc.COLLECTOR_SM_KERNEL_INFO}{{{sc.LABEL_KERNEL}="{short}",{sc.LABEL_KERNEL_NAME}="{whole}"}} 1.0\n'
+                 .encode() for short, whole in kernels)]
+        with_sm_hist = [b.sm_histogram for b in blocks if b.sm_histogram is not None]
+        if with_sm_hist:
+            out.append(_header(sc.COLLECTOR_SM_CTA_DURATION_SECONDS, "histogram",
+                               "Duration of each attention CTA by the SM that ran it (opt-in)."))
+            out.extend(with_sm_hist)
+        return b"".join(out)

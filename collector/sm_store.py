@@ -21,7 +21,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import numpy as np
@@ -78,14 +78,22 @@ class Refusal(NamedTuple):
 
 
 class BlockSnapshot(NamedTuple):
-    """What the exposition reads of one block (copies)."""
+    """What the exposition reads of one block (copies). ``stamp`` is equal for two snapshots
+    of a block exactly when the rest is; a snapshot of a block the reader already holds
+    (``SmStore.snapshot``'s ``known``) has ``sms`` and the data fields None."""
 
     key: SmKey
     gpu_index: str
-    sms: list[str]
-    p99_s: np.ndarray  # per SM over the gauge window (NaN: no CTAs)
-    classic: ClassicHistogram  # all SMs together, since the start
+    stamp: tuple
+    sms: list[str] | None
+    p99_s: np.ndarray | None  # per SM over the gauge window (NaN: no CTAs)
+    classic: ClassicHistogram | None  # all SMs together, since the start
     classic_sm: list[ClassicHistogram] | None  # per SM (opt-in)
+
+    @property
+    def current(self) -> bool:
+        """False for a stamp-only snapshot (the reader's copy is current)."""
+        return self.sms is not None
 
 
 def _exemplar(cell) -> Exemplar | None:
@@ -121,6 +129,7 @@ class SmStore:
         self._series = 0
         self._refused: dict[GpuKey, tuple[str, int, set]] = {}
         self._refused_total = 0
+        self._blocks_made = 0
         self._streams: OrderedDict[tuple, tuple[int, ExpHistogram, float]] = OrderedDict()
         self._baseline_before_ns = 0  # streams started before this may have been let go
         self.newest_point_s = 0.0
@@ -289,9 +298,10 @@ class SmStore:
             need = max((len(b.sms) for b in gpu.blocks.values()), default=1)
             if gpu.series + need > share or self._series + need > cfg.max_sm_series:
                 return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+            self._blocks_made += 1
             block = gpu.blocks[kernel] = SmBlock(
                 self._wc.num_slots, self.detail_slots, self._wc.initial_scale, self._wc.max_buckets,
-                sc.CTA_BUCKETS_S, cfg.expose_sm_histograms)
+                sc.CTA_BUCKETS_S, cfg.expose_sm_histograms, serial=self._blocks_made)
         elif self._series >= cfg.max_sm_series:
             return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
         gpu.series += 1
@@ -445,11 +455,13 @@ class SmStore:
                         best = (SmKey(instance, gpu, kernel), block.sms[r], found)
         return best
 
-    def snapshot(self, now_s: float) -> list[BlockSnapshot]:
-        """Every block's P99s and classic histograms, the lock taken once per block."""
+    def snapshot(self, now_s: float, known: Mapping[SmKey, tuple] | None = None) -> list[BlockSnapshot]:
+        """Every block's P99s and classic histograms, the lock taken once per block; a block
+        whose stamp equals ``known[key]`` comes back as its stamp only (nothing computed)."""
         with self._lock:
             keys = [(SmKey(i, g, k), gpu.index) for (i, g), gpu in self._gpus.items() for k in gpu.blocks]
         first, last = self._epochs(now_s, self.config.gauge_window_s)
+        known = known or {}
         out = []
         for i, (key, index) in enumerate(keys):
             if i % _YIELD_BLOCKS == _YIELD_BLOCKS - 1:
@@ -461,7 +473,12 @@ class SmStore:
                 block = self._block(key)
                 if block is None:
                     continue
-                out.append(BlockSnapshot(key, index, list(block.sms), block.p99(first, last), block.classic.copy(),
+                stamp = block.stamp(first, last)
+                if known.get(key) == stamp:
+                    out.append(BlockSnapshot(key, index, stamp, None, None, None, None))
+                    continue
+                out.append(BlockSnapshot(key, index, stamp, list(block.sms), block.p99(first, last),
+                                         block.classic.copy(),
                                          [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None))
         return out
 

@@ -11,7 +11,8 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
 fixed number of numpy operations over the 30-byte records read in place; other bodies
 (JSON, Zipkin, an unusual encoding) take a Python loop over the spans. Fingerprints and the
-window are a fixed number of numpy operations per request; the window holds 8 bytes per span.
+window are a fixed number of numpy operations per request, none a sort unless spans of one request share
+a bucket; the window holds 8 bytes per span and 2 of scratch.
 """
 
 from __future__ import annotations
@@ -147,6 +148,7 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
+_NO_SPAN = np.iinfo(np.intp).max
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
@@ -180,6 +182,7 @@ class SpanWindow:
         self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
         self._slots = self._table.reshape(-1)  # the same memory, one slot index per fingerprint
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
+        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _first_in_bucket's
 
     def _buckets(self, fp: np.ndarray) -> np.ndarray:
         # the shifted values are below 2**bits: read as intp (int64) without a conversion
@@ -194,8 +197,9 @@ class SpanWindow:
         # cost several times as much per call at these sizes.
         bucket = self._buckets(fp)
         seen = (np.take(self._table, bucket, axis=0) == fp[:, None]).view(np.uint32).ravel() != 0
-        ordered = np.sort(fp)
-        if (ordered[1:] == ordered[:-1]).any():  # copies within the request: all but the first
+        # copies share a bucket: only when spans of the request share one is a sort needed
+        # (rare; see _first_in_bucket for why a sort is avoided otherwise)
+        if not self._first_in_bucket(bucket, np.arange(len(fp))).all():
             order = np.argsort(fp, kind="stable")
             ordered = fp[order]
             seen[order[1:][ordered[1:] == ordered[:-1]]] = True
@@ -203,19 +207,30 @@ class SpanWindow:
             return _NO_POSITIONS
         return np.flatnonzero(seen)
 
+    def _first_in_bucket(self, bucket: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Per span: is it the first (smallest ``index``) of those given in its bucket?"""
+        # Scatter and gather into a scratch row per bucket, not a sort: numpy's sorts let go
+        # of the GIL past 500 elements, and a thread waiting for it (the pipeline worker)
+        # then keeps it for a switch interval, a few times per request.
+        first = self._scratch
+        np.minimum.at(first, bucket, index)
+        out = first[bucket] == index
+        first[bucket] = _NO_SPAN
+        return out
+
     def remember(self, fp: np.ndarray) -> None:
         """Adds the fingerprints of spans just admitted."""
         if not self.capacity or not len(fp):
             return
         bucket = self._buckets(fp)
-        order = np.argsort(bucket, kind="stable")
-        ordered = bucket[order]
-        starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-        counts = np.diff(np.append(starts, len(ordered)))
-        # Spans of one request that share a bucket take successive ways (arrival order), so
-        # none overwrites another; 256 is a multiple of _WAYS, so the uint8 counter wrapping
-        # keeps the ways' order.
-        rank = np.arange(len(ordered)) - np.repeat(starts, counts)
-        way = (self._next[ordered] + rank) & (_WAYS - 1)
-        self._slots[ordered * _WAYS + way] = fp[order]
-        self._next[ordered[starts]] += counts.astype(np.uint8)
+        left = np.arange(len(fp))
+        # Spans of one request that share a bucket take successive ways (arrival order): each
+        # round writes the first span left in every bucket, so none overwrites another; 256
+        # is a multiple of _WAYS, so the uint8 counter wrapping keeps the ways' order.
+        while left.size:
+            b = bucket[left]
+            first = self._first_in_bucket(b, left)
+            written = b[first]
+            self._slots[written * _WAYS + (self._next[written] & (_WAYS - 1))] = fp[left[first]]
+            self._next[written] += np.uint8(1)
+            left = left[~first]

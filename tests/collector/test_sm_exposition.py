@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from sightline.collector.exposition import metrics_page
 from sightline.collector.hotspot import hotspots, hottest_sm
+from sightline.collector.sm_exposition import SmPage
 from sightline.collector.sm_store import kernel_label
 from sightline.instrumentation import semconv as sc
 from tests.collector.test_aggregator import (OPENMETRICS, T0_S, _resource_metrics, make_aggregator,
@@ -139,6 +140,29 @@ def test_opt_in_per_sm_histograms_parse_in_both_formats():
                     assert hist[(name + "_bucket", labels[:2] + (("le", "5e-05"),) + labels[2:])] == (
                         0 if sm == 3 else CTAS)
         assert len(hist) == 2 * 2 * 4 * (len(sc.CTA_BUCKETS_S) + 3)
+
+
+def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_window_moves():
+    clock = [T0_S]
+    agg = _fleet(expose_sm_histograms=True)
+    agg.clock = agg.sm.now = lambda: clock[0]
+    for openmetrics in (False, True):
+        kept = agg.sm_page
+        first = kept.render(clock[0], openmetrics)
+        assert kept.render(clock[0], openmetrics) == first == SmPage(agg.sm).render(clock[0], openmetrics)
+        # one block written (SM 1 of fa2 on node-a turns slow), the others kept
+        agg.consume_metrics(_resource_metrics(
+            [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1, exemplar=(SLOW, TRACE, SPAN)),
+             otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)],
+            **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
+        again = kept.render(clock[0], openmetrics)
+        assert again != first and again == SmPage(agg.sm).render(clock[0], openmetrics)
+        # the gauge window leaves the written slots behind: every P99 line goes
+        clock[0] += agg.config.gauge_window_s + agg.config.window.slot_s
+        later = kept.render(clock[0], openmetrics)
+        assert later == SmPage(agg.sm).render(clock[0], openmetrics)
+        assert f"{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{" not in later.decode()
+        clock[0] = T0_S
 
 
 def test_hottest_sm_is_what_hotspots_answers_ties_to_the_larger_label():
