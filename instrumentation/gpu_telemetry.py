@@ -26,7 +26,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-
 from . import semconv
 from .cupti_tracer import CuptiTracer
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
@@ -263,14 +262,18 @@ class GpuTelemetry:
                     self._owed += self.policy.sample()
                     self.tracer.push(UNTRACED_EXTERNAL_ID)
                     self._untraced_push = True
+                    if len(self._recorded_untraced) > 1024:   # steps that failed never ask
+                        self._recorded_untraced.clear()
                     self._recorded_untraced.add(step.step_id)
                     self.stats.steps_recorded_untraced += 1
                 elif self._follow > 0:
                     self._follow -= 1
                     reason = TRACE_AFTER_TAIL
-                elif self._owed > 0 or self.policy.sample():
-                    self._owed = max(self._owed - 1, 0)
-                    reason = TRACE_SAMPLED
+                else:
+                    sampled = self.policy.sample()   # every step draws: the ratio holds
+                    if sampled or self._owed:
+                        self._owed -= not sampled
+                        reason = TRACE_SAMPLED
                 if reason:
                     if self.tracer.attached:
                         self.tracer.enable()

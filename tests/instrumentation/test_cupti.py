@@ -259,6 +259,27 @@ def test_a_traced_step_is_closed_by_the_worker_once_its_kernels_are_done():
     assert span.parent.span_id == traced.span_id and span.attributes[semconv.KERNEL_LAUNCHES] == 1
 
 
+def test_steps_recorded_while_closing_keep_the_sampled_fraction():
+    """Each traced step's close is held over the next step, which is then recorded, not
+    traced; its draw is owed, so traced steps are still ``ratio`` of all steps."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.25)
+    held: list[_HeldEvent] = []
+    gpu._done_marker = lambda: held.append(_HeldEvent()) or held[-1]
+    t0, steps = time.time_ns(), 0
+    while steps < 4000:
+        _run_step(pipeline, gpu, steps, t0 + steps * 10**6, 0.001)
+        steps += 1
+        if gpu.closing:
+            _run_step(pipeline, gpu, steps, t0 + steps * 10**6, 0.001)   # recorded, owed
+            steps += 1
+            held[-1].released.set()
+            assert _wait(lambda: not gpu.closing)
+    traced = gpu.stats.steps_traced_sampled
+    assert gpu.stats.steps_recorded_untraced == len(held) == traced
+    assert abs(traced / steps - 0.25) < 0.03, traced / steps
+    pipeline.shutdown()
+
+
 def test_a_correlation_id_seen_again_joins_the_newer_launch():
     """CUPTI attached anew may count correlation ids from 1 again: step 1's kernel with
     correlation 1 joins step 1, not step 0 whose kernel had correlation 1 before."""
