@@ -85,6 +85,11 @@ def generate(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> di
             "prefill_steps": prefill, "graph_steps": graph_steps, "tokens": list(tokens.values())}
 
 
+def random_prompts(rng: random.Random, vocab: int, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids drawn from [1, vocab)."""
+    return [[rng.randrange(1, vocab) for _ in range(length)] for _ in range(n)]
+
+
 def _median_ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 3) if values else None
 
@@ -94,10 +99,8 @@ def run(engine: LLMEngine, args: argparse.Namespace, floor_s: float) -> dict:
     rng = random.Random(args.seed)
     vocab = min(engine.model_config.vocab_size, 32000)
 
-    def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(n)]
-
-    single_prompt, batch_prompts = prompts(1), prompts(args.concurrency)
+    single_prompt = random_prompts(rng, vocab, 1, args.prompt_len)
+    batch_prompts = random_prompts(rng, vocab, args.concurrency, args.prompt_len)
     graphs = runner.graphs
     # graphs: decode steps replay CUDA graphs (on the CPU the same padded static path, without
     # capture); eager: every step runs the model directly; overlap: graphs, and the next step
@@ -247,10 +250,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{floor_s * 1e3:.3f} ms/step", flush=True)
     results = run(engine, args, floor_s)
     if runner.device.type == "cuda" and not args.no_profile:
-        rng = random.Random(args.seed + 1)
-        vocab = min(engine.model_config.vocab_size, 32000)
-        prompts = [[rng.randrange(1, vocab) for _ in range(args.prompt_len)]
-                   for _ in range(args.concurrency)]
+        prompts = random_prompts(random.Random(args.seed + 1),
+                                 min(engine.model_config.vocab_size, 32000), args.concurrency,
+                                 args.prompt_len)
         try:   # a diagnosis: its failure must not cost the figures above
             results["gpu_breakdown"] = gpu_time_breakdown(engine, prompts, args.output_len)
             for k in results["gpu_breakdown"]["kernels"]:

@@ -156,8 +156,7 @@ class DecodeGraphs:
         if not self.capture:
             with torch.inference_mode():
                 return self._forward(bucket)
-        self._graphs[bucket].replay()
-        return self._logits[bucket]
+        return self.replay(bucket)
 
     def replay(self, bucket: int) -> torch.Tensor:
         """Replays ``bucket``'s graph on the static inputs as they stand (for timing it alone)."""

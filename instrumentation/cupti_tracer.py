@@ -28,9 +28,9 @@ logger = logging.getLogger(__name__)
 
 _REQUEST = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_void_p),
                             ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t))
-_FLUSH_FORCED = 1   # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: part-full buffers too
 _COMPLETE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_void_p,
                              ctypes.c_size_t, ctypes.c_size_t)
+_FLUSH_FORCED = 1   # CUPTI_ACTIVITY_FLAG_FLUSH_FORCED: part-full buffers too
 
 
 def cupti_available() -> tuple[bool, str]:
