@@ -31,6 +31,7 @@ import torch
 
 from sightline.engine.config import EngineConfig
 from sightline.engine.llm_engine import LLMEngine
+from sightline.engine.model_runner import default_max_num_batched_tokens, resolve_device
 from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 
@@ -214,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="default: the engine's for the device (engine serve's default)")
     parser.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-gib", type=float, default=0.5)
@@ -225,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args(argv)
 
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = default_max_num_batched_tokens(resolve_device(args.device))
     scheduler = SchedulerConfig(max_num_seqs=args.concurrency,
                                 max_num_batched_tokens=max(args.max_num_batched_tokens,
                                                            args.concurrency, args.prompt_len),
@@ -280,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         "num_params": engine.model_config.num_params,
         "dtype": str(runner.dtype).replace("torch.", ""),
         "prompt_len": args.prompt_len,
+        "max_num_batched_tokens": engine.scheduler.config.max_num_batched_tokens,
         "load_s": round(load_s, 2),
         "cuda_graphs": None if cap is None else {
             "buckets": list(cap.buckets), "skipped": list(cap.skipped),

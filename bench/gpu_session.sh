@@ -11,7 +11,8 @@
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
-# incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
+# decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
+# argmax, each next to its floor), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
 # neighbour on measured SMs, calibrated first, the capture diagnosed after).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
@@ -55,6 +56,7 @@ for p in "$@"; do
             --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ${PROFILE_ARGS:-} ;;
     cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
+    decode-step) part "decode_step-$commit" 180 python3 -m bench.decode_step --out "$OUT" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$OUT" ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \

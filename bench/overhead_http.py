@@ -141,6 +141,18 @@ def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
         collector.wait(timeout=60)
 
 
+def _per_step_us(before: dict, after: dict, steps: int) -> dict:
+    """The engine thread's telemetry µs per untraced step and per traced step, between two
+    ``/debug/steps`` reads (older engines lack the traced split: then all counts untraced)."""
+    total = after["telemetry_engine_thread_s"] - before["telemetry_engine_thread_s"]
+    traced_s = after.get("telemetry_traced_steps_s", 0.0) - before.get("telemetry_traced_steps_s", 0.0)
+    traced = after.get("steps_traced", 0) - before.get("steps_traced", 0)
+    untraced = max(steps - traced, 1)
+    return {"untraced_step": round(1e6 * (total - traced_s) / untraced, 2),
+            "traced_step": round(1e6 * traced_s / traced, 1) if traced else None,
+            "steps_traced": traced}
+
+
 def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float]],
               metrics: dict[str, str]) -> dict:
     by_round: dict[int, dict[str, float]] = {}
@@ -175,17 +187,19 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
 def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
-             "| telemetry CPU s / 1k tok | engine thread in telemetry | failed | dropped |",
-             "|---" * 12 + "|"]
+             "| telemetry CPU s / 1k tok | engine thread in telemetry | µs / untraced step "
+             "| µs / traced step | failed | dropped |",
+             "|---" * 14 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
+        us = s.get("engine_thread_telemetry_us") or {}
         lines.append(
             f"| {level} | {s['bursts']} | {s['tokens_per_s_median']:,.0f} | "
             f"{s['ratio_vs_off_paired_median']:.3f} [{lo:.3f}, {hi:.3f}] | {s['median_step_ms']:.2f} | "
             f"{s['steps_over_2x_median']} / {s['steps']} | {s['steps_over_2x_off_median']} | "
             f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
-            f"{s['failed']} | {s['telemetry_dropped']:.0f} |")
+            f"{us.get('untraced_step')} | {us.get('traced_step')} | {s['failed']} | {s['telemetry_dropped']:.0f} |")
     return "\n".join(lines)
 
 
@@ -228,12 +242,16 @@ def main(argv=None) -> int:
         in_situ = {level: (after[level]["telemetry_engine_thread_s"]
                            - before[level]["telemetry_engine_thread_s"])
                    / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9) for level in levels}
+        # per step: the engine thread's telemetry time on untraced steps, and on traced ones
+        per_step = {level: _per_step_us(before[level], after[level], len(steps[level]))
+                    for level in levels}
         gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
                           - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
     summary = summarize(levels, bursts, steps, metrics)
     for level in levels:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
+        summary[level]["engine_thread_telemetry_us"] = per_step[level]
         summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
             sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),

@@ -34,7 +34,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     serve.add_argument("--max-model-len", type=int, default=None, help="prompt + output limit")
     serve.add_argument("--max-num-seqs", type=int, default=64, help="running requests per step")
-    serve.add_argument("--max-num-batched-tokens", type=int, default=2048, help="new tokens per step")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="new tokens per step (default: 8192 on a GPU of >= 70 GiB, else 2048)")
     serve.add_argument("--max-waiting", type=int, default=1024, help="waiting queue bound (HTTP 429 past it)")
     serve.add_argument("--aging-s", type=float, default=10.0,
                        help="a waiting request gains one priority level per this many seconds")
@@ -97,12 +98,17 @@ def _serve(args: argparse.Namespace) -> int:
                                          sm_probe=args.sm_probe,
                                          sm_probe_every=args.sm_probe_every,
                                          cupti_detach=args.cupti_detach)
+    batched_tokens = args.max_num_batched_tokens
+    if batched_tokens is None:
+        from .model_runner import default_max_num_batched_tokens, resolve_device
+        batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
+                             args.max_num_seqs)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
         gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs,
-                                  max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_num_batched_tokens=batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         async_scheduling=args.async_scheduling,

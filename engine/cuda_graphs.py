@@ -12,7 +12,7 @@ SM probe: with kernel telemetry on, the graphs are captured with the probe, writ
 records are snapshotted like an eager step's. CUPTI needs nothing: the step's external
 correlation id is pushed around the graph launch, and its kernel nodes carry that launch's id.
 Cost per step: ~7 small device copies and one graph launch. Memory: the pool (about the
-largest bucket's activations) plus each bucket's logits ``[B, vocab]`` float32.
+largest bucket's activations) plus each bucket's logits ``[B, vocab]`` in the model's dtype.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..instrumentation.sm_probe import ProbedLaunches
 from .model import AttentionMetadata, LlamaForCausalLM
 
 __all__ = ["DecodeGraphs", "GraphCapture", "graph_buckets"]
@@ -78,8 +79,8 @@ class DecodeGraphs:
         self.all_buckets = graph_buckets(max_batch)
         self.buckets: tuple[int, ...] = () if capture else self.all_buckets
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}  # bucket -> [B, V] float32 (graph output)
-        self._launches: dict[int, tuple] = {}  # bucket -> probed launches of the graph
+        self._logits: dict[int, torch.Tensor] = {}  # bucket -> [B, V] (graph output)
+        self._launches: dict[int, ProbedLaunches] = {}  # bucket -> the graph's probed launches
 
     def _meta(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(num_prefill_tokens=0, slot_mapping=self.slot_mapping[:b],
@@ -121,7 +122,8 @@ class DecodeGraphs:
             if pool is None:
                 pool = graph.pool()
             self._graphs[b], self._logits[b] = graph, logits
-            self._launches[b] = self.probe.take_reservations() if self.probe is not None else ()
+            self._launches[b] = (self.probe.take_reservations() if self.probe is not None
+                                 else ProbedLaunches())
             captured.append(b)
         torch.cuda.synchronize(device)
         self.buckets = tuple(sorted(captured))
@@ -163,6 +165,6 @@ class DecodeGraphs:
         self._graphs[bucket].replay()
         return self._logits[bucket]
 
-    def launches(self, bucket: int) -> tuple:
+    def launches(self, bucket: int) -> ProbedLaunches:
         """The probed launches captured in ``bucket``'s graph (for ``SmProbe.adopt``)."""
-        return self._launches.get(bucket, ())
+        return self._launches.get(bucket) or ProbedLaunches()

@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, next-token logits (float32) out, for the positions that sample."""
+    """Token ids in, next-token logits (in the model's dtype) out, for the positions that sample."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32) -> None:
@@ -223,7 +223,9 @@ class LlamaForCausalLM(nn.Module):
             x, residual = x[logits_indices], residual[logits_indices]  # [S, hidden]
         x, _ = self.norm(x, residual, meta.backend)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()  # [S, V]
+        # left in the model's dtype: greedy argmax needs no float32 copy of [S, V], and the
+        # sampler's float32 paths cast exactly (every bf16/fp16 value is a float32)
+        return F.linear(x, weight)  # [S, V]
 
 
 @torch.no_grad()

@@ -49,6 +49,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def default_max_num_batched_tokens(device: torch.device) -> int:
+    """New tokens per step when none is given: 8192 on a GPU of >= 70 GiB, else 2048
+    (vLLM's API-server defaults for the two classes). On the large GPU a burst of prompts
+    then prefills in one step at GEMM sizes near peak, instead of several smaller ones."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_properties(index).total_memory >= 70 * 2**30:
+            return 8192
+    return 2048
+
+
 def resolve_dtype(dtype: str, device: torch.device, model: ModelConfig) -> torch.dtype:
     """``auto``: float32 on the CPU (its bf16 matmuls are slow), the checkpoint's half type or
     bfloat16 on CUDA."""
@@ -363,8 +374,8 @@ class ModelRunner:
         meta = batch.meta
         logits = self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
                                  meta.block_tables, meta.context_lens, bucket)  # [bucket, V]
-        if gpu is not None and gpu.probe is not None and self.graphs.probe is gpu.probe:
-            gpu.probe.adopt(self.graphs.launches(bucket))
+        if gpu is not None:
+            gpu.adopt_graph(self.graphs, bucket)
         n, s = batch.num_decode_seqs, len(batch.sampled_request_ids)
         # decode rows are the packed tokens in order: usually every one samples
         return logits[:n] if s == n else logits[batch.logits_indices]

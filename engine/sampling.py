@@ -157,7 +157,10 @@ class Sampler:
 
     # ---- sampling ---------------------------------------------------------------------------
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """logits [S, V] float32 -> token ids [S] int64 (on the logits' device, no sync)."""
+        """logits [S, V] (any float dtype) -> token ids [S] int64 (on the logits' device, no
+        sync). Masks, penalties and probabilities are computed in float32."""
+        if batch.allowed is not None or batch.penalties is not None or not batch.all_greedy:
+            logits = logits.float()
         if batch.allowed is not None:
             logits = logits.masked_fill(~batch.allowed, float("-inf"))
         if batch.penalties is not None:

@@ -140,6 +140,10 @@ class EngineServer:
             "durations_s": list(engine.step_durations_s), "loop_s": engine.loop_s,
             "telemetry_engine_thread_s": engine.telemetry_thread_s
             + (gpu.stats.engine_thread_s if gpu is not None else 0.0),
+            # the traced steps' part of it, and how many steps were traced
+            "telemetry_traced_steps_s": gpu.stats.engine_thread_traced_s if gpu is not None else 0.0,
+            "steps_traced": gpu.stats.steps_traced_sampled + gpu.stats.steps_traced_tail
+            if gpu is not None else 0,
             "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0})
 
     async def models(self, request: web.Request) -> web.Response:

@@ -69,9 +69,12 @@ def _loaded_libcupti() -> ctypes.CDLL:
 
 
 def _gil_holding(lib: ctypes.CDLL) -> ctypes.PyDLL:
-    """The external-correlation push/pop of ``lib`` through ``ctypes.PyDLL``, whose calls
-    keep the GIL (a ``CDLL`` call, like cupti-python's, lets it go)."""
+    """The engine thread's CUPTI calls (kinds on, external-correlation push/pop) of ``lib``
+    through ``ctypes.PyDLL``, whose calls keep the GIL (a ``CDLL`` call, like
+    cupti-python's, lets it go, and the server's event loop may then hold it for ms)."""
     held = ctypes.PyDLL(lib._name)
+    held.cuptiActivityEnable.argtypes = [ctypes.c_int]
+    held.cuptiActivityEnable.restype = ctypes.c_int
     held.cuptiActivityPushExternalCorrelationId.argtypes = [ctypes.c_int, ctypes.c_uint64]
     held.cuptiActivityPushExternalCorrelationId.restype = ctypes.c_int
     held.cuptiActivityPopExternalCorrelationId.argtypes = [ctypes.c_int,
@@ -246,9 +249,9 @@ class CuptiTracer:
                 CuptiTracer._active = None
 
     def enable(self) -> None:
-        """Switches the activity kinds on (per traced step; no flush), attaching CUPTI
-        first if ``detach`` let it go. The per-API filter set at attach is not re-applied
-        when only the kinds were off: unfiltered API records would cost only bytes here."""
+        """Switches the activity kinds on (per traced step, on the engine thread: the GIL is
+        kept, as in ``push``; no flush), attaching CUPTI first if ``detach`` let it go. The
+        per-API filter set at attach is not re-applied when only the kinds were off."""
         if self.available:
             if not self.attached:
                 try:
@@ -259,7 +262,9 @@ class CuptiTracer:
                 return
             try:
                 for kind in self._kinds:
-                    self._cupti.activity_enable(kind)
+                    result = self._held.cuptiActivityEnable(int(kind))
+                    if result != 0:
+                        raise RuntimeError(f"cuptiActivityEnable({kind!r}) returned {result}")
             except Exception:
                 logger.exception("CUPTI enable failed")
 

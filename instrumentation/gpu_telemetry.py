@@ -130,6 +130,7 @@ class GpuTelemetryStats:
     histogram_exports: int = 0
     errors: int = 0
     engine_thread_s: float = 0.0    # time spent in begin_step/end_step (the request path)
+    engine_thread_traced_s: float = 0.0  # the part of it spent on traced steps
     worker_cpu_s: float = 0.0       # the worker thread's CPU time
 
 
@@ -286,13 +287,17 @@ class GpuTelemetry:
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.begin_step failed")
-        self.stats.engine_thread_s += time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        self.stats.engine_thread_s += spent
+        if self._open:
+            self.stats.engine_thread_traced_s += spent
 
     def end_step(self, step, done=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
         if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them.
         ``done``: a CUDA event after the step's kernels (e.g. its token copy), if one exists."""
         t0 = time.perf_counter()
+        reason = ""
         try:
             reason, self._open = self._open, ""
             if self._untraced_push:
@@ -333,6 +338,17 @@ class GpuTelemetry:
         except Exception:
             self.stats.errors += 1
             logger.exception("GpuTelemetry.end_step failed")
+        spent = time.perf_counter() - t0
+        self.stats.engine_thread_s += spent
+        if reason:
+            self.stats.engine_thread_traced_s += spent
+
+    def adopt_graph(self, graphs, bucket: int) -> None:
+        """After a replay of ``graphs``' ``bucket`` graph: its probed launches become the
+        step's, if the graphs were captured with this probe."""
+        t0 = time.perf_counter()
+        if self.probe is not None and graphs.probe is self.probe:
+            self.probe.adopt(graphs.launches(bucket))
         self.stats.engine_thread_s += time.perf_counter() - t0
 
     def _idle_tracer(self) -> None:

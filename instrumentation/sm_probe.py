@@ -26,7 +26,7 @@ from .exphist import ExpHistogram, bucket_indices
 
 __all__ = [
     "PROBE_FAKE", "PROBE_HW", "PROBE_OFF", "RECORD_WORDS",
-    "CtaBatch", "CtaHistograms", "LaunchFacts", "PendingCtas", "SmExemplar", "SmProbe",
+    "CtaBatch", "CtaHistograms", "LaunchFacts", "PendingCtas", "ProbedLaunches", "SmExemplar", "SmProbe",
     "launch_facts", "probe_begin", "probe_cta_index", "probe_end",
 ]
 
@@ -399,6 +399,16 @@ class PendingCtas:
         return self._batch
 
 
+class ProbedLaunches(tuple):
+    """A captured CUDA graph's probed launches, ``(kernel name, CTAs)`` pairs, with their
+    CTA total in ``ctas`` (summed once at capture, not at every replay)."""
+
+    def __new__(cls, launches=()):
+        self = super().__new__(cls, launches)
+        self.ctas = sum(n for _, n in self)
+        return self
+
+
 class SmProbe:
     """The probe buffer of one GPU: slot ranges for launches, snapshots per step.
 
@@ -450,22 +460,23 @@ class SmProbe:
         """Forgets this step's reservations without reading them (benchmarks)."""
         self._launches, self._used = [], 0
 
-    def take_reservations(self) -> tuple[tuple[str, int], ...]:
+    def take_reservations(self) -> ProbedLaunches:
         """This step's launches so far, forgotten without reading: a CUDA graph captured
         since the last reset keeps them and ``adopt``s them at each replay."""
-        launches = tuple(self._launches)
+        launches = ProbedLaunches(self._launches)
         self.discard()
         return launches
 
-    def adopt(self, launches: tuple[tuple[str, int], ...]) -> bool:
-        """Marks a replayed CUDA graph's probed launches as this step's. The graph's kernels
-        write from slot 0 (it was captured right after a reset), so nothing else may have
-        been probed in this step: then nothing is adopted and False is returned."""
+    def adopt(self, launches: ProbedLaunches) -> bool:
+        """Marks a replayed CUDA graph's probed launches as this step's (per replay, on the
+        engine thread: O(1) but a list copy). The graph's kernels write from slot 0 (it was
+        captured right after a reset), so nothing else may have been probed in this step:
+        then nothing is adopted and False is returned."""
         if self._used:
             self.dropped_launches += len(launches)
             return False
         self._launches = list(launches)
-        self._used = sum(n for _, n in launches)
+        self._used = launches.ctas
         return True
 
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overhead_http import cpu_plan, summarize
+from bench.overhead_http import _per_step_us, cpu_plan, summarize
 
 
 def test_cpu_plan_gives_every_engine_its_own_cpus_and_the_load_the_rest():
@@ -28,3 +28,14 @@ def test_summary_pairs_bursts_by_round_and_counts_steps_over_twice_offs_median()
     assert summary["kernels"]["steps_over_2x_off_median"] == 1   # 0.021
     assert summary["kernels"]["steps_over_2x_median"] == 0       # its own median is 0.019
     assert summary["kernels"]["engine_cpu_s_per_1k_tokens"] == pytest.approx(0.2)   # 3 x 0.2 s / 3k
+
+
+def test_per_step_telemetry_time_splits_traced_from_untraced_steps():
+    before = {"telemetry_engine_thread_s": 1.0, "telemetry_traced_steps_s": 0.5, "steps_traced": 10}
+    after = {"telemetry_engine_thread_s": 1.0 + 0.0098 + 0.004, "telemetry_traced_steps_s": 0.504,
+             "steps_traced": 20}
+    # 1,000 steps: 10 traced (4 ms: 400 µs each), 990 untraced (9.8 ms: ~9.9 µs each)
+    assert _per_step_us(before, after, 1000) == {"untraced_step": 9.9, "traced_step": 400.0,
+                                                 "steps_traced": 10}
+    old = {"telemetry_engine_thread_s": 0.0}   # an engine without the split: all untraced
+    assert _per_step_us(old, {"telemetry_engine_thread_s": 0.01}, 1000)["traced_step"] is None
