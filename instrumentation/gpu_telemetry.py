@@ -126,6 +126,7 @@ class GpuTelemetryStats:
     tail_steps: int = 0             # steps slower than the recent P99.9
     ctas_probed: int = 0            # grid CTAs of probed launches (idle ones included)
     probe_launches_dropped: int = 0
+    probe_snapshots_dropped: int = 0  # probed steps whose records found the snapshot ring full
     cupti_buffers: int = 0
     histogram_exports: int = 0
     errors: int = 0
@@ -169,6 +170,7 @@ class GpuTelemetry:
             self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
             self._side = torch.cuda.Stream(device=device)
             self._engine_stream = torch.cuda.current_stream(device)   # the steps' stream
+            self.probe.snapshots.stream_handle = self._engine_stream.cuda_stream
         recorder.record(GpuIdentity(device_index, _gpu_uuid(device_index)))
         self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
         # held by the worker around its CUDA calls and by the engine thread while CUPTI
@@ -184,6 +186,8 @@ class GpuTelemetry:
         self._recorded_untraced: set[int] = set()   # their CUPTI cost stays out of the tail rule
         self._done_marker = _cuda_event if config.cupti else (lambda: None)
         self._probe_batch: list = []
+        self._probe_batch_words = 0
+        self._retiring: deque = deque()   # (event after a batch's reduction, its newest step)
         self._interval_start_ns = time.time_ns()
         self._last_export = time.monotonic()
         self._stop = threading.Event()
@@ -323,6 +327,7 @@ class GpuTelemetry:
             if self.probe is not None:
                 if reason or self.stats.steps % self.config.probe_every_steps == 0:
                     pending = self.probe.end_step(step.trace_id, step.span_id)
+                    self.stats.probe_snapshots_dropped = self.probe.dropped_snapshots
                     self.stats.steps_probed += pending is not None
                 else:
                     self.probe.discard()
@@ -333,6 +338,8 @@ class GpuTelemetry:
                                             done))
                 except queue.Full:
                     self.stats.steps_dropped += 1
+                    if pending is not None:
+                        self.probe.snapshots.release_newest()
                     if done is not None or self._closing:
                         self._close_traced(None)   # never leave CUPTI recording
         except Exception:
@@ -422,6 +429,7 @@ class GpuTelemetry:
                 self.stats.worker_cpu_s += time.thread_time() - cpu0
 
     def _work(self, item) -> None:
+        self._retire_snapshots()
         if item is not None and item[0] == "flush":
             _, export, done = item
             self._reduce_probe_batch()
@@ -449,14 +457,16 @@ class GpuTelemetry:
             self._close_traced(done)
         if pending is not None and self.histograms is not None:
             self._probe_batch.append((pending, end_ns))
+            self._probe_batch_words += pending.words
             self.stats.ctas_probed += sum(n for _, n in pending.launches)
             if traced:
                 self._reduce_probe_batch()
-                batch = pending.wait()          # this step's CTAs, for its launch facts
+                batch = pending.wait(retire=False)   # this step's CTAs, for its launch facts
                 self.recorder.record(StepCtas(step_id, pending.snapshot.cpu().numpy(),
                                               list(pending.launches), batch.gpu_id, batch.fake))
-            elif len(self._probe_batch) >= self.config.probe_batch_steps:
-                self._reduce_probe_batch()
+            elif (len(self._probe_batch) >= self.config.probe_batch_steps
+                  or self._probe_batch_words >= self.probe.snapshots.words // 2):
+                self._reduce_probe_batch()   # the ring's ranges come back only after it
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
 
@@ -464,6 +474,7 @@ class GpuTelemetry:
         """Enqueues the on-GPU histogram reduction of the batched steps' probe records (one
         set of torch ops for the whole batch) on the side stream, after their kernels."""
         batch, self._probe_batch = self._probe_batch, []
+        self._probe_batch_words = 0
         if not batch:
             return
         import torch
@@ -471,10 +482,16 @@ class GpuTelemetry:
             # after every snapshot copy in the batch: each was enqueued before its queue item
             # (an event per snapshot would cost the engine thread a GIL hand-off per step)
             self._side.wait_stream(self._engine_stream)
-            for pending, _ in batch:
-                pending.snapshot.record_stream(self._side)
             self.histograms.add_steps([(p.snapshot, p.launches, p.trace_id, p.span_id, end_ns)
                                        for p, end_ns in batch])
+            done = torch.cuda.Event()
+            done.record(self._side)
+        self._retiring.append((done, batch[-1][0]))   # its ranges come back once done
+
+    def _retire_snapshots(self) -> None:
+        """Gives the ring back the ranges of batches whose reductions the GPU finished."""
+        while self._retiring and self._retiring[0][0].query():
+            self._retiring.popleft()[1].retire()
 
     def _export(self) -> None:
         self._last_export = time.monotonic()

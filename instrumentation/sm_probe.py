@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .exphist import ExpHistogram, bucket_indices
+from .probe_snapshots import SnapshotRing
 
 __all__ = [
     "PROBE_FAKE", "PROBE_HW", "PROBE_OFF", "RECORD_WORDS",
@@ -381,19 +382,33 @@ class CtaHistograms:
 class PendingCtas:
     """One step's records on their way to the host; ``wait()`` returns the ``CtaBatch``."""
 
-    def __init__(self, snapshot, launches: list[tuple[str, int]], gpu_id: int, fake: bool,
+    def __init__(self, ring: SnapshotRing, start: int, words: int,
+                 launches: list[tuple[str, int]], gpu_id: int, fake: bool,
                  trace_id: int, span_id: int) -> None:
-        self.snapshot = snapshot             # device tensor [n * 3] int64 (its own copy)
+        self.ring, self.start, self.words = ring, start, words   # its copy of the records
         self.launches = launches
         self.trace_id, self.span_id = trace_id, span_id
         self._meta = (gpu_id, fake, trace_id, span_id)
         self._batch: CtaBatch | None = None
 
-    def wait(self) -> CtaBatch:
-        """Blocks until the step's kernels finished; copies 24 bytes per CTA to the host."""
+    @property
+    def snapshot(self):
+        """The records, a device tensor [n * 3] int64 (a view of the ring; worker thread)."""
+        return self.ring.view(self.start, self.words)
+
+    def retire(self) -> None:
+        """Every read of this snapshot (and of older ones) is done on the GPU."""
+        self.ring.retire_through(self.start, self.words)
+
+    def wait(self, retire: bool = True) -> CtaBatch:
+        """Blocks until the step's kernels finished; copies 24 bytes per CTA to the host,
+        then (``retire``) gives the snapshot's range back: a caller with other reads of
+        it in flight on another stream passes False and retires it after them."""
         if self._batch is None:
             gpu_id, fake, trace_id, span_id = self._meta
             records = self.snapshot.cpu().numpy()
+            if retire:
+                self.retire()
             self._batch = CtaBatch.from_records(records, self.launches, gpu_id=gpu_id,
                                                 fake=fake, trace_id=trace_id, span_id=span_id)
         return self._batch
@@ -434,9 +449,11 @@ class SmProbe:
         self.capacity_ctas = capacity_ctas
         self.buffer = torch.zeros(capacity_ctas * RECORD_WORDS, dtype=torch.int64,
                                   device=self.device)
+        self.snapshots = SnapshotRing(self.buffer, torch.zeros_like(self.buffer))
         self._launches: list[tuple[str, int]] = []
         self._used = 0
         self.dropped_launches = 0
+        self.dropped_snapshots = 0    # steps whose records found the ring full
 
     @property
     def fake(self) -> bool:
@@ -480,13 +497,17 @@ class SmProbe:
         return True
 
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
-        """Snapshots this step's records (a device copy, ordered on the launching stream) and
-        resets the slots; None when nothing was probed. Costs one small copy kernel launch;
-        a reader on another stream first waits for the launching one."""
+        """Snapshots this step's records into the ring (a device copy ordered on the
+        launching stream, no torch call) and resets the slots; None when nothing was probed
+        or the ring is full (counted). A reader on another stream first waits for the
+        launching one, and retires the snapshot once its reads are done."""
         if self._used == 0:
             return None
-        snapshot = self.buffer[: self._used * RECORD_WORDS].clone()
-        pending = PendingCtas(snapshot, self._launches, self.gpu_id, self.fake,
-                              trace_id, span_id)
-        self._launches, self._used = [], 0
-        return pending
+        words = self._used * RECORD_WORDS
+        start = self.snapshots.place(words)
+        launches, self._launches, self._used = self._launches, [], 0
+        if start is None:
+            self.dropped_snapshots += 1
+            return None
+        return PendingCtas(self.snapshots, start, words, launches, self.gpu_id, self.fake,
+                           trace_id, span_id)
