@@ -3,7 +3,7 @@
 The contract: kernel spans (CUPTI, GPU timestamps) are children of their ``engine.step``
 span and lie inside its time in at least 99.9 % of cases.
 
-    python -m bench.kernel_containment deploy/captures/h200-20261130-http.jsonl.gz
+    python -m bench.kernel_containment deploy/captures/h200-20261202-http.jsonl.gz
 
 ``step_containment`` takes any iterable of OTLP spans (``capture_spans`` yields a
 capture's), so other scripts apply the same rule to spans they already hold.

@@ -7,7 +7,7 @@ with ``sightline.step.kernel_trace_reason``) and reports the duration of each tr
 and of the steps after it, against the median of the steps that are neither traced nor
 right after a traced step; steps marked ``sightline.step.kernel_trace_backlog`` are counted.
 
-    python -m bench.traced_step_stalls deploy/captures/h200-20261130-http.jsonl.gz \
+    python -m bench.traced_step_stalls deploy/captures/h200-20261202-http.jsonl.gz \
         --out bench/results/traced_step_stalls-h200-capture.json
 """
 
