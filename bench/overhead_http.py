@@ -245,6 +245,9 @@ def main(argv=None) -> int:
         # per step: the engine thread's telemetry time on untraced steps, and on traced ones
         per_step = {level: _per_step_us(before[level], after[level], len(steps[level]))
                     for level in levels}
+        phases = {level: {phase: after[level].get("gpu_telemetry_worker_phases_cpu_s", {}).get(phase, 0.0)
+                          - before[level].get("gpu_telemetry_worker_phases_cpu_s", {}).get(phase, 0.0)
+                          for phase in ("close", "reduce", "step_ctas")} for level in levels}
         gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
                           - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
@@ -252,6 +255,7 @@ def main(argv=None) -> int:
     for level in levels:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
         summary[level]["engine_thread_telemetry_us"] = per_step[level]
+        summary[level]["gpu_worker_phase_cpu_s"] = phases[level]   # over all the bursts
         summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
             sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),

@@ -132,7 +132,10 @@ class GpuTelemetryStats:
     errors: int = 0
     engine_thread_s: float = 0.0    # time spent in begin_step/end_step (the request path)
     engine_thread_traced_s: float = 0.0  # the part of it spent on traced steps
-    worker_cpu_s: float = 0.0       # the worker thread's CPU time
+    worker_cpu_s: float = 0.0       # the worker thread's CPU time, of which:
+    worker_close_cpu_s: float = 0.0   # closing traced steps (CUPTI flush, kinds off)
+    worker_reduce_cpu_s: float = 0.0  # enqueuing the probe records' histogram reductions
+    worker_step_ctas_cpu_s: float = 0.0  # reading traced steps' probe records to the host
 
 
 class GpuTelemetry:
@@ -448,9 +451,11 @@ class GpuTelemetry:
         its records delivered while the kinds are still on, then CUPTI switched off."""
         if done is not None:
             done.synchronize()       # lets the GIL go while it waits
+        cpu0 = time.thread_time()
         self.tracer.flush()
         self._idle_tracer()
         self._closing = False
+        self.stats.worker_close_cpu_s += time.thread_time() - cpu0
 
     def _take_step(self, step_id: int, pending, end_ns: int, traced: bool, done=None) -> None:
         if traced and self._closing:
@@ -459,13 +464,17 @@ class GpuTelemetry:
             self._probe_batch.append((pending, end_ns))
             self._probe_batch_words += pending.words
             self.stats.ctas_probed += sum(n for _, n in pending.launches)
-            if traced:
-                self._reduce_probe_batch()
-                batch = pending.wait(retire=False)   # this step's CTAs, for its launch facts
-                self.recorder.record(StepCtas(step_id, pending.snapshot.cpu().numpy(),
-                                              list(pending.launches), batch.gpu_id, batch.fake))
-            elif (len(self._probe_batch) >= self.config.probe_batch_steps
-                  or self._probe_batch_words >= self.probe.snapshots.words // 2):
+            if traced:   # this step's CTAs, for its launch facts (the ring range stays live)
+                cpu0 = time.thread_time()
+                import torch
+                with torch.cuda.stream(self._side):
+                    self._side.wait_stream(self._engine_stream)
+                    records = pending.snapshot.cpu().numpy()
+                self.recorder.record(StepCtas(step_id, records, list(pending.launches),
+                                              self.probe.gpu_id, self.probe.fake))
+                self.stats.worker_step_ctas_cpu_s += time.thread_time() - cpu0
+            if (len(self._probe_batch) >= self.config.probe_batch_steps
+                    or self._probe_batch_words >= self.probe.snapshots.words // 2):
                 self._reduce_probe_batch()   # the ring's ranges come back only after it
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
@@ -477,6 +486,7 @@ class GpuTelemetry:
         self._probe_batch_words = 0
         if not batch:
             return
+        cpu0 = time.thread_time()
         import torch
         with torch.cuda.stream(self._side):
             # after every snapshot copy in the batch: each was enqueued before its queue item
@@ -487,6 +497,7 @@ class GpuTelemetry:
             done = torch.cuda.Event()
             done.record(self._side)
         self._retiring.append((done, batch[-1][0]))   # its ranges come back once done
+        self.stats.worker_reduce_cpu_s += time.thread_time() - cpu0
 
     def _retire_snapshots(self) -> None:
         """Gives the ring back the ranges of batches whose reductions the GPU finished."""
