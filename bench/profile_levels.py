@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .overhead_http import load, serving
+from .overhead_http import cpu_plan, load, serving
 
 
 def gil_holders(raw: Path, n: int) -> list[str]:
@@ -76,10 +77,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     levels = args.levels.split(",")
-    with serving(args, levels) as engines:
+    # pinned as bench.overhead_http pins them: each engine (and its telemetry process) on CPUs
+    # of its own, so that the stacks are those of the measured runs
+    plan = cpu_plan(levels, sorted(os.sched_getaffinity(0)))
+    cpus = plan["load"] if plan else None
+    with serving(args, levels, plan) as engines:
         urls = [url for _, url in engines.values()]
         pids = [engine.pid for engine, _ in engines.values()]
-        load(args, urls, pids, 1, seed=999)                   # warm-up
+        load(args, urls, pids, 1, seed=999, cpus=cpus)        # warm-up
         args.out.mkdir(parents=True, exist_ok=True)
         spies = {level: subprocess.Popen(["py-spy", "record", "-p", str(engine.pid), "-d",
                                           str(int(args.duration_s)), "-r", "200", "--threads",
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
                  for level, (engine, _) in engines.items()}
         deadline = time.monotonic() + args.duration_s
         while time.monotonic() < deadline:
-            load(args, urls, pids, 2, seed=int(time.time()))
+            load(args, urls, pids, 2, seed=int(time.time()), cpus=cpus)
         for level, spy in spies.items():
             _, err = spy.communicate(timeout=60)
             if spy.returncode:
