@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instrumentation.sm_probe import ProbedLaunches
+from ..instrumentation import ProbedLaunches
 from .model import AttentionMetadata, LlamaForCausalLM
 
 __all__ = ["DecodeGraphs", "GraphCapture", "graph_buckets"]

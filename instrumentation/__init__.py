@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from .lifecycle import Detokenized, OpenStep, Queued, Step
     from .nvml import NvmlCollector
     from .otlp_json_ids import base64_to_hex, convert_ids
-    from .sm_probe import PROBE_OFF, SmProbe, launch_facts, probe_begin, probe_cta_index, probe_end
+    from .sm_probe import (PROBE_OFF, ProbedLaunches, SmProbe, launch_facts, probe_begin,
+                           probe_cta_index, probe_end)
     from .telemetry_pipeline import TelemetryPipeline
     from .tracing import Telemetry
 
@@ -35,7 +36,8 @@ _MODULE_OF = {
     "Detokenized": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
     "NvmlCollector": "nvml",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
-    "PROBE_OFF": "sm_probe", "SmProbe": "sm_probe", "launch_facts": "sm_probe",
+    "PROBE_OFF": "sm_probe", "ProbedLaunches": "sm_probe", "SmProbe": "sm_probe",
+    "launch_facts": "sm_probe",
     "probe_begin": "sm_probe", "probe_cta_index": "sm_probe", "probe_end": "sm_probe",
     "TelemetryPipeline": "telemetry_pipeline",
     "Telemetry": "tracing",
