@@ -261,14 +261,23 @@ class GpuTelemetry:
         """Decides whether the step gets kernel spans; if so, switches CUPTI on and tags the
         step's CUDA launches (external correlation ``step_id + 1``)."""
         t0 = time.perf_counter()
+        tracer = self.tracer
+        drew = None
+        if not (self._closing or self._follow or self._owed):
+            # the usual step, kept short (it runs right after the model's work, cold caches)
+            drew = tracer is not None and tracer.available and self.policy.sample()
+            if not drew:
+                self._open = ""
+                self.stats.engine_thread_s += time.perf_counter() - t0
+                return
         try:
             reason = ""
-            if self.tracer is not None and self.tracer.available:
+            if tracer is not None and tracer.available:
                 if self._closing:
                     # CUPTI still records the last traced step: this one's kernels are
                     # recorded too but kept out of it, and a sample drawn now is owed
                     self._owed += self.policy.sample()
-                    self.tracer.push(UNTRACED_EXTERNAL_ID)
+                    tracer.push(UNTRACED_EXTERNAL_ID)
                     self._untraced_push = True
                     if len(self._recorded_untraced) > 1024:   # steps that failed never ask
                         self._recorded_untraced.clear()
@@ -277,18 +286,18 @@ class GpuTelemetry:
                 elif self._follow > 0:
                     self._follow -= 1
                     reason = TRACE_AFTER_TAIL
-                else:
-                    sampled = self.policy.sample()   # every step draws: the ratio holds
+                else:   # every step draws (above, when nothing was pending): the ratio holds
+                    sampled = drew if drew is not None else self.policy.sample()
                     if sampled or self._owed:
                         self._owed -= not sampled
                         reason = TRACE_SAMPLED
                 if reason:
-                    if self.tracer.attached:
-                        self.tracer.enable()
+                    if tracer.attached:
+                        tracer.enable()
                     else:
                         with self._cuda_lock:
-                            self.tracer.enable()
-                    self.tracer.push(step.step_id + 1)
+                            tracer.enable()
+                    tracer.push(step.step_id + 1)
                     step.set_attribute(semconv.STEP_TRACE_REASON, reason)
             self._open = reason
         except Exception:
