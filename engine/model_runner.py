@@ -350,7 +350,7 @@ class ModelRunner:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe
             gpu.begin_step(step_trace)
-        tokens = None
+        tokens = replayed = None
         try:
             if bucket is None:
                 execution = _EAGER
@@ -358,24 +358,23 @@ class ModelRunner:
                                     batch.logits_indices)  # [S, V]
             else:
                 execution = StepExecution(cuda_graph=self.graphs.capture, graph_batch_size=bucket)
-                logits = self._replay(batch, bucket, gpu)
+                logits = self._replay(batch, bucket)
+                replayed = (self.graphs, bucket)   # its probed launches are the step's
             if batch.sampled_request_ids:
                 tokens = self.sampler.start_copy(self.sampler.sample(logits, batch.sampling))
         finally:
             if gpu is not None:
                 if gpu.tracing and gpu.waits_for_traced_steps and tokens is not None:
                     tokens.wait()
-                gpu.end_step(step_trace, tokens.copied if tokens is not None else None)
+                gpu.end_step(step_trace, tokens.copied if tokens is not None else None, replayed)
         self.last_execution = execution
         return LaunchedStep(batch.sampled_request_ids, tokens, execution)
 
-    def _replay(self, batch: StepBatch, bucket: int, gpu) -> torch.Tensor:
+    def _replay(self, batch: StepBatch, bucket: int) -> torch.Tensor:
         """A decode-only step through the static path; logits [S, V] of the sampled rows."""
         meta = batch.meta
         logits = self.graphs.run(batch.input_ids, batch.positions, meta.slot_mapping,
                                  meta.block_tables, meta.context_lens, bucket)  # [bucket, V]
-        if gpu is not None:
-            gpu.adopt_graph(self.graphs, bucket)
         n, s = batch.num_decode_seqs, len(batch.sampled_request_ids)
         # decode rows are the packed tokens in order: usually every one samples
         return logits[:n] if s == n else logits[batch.logits_indices]

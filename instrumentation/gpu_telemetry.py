@@ -86,6 +86,10 @@ class TailPolicy:
     excluded; no rule before ``min_steps``); the quantile is recomputed every
     ``refresh_steps`` steps, O(window) each time."""
 
+    # fixed slots: read on every step, right after the model's work, with cold caches
+    __slots__ = ("ratio", "quantile", "min_steps", "rng", "_recent", "refresh_steps", "_limit",
+                 "_since_refresh", "_stale")
+
     def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
                  rng: random.Random, refresh_steps: int = 1) -> None:
         self.ratio, self.quantile, self.min_steps, self.rng = ratio, quantile, min_steps, rng
@@ -93,6 +97,9 @@ class TailPolicy:
         self.refresh_steps = refresh_steps
         self._limit: float | None = None
         self._since_refresh = refresh_steps
+        # the threshold can only move when a value at or above it enters or leaves a full
+        # window: until then a refresh would find the same value, so it is skipped
+        self._stale = True
 
     def threshold(self) -> float | None:
         """``np.quantile(recent, quantile, method="higher")``, i.e. the sorted value at rank
@@ -105,10 +112,17 @@ class TailPolicy:
 
     def is_tail(self, duration_s: float) -> bool:
         if self._since_refresh >= self.refresh_steps or self._limit is None:
-            self._limit, self._since_refresh = self.threshold(), 0
+            if self._stale or self._limit is None:
+                self._limit = self.threshold()
+                self._stale = len(self._recent) < self._recent.maxlen   # k moves with n
+            self._since_refresh = 0
         self._since_refresh += 1
-        limit = self._limit
-        self._recent.append(duration_s)
+        limit, recent = self._limit, self._recent
+        # a value equal to the threshold entering leaves it where it is; one leaving may not
+        if limit is None or duration_s > limit or (len(recent) == recent.maxlen
+                                                   and recent[0] >= limit):
+            self._stale = True
+        recent.append(duration_s)
         return limit is not None and duration_s > limit
 
     def sample(self) -> bool:
@@ -308,11 +322,22 @@ class GpuTelemetry:
         if self._open:
             self.stats.engine_thread_traced_s += spent
 
-    def end_step(self, step, done=None) -> None:
+    def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
         if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them.
-        ``done``: a CUDA event after the step's kernels (e.g. its token copy), if one exists."""
+        ``done``: a CUDA event after the step's kernels (e.g. its token copy), if one exists;
+        ``graph``: ``(graphs, bucket)`` when the step replayed a captured graph (its probed
+        launches are then adopted as the step's)."""
         t0 = time.perf_counter()
+        probe, stats = self.probe, self.stats
+        if not (self._open or self._untraced_push) and (
+                probe is None or stats.steps % self.config.probe_every_steps):
+            # the usual step, kept short: nothing to hand over
+            if probe is not None:
+                probe.discard()
+            stats.steps += 1
+            stats.engine_thread_s += time.perf_counter() - t0
+            return
         reason = ""
         try:
             reason, self._open = self._open, ""
@@ -338,6 +363,8 @@ class GpuTelemetry:
             pending = None
             if self.probe is not None:
                 if reason or self.stats.steps % self.config.probe_every_steps == 0:
+                    if graph is not None and graph[0].probe is self.probe:
+                        self.probe.adopt(graph[0].launches(graph[1]))
                     pending = self.probe.end_step(step.trace_id, step.span_id)
                     self.stats.probe_snapshots_dropped = self.probe.dropped_snapshots
                     self.stats.steps_probed += pending is not None
@@ -361,14 +388,6 @@ class GpuTelemetry:
         self.stats.engine_thread_s += spent
         if reason:
             self.stats.engine_thread_traced_s += spent
-
-    def adopt_graph(self, graphs, bucket: int) -> None:
-        """After a replay of ``graphs``' ``bucket`` graph: its probed launches become the
-        step's, if the graphs were captured with this probe."""
-        t0 = time.perf_counter()
-        if self.probe is not None and graphs.probe is self.probe:
-            self.probe.adopt(graphs.launches(bucket))
-        self.stats.engine_thread_s += time.perf_counter() - t0
 
     def _idle_tracer(self) -> None:
         """Between traced steps: CUPTI detached (``cupti_detach``) or its kinds off."""

@@ -250,3 +250,21 @@ def test_tail_policy_refreshing_its_quantile_every_k_steps_still_flags_outliers(
     flags = [policy.is_tail(0.010 + (i % 10) * 1e-4) for i in range(200)]
     assert not any(flags)
     assert policy.is_tail(0.5) is True          # a stale (<= 16 steps old) P99 still applies
+
+
+def test_tail_policy_skipping_unneeded_refreshes_flags_exactly_what_refreshing_always_would():
+    """The threshold is recomputed only when a value at or above it entered or left the
+    window; a policy that recomputes at every refresh must flag the same steps."""
+    class Always(TailPolicy):
+        def is_tail(self, duration_s):
+            self._stale = True
+            return super().is_tail(duration_s)
+
+    rng = np.random.default_rng(3)
+    for window, quantile in ((64, 0.9), (256, 0.99), (1024, 0.999)):
+        durations = rng.lognormal(-5, 0.3, 6000)
+        durations[rng.integers(0, 6000, 40)] *= 20          # outliers that enter and leave
+        durations[2000:2300] = durations[1999]              # ties at the threshold
+        fast = TailPolicy(0.0, quantile, window, 32, random.Random(0), refresh_steps=16)
+        slow = Always(0.0, quantile, window, 32, random.Random(0), refresh_steps=16)
+        assert [fast.is_tail(d) for d in durations] == [slow.is_tail(d) for d in durations]
