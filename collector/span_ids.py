@@ -9,10 +9,11 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 ~capacity / 2**63 per span for random ids).
 
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
-fixed number of numpy operations over the 30-byte records read in place; other bodies
-(JSON, Zipkin, an unusual encoding) take a Python loop over the spans. Fingerprints and the
-window are a fixed number of numpy operations per request, none a sort unless spans of one request share
-a bucket; the window holds 8 bytes per span and 2 of scratch.
+fixed number of bytes and numpy operations per 500 spans over the 30-byte records read in
+place; other bodies (JSON, Zipkin, an unusual encoding) take a Python loop over the spans.
+Fingerprints and the window: a fixed number of numpy operations per 500 spans (no sort, and
+none that lets go of the GIL) and one set of the request's fingerprints; the window holds
+8 bytes per span and 2 of scratch.
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ __all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
-# That record as one numpy row (unaligned fields, read in place): its fixed bytes are two
-# integers to compare, the ids three 64-bit words to copy out.
-_RECORD_DTYPE = np.dtype({"names": ["head", "trace_hi", "trace_lo", "span_tag", "span"],
-                          "formats": ["<u4", "<u8", "<u8", "<u2", "<u8"],
-                          "offsets": [0, 4, 12, 20, 22], "itemsize": _RECORD})
-_HEAD = np.uint32(int.from_bytes(b"\x12\x1c\x0a\x10", "little"))
-_SPAN_TAG = np.uint16(int.from_bytes(b"\x12\x08", "little"))
+# That record's fixed bytes, (offset, byte), and the record as one numpy row (unaligned
+# fields, read in place): the ids three 64-bit words to copy out.
+_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"), (20, b"\x12"), (21, b"\x08"))
+_RECORD_DTYPE = np.dtype({"names": ["trace_hi", "trace_lo", "span"], "formats": ["<u8", "<u8", "<u8"],
+                          "offsets": [4, 12, 22], "itemsize": _RECORD})
+# numpy lets go of the GIL in element-wise loops over more than 500 elements, and always in
+# arange, concatenate, take and ufunc.at: with the pipeline worker waiting for it, the
+# receiver then waits for a switch interval and both threads pay for the hand-off, dozens
+# of times per request. So every array op here covers at most _GIL_ROWS spans, and those
+# four are not used.
+_GIL_ROWS = 500
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None)])
+
+
+def _chunks(n: int) -> list[slice]:
+    """Slices of at most ``_GIL_ROWS`` covering ``range(n)``."""
+    return [slice(i, min(i + _GIL_ROWS, n)) for i in range(0, n, _GIL_ROWS)]
 
 
 def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
@@ -78,7 +88,6 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
         return None
     ids.DiscardUnknownFields()
     compact = ids.SerializeToString()
-    data = np.frombuffer(compact, dtype=np.uint8)
     parts = []
     at, end = 0, len(compact)
     while at < end:  # resource_spans (field 1), each holding scope_spans (field 2)
@@ -92,19 +101,26 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
             size, at = _varint(compact, at + 1)
             if size % _RECORD:
                 return None
-            parts.append(data[at:at + size])
+            parts.append(compact[at:at + size])
             at += size
-    if not parts:
+    # bytes, not numpy, for the joins and the fixed bytes of each record (one strided slice
+    # per byte): numpy's concatenate and compares over many spans let go of the GIL
+    records = parts[0] if len(parts) == 1 else b"".join(parts)
+    n = len(records) // _RECORD
+    if not n:
         return _NO_KEYS
-    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).view(_RECORD_DTYPE)
-    if not ((rows["head"] == _HEAD).all() and (rows["span_tag"] == _SPAN_TAG).all()):
-        return None
-    keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
-    keys[:, 0] = rows["trace_hi"]
-    keys[:, 1] = rows["trace_lo"]
-    keys[:, 2] = rows["span"]
-    if not ((keys[:, 0] | keys[:, 1]).all() and keys[:, 2].all()):  # an all-zero id
-        return None
+    for offset, byte in _RECORD_FIXED:
+        if records[offset::_RECORD] != byte * n:
+            return None
+    rows = np.frombuffer(records, dtype=_RECORD_DTYPE)
+    keys = np.empty((n, 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
+    for s in _chunks(n):
+        chunk = keys[s]
+        chunk[:, 0] = rows["trace_hi"][s]
+        chunk[:, 1] = rows["trace_lo"][s]
+        chunk[:, 2] = rows["span"][s]
+        if not ((chunk[:, 0] | chunk[:, 1]).all() and chunk[:, 2].all()):  # an all-zero id
+            return None
     return keys.view(np.uint8)
 
 
@@ -149,21 +165,25 @@ _ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 _NO_SPAN = np.iinfo(np.intp).max
+_INDEX = np.arange(_GIL_ROWS)  # positions within a chunk (arange itself lets go of the GIL)
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
     """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
     words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
-    fp = words[:, 0] * _MIX[2]
-    for word in (words[:, 1], words[:, 2]):
-        fp ^= word
-        fp ^= fp >> _S30
-        fp *= _MIX[0]
-        fp ^= fp >> _S27
-        fp *= _MIX[1]
-        fp ^= fp >> _S31
-    fp |= _ONE
-    return fp
+    out = np.empty(len(words), dtype=np.uint64)
+    for s in _chunks(len(words)):
+        fp = words[s, 0] * _MIX[2]
+        for word in (words[s, 1], words[s, 2]):
+            fp ^= word
+            fp ^= fp >> _S30
+            fp *= _MIX[0]
+            fp ^= fp >> _S27
+            fp *= _MIX[1]
+            fp ^= fp >> _S31
+        fp |= _ONE
+        out[s] = fp
+    return out
 
 
 class SpanWindow:
@@ -182,7 +202,7 @@ class SpanWindow:
         self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
         self._slots = self._table.reshape(-1)  # the same memory, one slot index per fingerprint
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
-        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _first_in_bucket's
+        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _remember's
 
     def _buckets(self, fp: np.ndarray) -> np.ndarray:
         # the shifted values are below 2**bits: read as intp (int64) without a conversion
@@ -191,46 +211,53 @@ class SpanWindow:
     def repeats(self, fp: np.ndarray) -> np.ndarray:
         """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
         seen before: in the window, or earlier in the same request."""
-        if not self.capacity or not len(fp):
+        n = len(fp)
+        if not self.capacity or not n:
             return _NO_POSITIONS
-        # np.take and a 4-byte view of each row of 4 bools: fancy indexing and any(axis=1)
-        # cost several times as much per call at these sizes.
-        bucket = self._buckets(fp)
-        seen = (np.take(self._table, bucket, axis=0) == fp[:, None]).view(np.uint32).ravel() != 0
-        # copies share a bucket: only when spans of the request share one is a sort needed
-        # (rare; see _first_in_bucket for why a sort is avoided otherwise)
-        if not self._first_in_bucket(bucket, np.arange(len(fp))).all():
-            order = np.argsort(fp, kind="stable")
-            ordered = fp[order]
-            seen[order[1:][ordered[1:] == ordered[:-1]]] = True
-        elif not seen.any():
+        slots = self._slots
+        seen = np.empty(n, dtype=bool)
+        seen_any = False
+        for s in _chunks(n):
+            f = fp[s]
+            at = self._buckets(f) * _WAYS  # the bucket's first slot
+            hit = slots[at] == f
+            for way in range(1, _WAYS):
+                hit |= slots[at + way] == f
+            seen[s] = hit
+            seen_any = seen_any or bool(hit.any())
+        # copies within the request: a set of Python ints (no numpy op, no sort)
+        values = fp.tolist()
+        if len(set(values)) < n:
+            first: dict[int, int] = {}
+            for i, value in enumerate(values):
+                if first.setdefault(value, i) != i:
+                    seen[i] = True
+        elif not seen_any:
             return _NO_POSITIONS
         return np.flatnonzero(seen)
-
-    def _first_in_bucket(self, bucket: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """Per span: is it the first (smallest ``index``) of those given in its bucket?"""
-        # Scatter and gather into a scratch row per bucket, not a sort: numpy's sorts let go
-        # of the GIL past 500 elements, and a thread waiting for it (the pipeline worker)
-        # then keeps it for a switch interval, a few times per request.
-        first = self._scratch
-        np.minimum.at(first, bucket, index)
-        out = first[bucket] == index
-        first[bucket] = _NO_SPAN
-        return out
 
     def remember(self, fp: np.ndarray) -> None:
         """Adds the fingerprints of spans just admitted."""
         if not self.capacity or not len(fp):
             return
+        for s in _chunks(len(fp)):  # chunk after chunk: arrival order is kept
+            self._remember(fp[s])
+
+    def _remember(self, fp: np.ndarray) -> None:
         bucket = self._buckets(fp)
-        left = np.arange(len(fp))
-        # Spans of one request that share a bucket take successive ways (arrival order): each
-        # round writes the first span left in every bucket, so none overwrites another; 256
-        # is a multiple of _WAYS, so the uint8 counter wrapping keeps the ways' order.
+        left = _INDEX[:len(fp)]
+        # Spans that share a bucket take successive ways (arrival order): each round writes
+        # the first span left in every bucket, so none overwrites another; 256 is a multiple
+        # of _WAYS, so the uint8 counter wrapping keeps the ways' order.
+        first = self._scratch
         while left.size:
             b = bucket[left]
-            first = self._first_in_bucket(b, left)
-            written = b[first]
-            self._slots[written * _WAYS + (self._next[written] & (_WAYS - 1))] = fp[left[first]]
+            # per bucket the smallest position left: an assignment with repeated indexes keeps
+            # the last value written, so the positions go in reversed
+            first[b[::-1]] = left[::-1]
+            is_first = first[b] == left
+            first[b] = _NO_SPAN
+            written = b[is_first]
+            self._slots[written * _WAYS + (self._next[written] & (_WAYS - 1))] = fp[left[is_first]]
             self._next[written] += np.uint8(1)
-            left = left[~first]
+            left = left[~is_first]
