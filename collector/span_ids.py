@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from .ingest import IngestError
 from .otlp_points import lean_trace_request_class
 
-__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
+__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
@@ -40,6 +40,8 @@ _RECORD_DTYPE = np.dtype({"names": ["trace_hi", "trace_lo", "span"], "formats": 
 # of times per request. So every array op here covers at most _GIL_ROWS spans, and those
 # four are not used.
 _GIL_ROWS = 500
+_ZERO_SPAN_RECORD = b"\x12\x08" + bytes(8) + b"\x12\x1c"  # an all-zero span id, a record after it
+_ZERO_SPAN_END = b"\x12\x08" + bytes(8)  # ... or at the end
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
@@ -63,6 +65,16 @@ def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
     return _exact_keys(request)
 
 
+def span_fingerprints(request, encoded: bytes | None = None) -> np.ndarray:
+    """``fingerprints(span_keys(request, encoded))``, read from the records in place when
+    ``encoded`` takes the fast path (no key array in between)."""
+    if encoded is not None:
+        rows = _canonical_rows(encoded)
+        if rows is not None:
+            return _fingerprint_words(rows["trace_hi"], rows["trace_lo"], rows["span"])
+    return fingerprints(_exact_keys(request))
+
+
 def _varint(data: bytes, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -75,8 +87,22 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 
 def _canonical_keys(encoded: bytes) -> np.ndarray | None:
-    """Keys read from upb's re-encoding of the ids alone; None when it is not the shape that
-    only valid ids give (the exact path then decides, and names the bad span).
+    """The keys of :func:`_canonical_rows`' records, or None as it."""
+    rows = _canonical_rows(encoded)
+    if rows is None:
+        return None
+    keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
+    for s in _chunks(len(rows)):
+        keys[s, 0] = rows["trace_hi"][s]
+        keys[s, 1] = rows["trace_lo"][s]
+        keys[s, 2] = rows["span"][s]
+    return keys.view(np.uint8)
+
+
+def _canonical_rows(encoded: bytes) -> np.ndarray | None:
+    """The span records of upb's re-encoding of the ids alone (``_RECORD_DTYPE``); None when
+    it is not the shape that only valid ids give (the exact path then decides, and names
+    the bad span).
 
     Why the shape check is exact: a scope's bytes (ids-only) are its span records back to
     back. Its first record starts at 0; a header ``12 1c`` says that record is 28 bytes of
@@ -103,25 +129,19 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
                 return None
             parts.append(compact[at:at + size])
             at += size
-    # bytes, not numpy, for the joins and the fixed bytes of each record (one strided slice
-    # per byte): numpy's concatenate and compares over many spans let go of the GIL
+    # bytes, not numpy, for the join and the checks (one strided slice per fixed byte, one
+    # search per id kind): numpy's concatenate and its loops over many spans let go of the GIL
     records = parts[0] if len(parts) == 1 else b"".join(parts)
     n = len(records) // _RECORD
-    if not n:
-        return _NO_KEYS
     for offset, byte in _RECORD_FIXED:
         if records[offset::_RECORD] != byte * n:
             return None
-    rows = np.frombuffer(records, dtype=_RECORD_DTYPE)
-    keys = np.empty((n, 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
-    for s in _chunks(n):
-        chunk = keys[s]
-        chunk[:, 0] = rows["trace_hi"][s]
-        chunk[:, 1] = rows["trace_lo"][s]
-        chunk[:, 2] = rows["span"][s]
-        if not ((chunk[:, 0] | chunk[:, 1]).all() and chunk[:, 2].all()):  # an all-zero id
-            return None
-    return keys.view(np.uint8)
+    # 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
+    # follow it); the span id pattern may also match inside a trace id: then the exact
+    # path decides (slower, same answer)
+    if _ZERO_TRACE in records or _ZERO_SPAN_RECORD in records or records.endswith(_ZERO_SPAN_END):
+        return None
+    return np.frombuffer(records, dtype=_RECORD_DTYPE)
 
 
 def _exact_keys(request) -> np.ndarray:
@@ -162,7 +182,7 @@ def remove_spans(request, positions) -> None:
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
-_WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
+_WAYS = 4  # fingerprints per bucket; the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 _NO_SPAN = np.iinfo(np.intp).max
 _INDEX = np.arange(_GIL_ROWS)  # positions within a chunk (arange itself lets go of the GIL)
@@ -171,10 +191,14 @@ _INDEX = np.arange(_GIL_ROWS)  # positions within a chunk (arange itself lets go
 def fingerprints(keys: np.ndarray) -> np.ndarray:
     """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
     words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
-    out = np.empty(len(words), dtype=np.uint64)
-    for s in _chunks(len(words)):
-        fp = words[s, 0] * _MIX[2]
-        for word in (words[s, 1], words[s, 2]):
+    return _fingerprint_words(words[:, 0], words[:, 1], words[:, 2])
+
+
+def _fingerprint_words(trace_hi: np.ndarray, trace_lo: np.ndarray, span: np.ndarray) -> np.ndarray:
+    out = np.empty(len(span), dtype=np.uint64)
+    for s in _chunks(len(span)):
+        fp = trace_hi[s] * _MIX[2]
+        for word in (trace_lo[s], span[s]):
             fp ^= word
             fp ^= fp >> _S30
             fp *= _MIX[0]
@@ -199,8 +223,9 @@ class SpanWindow:
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
-        self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
-        self._slots = self._table.reshape(-1)  # the same memory, one slot index per fingerprint
+        self._buckets_n = 1 << bits
+        self._table = np.zeros((_WAYS, 1 << bits), dtype=np.uint64)  # [way, bucket]
+        self._slots = self._table.reshape(-1)  # the same memory: slot way * buckets + bucket
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
         self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _remember's
 
@@ -214,15 +239,15 @@ class SpanWindow:
         n = len(fp)
         if not self.capacity or not n:
             return _NO_POSITIONS
-        slots = self._slots
+        ways = self._table
         seen = np.empty(n, dtype=bool)
         seen_any = False
         for s in _chunks(n):
             f = fp[s]
-            at = self._buckets(f) * _WAYS  # the bucket's first slot
-            hit = slots[at] == f
-            for way in range(1, _WAYS):
-                hit |= slots[at + way] == f
+            bucket = self._buckets(f)
+            hit = ways[0][bucket] == f
+            for way in ways[1:]:
+                hit |= way[bucket] == f
             seen[s] = hit
             seen_any = seen_any or bool(hit.any())
         # copies within the request: a set of Python ints (no numpy op, no sort)
@@ -244,20 +269,24 @@ class SpanWindow:
             self._remember(fp[s])
 
     def _remember(self, fp: np.ndarray) -> None:
+        # Spans that share a bucket take successive ways (arrival order), the oldest way
+        # first; 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps that order.
         bucket = self._buckets(fp)
-        left = _INDEX[:len(fp)]
-        # Spans that share a bucket take successive ways (arrival order): each round writes
-        # the first span left in every bucket, so none overwrites another; 256 is a multiple
-        # of _WAYS, so the uint8 counter wrapping keeps the ways' order.
-        first = self._scratch
-        while left.size:
-            b = bucket[left]
-            # per bucket the smallest position left: an assignment with repeated indexes keeps
-            # the last value written, so the positions go in reversed
-            first[b[::-1]] = left[::-1]
-            is_first = first[b] == left
-            first[b] = _NO_SPAN
-            written = b[is_first]
-            self._slots[written * _WAYS + (self._next[written] & (_WAYS - 1))] = fp[left[is_first]]
-            self._next[written] += np.uint8(1)
-            left = left[~is_first]
+        index = _INDEX[:len(fp)]
+        first, slots, writes, stride = self._scratch, self._slots, self._next, self._buckets_n
+        # The first span of each bucket at once: an assignment with repeated indexes keeps
+        # the last value written, so the positions go in reversed.
+        first[bucket[::-1]] = index[::-1]
+        is_first = first[bucket] == index
+        first[bucket] = _NO_SPAN
+        written = bucket[is_first]
+        slots[(writes[written] & (_WAYS - 1)).astype(np.intp) * stride + written] = fp[is_first]
+        writes[written] += np.uint8(1)
+        if is_first.all():
+            return
+        # the others (a request of n spans has about n**2 / (2 * buckets) of them), in order
+        for i in np.flatnonzero(~is_first).tolist():
+            b = int(bucket[i])
+            count = int(writes[b])
+            slots[(count & (_WAYS - 1)) * stride + b] = fp[i]
+            writes[b] = (count + 1) & 0xFF
