@@ -186,6 +186,7 @@ _WAYS = 4  # fingerprints per bucket; the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 _NO_SPAN = np.iinfo(np.intp).max
 _INDEX = np.arange(_GIL_ROWS)  # positions within a chunk (arange itself lets go of the GIL)
+_BACKWARDS = _INDEX[::-1].copy()  # its tail: n - 1, ..., 0
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
@@ -275,8 +276,10 @@ class SpanWindow:
         index = _INDEX[:len(fp)]
         first, slots, writes, stride = self._scratch, self._slots, self._next, self._buckets_n
         # The first span of each bucket at once: an assignment with repeated indexes keeps
-        # the last value written, so the positions go in reversed.
-        first[bucket[::-1]] = index[::-1]
+        # the last value written, so the positions go in reversed (as contiguous arrays: an
+        # assignment through a reversed view lets go of the GIL).
+        backwards = _BACKWARDS[_GIL_ROWS - len(fp):]
+        first[bucket[backwards]] = backwards
         is_first = first[bucket] == index
         first[bucket] = _NO_SPAN
         written = bucket[is_first]
