@@ -13,7 +13,7 @@ fixed number of bytes and numpy operations per 500 spans over the 30-byte record
 place; other bodies (JSON, Zipkin, an unusual encoding) take a Python loop over the spans.
 Fingerprints and the window: a fixed number of numpy operations per 500 spans (no sort, and
 none that lets go of the GIL) and one set of the request's fingerprints; the window holds
-8 bytes per span and 2 of scratch.
+8 bytes per span (a bucket's 4 in one cache line) and 1 of bookkeeping.
 """
 
 from __future__ import annotations
@@ -184,9 +184,14 @@ _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket; the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
-_NO_SPAN = np.iinfo(np.intp).max
-_INDEX = np.arange(_GIL_ROWS)  # positions within a chunk (arange itself lets go of the GIL)
-_BACKWARDS = _INDEX[::-1].copy()  # its tail: n - 1, ..., 0
+_WAY_BITS = 2  # log2(_WAYS)
+_NO_SPAN = np.iinfo(np.int16).max  # past any position within a chunk
+# Positions within a chunk, backwards (the tail is n - 1, ..., 0): intp to index with,
+# int16 to store (indexing by another integer type converts it first, and lets go of the
+# GIL to); made once (arange itself lets go of it).
+_BACKWARDS = np.arange(_GIL_ROWS)[::-1].copy()
+_BACKWARDS16 = _BACKWARDS.astype(np.int16)
+_INDEX16 = _BACKWARDS16[::-1].copy()
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
@@ -224,11 +229,10 @@ class SpanWindow:
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
-        self._buckets_n = 1 << bits
-        self._table = np.zeros((_WAYS, 1 << bits), dtype=np.uint64)  # [way, bucket]
-        self._slots = self._table.reshape(-1)  # the same memory: slot way * buckets + bucket
+        # [bucket, way]: a bucket's ways share a cache line; one slot index per fingerprint
+        self._slots = np.zeros((1 << bits) * _WAYS, dtype=np.uint64)
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
-        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _remember's
+        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.int16)  # per bucket: _remember's
 
     def _buckets(self, fp: np.ndarray) -> np.ndarray:
         # the shifted values are below 2**bits: read as intp (int64) without a conversion
@@ -240,15 +244,15 @@ class SpanWindow:
         n = len(fp)
         if not self.capacity or not n:
             return _NO_POSITIONS
-        ways = self._table
+        slots = self._slots
         seen = np.empty(n, dtype=bool)
         seen_any = False
         for s in _chunks(n):
             f = fp[s]
-            bucket = self._buckets(f)
-            hit = ways[0][bucket] == f
-            for way in ways[1:]:
-                hit |= way[bucket] == f
+            at = self._buckets(f) << _WAY_BITS  # the bucket's first slot
+            hit = slots[at] == f
+            for way in range(1, _WAYS):
+                hit |= slots[at + way] == f
             seen[s] = hit
             seen_any = seen_any or bool(hit.any())
         # copies within the request: a set of Python ints (no numpy op, no sort)
@@ -273,17 +277,16 @@ class SpanWindow:
         # Spans that share a bucket take successive ways (arrival order), the oldest way
         # first; 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps that order.
         bucket = self._buckets(fp)
-        index = _INDEX[:len(fp)]
-        first, slots, writes, stride = self._scratch, self._slots, self._next, self._buckets_n
+        n = len(fp)
+        first, slots, writes = self._scratch, self._slots, self._next
         # The first span of each bucket at once: an assignment with repeated indexes keeps
         # the last value written, so the positions go in reversed (as contiguous arrays: an
         # assignment through a reversed view lets go of the GIL).
-        backwards = _BACKWARDS[_GIL_ROWS - len(fp):]
-        first[bucket[backwards]] = backwards
-        is_first = first[bucket] == index
+        first[bucket[_BACKWARDS[_GIL_ROWS - n:]]] = _BACKWARDS16[_GIL_ROWS - n:]
+        is_first = first[bucket] == _INDEX16[:n]
         first[bucket] = _NO_SPAN
         written = bucket[is_first]
-        slots[(writes[written] & (_WAYS - 1)).astype(np.intp) * stride + written] = fp[is_first]
+        slots[(written << _WAY_BITS) + (writes[written] & (_WAYS - 1))] = fp[is_first]
         writes[written] += np.uint8(1)
         if is_first.all():
             return
@@ -291,5 +294,5 @@ class SpanWindow:
         for i in np.flatnonzero(~is_first).tolist():
             b = int(bucket[i])
             count = int(writes[b])
-            slots[(count & (_WAYS - 1)) * stride + b] = fp[i]
+            slots[b * _WAYS + (count & (_WAYS - 1))] = fp[i]
             writes[b] = (count + 1) & 0xFF
