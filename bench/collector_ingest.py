@@ -2,10 +2,9 @@
 
     python -m bench.collector_ingest [--protocol grpc] [--mix no-kernel] [--baseline-rev REV]
 
-Targets (see ``Server``): ``sightline-e2e`` (the collector as deployed, aggregator
-included), ``sightline-e2e-eager`` (with ``--trace-store eager``), ``sightline-ingest``
-(aggregator replaced by a discard sink) and ``rotel-blackhole`` (rotel's counterpart);
-``<target>@base`` runs commit REV's code interleaved with the current code.
+Targets (see ``Server``): ``sightline-e2e`` (the collector as deployed), ``sightline-e2e-eager``
+(``--trace-store eager``), ``sightline-ingest`` (a discard sink instead of the aggregator),
+``rotel-blackhole`` (rotel's counterpart); ``<target>@base``: commit REV's code, interleaved.
 
 Method: a separate process serves; this one sends pre-serialized export requests of one
 span mix (``--mix``), every send with fresh trace ids (``FreshIds``), over keep-alive HTTP

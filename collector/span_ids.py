@@ -10,10 +10,9 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
 fixed number of bytes and numpy operations per 500 spans over the 30-byte records read in
-place; other bodies (JSON, Zipkin, an unusual encoding) take a Python loop over the spans.
-Fingerprints and the window: a fixed number of numpy operations per 500 spans (no sort, and
-none that lets go of the GIL) and one set of the request's fingerprints; the window holds
-8 bytes per span (a bucket's 4 in one cache line) and 1 of bookkeeping.
+place (other bodies: a Python loop over the spans); fingerprints and the window, a fixed
+number of numpy operations per 500 spans (no sort, none that lets go of the GIL) and one set
+of the request's fingerprints. The window holds 8 bytes per span and 1 of bookkeeping.
 """
 
 from __future__ import annotations
