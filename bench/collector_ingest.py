@@ -1,14 +1,14 @@
-"""OTLP/HTTP protobuf ingest: spans/s per core and memory, Sightline's collector vs rotel.
+"""OTLP protobuf ingest (HTTP or gRPC): spans/s per core and memory, Sightline's collector vs rotel.
 
-    python -m bench.collector_ingest [--mix engine] [--baseline-rev REV]   # 2 CPUs are enough
+    python -m bench.collector_ingest [--protocol grpc] [--mix no-kernel] [--baseline-rev REV]
 
-Targets (see ``Server``): ``sightline-e2e`` (the collector as deployed, aggregator
-included), ``sightline-e2e-eager`` (with ``--trace-store eager``), ``sightline-ingest``
-(aggregator replaced by a discard sink) and ``rotel-blackhole`` (rotel's counterpart);
-``<target>@base`` runs commit REV's code interleaved with the current code.
+Targets (see ``Server``): ``sightline-e2e`` (the collector as deployed), ``sightline-e2e-eager``
+(``--trace-store eager``), ``sightline-ingest`` (a discard sink instead of the aggregator),
+``rotel-blackhole`` (rotel's counterpart); ``<target>@base``: commit REV's code, interleaved.
 
-Method: a separate process serves; this one posts pre-serialized engine-like export
-requests, every send with fresh trace ids (``FreshIds``), over keep-alive connections.
+Method: a separate process serves; this one sends pre-serialized export requests of one
+span mix (``--mix``), every send with fresh trace ids (``FreshIds``), over keep-alive HTTP
+connections or gRPC channels (one call in flight per connection or channel).
 Spans/s per core = spans acknowledged / server CPU seconds in the window (so it does not
 depend on how many cores the loader leaves the server); wall-clock spans/s and peak RSS
 too. Each target runs ``--repeats`` times, interleaved; medians.
@@ -33,6 +33,8 @@ from pathlib import Path
 
 import aiohttp
 
+from sightline.instrumentation import semconv as sc
+
 from ._common import ROOT, git_commit, process_cpu_s, utc_now, write_report
 
 RESULTS = ROOT / "bench" / "results"
@@ -54,6 +56,7 @@ class RunResult:
     aggregated_per_cpu_s: float | None
     server_rss_mib: float
     server_peak_rss_mib: float
+    load_avg_1m: float  # the machine's, at the end of the window (2 shared CPUs: context)
 
 
 def _free_port() -> int:
@@ -107,12 +110,38 @@ def make_payloads(n_requests: int, spans_per_request: int) -> list[bytes]:
 
 def make_engine_mix_payloads(n_payloads: int) -> tuple[list[bytes], int]:
     """``sketch_accuracy``'s engine-like exports (28 requests each: 520 spans), distinct ids."""
+    return make_mix_payloads("engine", n_payloads)
+
+
+# mix -> (engine requests per export for sketch_accuracy's _span_mix, which spans to keep):
+# engine-like keeps everything (46 % kernel spans), no-kernel drops the kernel spans (request
+# trees and steps only), kernel-heavy keeps the kernel spans and their steps (95 % kernel).
+_K = sc.SPAN_KERNEL_PREFIX
+_MIXES = {"engine": (28, lambda name, kernel_step: True),
+          "no-kernel": (52, lambda name, kernel_step: not name.startswith(_K)),
+          "kernel-heavy": (60, lambda name, kernel_step: name.startswith(_K) or kernel_step)}
+MIXES = ("no-kernel", "engine", "kernel-heavy", "simple")
+
+
+def make_mix_payloads(mix: str, n_payloads: int) -> tuple[list[bytes], int]:
+    """``n_payloads`` exports of ``mix`` (see ``_MIXES``; about 500 spans each), distinct ids;
+    returns them and their span count (the same for all)."""
     from .sketch_accuracy import _span_mix
 
-    requests = [_span_mix(28, seed=100 + i) for i in range(n_payloads)]
-    counts = {len(r.resource_spans[0].scope_spans[0].spans) for r in requests}
+    n_requests, keep = _MIXES[mix]
+    payloads, counts = [], set()
+    for i in range(n_payloads):
+        request = _span_mix(n_requests, seed=100 + i)
+        spans = request.resource_spans[0].scope_spans[0].spans
+        kernel_parents = {s.parent_span_id for s in spans if s.name.startswith(_K)}
+        kept = [s for s in spans if keep(s.name, s.span_id in kernel_parents)]
+        if len(kept) != len(spans):
+            del spans[:]
+            spans.extend(kept)
+        counts.add(len(spans))
+        payloads.append(request.SerializeToString())
     assert len(counts) == 1, counts
-    return [r.SerializeToString() for r in requests], counts.pop()
+    return payloads, counts.pop()
 
 
 class FreshIds:
@@ -156,7 +185,8 @@ class FreshIds:
 
 
 class Server:
-    """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL."""
+    """A collector or rotel process on free ports; ``url`` is its OTLP/HTTP traces URL,
+    ``grpc_target`` its OTLP/gRPC address."""
 
     def __init__(self, target: str, workdir: Path, baseline: Path | None = None) -> None:
         self.target = target
@@ -198,6 +228,7 @@ class Server:
             ready = None
             self.metrics_url = None
         self.url = f"http://127.0.0.1:{http_port}/v1/traces"
+        self.grpc_target = f"127.0.0.1:{grpc_port}"
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 30
@@ -233,24 +264,73 @@ def _queue_depth(metrics_url: str | None) -> float:
     return 0.0
 
 
-async def _load(url: str, payloads: FreshIds, spans_per_request: int, connections: int,
-                warmup_s: float, seconds: float, pid: int, metrics_url: str | None) -> tuple:
+_GRPC_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
+
+
+def _http_sender(url: str):
+    """``(open, send, close)`` for keep-alive OTLP/HTTP connections: ``send(body)`` returns
+    200, 429 (retry later) or another status (-1: the connection failed)."""
     headers = {"Content-Type": "application/x-protobuf"}
+    state = {}
+
+    async def open_(connections: int) -> None:
+        state["session"] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections))
+
+    async def send(k: int, body: bytes) -> int:
+        try:
+            async with state["session"].post(url, data=body, headers=headers) as response:
+                await response.read()
+                return response.status
+        except aiohttp.ClientError:
+            return -1
+
+    async def close() -> None:
+        await state["session"].close()
+
+    return open_, send, close
+
+
+def _grpc_sender(target: str):
+    """The same over OTLP/gRPC: one channel per sender, the pre-encoded
+    ExportTraceServiceRequest sent as raw bytes; OK is 200, RESOURCE_EXHAUSTED 429."""
+    import grpc
+
+    calls = []
+    channels = []
+
+    async def open_(connections: int) -> None:
+        for _ in range(connections):
+            channel = grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)])
+            channels.append(channel)
+            calls.append(channel.unary_unary(_GRPC_EXPORT, request_serializer=None, response_deserializer=None))
+
+    async def send(k: int, body: bytes) -> int:
+        try:
+            await calls[k](body, timeout=30)
+            return 200
+        except grpc.aio.AioRpcError as error:
+            return 429 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED else -1
+
+    async def close() -> None:
+        for channel in channels:
+            await channel.close()
+
+    return open_, send, close
+
+
+async def _load(sender, payloads: FreshIds, connections: int, warmup_s: float, seconds: float,
+                pid: int, metrics_url: str | None) -> tuple:
+    open_, send, close = sender
     counts = {"acked": 0, "429": 0, "failed": 0}
     measuring = False
     stop_at = time.monotonic() + warmup_s + seconds
 
-    async def sender(session: aiohttp.ClientSession, k: int) -> None:
+    async def sender_task(k: int) -> None:
         i = k
         while time.monotonic() < stop_at:
             body = payloads.body(i)
             i += connections
-            try:
-                async with session.post(url, data=body, headers=headers) as response:
-                    await response.read()
-                    status = response.status
-            except aiohttp.ClientError:
-                status = -1
+            status = await send(k, body)
             if not measuring:
                 continue
             if status == 200:
@@ -261,9 +341,9 @@ async def _load(url: str, payloads: FreshIds, spans_per_request: int, connection
             else:
                 counts["failed"] += 1
 
-    connector = aiohttp.TCPConnector(limit=connections)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        tasks = [asyncio.create_task(sender(session, k)) for k in range(connections)]
+    await open_(connections)
+    try:
+        tasks = [asyncio.create_task(sender_task(k)) for k in range(connections)]
         await asyncio.sleep(warmup_s)
         depth0 = await asyncio.to_thread(_queue_depth, metrics_url)
         measuring = True
@@ -273,6 +353,8 @@ async def _load(url: str, payloads: FreshIds, spans_per_request: int, connection
         measuring = False
         depth1 = await asyncio.to_thread(_queue_depth, metrics_url)
         await asyncio.gather(*tasks)
+    finally:
+        await close()
     return counts, cpu1 - cpu0, t1 - t0, depth1 - depth0
 
 
@@ -292,9 +374,10 @@ def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
              baseline: Path | None = None) -> RunResult:
     server = Server(target, workdir, baseline)
     try:
+        sender = _grpc_sender(server.grpc_target) if args.protocol == "grpc" else _http_sender(server.url)
         counts, cpu_s, wall_s, depth_growth = asyncio.run(_load(
-            server.url, payloads, args.spans_per_request, args.connections, args.warmup_s,
-            args.seconds, server.process.pid, server.metrics_url))
+            sender, payloads, args.connections, args.warmup_s, args.seconds, server.process.pid,
+            server.metrics_url))
         rss = _status_mib(server.process.pid, "VmRSS")
         peak = _status_mib(server.process.pid, "VmHWM")
     finally:
@@ -308,7 +391,7 @@ def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
     return RunResult(target, repeat, round(wall_s, 3), spans, counts["acked"], counts["429"], counts["failed"],
                      round(cpu_s, 3), round(spans / wall_s), round(spans / cpu_s) if cpu_s else 0,
                      aggregated, round(aggregated / cpu_s) if aggregated is not None and cpu_s else None,
-                     round(rss, 1), round(peak, 1))
+                     round(rss, 1), round(peak, 1), round(os.getloadavg()[0], 2))
 
 
 def _in_process_parse_us(payload: bytes, repeats: int = 50) -> dict[str, float]:
@@ -334,10 +417,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--targets", default="sightline-e2e,rotel-blackhole,sightline-ingest,sightline-e2e-eager")
     parser.add_argument("--spans-per-request", type=int, default=512, help="the OTel SDK's default batch")
-    parser.add_argument("--mix", choices=("simple", "engine"), default="simple",
-                        help="simple: 6 span names cycling, 6 attributes each; engine: bench/sketch_accuracy.py's "
-                             "engine-like export (request trees, linked steps, 1 in 10 steps with 20 kernel spans "
-                             "of 12 attributes), 520 spans per request")
+    parser.add_argument("--protocol", choices=("http", "grpc"), default="http",
+                        help="OTLP/HTTP protobuf (keep-alive connections) or OTLP/gRPC (one channel per connection)")
+    parser.add_argument("--mix", choices=MIXES, default="simple",
+                        help="simple: 6 span names cycling, 6 attributes each, 512 spans per request; engine: "
+                             "bench/sketch_accuracy.py's engine-like export (request trees, linked steps, 1 in 10 "
+                             "steps with 20 kernel spans of 12 attributes), 520 spans per request; no-kernel: the "
+                             "same without kernel spans (520); kernel-heavy: only the kernel spans and their steps "
+                             "(504)")
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--warmup-s", type=float, default=1.0)
@@ -349,8 +436,8 @@ def main(argv=None) -> int:
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if args.baseline_rev:
         targets = [v for t in targets for v in ((t, t + "@base") if t.startswith("sightline") else (t,))]
-    if args.mix == "engine":
-        payloads, args.spans_per_request = make_engine_mix_payloads(16)
+    if args.mix != "simple":
+        payloads, args.spans_per_request = make_mix_payloads(args.mix, 16)
     else:
         payloads = make_payloads(16, args.spans_per_request)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-bench-{os.getpid()}"
@@ -390,7 +477,7 @@ def main(argv=None) -> int:
         "date_utc": utc_now(),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                     "protobuf_backend": api_implementation.Type(), "platform": platform.platform()},
-        "method": {"mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
+        "method": {"protocol": args.protocol, "mix": args.mix, "spans_per_request": args.spans_per_request, "payload_bytes": len(payloads[0]),
                    "connections": args.connections, "seconds": args.seconds, "warmup_s": args.warmup_s,
                    "repeats": args.repeats, "baseline_rev": args.baseline_rev,
                    "spans_per_core": "spans acknowledged / server CPU seconds (user+system, all threads)"},
@@ -401,12 +488,13 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(document, indent=2) + "\n")
     lines = [
-        "# Collector ingest: OTLP/HTTP protobuf",
+        f"# Collector ingest: OTLP/{'gRPC' if args.protocol == 'grpc' else 'HTTP protobuf'}",
         "",
         f"commit `{document['git_commit']}`, {document['date_utc']}, {os.cpu_count()} CPUs (shared), "
         f"Python {platform.python_version()}, protobuf {api_implementation.Type()}; "
         f"{args.mix} mix, {args.spans_per_request} spans/request ({len(payloads[0])} B), {args.connections} connections, "
-        f"{args.repeats} x {args.seconds:g} s per target, medians.",
+        f"{args.repeats} x {args.seconds:g} s per target, medians; load average (1 min) "
+        f"{min(r.load_avg_1m for r in runs):.1f}..{max(r.load_avg_1m for r in runs):.1f} at the runs' ends.",
         "",
         "| target | what runs | spans/s per core (median) | min .. max | acked spans/s wall | "
         "server cores busy | peak RSS MiB | 429s |",
@@ -436,7 +524,7 @@ def main(argv=None) -> int:
         "spans/s per core = spans through the target / server CPU seconds (user + system, all threads) in "
         "the window. For `sightline-e2e` that is what left its bounded queue (100,000 spans by default) into "
         "the aggregator (acknowledged minus queue growth), so receiving, parsing, queueing and aggregating "
-        "are all paid for by the same CPU seconds; for the others it is what was acknowledged (HTTP 200). "
+        "are all paid for by the same CPU seconds; for the others it is what was acknowledged (HTTP 200, gRPC OK). "
         "Peak RSS is the server's VmHWM at the end of a run; the e2e collector's includes its trace store "
         "(bounded: 48 MiB of encoded requests by default). The default trace store keeps each request's "
         "encoding and indexes it on the first query (explain, /api/v1/traces), so that cost is paid at "

@@ -3,7 +3,7 @@
 Every receiver (OTLP gRPC, OTLP HTTP, Zipkin) hands its decoded request to
 ``Intake.accept``, which either admits it or raises ``IngestError``:
 
-- traces: every span id is checked (:func:`.span_ids.span_keys`, 400 on a bad one) and
+- traces: every span id is checked (:func:`.span_ids.span_fingerprints`, 400 on a bad one) and
   spans already admitted within the window (:class:`.span_ids.SpanWindow`: exporters
   retry after timeouts, so one span can arrive twice) are removed from the request and
   counted in ``sightline_collector_dropped_total{reason="duplicate"}``;
@@ -22,7 +22,7 @@ import numpy as np
 from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
 from .self_metrics import SelfMetrics
-from .span_ids import SpanWindow, fingerprints, remove_spans, span_keys
+from .span_ids import SpanWindow, remove_spans, span_fingerprints
 
 __all__ = ["Intake", "admit"]
 
@@ -62,7 +62,7 @@ class Intake:
         repeats = 0
         fp = None
         if signal == "traces":
-            fp = fingerprints(span_keys(request, encoded))
+            fp = span_fingerprints(request, encoded)
             positions = self.window.repeats(fp)
             repeats = len(positions)
             if repeats:

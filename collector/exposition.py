@@ -24,6 +24,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.samples import Exemplar as PromExemplar
 
 from ..instrumentation import semconv
+from .gzip_pieces import gzip_join
 from .windows import ClassicHistogram
 
 if TYPE_CHECKING:
@@ -62,19 +63,23 @@ class ExpositionSnapshot:
     dropped: dict[str, int]
 
 
-def metrics_page(registry, aggregator: Aggregator | None, accept: str = "") -> tuple[bytes, str]:
+def metrics_page(registry, aggregator: Aggregator | None, accept: str = "",
+                 gzipped: bool = False) -> tuple[bytes, str]:
     """(body, content type) of /metrics: ``registry`` (anything with ``collect()``), then
     ``aggregator``'s per-SM families, in the format ``accept`` (an HTTP Accept header)
-    prefers; OpenMetrics ends with one ``# EOF``. Its cost grows with the per-SM series:
-    call it off the event loop."""
+    prefers; OpenMetrics ends with one ``# EOF``. ``gzipped``: the body gzip-encoded, the
+    per-SM blocks' pieces compressed once and kept (:mod:`.gzip_pieces`). Its cost grows
+    with the per-SM series: call it off the event loop."""
     encode, content_type = choose_encoder(accept)
     openmetrics = content_type.startswith("application/openmetrics-text")
-    parts = [encode(registry).removesuffix(_OPENMETRICS_EOF)]
+    pieces = [(encode(registry).removesuffix(_OPENMETRICS_EOF), None)]
     if aggregator is not None:
-        parts.append(aggregator.sm_page.render(aggregator.now(), openmetrics))
+        pieces += aggregator.sm_page.pieces(aggregator.now(), openmetrics, deflate=gzipped)
     if openmetrics:
-        parts.append(_OPENMETRICS_EOF)
-    return b"".join(parts), content_type
+        pieces.append((_OPENMETRICS_EOF, None))
+    if gzipped:
+        return gzip_join(pieces), content_type
+    return b"".join(text for text, _ in pieces), content_type
 
 
 class AggregatorCollector:

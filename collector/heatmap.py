@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Literal
 
 import numpy as np
@@ -55,7 +55,7 @@ class TimeSmHeatmap:
     kind: str = "time_sm"
 
     def to_dict(self) -> dict:
-        return finite(asdict(self))
+        return _as_dict(self)
 
 
 @dataclass
@@ -74,7 +74,14 @@ class SmLatencyHeatmap:
     kind: str = "sm_latency"
 
     def to_dict(self) -> dict:
-        return finite(asdict(self))
+        return _as_dict(self)
+
+
+def _as_dict(record) -> dict:
+    # finite() builds new lists and dicts all the way down: asdict's deep copy of the grids
+    # would be a second one (most of a query's CPU), so only nested records go through it
+    return finite({f.name: asdict(v) if is_dataclass(v) else v
+                   for f in fields(record) for v in (getattr(record, f.name),)})
 
 
 def finite(value):
@@ -84,7 +91,16 @@ def finite(value):
     if isinstance(value, dict):
         return {k: finite(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [finite(v) for v in value]
+        out = []
+        for v in value:  # a grid's cells inline, without a call each
+            kind = type(v)
+            if v is None or kind is int or kind is str:
+                out.append(v)
+            elif kind is float:
+                out.append(v if v - v == 0.0 else None)  # NaN and infinities give NaN
+            else:
+                out.append(finite(v))
+        return out
     return value
 
 
@@ -163,13 +179,21 @@ def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
         shift += 1
     out_scale, first, last = scale - shift, lo >> shift, hi >> shift
     counts = []
+    width = last - first + 1
     for h in hists:
-        row = np.zeros(last - first + 1, dtype=np.int64)
         nz = np.flatnonzero(h.counts)
-        if nz.size:
-            idx = (h.offset + nz) >> (h.scale - out_scale)
+        if not nz.size:
+            counts.append([0] * width)
+            continue
+        idx = (h.offset + nz) >> (h.scale - out_scale)
+        if h.count < 2 ** 53:  # float sums of integer counts stay exact
+            # bincount, not np.add.at: ufunc.at lets go of the GIL, and a query then waits for
+            # the ingest threads to give it back, once per SM
+            row = np.bincount(idx - first, weights=h.counts[nz], minlength=width)
+        else:
+            row = np.zeros(width, dtype=np.int64)
             np.add.at(row, idx - first, h.counts[nz])
-        counts.append([int(v) for v in row])
+        counts.append([int(v) for v in row.tolist()])
     step = 2.0 ** -out_scale
     edges = [float(2.0 ** (j * step)) for j in range(first, last + 2)]
     return SmLatencyHeatmap(key.instance, key.gpu, key.kernel, window_s, sms, edges, counts,

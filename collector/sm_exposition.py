@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 from ..instrumentation import semconv as sc
 from .hotspot import hottest_sm
+from .gzip_pieces import deflate_piece
 from .sm_store import BlockSnapshot, SmKey, SmStore, gpu_label, kernel_label
 from .windows import ClassicHistogram
 
@@ -104,6 +105,11 @@ def _block_lines(snap: BlockSnapshot, gpu: str, kernel: str, openmetrics: bool) 
     return _Lines(snap.stamp, p99.encode(), hot_ratio.encode(), hot_sm.encode(), gpu_hist.encode(), sm_hist)
 
 
+_P99, _GPU_HISTOGRAM, _SM_HISTOGRAM = _Lines._fields.index("p99"), _Lines._fields.index("gpu_histogram"), \
+    _Lines._fields.index("sm_histogram")
+_BIG = frozenset({_P99, _GPU_HISTOGRAM, _SM_HISTOGRAM})  # the fields kept deflated too
+
+
 class SmPage:
     """The per-SM families of ``store`` on /metrics (see the module docstring).
 
@@ -116,10 +122,18 @@ class SmPage:
     def __init__(self, store: SmStore) -> None:
         self._store = store
         self._lines: dict[bool, dict[SmKey, _Lines]] = {False: {}, True: {}}
+        # per format, per block: (stamp, deflate pieces of its p99, GPU and SM histogram lines)
+        self._deflated: dict[bool, dict[SmKey, tuple]] = {False: {}, True: {}}
 
     def render(self, now_s: float, openmetrics: bool) -> bytes:
         """The families at ``now_s``: empty ones keep their ``# HELP``/``# TYPE`` lines, and
         the opt-in per-SM histogram appears only when a block has it."""
+        return b"".join(text for text, _ in self.pieces(now_s, openmetrics, deflate=False))
+
+    def pieces(self, now_s: float, openmetrics: bool, deflate: bool) -> list[tuple[bytes, bytes | None]]:
+        """What ``render`` joins, as ``(text, deflated)`` pieces for :func:`.gzip_pieces.gzip_join`:
+        with ``deflate``, each block's larger pieces come with their deflate form, kept
+        between scrapes as its lines are (else ``deflated`` is None throughout)."""
         esc = escape_label_value
         known = self._lines[openmetrics]
         lines: dict[SmKey, _Lines] = {}
@@ -137,25 +151,52 @@ class SmPage:
             lines[snap.key] = _block_lines(snap, label, short, openmetrics) if snap.current else known[snap.key]
         self._lines[openmetrics] = lines
         blocks = lines.values()
+        zipped = self._deflate(lines, openmetrics) if deflate else None
+
+        def big(field: int) -> list[tuple[bytes, bytes | None]]:
+            if zipped is None:
+                return [(b[field], None) for b in blocks]
+            return [(b[field], z[field]) for b, z in zip(blocks, zipped) if b[field]]
+
+        def small(texts) -> list[tuple[bytes, None]]:
+            return [(text, None) for text in texts]
+
         # the Prometheus checker (and bench/collector_scale.py) read labels sorted by name
-        out = [_header(sc.COLLECTOR_SM_CTA_P99_SECONDS, "gauge", "P99 CTA duration per SM over the last gauge window."),
-               *(b.p99 for b in blocks),
-               _header(sc.COLLECTOR_SM_HOTSPOT_RATIO, "gauge", "Slowest SM's P99 CTA duration over the median SM's P99."),
-               *(b.hot_ratio for b in blocks),
-               _header(sc.COLLECTOR_SM_HOTTEST, "gauge", "The SM with the largest P99 CTA duration (its number)."),
-               *(b.hot_sm for b in blocks),
-               _header(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, "histogram",
-                       "Duration of each attention CTA, all SMs of a GPU together."),
-               *(b.gpu_histogram for b in blocks),
-               _header(sc.COLLECTOR_GPU_INFO, "gauge", "1 per GPU with per-SM data: its instance and gpu.id."),
-               *(f'{sc.COLLECTOR_GPU_INFO}{{{sc.LABEL_GPU}="{gpu}",{sc.LABEL_GPU_INDEX}="{index}",'
-                 f'{sc.LABEL_INSTANCE_ID}="{instance}"}} 1.0\n'.encode() for gpu, (instance, index) in gpus.items()),
-               _header(sc.COLLECTOR_SM_KERNEL_INFO, "gauge", "1 per kernel with per-SM data: its whole name."),
-               *(f'{sc.COLLECTOR_SM_KERNEL_INFO}{{{sc.LABEL_KERNEL}="{short}",{sc.LABEL_KERNEL_NAME}="{whole}"}} 1.0\n'
-                 .encode() for short, whole in kernels)]
-        with_sm_hist = [b.sm_histogram for b in blocks if b.sm_histogram is not None]
-        if with_sm_hist:
-            out.append(_header(sc.COLLECTOR_SM_CTA_DURATION_SECONDS, "histogram",
-                               "Duration of each attention CTA by the SM that ran it (opt-in)."))
-            out.extend(with_sm_hist)
-        return b"".join(out)
+        out = [(_header(sc.COLLECTOR_SM_CTA_P99_SECONDS, "gauge", "P99 CTA duration per SM over the last gauge window."),
+                None),
+               *big(_P99),
+               (_header(sc.COLLECTOR_SM_HOTSPOT_RATIO, "gauge", "Slowest SM's P99 CTA duration over the median SM's P99."),
+                None),
+               *small(b.hot_ratio for b in blocks),
+               (_header(sc.COLLECTOR_SM_HOTTEST, "gauge", "The SM with the largest P99 CTA duration (its number)."), None),
+               *small(b.hot_sm for b in blocks),
+               (_header(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, "histogram",
+                        "Duration of each attention CTA, all SMs of a GPU together."), None),
+               *big(_GPU_HISTOGRAM),
+               (_header(sc.COLLECTOR_GPU_INFO, "gauge", "1 per GPU with per-SM data: its instance and gpu.id."), None),
+               *small(f'{sc.COLLECTOR_GPU_INFO}{{{sc.LABEL_GPU}="{gpu}",{sc.LABEL_GPU_INDEX}="{index}",'
+                      f'{sc.LABEL_INSTANCE_ID}="{instance}"}} 1.0\n'.encode() for gpu, (instance, index) in gpus.items()),
+               (_header(sc.COLLECTOR_SM_KERNEL_INFO, "gauge", "1 per kernel with per-SM data: its whole name."), None),
+               *small(f'{sc.COLLECTOR_SM_KERNEL_INFO}{{{sc.LABEL_KERNEL}="{short}",{sc.LABEL_KERNEL_NAME}="{whole}"}} 1.0\n'
+                      .encode() for short, whole in kernels)]
+        if any(b.sm_histogram is not None for b in blocks):
+            out.append((_header(sc.COLLECTOR_SM_CTA_DURATION_SECONDS, "histogram",
+                                "Duration of each attention CTA by the SM that ran it (opt-in)."), None))
+            out.extend(piece for piece in big(_SM_HISTOGRAM) if piece[0] is not None)
+        return out
+
+    def _deflate(self, lines: dict[SmKey, _Lines], openmetrics: bool) -> list[tuple]:
+        """Per block of ``lines`` (in order): its ``_Lines`` fields' deflate pieces (the big
+        ones), kept while its stamp holds."""
+        known = self._deflated[openmetrics]
+        kept: dict[SmKey, tuple] = {}
+        out = []
+        for key, b in lines.items():
+            z = known.get(key)
+            if z is None or z[0] != b.stamp:
+                z = tuple(deflate_piece(text) if i in _BIG and text else None for i, text in enumerate(b))
+                z = (b.stamp,) + z[1:]
+            kept[key] = z
+            out.append(z)
+        self._deflated[openmetrics] = kept
+        return out

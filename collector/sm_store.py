@@ -11,7 +11,8 @@ arrives, GPUs over their new share give back their latest kernels. Every refused
 counted once in ``overflow["sm_cta"]``, its points in ``dropped``; :meth:`refusal` names
 the limit. CUMULATIVE points become deltas against the stream's previous point; a stream
 whose state was let go (idle past the horizon) restarts as a baseline, never re-counted.
-One lock, not held while an export's points are read; queries copy out.
+A lock not held while an export's points are read, and taken per block for the merges;
+queries copy out.
 """
 
 from __future__ import annotations
@@ -124,7 +125,8 @@ class SmStore:
         self._expired_epoch = wc.epoch(clock())
         self.detail_slots = min(wc.num_slots, math.ceil(config.gauge_window_s / wc.slot_s) + 1)
         self.overflow, self.dropped = overflow, dropped
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the store's state: every read and write
+        self._ingest_lock = threading.Lock()  # writers (consume, expire), one at a time
         self._gpus: dict[GpuKey, _Gpu] = {}
         self._series = 0
         self._refused: dict[GpuKey, tuple[str, int, set]] = {}
@@ -174,20 +176,27 @@ class SmStore:
                     streams.append((instance, cumulative, resource_key, points))
         batches: dict[tuple[int, int], tuple[SmBlock, list, list, list]] = {}
         taken = 0
-        with self._lock:
-            for reason, n in drops.items():
-                self._drop(reason, n)
-            for instance, cumulative, resource_key, points in streams:
-                for read in points:
-                    if read is None:
-                        continue
-                    try:
-                        taken += self._point(read, instance, cumulative, resource_key, now, batches)
-                    except Exception:  # keep the batch's other points
-                        self._drop("malformed_point")
-            for block, rows, hists, exemplars in batches.values():
-                block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
-            self.points_seen += taken
+        # Writers one at a time (_ingest_lock: no block is let go between admission and its
+        # merge); queries and snapshots (_lock) wait for admission and then for one block's
+        # merge at a time, not for every merge of the export.
+        with self._ingest_lock:
+            with self._lock:
+                for reason, n in drops.items():
+                    self._drop(reason, n)
+                for instance, cumulative, resource_key, points in streams:
+                    for read in points:
+                        if read is None:
+                            continue
+                        try:
+                            taken += self._point(read, instance, cumulative, resource_key, now, batches)
+                        except Exception:  # keep the batch's other points
+                            self._drop("malformed_point")
+                self.points_seen += taken
+            for i, (block, rows, hists, exemplars) in enumerate(batches.values()):
+                if i % _YIELD_BLOCKS == _YIELD_BLOCKS - 1:
+                    time.sleep(0)  # as in snapshot: Python's lock is not fair to a waiting query
+                with self._lock:
+                    block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
         return taken
 
     def _read(self, point, now: float, drops: dict[str, int]) -> tuple | None:
@@ -335,7 +344,7 @@ class SmStore:
     def expire(self, now: float) -> None:
         """Lets go of kernels with no data within the horizon (frees their GPU's share)."""
         oldest = self._wc.epoch(now - self._wc.horizon_s)
-        with self._lock:
+        with self._ingest_lock, self._lock:
             for key in list(self._gpus):
                 gpu = self._gpus[key]
                 for kernel in [k for k, b in gpu.blocks.items() if b.newest_epoch <= oldest]:

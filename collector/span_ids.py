@@ -9,10 +9,10 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 ~capacity / 2**63 per span for random ids).
 
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
-fixed number of numpy operations over the 30-byte records read in place; other bodies
-(JSON, Zipkin, an unusual encoding) take a Python loop over the spans. Fingerprints and the
-window are a fixed number of numpy operations per request, none a sort unless spans of one request share
-a bucket; the window holds 8 bytes per span and 2 of scratch.
+fixed number of bytes and numpy operations per 500 spans over the 30-byte records read in
+place (other bodies: a Python loop over the spans); fingerprints and the window, a fixed
+number of numpy operations per 500 spans (no sort, none that lets go of the GIL) and one set
+of the request's fingerprints. The window holds 8 bytes per span and 1 of bookkeeping.
 """
 
 from __future__ import annotations
@@ -24,21 +24,32 @@ from google.protobuf.message import DecodeError
 from .ingest import IngestError
 from .otlp_points import lean_trace_request_class
 
-__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_keys"]
+__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
-# That record as one numpy row (unaligned fields, read in place): its fixed bytes are two
-# integers to compare, the ids three 64-bit words to copy out.
-_RECORD_DTYPE = np.dtype({"names": ["head", "trace_hi", "trace_lo", "span_tag", "span"],
-                          "formats": ["<u4", "<u8", "<u8", "<u2", "<u8"],
-                          "offsets": [0, 4, 12, 20, 22], "itemsize": _RECORD})
-_HEAD = np.uint32(int.from_bytes(b"\x12\x1c\x0a\x10", "little"))
-_SPAN_TAG = np.uint16(int.from_bytes(b"\x12\x08", "little"))
+# That record's fixed bytes, (offset, byte), and the record as one numpy row (unaligned
+# fields, read in place): the ids three 64-bit words to copy out.
+_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"), (20, b"\x12"), (21, b"\x08"))
+_RECORD_DTYPE = np.dtype({"names": ["trace_hi", "trace_lo", "span"], "formats": ["<u8", "<u8", "<u8"],
+                          "offsets": [4, 12, 22], "itemsize": _RECORD})
+# numpy lets go of the GIL in element-wise loops over more than 500 elements, and always in
+# arange, concatenate, take and ufunc.at: with the pipeline worker waiting for it, the
+# receiver then waits for a switch interval and both threads pay for the hand-off, dozens
+# of times per request. So every array op here covers at most _GIL_ROWS spans, and those
+# four are not used.
+_GIL_ROWS = 500
+_ZERO_SPAN_RECORD = b"\x12\x08" + bytes(8) + b"\x12\x1c"  # an all-zero span id, a record after it
+_ZERO_SPAN_END = b"\x12\x08" + bytes(8)  # ... or at the end
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None)])
+
+
+def _chunks(n: int) -> list[slice]:
+    """Slices of at most ``_GIL_ROWS`` covering ``range(n)``."""
+    return [slice(i, min(i + _GIL_ROWS, n)) for i in range(0, n, _GIL_ROWS)]
 
 
 def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
@@ -53,6 +64,16 @@ def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
     return _exact_keys(request)
 
 
+def span_fingerprints(request, encoded: bytes | None = None) -> np.ndarray:
+    """``fingerprints(span_keys(request, encoded))``, read from the records in place when
+    ``encoded`` takes the fast path (no key array in between)."""
+    if encoded is not None:
+        rows = _canonical_rows(encoded)
+        if rows is not None:
+            return _fingerprint_words(rows["trace_hi"], rows["trace_lo"], rows["span"])
+    return fingerprints(_exact_keys(request))
+
+
 def _varint(data: bytes, at: int) -> tuple[int, int]:
     value = shift = 0
     while True:
@@ -65,8 +86,22 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
 
 
 def _canonical_keys(encoded: bytes) -> np.ndarray | None:
-    """Keys read from upb's re-encoding of the ids alone; None when it is not the shape that
-    only valid ids give (the exact path then decides, and names the bad span).
+    """The keys of :func:`_canonical_rows`' records, or None as it."""
+    rows = _canonical_rows(encoded)
+    if rows is None:
+        return None
+    keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
+    for s in _chunks(len(rows)):
+        keys[s, 0] = rows["trace_hi"][s]
+        keys[s, 1] = rows["trace_lo"][s]
+        keys[s, 2] = rows["span"][s]
+    return keys.view(np.uint8)
+
+
+def _canonical_rows(encoded: bytes) -> np.ndarray | None:
+    """The span records of upb's re-encoding of the ids alone (``_RECORD_DTYPE``); None when
+    it is not the shape that only valid ids give (the exact path then decides, and names
+    the bad span).
 
     Why the shape check is exact: a scope's bytes (ids-only) are its span records back to
     back. Its first record starts at 0; a header ``12 1c`` says that record is 28 bytes of
@@ -78,7 +113,6 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
         return None
     ids.DiscardUnknownFields()
     compact = ids.SerializeToString()
-    data = np.frombuffer(compact, dtype=np.uint8)
     parts = []
     at, end = 0, len(compact)
     while at < end:  # resource_spans (field 1), each holding scope_spans (field 2)
@@ -92,20 +126,21 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
             size, at = _varint(compact, at + 1)
             if size % _RECORD:
                 return None
-            parts.append(data[at:at + size])
+            parts.append(compact[at:at + size])
             at += size
-    if not parts:
-        return _NO_KEYS
-    rows = (np.concatenate(parts) if len(parts) > 1 else parts[0]).view(_RECORD_DTYPE)
-    if not ((rows["head"] == _HEAD).all() and (rows["span_tag"] == _SPAN_TAG).all()):
+    # bytes, not numpy, for the join and the checks (one strided slice per fixed byte, one
+    # search per id kind): numpy's concatenate and its loops over many spans let go of the GIL
+    records = parts[0] if len(parts) == 1 else b"".join(parts)
+    n = len(records) // _RECORD
+    for offset, byte in _RECORD_FIXED:
+        if records[offset::_RECORD] != byte * n:
+            return None
+    # 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
+    # follow it); the span id pattern may also match inside a trace id: then the exact
+    # path decides (slower, same answer)
+    if _ZERO_TRACE in records or _ZERO_SPAN_RECORD in records or records.endswith(_ZERO_SPAN_END):
         return None
-    keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
-    keys[:, 0] = rows["trace_hi"]
-    keys[:, 1] = rows["trace_lo"]
-    keys[:, 2] = rows["span"]
-    if not ((keys[:, 0] | keys[:, 1]).all() and keys[:, 2].all()):  # an all-zero id
-        return None
-    return keys.view(np.uint8)
+    return np.frombuffer(records, dtype=_RECORD_DTYPE)
 
 
 def _exact_keys(request) -> np.ndarray:
@@ -146,24 +181,38 @@ def remove_spans(request, positions) -> None:
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
-_WAYS = 4  # fingerprints per bucket (a row of 4 bools reads as one uint32); the oldest goes first
+_WAYS = 4  # fingerprints per bucket; the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
-_NO_SPAN = np.iinfo(np.intp).max
+_WAY_BITS = 2  # log2(_WAYS)
+_NO_SPAN = np.iinfo(np.int16).max  # past any position within a chunk
+# Positions within a chunk, backwards (the tail is n - 1, ..., 0): intp to index with,
+# int16 to store (indexing by another integer type converts it first, and lets go of the
+# GIL to); made once (arange itself lets go of it).
+_BACKWARDS = np.arange(_GIL_ROWS)[::-1].copy()
+_BACKWARDS16 = _BACKWARDS.astype(np.int16)
+_INDEX16 = _BACKWARDS16[::-1].copy()
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
     """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
     words = np.ascontiguousarray(keys).view(np.uint64)  # [n, 3]: trace id high, low; span id
-    fp = words[:, 0] * _MIX[2]
-    for word in (words[:, 1], words[:, 2]):
-        fp ^= word
-        fp ^= fp >> _S30
-        fp *= _MIX[0]
-        fp ^= fp >> _S27
-        fp *= _MIX[1]
-        fp ^= fp >> _S31
-    fp |= _ONE
-    return fp
+    return _fingerprint_words(words[:, 0], words[:, 1], words[:, 2])
+
+
+def _fingerprint_words(trace_hi: np.ndarray, trace_lo: np.ndarray, span: np.ndarray) -> np.ndarray:
+    out = np.empty(len(span), dtype=np.uint64)
+    for s in _chunks(len(span)):
+        fp = trace_hi[s] * _MIX[2]
+        for word in (trace_lo[s], span[s]):
+            fp ^= word
+            fp ^= fp >> _S30
+            fp *= _MIX[0]
+            fp ^= fp >> _S27
+            fp *= _MIX[1]
+            fp ^= fp >> _S31
+        fp |= _ONE
+        out[s] = fp
+    return out
 
 
 class SpanWindow:
@@ -179,10 +228,10 @@ class SpanWindow:
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
-        self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
-        self._slots = self._table.reshape(-1)  # the same memory, one slot index per fingerprint
+        # [bucket, way]: a bucket's ways share a cache line; one slot index per fingerprint
+        self._slots = np.zeros((1 << bits) * _WAYS, dtype=np.uint64)
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
-        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.intp)  # per bucket: _first_in_bucket's
+        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.int16)  # per bucket: _remember's
 
     def _buckets(self, fp: np.ndarray) -> np.ndarray:
         # the shifted values are below 2**bits: read as intp (int64) without a conversion
@@ -191,46 +240,58 @@ class SpanWindow:
     def repeats(self, fp: np.ndarray) -> np.ndarray:
         """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
         seen before: in the window, or earlier in the same request."""
-        if not self.capacity or not len(fp):
+        n = len(fp)
+        if not self.capacity or not n:
             return _NO_POSITIONS
-        # np.take and a 4-byte view of each row of 4 bools: fancy indexing and any(axis=1)
-        # cost several times as much per call at these sizes.
-        bucket = self._buckets(fp)
-        seen = (np.take(self._table, bucket, axis=0) == fp[:, None]).view(np.uint32).ravel() != 0
-        # copies share a bucket: only when spans of the request share one is a sort needed
-        # (rare; see _first_in_bucket for why a sort is avoided otherwise)
-        if not self._first_in_bucket(bucket, np.arange(len(fp))).all():
-            order = np.argsort(fp, kind="stable")
-            ordered = fp[order]
-            seen[order[1:][ordered[1:] == ordered[:-1]]] = True
-        elif not seen.any():
+        slots = self._slots
+        seen = np.empty(n, dtype=bool)
+        seen_any = False
+        for s in _chunks(n):
+            f = fp[s]
+            at = self._buckets(f) << _WAY_BITS  # the bucket's first slot
+            hit = slots[at] == f
+            for way in range(1, _WAYS):
+                hit |= slots[at + way] == f
+            seen[s] = hit
+            seen_any = seen_any or bool(hit.any())
+        # copies within the request: a set of Python ints (no numpy op, no sort)
+        values = fp.tolist()
+        if len(set(values)) < n:
+            first: dict[int, int] = {}
+            for i, value in enumerate(values):
+                if first.setdefault(value, i) != i:
+                    seen[i] = True
+        elif not seen_any:
             return _NO_POSITIONS
         return np.flatnonzero(seen)
-
-    def _first_in_bucket(self, bucket: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """Per span: is it the first (smallest ``index``) of those given in its bucket?"""
-        # Scatter and gather into a scratch row per bucket, not a sort: numpy's sorts let go
-        # of the GIL past 500 elements, and a thread waiting for it (the pipeline worker)
-        # then keeps it for a switch interval, a few times per request.
-        first = self._scratch
-        np.minimum.at(first, bucket, index)
-        out = first[bucket] == index
-        first[bucket] = _NO_SPAN
-        return out
 
     def remember(self, fp: np.ndarray) -> None:
         """Adds the fingerprints of spans just admitted."""
         if not self.capacity or not len(fp):
             return
+        for s in _chunks(len(fp)):  # chunk after chunk: arrival order is kept
+            self._remember(fp[s])
+
+    def _remember(self, fp: np.ndarray) -> None:
+        # Spans that share a bucket take successive ways (arrival order), the oldest way
+        # first; 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps that order.
         bucket = self._buckets(fp)
-        left = np.arange(len(fp))
-        # Spans of one request that share a bucket take successive ways (arrival order): each
-        # round writes the first span left in every bucket, so none overwrites another; 256
-        # is a multiple of _WAYS, so the uint8 counter wrapping keeps the ways' order.
-        while left.size:
-            b = bucket[left]
-            first = self._first_in_bucket(b, left)
-            written = b[first]
-            self._slots[written * _WAYS + (self._next[written] & (_WAYS - 1))] = fp[left[first]]
-            self._next[written] += np.uint8(1)
-            left = left[~first]
+        n = len(fp)
+        first, slots, writes = self._scratch, self._slots, self._next
+        # The first span of each bucket at once: an assignment with repeated indexes keeps
+        # the last value written, so the positions go in reversed (as contiguous arrays: an
+        # assignment through a reversed view lets go of the GIL).
+        first[bucket[_BACKWARDS[_GIL_ROWS - n:]]] = _BACKWARDS16[_GIL_ROWS - n:]
+        is_first = first[bucket] == _INDEX16[:n]
+        first[bucket] = _NO_SPAN
+        written = bucket[is_first]
+        slots[(written << _WAY_BITS) + (writes[written] & (_WAYS - 1))] = fp[is_first]
+        writes[written] += np.uint8(1)
+        if is_first.all():
+            return
+        # the others (a request of n spans has about n**2 / (2 * buckets) of them), in order
+        for i in np.flatnonzero(~is_first).tolist():
+            b = int(bucket[i])
+            count = int(writes[b])
+            slots[b * _WAYS + (count & (_WAYS - 1))] = fp[i]
+            writes[b] = (count + 1) & 0xFF

@@ -16,6 +16,7 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as parse_text
 
 from sightline.collector.exposition import metrics_page
+from sightline.collector.gzip_pieces import deflate_piece, gzip_join
 from sightline.collector.hotspot import hotspots, hottest_sm
 from sightline.collector.sm_exposition import SmPage
 from sightline.collector.sm_store import kernel_label
@@ -142,10 +143,16 @@ def test_opt_in_per_sm_histograms_parse_in_both_formats():
         assert len(hist) == 2 * 2 * 4 * (len(sc.CTA_BUCKETS_S) + 3)
 
 
-def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_window_moves():
+def _pinned_fleet():
+    """The fleet with per-SM histograms, on a clock the test moves (``clock[0]``)."""
     clock = [T0_S]
     agg = _fleet(expose_sm_histograms=True)
     agg.clock = agg.sm.now = lambda: clock[0]
+    return agg, clock
+
+
+def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_window_moves():
+    agg, clock = _pinned_fleet()
     for openmetrics in (False, True):
         kept = agg.sm_page
         first = kept.render(clock[0], openmetrics)
@@ -163,6 +170,29 @@ def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_wind
         assert later == SmPage(agg.sm).render(clock[0], openmetrics)
         assert f"{sc.COLLECTOR_SM_CTA_P99_SECONDS}{{" not in later.decode()
         clock[0] = T0_S
+
+
+def test_kept_deflate_pieces_decompress_to_the_page_formatted_again():
+    agg, clock = _pinned_fleet()
+    for openmetrics in (False, True):
+        kept = agg.sm_page
+        pages = []
+        for write in (False, True, False):
+            if write:  # one block written, the others' kept pieces reused
+                agg.consume_metrics(_resource_metrics(
+                    [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
+            zipped = gzip.decompress(gzip_join(kept.pieces(clock[0], openmetrics, deflate=True)))
+            assert zipped == SmPage(agg.sm).render(clock[0], openmetrics)
+            pages.append(zipped)
+        assert pages[0] != pages[1] == pages[2]
+
+
+def test_gzip_join_of_kept_and_fresh_pieces_is_the_texts_joined():
+    texts = [b"", b"a" * 70_000, b"b\n", bytes(range(256)) * 300, b"", b"tail\n"]
+    for kept in ((), (1, 3), range(len(texts))):
+        pieces = [(t, deflate_piece(t) if i in kept else None) for i, t in enumerate(texts)]
+        assert gzip.decompress(gzip_join(pieces)) == b"".join(texts)
+    assert gzip.decompress(gzip_join([])) == b""
 
 
 def test_hottest_sm_is_what_hotspots_answers_ties_to_the_larger_label():

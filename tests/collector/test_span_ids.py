@@ -8,7 +8,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from sightline.collector.ingest import IngestError
-from sightline.collector.span_ids import SpanWindow, _canonical_keys, _exact_keys, fingerprints, span_keys
+from sightline.collector.span_ids import (SpanWindow, _canonical_keys, _exact_keys, fingerprints,
+                                          span_fingerprints, span_keys)
 
 
 def _request(ids_per_scope: list[list[tuple[bytes, bytes]]]) -> ExportTraceServiceRequest:
@@ -107,3 +108,30 @@ def test_each_bucket_forgets_its_oldest_fingerprint_first_over_many_writes():
 def test_window_capacity_is_checked():
     with pytest.raises(ValueError, match="capacity=-1 is outside the allowed range 0..100000000"):
         SpanWindow(-1)
+
+
+def test_fingerprints_read_in_place_equal_those_of_the_keys_and_zero_ids_leave_the_fast_path():
+    rng = np.random.default_rng(3)
+    ids = [[(rng.bytes(16), rng.bytes(8)) for _ in range(n)] for n in (700, 2, 333)]
+    # a valid trace id holding what an all-zero span id looks like: the fast path steps aside
+    ids[1][0] = (b"\1\1" + b"\x12\x08" + bytes(8) + b"\x12\x1c\1\1", rng.bytes(8))
+    request = _request(ids)
+    encoded = request.SerializeToString()
+    assert np.array_equal(span_fingerprints(request, encoded), fingerprints(span_keys(request, encoded)))
+    assert np.array_equal(span_fingerprints(request, encoded), fingerprints(_exact_keys(request)))
+    assert _canonical_keys(_request(ids[:1] + ids[2:]).SerializeToString()) is not None
+
+
+def test_copies_within_a_request_are_found_across_chunks_and_every_span_is_remembered():
+    window = SpanWindow(1 << 20)
+    fp = fingerprints(_counter_keys(1200))
+    sent = np.concatenate((fp, fp[[3, 700, 1199]]))  # copies past the first 500 and 1,000 spans
+    assert window.repeats(sent).tolist() == [1200, 1201, 1202]
+    window.remember(fp)
+    assert len(window.repeats(fp)) == 1200
+    tiny = SpanWindow(8)  # 2 buckets of 4: one request of 8 fills every way
+    eight = fingerprints(_counter_keys(4000))
+    top = eight >> np.uint64(63)
+    both = np.concatenate((eight[top == 0][:4], eight[top == 1][:4]))
+    tiny.remember(both)
+    assert len(tiny.repeats(both)) == 8
