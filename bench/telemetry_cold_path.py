@@ -40,7 +40,8 @@ def run(steps: int, evict: bool) -> dict[str, float]:
     gpu = GpuTelemetry(_Recorder(), 0, GpuTelemetryConfig(cupti=False, probe=False, seed=0))
     graphs, junk = _Graphs(), [{f"k{i}": list(range(50))} for i in range(20000)]
     buffer, spent = bytearray(64 << 20), dict.fromkeys(CALLS, 0.0)
-    durations = random.Random(0).choices([0.0049 + 1e-5 * i for i in range(20)], k=steps)
+    draw = random.Random(0)
+    durations = [0.005 * draw.lognormvariate(0.0, 0.05) for _ in range(steps)]
     try:
         for i in range(steps):
             if evict:   # stands for the step's own Python and memory traffic
