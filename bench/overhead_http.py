@@ -245,9 +245,9 @@ def main(argv=None) -> int:
         # per step: the engine thread's telemetry time on untraced steps, and on traced ones
         per_step = {level: _per_step_us(before[level], after[level], len(steps[level]))
                     for level in levels}
-        phases = {level: {phase: after[level].get("gpu_telemetry_worker_phases_cpu_s", {}).get(phase, 0.0)
-                          - before[level].get("gpu_telemetry_worker_phases_cpu_s", {}).get(phase, 0.0)
-                          for phase in ("close", "reduce", "step_ctas")} for level in levels}
+        phases = {level: {phase: cpu_s - before[level]["gpu_telemetry_worker_phases_cpu_s"][phase]
+                          for phase, cpu_s in after[level].get("gpu_telemetry_worker_phases_cpu_s",
+                                                               {}).items()} for level in levels}
         gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
                           - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
         metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}

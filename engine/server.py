@@ -145,9 +145,8 @@ class EngineServer:
             "steps_traced": gpu.stats.steps_traced_sampled + gpu.stats.steps_traced_tail
             if gpu is not None else 0,
             "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0,
-            "gpu_telemetry_worker_phases_cpu_s": {
-                phase: getattr(gpu.stats, f"worker_{phase}_cpu_s") if gpu is not None else 0.0
-                for phase in ("close", "reduce", "step_ctas")}})
+            "gpu_telemetry_worker_phases_cpu_s":
+                gpu.stats.worker_phases_cpu_s() if gpu is not None else {}})
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})

@@ -151,6 +151,11 @@ class GpuTelemetryStats:
     worker_reduce_cpu_s: float = 0.0  # enqueuing the probe records' histogram reductions
     worker_step_ctas_cpu_s: float = 0.0  # reading traced steps' probe records to the host
 
+    def worker_phases_cpu_s(self) -> dict[str, float]:
+        """The worker's CPU seconds by phase (a part of ``worker_cpu_s``)."""
+        return {"close": self.worker_close_cpu_s, "reduce": self.worker_reduce_cpu_s,
+                "step_ctas": self.worker_step_ctas_cpu_s}
+
 
 class GpuTelemetry:
     """See the module docstring. Create with ``GpuTelemetry.create``."""
@@ -366,7 +371,6 @@ class GpuTelemetry:
                     if graph is not None and graph[0].probe is self.probe:
                         self.probe.adopt(graph[0].launches(graph[1]))
                     pending = self.probe.end_step(step.trace_id, step.span_id)
-                    self.stats.probe_snapshots_dropped = self.probe.dropped_snapshots
                     self.stats.steps_probed += pending is not None
                 else:
                     self.probe.discard()
@@ -506,6 +510,7 @@ class GpuTelemetry:
                 self._reduce_probe_batch()   # the ring's ranges come back only after it
         if self.probe is not None:
             self.stats.probe_launches_dropped = self.probe.dropped_launches
+            self.stats.probe_snapshots_dropped = self.probe.dropped_snapshots
 
     def _reduce_probe_batch(self) -> None:
         """Enqueues the on-GPU histogram reduction of the batched steps' probe records (one

@@ -485,8 +485,8 @@ class SmProbe:
         return launches
 
     def adopt(self, launches: ProbedLaunches) -> bool:
-        """Marks a replayed CUDA graph's probed launches as this step's (per replay, on the
-        engine thread: O(1) but a list copy). The graph's kernels write from slot 0 (it was
+        """Marks a replayed CUDA graph's probed launches as this step's (on probed steps, on
+        the engine thread: a list copy). The graph's kernels write from slot 0 (it was
         captured right after a reset), so nothing else may have been probed in this step:
         then nothing is adopted and False is returned."""
         if self._used:
