@@ -3,8 +3,8 @@ CPU diagnosis).
 
 On the served engine the calls run right after the model's work, which has evicted them
 from the CPU's caches; a warm loop of the same calls misses that. This times each call of
-an untraced, unprobed step (``begin_step``, ``end_step`` after a graph replay,
-``observe_step``) on a ``GpuTelemetry`` without CUDA (no probe, no CUPTI), once in a tight
+an untraced step replaying a graph, as the model runner makes them (``begin_step`` and
+``end_step`` only when ``next_step_plain`` is not set; ``observe_step``) on a ``GpuTelemetry`` without CUDA (no probe, no CUPTI), once in a tight
 loop and once with a cache-evicting workload (Python dict walks and an 8 MB copy) between
 steps. Cost: a few seconds; prints µs per call, median of ``--repeats``.
 
@@ -52,9 +52,12 @@ def run(steps: int, evict: bool) -> dict[str, float]:
                 bytes(buffer[:8 << 20])
             step = OpenStep(i, 1, 2, 0)
             t0 = time.perf_counter()
-            gpu.begin_step(step)
+            plain = gpu.next_step_plain   # as the model runner does: the usual step calls nothing
+            if not plain:
+                gpu.begin_step(step)
             t1 = time.perf_counter()
-            gpu.end_step(step, None, (graphs, 64))
+            if not plain:
+                gpu.end_step(step, None, (graphs, 64))
             t2 = time.perf_counter()
             gpu.observe_step(step, durations[i])
             t3 = time.perf_counter()

@@ -82,7 +82,7 @@ def _without_ended(plan: StepPlan) -> StepPlan | None:
                                num_decode_tokens=sum(e.num_new_tokens for e in kept) - prefill)
 
 
-def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: tuple[int, ...],
+def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: list[int],
                 execution: StepExecution | None, error_type: str | None) -> Step:
     """The Step event of a closed step, built on the telemetry's thread (the plan, its
     requests' keys and the step's attributes no longer change once it is closed)."""
@@ -95,7 +95,7 @@ def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: tuple
         attributes = {**(attributes or {}), **execution.attributes()}
     num_decode = plan.num_decode_tokens      # one token per decode
     return Step(step.step_id, step.start_ns, end_ns, step.trace_id, step.span_id, keys,
-                len(scheduled), preempted, prefill_done, plan.num_prefill_tokens,
+                len(scheduled), preempted, tuple(prefill_done), plan.num_prefill_tokens,
                 num_decode, len(scheduled) - num_decode, num_decode, plan.kv_blocks_used,
                 plan.kv_blocks_total, error_type, attributes)
 
@@ -373,22 +373,18 @@ class LLMEngine:
         prefill_done: list[int] = []
         events: list = []   # finished requests' events: recorded after their step's
         outputs = self._process_tokens(plan, sampled, finished, prefill_done, events)
-        if step is not None:
-            self._close_step(plan, step, launched.run.execution, prefill_done, events, None)
         m = self.metrics
         # the step's share of the loop: from its launch, or from the previous step's end when
         # it was launched while that one ran (overlapped steps would otherwise count twice)
         done = time.perf_counter()
         duration = done - max(launched.t0, self._last_step_done)
         self._last_step_done = done
+        if step is not None:
+            self._close_step(plan, step, launched.run.execution, prefill_done, events, None, duration)
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
         m.step.observe(duration)
         self.step_durations_s.append(duration)
-        if self.gpu_telemetry is not None and step is not None:
-            c0 = time.perf_counter()
-            self.gpu_telemetry.observe_step(step, duration)
-            self.telemetry_thread_s += time.perf_counter() - c0
         self.loop_s += duration
         m.step_tokens.observe(plan.num_scheduled_tokens)
         m.generation_tokens.inc(len(sampled))
@@ -409,15 +405,20 @@ class LLMEngine:
         return step
 
     def _close_step(self, plan: StepPlan, step: OpenStep, execution: StepExecution | None,
-                    prefill_done, events: list, error_type: str | None) -> None:
+                    prefill_done: list[int], events: list, error_type: str | None,
+                    duration_s: float | None = None) -> None:
         """One Step event (the batch, the preempted requests, the finished prompts), then the
-        events of the requests it finished."""
+        events of the requests it finished; with the step's ``duration_s`` (it completed),
+        the GPU telemetry's tail rule and plan for the next step."""
         c0 = time.perf_counter()
         shown = execution if self.runner.graphs is not None else None   # which bucket ran
-        self._recorder.record_later(_step_event, plan, step, time.time_ns(), tuple(prefill_done),
+        # prefill_done is the step's own list, not changed after: built into the event later
+        self._recorder.record_later(_step_event, plan, step, time.time_ns(), prefill_done,
                                     shown, error_type)
         for event in events:
             self._recorder.record(event)
+        if duration_s is not None and self.gpu_telemetry is not None:
+            self.gpu_telemetry.observe_step(step, duration_s)
         self.telemetry_thread_s += time.perf_counter() - c0
 
     def _process_tokens(self, plan: StepPlan, sampled: dict[str, int], finished: list[Request],

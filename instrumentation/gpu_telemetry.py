@@ -1,18 +1,17 @@
 """The engine process's side of GPU telemetry: it records raw GPU facts, nothing more.
 
 ``GpuTelemetry.create(recorder, device_index)`` -> instance or None; ``probe`` goes to the
-attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread).
-Engine thread, per step: a random draw and a tail check (kernel spans for a sampled fraction
-and the steps after one slower than the recent P99.9); every ``probe_every_steps``-th and
-every traced step, a stream-ordered copy of its probe records and a queue put. A traced step
-switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited for:
-the worker waits for its kernels, flushes CUPTI and switches it off; steps launched meanwhile
-are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step. With
-``cupti_detach`` the engine waits, flushes and detaches CUPTI itself (ms per traced step).
-The worker also reduces probe records on the GPU in batches into per-(gpu, SM, kernel)
-histograms, exported every ``export_interval_s``; CUPTI buffers go over as raw bytes. All
-leaves through the recorder (:mod:`.gpu_records`); errors are counted, not raised.
-"""
+attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread),
+``observe_step`` runs once the step is done: the tail rule (kernel spans for the steps after
+one slower than the recent P99.9) and the next step's random draw (a sampled fraction) and
+probe turn (1 in ``probe_every_steps``). A step planned plain calls nothing else. Probed and
+traced steps take a stream-ordered copy of their probe records and a queue put. A traced
+step switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited
+for: the worker waits for its kernels, flushes CUPTI and switches it off; steps launched
+meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step
+(``cupti_detach``: the engine waits and detaches CUPTI itself, ms per traced step). The worker
+reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported every
+``export_interval_s``; CUPTI buffers go over raw. All leaves through the recorder."""
 
 from __future__ import annotations
 
@@ -144,7 +143,7 @@ class GpuTelemetryStats:
     cupti_buffers: int = 0
     histogram_exports: int = 0
     errors: int = 0
-    engine_thread_s: float = 0.0    # time spent in begin_step/end_step (the request path)
+    engine_thread_s: float = 0.0    # time spent in begin_step/end_step (not observe_step)
     engine_thread_traced_s: float = 0.0  # the part of it spent on traced steps
     worker_cpu_s: float = 0.0       # the worker thread's CPU time, of which:
     worker_close_cpu_s: float = 0.0   # closing traced steps (CUPTI flush, kinds off)
@@ -199,13 +198,17 @@ class GpuTelemetry:
         # attaches or detaches: cuptiFinalize must not race another thread's CUDA call
         self._cuda_lock = threading.Lock()
         self._open: str = ""       # the running step's trace reason ("" = not traced)
+        self._probing = False      # the running step's probe records are read
+        # the next launch's (sampled, probed), drawn when the last step ended; and whether
+        # that launch needs nothing of begin_step / end_step (read by the engine, no call)
+        self._planned: tuple[bool, bool] | None = None
+        self.next_step_plain = False
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
         self._follow = 0           # steps still to trace after a slow one
         self._owed = 0             # samples drawn while a traced step was being closed
         # True from a traced step's end until the worker has flushed CUPTI and switched it
         # off (set by the engine thread, cleared by the worker after the switch)
         self._closing = False
-        self._recorded_untraced: set[int] = set()   # their CUPTI cost stays out of the tail rule
         self._done_marker = _cuda_event if config.cupti else (lambda: None)
         self._probe_batch: list = []
         self._probe_batch_words = 0
@@ -278,38 +281,28 @@ class GpuTelemetry:
     # -- engine thread ----------------------------------------------------------------
     def begin_step(self, step) -> None:
         """Decides whether the step gets kernel spans; if so, switches CUPTI on and tags the
-        step's CUDA launches (external correlation ``step_id + 1``)."""
+        step's CUDA launches (external correlation ``step_id + 1``). Not needed on a step
+        planned plain (``next_step_plain``): the engine may skip it and ``end_step`` then."""
         t0 = time.perf_counter()
+        drew, self._probing = self._take_plan()
         tracer = self.tracer
-        drew = None
-        if not (self._closing or self._follow or self._owed):
-            # the usual step, kept short (it runs right after the model's work, cold caches)
-            drew = tracer is not None and tracer.available and self.policy.sample()
-            if not drew:
-                self._open = ""
-                self.stats.engine_thread_s += time.perf_counter() - t0
-                return
         try:
             reason = ""
             if tracer is not None and tracer.available:
                 if self._closing:
                     # CUPTI still records the last traced step: this one's kernels are
                     # recorded too but kept out of it, and a sample drawn now is owed
-                    self._owed += self.policy.sample()
+                    self._owed += drew
                     tracer.push(UNTRACED_EXTERNAL_ID)
                     self._untraced_push = True
-                    if len(self._recorded_untraced) > 1024:   # steps that failed never ask
-                        self._recorded_untraced.clear()
-                    self._recorded_untraced.add(step.step_id)
+                    step.cupti_recorded = True
                     self.stats.steps_recorded_untraced += 1
                 elif self._follow > 0:
                     self._follow -= 1
                     reason = TRACE_AFTER_TAIL
-                else:   # every step draws (above, when nothing was pending): the ratio holds
-                    sampled = drew if drew is not None else self.policy.sample()
-                    if sampled or self._owed:
-                        self._owed -= not sampled
-                        reason = TRACE_SAMPLED
+                elif drew or self._owed:   # every step draws once: the ratio holds
+                    self._owed -= not drew
+                    reason = TRACE_SAMPLED
                 if reason:
                     if tracer.attached:
                         tracer.enable()
@@ -318,6 +311,7 @@ class GpuTelemetry:
                             tracer.enable()
                     tracer.push(step.step_id + 1)
                     step.set_attribute(semconv.STEP_TRACE_REASON, reason)
+                    step.cupti_recorded = True
             self._open = reason
         except Exception:
             self.stats.errors += 1
@@ -327,6 +321,21 @@ class GpuTelemetry:
         if self._open:
             self.stats.engine_thread_traced_s += spent
 
+    def _take_plan(self) -> tuple[bool, bool]:
+        """``(sampled, probed)`` for the step beginning: as planned by the last
+        ``observe_step``, or drawn now when none was (the first step, or a second launch
+        before the first one's end)."""
+        planned, self._planned = self._planned, None
+        self.next_step_plain = False
+        return planned if planned is not None else self._plan()
+
+    def _plan(self) -> tuple[bool, bool]:
+        """One step's sample draw and probe turn (each step takes exactly one)."""
+        stats = self.stats
+        probed = self.probe is not None and stats.steps % self.config.probe_every_steps == 0
+        stats.steps += 1
+        return self.policy.sample() and self.kernel_spans_available, probed
+
     def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
         if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them.
@@ -334,14 +343,11 @@ class GpuTelemetry:
         ``graph``: ``(graphs, bucket)`` when the step replayed a captured graph (its probed
         launches are then adopted as the step's)."""
         t0 = time.perf_counter()
-        probe, stats = self.probe, self.stats
-        if not (self._open or self._untraced_push) and (
-                probe is None or stats.steps % self.config.probe_every_steps):
-            # the usual step, kept short: nothing to hand over
-            if probe is not None:
+        probe = self.probe
+        if not (self._open or self._untraced_push or self._probing):
+            if probe is not None:   # an eager step's reservations, never read
                 probe.discard()
-            stats.steps += 1
-            stats.engine_thread_s += time.perf_counter() - t0
+            self.stats.engine_thread_s += time.perf_counter() - t0
             return
         reason = ""
         try:
@@ -366,15 +372,15 @@ class GpuTelemetry:
                 else:
                     self.stats.steps_traced_tail += 1
             pending = None
-            if self.probe is not None:
-                if reason or self.stats.steps % self.config.probe_every_steps == 0:
-                    if graph is not None and graph[0].probe is self.probe:
-                        self.probe.adopt(graph[0].launches(graph[1]))
-                    pending = self.probe.end_step(step.trace_id, step.span_id)
+            if probe is not None:
+                if reason or self._probing:
+                    if graph is not None and graph[0].probe is probe:
+                        probe.adopt(graph[0].launches(graph[1]))
+                    pending = probe.end_step(step.trace_id, step.span_id)
                     self.stats.steps_probed += pending is not None
                 else:
-                    self.probe.discard()
-            self.stats.steps += 1
+                    probe.discard()
+            self._probing = False
             if pending is not None or reason:
                 try:
                     self._queue.put_nowait((step.step_id, pending, time.time_ns(), bool(reason),
@@ -382,7 +388,7 @@ class GpuTelemetry:
                 except queue.Full:
                     self.stats.steps_dropped += 1
                     if pending is not None:
-                        self.probe.snapshots.release_newest()
+                        probe.snapshots.release_newest()
                     if done is not None or self._closing:
                         self._close_traced(None)   # never leave CUPTI recording
         except Exception:
@@ -403,16 +409,18 @@ class GpuTelemetry:
 
     def observe_step(self, step, duration_s: float) -> None:
         """The tail rule, once the step's wall time is known: a step slower than the recent
-        P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps. Traced steps stay
-        out of the rule: their CUPTI cost would arm the next one."""
-        if step.attributes and semconv.STEP_TRACE_REASON in step.attributes:
-            return
-        if step.step_id in self._recorded_untraced:
-            self._recorded_untraced.discard(step.step_id)
-            return
-        if self.policy.is_tail(duration_s):
+        P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps (traced steps stay
+        out of the rule: their CUPTI cost would arm the next one). Then plans the next
+        launch: its sample draw and probe turn, and ``next_step_plain`` when it needs
+        neither (nor anything pending), so that the engine skips ``begin_step`` and
+        ``end_step`` on the usual step. The plan holds until a step begins or the next
+        ``observe_step``. (The engine counts this call's time as its telemetry time.)"""
+        if not step.cupti_recorded and self.policy.is_tail(duration_s):
             self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
+        # a plan not taken (the last launch was plain) was that launch's: draw anew
+        self._planned = sampled, probed = self._plan()
+        self.next_step_plain = not (sampled or probed or self._closing or self._follow or self._owed)
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

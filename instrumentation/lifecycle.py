@@ -273,9 +273,10 @@ class OpenStep:
     """The engine thread's record of the step it is running (mutable, one per step).
 
     Its ids are the step span's; ``attributes`` collects what the step adds to its span
-    (kernel trace reason, CUDA graph bucket) before the :class:`Step` event is recorded."""
+    (kernel trace reason, CUDA graph bucket) before the :class:`Step` event is recorded;
+    ``cupti_recorded``: CUPTI recorded its kernels (its wall time carries that cost)."""
 
-    __slots__ = ("step_id", "trace_id", "span_id", "start_ns", "attributes")
+    __slots__ = ("step_id", "trace_id", "span_id", "start_ns", "attributes", "cupti_recorded")
 
     def __init__(self, step_id: int, trace_id: int, span_id: int, start_ns: int) -> None:
         self.step_id = step_id
@@ -283,6 +284,7 @@ class OpenStep:
         self.span_id = span_id
         self.start_ns = start_ns
         self.attributes: dict[str, Any] | None = None
+        self.cupti_recorded = False
 
     def set_attribute(self, key: str, value: Any) -> None:
         if self.attributes is None:

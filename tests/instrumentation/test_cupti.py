@@ -336,6 +336,37 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     pipeline.shutdown()
 
 
+def test_the_usual_step_is_planned_plain_and_skipping_it_keeps_the_policy():
+    """The engine skips begin_step/end_step on a step planned plain. Doing so keeps the
+    sampled fraction (ratio 0.25 of 4,000 steps), and a step slower than the recent
+    P99.9 makes the next launch not plain: it is traced after the tail."""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.25)
+    t0, plain_steps, traced_steps = time.time_ns(), 0, 0
+    assert not gpu.next_step_plain                  # no plan before the first step ends
+    for i in range(4000):
+        step = OpenStep(i, *pipeline.recorder.new_span_ids(), t0 + i * 10**6)
+        plain = gpu.next_step_plain
+        if not plain:
+            gpu.begin_step(step)
+            gpu.end_step(step)
+            assert _wait(lambda: not gpu.closing)
+        plain_steps += plain
+        traced_steps += bool(step.attributes)
+        assert plain == (not step.attributes)      # plain exactly when not traced (no probe here)
+        gpu.observe_step(step, 0.001)
+    assert abs(traced_steps / 4000 - 0.25) < 0.03 and plain_steps + traced_steps == 4000
+    assert gpu.stats.steps_traced_sampled == traced_steps
+    gpu.policy.ratio = 0.0
+    slow = OpenStep(4000, 1, 2, t0)
+    gpu.observe_step(slow, 0.5)                     # far over the P99.9 of 1 ms steps
+    assert not gpu.next_step_plain
+    after = OpenStep(4001, 3, 4, t0)
+    gpu.begin_step(after)
+    gpu.end_step(after)
+    assert after.attributes == {semconv.STEP_TRACE_REASON: "after_tail"}
+    pipeline.shutdown()
+
+
 @pytest.mark.gpu
 def test_cupti_delivers_raw_buffers_whose_kernels_carry_external_ids():
     import torch
