@@ -8,7 +8,7 @@
 # probe), profile (bench.profile_levels: py-spy stacks of each level's engine under load;
 # carry .pyspy too), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
 # overhead-http (bench.overhead_http: served engine, spans to a collector),
-# engine (the fused-kernel, CUDA-graph and sampler GPU tests, then bench.engine_throughput
+# engine (the fused-kernel, CUDA-graph and sampler GPU tests (alone: engine-tests), then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
@@ -61,10 +61,11 @@ for p in "$@"; do
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
         --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-detached,kernels@0.05}" --out "$OUT" ${HTTP_ARGS:-} ;;
-    engine)
+    engine|engine-tests)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
             tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
             tests/engine/test_sampling.py tests/engine/test_async_scheduling.py
+        [ "$p" = engine-tests ] && continue
         # shellcheck disable=SC2086  # the extra flags are meant to split
         part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
             --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
