@@ -148,9 +148,15 @@ def _per_step_us(before: dict, after: dict, steps: int) -> dict:
     traced_s = after.get("telemetry_traced_steps_s", 0.0) - before.get("telemetry_traced_steps_s", 0.0)
     traced = after.get("steps_traced", 0) - before.get("steps_traced", 0)
     untraced = max(steps - traced, 1)
+    # untraced steps whose probe records were read (traced steps are probed too)
+    probed_s = after.get("telemetry_probed_steps_s", 0.0) - before.get("telemetry_probed_steps_s", 0.0)
+    probed = after.get("steps_probed", 0) - before.get("steps_probed", 0) - traced
+    plain = max(untraced - max(probed, 0), 1)
     return {"untraced_step": round(1e6 * (total - traced_s) / untraced, 2),
             "traced_step": round(1e6 * traced_s / traced, 1) if traced else None,
-            "steps_traced": traced}
+            "steps_traced": traced,
+            "probed_step": round(1e6 * probed_s / probed, 1) if probed > 0 else None,
+            "plain_step": round(1e6 * (total - traced_s - probed_s) / plain, 2)}
 
 
 def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float]],
@@ -188,8 +194,8 @@ def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
              "| telemetry CPU s / 1k tok | engine thread in telemetry | µs / untraced step "
-             "| µs / traced step | failed | dropped |",
-             "|---" * 14 + "|"]
+             "| µs / plain, probed step | µs / traced step | failed | dropped |",
+             "|---" * 15 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         us = s.get("engine_thread_telemetry_us") or {}
@@ -199,7 +205,8 @@ def format_table(summary: dict) -> str:
             f"{s['steps_over_2x_median']} / {s['steps']} | {s['steps_over_2x_off_median']} | "
             f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
-            f"{us.get('untraced_step')} | {us.get('traced_step')} | {s['failed']} | {s['telemetry_dropped']:.0f} |")
+            f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
+            f"{us.get('traced_step')} | {s['failed']} | {s['telemetry_dropped']:.0f} |")
     return "\n".join(lines)
 
 

@@ -144,6 +144,9 @@ class EngineServer:
             "telemetry_traced_steps_s": gpu.stats.engine_thread_traced_s if gpu is not None else 0.0,
             "steps_traced": gpu.stats.steps_traced_sampled + gpu.stats.steps_traced_tail
             if gpu is not None else 0,
+            # untraced steps whose probe records were read: their part, and every probed step
+            "telemetry_probed_steps_s": gpu.stats.engine_thread_probed_s if gpu is not None else 0.0,
+            "steps_probed": gpu.stats.steps_probed if gpu is not None else 0,
             "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0,
             "gpu_telemetry_worker_phases_cpu_s":
                 gpu.stats.worker_phases_cpu_s() if gpu is not None else {}})

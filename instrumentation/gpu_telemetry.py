@@ -36,6 +36,7 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 logger = logging.getLogger(__name__)
 
 _STOP = object()   # wakes the worker to stop
+_NEVER = 1 << 62   # steps until the next sampled one at ratio 0
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -79,8 +80,8 @@ class GpuTelemetryConfig:
 
 
 class TailPolicy:
-    """Which steps get kernel spans. ``sample()`` (when a step begins): True with
-    probability ``ratio``. ``is_tail(duration_s)`` (when a step ended): True if the step was
+    """Which steps get kernel spans. ``next_sample_gap()``: steps until the next sampled
+    one, so that each step is sampled with probability ``ratio``. ``is_tail(duration_s)`` (when a step ended): True if the step was
     slower than the ``quantile`` of the previous ``window`` steps (the current one
     excluded; no rule before ``min_steps``); the quantile is recomputed every
     ``refresh_steps`` steps when it can have moved since, O(window) each time."""
@@ -124,8 +125,14 @@ class TailPolicy:
         recent.append(duration_s)
         return limit is not None and duration_s > limit
 
-    def sample(self) -> bool:
-        return self.ratio > 0.0 and self.rng.random() < self.ratio
+    def next_sample_gap(self) -> int:
+        """1 + a geometric draw: every step is sampled independently with probability
+        ``ratio``, at the cost of one draw per sampled step instead of one per step."""
+        if self.ratio <= 0.0:
+            return _NEVER
+        if self.ratio >= 1.0:
+            return 1
+        return 1 + int(math.log(1.0 - self.rng.random()) / math.log1p(-self.ratio))
 
 
 @dataclass
@@ -145,6 +152,7 @@ class GpuTelemetryStats:
     errors: int = 0
     engine_thread_s: float = 0.0    # time spent in begin_step/end_step (not observe_step)
     engine_thread_traced_s: float = 0.0  # the part of it spent on traced steps
+    engine_thread_probed_s: float = 0.0  # ... and on untraced steps whose probe records are read
     worker_cpu_s: float = 0.0       # the worker thread's CPU time, of which:
     worker_close_cpu_s: float = 0.0   # closing traced steps (CUPTI flush, kinds off)
     worker_reduce_cpu_s: float = 0.0  # enqueuing the probe records' histogram reductions
@@ -203,6 +211,8 @@ class GpuTelemetry:
         # that launch needs nothing of begin_step / end_step (read by the engine, no call)
         self._planned: tuple[bool, bool] | None = None
         self.next_step_plain = False
+        self._to_sample = self.policy.next_sample_gap()   # steps to the next sampled one
+        self._to_probe = 1                                # ... and to the next probed one
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
         self._follow = 0           # steps still to trace after a slow one
         self._owed = 0             # samples drawn while a traced step was being closed
@@ -320,6 +330,8 @@ class GpuTelemetry:
         self.stats.engine_thread_s += spent
         if self._open:
             self.stats.engine_thread_traced_s += spent
+        elif self._probing:
+            self.stats.engine_thread_probed_s += spent
 
     def _take_plan(self) -> tuple[bool, bool]:
         """``(sampled, probed)`` for the step beginning: as planned by the last
@@ -330,11 +342,18 @@ class GpuTelemetry:
         return planned if planned is not None else self._plan()
 
     def _plan(self) -> tuple[bool, bool]:
-        """One step's sample draw and probe turn (each step takes exactly one)."""
-        stats = self.stats
-        probed = self.probe is not None and stats.steps % self.config.probe_every_steps == 0
-        stats.steps += 1
-        return self.policy.sample() and self.kernel_spans_available, probed
+        """One step's turn (each step takes exactly one): sampled, probed. Two countdowns,
+        so that the usual step touches nothing else."""
+        self.stats.steps += 1
+        self._to_sample -= 1
+        sampled = self._to_sample == 0
+        if sampled:
+            self._to_sample = self.policy.next_sample_gap()
+        self._to_probe -= 1
+        probed = self._to_probe == 0
+        if probed:
+            self._to_probe = self.config.probe_every_steps
+        return sampled and self.kernel_spans_available, probed and self.probe is not None
 
     def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
@@ -349,7 +368,7 @@ class GpuTelemetry:
                 probe.discard()
             self.stats.engine_thread_s += time.perf_counter() - t0
             return
-        reason = ""
+        reason, probed = "", False
         try:
             reason, self._open = self._open, ""
             if self._untraced_push:
@@ -380,7 +399,7 @@ class GpuTelemetry:
                     self.stats.steps_probed += pending is not None
                 else:
                     probe.discard()
-            self._probing = False
+            probed, self._probing = self._probing, False
             if pending is not None or reason:
                 try:
                     self._queue.put_nowait((step.step_id, pending, time.time_ns(), bool(reason),
@@ -398,6 +417,8 @@ class GpuTelemetry:
         self.stats.engine_thread_s += spent
         if reason:
             self.stats.engine_thread_traced_s += spent
+        elif probed:
+            self.stats.engine_thread_probed_s += spent
 
     def _idle_tracer(self) -> None:
         """Between traced steps: CUPTI detached (``cupti_detach``) or its kinds off."""

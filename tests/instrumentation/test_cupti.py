@@ -356,11 +356,14 @@ def test_the_usual_step_is_planned_plain_and_skipping_it_keeps_the_policy():
         gpu.observe_step(step, 0.001)
     assert abs(traced_steps / 4000 - 0.25) < 0.03 and plain_steps + traced_steps == 4000
     assert gpu.stats.steps_traced_sampled == traced_steps
-    gpu.policy.ratio = 0.0
-    slow = OpenStep(4000, 1, 2, t0)
-    gpu.observe_step(slow, 0.5)                     # far over the P99.9 of 1 ms steps
+    pipeline.shutdown()
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0)
+    for i in range(64):
+        gpu.observe_step(OpenStep(i, 1, 2, t0), 0.001)
+        assert gpu.next_step_plain
+    gpu.observe_step(OpenStep(64, 1, 2, t0), 0.5)   # far over the P99.9 of 1 ms steps
     assert not gpu.next_step_plain
-    after = OpenStep(4001, 3, 4, t0)
+    after = OpenStep(65, 3, 4, t0)
     gpu.begin_step(after)
     gpu.end_step(after)
     assert after.attributes == {semconv.STEP_TRACE_REASON: "after_tail"}
