@@ -36,6 +36,7 @@ from .request_output import LiveRequest, RequestOutput, RequestStream, deliver
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
+    from ..instrumentation import LifecycleRecorder
     from .model_runner import LaunchedStep, StepExecution
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "StepStats", "EngineStoppedError",
@@ -82,11 +83,14 @@ def _without_ended(plan: StepPlan) -> StepPlan | None:
                                num_decode_tokens=sum(e.num_new_tokens for e in kept) - prefill)
 
 
-def _step_event(plan: StepPlan, step: OpenStep, end_ns: int, prefill_done: list[int],
-                execution: StepExecution | None, error_type: str | None) -> Step:
+def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end_ns: int,
+                prefill_done: list[int], execution: StepExecution | None,
+                error_type: str | None) -> Step:
     """The Step event of a closed step, built on the telemetry's thread (the plan, its
-    requests' keys and the step's attributes no longer change once it is closed)."""
+    requests' keys and the step's attributes no longer change once it is closed); the step
+    span's ids are drawn here unless the GPU telemetry drew them."""
     scheduled = plan.scheduled
+    recorder.name_step(step)
     # a request's key, None when it is not traced (the assembler skips those)
     keys = tuple([e.request.telemetry for e in scheduled])
     preempted = tuple([r.telemetry for r in plan.preempted]) if plan.preempted else ()
@@ -399,8 +403,7 @@ class LLMEngine:
 
     def _open_step(self, plan: StepPlan) -> OpenStep:
         c0 = time.perf_counter()
-        trace_id, span_id = self._recorder.new_span_ids()
-        step = OpenStep(plan.step_id, trace_id, span_id, time.time_ns())
+        step = OpenStep(plan.step_id, 0, 0, time.time_ns())   # ids drawn off this thread
         self.telemetry_thread_s += time.perf_counter() - c0
         return step
 
@@ -413,8 +416,9 @@ class LLMEngine:
         c0 = time.perf_counter()
         shown = execution if self.runner.graphs is not None else None   # which bucket ran
         # prefill_done is the step's own list, not changed after: built into the event later
-        self._recorder.record_later(_step_event, plan, step, time.time_ns(), prefill_done,
-                                    shown, error_type)
+        recorder = self._recorder
+        recorder.record_later(_step_event, recorder, plan, step, time.time_ns(), prefill_done,
+                              shown, error_type)
         for event in events:
             self._recorder.record(event)
         if duration_s is not None and self.gpu_telemetry is not None:

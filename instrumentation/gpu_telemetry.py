@@ -395,6 +395,7 @@ class GpuTelemetry:
                 if reason or self._probing:
                     if graph is not None and graph[0].probe is probe:
                         probe.adopt(graph[0].launches(graph[1]))
+                    self.recorder.name_step(step)   # its records name the step span
                     pending = probe.end_step(step.trace_id, step.span_id)
                     self.stats.steps_probed += pending is not None
                 else:

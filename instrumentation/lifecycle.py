@@ -263,16 +263,24 @@ class LifecycleRecorder:
             dict(attributes) if attributes else None))
         return handle
 
-    # -- steps (engine thread) ------------------------------------------------------
+    # -- steps ----------------------------------------------------------------------
     def new_span_ids(self) -> tuple[int, int]:
-        """A step span's (trace id, span id), drawn on the engine thread."""
+        """A step span's (trace id, span id)."""
         return self._ids.getrandbits(128) or 1, self._ids.getrandbits(64) or 1
+
+    def name_step(self, step: "OpenStep") -> "OpenStep":
+        """Draws ``step``'s span ids unless it has them: where they are first needed (the
+        Step event's builder, or the GPU telemetry of a probed step, which runs before it),
+        not on every step of the engine thread."""
+        if not step.trace_id:
+            step.trace_id, step.span_id = self.new_span_ids()
+        return step
 
 
 class OpenStep:
     """The engine thread's record of the step it is running (mutable, one per step).
 
-    Its ids are the step span's; ``attributes`` collects what the step adds to its span
+    Its ids are the step span's (0 until ``LifecycleRecorder.name_step``); ``attributes`` collects what the step adds to its span
     (kernel trace reason, CUDA graph bucket) before the :class:`Step` event is recorded;
     ``cupti_recorded``: CUPTI recorded its kernels (its wall time carries that cost)."""
 
