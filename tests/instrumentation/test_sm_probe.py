@@ -172,11 +172,19 @@ def test_tail_threshold_is_numpys_higher_quantile(quantile):
 
 
 def test_tail_policy_samples_the_configured_fraction():
+    """Gaps between sampled steps are geometric: the fraction is the ratio, and the gaps
+    have the mean and spread of independent per-step draws (mean 1/p, variance (1-p)/p**2)."""
     policy = TailPolicy(ratio=0.25, quantile=1.0, window=16, min_steps=16,
                         rng=random.Random(7))
-    decisions = [policy.sample() for _ in range(20000)]
-    assert abs(decisions.count(True) / 20000 - 0.25) < 0.015
-    assert not any(TailPolicy(0.0, 0.99, 16, 16, random.Random(1)).sample() for _ in range(100))
+    gaps = [policy.next_sample_gap() for _ in range(20000)]
+    assert min(gaps) == 1
+    assert abs(len(gaps) / sum(gaps) - 0.25) < 0.01
+    mean = sum(gaps) / len(gaps)
+    variance = sum((g - mean) ** 2 for g in gaps) / len(gaps)
+    assert abs(variance - 0.75 / 0.25 ** 2) < 0.6
+    assert abs(sum(g == 1 for g in gaps) / len(gaps) - 0.25) < 0.015   # P(next step) = p
+    assert TailPolicy(1.0, 0.99, 16, 16, random.Random(1)).next_sample_gap() == 1
+    assert TailPolicy(0.0, 0.99, 16, 16, random.Random(1)).next_sample_gap() > 10**15
 
 
 @pytest.mark.gpu
