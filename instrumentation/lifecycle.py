@@ -280,9 +280,10 @@ class LifecycleRecorder:
 class OpenStep:
     """The engine thread's record of the step it is running (mutable, one per step).
 
-    Its ids are the step span's (0 until ``LifecycleRecorder.name_step``); ``attributes`` collects what the step adds to its span
-    (kernel trace reason, CUDA graph bucket) before the :class:`Step` event is recorded;
-    ``cupti_recorded``: CUPTI recorded its kernels (its wall time carries that cost)."""
+    Its ids are the step span's (0 until ``LifecycleRecorder.name_step``); ``attributes``
+    collects what the step adds to its span (kernel trace reason, CUDA graph bucket) before
+    the :class:`Step` event is recorded; ``cupti_recorded``: CUPTI recorded its kernels (its
+    wall time carries that cost)."""
 
     __slots__ = ("step_id", "trace_id", "span_id", "start_ns", "attributes", "cupti_recorded")
 
