@@ -420,7 +420,7 @@ class LLMEngine:
         recorder.record_later(_step_event, recorder, plan, step, time.time_ns(), prefill_done,
                               shown, error_type)
         for event in events:
-            self._recorder.record(event)
+            recorder.record(event)
         if duration_s is not None and self.gpu_telemetry is not None:
             self.gpu_telemetry.observe_step(step, duration_s)
         self.telemetry_thread_s += time.perf_counter() - c0

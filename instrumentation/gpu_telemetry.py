@@ -81,10 +81,10 @@ class GpuTelemetryConfig:
 
 class TailPolicy:
     """Which steps get kernel spans. ``next_sample_gap()``: steps until the next sampled
-    one, so that each step is sampled with probability ``ratio``. ``is_tail(duration_s)`` (when a step ended): True if the step was
-    slower than the ``quantile`` of the previous ``window`` steps (the current one
-    excluded; no rule before ``min_steps``); the quantile is recomputed every
-    ``refresh_steps`` steps when it can have moved since, O(window) each time."""
+    one, so that each step is sampled with probability ``ratio``. ``is_tail(duration_s)``
+    (when a step ended): True if the step was slower than the ``quantile`` of the previous
+    ``window`` steps (the current one excluded; no rule before ``min_steps``); the quantile
+    is recomputed every ``refresh_steps`` steps when it can have moved since, O(window)."""
 
     # fixed slots: read on every step, right after the model's work, with cold caches
     __slots__ = ("ratio", "quantile", "min_steps", "rng", "_recent", "refresh_steps", "_limit",

@@ -268,13 +268,12 @@ class LifecycleRecorder:
         """A step span's (trace id, span id)."""
         return self._ids.getrandbits(128) or 1, self._ids.getrandbits(64) or 1
 
-    def name_step(self, step: "OpenStep") -> "OpenStep":
+    def name_step(self, step: "OpenStep") -> None:
         """Draws ``step``'s span ids unless it has them: where they are first needed (the
         Step event's builder, or the GPU telemetry of a probed step, which runs before it),
         not on every step of the engine thread."""
         if not step.trace_id:
             step.trace_id, step.span_id = self.new_span_ids()
-        return step
 
 
 class OpenStep:
