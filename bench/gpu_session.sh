@@ -6,7 +6,8 @@
 #
 # Parts: tests (pytest -m gpu on the GPU test modules), probe (bench.kernels --only
 # probe), profile (bench.profile_levels: py-spy stacks of each level's engine under load;
-# carry .pyspy too), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
+# carry .pyspy too), cold-path (bench.telemetry_cold_path on CUDA: the per-step calls by kind
+# of step, warm and cold), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
 # overhead-http (bench.overhead_http: served engine, spans to a collector),
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests (alone: engine-tests), then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
@@ -54,6 +55,7 @@ for p in "$@"; do
     profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl >>"$OUT/pip.log" 2>&1
         PATH=/tmp/pyspy/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \
             --levels "${PROFILE_LEVELS:-off,steps,kernels}" --top 60 --out "$OUT" ${PROFILE_ARGS:-} ;;
+    cold-path) part "telemetry_cold_path-$commit" 120 python3 -m bench.telemetry_cold_path --device cuda --out "$OUT" ;;
     cupti-idle) part "cupti_idle_cost-$commit" 240 python3 -m bench.cupti_idle_cost --repeats "${CUPTI_REPEATS:-3}" --out "$OUT" ;;
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$OUT" ;;
     decode-step) part "decode_step-$commit" 180 python3 -m bench.decode_step --out "$OUT" ;;

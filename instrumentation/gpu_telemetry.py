@@ -16,6 +16,7 @@ reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import math
 import queue
@@ -36,7 +37,8 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 logger = logging.getLogger(__name__)
 
 _STOP = object()   # wakes the worker to stop
-_NEVER = 1 << 62   # steps until the next sampled one at ratio 0
+_NEVER = 1 << 62   # steps until the next sampled (probed) one at ratio 0 (without a probe)
+_NEITHER = (False, False)   # the usual step's plan: neither sampled nor probed
 TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
@@ -82,27 +84,25 @@ class GpuTelemetryConfig:
 class TailPolicy:
     """Which steps get kernel spans. ``next_sample_gap()``: steps until the next sampled
     one, so that each step is sampled with probability ``ratio``. ``is_tail(duration_s)``
-    (when a step ended): True if the step was slower than the ``quantile`` of the previous
-    ``window`` steps (the current one excluded; no rule before ``min_steps``); the quantile
-    is recomputed every ``refresh_steps`` steps when it can have moved since, O(window)."""
+    (when a step ended): True if the step was slower than ``limit``, the ``quantile`` of the
+    window of recent steps (``math.inf`` before ``min_steps``). Steps join the window in
+    batches of ``refresh_steps``, and the quantile, O(window), is recomputed then only if
+    the batch can have moved it: the usual step costs a list append and a comparison."""
 
     # fixed slots: read on every step, right after the model's work, with cold caches
-    __slots__ = ("ratio", "quantile", "min_steps", "rng", "_recent", "refresh_steps", "_limit",
-                 "_since_refresh", "_stale")
+    __slots__ = ("ratio", "quantile", "min_steps", "rng", "limit", "_recent", "_batch",
+                 "refresh_steps")
 
     def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
                  rng: random.Random, refresh_steps: int = 1) -> None:
         self.ratio, self.quantile, self.min_steps, self.rng = ratio, quantile, min_steps, rng
+        self.limit = math.inf
         self._recent: deque[float] = deque(maxlen=window)
+        self._batch: list[float] = []     # steps since the last refresh, not yet in the window
         self.refresh_steps = refresh_steps
-        self._limit: float | None = None
-        self._since_refresh = refresh_steps
-        # the threshold can only move when a value at or above it enters or leaves a full
-        # window: until then a refresh would find the same value, so it is skipped
-        self._stale = True
 
     def threshold(self) -> float | None:
-        """``np.quantile(recent, quantile, method="higher")``, i.e. the sorted value at rank
+        """``np.quantile(window, quantile, method="higher")``, i.e. the sorted value at rank
         ceil(quantile * (n - 1)), as the k-th largest: numpy would let the GIL go."""
         n = len(self._recent)
         if n < self.min_steps:
@@ -111,19 +111,32 @@ class TailPolicy:
         return heapq.nlargest(k, self._recent)[-1]
 
     def is_tail(self, duration_s: float) -> bool:
-        if self._since_refresh >= self.refresh_steps or self._limit is None:
-            if self._stale or self._limit is None:
-                self._limit = self.threshold()
-                self._stale = len(self._recent) < self._recent.maxlen   # k moves with n
-            self._since_refresh = 0
-        self._since_refresh += 1
-        limit, recent = self._limit, self._recent
-        # a value equal to the threshold entering leaves it where it is; one leaving may not
-        if limit is None or duration_s > limit or (len(recent) == recent.maxlen
-                                                   and recent[0] >= limit):
-            self._stale = True
-        recent.append(duration_s)
-        return limit is not None and duration_s > limit
+        tail = duration_s > self.limit   # the limit of the steps before this one
+        batch = self._batch
+        batch.append(duration_s)
+        if len(batch) >= self.refresh_steps:
+            self._refresh()
+        return tail
+
+    def _refresh(self) -> None:
+        """Moves the batch into the window; recomputes ``limit`` if it can have moved."""
+        batch, recent = self._batch, self._recent
+        self._batch = []
+        leaving = len(recent) + len(batch) - recent.maxlen
+        if self._may_move(batch, list(itertools.islice(recent, max(leaving, 0)))):
+            recent.extend(batch)
+            threshold = self.threshold()
+            self.limit = math.inf if threshold is None else threshold
+        else:
+            recent.extend(batch)
+
+    def _may_move(self, entering: list[float], leaving: list[float]) -> bool:
+        """False only when the quantile stays where it is: the window was and stays full
+        (its rank is then fixed), no entering value is above it, and no leaving value is at
+        or above it (values equal to it entering leave it in place)."""
+        limit, recent = self.limit, self._recent
+        return (limit == math.inf or len(recent) < recent.maxlen
+                or max(entering) > limit or (bool(leaving) and max(leaving) >= limit))
 
     def next_sample_gap(self) -> int:
         """1 + a geometric draw: every step is sampled independently with probability
@@ -137,7 +150,6 @@ class TailPolicy:
 
 @dataclass
 class GpuTelemetryStats:
-    steps: int = 0
     steps_probed: int = 0           # steps whose probe records were read (1 in N, and traced)
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
@@ -212,7 +224,7 @@ class GpuTelemetry:
         self._planned: tuple[bool, bool] | None = None
         self.next_step_plain = False
         self._to_sample = self.policy.next_sample_gap()   # steps to the next sampled one
-        self._to_probe = 1                                # ... and to the next probed one
+        self._to_probe = 1 if self.probe is not None else _NEVER   # ... to the next probed one
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
         self._follow = 0           # steps still to trace after a slow one
         self._owed = 0             # samples drawn while a traced step was being closed
@@ -344,16 +356,16 @@ class GpuTelemetry:
     def _plan(self) -> tuple[bool, bool]:
         """One step's turn (each step takes exactly one): sampled, probed. Two countdowns,
         so that the usual step touches nothing else."""
-        self.stats.steps += 1
         self._to_sample -= 1
-        sampled = self._to_sample == 0
+        self._to_probe -= 1
+        if self._to_sample and self._to_probe:
+            return _NEITHER
+        sampled, probed = not self._to_sample, not self._to_probe
         if sampled:
             self._to_sample = self.policy.next_sample_gap()
-        self._to_probe -= 1
-        probed = self._to_probe == 0
         if probed:
             self._to_probe = self.config.probe_every_steps
-        return sampled and self.kernel_spans_available, probed and self.probe is not None
+        return sampled and self.kernel_spans_available, probed
 
     def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
@@ -441,8 +453,9 @@ class GpuTelemetry:
             self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
         # a plan not taken (the last launch was plain) was that launch's: draw anew
-        self._planned = sampled, probed = self._plan()
-        self.next_step_plain = not (sampled or probed or self._closing or self._follow or self._owed)
+        self._planned = plan = self._plan()
+        self.next_step_plain = plan is _NEITHER and not (self._closing or self._follow
+                                                         or self._owed)
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

@@ -5,6 +5,7 @@ tokens, text, finish reasons, token counts, and no KV block left behind."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -194,6 +195,22 @@ def test_overlapped_graph_replays_give_the_eager_tokens_on_gpu():
     assert fast.kv_cache.num_used_blocks == 0 and not fast.has_work
 
 
+def _hold_first_close_until_a_step_launches(gpu, timeout_s: float = 10.0) -> None:
+    """Makes the worker's first close of a traced step wait until the engine has launched a
+    step meanwhile: that step is then recorded under CUPTI and must be kept out of the traced
+    one, whatever the timing of the machine."""
+    close, held = gpu._close_traced, []
+
+    def close_after_a_launch(done):
+        if not held:
+            held.append(True)
+            deadline = time.monotonic() + timeout_s
+            while gpu.stats.steps_recorded_untraced == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        close(done)
+    gpu._close_traced = close_after_a_launch
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cupti_detach", [True, False], ids=["detached", "attached"])
 def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
@@ -213,6 +230,8 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
     engine = _cuda_engine(pipeline)
     assert engine.async_scheduling and engine.gpu_telemetry is not None
     assert engine.gpu_telemetry.config.cupti_detach is cupti_detach
+    if not cupti_detach:
+        _hold_first_close_until_a_step_launches(engine.gpu_telemetry)
     prompts, _ = _requests()
     engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
     engine.gpu_telemetry.flush(timeout_s=60)
