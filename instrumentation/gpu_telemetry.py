@@ -5,13 +5,14 @@ attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engin
 ``observe_step`` runs once the step is done: the tail rule (kernel spans for the steps after
 one slower than the recent P99.9) and the next step's random draw (a sampled fraction) and
 probe turn (1 in ``probe_every_steps``). A step planned plain calls nothing else. Probed and
-traced steps take a stream-ordered copy of their probe records and a queue put. A traced
-step switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited
-for: the worker waits for its kernels, flushes CUPTI and switches it off; steps launched
-meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step
-(``cupti_detach``: the engine waits and detaches CUPTI itself, ms per traced step). The worker
-reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported every
-``export_interval_s``; CUPTI buffers go over raw. All leaves through the recorder."""
+traced steps take a stream-ordered copy of their probe records, left for the worker (which
+polls; a traced step wakes it). A traced step switches CUPTI on and pushes/pops its external
+id (``step_id + 1``), and is not waited for: the worker waits for its kernels, flushes CUPTI
+and switches it off; steps launched meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``,
+their sample owed to the next step (``cupti_detach``: the engine waits and detaches CUPTI
+itself, ms per traced step). The worker reduces probe records on the GPU into per-(gpu, SM,
+kernel) histograms, exported every ``export_interval_s``; CUPTI buffers go over raw. All
+leaves through the recorder."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import heapq
 import itertools
 import logging
 import math
-import queue
 import random
 import threading
 import time
@@ -36,7 +36,6 @@ __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolic
 
 logger = logging.getLogger(__name__)
 
-_STOP = object()   # wakes the worker to stop
 _NEVER = 1 << 62   # steps until the next sampled (probed) one at ratio 0 (without a probe)
 _NEITHER = (False, False)   # the usual step's plan: neither sampled nor probed
 TRACE_SAMPLED = "sampled"
@@ -63,6 +62,7 @@ class GpuTelemetryConfig:
     probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = 10.0
+    probe_poll_s: float = 0.05          # the worker's wake-ups for probed steps' records
     max_pending_steps: int = 4096
     seed: int | None = None
 
@@ -71,6 +71,7 @@ class GpuTelemetryConfig:
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
                   ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
+                  ("probe_poll_s", 0.001, 10.0),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
             value = getattr(self, name)
@@ -213,7 +214,11 @@ class GpuTelemetry:
             self._engine_stream = torch.cuda.current_stream(device)   # the steps' stream
             self.probe.snapshots.stream_handle = self._engine_stream.cuda_stream
         recorder.record(GpuIdentity(device_index, _gpu_uuid(device_index)))
-        self._queue: queue.Queue = queue.Queue(maxsize=config.max_pending_steps)
+        # the worker's work, in the engine's order: appended without waking it (a wake-up is
+        # a few µs here, and the worker then takes the GIL when the engine next lets it go),
+        # except for a traced step, whose CUPTI close is due as soon as its kernels are done
+        self._work_items: deque = deque()
+        self._wake = threading.Event()
         # held by the worker around its CUDA calls and by the engine thread while CUPTI
         # attaches or detaches: cuptiFinalize must not race another thread's CUDA call
         self._cuda_lock = threading.Lock()
@@ -414,10 +419,12 @@ class GpuTelemetry:
                     probe.discard()
             probed, self._probing = self._probing, False
             if pending is not None or reason:
-                try:
-                    self._queue.put_nowait((step.step_id, pending, time.time_ns(), bool(reason),
-                                            done))
-                except queue.Full:
+                if len(self._work_items) < self.config.max_pending_steps:
+                    self._work_items.append((step.step_id, pending, time.time_ns(), bool(reason),
+                                             done))
+                    if reason:
+                        self._wake.set()
+                else:
                     self.stats.steps_dropped += 1
                     if pending is not None:
                         probe.snapshots.release_newest()
@@ -461,10 +468,8 @@ class GpuTelemetry:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the
         histograms now. Blocks; for tests, benchmarks and shutdown."""
         done = threading.Event()
-        try:
-            self._queue.put(("flush", export, done), timeout=timeout_s)
-        except queue.Full:
-            return False
+        self._work_items.append(("flush", export, done))
+        self._wake.set()
         return done.wait(timeout_s)
 
     def shutdown(self) -> None:
@@ -472,10 +477,7 @@ class GpuTelemetry:
             self.flush(export=True)
         finally:
             self._stop.set()
-            try:
-                self._queue.put(_STOP, timeout=1.0)
-            except queue.Full:
-                pass
+            self._wake.set()
             self._worker.join(timeout=10)
             if self.tracer is not None:
                 self.tracer.stop()
@@ -488,36 +490,38 @@ class GpuTelemetry:
     # -- worker thread ------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            # asleep until a step or the next export: each wake-up takes the engine's GIL
+            # asleep until a traced step, a flush, the next export or the next poll for
+            # probed steps: each wake-up takes the engine's GIL
             wait_s = self._last_export + self.config.export_interval_s - time.monotonic()
-            try:
-                item = self._queue.get(timeout=min(max(wait_s, 0.001), 1.0))
-            except queue.Empty:
-                item = None
-            if item is _STOP:
+            self._wake.wait(min(max(wait_s, 0.001), self.config.probe_poll_s))
+            self._wake.clear()   # before taking the items: a later set() wakes the next wait
+            if self._stop.is_set():
                 break
             cpu0 = time.thread_time()
             try:
                 with self._cuda_lock:
-                    self._work(item)
+                    self._work()
             except Exception:
                 self.stats.errors += 1
                 logger.exception("GPU telemetry worker step failed")
             finally:
                 self.stats.worker_cpu_s += time.thread_time() - cpu0
 
-    def _work(self, item) -> None:
+    def _work(self) -> None:
         self._retire_snapshots()
-        if item is not None and item[0] == "flush":
-            _, export, done = item
-            self._reduce_probe_batch()
-            if self.tracer is not None:
-                self.tracer.flush()
-            if export:
-                self._export()
-            done.set()
-        elif item is not None:
-            self._take_step(*item)
+        items = self._work_items
+        while items:
+            item = items.popleft()
+            if item[0] == "flush":
+                _, export, done = item
+                self._reduce_probe_batch()
+                if self.tracer is not None:
+                    self.tracer.flush()
+                if export:
+                    self._export()
+                done.set()
+            else:
+                self._take_step(*item)
         if time.monotonic() - self._last_export >= self.config.export_interval_s:
             self._export()
 

@@ -504,7 +504,7 @@ def test_per_sm_histograms_take_every_nth_step():
     per_step = gpu.stats.ctas_probed
     run(range(1, 8))                            # of steps 1..7 only step 4 is
     assert per_step > 0 and gpu.stats.ctas_probed == 2 * per_step
-    assert (gpu.stats.steps, gpu.stats.steps_probed) == (8, 2)
+    assert gpu.stats.steps_probed == 2                # steps 0 and 4 of 8
     assert _wait(lambda: exported, timeout_s=30)
     pipeline.shutdown()
     points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
