@@ -130,6 +130,10 @@ _HOT_ATTRIBUTES: dict[str, Callable] = {
     sc.CUDA_KERNEL_NAME: lambda v: v.string_value[:_MAX_LABEL_CHARS], sc.HW_GPU_ID: _label,
     sc.CUDA_DEVICE: _label, _PREFILL_TOKENS: lambda v: _num(v) or 0.0, _DECODE_TOKENS: lambda v: _num(v) or 0.0}
 _REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
+# Request attributes read as labels: their values repeat, so the decoded form is cached by
+# the encoding (the latency values are unique and decoded each time).
+_LABEL_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
+                         sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
@@ -169,6 +173,7 @@ class SpanSeries:
         self._kernel_pos = self._gpu_pos = 0
         self._prefill_pos, self._decode_pos = 0, 1
         self._attr_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, decoded)
+        self._label_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, AnyValue)
 
     def source(self, request, encoded: bytes | None) -> tuple[object, bool]:
         """What to read the spans from: ``(lean re-parse of encoded, True)`` when enough spans
@@ -291,12 +296,21 @@ class SpanSeries:
 
     def _on_request(self, span, now: float) -> None:
         got: dict[str, object] = {}
+        cache = self._label_cache
         for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
             if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _REQUEST_KEY_BYTES:
                 continue  # key first and short (the encoders' way): not wanted, told from its bytes
+            hit = cache.get(raw)
+            if hit is not None:
+                got[hit[0]] = hit[1]
+                continue
             key, value = decode_attribute(raw)
             if key in _REQUEST_KEYS:
                 got[key] = value
+                if key in _LABEL_KEYS:  # model, priority: every request repeats them
+                    if len(cache) >= _MAX_ATTRIBUTE_CACHE:
+                        cache.clear()
+                    cache[raw] = (key, value)
         self._on_request_attributes(span, now, got)
 
     def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
