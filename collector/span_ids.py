@@ -285,10 +285,9 @@ class SpanWindow:
         for s, bucket in zip(chunks, buckets):
             m = s.stop - s.start
             f = fp[s]
-            hit = ways[0][bucket] == f
+            hit = np.equal(ways[0][bucket], f, out=seen[s])  # written in place
             for way in ways[1:]:
                 hit |= way[bucket] == f
-            seen[s] = hit
             seen_any = seen_any or np.count_nonzero(hit) > 0
             earliest = first[bucket]
             forwards = _FORWARDS32[:m]
