@@ -60,20 +60,19 @@ class Intake:
                encoded: bytes | None = None) -> None:
         """Admits ``request`` (``items`` spans or data points) or raises IngestError."""
         repeats = 0
-        fp = None
+        seen = None
         if signal == "traces":
-            fp = span_fingerprints(request, encoded)
-            positions = self.window.repeats(fp)
-            repeats = len(positions)
+            seen = self.window.lookup(span_fingerprints(request, encoded))
+            repeats = len(seen.repeats)
             if repeats:
-                remove_spans(request, positions)
+                remove_spans(request, seen.repeats)
                 encoded = None  # no longer the request's encoding
-                fp = np.delete(fp, positions)
+                seen = self.window.lookup(np.delete(seen.fingerprints, seen.repeats))
         kept = items - repeats
         if kept or not repeats:  # a request of nothing but repeats has nothing to queue
             admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
-        if fp is not None:
-            self.window.remember(fp)
+        if seen is not None:
+            self.window.remember(seen)
             self.metrics.accepted(receiver, items, 0)
         else:
             self.metrics.accepted(receiver, 0, items)

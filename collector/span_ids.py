@@ -10,12 +10,14 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
 fixed number of bytes and numpy operations per 500 spans over the 30-byte records read in
-place (other bodies: a Python loop over the spans); fingerprints and the window, a fixed
-number of numpy operations per 500 spans (no sort, none that lets go of the GIL) and one set
-of the request's fingerprints. The window holds 8 bytes per span and 1 of bookkeeping.
+place (other bodies: a Python loop over the spans); fingerprints and the window's one lookup
+per request, a fixed number of numpy operations per 500 spans (no sort, none that lets go of
+the GIL) and Python for spans sharing a bucket. The window: 8 bytes per span, 1.25 more.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from google.protobuf import descriptor_pb2
@@ -24,7 +26,7 @@ from google.protobuf.message import DecodeError
 from .ingest import IngestError
 from .otlp_points import lean_trace_request_class
 
-__all__ = ["SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
+__all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
@@ -174,23 +176,26 @@ def remove_spans(request, positions) -> None:
                 del spans[i]
 
 
-# splitmix64's multipliers and shifts, applied word by word (uint64 products wrap, as intended):
-# structured ids (counters, small integers, in either byte order) spread over every bit like
-# random ones. Each word's high bits are shifted down before the next product: a product
-# alone carries low bits upward only, so big-endian counters would keep their top bits.
+# splitmix64's multipliers and shifts (uint64 products wrap, as intended): each id word is
+# XORed in, then the state is mixed by a shift-XOR (which carries high bits down: a product
+# alone carries low bits upward only, so big-endian counters would keep their top bits) and
+# a product; every step is a bijection, so spans of one trace with distinct span ids never
+# share a fingerprint. Structured ids (counters, in either byte order) spread like random ones.
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
 _WAYS = 4  # fingerprints per bucket; the oldest goes first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
 _WAY_BITS = 2  # log2(_WAYS)
-_NO_SPAN = np.iinfo(np.int16).max  # past any position within a chunk
-# Positions within a chunk, backwards (the tail is n - 1, ..., 0): intp to index with,
-# int16 to store (indexing by another integer type converts it first, and lets go of the
-# GIL to); made once (arange itself lets go of it).
+_WAY_MASK = np.uint8(_WAYS - 1)
+_ONE8 = np.uint8(1)
+_NO_SPAN = np.iinfo(np.int32).max  # past any position in a request
+# Positions within a chunk, forwards and backwards: intp to index with, int32 to store
+# (indexing by another integer type converts it first, and lets go of the GIL too); made
+# once (arange itself lets go of it).
 _BACKWARDS = np.arange(_GIL_ROWS)[::-1].copy()
-_BACKWARDS16 = _BACKWARDS.astype(np.int16)
-_INDEX16 = _BACKWARDS16[::-1].copy()
+_BACKWARDS32 = _BACKWARDS.astype(np.int32)
+_FORWARDS32 = _BACKWARDS32[::-1].copy()
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
@@ -202,17 +207,29 @@ def fingerprints(keys: np.ndarray) -> np.ndarray:
 def _fingerprint_words(trace_hi: np.ndarray, trace_lo: np.ndarray, span: np.ndarray) -> np.ndarray:
     out = np.empty(len(span), dtype=np.uint64)
     for s in _chunks(len(span)):
-        fp = trace_hi[s] * _MIX[2]
-        for word in (trace_lo[s], span[s]):
-            fp ^= word
-            fp ^= fp >> _S30
-            fp *= _MIX[0]
-            fp ^= fp >> _S27
-            fp *= _MIX[1]
-            fp ^= fp >> _S31
+        fp = out[s]  # written in place: no copy at the end
+        np.multiply(trace_hi[s], _MIX[2], out=fp)
+        fp ^= trace_lo[s]
+        fp ^= fp >> _S30
+        fp *= _MIX[0]
+        fp ^= span[s]
+        fp ^= fp >> _S27
+        fp *= _MIX[1]
+        fp ^= fp >> _S31
         fp |= _ONE
-        out[s] = fp
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    """One request's fingerprints looked up in a :class:`SpanWindow` (``SpanWindow.lookup``);
+    what ``remember`` needs of them is kept, so admitting the request costs no second pass."""
+
+    fingerprints: np.ndarray  # uint64[n], as looked up
+    repeats: np.ndarray  # positions (ascending) seen before: in the window or earlier in the request
+    buckets: tuple[np.ndarray, ...]  # per chunk of _GIL_ROWS spans: each span's bucket
+    firsts: tuple[np.ndarray, ...]  # per chunk: is the span the request's first in its bucket
+    others: list[int]  # positions (ascending) of the spans that are not
 
 
 class SpanWindow:
@@ -228,10 +245,13 @@ class SpanWindow:
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
-        # [bucket, way]: a bucket's ways share a cache line; one slot index per fingerprint
-        self._slots = np.zeros((1 << bits) * _WAYS, dtype=np.uint64)
+        # [bucket, way]: a bucket's ways share a cache line; read way by way through views
+        # (one gather of a span per way, never more than _GIL_ROWS elements at once)
+        self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
+        self._slots = self._table.reshape(-1)  # the same memory: one slot index per fingerprint
+        self._ways = tuple(self._table[:, way] for way in range(_WAYS))
         self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
-        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.int16)  # per bucket: _remember's
+        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.int32)  # per bucket: lookup's
 
     def _buckets(self, fp: np.ndarray) -> np.ndarray:
         # the shifted values are below 2**bits: read as intp (int64) without a conversion
@@ -240,58 +260,79 @@ class SpanWindow:
     def repeats(self, fp: np.ndarray) -> np.ndarray:
         """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
         seen before: in the window, or earlier in the same request."""
+        return self.lookup(fp).repeats
+
+    def lookup(self, fp: np.ndarray) -> Lookup:
+        """``fp`` looked up: :attr:`Lookup.repeats` as :meth:`repeats`, and what
+        :meth:`remember` reuses."""
         n = len(fp)
         if not self.capacity or not n:
-            return _NO_POSITIONS
-        slots = self._slots
+            return Lookup(fp, _NO_POSITIONS, (), (), [])
+        chunks = _chunks(n)
+        buckets = [self._buckets(fp[s]) for s in chunks]
+        # The request's first span of each bucket, over all chunks at once: an assignment with
+        # repeated indexes keeps the last value written, so the positions go in backwards, the
+        # last chunk first (as contiguous arrays: one through a reversed view lets go of the GIL).
+        first = self._scratch
+        for s, bucket in zip(reversed(chunks), reversed(buckets)):
+            m = s.stop - s.start
+            backwards = _BACKWARDS32[_GIL_ROWS - m:]
+            first[bucket[_BACKWARDS[_GIL_ROWS - m:]]] = backwards + s.start if s.start else backwards
         seen = np.empty(n, dtype=bool)
         seen_any = False
-        for s in _chunks(n):
+        firsts, others, others_first = [], [], []
+        ways = self._ways
+        for s, bucket in zip(chunks, buckets):
+            m = s.stop - s.start
             f = fp[s]
-            at = self._buckets(f) << _WAY_BITS  # the bucket's first slot
-            hit = slots[at] == f
-            for way in range(1, _WAYS):
-                hit |= slots[at + way] == f
-            seen[s] = hit
-            seen_any = seen_any or bool(hit.any())
-        # copies within the request: a set of Python ints (no numpy op, no sort)
-        values = fp.tolist()
-        if len(set(values)) < n:
-            first: dict[int, int] = {}
-            for i, value in enumerate(values):
-                if first.setdefault(value, i) != i:
+            hit = np.equal(ways[0][bucket], f, out=seen[s])  # written in place
+            for way in ways[1:]:
+                hit |= way[bucket] == f
+            seen_any = seen_any or np.count_nonzero(hit) > 0
+            earliest = first[bucket]
+            forwards = _FORWARDS32[:m]
+            is_first = earliest == (forwards + s.start if s.start else forwards)
+            firsts.append(is_first)
+            if np.count_nonzero(is_first) < m:  # spans sharing a bucket: a few per request
+                later = ~is_first
+                others += (np.flatnonzero(later) + s.start).tolist()
+                others_first += earliest[later].tolist()
+        for bucket in buckets:
+            first[bucket] = _NO_SPAN
+        if others:
+            # a copy earlier in the request shares its bucket: the bucket's first span, or
+            # one of the others before it
+            values = fp[others].tolist()
+            earlier: set[int] = set()
+            for i, value, value_first in zip(others, values, fp[others_first].tolist()):
+                if value == value_first or value in earlier:
                     seen[i] = True
-        elif not seen_any:
-            return _NO_POSITIONS
-        return np.flatnonzero(seen)
+                    seen_any = True
+                else:
+                    earlier.add(value)
+        positions = np.flatnonzero(seen) if seen_any else _NO_POSITIONS
+        return Lookup(fp, positions, tuple(buckets), tuple(firsts), others)
 
-    def remember(self, fp: np.ndarray) -> None:
-        """Adds the fingerprints of spans just admitted."""
-        if not self.capacity or not len(fp):
+    def remember(self, spans: np.ndarray | Lookup) -> None:
+        """Adds the fingerprints of spans just admitted (a :class:`Lookup` of exactly them, or
+        the fingerprints themselves)."""
+        seen = spans if isinstance(spans, Lookup) else self.lookup(spans)
+        if not self.capacity or not seen.buckets:
             return
-        for s in _chunks(len(fp)):  # chunk after chunk: arrival order is kept
-            self._remember(fp[s])
-
-    def _remember(self, fp: np.ndarray) -> None:
         # Spans that share a bucket take successive ways (arrival order), the oldest way
         # first; 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps that order.
-        bucket = self._buckets(fp)
-        n = len(fp)
-        first, slots, writes = self._scratch, self._slots, self._next
-        # The first span of each bucket at once: an assignment with repeated indexes keeps
-        # the last value written, so the positions go in reversed (as contiguous arrays: an
-        # assignment through a reversed view lets go of the GIL).
-        first[bucket[_BACKWARDS[_GIL_ROWS - n:]]] = _BACKWARDS16[_GIL_ROWS - n:]
-        is_first = first[bucket] == _INDEX16[:n]
-        first[bucket] = _NO_SPAN
-        written = bucket[is_first]
-        slots[(written << _WAY_BITS) + (writes[written] & (_WAYS - 1))] = fp[is_first]
-        writes[written] += np.uint8(1)
-        if is_first.all():
+        # The request's first span of each bucket at once (no bucket twice), then the others.
+        fp, slots, writes = seen.fingerprints, self._slots, self._next
+        for s, bucket, is_first in zip(_chunks(len(fp)), seen.buckets, seen.firsts):
+            written = bucket[is_first]
+            count = writes[written]
+            slots[(written << _WAY_BITS) | (count & _WAY_MASK)] = fp[s][is_first]
+            writes[written] = count + _ONE8
+        if not seen.others:
             return
-        # the others (a request of n spans has about n**2 / (2 * buckets) of them), in order
-        for i in np.flatnonzero(~is_first).tolist():
-            b = int(bucket[i])
+        values = fp[seen.others].tolist()
+        for i, value in zip(seen.others, values):
+            b = int(fp[i] >> self._shift)
             count = int(writes[b])
-            slots[b * _WAYS + (count & (_WAYS - 1))] = fp[i]
+            slots[b * _WAYS + (count & (_WAYS - 1))] = value
             writes[b] = (count + 1) & 0xFF

@@ -68,6 +68,11 @@ def _kernel_spans_estimate(encoded: bytes) -> float:
     return hits * size / (4 * 4096)
 
 
+def _phase(prefill_tokens, decode_tokens) -> str:
+    """A step's phase, from its token counts."""
+    return "mixed" if prefill_tokens and decode_tokens else ("prefill" if prefill_tokens else "decode")
+
+
 class _LatencySeries:
     """A classic histogram for Prometheus and a window for quantile queries.
 
@@ -130,6 +135,10 @@ _HOT_ATTRIBUTES: dict[str, Callable] = {
     sc.CUDA_KERNEL_NAME: lambda v: v.string_value[:_MAX_LABEL_CHARS], sc.HW_GPU_ID: _label,
     sc.CUDA_DEVICE: _label, _PREFILL_TOKENS: lambda v: _num(v) or 0.0, _DECODE_TOKENS: lambda v: _num(v) or 0.0}
 _REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
+# Request attributes read as labels: their values repeat, so the decoded form is cached by
+# the encoding (the latency values are unique and decoded each time).
+_LABEL_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
+                         sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
@@ -169,6 +178,7 @@ class SpanSeries:
         self._kernel_pos = self._gpu_pos = 0
         self._prefill_pos, self._decode_pos = 0, 1
         self._attr_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, decoded)
+        self._label_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, AnyValue)
 
     def source(self, request, encoded: bytes | None) -> tuple[object, bool]:
         """What to read the spans from: ``(lean re-parse of encoded, True)`` when enough spans
@@ -193,9 +203,8 @@ class SpanSeries:
         cache = self._attr_cache
         n = 0
         dispatch = self._dispatch
-        on_kernel = handlers[_KERNEL]
-        inline_kernels = lean
-        kernels = self.kernels
+        on_kernel, on_step = handlers[_KERNEL], handlers[_STEP]
+        kernels, steps = self.kernels, self.steps
         slot_s = self._slot_s
         touched = self._touched = {}
         newest = self.newest_data_s
@@ -213,31 +222,47 @@ class SpanSeries:
                         if not kind:
                             continue
                         try:
-                            if kind != _KERNEL or not inline_kernels:
+                            if kind == _REQUEST or not lean:
                                 handlers[kind](span, now)
                                 continue
-                            # Kernel spans (often half of all spans): _on_kernel and
-                            # _record_duration inlined for the usual case, the two
-                            # attributes where they were last found.
+                            # Kernel and step spans (most of the spans that feed a series): the
+                            # handlers and _record_duration inlined for the usual case, the two
+                            # attributes where they were last found; anything else goes to the
+                            # handler, which scans (and learns the positions).
                             attrs = span.attributes
                             k = len(attrs)
-                            i, j = self._kernel_pos, self._gpu_pos
-                            if i >= k or j >= k:
-                                on_kernel(span, now)
-                                continue
-                            hit = cache.get(attrs[i])
-                            if hit is None or hit[0] != _KERNEL_NAME or not hit[1]:
-                                on_kernel(span, now)
-                                continue
-                            kernel = hit[1]
-                            hit = cache.get(attrs[j])
-                            if hit is None or hit[0] != _GPU_ID or not hit[1]:
-                                on_kernel(span, now)
-                                continue
-                            series = kernels.get((hit[1], kernel))
-                            if series is None:
-                                on_kernel(span, now)
-                                continue
+                            if kind == _KERNEL:
+                                i, j = self._kernel_pos, self._gpu_pos
+                                if i >= k or j >= k:
+                                    on_kernel(span, now)
+                                    continue
+                                hit = cache.get(attrs[i])
+                                if hit is None or hit[0] != _KERNEL_NAME or not hit[1]:
+                                    on_kernel(span, now)
+                                    continue
+                                kernel = hit[1]
+                                hit = cache.get(attrs[j])
+                                if hit is None or hit[0] != _GPU_ID or not hit[1]:
+                                    on_kernel(span, now)
+                                    continue
+                                series = kernels.get((hit[1], kernel))
+                                if series is None:
+                                    on_kernel(span, now)
+                                    continue
+                            else:
+                                i, j = self._prefill_pos, self._decode_pos
+                                if i >= k or j >= k:
+                                    on_step(span, now)
+                                    continue
+                                hit, hit2 = cache.get(attrs[i]), cache.get(attrs[j])
+                                if (hit is None or hit2 is None or hit[0] != _PREFILL_TOKENS
+                                        or hit2[0] != _DECODE_TOKENS):
+                                    on_step(span, now)
+                                    continue
+                                series = steps.get(_phase(hit[1], hit2[1]))
+                                if series is None:
+                                    on_step(span, now)
+                                    continue
                             end_ns = span.end_time_unix_nano
                             duration = end_ns - span.start_time_unix_nano
                             t = end_ns / 1e9
@@ -291,12 +316,21 @@ class SpanSeries:
 
     def _on_request(self, span, now: float) -> None:
         got: dict[str, object] = {}
+        cache = self._label_cache
         for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
             if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _REQUEST_KEY_BYTES:
                 continue  # key first and short (the encoders' way): not wanted, told from its bytes
+            hit = cache.get(raw)
+            if hit is not None:
+                got[hit[0]] = hit[1]
+                continue
             key, value = decode_attribute(raw)
             if key in _REQUEST_KEYS:
                 got[key] = value
+                if key in _LABEL_KEYS:  # model, priority: every request repeats them
+                    if len(cache) >= _MAX_ATTRIBUTE_CACHE:
+                        cache.clear()
+                    cache[raw] = (key, value)
         self._on_request_attributes(span, now, got)
 
     def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
@@ -380,7 +414,7 @@ class SpanSeries:
         self._on_step_phase(span, now, prefill, decode)
 
     def _on_step_phase(self, span, now: float, prefill, decode) -> None:
-        phase = "mixed" if prefill and decode else ("prefill" if prefill else "decode")
+        phase = _phase(prefill, decode)
         series = self.steps.get(phase)
         if series is None:
             if len(self.steps) >= self.config.max_step_series:  # only with odd phases

@@ -135,3 +135,20 @@ def test_copies_within_a_request_are_found_across_chunks_and_every_span_is_remem
     both = np.concatenate((eight[top == 0][:4], eight[top == 1][:4]))
     tiny.remember(both)
     assert len(tiny.repeats(both)) == 8
+
+
+def test_remembering_a_lookup_writes_what_remembering_its_fingerprints_does():
+    # one request of 1,200 spans (3 chunks) into 1,024 buckets: many spans share a bucket with
+    # an earlier one, some in another chunk, and a few buckets take more than 4
+    fp = fingerprints(_counter_keys(1200))
+    by_lookup, by_fingerprints = SpanWindow(1 << 12), SpanWindow(1 << 12)
+    seen = by_lookup.lookup(fp)
+    assert seen.repeats.size == 0 and len(seen.others) > 0
+    by_lookup.remember(seen)
+    by_fingerprints.remember(fp)
+    assert np.array_equal(by_lookup._table, by_fingerprints._table)
+    assert np.array_equal(by_lookup.repeats(fp), np.arange(1200))
+    # each bucket kept its 4 newest: the table holds exactly the last 4 spans of each bucket
+    bucket = (fp >> by_lookup._shift).astype(np.intp)
+    newest = {int(b): set(fp[bucket == b][-4:].tolist()) for b in np.unique(bucket)}
+    assert all(set(by_lookup._table[b].tolist()) - {0} == kept for b, kept in newest.items())

@@ -51,3 +51,26 @@ def test_span_kinds_are_an_enum_and_unknown_names_feed_nothing():
     series = SpanSeries(AggregationConfig(), {}, {})
     assert series._learn_name("queue") is SpanKind.NONE  # noqa: SLF001 -- the dispatch rule itself
     assert series._learn_name(sc.SPAN_KERNEL_PREFIX + "x") is SpanKind.KERNEL  # noqa: SLF001
+
+
+def test_request_labels_read_from_the_cache_leave_the_same_state(monkeypatch):
+    # the lean read caches each encoded model and priority; a cache of 2 entries is cleared
+    # again and again over these exports (30 requests, 2 priorities, 3 models)
+    monkeypatch.setattr("sightline.collector.span_series._MAX_ATTRIBUTE_CACHE", 2)
+    requests = []
+    for model in ("a", "b", "c"):
+        request = _spans()
+        for span in request.resource_spans[0].scope_spans[0].spans:
+            for kv in span.attributes:
+                if kv.key == sc.GEN_AI_REQUEST_MODEL:
+                    kv.value.string_value = model
+        requests.append(request)
+    states = []
+    for lean in (True, False):
+        series = SpanSeries(AggregationConfig(), {}, {})
+        for request in requests + requests:  # the second round reads the labels from the cache
+            source = series.source(request, request.SerializeToString())[0] if lean else request
+            series.consume(source, lean, T0_S)
+        states.append(_state(series))
+    assert states[0] == states[1]
+    assert states[0][3] == {(m, p, "stop"): 30 for m in "abc" for p in "01"}
