@@ -7,7 +7,7 @@ runner's calls of a step replaying a graph (``begin_step`` and ``end_step`` unle
 ``next_step_plain``; ``observe_step``), once in a tight loop and once with a cache-evicting
 workload (Python dict walks and an 8 MB copy) between steps. ``--device cpu``: a
 ``GpuTelemetry`` without probe or CUPTI. ``--device cuda``: with both, a 20-kernel graph
-replayed per step whose probed launches are adopted, and the probed step's parts timed
+replayed per step whose probed launches are snapshotted, and the probed step's parts timed
 alone (the ring's device copy, the worker's queue put). Cost: seconds; prints µs, medians.
 
     python -m bench.telemetry_cold_path [--device cuda] [--out bench/results]

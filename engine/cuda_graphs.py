@@ -8,8 +8,8 @@ the smallest bucket ``B >= n``. Padded rows have context length 0 (the paged-att
 reads no page and returns zeros) and write their K/V to a scratch slot no request owns.
 
 SM probe: with kernel telemetry on, the graphs are captured with the probe, writing from slot
-0 of its buffer; the runner adopts the captured launches after a replay so that the step's
-records are snapshotted like an eager step's. CUPTI needs nothing: the step's external
+0 of its buffer; after a replay the step's records are snapshotted as the captured launches'
+(``SmProbe.end_replay``), like an eager step's. CUPTI needs nothing: the step's external
 correlation id is pushed around the graph launch, and its kernel nodes carry that launch's id.
 Cost per step: ~7 small device copies and one graph launch. Memory: the pool (about the
 largest bucket's activations) plus each bucket's logits ``[B, vocab]`` in the model's dtype.
@@ -166,5 +166,5 @@ class DecodeGraphs:
         return self._logits[bucket]
 
     def launches(self, bucket: int) -> ProbedLaunches:
-        """The probed launches captured in ``bucket``'s graph (for ``SmProbe.adopt``)."""
+        """The probed launches captured in ``bucket``'s graph (for ``SmProbe.end_replay``)."""
         return self._launches.get(bucket) or ProbedLaunches()

@@ -363,8 +363,10 @@ class GpuTelemetry:
         so that the usual step touches nothing else."""
         self._to_sample -= 1
         self._to_probe -= 1
-        if self._to_sample and self._to_probe:
-            return _NEITHER
+        return _NEITHER if self._to_sample and self._to_probe else self._turn()
+
+    def _turn(self) -> tuple[bool, bool]:
+        """A step whose countdown reached 0: its plan, the countdown drawn anew."""
         sampled, probed = not self._to_sample, not self._to_probe
         if sampled:
             self._to_sample = self.policy.next_sample_gap()
@@ -377,7 +379,7 @@ class GpuTelemetry:
         if the step is traced or the 1-in-``probe_every_steps`` one; else forgets them.
         ``done``: a CUDA event after the step's kernels (e.g. its token copy), if one exists;
         ``graph``: ``(graphs, bucket)`` when the step replayed a captured graph (its probed
-        launches are then adopted as the step's)."""
+        launches are then snapshotted as the step's)."""
         t0 = time.perf_counter()
         probe = self.probe
         if not (self._open or self._untraced_push or self._probing):
@@ -410,10 +412,12 @@ class GpuTelemetry:
             pending = None
             if probe is not None:
                 if reason or self._probing:
-                    if graph is not None and graph[0].probe is probe:
-                        probe.adopt(graph[0].launches(graph[1]))
                     self.recorder.name_step(step)   # its records name the step span
-                    pending = probe.end_step(step.trace_id, step.span_id)
+                    if graph is not None and graph[0].probe is probe:
+                        pending = probe.end_replay(graph[0].launches(graph[1]), step.trace_id,
+                                                   step.span_id)
+                    else:
+                        pending = probe.end_step(step.trace_id, step.span_id)
                     self.stats.steps_probed += pending is not None
                 else:
                     probe.discard()
@@ -459,10 +463,16 @@ class GpuTelemetry:
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
             self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
-        # a plan not taken (the last launch was plain) was that launch's: draw anew
-        self._planned = plan = self._plan()
-        self.next_step_plain = plan is _NEITHER and not (self._closing or self._follow
-                                                         or self._owed)
+        # a plan not taken (the last launch was plain) was that launch's: draw anew (as
+        # _plan does, inline: this runs on every step, right after the model's work)
+        self._to_sample -= 1
+        self._to_probe -= 1
+        if self._to_sample and self._to_probe:
+            self._planned = _NEITHER
+            self.next_step_plain = not (self._closing or self._follow or self._owed)
+        else:
+            self._planned = self._turn()
+            self.next_step_plain = False
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

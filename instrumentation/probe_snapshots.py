@@ -50,9 +50,12 @@ class SnapshotRing:
         self.copy_errors = 0
 
     def _free_start(self, words: int) -> int | None:
-        try:
-            oldest = self._live[0][0]
-        except IndexError:             # all retired (the worker may retire meanwhile)
+        live = self._live
+        try:   # tested first: raising is slow, and the ring is rarely empty
+            oldest = live[0][0] if live else -1
+        except IndexError:             # the worker retired the last range meanwhile
+            oldest = -1
+        if oldest < 0:                 # all retired
             return 0 if words <= self.words else None
         head = self._head
         if head > oldest:              # free: [head, end) and [0, oldest)

@@ -382,6 +382,9 @@ class CtaHistograms:
 class PendingCtas:
     """One step's records on their way to the host; ``wait()`` returns the ``CtaBatch``."""
 
+    # made on the engine thread of a probed step, right after the model's work
+    __slots__ = ("ring", "start", "words", "launches", "trace_id", "span_id", "_meta", "_batch")
+
     def __init__(self, ring: SnapshotRing, start: int, words: int,
                  launches: list[tuple[str, int]], gpu_id: int, fake: bool,
                  trace_id: int, span_id: int) -> None:
@@ -479,33 +482,35 @@ class SmProbe:
 
     def take_reservations(self) -> ProbedLaunches:
         """This step's launches so far, forgotten without reading: a CUDA graph captured
-        since the last reset keeps them and ``adopt``s them at each replay."""
+        since the last reset keeps them for ``end_replay`` at each replay."""
         launches = ProbedLaunches(self._launches)
         self.discard()
         return launches
 
-    def adopt(self, launches: ProbedLaunches) -> bool:
-        """Marks a replayed CUDA graph's probed launches as this step's (on probed steps, on
-        the engine thread: a list copy). The graph's kernels write from slot 0 (it was
-        captured right after a reset), so nothing else may have been probed in this step:
-        then nothing is adopted and False is returned."""
+    def end_replay(self, launches: ProbedLaunches, trace_id: int = 0,
+                   span_id: int = 0) -> PendingCtas | None:
+        """``end_step`` for a step that replayed a CUDA graph: snapshots the graph's probed
+        ``launches`` (its kernels write from slot 0: it was captured right after a reset).
+        If anything else was probed in the step, those slots are taken: the graph's launches
+        are then dropped (counted) and the step's own reservations snapshotted instead."""
         if self._used:
             self.dropped_launches += len(launches)
-            return False
-        self._launches = list(launches)
-        self._used = launches.ctas
-        return True
+            return self.end_step(trace_id, span_id)
+        return self._snapshot(launches, launches.ctas, trace_id, span_id)
 
     def end_step(self, trace_id: int = 0, span_id: int = 0) -> PendingCtas | None:
         """Snapshots this step's records into the ring (a device copy ordered on the
         launching stream, no torch call) and resets the slots; None when nothing was probed
         or the ring is full (counted). A reader on another stream first waits for the
         launching one, and retires the snapshot once its reads are done."""
-        if self._used == 0:
+        launches, used, self._launches, self._used = self._launches, self._used, [], 0
+        return self._snapshot(launches, used, trace_id, span_id)
+
+    def _snapshot(self, launches, ctas: int, trace_id: int, span_id: int) -> PendingCtas | None:
+        if ctas == 0:
             return None
-        words = self._used * RECORD_WORDS
+        words = ctas * RECORD_WORDS
         start = self.snapshots.place(words)
-        launches, self._launches, self._used = self._launches, [], 0
         if start is None:
             self.dropped_snapshots += 1
             return None

@@ -13,7 +13,7 @@ from sightline.engine.config import EngineConfig
 from sightline.engine.cuda_graphs import DecodeGraphs, graph_buckets
 from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
-from sightline.instrumentation.sm_probe import PROBE_FAKE, SmProbe
+from sightline.instrumentation.sm_probe import PROBE_FAKE, RECORD_WORDS, ProbedLaunches, SmProbe
 
 
 def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
@@ -40,14 +40,17 @@ def test_enforce_eager_is_a_checked_config_field_and_a_serve_flag():
     assert parser.parse_args(["engine", "serve"]).enforce_eager is False
 
 
-def test_probe_reservations_are_taken_at_capture_and_adopted_at_replay():
+def test_probe_reservations_are_taken_at_capture_and_snapshotted_at_replay():
     probe = SmProbe("cpu", capacity_ctas=100, mode=PROBE_FAKE)
     assert probe.reserve("k1", 30) == 0 and probe.reserve("k2", 20) == 30
     launches = probe.take_reservations()
     assert launches == (("k1", 30), ("k2", 20)) and probe.pending_ctas == 0
-    assert probe.adopt(launches) and probe.pending_ctas == 50
-    assert not probe.adopt(launches) and probe.dropped_launches == 2   # slots already taken
-    probe.discard()
+    pending = probe.end_replay(launches, trace_id=1, span_id=2)
+    assert pending.launches == launches and pending.words == 50 * RECORD_WORDS
+    assert probe.reserve("k3", 10) == 0                 # this step's own slots are taken:
+    pending = probe.end_replay(launches)                # the graph's launches are dropped
+    assert pending.launches == [("k3", 10)] and probe.dropped_launches == 2
+    assert probe.end_replay(ProbedLaunches()) is None and probe.pending_ctas == 0
 
 
 def _run(engine, prompts, max_tokens):
@@ -140,8 +143,7 @@ def test_probe_records_come_back_from_a_replayed_graph():
                             torch.zeros(2, 1, dtype=torch.int32, device=dev),
                             torch.tensor([4, 10], dtype=torch.int32, device=dev), bucket=2)
         assert torch.isfinite(logits).all()
-        assert probe.adopt(graphs.launches(2))
-        batch = probe.end_step(trace_id=1, span_id=2).wait()
+        batch = probe.end_replay(graphs.launches(2), trace_id=1, span_id=2).wait()
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
         assert batch.num_ctas == sum(n for _, n in graphs.launches(2))
         busy = batch.sm_id >= 0
