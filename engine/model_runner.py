@@ -347,13 +347,13 @@ class ModelRunner:
             bucket = self.graphs.bucket_for(batch.num_decode_seqs, batch.meta.block_tables.shape[1])
         gpu = self.gpu_telemetry if step_trace is not None else None
         # the usual step (no kernel spans, probe records not read) calls nothing: planned so
-        # when the last step ended, and a replay reserves nothing in the probe to forget
+        # when the last step ended; its eager kernels probe nothing (a replay's graph writes
+        # its probe slots all the same, and the next probed replay overwrites them)
         plain = gpu is not None and gpu.next_step_plain
-        if gpu is not None:
+        if gpu is not None and not plain:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe
-            if not plain:
-                gpu.begin_step(step_trace)
+            gpu.begin_step(step_trace)
         tokens = replayed = None
         try:
             if bucket is None:
@@ -367,7 +367,7 @@ class ModelRunner:
             if batch.sampled_request_ids:
                 tokens = self.sampler.start_copy(self.sampler.sample(logits, batch.sampling))
         finally:
-            if gpu is not None and not (plain and replayed):
+            if gpu is not None and not plain:
                 if gpu.tracing and gpu.waits_for_traced_steps and tokens is not None:
                     tokens.wait()
                 gpu.end_step(step_trace, tokens.copied if tokens is not None else None, replayed)
