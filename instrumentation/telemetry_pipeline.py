@@ -33,6 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from . import semconv
 from .config import TelemetryConfig, TraceLevel
 from .counting_export import TelemetryCounters
+from .event_wire import to_wire
 from .gpu_records import KernelNames
 from .lifecycle import LifecycleRecorder
 
@@ -220,7 +221,8 @@ class TelemetryPipeline:
         while True:
             items = outbox.get()
             try:
-                pickle.dump(items, pipe, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(to_wire(items) if items is not None else None, pipe,
+                            protocol=pickle.HIGHEST_PROTOCOL)
                 pipe.flush()
             except (BrokenPipeError, OSError, ValueError):
                 if items is not None:

@@ -31,6 +31,7 @@ def main() -> int:
     frames_in = sys.stdin.buffer
     frames_out = os.fdopen(os.dup(sys.stdout.fileno()), "wb")
     sys.stdout = sys.stderr                  # nothing but frames on the engine's pipe
+    from .event_wire import from_wire
     from .tracing import Telemetry
     from .telemetry_worker import TelemetryWorker
 
@@ -69,7 +70,7 @@ def main() -> int:
         if frame is None:
             break
         if frame:
-            worker.handle(frame)
+            worker.handle(from_wire(frame))
         worker.poll()
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:
