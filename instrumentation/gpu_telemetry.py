@@ -463,16 +463,10 @@ class GpuTelemetry:
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
             self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
-        # a plan not taken (the last launch was plain) was that launch's: draw anew (as
-        # _plan does, inline: this runs on every step, right after the model's work)
-        self._to_sample -= 1
-        self._to_probe -= 1
-        if self._to_sample and self._to_probe:
-            self._planned = _NEITHER
-            self.next_step_plain = not (self._closing or self._follow or self._owed)
-        else:
-            self._planned = self._turn()
-            self.next_step_plain = False
+        # a plan not taken (the last launch was plain) was that launch's: draw anew
+        self._planned = plan = self._plan()
+        self.next_step_plain = plan is _NEITHER and not (self._closing or self._follow
+                                                         or self._owed)
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the
