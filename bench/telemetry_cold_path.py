@@ -8,7 +8,7 @@ runner's calls of a step replaying a graph (``begin_step`` and ``end_step`` unle
 workload (Python dict walks and an 8 MB copy) between steps. ``--device cpu``: a
 ``GpuTelemetry`` without probe or CUPTI. ``--device cuda``: with both, a 20-kernel graph
 replayed per step whose probed launches are snapshotted, and the probed step's parts timed
-alone (the ring's device copy, the worker's queue put). Cost: seconds; prints µs, medians.
+alone (the ring's device copy, a wake-up of the worker). Cost: seconds; prints µs, medians.
 
     python -m bench.telemetry_cold_path [--device cuda] [--out bench/results]
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import random
 import statistics
 import threading
@@ -121,9 +120,9 @@ def run(steps: int, evict: bool, device: str = "cpu") -> dict[str, dict[str, flo
 
 
 def probed_parts(calls: int = 2000) -> dict[str, float]:
-    """µs per call of the probed step's parts on the engine thread, CUPTI attached with its
-    kinds off (as between traced steps): the ring's device copy and a queue put that wakes
-    a waiting thread, each warm."""
+    """µs per call, warm, on the engine thread with CUPTI attached and its kinds off (as
+    between traced steps): the ring's device copy of a probed step, and the wake-up of the
+    worker that a traced step makes."""
     gpu, graphs = _telemetry("cuda")
     try:
         ring, words = gpu.probe.snapshots, graphs.launches(64).ctas * 3
@@ -134,24 +133,33 @@ def probed_parts(calls: int = 2000) -> dict[str, float]:
         place_us = 1e6 * (time.perf_counter() - t0) / calls
     finally:
         gpu.shutdown()
-    work: queue.Queue = queue.Queue()
-    woken = threading.Event()
+    return {"ring_copy_us": round(place_us, 2), "wake_us": round(wake_us(calls), 2)}
 
-    def consumer() -> None:
-        while work.get() is not None:
-            woken.set()
-    thread = threading.Thread(target=consumer, daemon=True)
+
+def wake_us(calls: int = 2000) -> float:
+    """µs per ``threading.Event.set()`` that wakes a waiting thread (a traced step's hand-off)."""
+    wake, woken = threading.Event(), threading.Event()
+    stop = False
+
+    def waiter() -> None:
+        while not stop:
+            if wake.wait(1.0):
+                wake.clear()
+                woken.set()
+    thread = threading.Thread(target=waiter, daemon=True)
     thread.start()
-    put_s = 0.0
+    spent = 0.0
     for _ in range(calls):
         woken.clear()
+        time.sleep(0.0002)   # the waiter is back in wait()
         t0 = time.perf_counter()
-        work.put_nowait(1)
-        put_s += time.perf_counter() - t0
+        wake.set()
+        spent += time.perf_counter() - t0
         woken.wait(1.0)
-    work.put(None)
+    stop = True
+    wake.set()
     thread.join()
-    return {"ring_copy_us": round(place_us, 2), "queue_put_us": round(1e6 * put_s / calls, 2)}
+    return 1e6 * spent / calls
 
 
 def main(argv=None) -> int:
