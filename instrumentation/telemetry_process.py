@@ -2,8 +2,8 @@
 
 Started and supervised by the engine (:mod:`.telemetry_pipeline`); it can be started by
 hand too, as a sidecar fed over the same pipes. Protocol, pickle frames on stdin: first a
-``TelemetryConfig``, then lists of recorded items, then ``None`` to stop (flushes and
-exits). On stdout, frames back to the engine: ``("names", [pointers])`` (kernel names it
+``TelemetryConfig``, then lists of recorded items in their wire form (:mod:`.event_wire`),
+then ``None`` to stop (flushes and exits). On stdout, frames back to the engine: ``("names", [pointers])`` (kernel names it
 needs) and ``("stats", dict)`` twice a second. Logs go to stderr. It exits when the engine's
 pipe closes. Honors the standard ``OTEL_*`` environment (through ``Telemetry.start``);
 never imports torch.
