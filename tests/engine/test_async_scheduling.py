@@ -165,6 +165,52 @@ def test_served_overlapped_engine_streams_what_the_synchronous_one_does():
     assert [n for _, n in answers[True]] == [7, 1, 12]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-decode"])
+def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
+    """With GPU telemetry attached and nothing to sample or probe, only the first step (no
+    plan yet) calls begin_step and end_step; every later one, eager or through the static
+    decode path, calls neither, and its kernels get no probe."""
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
+    from sightline.instrumentation.sm_probe import PROBE_FAKE, SmProbe
+    from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none",
+                                                       metrics_enabled=False))
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.004,
+                                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48)),
+                       pipeline)
+    if static:
+        engine.runner.static_decode(capture=False)
+    calls, probes = [], []
+
+    class Counting(GpuTelemetry):
+        def begin_step(self, step):
+            calls.append(("begin", step.step_id))
+            super().begin_step(step)
+
+        def end_step(self, step, done=None, graph=None):
+            calls.append(("end", step.step_id))
+            super().end_step(step, done, graph)
+
+    gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False,
+                                                            kernel_sample_ratio=0.0))
+    gpu.probe = SmProbe("cpu", capacity_ctas=1 << 12, mode=PROBE_FAKE)   # never probed: no turn
+    engine.gpu_telemetry = engine.runner.gpu_telemetry = gpu
+    model_forward = engine.runner.model.forward
+
+    def forward(input_ids, positions, meta, *args, **kwargs):
+        probes.append(meta.probe)
+        return model_forward(input_ids, positions, meta, *args, **kwargs)
+    engine.runner.model.forward = forward
+    prompts, _ = _requests()
+    engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    pipeline.shutdown()
+    gpu.shutdown()
+    assert calls == [("begin", 0), ("end", 0)]
+    assert len(probes) > 6 and probes[0] is gpu.probe and all(p is None for p in probes[1:])
+
+
 # -- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_engine(telemetry=None, **kw):
