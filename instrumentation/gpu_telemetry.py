@@ -123,13 +123,12 @@ class TailPolicy:
         """Moves the batch into the window; recomputes ``limit`` if it can have moved."""
         batch, recent = self._batch, self._recent
         self._batch = []
-        leaving = len(recent) + len(batch) - recent.maxlen
-        if self._may_move(batch, list(itertools.islice(recent, max(leaving, 0)))):
-            recent.extend(batch)
+        leaving = list(itertools.islice(recent, max(len(recent) + len(batch) - recent.maxlen, 0)))
+        moved = self._may_move(batch, leaving)
+        recent.extend(batch)
+        if moved:
             threshold = self.threshold()
             self.limit = math.inf if threshold is None else threshold
-        else:
-            recent.extend(batch)
 
     def _may_move(self, entering: list[float], leaving: list[float]) -> bool:
         """False only when the quantile stays where it is: the window was and stays full
@@ -363,10 +362,8 @@ class GpuTelemetry:
         so that the usual step touches nothing else."""
         self._to_sample -= 1
         self._to_probe -= 1
-        return _NEITHER if self._to_sample and self._to_probe else self._turn()
-
-    def _turn(self) -> tuple[bool, bool]:
-        """A step whose countdown reached 0: its plan, the countdown drawn anew."""
+        if self._to_sample and self._to_probe:
+            return _NEITHER
         sampled, probed = not self._to_sample, not self._to_probe
         if sampled:
             self._to_sample = self.policy.next_sample_gap()
