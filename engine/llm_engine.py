@@ -37,7 +37,7 @@ from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
     from ..instrumentation import LifecycleRecorder
-    from .model_runner import LaunchedStep, StepExecution
+    from .model_runner import LaunchedStep, ModelRunner, StepExecution
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "StepStats", "EngineStoppedError",
            "QueueFullError"]
@@ -84,11 +84,14 @@ def _without_ended(plan: StepPlan) -> StepPlan | None:
 
 
 def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end_ns: int,
-                prefill_done: list[int], execution: StepExecution | None,
+                prefill_done: list[int], execution: StepExecution | None, runner: ModelRunner,
                 error_type: str | None) -> Step:
     """The Step event of a closed step, built on the telemetry's thread (the plan, its
     requests' keys and the step's attributes no longer change once it is closed); the step
-    span's ids are drawn here unless the GPU telemetry drew them."""
+    span's ids are drawn here unless the GPU telemetry drew them. How the step ran
+    (``execution``) is shown where the engine has a static decode path."""
+    if runner.graphs is None:
+        execution = None
     scheduled = plan.scheduled
     recorder.name_step(step)
     # a request's key, None when it is not traced (the assembler skips those)
@@ -346,7 +349,7 @@ class LLMEngine:
         """Enqueues the plan on the device and applies it to the scheduler with stand-ins for
         its tokens; on failure, fails its requests (into ``outputs``) and returns None."""
         t0 = time.perf_counter()
-        step = self._open_step(plan) if self._recorder is not None else None
+        step = self._open_step(plan, t0) if self._recorder is not None else None
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
         try:
             run = self.runner.launch(plan, step, previous.run.tokens if previous else None)
@@ -384,7 +387,8 @@ class LLMEngine:
         duration = done - max(launched.t0, self._last_step_done)
         self._last_step_done = done
         if step is not None:
-            self._close_step(plan, step, launched.run.execution, prefill_done, events, None, duration)
+            self._close_step(plan, step, launched.run.execution, prefill_done, events, None, duration,
+                             done)
         self.last_step = StepStats(plan.step_id, plan.num_prefill_tokens, plan.num_decode_tokens,
                                    len(plan.scheduled), duration)
         m.step.observe(duration)
@@ -401,24 +405,25 @@ class LLMEngine:
         m.waiting.set(self.scheduler.num_waiting)
         m.kv_usage.set(self.kv_cache.usage)
 
-    def _open_step(self, plan: StepPlan) -> OpenStep:
-        c0 = time.perf_counter()
+    def _open_step(self, plan: StepPlan, c0: float) -> OpenStep:
+        """The step's telemetry record; its time counted from the caller's ``c0``."""
         step = OpenStep(plan.step_id, 0, 0, time.time_ns())   # ids drawn off this thread
         self.telemetry_thread_s += time.perf_counter() - c0
         return step
 
     def _close_step(self, plan: StepPlan, step: OpenStep, execution: StepExecution | None,
                     prefill_done: list[int], events: list, error_type: str | None,
-                    duration_s: float | None = None) -> None:
+                    duration_s: float | None = None, c0: float | None = None) -> None:
         """One Step event (the batch, the preempted requests, the finished prompts), then the
         events of the requests it finished; with the step's ``duration_s`` (it completed),
-        the GPU telemetry's tail rule and plan for the next step."""
-        c0 = time.perf_counter()
-        shown = execution if self.runner.graphs is not None else None   # which bucket ran
+        the GPU telemetry's tail rule and plan for the next step. ``c0``: the caller's
+        ``perf_counter()`` just before, counted from (one clock read fewer)."""
+        if c0 is None:
+            c0 = time.perf_counter()
         # prefill_done is the step's own list, not changed after: built into the event later
         recorder = self._recorder
         recorder.record_later(_step_event, recorder, plan, step, time.time_ns(), prefill_done,
-                              shown, error_type)
+                              execution, self.runner, error_type)
         for event in events:
             recorder.record(event)
         if duration_s is not None and self.gpu_telemetry is not None:
@@ -444,7 +449,8 @@ class LLMEngine:
                 if live.key is not None:
                     prefill_done.append(live.key)
             if not first_token:
-                self.metrics.itl.observe(now - live.last_token_s, live.exemplar)
+                itl_s = now - live.last_token_s
+                self.metrics.itl.observe(itl_s, live.itl_exemplar(itl_s))
             live.last_token_s = now
             live.new_tokens = (live.new_tokens or []) + [token]
             live.text += live.detok.push(token)

@@ -73,6 +73,17 @@ class LiveRequest:
     stopped: bool = False  # a stop string ended it
     exemplar: dict[str, str] | None = None  # points the request's latency observations at its trace
     last_token_s: float = 0.0  # monotonic time of its latest token (inter-token latency)
+    slowest_itl_s: float = 0.0  # its slowest inter-token gap so far
+
+    def itl_exemplar(self, itl_s: float) -> dict[str, str] | None:
+        """The exemplar for an inter-token gap of ``itl_s``: the request's only when the gap is
+        its slowest so far. A bucket keeps one exemplar, the latest, so one per token (a few
+        µs each in prometheus_client, on the engine thread) buys nothing more than this does:
+        every bucket a request's first gap or a new slowest gap falls in points at it."""
+        if itl_s <= self.slowest_itl_s:
+            return None
+        self.slowest_itl_s = itl_s
+        return self.exemplar
 
     def hit_stop(self) -> bool:
         """Truncates ``text`` at the first stop string; True when one appeared."""

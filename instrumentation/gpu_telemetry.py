@@ -111,6 +111,15 @@ class TailPolicy:
         k = n - math.ceil(self.quantile * (n - 1))
         return heapq.nlargest(k, self._recent)[-1]
 
+    def room(self) -> int:
+        """Steps that can still ``admit`` before the next refresh is due."""
+        return self.refresh_steps - 1 - len(self._batch)
+
+    def admit(self, duration_s: float) -> None:
+        """``is_tail`` for a step known to be no slower than ``limit``, with ``room()`` > 0:
+        it only joins the batch (no refresh can be due)."""
+        self._batch.append(duration_s)
+
     def is_tail(self, duration_s: float) -> bool:
         tail = duration_s > self.limit   # the limit of the steps before this one
         batch = self._batch
@@ -227,6 +236,11 @@ class GpuTelemetry:
         # that launch needs nothing of begin_step / end_step (read by the engine, no call)
         self._planned: tuple[bool, bool] | None = None
         self.next_step_plain = False
+        # plain steps ahead whose observe_step may only admit the step to the tail window:
+        # granted by a plan, when neither countdown nor the window's refresh can come due
+        # sooner (``_quiet_granted`` settles the countdowns for those taken)
+        self._quiet = 0
+        self._quiet_granted = 0
         self._to_sample = self.policy.next_sample_gap()   # steps to the next sampled one
         self._to_probe = 1 if self.probe is not None else _NEVER   # ... to the next probed one
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
@@ -355,7 +369,15 @@ class GpuTelemetry:
         before the first one's end)."""
         planned, self._planned = self._planned, None
         self.next_step_plain = False
+        self._settle_quiet()
         return planned if planned is not None else self._plan()
+
+    def _settle_quiet(self) -> None:
+        """Counts the quiet steps taken since the last plan as the turns they were."""
+        taken = self._quiet_granted - self._quiet
+        self._to_sample -= taken
+        self._to_probe -= taken
+        self._quiet = self._quiet_granted = 0
 
     def _plan(self) -> tuple[bool, bool]:
         """One step's turn (each step takes exactly one): sampled, probed. Two countdowns,
@@ -456,14 +478,26 @@ class GpuTelemetry:
         launch: its sample draw and probe turn, and ``next_step_plain`` when it needs
         neither (nor anything pending), so that the engine skips ``begin_step`` and
         ``end_step`` on the usual step. The plan holds until a step begins or the next
-        ``observe_step``. (The engine counts this call's time as its telemetry time.)"""
+        ``observe_step``. (The engine counts this call's time as its telemetry time.)
+
+        The usual step is quiet: a plain plan granted it (no countdown and no window refresh
+        due before it), it was not recorded and is not slower than the limit. It only joins
+        the tail window: its turn is the plain one it was granted, settled at the next plan."""
+        if self._quiet and duration_s <= self.policy.limit and not step.cupti_recorded:
+            self._quiet -= 1
+            self.policy.admit(duration_s)
+            return
+        self._settle_quiet()
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
             self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
         # a plan not taken (the last launch was plain) was that launch's: draw anew
         self._planned = plan = self._plan()
-        self.next_step_plain = plan is _NEITHER and not (self._closing or self._follow
-                                                         or self._owed)
+        self.next_step_plain = plain = plan is _NEITHER and not (self._closing or self._follow
+                                                                 or self._owed)
+        if plain:   # both countdowns are >= 1 here
+            self._quiet = self._quiet_granted = max(
+                min(self._to_sample, self._to_probe, self.policy.room() + 1) - 1, 0)
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

@@ -180,6 +180,9 @@ class Deferred(NamedTuple):
     args: tuple
 
 
+_new_tuple = tuple.__new__   # a named tuple's own constructor is a Python function
+
+
 class LifecycleRecorder:
     """Appends lifecycle events to a bounded buffer that a sink drains (see module doc).
 
@@ -216,7 +219,12 @@ class LifecycleRecorder:
     def record_later(self, build: Callable[..., tuple], *args) -> None:
         """Like ``record(build(*args))``, with ``build`` run by ``drain`` on the sink's thread:
         O(1) here whatever the event's size. Any thread."""
-        self.record(Deferred(build, args))
+        # record()'s body, and the tuple made in C: the engine calls this on every step
+        if len(self.events) < self.capacity:
+            self.events.append(_new_tuple(Deferred, (build, args)))
+            self.recorded += 1
+        else:
+            self.dropped += 1
 
     def drain(self, limit: int = 1 << 20) -> list:
         """Takes up to ``limit`` events, oldest first, deferred ones built (the sink's thread)."""

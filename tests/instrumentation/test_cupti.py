@@ -370,6 +370,51 @@ def test_the_usual_step_is_planned_plain_and_skipping_it_keeps_the_policy():
     pipeline.shutdown()
 
 
+def test_quiet_steps_plan_exactly_what_planning_every_step_would():
+    """A plain plan grants the steps before any countdown or window refresh comes due a
+    quiet observe_step that only admits them to the tail window. Against a telemetry that
+    plans every step, on the same seed and durations (outliers and ties included), every
+    step is plain, sampled, probed or traced after a tail alike, the tail window and its
+    limit move at the same steps, and the tail counts agree."""
+    class EveryStep(GpuTelemetry):
+        def observe_step(self, step, duration_s):
+            super().observe_step(step, duration_s)
+            self._quiet = self._quiet_granted = 0
+
+    rng = np.random.default_rng(7)
+    durations = rng.lognormal(-5, 0.2, 3000)
+    durations[rng.integers(200, 3000, 25)] *= 30
+    durations[1000:1100] = durations[999]
+    runs = []
+    for cls in (GpuTelemetry, EveryStep):
+        pipeline, _, _, _ = _pipeline_with_gpu(0.05)
+        gpu = cls(pipeline.recorder, 0, GpuTelemetryConfig(
+            cupti=False, probe=False, seed=1, kernel_sample_ratio=0.05, probe_every_steps=5))
+        gpu.tracer = _FakeTracer()
+        gpu._to_probe = 1   # probe turns without a device probe: the plan is what is compared
+        seen, quiet = [], 0
+        for i, duration in enumerate(durations):
+            step = OpenStep(i, 1, 2, 0)
+            plain = gpu.next_step_plain
+            probing = False
+            if not plain:
+                gpu.begin_step(step)
+                probing = gpu._probing
+                gpu.end_step(step)
+                assert _wait(lambda: not gpu.closing)
+            quiet += gpu._quiet > 0
+            gpu.observe_step(step, float(duration))
+            seen.append((plain, probing, (step.attributes or {}).get(semconv.STEP_TRACE_REASON),
+                         gpu.policy.limit, len(gpu.policy._recent)))
+        runs.append((seen, gpu.stats.tail_steps, quiet))
+        pipeline.shutdown()
+    (fast, fast_tails, fast_quiet), (every, every_tails, every_quiet) = runs
+    assert fast == every and fast_tails == every_tails
+    assert fast_tails > 5 and {seen[2] for seen in fast} == {None, "sampled", "after_tail"}
+    assert sum(seen[1] for seen in fast) > 400
+    assert fast_quiet > 1000 and every_quiet == 0     # the quiet path ran, and only there
+
+
 @pytest.mark.gpu
 def test_cupti_delivers_raw_buffers_whose_kernels_carry_external_ids():
     import torch
