@@ -40,6 +40,8 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels-sync": ["--trace-level", "kernels", "--no-async-scheduling"],
     "requests": ["--trace-level", "requests"],
     "steps": ["--trace-level", "steps"],
+    "steps-nice0": ["--trace-level", "steps", "--telemetry-nice", "0"],   # telemetry process at the engine's priority
+    "kernels-nice0": ["--trace-level", "kernels", "--telemetry-nice", "0"],
     "kernels": ["--trace-level", "kernels"],
     "kernels@0.05": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05"],
     "kernels@0": ["--trace-level", "kernels", "--kernel-sample-ratio", "0"],          # probe only

@@ -75,6 +75,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                        help="at --trace-level kernels: detach CUPTI between traced steps, so "
                             "that untraced steps pay nothing for it and each traced step pays "
                             "an attach of about 16 ms (default: SIGHTLINE_CUPTI_DETACH, else off)")
+    serve.add_argument("--telemetry-nice", type=int, default=None, metavar="N",
+                       help="nice value of the telemetry process, 0..19: it yields the CPU to "
+                            "the engine (default: SIGHTLINE_TELEMETRY_NICE, else 10)")
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
@@ -97,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
                                          kernel_span_detail=args.kernel_spans,
                                          sm_probe=args.sm_probe,
                                          sm_probe_every=args.sm_probe_every,
-                                         cupti_detach=args.cupti_detach)
+                                         cupti_detach=args.cupti_detach,
+                                         process_nice=args.telemetry_nice)
     batched_tokens = args.max_num_batched_tokens
     if batched_tokens is None:
         from .model_runner import default_max_num_batched_tokens, resolve_device

@@ -142,6 +142,9 @@ class TelemetryConfig:
     metrics_temporality: Literal["delta", "cumulative"] = "delta"
     shutdown_timeout_s: float = 5.0
     capture_path: str | None = None
+    # The telemetry process's nice value (0..19): it yields the CPU to the engine it shares
+    # CPUs with and catches up in idle time; falling behind drops records, counted.
+    process_nice: int = 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", TraceLevel.parse(self.level))
@@ -179,6 +182,7 @@ class TelemetryConfig:
         check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
         check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
         check_range("sm_probe_every", self.sm_probe_every, 1, 1_000_000, integer=True)
+        check_range("process_nice", self.process_nice, 0, 19, integer=True)
         if self.kernel_span_detail not in ("attention", "all"):
             raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
                              "attention|all")
@@ -235,7 +239,8 @@ class TelemetryConfig:
         ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
         ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
         ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_SM_PROBE``,
-        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CUPTI_DETACH``, ``SIGHTLINE_CAPTURE_PATH``. Raises ValueError naming the
+        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CUPTI_DETACH``, ``SIGHTLINE_CAPTURE_PATH``,
+        ``SIGHTLINE_TELEMETRY_NICE``. Raises ValueError naming the
         variable and its bad value.
         """
         env = os.environ if env is None else env
@@ -291,6 +296,7 @@ class TelemetryConfig:
         put("sm_probe_every", "SIGHTLINE_SM_PROBE_EVERY", _parse_int)
         put("cupti_detach", "SIGHTLINE_CUPTI_DETACH", _parse_bool)
         put("capture_path", "SIGHTLINE_CAPTURE_PATH")
+        put("process_nice", "SIGHTLINE_TELEMETRY_NICE", _parse_int)
         # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
         if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:
             put("export_timeout_s", "OTEL_BSP_EXPORT_TIMEOUT", lambda s: _parse_float(s) / 1000.0)

@@ -182,6 +182,7 @@ class TelemetryPipeline:
         process = subprocess.Popen(
             [sys.executable, "-m", "sightline.instrumentation.telemetry_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        _lower_priority(process.pid, self.config.process_nice)
         pickle.dump(self.config, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
         process.stdin.flush()
         self._process = process
@@ -314,6 +315,17 @@ class TelemetryPipeline:
                 except queue.Full:
                     self.dropped[DROP_QUEUE_FULL] += len(items)
             time.sleep(0.05)
+
+
+def _lower_priority(pid: int, nice: int) -> None:
+    """Raises the new telemetry process's nice value to ``nice``: it shares the engine's CPUs
+    (an engine pinned to a few keeps it there) and must not take one from the engine thread.
+    Set before its interpreter has started a thread, so that all of them inherit it."""
+    try:
+        if nice > os.getpriority(os.PRIO_PROCESS, pid):
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+    except (AttributeError, OSError) as exc:   # another platform, or it exited: as started
+        logger.warning("telemetry process %d keeps its priority (%s)", pid, exc)
 
 
 def _add(a: dict, b: dict) -> dict:

@@ -105,3 +105,30 @@ def test_killed_telemetry_process_is_restarted_and_requests_never_fail():
             running.stop()
         collector.send_signal(signal.SIGTERM)
         collector.wait(timeout=30)
+
+
+def test_the_telemetry_process_and_its_threads_yield_the_cpu_to_the_engine():
+    """The telemetry process shares the engine's CPUs: it runs at the configured nice value,
+    every one of its threads (exporters' included), so that it takes none from the engine."""
+    from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="steps", exporter="none",
+                                                       metrics_enabled=False, process_nice=7))
+    try:
+        pid = pipeline.pid
+        assert pid is not None
+
+        def nice_values() -> set[int]:
+            values = set()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    values.add(int(f.read().rsplit(")", 1)[1].split()[16]))   # field 19: nice
+            return values
+
+        deadline = time.monotonic() + 30   # until it has read its config and started its threads
+        while time.monotonic() < deadline and len(os.listdir(f"/proc/{pid}/task")) < 2:
+            time.sleep(0.1)
+        assert len(os.listdir(f"/proc/{pid}/task")) >= 2
+        assert nice_values() == {max(7, os.nice(0))}
+    finally:
+        pipeline.shutdown()
