@@ -112,13 +112,14 @@ class TailPolicy:
         return heapq.nlargest(k, self._recent)[-1]
 
     def room(self) -> int:
-        """Steps that can still ``admit`` before the next refresh is due."""
+        """Steps that can still join ``batch`` before the next refresh is due."""
         return self.refresh_steps - 1 - len(self._batch)
 
-    def admit(self, duration_s: float) -> None:
-        """``is_tail`` for a step known to be no slower than ``limit``, with ``room()`` > 0:
-        it only joins the batch (no refresh can be due)."""
-        self._batch.append(duration_s)
+    @property
+    def batch(self) -> list[float]:
+        """The steps not yet in the window. A step known to be no slower than ``limit`` may
+        be appended while ``room()`` > 0: that is all ``is_tail`` would do with it."""
+        return self._batch
 
     def is_tail(self, duration_s: float) -> bool:
         tail = duration_s > self.limit   # the limit of the steps before this one
@@ -241,6 +242,8 @@ class GpuTelemetry:
         # sooner (``_quiet_granted`` settles the countdowns for those taken)
         self._quiet = 0
         self._quiet_granted = 0
+        self._quiet_limit = math.inf
+        self._quiet_batch: list[float] = []
         self._to_sample = self.policy.next_sample_gap()   # steps to the next sampled one
         self._to_probe = 1 if self.probe is not None else _NEVER   # ... to the next probed one
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
@@ -483,9 +486,9 @@ class GpuTelemetry:
         The usual step is quiet: a plain plan granted it (no countdown and no window refresh
         due before it), it was not recorded and is not slower than the limit. It only joins
         the tail window: its turn is the plain one it was granted, settled at the next plan."""
-        if self._quiet and duration_s <= self.policy.limit and not step.cupti_recorded:
+        if self._quiet and duration_s <= self._quiet_limit and not step.cupti_recorded:
             self._quiet -= 1
-            self.policy.admit(duration_s)
+            self._quiet_batch.append(duration_s)   # what is_tail does with it (fewer cold objects)
             return
         self._settle_quiet()
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
@@ -496,8 +499,11 @@ class GpuTelemetry:
         self.next_step_plain = plain = plan is _NEITHER and not (self._closing or self._follow
                                                                  or self._owed)
         if plain:   # both countdowns are >= 1 here
+            policy = self.policy
             self._quiet = self._quiet_granted = max(
-                min(self._to_sample, self._to_probe, self.policy.room() + 1) - 1, 0)
+                min(self._to_sample, self._to_probe, policy.room() + 1) - 1, 0)
+            # neither changes before the next refresh, which no quiet step reaches
+            self._quiet_limit, self._quiet_batch = policy.limit, policy.batch
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the
