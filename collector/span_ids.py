@@ -32,7 +32,7 @@ _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
 # That record's fixed bytes, (offset, byte), and the record as one numpy row (unaligned
 # fields, read in place): the ids three 64-bit words to copy out.
-_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"), (20, b"\x12"), (21, b"\x08"))
+_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"))
 _RECORD_DTYPE = np.dtype({"names": ["trace_hi", "trace_lo", "span"], "formats": ["<u8", "<u8", "<u8"],
                           "offsets": [4, 12, 22], "itemsize": _RECORD})
 _ZERO_SPAN_RECORD = b"\x12\x08" + bytes(8) + b"\x12\x1c"  # an all-zero span id, a record after it
@@ -95,8 +95,9 @@ def _canonical_rows(encoded: bytes) -> np.ndarray | None:
 
     Why the shape check is exact: a scope's bytes (ids-only) are its span records back to
     back. Its first record starts at 0; a header ``12 1c`` says that record is 28 bytes of
-    content, which ``0a 10`` + 16 + ``12 08`` + 8 fills exactly with a 16-byte trace id and
-    an 8-byte span id, so the next record starts at 30; and so on through every row."""
+    content, so the next record starts at 30; and so on through every row. Content that
+    starts ``0a 10`` holds a 16-byte trace id, and its other 10 bytes can only be the span id
+    field (upb writes each field once, and the unknown ones are gone): ``12 08`` + 8."""
     try:
         ids = _IdsRequest.FromString(encoded)
     except DecodeError:
@@ -119,16 +120,18 @@ def _canonical_rows(encoded: bytes) -> np.ndarray | None:
             parts.append(compact[at:at + size])
             at += size
     # bytes, not numpy, for the join and the checks: one strided slice per fixed byte, one
-    # search per id kind
+    # search for a zero id
     records = parts[0] if len(parts) == 1 else b"".join(parts)
     n = len(records) // _RECORD
     for offset, byte in _RECORD_FIXED:
         if records[offset::_RECORD] != byte * n:
             return None
-    # 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
-    # follow it); the span id pattern may also match inside a trace id: then the exact
-    # path decides (slower, same answer)
-    if _ZERO_TRACE in records or _ZERO_SPAN_RECORD in records or records.endswith(_ZERO_SPAN_END):
+    # An all-zero id holds 8 zero bytes in a row, which random ids almost never do. Where they
+    # are: 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
+    # follow it); the span id pattern may also match inside a trace id: then the exact path
+    # decides (slower, same answer)
+    if _ZERO_SPAN in records and (_ZERO_TRACE in records or _ZERO_SPAN_RECORD in records
+                                  or records.endswith(_ZERO_SPAN_END)):
         return None
     return np.frombuffer(records, dtype=_RECORD_DTYPE)
 
