@@ -9,10 +9,10 @@ by an exporter's retry is recognised (false "repeat" only for a fingerprint coll
 ~capacity / 2**63 per span for random ids).
 
 Cost: for a protobuf body, an ids-only re-parse and re-encoding (upb's C code), then a
-fixed number of bytes and numpy operations per 500 spans over the 30-byte records read in
-place (other bodies: a Python loop over the spans); fingerprints and the window's one lookup
-per request, a fixed number of numpy operations per 500 spans (no sort, none that lets go of
-the GIL) and Python for spans sharing a bucket. The window: 8 bytes per span, 1.25 more.
+fixed number of bytes operations over the 30-byte records read in place (other bodies: a
+Python loop over the spans); fingerprints and the window's one lookup per request, a fixed
+number of numpy operations, each over the whole request (no sort), and Python for the few
+spans sharing a bucket. The window: 8 bytes per span, 1 more.
 """
 
 from __future__ import annotations
@@ -32,26 +32,15 @@ _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _RECORD = 30  # one span of the ids-only encoding: 12 1c | 0a 10 <trace id> | 12 08 <span id>
 # That record's fixed bytes, (offset, byte), and the record as one numpy row (unaligned
 # fields, read in place): the ids three 64-bit words to copy out.
-_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"), (20, b"\x12"), (21, b"\x08"))
+_RECORD_FIXED = ((0, b"\x12"), (1, b"\x1c"), (2, b"\x0a"), (3, b"\x10"))
 _RECORD_DTYPE = np.dtype({"names": ["trace_hi", "trace_lo", "span"], "formats": ["<u8", "<u8", "<u8"],
                           "offsets": [4, 12, 22], "itemsize": _RECORD})
-# numpy lets go of the GIL in element-wise loops over more than 500 elements, and always in
-# arange, concatenate, take and ufunc.at: with the pipeline worker waiting for it, the
-# receiver then waits for a switch interval and both threads pay for the hand-off, dozens
-# of times per request. So every array op here covers at most _GIL_ROWS spans, and those
-# four are not used.
-_GIL_ROWS = 500
 _ZERO_SPAN_RECORD = b"\x12\x08" + bytes(8) + b"\x12\x1c"  # an all-zero span id, a record after it
 _ZERO_SPAN_END = b"\x12\x08" + bytes(8)  # ... or at the end
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _F = descriptor_pb2.FieldDescriptorProto
 _IdsRequest = lean_trace_request_class("sightline.collector.ids", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None)])
-
-
-def _chunks(n: int) -> list[slice]:
-    """Slices of at most ``_GIL_ROWS`` covering ``range(n)``."""
-    return [slice(i, min(i + _GIL_ROWS, n)) for i in range(0, n, _GIL_ROWS)]
 
 
 def span_keys(request, encoded: bytes | None = None) -> np.ndarray:
@@ -93,10 +82,9 @@ def _canonical_keys(encoded: bytes) -> np.ndarray | None:
     if rows is None:
         return None
     keys = np.empty((len(rows), 3), dtype=np.uint64)  # [n, 3]: trace id high, low; span id
-    for s in _chunks(len(rows)):
-        keys[s, 0] = rows["trace_hi"][s]
-        keys[s, 1] = rows["trace_lo"][s]
-        keys[s, 2] = rows["span"][s]
+    keys[:, 0] = rows["trace_hi"]
+    keys[:, 1] = rows["trace_lo"]
+    keys[:, 2] = rows["span"]
     return keys.view(np.uint8)
 
 
@@ -107,8 +95,9 @@ def _canonical_rows(encoded: bytes) -> np.ndarray | None:
 
     Why the shape check is exact: a scope's bytes (ids-only) are its span records back to
     back. Its first record starts at 0; a header ``12 1c`` says that record is 28 bytes of
-    content, which ``0a 10`` + 16 + ``12 08`` + 8 fills exactly with a 16-byte trace id and
-    an 8-byte span id, so the next record starts at 30; and so on through every row."""
+    content, so the next record starts at 30; and so on through every row. Content that
+    starts ``0a 10`` holds a 16-byte trace id, and its other 10 bytes can only be the span id
+    field (upb writes each field once, and the unknown ones are gone): ``12 08`` + 8."""
     try:
         ids = _IdsRequest.FromString(encoded)
     except DecodeError:
@@ -130,17 +119,19 @@ def _canonical_rows(encoded: bytes) -> np.ndarray | None:
                 return None
             parts.append(compact[at:at + size])
             at += size
-    # bytes, not numpy, for the join and the checks (one strided slice per fixed byte, one
-    # search per id kind): numpy's concatenate and its loops over many spans let go of the GIL
+    # bytes, not numpy, for the join and the checks: one strided slice per fixed byte, one
+    # search for a zero id
     records = parts[0] if len(parts) == 1 else b"".join(parts)
     n = len(records) // _RECORD
     for offset, byte in _RECORD_FIXED:
         if records[offset::_RECORD] != byte * n:
             return None
-    # 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
-    # follow it); the span id pattern may also match inside a trace id: then the exact
-    # path decides (slower, same answer)
-    if _ZERO_TRACE in records or _ZERO_SPAN_RECORD in records or records.endswith(_ZERO_SPAN_END):
+    # An all-zero id holds 8 zero bytes in a row, which random ids almost never do. Where they
+    # are: 16 zero bytes in a row can only be a whole trace id (a span id is 8, and fixed bytes
+    # follow it); the span id pattern may also match inside a trace id: then the exact path
+    # decides (slower, same answer)
+    if _ZERO_SPAN in records and (_ZERO_TRACE in records or _ZERO_SPAN_RECORD in records
+                                  or records.endswith(_ZERO_SPAN_END)):
         return None
     return np.frombuffer(records, dtype=_RECORD_DTYPE)
 
@@ -184,18 +175,10 @@ def remove_spans(request, positions) -> None:
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB), np.uint64(0x9E3779B97F4A7C15))
 _S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
 _ONE = np.uint64(1)
-_WAYS = 4  # fingerprints per bucket; the oldest goes first
+_WAYS = 4  # fingerprints per bucket, the newest first
 _NO_POSITIONS = np.zeros(0, dtype=np.intp)
-_WAY_BITS = 2  # log2(_WAYS)
-_WAY_MASK = np.uint8(_WAYS - 1)
-_ONE8 = np.uint8(1)
 _NO_SPAN = np.iinfo(np.int32).max  # past any position in a request
-# Positions within a chunk, forwards and backwards: intp to index with, int32 to store
-# (indexing by another integer type converts it first, and lets go of the GIL too); made
-# once (arange itself lets go of it).
-_BACKWARDS = np.arange(_GIL_ROWS)[::-1].copy()
-_BACKWARDS32 = _BACKWARDS.astype(np.int32)
-_FORWARDS32 = _BACKWARDS32[::-1].copy()
+_NO_HELD = np.zeros((0, _WAYS), dtype=np.uint64)
 
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
@@ -205,19 +188,16 @@ def fingerprints(keys: np.ndarray) -> np.ndarray:
 
 
 def _fingerprint_words(trace_hi: np.ndarray, trace_lo: np.ndarray, span: np.ndarray) -> np.ndarray:
-    out = np.empty(len(span), dtype=np.uint64)
-    for s in _chunks(len(span)):
-        fp = out[s]  # written in place: no copy at the end
-        np.multiply(trace_hi[s], _MIX[2], out=fp)
-        fp ^= trace_lo[s]
-        fp ^= fp >> _S30
-        fp *= _MIX[0]
-        fp ^= span[s]
-        fp ^= fp >> _S27
-        fp *= _MIX[1]
-        fp ^= fp >> _S31
-        fp |= _ONE
-    return out
+    fp = np.multiply(trace_hi, _MIX[2])
+    fp ^= trace_lo
+    fp ^= fp >> _S30
+    fp *= _MIX[0]
+    fp ^= span
+    fp ^= fp >> _S27
+    fp *= _MIX[1]
+    fp ^= fp >> _S31
+    fp |= _ONE
+    return fp
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,9 +207,10 @@ class Lookup:
 
     fingerprints: np.ndarray  # uint64[n], as looked up
     repeats: np.ndarray  # positions (ascending) seen before: in the window or earlier in the request
-    buckets: tuple[np.ndarray, ...]  # per chunk of _GIL_ROWS spans: each span's bucket
-    firsts: tuple[np.ndarray, ...]  # per chunk: is the span the request's first in its bucket
-    others: list[int]  # positions (ascending) of the spans that are not
+    buckets: np.ndarray  # intp[n]: each span's bucket
+    held: np.ndarray  # uint64[n, ways]: what each span's bucket held before the request
+    shared: list[list[tuple[int, int]]]  # per bucket several spans share: (position, fingerprint), in order
+    others: list[int]  # positions (ascending) of the spans that are not their bucket's first
 
 
 class SpanWindow:
@@ -245,17 +226,12 @@ class SpanWindow:
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)
-        # [bucket, way]: a bucket's ways share a cache line; read way by way through views
-        # (one gather of a span per way, never more than _GIL_ROWS elements at once)
+        # [bucket, way], way 0 the newest: a bucket's ways share a cache line; read a row per
+        # span (np.take), written way by way through views (numpy scatters rows slower)
         self._table = np.zeros((1 << bits, _WAYS), dtype=np.uint64)
-        self._slots = self._table.reshape(-1)  # the same memory: one slot index per fingerprint
         self._ways = tuple(self._table[:, way] for way in range(_WAYS))
-        self._next = np.zeros(1 << bits, dtype=np.uint8)  # per bucket: writes so far (mod 256)
-        self._scratch = np.full(1 << bits, _NO_SPAN, dtype=np.int32)  # per bucket: lookup's
-
-    def _buckets(self, fp: np.ndarray) -> np.ndarray:
-        # the shifted values are below 2**bits: read as intp (int64) without a conversion
-        return (fp >> self._shift).view(np.intp)
+        self._owner = np.full(1 << bits, _NO_SPAN, dtype=np.int32)  # per bucket: lookup's scratch
+        self._positions = np.arange(1024, dtype=np.int32)  # 0, 1, ...: grown as requests need
 
     def repeats(self, fp: np.ndarray) -> np.ndarray:
         """Positions (ascending) of the spans with fingerprints ``fp`` (:func:`fingerprints`)
@@ -267,72 +243,72 @@ class SpanWindow:
         :meth:`remember` reuses."""
         n = len(fp)
         if not self.capacity or not n:
-            return Lookup(fp, _NO_POSITIONS, (), (), [])
-        chunks = _chunks(n)
-        buckets = [self._buckets(fp[s]) for s in chunks]
-        # The request's first span of each bucket, over all chunks at once: an assignment with
-        # repeated indexes keeps the last value written, so the positions go in backwards, the
-        # last chunk first (as contiguous arrays: one through a reversed view lets go of the GIL).
-        first = self._scratch
-        for s, bucket in zip(reversed(chunks), reversed(buckets)):
-            m = s.stop - s.start
-            backwards = _BACKWARDS32[_GIL_ROWS - m:]
-            first[bucket[_BACKWARDS[_GIL_ROWS - m:]]] = backwards + s.start if s.start else backwards
-        seen = np.empty(n, dtype=bool)
-        seen_any = False
-        firsts, others, others_first = [], [], []
-        ways = self._ways
-        for s, bucket in zip(chunks, buckets):
-            m = s.stop - s.start
-            f = fp[s]
-            hit = np.equal(ways[0][bucket], f, out=seen[s])  # written in place
-            for way in ways[1:]:
-                hit |= way[bucket] == f
-            seen_any = seen_any or np.count_nonzero(hit) > 0
-            earliest = first[bucket]
-            forwards = _FORWARDS32[:m]
-            is_first = earliest == (forwards + s.start if s.start else forwards)
-            firsts.append(is_first)
-            if np.count_nonzero(is_first) < m:  # spans sharing a bucket: a few per request
-                later = ~is_first
-                others += (np.flatnonzero(later) + s.start).tolist()
-                others_first += earliest[later].tolist()
-        for bucket in buckets:
-            first[bucket] = _NO_SPAN
-        if others:
-            # a copy earlier in the request shares its bucket: the bucket's first span, or
-            # one of the others before it
-            values = fp[others].tolist()
-            earlier: set[int] = set()
-            for i, value, value_first in zip(others, values, fp[others_first].tolist()):
-                if value == value_first or value in earlier:
-                    seen[i] = True
-                    seen_any = True
-                else:
-                    earlier.add(value)
-        positions = np.flatnonzero(seen) if seen_any else _NO_POSITIONS
-        return Lookup(fp, positions, tuple(buckets), tuple(firsts), others)
+            return Lookup(fp, _NO_POSITIONS, _NO_POSITIONS, _NO_HELD, [], [])
+        if n > len(self._positions):
+            self._positions = np.arange(1 << (n - 1).bit_length(), dtype=np.int32)
+        positions = self._positions[:n]
+        # the shifted values are below 2**bits: read as intp (int64) without a conversion
+        buckets = (fp >> self._shift).view(np.intp)
+        # Spans sharing a bucket: each bucket is owned by one of its spans (whichever was
+        # written last), the others are found by comparing owners with positions.
+        owner = self._owner
+        owner[buckets] = positions
+        owners = owner[buckets]
+        owner[buckets] = _NO_SPAN
+        held = np.take(self._table, buckets, axis=0)  # [span, way]: one row of the table each
+        hits = held == fp[:, None]
+        shared: list[list[tuple[int, int]]] = []
+        others: list[int] = []
+        lost_at = np.flatnonzero(owners != positions)
+        if lost_at.size:  # a few per request
+            groups: dict[int, list[int]] = {}
+            for i, o in zip(lost_at.tolist(), owners[lost_at].tolist()):
+                group = groups.get(o)
+                if group is None:
+                    groups[o] = group = [o]
+                group.append(i)
+            members = [sorted(group) for group in groups.values()]
+            values = fp[[i for group in members for i in group]].tolist()
+            at = 0
+            for group in members:
+                shared.append(list(zip(group, values[at:at + len(group)])))
+                at += len(group)
+                others += group[1:]
+            others.sort()
+        copies = [i for group in shared if len({value for _, value in group}) < len(group)
+                  for i in _copies(group)]
+        if not copies and not np.count_nonzero(hits):
+            return Lookup(fp, _NO_POSITIONS, buckets, held, shared, others)
+        seen = hits.any(axis=1)
+        seen[copies] = True
+        return Lookup(fp, np.flatnonzero(seen), buckets, held, shared, others)
 
     def remember(self, spans: np.ndarray | Lookup) -> None:
         """Adds the fingerprints of spans just admitted (a :class:`Lookup` of exactly them, or
         the fingerprints themselves)."""
         seen = spans if isinstance(spans, Lookup) else self.lookup(spans)
-        if not self.capacity or not seen.buckets:
+        if not self.capacity or not seen.held.size:
             return
-        # Spans that share a bucket take successive ways (arrival order), the oldest way
-        # first; 256 is a multiple of _WAYS, so the uint8 counter wrapping keeps that order.
-        # The request's first span of each bucket at once (no bucket twice), then the others.
-        fp, slots, writes = seen.fingerprints, self._slots, self._next
-        for s, bucket, is_first in zip(_chunks(len(fp)), seen.buckets, seen.firsts):
-            written = bucket[is_first]
-            count = writes[written]
-            slots[(written << _WAY_BITS) | (count & _WAY_MASK)] = fp[s][is_first]
-            writes[written] = count + _ONE8
-        if not seen.others:
+        # Each span goes into way 0 of its bucket and what the bucket held moves one way on,
+        # the oldest out. A bucket of several spans of the request was written by one of them:
+        # its row is then rebuilt from them (the newest first) and what it held.
+        fp, buckets, held, ways = seen.fingerprints, seen.buckets, seen.held, self._ways
+        for way in range(_WAYS - 1, 0, -1):
+            ways[way][buckets] = held[:, way - 1]
+        ways[0][buckets] = fp
+        if not seen.shared:
             return
-        values = fp[seen.others].tolist()
-        for i, value in zip(seen.others, values):
-            b = int(fp[i] >> self._shift)
-            count = int(writes[b])
-            slots[b * _WAYS + (count & (_WAYS - 1))] = value
-            writes[b] = (count + 1) & 0xFF
+        firsts = [group[0][0] for group in seen.shared]
+        for group, row in zip(seen.shared, held[firsts].tolist()):
+            self._table[int(buckets[group[0][0]])] = ([value for _, value in reversed(group)] + row)[:_WAYS]
+
+
+def _copies(group: list[tuple[int, int]]) -> list[int]:
+    """Positions in ``group`` (``(position, fingerprint)`` in order) of copies of an earlier one."""
+    earlier: set[int] = set()
+    copies = []
+    for i, value in group:
+        if value in earlier:
+            copies.append(i)
+        earlier.add(value)
+    return copies
