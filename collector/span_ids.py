@@ -210,7 +210,11 @@ class Lookup:
     buckets: np.ndarray  # intp[n]: each span's bucket
     held: np.ndarray  # uint64[n, ways]: what each span's bucket held before the request
     shared: list[list[tuple[int, int]]]  # per bucket several spans share: (position, fingerprint), in order
-    others: list[int]  # positions (ascending) of the spans that are not their bucket's first
+
+    @property
+    def others(self) -> list[int]:
+        """Positions (ascending) of the spans that are not their bucket's first."""
+        return sorted(i for group in self.shared for i, _ in group[1:])
 
 
 class SpanWindow:
@@ -243,7 +247,7 @@ class SpanWindow:
         :meth:`remember` reuses."""
         n = len(fp)
         if not self.capacity or not n:
-            return Lookup(fp, _NO_POSITIONS, _NO_POSITIONS, _NO_HELD, [], [])
+            return Lookup(fp, _NO_POSITIONS, _NO_POSITIONS, _NO_HELD, [])
         if n > len(self._positions):
             self._positions = np.arange(1 << (n - 1).bit_length(), dtype=np.int32)
         positions = self._positions[:n]
@@ -258,7 +262,6 @@ class SpanWindow:
         held = np.take(self._table, buckets, axis=0)  # [span, way]: one row of the table each
         hits = held == fp[:, None]
         shared: list[list[tuple[int, int]]] = []
-        others: list[int] = []
         lost_at = np.flatnonzero(owners != positions)
         if lost_at.size:  # a few per request
             groups: dict[int, list[int]] = {}
@@ -273,15 +276,13 @@ class SpanWindow:
             for group in members:
                 shared.append(list(zip(group, values[at:at + len(group)])))
                 at += len(group)
-                others += group[1:]
-            others.sort()
         copies = [i for group in shared if len({value for _, value in group}) < len(group)
                   for i in _copies(group)]
         if not copies and not np.count_nonzero(hits):
-            return Lookup(fp, _NO_POSITIONS, buckets, held, shared, others)
+            return Lookup(fp, _NO_POSITIONS, buckets, held, shared)
         seen = hits.any(axis=1)
         seen[copies] = True
-        return Lookup(fp, np.flatnonzero(seen), buckets, held, shared, others)
+        return Lookup(fp, np.flatnonzero(seen), buckets, held, shared)
 
     def remember(self, spans: np.ndarray | Lookup) -> None:
         """Adds the fingerprints of spans just admitted (a :class:`Lookup` of exactly them, or

@@ -7,8 +7,9 @@ request carries both W3C and B3 headers, W3C wins (it is the OpenTelemetry defau
 Injection is conservative: only the formats configured (``OTEL_PROPAGATORS``).
 
 Cost: one lower-cased copy of the header mapping per extraction (a dict comprehension),
-then, when any of their header names is present, each format's parse; nothing global is touched (no ``set_global_textmap``), so several
-instances with different settings can live in one process.
+then, when any of their header names is present, each format's parse; nothing global is
+touched (no ``set_global_textmap``), so several instances with different settings can live
+in one process.
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ class HeaderPropagator:
             W3CBaggagePropagator(),
         )
         # most requests carry no context: a set test on the header names spares them the
-        # three parses (the server pays this on every request, on the engine's GIL)
-        # (the multi-header B3 extractor also reads the single ``b3`` header)
+        # three parses (the server pays this on every request, on the engine's GIL); the
+        # multi-header B3 extractor also reads the single ``b3`` header
         self._extract_fields = frozenset(
             {f.lower() for p in self._extractors for f in p.fields} | B3SingleFormat().fields)
         self._injectors: tuple[TextMapPropagator, ...] = tuple(_INJECTORS[n]() for n in formats)
