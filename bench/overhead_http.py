@@ -43,6 +43,7 @@ LEVELS = {                                 # name -> engine serve flags
     "steps-nice0": ["--trace-level", "steps", "--telemetry-nice", "0"],   # telemetry process at the engine's priority
     "kernels-nice0": ["--trace-level", "kernels", "--telemetry-nice", "0"],
     "kernels": ["--trace-level", "kernels"],
+    "kernels-probe16": ["--trace-level", "kernels", "--sm-probe-every", "16"],   # twice the CTAs
     "kernels@0.05": ["--trace-level", "kernels", "--kernel-sample-ratio", "0.05"],
     "kernels@0": ["--trace-level", "kernels", "--kernel-sample-ratio", "0"],          # probe only
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
@@ -196,8 +197,9 @@ def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
              "| telemetry CPU s / 1k tok | engine thread in telemetry | µs / untraced step "
-             "| µs / plain, probed step | µs / traced step | failed | dropped |",
-             "|---" * 15 + "|"]
+             "| µs / plain, probed step | µs / traced step | CTAs probed / loop s | failed "
+             "| dropped |",
+             "|---" * 16 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         us = s.get("engine_thread_telemetry_us") or {}
@@ -208,7 +210,8 @@ def format_table(summary: dict) -> str:
             f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
             f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
-            f"{us.get('traced_step')} | {s['failed']} | {s['telemetry_dropped']:.0f} |")
+            f"{us.get('traced_step')} | {s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
+            f"{s['telemetry_dropped']:.0f} |")
     return "\n".join(lines)
 
 
@@ -265,6 +268,10 @@ def main(argv=None) -> int:
         summary[level]["engine_thread_telemetry_share"] = in_situ[level]
         summary[level]["engine_thread_telemetry_us"] = per_step[level]
         summary[level]["gpu_worker_phase_cpu_s"] = phases[level]   # over all the bursts
+        # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
+        summary[level]["ctas_probed_per_loop_s"] = round(
+            (after[level].get("ctas_probed", 0) - before[level].get("ctas_probed", 0))
+            / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9))
         summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
             sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),

@@ -70,7 +70,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                             "and per-SM histograms (default: SIGHTLINE_SM_PROBE, else on)")
     serve.add_argument("--sm-probe-every", type=int, default=None, metavar="N",
                        help="per-SM histograms take the CTAs of every Nth step and of every "
-                            "step with kernel spans (default: SIGHTLINE_SM_PROBE_EVERY, else 16)")
+                            "step with kernel spans (default: SIGHTLINE_SM_PROBE_EVERY, else 32)")
     serve.add_argument("--cupti-detach", action=argparse.BooleanOptionalAction, default=None,
                        help="at --trace-level kernels: detach CUPTI between traced steps, so "
                             "that untraced steps pay nothing for it and each traced step pays "

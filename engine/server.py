@@ -147,6 +147,7 @@ class EngineServer:
             # untraced steps whose probe records were read: their part, and every probed step
             "telemetry_probed_steps_s": gpu.stats.engine_thread_probed_s if gpu is not None else 0.0,
             "steps_probed": gpu.stats.steps_probed if gpu is not None else 0,
+            "ctas_probed": gpu.stats.ctas_probed if gpu is not None else 0,   # fed the histograms
             "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0,
             "gpu_telemetry_worker_phases_cpu_s":
                 gpu.stats.worker_phases_cpu_s() if gpu is not None else {}})

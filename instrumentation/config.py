@@ -125,7 +125,9 @@ class TelemetryConfig:
     sm_probe: bool = True
     # Steps whose probe records feed the per-SM histograms: every Nth step (and every step
     # with kernel spans). The kernels probe every step; the records of the others are not read.
-    sm_probe_every: int = 16
+    # A probed step costs the engine thread a device copy and its bookkeeping; the CTAs a
+    # second that 1 in 32 still gives the histograms are in bench/results/overhead_http.md.
+    sm_probe_every: int = 32
     # CUPTI detached between traced steps (no cost to untraced steps' CUDA calls; a traced
     # step pays the attach), else attached with its activity kinds off (the default).
     cupti_detach: bool = False

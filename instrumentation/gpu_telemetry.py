@@ -59,7 +59,7 @@ class GpuTelemetryConfig:
     cupti_detach: bool = False
     probe: bool = True                  # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
-    probe_every_steps: int = 16         # every Nth step's CTAs feed the per-SM histograms
+    probe_every_steps: int = 32         # every Nth step's CTAs feed the per-SM histograms
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = 10.0
     probe_poll_s: float = 0.05          # the worker's wake-ups for probed steps' records
@@ -199,13 +199,13 @@ class GpuTelemetry:
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
                 probe=getattr(telemetry_config, "sm_probe", True),
                 cupti_detach=getattr(telemetry_config, "cupti_detach", False),
-                probe_every_steps=getattr(telemetry_config, "sm_probe_every", 16),
+                probe_every_steps=getattr(telemetry_config, "sm_probe_every", 32),
                 export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
         self.config = config
         self.stats = GpuTelemetryStats()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
-                                 random.Random(config.seed), refresh_steps=16)
+                                 random.Random(config.seed), refresh_steps=64)
         # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
         self.tracer = CuptiTracer(self._on_buffer) if config.cupti else None
         self.probe: SmProbe | None = None
