@@ -394,7 +394,8 @@ class GpuTelemetry:
             self._to_sample = self.policy.next_sample_gap()
         if probed:
             self._to_probe = self.config.probe_every_steps
-        return sampled and self.kernel_spans_available, probed
+        sampled = sampled and self.kernel_spans_available
+        return (sampled, probed) if sampled or probed else _NEITHER
 
     def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
@@ -492,8 +493,9 @@ class GpuTelemetry:
             return
         self._settle_quiet()
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
-            self._follow = self.config.tail_follow_steps
             self.stats.tail_steps += 1
+            if self.kernel_spans_available:   # else nothing would ever take the follow-up
+                self._follow = self.config.tail_follow_steps
         # a plan not taken (the last launch was plain) was that launch's: draw anew
         self._planned = plan = self._plan()
         self.next_step_plain = plain = plan is _NEITHER and not (self._closing or self._follow

@@ -415,6 +415,31 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
     assert fast_quiet > 1000 and every_quiet == 0     # the quiet path ran, and only there
 
 
+
+def test_a_tail_step_without_kernel_spans_leaves_the_next_steps_plain():
+    """Without CUPTI (refused, or another profiler subscribed) nothing can take a tail
+    step's follow-up trace: a slow step is still counted, and the steps after it stay
+    plain instead of paying ``begin_step`` / ``end_step`` forever."""
+    pipeline, _, _, _ = _pipeline_with_gpu(0.0)
+    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False, seed=1))
+    assert not gpu.kernel_spans_available
+    try:
+        durations = [0.005] * 200 + [0.5] + [0.005] * 100
+        plain_after = []
+        for i, duration in enumerate(durations):
+            step = OpenStep(i, 1, 2, 0)
+            if not gpu.next_step_plain:
+                gpu.begin_step(step)
+                gpu.end_step(step)
+            gpu.observe_step(step, duration)
+            if i > 200:
+                plain_after.append(gpu.next_step_plain)
+        assert gpu.stats.tail_steps == 1
+        assert all(plain_after) and len(plain_after) == 100
+    finally:
+        gpu.shutdown()
+        pipeline.shutdown()
+
 @pytest.mark.gpu
 def test_cupti_delivers_raw_buffers_whose_kernels_carry_external_ids():
     import torch
