@@ -4,8 +4,8 @@ diagnosis), by kind of step: plain, probed (untraced), traced.
 On the served engine the calls run right after the model's work, which has evicted them
 from the CPU's caches; a warm loop of the same calls misses that. This makes the model
 runner's calls of a step replaying a graph (``begin_step`` and ``end_step`` unless
-``next_step_plain``; ``observe_step``), once in a tight loop and once with a cache-evicting
-workload (Python dict walks and an 8 MB copy) between steps. ``--device cpu``: a
+``next_step_plain``; ``observe_step`` unless the step is quiet), once in a tight loop and
+once with a cache-evicting workload (Python dict walks and an 8 MB copy) between steps. ``--device cpu``: a
 ``GpuTelemetry`` without probe or CUPTI. ``--device cuda``: with both, a 20-kernel graph
 replayed per step whose probed launches are snapshotted, and the probed step's parts timed
 alone (the ring's device copy, a wake-up of the worker). Cost: seconds; prints µs, medians.
@@ -103,7 +103,13 @@ def run(steps: int, evict: bool, device: str = "cpu") -> dict[str, dict[str, flo
             if not plain:
                 gpu.end_step(step, None, (graphs, 64))
             t3 = time.perf_counter()
-            gpu.observe_step(step, durations[i])
+            duration = durations[i]
+            # as the engine does: a quiet step is taken without a call (GpuTelemetry.quiet_steps)
+            if gpu.quiet_steps and duration <= gpu.quiet_limit and not step.cupti_recorded:
+                gpu.quiet_steps -= 1
+                gpu.quiet_durations.append(duration)
+            else:
+                gpu.observe_step(step, duration)
             t4 = time.perf_counter()
             kind = ("traced" if step.attributes else
                     "probed" if gpu.stats.steps_probed > probed_before else "plain")

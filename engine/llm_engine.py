@@ -426,8 +426,15 @@ class LLMEngine:
                               execution, self.runner, error_type)
         for event in events:
             recorder.record(event)
-        if duration_s is not None and self.gpu_telemetry is not None:
-            self.gpu_telemetry.observe_step(step, duration_s)
+        gpu = self.gpu_telemetry
+        if duration_s is not None and gpu is not None:
+            # the usual step is quiet (GpuTelemetry.quiet_steps): taken here, without a call,
+            # for every call is cache misses right after the model's work
+            if gpu.quiet_steps and duration_s <= gpu.quiet_limit and not step.cupti_recorded:
+                gpu.quiet_steps -= 1
+                gpu.quiet_durations.append(duration_s)
+            else:
+                gpu.observe_step(step, duration_s)
         self.telemetry_thread_s += time.perf_counter() - c0
 
     def _process_tokens(self, plan: StepPlan, sampled: dict[str, int], finished: list[Request],

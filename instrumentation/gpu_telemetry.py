@@ -237,13 +237,17 @@ class GpuTelemetry:
         # that launch needs nothing of begin_step / end_step (read by the engine, no call)
         self._planned: tuple[bool, bool] | None = None
         self.next_step_plain = False
-        # plain steps ahead whose observe_step may only admit the step to the tail window:
-        # granted by a plan, when neither countdown nor the window's refresh can come due
-        # sooner (``_quiet_granted`` settles the countdowns for those taken)
-        self._quiet = 0
+        # Quiet steps: plain steps ahead that need nothing but joining the tail window,
+        # granted by a plan when neither countdown nor the window's refresh can come due
+        # sooner (``_quiet_granted`` settles the countdowns for those taken). A step is quiet
+        # while ``quiet_steps`` > 0 if it is no slower than ``quiet_limit`` and not
+        # recorded by CUPTI; its caller may then, instead of ``observe_step``, take it:
+        # ``quiet_steps -= 1`` and append its duration to ``quiet_durations`` (the engine
+        # does, so that its usual step makes no call here).
+        self.quiet_steps = 0
         self._quiet_granted = 0
-        self._quiet_limit = math.inf
-        self._quiet_batch: list[float] = []
+        self.quiet_limit = math.inf
+        self.quiet_durations: list[float] = []
         self._to_sample = self.policy.next_sample_gap()   # steps to the next sampled one
         self._to_probe = 1 if self.probe is not None else _NEVER   # ... to the next probed one
         self._untraced_push = False  # the running step pushed UNTRACED_EXTERNAL_ID
@@ -377,10 +381,10 @@ class GpuTelemetry:
 
     def _settle_quiet(self) -> None:
         """Counts the quiet steps taken since the last plan as the turns they were."""
-        taken = self._quiet_granted - self._quiet
+        taken = self._quiet_granted - self.quiet_steps
         self._to_sample -= taken
         self._to_probe -= taken
-        self._quiet = self._quiet_granted = 0
+        self.quiet_steps = self._quiet_granted = 0
 
     def _plan(self) -> tuple[bool, bool]:
         """One step's turn (each step takes exactly one): sampled, probed. Two countdowns,
@@ -486,10 +490,11 @@ class GpuTelemetry:
 
         The usual step is quiet: a plain plan granted it (no countdown and no window refresh
         due before it), it was not recorded and is not slower than the limit. It only joins
-        the tail window: its turn is the plain one it was granted, settled at the next plan."""
-        if self._quiet and duration_s <= self._quiet_limit and not step.cupti_recorded:
-            self._quiet -= 1
-            self._quiet_batch.append(duration_s)   # what is_tail does with it (fewer cold objects)
+        the tail window: its turn is the plain one it was granted, settled at the next plan.
+        (The engine takes quiet steps itself, without this call: see ``quiet_steps``.)"""
+        if self.quiet_steps and duration_s <= self.quiet_limit and not step.cupti_recorded:
+            self.quiet_steps -= 1
+            self.quiet_durations.append(duration_s)   # what is_tail does with it
             return
         self._settle_quiet()
         if not step.cupti_recorded and self.policy.is_tail(duration_s):
@@ -502,10 +507,10 @@ class GpuTelemetry:
                                                                  or self._owed)
         if plain:   # both countdowns are >= 1 here
             policy = self.policy
-            self._quiet = self._quiet_granted = max(
+            self.quiet_steps = self._quiet_granted = max(
                 min(self._to_sample, self._to_probe, policy.room() + 1) - 1, 0)
             # neither changes before the next refresh, which no quiet step reaches
-            self._quiet_limit, self._quiet_batch = policy.limit, policy.batch
+            self.quiet_limit, self.quiet_durations = policy.limit, policy.batch
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

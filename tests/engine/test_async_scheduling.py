@@ -211,6 +211,51 @@ def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
     assert len(probes) > 6 and probes[0] is gpu.probe and all(p is None for p in probes[1:])
 
 
+
+def test_quiet_steps_are_taken_by_the_engine_and_every_step_joins_the_tail_window():
+    """The engine takes the usual (quiet) step without calling observe_step, yet the tail
+    rule sees every step: the window holds the engine's step durations exactly, in order,
+    and a step slowed past the window's P99.9 is counted as a tail step."""
+    from sightline.engine.llm_engine import LLMEngine
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
+    from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none",
+                                                       metrics_enabled=False))
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.004,
+                                    scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48)),
+                       pipeline)
+    observed = []
+
+    class Counting(GpuTelemetry):
+        def observe_step(self, step, duration_s):
+            observed.append(step.step_id)
+            super().observe_step(step, duration_s)
+
+    gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(
+        cupti=False, probe=False, kernel_sample_ratio=0.0, tail_min_steps=8, tail_window_steps=4096))
+    engine.gpu_telemetry = engine.runner.gpu_telemetry = gpu
+    model_forward = engine.runner.model.forward
+    calls = [0]
+
+    def forward(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 70:
+            time.sleep(0.3)   # far past the P99.9 of the steps before it
+        return model_forward(*args, **kwargs)
+    engine.runner.model.forward = forward
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 250) for _ in range(6)] for _ in range(3)]
+    engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    pipeline.shutdown()
+    gpu.shutdown()
+    steps = list(engine.step_durations_s)
+    window = list(gpu.policy._recent) + gpu.policy.batch
+    assert len(steps) > 70 and window == steps
+    assert gpu.stats.tail_steps == 1
+    assert 0 < len(observed) < len(steps) // 4    # most steps made no call
+
 # -- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_engine(telemetry=None, **kw):

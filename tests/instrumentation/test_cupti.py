@@ -379,7 +379,7 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
     class EveryStep(GpuTelemetry):
         def observe_step(self, step, duration_s):
             super().observe_step(step, duration_s)
-            self._quiet = self._quiet_granted = 0
+            self.quiet_steps = self._quiet_granted = 0
 
     rng = np.random.default_rng(7)
     durations = rng.lognormal(-5, 0.2, 3000)
@@ -402,7 +402,7 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
                 probing = gpu._probing
                 gpu.end_step(step)
                 assert _wait(lambda: not gpu.closing)
-            quiet += gpu._quiet > 0
+            quiet += gpu.quiet_steps > 0
             gpu.observe_step(step, float(duration))
             seen.append((plain, probing, (step.attributes or {}).get(semconv.STEP_TRACE_REASON),
                          gpu.policy.limit, len(gpu.policy._recent)))
