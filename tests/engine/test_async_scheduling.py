@@ -215,7 +215,7 @@ def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
 def test_quiet_steps_are_taken_by_the_engine_and_every_step_joins_the_tail_window():
     """The engine takes the usual (quiet) step without calling observe_step, yet the tail
     rule sees every step: the window holds the engine's step durations exactly, in order,
-    and a step slowed past the window's P99.9 is counted as a tail step."""
+    and a step slowed past the window's P99.9 reaches observe_step and counts as a tail."""
     from sightline.engine.llm_engine import LLMEngine
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
@@ -229,7 +229,7 @@ def test_quiet_steps_are_taken_by_the_engine_and_every_step_joins_the_tail_windo
 
     class Counting(GpuTelemetry):
         def observe_step(self, step, duration_s):
-            observed.append(step.step_id)
+            observed.append(duration_s)
             super().observe_step(step, duration_s)
 
     gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(
@@ -253,8 +253,8 @@ def test_quiet_steps_are_taken_by_the_engine_and_every_step_joins_the_tail_windo
     steps = list(engine.step_durations_s)
     window = list(gpu.policy._recent) + gpu.policy.batch
     assert len(steps) > 70 and window == steps
-    assert gpu.stats.tail_steps == 1
-    assert 0 < len(observed) < len(steps) // 4    # most steps made no call
+    assert max(observed) >= 0.3 and gpu.stats.tail_steps >= 1   # (a prefill may be one too)
+    assert len(observed) < len(steps) // 4    # most steps made no call
 
 # -- on a GPU -------------------------------------------------------------------------------------
 
