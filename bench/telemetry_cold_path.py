@@ -5,10 +5,11 @@ On the served engine the calls run right after the model's work, which has evict
 from the CPU's caches; a warm loop of the same calls misses that. This makes the model
 runner's calls of a step replaying a graph (``begin_step`` and ``end_step`` unless
 ``next_step_plain``; ``observe_step`` unless the step is quiet), once in a tight loop and
-once with a cache-evicting workload (Python dict walks and an 8 MB copy) between steps. ``--device cpu``: a
-``GpuTelemetry`` without probe or CUPTI. ``--device cuda``: with both, a 20-kernel graph
-replayed per step whose probed launches are snapshotted, and the probed step's parts timed
-alone (the ring's device copy, a wake-up of the worker). Cost: seconds; prints µs, medians.
+once with a cache-evicting workload (Python dict walks and an 8 MB copy) between steps.
+``--device cpu``: a ``GpuTelemetry`` without probe or CUPTI. ``--device cuda``: with both, a
+20-kernel graph replayed per step whose probed launches are snapshotted, and the probed
+step's parts timed alone (the ring's device copy, a wake-up of the worker). Cost: seconds;
+prints µs, medians.
 
     python -m bench.telemetry_cold_path [--device cuda] [--out bench/results]
 """

@@ -428,8 +428,8 @@ class LLMEngine:
             recorder.record(event)
         gpu = self.gpu_telemetry
         if duration_s is not None and gpu is not None:
-            # the usual step is quiet (GpuTelemetry.quiet_steps): taken here, without a call,
-            # for every call is cache misses right after the model's work
+            # the usual step is quiet (GpuTelemetry.quiet_steps): taken here without a call,
+            # since right after the model's work each call is mostly cache misses
             if gpu.quiet_steps and duration_s <= gpu.quiet_limit and not step.cupti_recorded:
                 gpu.quiet_steps -= 1
                 gpu.quiet_durations.append(duration_s)
