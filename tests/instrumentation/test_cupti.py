@@ -416,12 +416,15 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
 
 
 
-def test_a_tail_step_without_kernel_spans_leaves_the_next_steps_plain():
+def test_without_kernel_spans_tail_steps_and_samples_leave_the_next_steps_plain():
     """Without CUPTI (refused, or another profiler subscribed) nothing can take a tail
-    step's follow-up trace: a slow step is still counted, and the steps after it stay
-    plain instead of paying ``begin_step`` / ``end_step`` forever."""
-    pipeline, _, _, _ = _pipeline_with_gpu(0.0)
-    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False, seed=1))
+    step's follow-up trace or a sampled step: a slow step is still counted, and the steps
+    after it, sample turns included, stay plain instead of paying ``begin_step`` /
+    ``end_step``."""
+    pipeline = TelemetryPipeline.start(TelemetryConfig(level="kernels", exporter="none",
+                                                       metrics_enabled=False))
+    gpu = GpuTelemetry(pipeline.recorder, 0, GpuTelemetryConfig(
+        cupti=False, probe=False, seed=1, kernel_sample_ratio=0.2))
     assert not gpu.kernel_spans_available
     try:
         durations = [0.005] * 200 + [0.5] + [0.005] * 100
@@ -432,13 +435,15 @@ def test_a_tail_step_without_kernel_spans_leaves_the_next_steps_plain():
                 gpu.begin_step(step)
                 gpu.end_step(step)
             gpu.observe_step(step, duration)
-            if i > 200:
+            if i >= 200:
                 plain_after.append(gpu.next_step_plain)
         assert gpu.stats.tail_steps == 1
-        assert all(plain_after) and len(plain_after) == 100
+        assert all(plain_after) and len(plain_after) == 101
+        assert gpu.stats.steps_traced_sampled == gpu.stats.steps_traced_tail == 0
     finally:
         gpu.shutdown()
         pipeline.shutdown()
+
 
 @pytest.mark.gpu
 def test_cupti_delivers_raw_buffers_whose_kernels_carry_external_ids():
