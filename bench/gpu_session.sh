@@ -24,10 +24,13 @@
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# the installs log outside $OUT: at most 8 files come back from a call, so $OUT keeps its
+# room for the parts' logs and results (the log's tail is printed if an install fails)
+pip_log=/tmp/gpu_session_pip.log
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl >"$OUT/pip.log" 2>&1
+    --target /tmp/site .whl/*.whl >"$pip_log" 2>&1 || tail -n 20 "$pip_log"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --upgrade --target /tmp/site2 . \
-    >>"$OUT/pip.log" 2>&1
+    >>"$pip_log" 2>&1 || tail -n 20 "$pip_log"
 export PYTHONPATH=/tmp/site2:/tmp/site
 export SIGHTLINE_FA2_PREFILL_CONFIG=${SIGHTLINE_FA2_PREFILL_CONFIG:-128,64,8,3}
 # the device gets a copy of the tree without .git: the caller passes SIGHTLINE_COMMIT
