@@ -195,12 +195,16 @@ class GpuTelemetry:
         self.device_index = device_index
         if config is None:
             telemetry_config = getattr(recorder, "config", None)
+            default = GpuTelemetryConfig()   # where the recorder has no telemetry config
             config = GpuTelemetryConfig(
-                kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio", 0.01),
-                probe=getattr(telemetry_config, "sm_probe", True),
-                cupti_detach=getattr(telemetry_config, "cupti_detach", False),
-                probe_every_steps=getattr(telemetry_config, "sm_probe_every", 32),
-                export_interval_s=getattr(telemetry_config, "metric_export_interval_s", 10.0))
+                kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio",
+                                            default.kernel_sample_ratio),
+                probe=getattr(telemetry_config, "sm_probe", default.probe),
+                cupti_detach=getattr(telemetry_config, "cupti_detach", default.cupti_detach),
+                probe_every_steps=getattr(telemetry_config, "sm_probe_every",
+                                          default.probe_every_steps),
+                export_interval_s=getattr(telemetry_config, "metric_export_interval_s",
+                                          default.export_interval_s))
         self.config = config
         self.stats = GpuTelemetryStats()
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
