@@ -53,7 +53,8 @@ for p in "$@"; do
     tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
-        tests/engine/test_metrics.py tests/engine/test_async_scheduling.py ;;
+        tests/engine/test_metrics.py tests/engine/test_async_scheduling.py \
+        tests/engine/test_telemetry_process.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$OUT" ;;
     profile) python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .pyspy/*.whl >>"$OUT/pip.log" 2>&1
         PATH=/tmp/pyspy/bin:$PATH part "profile_levels-$commit" 300 python3 -m bench.profile_levels \

@@ -1,8 +1,9 @@
 """The telemetry process under load: killed mid-load, the engine serves on, counts what it
 could not hand over, restarts it, and the spans of later requests reach a real collector.
 
-A real ``sightline collector run`` (OTLP gRPC) and the engine on the CPU with its telemetry in
-a separate process (the default of ``engine serve``); requests from the openai SDK.
+A real ``sightline collector run`` (OTLP gRPC) and the engine with its telemetry in a
+separate process (the default of ``engine serve``); requests from the openai SDK. On the CPU
+at level steps; on a GPU (``gpu`` marker) at level kernels, CUPTI and the SM probe on.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import urllib.request
 
 import openai
+import pytest
 
 from sightline.deploy.processes import free_ports
 from sightline.engine.config import EngineConfig
@@ -42,7 +44,9 @@ def _stream(client: openai.OpenAI, trace_id: str | None = None) -> str:
     return chunks[-1].choices[0].finish_reason
 
 
-def test_killed_telemetry_process_is_restarted_and_requests_never_fail():
+@pytest.mark.parametrize("device, level", [
+    ("cpu", "steps"), pytest.param("cuda", "kernels", marks=pytest.mark.gpu)])
+def test_killed_telemetry_process_is_restarted_and_requests_never_fail(device, level):
     grpc, http, zipkin, query = free_ports(4)
     collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
                                         "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
@@ -50,9 +54,9 @@ def test_killed_telemetry_process_is_restarted_and_requests_never_fail():
     running = None
     try:
         wait_for_http(f"http://127.0.0.1:{query}/healthz", process=collector)
-        telemetry = TelemetryConfig(level="steps", otlp_endpoint=f"http://127.0.0.1:{grpc}",
+        telemetry = TelemetryConfig(level=level, otlp_endpoint=f"http://127.0.0.1:{grpc}",
                                     schedule_delay_s=0.05, metrics_enabled=False)
-        running = serve_in_thread(EngineConfig(model="tiny", device="cpu", port=0, kv_cache_gib=0.05,
+        running = serve_in_thread(EngineConfig(model="tiny", device=device, port=0, kv_cache_gib=0.05,
                                                telemetry=telemetry, shutdown_timeout_s=10))
         pipeline = running.server.telemetry
         assert pipeline.mode == "process" and pipeline.pid is not None
@@ -82,6 +86,9 @@ def test_killed_telemetry_process_is_restarted_and_requests_never_fail():
         assert pipeline.pid not in (None, first_pid)
         assert _metric(running.url, "sightline_telemetry_process_restarts_total") >= 1
         assert _metric(running.url, "sightline_telemetry_process_up") == 1
+        # what the dead process could not take is counted under its own reason
+        metrics = urllib.request.urlopen(running.url + "/metrics", timeout=5).read().decode()
+        assert 'sightline_telemetry_events_dropped_total{reason="process_down"}' in metrics
         trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
         assert _stream(client, trace_id) == "length"    # after the restart
         running.stop()
