@@ -19,7 +19,10 @@
 # with the commit and device they came from in their names.
 #
 # The device machine has torch, triton and numpy but no network: the remaining wheels come
-# from .whl/ (carried; see the device README for how they were downloaded), installed into
+# from .whl/ (carried; see the device README for how they were downloaded: the OpenTelemetry
+# SDK, exporters and proto, grpcio, protobuf, cupti-python, pyelftools, and for the crash test
+# in `tests` the openai SDK with httpx2, httpcore2, truststore, jiter, pydantic, pydantic-core,
+# annotated-types, typing-inspection, typing-extensions and sniffio), installed into
 # /tmp/site, and the project itself into /tmp/site2, without its dependencies.
 set -u
 OUT=${OUT:-/tmp/out}

@@ -42,3 +42,19 @@ def test_per_step_telemetry_time_splits_traced_probed_and_plain_steps():
                                                  "plain_step": 8.7}
     old = {"telemetry_engine_thread_s": 0.0}   # an engine without the split: all untraced
     assert _per_step_us(old, {"telemetry_engine_thread_s": 0.01}, 1000)["traced_step"] is None
+
+
+def test_pooled_runs_pair_bursts_within_each_run_and_bound_the_median():
+    from bench.overhead_pool import median_interval, pool
+
+    def run(walls):   # one burst of 1,000 tokens per level and round
+        return {"bursts": [{"round": r, "level": level, "output_tokens": 1000, "wall_s": wall}
+                           for r, pair in enumerate(walls) for level, wall in zip(("off", "kernels"), pair)]}
+
+    # the rounds are paired within a run: run b's round 0 is not run a's
+    pooled = pool([run([(1.0, 1.25), (2.0, 2.0)]), run([(1.0, 1.0), (0.5, 0.625)])])
+    assert pooled["kernels"]["bursts"] == 4
+    assert pooled["kernels"]["median"] == pytest.approx(0.9)   # of 0.8, 1.0, 1.0, 0.8
+    assert pooled["off"]["median"] == 1.0
+    values = [i / 100 for i in range(100)]                      # n = 100: ranks 40 and 60
+    assert median_interval(values) == (0.39, 0.60)
