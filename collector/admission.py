@@ -17,8 +17,6 @@ Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
 from .self_metrics import SelfMetrics
@@ -67,12 +65,11 @@ class Intake:
             if repeats:
                 remove_spans(request, seen.repeats)
                 encoded = None  # no longer the request's encoding
-                seen = self.window.lookup(np.delete(seen.fingerprints, seen.repeats))
         kept = items - repeats
         if kept or not repeats:  # a request of nothing but repeats has nothing to queue
             admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
         if seen is not None:
-            self.window.remember(seen)
+            self.window.remember(seen.kept)
             self.metrics.accepted(receiver, items, 0)
         else:
             self.metrics.accepted(receiver, 0, items)

@@ -1,4 +1,4 @@
-"""Span identity: the id check's fast path, fingerprints and the duplicate window, each
+"""Span identity: the id check's compiled walk, fingerprints and the duplicate window, each
 against an exact answer (span_ids.py; the receivers' behaviour is in test_hostile_input)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from sightline.collector.ingest import IngestError
-from sightline.collector.span_ids import (SpanWindow, _canonical_keys, _exact_keys, fingerprints,
-                                          span_fingerprints, span_keys)
+from sightline.collector.span_ids import (SpanWindow, _exact_keys, _walked, fingerprints, span_fingerprints,
+                                          span_keys)
 
 
 def _request(ids_per_scope: list[list[tuple[bytes, bytes]]]) -> ExportTraceServiceRequest:
@@ -34,7 +34,7 @@ def test_fast_path_reads_every_scope_in_span_order():
     rng = np.random.default_rng(7)
     ids = [[(rng.bytes(16), rng.bytes(8)) for _ in range(n)] for n in (3, 0, 5, 1)]
     request = _request(ids)
-    keys = _canonical_keys(request.SerializeToString())
+    keys = span_keys(None, request.SerializeToString())   # the walk alone: the request is not read
     expected = np.frombuffer(b"".join(t + s for scope in ids for t, s in scope), dtype=np.uint8).reshape(-1, 24)
     assert keys is not None and keys.shape == (9, 24)
     assert np.array_equal(keys, expected)
@@ -49,7 +49,7 @@ def test_a_bad_id_leaves_the_fast_path_and_is_refused_by_position(trace_id, span
     good = [(b"\3" * 16, b"\4" * 8)] * 2
     request = _request([good, [good[0], (trace_id, span_id)]])
     encoded = request.SerializeToString()
-    assert _canonical_keys(encoded) is None
+    assert _walked(encoded) is None
     with pytest.raises(IngestError) as refused:
         span_keys(request, encoded)
     assert refused.value.status == 400 and refused.value.reason == "malformed"
@@ -113,13 +113,13 @@ def test_window_capacity_is_checked():
 def test_fingerprints_read_in_place_equal_those_of_the_keys_and_zero_ids_leave_the_fast_path():
     rng = np.random.default_rng(3)
     ids = [[(rng.bytes(16), rng.bytes(8)) for _ in range(n)] for n in (700, 2, 333)]
-    # a valid trace id holding what an all-zero span id looks like: the fast path steps aside
+    # a valid trace id holding what a span record with an all-zero span id looks like
     ids[1][0] = (b"\1\1" + b"\x12\x08" + bytes(8) + b"\x12\x1c\1\1", rng.bytes(8))
     request = _request(ids)
     encoded = request.SerializeToString()
     assert np.array_equal(span_fingerprints(request, encoded), fingerprints(span_keys(request, encoded)))
     assert np.array_equal(span_fingerprints(request, encoded), fingerprints(_exact_keys(request)))
-    assert _canonical_keys(_request(ids[:1] + ids[2:]).SerializeToString()) is not None
+    assert _walked(encoded) is not None
 
 
 def test_copies_within_a_request_are_found_across_chunks_and_every_span_is_remembered():
@@ -137,18 +137,69 @@ def test_copies_within_a_request_are_found_across_chunks_and_every_span_is_remem
     assert len(tiny.repeats(both)) == 8
 
 
-def test_remembering_a_lookup_writes_what_remembering_its_fingerprints_does():
-    # one request of 1,200 spans (3 chunks) into 1,024 buckets: many spans share a bucket with
-    # an earlier one, some in another chunk, and a few buckets take more than 4
+def test_remembering_writes_each_span_in_turn_and_each_bucket_keeps_its_four_newest():
+    # one request of 1,200 spans into 256 buckets: every bucket takes several, most more than 4
     fp = fingerprints(_counter_keys(1200))
-    by_lookup, by_fingerprints = SpanWindow(1 << 12), SpanWindow(1 << 12)
-    seen = by_lookup.lookup(fp)
-    assert seen.repeats.size == 0 and len(seen.others) > 0
-    by_lookup.remember(seen)
-    by_fingerprints.remember(fp)
-    assert np.array_equal(by_lookup._table, by_fingerprints._table)
-    assert np.array_equal(by_lookup.repeats(fp), np.arange(1200))
-    # each bucket kept its 4 newest: the table holds exactly the last 4 spans of each bucket
-    bucket = (fp >> by_lookup._shift).astype(np.intp)
-    newest = {int(b): set(fp[bucket == b][-4:].tolist()) for b in np.unique(bucket)}
-    assert all(set(by_lookup._table[b].tolist()) - {0} == kept for b, kept in newest.items())
+    window = SpanWindow(1 << 10)
+    seen = window.lookup(fp)
+    assert seen.repeats.size == 0 and np.array_equal(seen.kept, fp)
+    window.remember(seen.kept)
+    bucket = (fp >> window._shift).astype(np.intp)
+    for b in np.unique(bucket):
+        newest = fp[bucket == b][-4:][::-1].tolist()                      # way 0 the newest
+        assert window._table[b].tolist() == newest + [0] * (4 - len(newest))
+    kept = {int(value) for b in np.unique(bucket) for value in fp[bucket == b][-4:]}
+    assert window.repeats(fp).tolist() == [i for i, value in enumerate(fp.tolist()) if value in kept]
+
+
+def _encode_span(*fields: bytes) -> bytes:
+    """A request of one resource, one scope and one span made of ``fields`` (encoded)."""
+    def message(tag: int, body: bytes) -> bytes:
+        return bytes([tag]) + _varint(len(body)) + body
+    return message(0x0A, message(0x12, message(0x12, b"".join(fields))))
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("fields", [
+    (b"\x0a\x10" + b"\1" * 16, b"\x0a\x10" + b"\2" * 16, b"\x12\x08" + b"\3" * 8),   # two trace ids
+    (b"\x12\x08" + b"\3" * 8, b"\x0a\x10" + b"\2" * 16),                                # span id first
+    (b"\x2a\x01s", b"\x0a\x10" + b"\2" * 16, b"\x39" + bytes(8), b"\x12\x08" + b"\3" * 8),  # other fields between
+    (b"\x0a\x10" + b"\2" * 16, b"\x12\x08" + b"\3" * 8, b"\x12\x03abc"),                # a bad span id last
+    (b"\x0a\x10" + b"\2" * 16, b"\x12\x08" + b"\3" * 8, b"\x6b\x08\x01\x6c"),          # a group (unknown)
+])
+def test_the_walk_reads_what_a_protobuf_parser_reads(fields):
+    encoded = _encode_span(*fields)
+    request = ExportTraceServiceRequest.FromString(encoded)   # the receiver's parse
+    try:
+        expected = _exact_keys(request)
+    except IngestError as error:
+        with pytest.raises(IngestError, match=str(error)):
+            span_keys(request, encoded)
+    else:
+        assert np.array_equal(span_keys(request, encoded), expected)
+
+
+def test_the_walk_skips_links_events_and_resources_that_hold_ids_of_their_own():
+    rng = np.random.default_rng(11)
+    request = ExportTraceServiceRequest()
+    for r in range(3):
+        rs = request.resource_spans.add()
+        rs.resource.attributes.add(key="service.name", value={"string_value": f"s{r}"})
+        for _ in range(2):
+            scope = rs.scope_spans.add()
+            scope.scope.name = "lib"
+            for _ in range(int(rng.integers(0, 4))):
+                span = scope.spans.add(trace_id=rng.bytes(16), span_id=rng.bytes(8), name="op")
+                span.links.add(trace_id=rng.bytes(16), span_id=rng.bytes(8))
+                span.events.add(name="e").attributes.add(key="k", value={"bytes_value": rng.bytes(24)})
+    encoded = request.SerializeToString()
+    assert _walked(encoded) is not None
+    assert np.array_equal(span_keys(None, encoded), _exact_keys(request))
