@@ -98,79 +98,77 @@ def _message(buf, at, end):
     return at, at + size
 
 
+_NONE_LEFT, _BAD_FIELD = -2, -1
+
+
+@numba.njit(cache=True, inline="always")
+def _next_message(buf, at, end, tag):
+    """(content start, content end, next position) of the next field encoded as ``tag``
+    (length-delimited) between ``at`` and ``end``, the other fields skipped; content end
+    ``_NONE_LEFT`` past the last one, ``_BAD_FIELD`` for what cannot be read."""
+    while at < end:
+        found, at = _varint(buf, at, end)
+        if found == tag:
+            start, stop = _message(buf, at, end)
+            return start, stop, stop
+        at = _skip(buf, at, end, found & 7) if found >= 0 else -1
+        if at < 0:
+            return 0, _BAD_FIELD, end
+    return 0, _NONE_LEFT, end
+
+
 @_compiled(types.int64(_BYTES, _WORDS))
 def _walk_ids(buf, out):
     """Reads every span's ids of an encoded ExportTraceServiceRequest into ``out`` (a row of
     trace id high and low word, span id; little-endian), in span order. Returns the number
     of spans; ``-(i + 1)`` for the first span ``i`` with a bad id; ``_NOT_UNDERSTOOD``."""
     n = 0
-    end = len(buf)
     at = 0
-    while at < end:  # ExportTraceServiceRequest: resource_spans = 1
-        tag, at = _varint(buf, at, end)
-        if tag < 0:
-            return _NOT_UNDERSTOOD
-        if tag != 0x0A:
-            at = _skip(buf, at, end, tag & 7)
-            if at < 0:
-                return _NOT_UNDERSTOOD
-            continue
-        at, resource_end = _message(buf, at, end)
+    while True:  # request.resource_spans (1) / .scope_spans (2) / .spans (2)
+        resource_at, resource_end, at = _next_message(buf, at, len(buf), 0x0A)
         if resource_end < 0:
-            return _NOT_UNDERSTOOD
-        while at < resource_end:  # ResourceSpans: scope_spans = 2
-            tag, at = _varint(buf, at, resource_end)
-            if tag < 0:
+            return n if resource_end == _NONE_LEFT else _NOT_UNDERSTOOD
+        while True:
+            scope_at, scope_end, resource_at = _next_message(buf, resource_at, resource_end, 0x12)
+            if scope_end == _BAD_FIELD:
                 return _NOT_UNDERSTOOD
-            if tag != 0x12:
-                at = _skip(buf, at, resource_end, tag & 7)
-                if at < 0:
-                    return _NOT_UNDERSTOOD
-                continue
-            at, scope_end = _message(buf, at, resource_end)
-            if scope_end < 0:
-                return _NOT_UNDERSTOOD
-            while at < scope_end:  # ScopeSpans: spans = 2
-                tag, at = _varint(buf, at, scope_end)
-                if tag < 0:
-                    return _NOT_UNDERSTOOD
-                if tag != 0x12:
-                    at = _skip(buf, at, scope_end, tag & 7)
-                    if at < 0:
-                        return _NOT_UNDERSTOOD
-                    continue
-                at, span_end = _message(buf, at, scope_end)
-                if span_end < 0 or n >= out.shape[0]:
+            if scope_end == _NONE_LEFT:
+                break
+            while True:
+                span_at, span_end, scope_at = _next_message(buf, scope_at, scope_end, 0x12)
+                if span_end == _NONE_LEFT:
+                    break
+                if span_end == _BAD_FIELD or n >= out.shape[0]:
                     return _NOT_UNDERSTOOD
                 trace_len = span_len = -1
-                trace_at = span_at = 0
-                while at < span_end:  # Span: trace_id = 1, span_id = 2 (the last of each wins)
-                    tag, at = _varint(buf, at, span_end)
+                trace_at = span_id_at = 0
+                while span_at < span_end:  # Span: trace_id = 1, span_id = 2 (the last of each wins)
+                    tag, span_at = _varint(buf, span_at, span_end)
                     if tag == 0x0A or tag == 0x12:
-                        start, stop = _message(buf, at, span_end)
-                        if stop < 0:
+                        value_at, value_end = _message(buf, span_at, span_end)
+                        if value_end < 0:
                             return _NOT_UNDERSTOOD
                         if tag == 0x0A:
-                            trace_len, trace_at = stop - start, start
+                            trace_len, trace_at = value_end - value_at, value_at
                         else:
-                            span_len, span_at = stop - start, start
-                        at = stop
+                            span_len, span_id_at = value_end - value_at, value_at
+                        span_at = value_end
                     elif tag < 0:
                         return _NOT_UNDERSTOOD
                     else:
-                        at = _skip(buf, at, span_end, tag & 7)
-                        if at < 0:
+                        span_at = _skip(buf, span_at, span_end, tag & 7)
+                        if span_at < 0:
                             return _NOT_UNDERSTOOD
                 if trace_len != 16 or span_len != 8:
                     return -(n + 1)
-                hi, lo, span = _le64(buf, trace_at), _le64(buf, trace_at + 8), _le64(buf, span_at)
+                hi, lo = _le64(buf, trace_at), _le64(buf, trace_at + 8)
+                span = _le64(buf, span_id_at)
                 if (hi == 0 and lo == 0) or span == 0:
                     return -(n + 1)
                 out[n, 0] = hi
                 out[n, 1] = lo
                 out[n, 2] = span
                 n += 1
-    return n
 
 
 # splitmix64's multipliers and shifts (uint64 products wrap, as intended): each id word is
