@@ -2,19 +2,18 @@
 
 ``span_keys`` checks that every span has a 16-byte trace id and an 8-byte span id, neither
 all zeros (OTLP trace.proto; Zipkin ids are converted to these lengths first), else raises
-IngestError(400) naming the first bad span; it returns the keys as one ``uint8`` array,
-a row of trace id + span id per span, in span order. ``SpanWindow`` remembers a 64-bit
-fingerprint of the key of the last spans admitted, ``capacity / 4`` buckets of 4, each
-forgetting its oldest first, so a span sent again by an exporter's retry is recognised
-(false "repeat" only for a fingerprint collision: ~capacity / 2**63 per span).
+IngestError(400) naming the first bad span; it returns the keys, a ``uint8`` row of trace
+id + span id per span, in span order. ``SpanWindow`` keeps a 64-bit fingerprint of the last
+spans admitted, ``capacity / 4`` buckets of 4 each forgetting its oldest first, so that a
+span an exporter sends again is recognised (a false repeat only for a fingerprint
+collision: ~capacity / 2**63 per span).
 
-Cost: for a protobuf body, one compiled walk over its bytes (numba; a field at a time, the
-last occurrence of an id winning as in any protobuf parser) that checks and fingerprints
-every span; other bodies: a Python loop over the parsed spans. The window's lookup and
-remember are one compiled loop each over the request, a few table reads per span (the
-copies within one request are found through a scratch table salted per window, so no
-choice of ids makes them quadratic). Memory: 8 bytes per span of capacity, 1 more.
-Compiled once per machine (numba's cache, ``cache=True``), loaded at import.
+Cost: compiled code (numba, cached per machine; its LLVM runtime loads with it). For a
+protobuf body one walk over its bytes, field by field (the last occurrence of an id wins,
+as in any protobuf parser); for other bodies a Python loop over the parsed spans. The
+window: one loop per request for lookup and one for remember, a few table reads per span;
+copies within a request go through a scratch table salted per window, so that no choice of
+ids makes them quadratic. Memory: 8 bytes per span of capacity.
 """
 
 from __future__ import annotations
@@ -35,9 +34,11 @@ _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _WAYS = 4  # fingerprints per bucket, the newest first
 _NOT_UNDERSTOOD = -(1 << 40)  # the walk's answer for what it does not read (groups, bad framing)
 _MIN_SPAN_BYTES = 30  # a span with both ids: 0a 10 <16> 12 08 <8>, and its own tag and length
+_NONE_LEFT, _BAD_FIELD = -2, -1  # the field finder's "no more such fields", "unreadable"
 
 
 def _compiled(signature):
+    """Compiled for ``signature`` at import (or loaded from numba's cache): no first-call pause."""
     return numba.njit(signature, cache=True, nogil=False, boundscheck=False)
 
 
@@ -61,6 +62,15 @@ def _varint(buf, at, end):
 
 
 @numba.njit(cache=True, inline="always")
+def _message(buf, at, end):
+    """(content start, content end) of a length-delimited value at ``at``; end -1 if bad."""
+    size, at = _varint(buf, at, end)
+    if size < 0 or size > end - at:
+        return at, -1
+    return at, at + size
+
+
+@numba.njit(cache=True, inline="always")
 def _skip(buf, at, end, wire):
     """The position after a field of wire type ``wire`` whose value starts at ``at``; -1 when
     it cannot be skipped here (a group, or a length past ``end``)."""
@@ -72,10 +82,7 @@ def _skip(buf, at, end, wire):
     elif wire == 5:
         at += 4
     elif wire == 2:
-        size, at = _varint(buf, at, end)
-        if size < 0 or size > end - at:
-            return -1
-        at += size
+        return _message(buf, at, end)[1]
     else:
         return -1
     return at if at <= end else -1
@@ -87,18 +94,6 @@ def _le64(buf, at):
     for k in range(8):
         value |= np.uint64(buf[at + k]) << np.uint64(8 * k)
     return value
-
-
-@numba.njit(cache=True, inline="always")
-def _message(buf, at, end):
-    """(content start, content end) of a length-delimited value at ``at``; end -1 if bad."""
-    size, at = _varint(buf, at, end)
-    if size < 0 or size > end - at:
-        return at, -1
-    return at, at + size
-
-
-_NONE_LEFT, _BAD_FIELD = -2, -1
 
 
 @numba.njit(cache=True, inline="always")
