@@ -2,11 +2,10 @@
 
 ``span_keys`` checks that every span has a 16-byte trace id and an 8-byte span id, neither
 all zeros (OTLP trace.proto; Zipkin ids are converted to these lengths first), else raises
-IngestError(400) naming the first bad span; it returns the keys, a ``uint8`` row of trace
-id + span id per span, in span order. ``SpanWindow`` keeps a 64-bit fingerprint of the last
-spans admitted, ``capacity / 4`` buckets of 4 each forgetting its oldest first, so that a
-span an exporter sends again is recognised (a false repeat only for a fingerprint
-collision: ~capacity / 2**63 per span).
+IngestError(400) naming the first bad span; it returns a ``uint8`` row of trace id + span id
+per span, in span order. ``SpanWindow`` keeps 64-bit fingerprints of the last spans admitted
+(``capacity / 4`` buckets of 4, each forgetting its oldest first), so that a span sent again
+is recognised (a false repeat only for a collision: ~capacity / 2**63 per span).
 
 Cost: compiled code (numba, cached per machine; its LLVM runtime loads with it). For a
 protobuf body one walk over its bytes, field by field (the last occurrence of an id wins,
