@@ -106,35 +106,40 @@ def cta_point_histogram(point, max_buckets: int) -> ExpHistogram:
     "out_of_range")."""
     counts = check_exp_point(point)
     nonzero = np.flatnonzero(counts)
-    if nonzero.size:
-        # Durations outside 2**-40 s (~1 ps) .. 2**20 s (12 days) are not durations; refusing
-        # them keeps every merge within ExpHistogram's scale range (it would raise).
-        step = 2.0 ** -point.scale
-        if ((point.positive.offset + int(nonzero[0])) * step < _MIN_LOG2_S
-                or (point.positive.offset + int(nonzero[-1]) + 1) * step > _MAX_LOG2_S):
-            raise PointRefused("out_of_range")
-    return _point_hist(point, counts, max_buckets)
+    if not nonzero.size:
+        # No bucket holds a value, so the point's scale says nothing; adopting it would
+        # coarsen the series it joins (a block takes its finest point's scale) down to
+        # scale -10, whose bucket base 2**1024 is past float range. The finest scale
+        # changes nothing.
+        return _point_hist(point, counts[:0], max_buckets, scale=MAX_SCALE)
+    # Durations outside 2**-40 s (~1 ps) .. 2**20 s (12 days) are not durations; refusing
+    # them keeps every merge within ExpHistogram's scale range (it would raise).
+    step = 2.0 ** -point.scale
+    if ((point.positive.offset + int(nonzero[0])) * step < _MIN_LOG2_S
+            or (point.positive.offset + int(nonzero[-1]) + 1) * step > _MAX_LOG2_S):
+        raise PointRefused("out_of_range")
+    return _point_hist(point, counts, max_buckets, point.scale)
 
 
-def _point_hist(point, counts: np.ndarray, max_buckets: int) -> ExpHistogram:
-    """The point as an ExpHistogram at its own scale (bounded to ``max_buckets``)."""
+def _point_hist(point, counts: np.ndarray, max_buckets: int, scale: int) -> ExpHistogram:
+    """The point as an ExpHistogram at ``scale`` (its own, bounded to ``max_buckets``)."""
     offset = point.positive.offset
     if (point.HasField("min") and point.HasField("max")
             and 0.0 <= point.min <= point.max < math.inf):
         minimum, maximum = point.min, point.max
     else:  # absent or nonsense: the bounds of the outermost non-empty buckets
         nonzero = np.flatnonzero(counts)
-        step = 2.0 ** -point.scale
+        step = 2.0 ** -scale
         minimum = 2.0 ** ((offset + nonzero[0]) * step) if nonzero.size else 0.0
         maximum = 2.0 ** ((offset + nonzero[-1] + 1) * step) if nonzero.size else 0.0
     zeros = int(point.zero_count) + int(sum(point.negative.bucket_counts))
     if counts.size <= max_buckets:
         # Adopt the arrays as they are: no copy, no re-bucketing (the common case).
-        return ExpHistogram(scale=point.scale, max_buckets=max_buckets, offset=offset,
+        return ExpHistogram(scale=scale, max_buckets=max_buckets, offset=offset,
                             counts=counts, zero_count=zeros, count=int(point.count),
                             sum=float(point.sum), min=float(minimum), max=float(maximum))
     hist = ExpHistogram(max_buckets=max_buckets)
-    hist.add_buckets(point.scale, offset, counts, zeros, int(point.count), float(point.sum),
+    hist.add_buckets(scale, offset, counts, zeros, int(point.count), float(point.sum),
                      float(minimum), float(maximum))
     return hist
 

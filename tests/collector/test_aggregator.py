@@ -447,3 +447,22 @@ def test_classic_rebinning_matches_binning_each_bucket_point():
                 want[int(np.searchsorted(np.asarray(bounds), point, side="left"))] += int(c)
             assert got.counts == want, scale
             assert sum(got.counts) == h.count
+
+
+def test_a_point_without_buckets_keeps_the_series_resolution_whatever_its_scale():
+    # A point of zeros only (no bucket holds a value) says nothing of scale. Taking its scale
+    # would coarsen every SM of the kernel to it (a block takes its finest point's); at -10,
+    # OTLP's lowest, the bucket base 2**1024 overflowed and the batch was lost.
+    agg = make_aggregator()
+    values = np.full(50, 20e-6)
+    assert agg.consume_metrics(otlp_metrics([otlp_cta_point(0, 1, "k", values, T0_S - 2)])) == 1
+    before = agg.sm_windows("0", "k", last_s=60)["1"]
+    for scale in (-10, -9, 0):
+        empty = otlp_cta_point(0, 2, "k", [], T0_S - 1)
+        empty.scale, empty.zero_count, empty.count = scale, 3, 3
+        assert agg.consume_metrics(otlp_metrics([empty, otlp_cta_point(0, 1, "k", values, T0_S - 1)])) == 2
+    assert agg.dropped == {}
+    windows = agg.sm_windows("0", "k", last_s=60)
+    assert windows["1"].scale == before.scale and windows["1"].count == 200
+    assert windows["1"].quantile(0.99) == before.quantile(0.99)
+    assert windows["2"].count == 9 and windows["2"].zero_count == 9
