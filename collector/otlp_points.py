@@ -23,7 +23,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from ..instrumentation import semconv
-from ..instrumentation import MAX_SCALE, MIN_SCALE, ExpHistogram
+from ..instrumentation import MAX_SCALE, ExpHistogram
 from .point_check import PointRefused, check_exp_point
 
 __all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "any_value", "clamped_time_s",

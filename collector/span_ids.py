@@ -38,7 +38,7 @@ _NONE_LEFT, _BAD_FIELD = -2, -1  # the field finder's "no more such fields", "un
 
 def _compiled(signature):
     """Compiled for ``signature`` at import (or loaded from numba's cache): no first-call pause."""
-    return numba.njit(signature, cache=True, nogil=False, boundscheck=False)
+    return numba.njit(signature, cache=True)
 
 
 _BYTES = types.Array(types.uint8, 1, "C", readonly=True)
@@ -242,9 +242,7 @@ def span_fingerprints(request, encoded: bytes | None = None) -> np.ndarray:
     if encoded is not None:
         words = _walked(encoded)
         if words is not None:
-            out = np.empty(len(words), dtype=np.uint64)
-            _fingerprint_rows(words, out)
-            return out
+            return _fingerprints(words)
     return fingerprints(_exact_keys(request))
 
 
@@ -289,9 +287,13 @@ def remove_spans(request, positions) -> None:
 
 def fingerprints(keys: np.ndarray) -> np.ndarray:
     """uint64 fingerprint (never 0) of each ``uint8[n, 24]`` key row."""
-    words = np.ascontiguousarray(keys).view("<u8").reshape(-1, 3)
+    return _fingerprints(np.ascontiguousarray(keys).view("<u8").reshape(-1, 3))
+
+
+def _fingerprints(words: np.ndarray) -> np.ndarray:
+    """The fingerprint of each row of ``uint64[n, 3]`` id words (trace high, low; span)."""
     out = np.empty(len(words), dtype=np.uint64)
-    _fingerprint_rows(words.astype(np.uint64, copy=False), out)
+    _fingerprint_rows(words, out)
     return out
 
 
