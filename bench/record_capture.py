@@ -1,6 +1,6 @@
 """Records a telemetry capture of a real HTTP-served engine run, then checks what it holds.
 
-    python -m bench.record_capture --capture deploy/captures/h200-20261215.jsonl.gz --out "$OUT"
+    python -m bench.record_capture --capture deploy/captures/h200-<date>.jsonl.gz --out "$OUT"
     python -m bench.record_capture --model tiny --device cpu --requests 8 --out /tmp/rc  # CPU
 
 The engine's own server runs in this process at trace level ``kernels`` (on CUDA: CUPTI

@@ -311,7 +311,7 @@ def test_concurrent_ingest_counts_everything():
 
 
 def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
-    """The producer's own code path (instrumentation/gpu_telemetry.build_cta_metrics, SDK
+    """The producer's own code path (``build_cta_metrics`` of instrumentation/gpu_telemetry.py, SDK
     data points encoded by the OTLP exporter's encoder) into the aggregator."""
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.sdk.resources import Resource
