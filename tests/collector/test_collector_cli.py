@@ -16,8 +16,8 @@ from sightline.collector.aggregation_config import AggregationConfig, TraceStore
 from sightline.collector.cli import aggregation_config
 from sightline.deploy.cli import build_parser, main
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import otlp_cta_point, otlp_metrics
-from tests.collector.test_receivers import scrape
+from tests.collector.otlp_builders import otlp_cta_point, otlp_metrics
+from tests.collector.servers import scrape
 from tests.support import free_port, wait_for_http
 
 

@@ -12,9 +12,9 @@ import pytest
 from sightline.collector.explain import explain_slowest, trace_spans
 from sightline.collector.trace_store import TraceStoreConfig
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import (T0_S, make_aggregator, otlp_cta_point, otlp_metrics,
-                                             otlp_span, otlp_traces)
-from tests.collector.test_heatmap import _Server
+from tests.collector.otlp_builders import (T0_S, make_aggregator, otlp_attrs, otlp_cta_point, otlp_metrics,
+                                           otlp_span, otlp_traces)
+from tests.collector.servers import ApiServer
 
 SERVER = 2
 
@@ -96,7 +96,6 @@ def test_steps_say_when_their_kernels_were_traced():
     """A traced step carries the engine's reason into the explanation and its text; a step
     without one says nothing."""
     from sightline.collector.query_cli import format_explanation
-    from tests.collector.test_aggregator import otlp_attrs
 
     agg = make_aggregator()
     spans = build(1)
@@ -138,7 +137,7 @@ def test_trace_by_id_and_api(tmp_path):
     assert [s["name"] for s in got["spans"]] == [sc.SPAN_HTTP_COMPLETIONS, sc.SPAN_QUEUE, sc.SPAN_PREFILL,
                                                  sc.SPAN_DECODE]
     assert got["linked_traces"] == sorted([tid(2, 2).hex(), tid(3, 2).hex()])
-    server = _Server(agg)
+    server = ApiServer(agg)
     try:
         with urllib.request.urlopen(server.url(f"/api/v1/traces/{tid(2, 3).hex()}"), timeout=10) as resp:
             step = json.loads(resp.read())

@@ -3,29 +3,25 @@ and the interactive page rendered by headless Chromium."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-from aiohttp import web
 from PIL import Image
 
 from sightline.collector import heatmap as hm
-from sightline.collector.api import add_api_routes
 from sightline.collector.heatmap_page import render_page
 from sightline.collector.sm_store import SmKey
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
-from tests.support import free_port
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
+from tests.collector.servers import ApiServer
 
 US = 1e-6
 # SM -> (value in slot T0-15 s, value in slot T0-5 s); None = the SM ran nothing then.
@@ -94,39 +90,9 @@ def test_png_decodes(aggregator):
         assert hm.colour(1.0) in colours and hm.colour(0.0) in colours
 
 
-class _Server:
-    """The API on a real aiohttp server on a free loopback port (own thread and loop)."""
-
-    def __init__(self, aggregator) -> None:
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(aggregator,), daemon=True)
-        self.thread.start()
-        assert self._ready.wait(10)
-
-    def _run(self, aggregator) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        add_api_routes(app, aggregator)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self.loop.run_forever()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-
 @pytest.fixture
 def server(aggregator):
-    s = _Server(aggregator)
+    s = ApiServer(aggregator)
     yield s
     s.close()
 

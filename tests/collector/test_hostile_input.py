@@ -26,9 +26,8 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 
 from sightline.collector.admission import Intake
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import otlp_cta_point, otlp_metrics
-from tests.collector.test_receivers import fresh_copies, post, running_collector, trace_request
-from tests.collector.test_robustness import GatedAggregator
+from tests.collector.otlp_builders import otlp_cta_point, otlp_metrics
+from tests.collector.servers import GatedAggregator, fresh_copies, post, running_collector, trace_request
 
 TOKEN = "hostile-test-token"
 PB = {"Content-Type": "application/x-protobuf", "Authorization": f"bearer {TOKEN}"}

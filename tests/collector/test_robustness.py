@@ -29,8 +29,8 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import (RunningCollector, emit_spans, fresh_copies, post, running_collector,
-                                            scrape, sdk_tracer, trace_request)
+from tests.collector.servers import (GatedAggregator, RunningCollector, emit_spans, fresh_copies, post,
+                                     running_collector, scrape, sdk_tracer, trace_request)
 from tests.support import free_port, wait_for_http
 
 TOKEN = "s3cret-token-for-tests"
@@ -38,23 +38,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PB = {"Content-Type": "application/x-protobuf", **AUTH}
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 KiB, MiB = 1024, 1024 * 1024
-
-
-class GatedAggregator:
-    """The real aggregator behind a gate: closing it stalls the pipeline's worker."""
-
-    def __init__(self) -> None:
-        self.inner = None
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def consume_traces(self, request, encoded=None) -> int:
-        self.gate.wait(30)
-        return self.inner.consume_traces(request, encoded)
-
-    def consume_metrics(self, request) -> int:
-        self.gate.wait(30)
-        return self.inner.consume_metrics(request)
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ from sightline.collector.hotspot import hotspots, hottest_sm
 from sightline.collector.sm_exposition import SmPage
 from sightline.collector.sm_store import kernel_label
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import (OPENMETRICS, T0_S, _resource_metrics, make_aggregator,
-                                             otlp_attrs, otlp_cta_point, otlp_metrics)
-from tests.collector.test_receivers import post, running_collector
+from tests.collector.otlp_builders import (OPENMETRICS, T0_S, make_aggregator, otlp_attrs, otlp_cta_point,
+                                           otlp_metrics, resource_metrics)
+from tests.collector.servers import post, running_collector
 
 # powers of two: every sum below is exact; 2**-15 s lies in (2e-5, 5e-5], 2**-13 s in (1e-4, 2e-4]
 FAST, SLOW = 2.0 ** -15, 2.0 ** -13
@@ -48,7 +48,7 @@ def _fleet(**config):
                 if uuid:
                     p.attributes.extend(otlp_attrs({sc.ATTR_GPU_UUID: uuid}))
                 points.append(p)
-        agg.consume_metrics(_resource_metrics(points, **{sc.RESOURCE_SERVICE_INSTANCE_ID: instance}))
+        agg.consume_metrics(resource_metrics(points, **{sc.RESOURCE_SERVICE_INSTANCE_ID: instance}))
     return agg
 
 
@@ -158,7 +158,7 @@ def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_wind
         first = kept.render(clock[0], openmetrics)
         assert kept.render(clock[0], openmetrics) == first == SmPage(agg.sm).render(clock[0], openmetrics)
         # one block written (SM 1 of fa2 on node-a turns slow), the others kept
-        agg.consume_metrics(_resource_metrics(
+        agg.consume_metrics(resource_metrics(
             [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1, exemplar=(SLOW, TRACE, SPAN)),
              otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)],
             **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
@@ -179,7 +179,7 @@ def test_kept_deflate_pieces_decompress_to_the_page_formatted_again():
         pages = []
         for write in (False, True, False):
             if write:  # one block written, the others' kept pieces reused
-                agg.consume_metrics(_resource_metrics(
+                agg.consume_metrics(resource_metrics(
                     [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
             zipped = gzip.decompress(gzip_join(kept.pieces(clock[0], openmetrics, deflate=True)))
             assert zipped == SmPage(agg.sm).render(clock[0], openmetrics)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sightline.collector.aggregation_config import TraceStoreConfig
 from sightline.collector.trace_store import TraceStore
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, otlp_attrs, otlp_span, otlp_traces
+from tests.collector.otlp_builders import T0_S, otlp_attrs, otlp_span, otlp_traces
 
 REQ, STEP = b"\x01" * 16, b"\x02" * 16
 
