@@ -1,6 +1,6 @@
 """Records a telemetry capture of a real HTTP-served engine run, then checks what it holds.
 
-    python -m bench.record_capture --capture deploy/captures/h200-<date>.jsonl.gz --out "$OUT"
+    python -m bench.record_capture --capture deploy/captures/h200-<date>.jsonl.gz --out <dir>
     python -m bench.record_capture --model tiny --device cpu --requests 8 --out /tmp/rc  # CPU
 
 The engine's own server runs in this process at trace level ``kernels`` (on CUDA: CUPTI
@@ -207,8 +207,8 @@ def _ms(stats: dict | None) -> str:
 
 
 def default_capture() -> str:
-    """``$OUT/h200-capture.jsonl.gz`` on the device machine (what is under $OUT comes back)."""
-    out = os.environ.get("OUT")
+    """``h200-capture.jsonl.gz`` in ``$RESULTS_DIR`` (where ``gpu_session.sh`` collects results)."""
+    out = os.environ.get("RESULTS_DIR")
     return str(Path(out) / "h200-capture.jsonl.gz") if out else "/tmp/capture.jsonl.gz"
 
 

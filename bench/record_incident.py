@@ -11,7 +11,7 @@ finding is scored and the capture diagnosed in-process (bench/incident_analysis.
 the load, engine start-up, about 20 s of calibration, the replay. Writes the capture and
 ``record_incident-<device>-<commit8>.json`` into ``--out``.
 
-    python -m bench.record_incident --out "$OUT"                     # H200, llama-8b
+    python -m bench.record_incident --out <dir>                     # H200, llama-8b
     TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny --duration-s 20 --interval 6,12
 """
 
