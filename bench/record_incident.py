@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kernel-sample-ratio", type=float, default=0.02)
     ap.add_argument("--metric-export-interval", type=float, default=2.0, help="seconds between per-SM exports")
     ap.add_argument("--fa2-config", default="64,64,4,3", help="SIGHTLINE_FA2_PREFILL_CONFIG for the engine")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/record_incident")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("RESULTS_DIR", "/tmp/record_incident")))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
