@@ -1,15 +1,19 @@
 """The aggregator's configuration: windows, cardinality limits, trace store bounds.
 
-Frozen dataclasses, each bound range-checked on construction (errors name the bad value
-and the allowed range). Standard library only, so that ``sightline collector run`` can
-build its flags and defaults from these without importing numpy or protobuf; the modules
-that use them (:mod:`.windows`, :mod:`.trace_store`, :mod:`.aggregator`) re-export them.
+Frozen dataclasses whose fields are declared once with ``setting`` (default, allowed range,
+help): the range checks and ``sightline collector run``'s flags both come from there, and an
+error names the bad value and the allowed range. Standard library only, so that the CLI can
+build its flags without importing numpy or protobuf; the modules that use these configs
+(:mod:`.windows`, :mod:`.trace_store`, :mod:`.aggregator`) re-export them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
+
+from ..instrumentation import check_range, check_settings, setting
 
 __all__ = ["AggregationConfig", "TraceStoreConfig", "WindowConfig"]
 
@@ -18,23 +22,19 @@ __all__ = ["AggregationConfig", "TraceStoreConfig", "WindowConfig"]
 class WindowConfig:
     """Shape of every sliding window: ``num_slots`` slots of ``slot_s`` seconds."""
 
-    slot_s: float = 10.0
-    num_slots: int = 18
-    max_buckets: int = 1024
-    initial_scale: int = 6
-    flush_every: int = 256
+    slot_s: float = setting(10.0, "length of one window slot: the time resolution of heatmaps and "
+                                  "quantiles", lo=0.01, hi=3600.0, metavar="SECONDS")
+    num_slots: int = setting(18, "slots kept per series; slots x slot length is the horizon, older data "
+                                 "is refused", lo=1, hi=1440, flag="--window-slots", metavar="N")
+    max_buckets: int = setting(1024, "buckets per exponential histogram before its scale is lowered",
+                               lo=32, hi=8192, metavar="N")
+    initial_scale: int = setting(6, "scale (resolution) a new exponential histogram starts at",
+                                 lo=0, hi=20, metavar="SCALE")
+    flush_every: int = setting(256, "values buffered per series before they are folded into its "
+                                    "histogram", lo=1, hi=65536, metavar="N")
 
     def __post_init__(self) -> None:
-        if not 0.01 <= self.slot_s <= 3600.0:
-            raise ValueError(f"slot_s={self.slot_s} is outside [0.01, 3600]")
-        if not 1 <= self.num_slots <= 1440:
-            raise ValueError(f"num_slots={self.num_slots} is outside [1, 1440]")
-        if not 32 <= self.max_buckets <= 8192:
-            raise ValueError(f"max_buckets={self.max_buckets} is outside [32, 8192]")
-        if not 0 <= self.initial_scale <= 20:
-            raise ValueError(f"initial_scale={self.initial_scale} is outside [0, 20]")
-        if not 1 <= self.flush_every <= 65536:
-            raise ValueError(f"flush_every={self.flush_every} is outside [1, 65536]")
+        check_settings(self)
 
     def new_histogram(self):
         """An empty ``ExpHistogram`` at the initial scale (numpy imported here, not at
@@ -52,59 +52,63 @@ class WindowConfig:
         return int(math.floor(t_s / self.slot_s))
 
 
-
 @dataclass(frozen=True)
 class TraceStoreConfig:
     """Bounds of the recent-trace store (see :mod:`.trace_store` for what each costs)."""
 
-    max_traces: int = 20_000
-    max_spans_per_trace: int = 4_096
-    max_spans: int = 200_000
-    max_bytes: int = 48 * 1024 * 1024  # encoded size of the export requests held
-    # True: queue each request as it arrived (its encoding), index on the first query
-    # (ingest O(1) per request). False: index each request as it arrives (several µs per
-    # span on the ingest path: more than all of the aggregation).
-    defer_index: bool = True
-    index_chunk_spans: int = 20_000  # spans indexed per lock hold while catching up
+    # deferred: queue each request as it arrived (its encoding), index on the first query
+    # (ingest O(1) per request); eager: index each request as it arrives (several µs per
+    # span on the ingest path: more than all of the aggregation); off: no store.
+    mode: Literal["deferred", "eager", "off"] = setting(
+        "deferred", "recent-trace store behind explain and /api/v1/traces: indexed on the first query "
+                    "(deferred, cheapest ingest), as spans arrive (eager), or none", flag="--trace-store")
+    max_traces: int = setting(20_000, "traces kept, oldest evicted first", lo=1, hi=10_000_000, metavar="N")
+    max_spans_per_trace: int = setting(4_096, "spans kept per trace", lo=1, hi=1_000_000, metavar="N")
+    max_spans: int = setting(200_000, "spans kept in all", lo=1, hi=100_000_000, metavar="N")
+    max_bytes: int = setting(48 * 1024 * 1024, "encoded bytes of the export requests kept in all",
+                             lo=1024, hi=1 << 40, metavar="BYTES")
+    index_chunk_spans: int = setting(20_000, "spans indexed per lock hold while catching up",
+                                     lo=1, hi=10_000_000, metavar="N")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_traces <= 10_000_000:
-            raise ValueError(f"max_traces={self.max_traces} is outside [1, 10000000]")
-        if not 1 <= self.max_spans_per_trace <= 1_000_000:
-            raise ValueError(f"max_spans_per_trace={self.max_spans_per_trace} is outside [1, 1000000]")
-        if not 1 <= self.max_spans <= 100_000_000:
-            raise ValueError(f"max_spans={self.max_spans} is outside [1, 100000000]")
-        if not 1024 <= self.max_bytes <= 1 << 40:
-            raise ValueError(f"max_bytes={self.max_bytes} is outside [1024, 2**40]")
-        if not 1 <= self.index_chunk_spans <= 10_000_000:
-            raise ValueError(f"index_chunk_spans={self.index_chunk_spans} is outside [1, 10000000]")
+        check_settings(self)
 
+    @property
+    def defer_index(self) -> bool:
+        return self.mode == "deferred"
 
 
 @dataclass(frozen=True)
 class AggregationConfig:
     """Limits and windows of the aggregator; every bound is checked on construction."""
 
-    window: WindowConfig = field(default_factory=WindowConfig)
-    gauge_window_s: float = 60.0
+    window: WindowConfig = setting(factory=WindowConfig)
+    gauge_window_s: float = setting(60.0, "window of the per-SM P99 gauges and hotspot ratios, at most "
+                                          "the horizon", lo=0.0, lo_open=True, metavar="SECONDS")
     # Per-SM series (instance, gpu, sm, kernel), shared equally among the GPUs present
     # (64 GPUs x 132 SMs x 20 kernels, or 8 GPUs x 132 SMs x 170 kernels); see sm_store.
-    max_sm_series: int = 180_000
-    max_gpus: int = 256
-    max_kernel_series: int = 1_024
-    max_request_series: int = 512
-    max_step_series: int = 16
-    store_traces: bool = True
+    max_sm_series: int = setting(180_000, "(instance, gpu, SM, kernel) series, shared equally among the "
+                                          "GPUs present; a kernel past its GPU's share is refused, counted, "
+                                          "and its heatmap names this limit", lo=1, hi=1_000_000, metavar="N")
+    max_gpus: int = setting(256, "(instance, gpu) identities with per-SM data", lo=1, hi=1_000_000, metavar="N")
+    max_kernel_series: int = setting(1_024, "(gpu, kernel) series from kernel spans", lo=1, hi=1_000_000,
+                                     metavar="N")
+    max_request_series: int = setting(512, "(model, priority) series from request spans", lo=1, hi=1_000_000,
+                                      metavar="N")
+    max_step_series: int = setting(16, "step-phase series from engine.step spans", lo=1, hi=1_000_000,
+                                   metavar="N")
     # Per-SM classic histograms: 19 exposition lines per (instance, gpu, SM, kernel) instead
     # of one P99 gauge. Off (the default) leaves the gauges and the per-GPU summaries.
-    expose_sm_histograms: bool = False
-    trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
+    expose_sm_histograms: bool = setting(False, "per-SM CTA histograms on /metrics (19 lines per GPU x SM x "
+                                                "kernel); off keeps the per-SM P99 gauges and the per-GPU "
+                                                "summaries")
+    trace_store: TraceStoreConfig = setting(factory=TraceStoreConfig)
 
     def __post_init__(self) -> None:
-        if not 0 < self.gauge_window_s <= self.window.horizon_s:
-            raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
-                             f"(0, {self.window.horizon_s}] (the window horizon)")
-        for name in ("max_sm_series", "max_gpus", "max_kernel_series", "max_request_series", "max_step_series"):
-            value = getattr(self, name)
-            if not 1 <= value <= 1_000_000:
-                raise ValueError(f"{name}={value} is outside [1, 1000000]")
+        check_settings(self)
+        check_range("gauge_window_s", self.gauge_window_s, 0.0, self.window.horizon_s, lo_open=True,
+                    hint="(the window horizon)")
+
+    @property
+    def store_traces(self) -> bool:
+        return self.trace_store.mode != "off"

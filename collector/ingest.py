@@ -23,6 +23,8 @@ from typing import Any
 
 from aiohttp import web
 
+from ..instrumentation import check_range
+
 __all__ = ["IngestError", "IngestLimits", "InflightLimit", "content_encoding", "decode_body",
            "decompress_bounded", "json_depth", "load_json", "read_body", "read_raw"]
 
@@ -41,8 +43,7 @@ class IngestLimits:
     max_json_depth: int = 64
 
     def __post_init__(self) -> None:
-        if not 2 <= self.max_json_depth <= 512:
-            raise ValueError(f"max_json_depth={self.max_json_depth!r} is outside the allowed range 2..512")
+        check_range("max_json_depth", self.max_json_depth, 2, 512, integer=True)
 
 
 class IngestError(Exception):

@@ -24,6 +24,7 @@ import numba
 import numpy as np
 from numba import types
 
+from ..instrumentation import check_range
 from .ingest import IngestError
 
 __all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
@@ -321,8 +322,7 @@ class SpanWindow:
     it off (every span is new)."""
 
     def __init__(self, capacity: int) -> None:
-        if not 0 <= capacity <= 100_000_000:
-            raise ValueError(f"capacity={capacity!r} is outside the allowed range 0..100000000")
+        check_range("capacity", capacity, 0, 100_000_000, integer=True)
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)

@@ -270,7 +270,7 @@ def test_trace_store_deferred_indexing_byte_bound_and_chunks():
     one = otlp_traces(build(1))  # one request tree + its two steps: ~1.5 KB encoded
     size = one.ByteSize()
     agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 3 * size), index_chunk_spans=5,
-                                                       defer_index=True))
+                                                       mode="deferred"))
     for i in range(10):
         spans = [otlp_span(s.name, bytes([i]) + s.trace_id[1:], s.span_id, T0_S - 5, T0_S - 4,
                            parent=s.parent_span_id,
@@ -294,7 +294,7 @@ def test_trace_store_deferred_indexing_byte_bound_and_chunks():
 
 def test_trace_store_byte_bound_when_indexing_eagerly():
     size = otlp_traces(build(1)).ByteSize()
-    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size), defer_index=False))
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size), mode="eager"))
     for i in range(6):
         agg.consume_traces(otlp_traces(build(1)))
         store = agg.store
