@@ -1,0 +1,138 @@
+"""Telemetry of a process that feeds another process's telemetry process (an API server).
+
+``TelemetryPipeline.join(config, endpoint, producer_id)`` returns a :class:`JoinedPipeline`:
+its ``recorder`` is a :class:`~.lifecycle.LifecycleRecorder` whose request keys carry
+``producer_id``; a thread ships what it records, every ``ship_interval_s``, to the telemetry
+process behind ``endpoint`` (:mod:`.producer_link`), which builds one trace per request from
+this process's events and the engine core's. It starts no process of its own.
+
+Guarantees: the producer never waits. A full recorder buffer (``buffer_full``), or a full
+send queue (``queue_full``; ``process_down`` while not connected) drops events and counts
+them on ``registry``. Frames queued while the telemetry process restarts go to its
+successor, which binds the same endpoint (reconnections count as restarts there). Span
+counters are the starting pipeline's. Cost: the recorder's appends on the callers' threads;
+a pickle and a ZMQ send per tick on the shipping thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prometheus_client import CollectorRegistry
+
+from . import semconv
+from .config import TelemetryConfig
+from .config_checks import check_range
+from .event_wire import to_wire
+from .lifecycle import MAX_PRODUCER_ID, LifecycleRecorder
+from .producer_link import ProducerIdentity, ProducerSocket
+from .telemetry_pipeline import (DROP_BUFFER_FULL, DROP_BUILD_ERROR, DROP_PROCESS_DOWN,
+                                 DROP_QUEUE_FULL, PipelineMetrics)
+
+__all__ = ["JoinedPipeline"]
+
+logger = logging.getLogger(__name__)
+
+
+class JoinedPipeline:
+    """See the module docstring. ``recorder`` is what the API server writes to."""
+
+    mode = "joined"
+    pid = None          # no telemetry process of its own
+    gpu = None
+
+    def __init__(self, config: TelemetryConfig, endpoint: str, producer_id: int,
+                 ship_interval_s: float = 0.1, max_queued_frames: int = 512,
+                 recorder_capacity: int = 1 << 16) -> None:
+        check_range("producer_id", producer_id, 1, MAX_PRODUCER_ID, integer=True,
+                    hint="(0 is the starting pipeline's)")
+        check_range("ship_interval_s", ship_interval_s, 0.001, 10.0)
+        self.config = config
+        self.producer_id = producer_id
+        self.producer_endpoint = endpoint
+        self.identity = ProducerIdentity.here(producer_id, semconv.PROCESS_ROLE_API_SERVER)
+        self.recorder = LifecycleRecorder(config, recorder_capacity, producer_id=producer_id)
+        self.requests_on = self.recorder.requests_on
+        self.steps_on = self.recorder.steps_on
+        self.kernels_on = self.recorder.kernels_on
+        self.ship_interval_s = ship_interval_s
+        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
+        self._socket = ProducerSocket(endpoint, self.identity, max_queued_frames)
+        self._connected = False
+        self._stopping = False
+        self._ship_lock = threading.Lock()
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(PipelineMetrics(self))
+        self._shipper = threading.Thread(target=self._ship_loop,
+                                         name="sightline-telemetry-ship", daemon=True)
+        self._shipper.start()
+
+    # -- the producer's side -----------------------------------------------------------
+    def start_request(self, **kwargs):
+        return self.recorder.start_request(**kwargs)
+
+    # -- shipping (its own thread) -------------------------------------------------------
+    def _ship_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(self.ship_interval_s)
+            try:
+                self._ship_once()
+            except Exception:
+                logger.exception("telemetry shipping failed; continuing")
+
+    def _ship_once(self) -> None:
+        with self._ship_lock:
+            if self._socket is None:
+                return
+            # before the drain, and sent empty too: see TelemetryPipeline._ship_locked
+            watermark_ns = time.time_ns()
+            items = self.recorder.drain()
+            self._connected = self._socket.poll_connection()
+            if not self._socket.send(watermark_ns, to_wire(items)) and items:
+                reason = DROP_QUEUE_FULL if self._connected else DROP_PROCESS_DOWN
+                self.dropped[reason] += len(items)
+
+    # -- reading ---------------------------------------------------------------------------
+    @property
+    def restarts(self) -> int:
+        """Times the telemetry process came back after this producer lost it."""
+        return self._socket.reconnects if self._socket is not None else 0
+
+    def process_up(self) -> bool:
+        """Whether this producer is connected to the telemetry process."""
+        return self._connected
+
+    def counters(self) -> None:
+        """None: span counters are on the starting pipeline's registry, not repeated here."""
+        return None
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = dict(self.dropped)
+        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
+        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
+        return dropped
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def force_flush(self, timeout_s: float = 5.0) -> bool:
+        """Ships what is recorded now (the spans are built in the telemetry process)."""
+        self._ship_once()
+        return True
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Ships what is left and closes the connection, waiting at most ``timeout_s``
+        (default ``config.shutdown_timeout_s``) for queued frames to leave."""
+        if self._stopping:
+            return
+        timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        self._stopping = True
+        self._shipper.join(timeout=1.0)
+        try:
+            self._ship_once()
+        except Exception:
+            logger.exception("telemetry shutdown: the last items could not be shipped")
+        with self._ship_lock:
+            socket, self._socket = self._socket, None
+            if socket is not None:
+                socket.close(linger_s=timeout_s if self._connected else 0.0)
