@@ -95,13 +95,21 @@ class JoinedPipeline:
                 self.dropped[reason] += len(items)
 
     # -- reading ---------------------------------------------------------------------------
+    def _poll_connection(self) -> None:
+        with self._ship_lock:     # the socket's monitor is the shipping thread's otherwise
+            if self._socket is not None:
+                self._connected = self._socket.poll_connection()
+
     @property
     def restarts(self) -> int:
         """Times the telemetry process came back after this producer lost it."""
-        return self._socket.reconnects if self._socket is not None else 0
+        self._poll_connection()
+        socket = self._socket
+        return socket.reconnects if socket is not None else 0
 
     def process_up(self) -> bool:
         """Whether this producer is connected to the telemetry process."""
+        self._poll_connection()
         return self._connected
 
     def counters(self) -> None:
