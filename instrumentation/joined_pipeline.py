@@ -17,26 +17,22 @@ a pickle and a ZMQ send per tick on the shipping thread.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-
-from prometheus_client import CollectorRegistry
 
 from . import semconv
 from .config import TelemetryConfig
 from .config_checks import check_range
 from .event_wire import to_wire
-from .lifecycle import MAX_PRODUCER_ID, LifecycleRecorder
+from .lifecycle import MAX_PRODUCER_ID
 from .producer_link import ProducerIdentity, ProducerSocket
-from .telemetry_pipeline import (DROP_BUFFER_FULL, DROP_BUILD_ERROR, DROP_PROCESS_DOWN,
-                                 DROP_QUEUE_FULL, PipelineMetrics)
+from .telemetry_pipeline import DROP_PROCESS_DOWN, DROP_QUEUE_FULL, ProducerSide
 
 __all__ = ["JoinedPipeline"]
 
 logger = logging.getLogger(__name__)
 
 
-class JoinedPipeline:
+class JoinedPipeline(ProducerSide):
     """See the module docstring. ``recorder`` is what the API server writes to."""
 
     mode = "joined"
@@ -48,51 +44,24 @@ class JoinedPipeline:
                  recorder_capacity: int = 1 << 16) -> None:
         check_range("producer_id", producer_id, 1, MAX_PRODUCER_ID, integer=True,
                     hint="(0 is the starting pipeline's)")
-        check_range("ship_interval_s", ship_interval_s, 0.001, 10.0)
-        self.config = config
+        identity = ProducerIdentity.here(producer_id, semconv.PROCESS_ROLE_API_SERVER)
+        self._socket: ProducerSocket | None = ProducerSocket(endpoint, identity, max_queued_frames)
+        self._connected = False
+        super().__init__(config, identity, ship_interval_s, recorder_capacity)
         self.producer_id = producer_id
         self.producer_endpoint = endpoint
-        self.identity = ProducerIdentity.here(producer_id, semconv.PROCESS_ROLE_API_SERVER)
-        self.recorder = LifecycleRecorder(config, recorder_capacity, producer_id=producer_id)
-        self.requests_on = self.recorder.requests_on
-        self.steps_on = self.recorder.steps_on
-        self.kernels_on = self.recorder.kernels_on
-        self.ship_interval_s = ship_interval_s
-        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
-        self._socket = ProducerSocket(endpoint, self.identity, max_queued_frames)
-        self._connected = False
-        self._stopping = False
-        self._ship_lock = threading.Lock()
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(PipelineMetrics(self))
-        self._shipper = threading.Thread(target=self._ship_loop,
-                                         name="sightline-telemetry-ship", daemon=True)
-        self._shipper.start()
+        self._start_shipping()
 
-    # -- the producer's side -----------------------------------------------------------
-    def start_request(self, **kwargs):
-        return self.recorder.start_request(**kwargs)
-
-    # -- shipping (its own thread) -------------------------------------------------------
-    def _ship_loop(self) -> None:
-        while not self._stopping:
-            time.sleep(self.ship_interval_s)
-            try:
-                self._ship_once()
-            except Exception:
-                logger.exception("telemetry shipping failed; continuing")
-
-    def _ship_once(self) -> None:
-        with self._ship_lock:
-            if self._socket is None:
-                return
-            # before the drain, and sent empty too: see TelemetryPipeline._ship_locked
-            watermark_ns = time.time_ns()
-            items = self.recorder.drain()
-            self._connected = self._socket.poll_connection()
-            if not self._socket.send(watermark_ns, to_wire(items)) and items:
-                reason = DROP_QUEUE_FULL if self._connected else DROP_PROCESS_DOWN
-                self.dropped[reason] += len(items)
+    def _ship_locked(self) -> None:
+        if self._socket is None:
+            return
+        # before the drain, and sent empty too: see TelemetryPipeline._ship_locked
+        watermark_ns = time.time_ns()
+        items = self.recorder.drain()
+        self._connected = self._socket.poll_connection()
+        if not self._socket.send(watermark_ns, to_wire(items)) and items:
+            reason = DROP_QUEUE_FULL if self._connected else DROP_PROCESS_DOWN
+            self.dropped[reason] += len(items)
 
     # -- reading ---------------------------------------------------------------------------
     def _poll_connection(self) -> None:
@@ -115,12 +84,6 @@ class JoinedPipeline:
     def counters(self) -> None:
         """None: span counters are on the starting pipeline's registry, not repeated here."""
         return None
-
-    def dropped_events(self) -> dict[str, int]:
-        dropped = dict(self.dropped)
-        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
-        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
-        return dropped
 
     # -- lifecycle -------------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 5.0) -> bool:

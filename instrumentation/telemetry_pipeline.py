@@ -33,13 +33,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import semconv
 from .config import TelemetryConfig, TraceLevel
+from .config_checks import check_range
 from .counting_export import TelemetryCounters
 from .event_wire import from_wire, to_wire
 from .gpu_records import KernelNames
 from .lifecycle import LifecycleRecorder
 from .producer_link import ProducerIdentity, ProducerInbox, private_endpoint, remove_endpoint
 
-__all__ = ["TelemetryPipeline"]
+__all__ = ["TelemetryPipeline", "ProducerSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,59 @@ DROP_PROCESS_DOWN = "process_down"     # the telemetry process was not running
 DROP_BUILD_ERROR = "build_error"       # a deferred event's builder raised
 
 
-class TelemetryPipeline:
+class ProducerSide:
+    """What every pipeline's producing process holds: the recorder and its switches, the
+    shipping thread (``_ship_locked`` per tick, under ``_ship_lock``), drop counts by reason
+    and the registry they appear on."""
+
+    def __init__(self, config: TelemetryConfig, identity: ProducerIdentity,
+                 ship_interval_s: float, recorder_capacity: int) -> None:
+        check_range("ship_interval_s", ship_interval_s, 0.001, 10.0)
+        self.config = config
+        self.identity = identity
+        self.recorder = LifecycleRecorder(config, recorder_capacity,
+                                          producer_id=identity.producer_id)
+        self.requests_on = self.recorder.requests_on
+        self.steps_on = self.recorder.steps_on
+        self.kernels_on = self.recorder.kernels_on
+        self.ship_interval_s = ship_interval_s
+        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
+        self._stopping = False
+        self._ship_lock = threading.Lock()     # one shipper at a time (force_flush ships too)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(PipelineMetrics(self))
+
+    def _start_shipping(self) -> None:
+        self._shipper = threading.Thread(target=self._ship_loop, name="sightline-telemetry-ship",
+                                         daemon=True)
+        self._shipper.start()
+
+    def start_request(self, **kwargs):
+        return self.recorder.start_request(**kwargs)
+
+    def _ship_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(self.ship_interval_s)
+            try:
+                self._ship_once()
+            except Exception:
+                logger.exception("telemetry shipping failed; continuing")
+
+    def _ship_once(self) -> None:
+        with self._ship_lock:
+            self._ship_locked()
+
+    def _ship_locked(self) -> None:
+        raise NotImplementedError
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = dict(self.dropped)
+        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
+        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
+        return dropped
+
+
+class TelemetryPipeline(ProducerSide):
     """See the module docstring. ``recorder`` is what the engine and server write to."""
 
     def __init__(self, config: TelemetryConfig, mode: Literal["process", "thread"] = "process",
@@ -57,26 +110,14 @@ class TelemetryPipeline:
                  recorder_capacity: int = 1 << 16) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"mode={mode!r} is not one of process|thread")
-        if not 0.001 <= ship_interval_s <= 10.0:
-            raise ValueError(f"ship_interval_s={ship_interval_s} not in [0.001, 10]")
-        self.config = config
+        super().__init__(config, ProducerIdentity.here(0, semconv.PROCESS_ROLE_ENGINE_CORE),
+                         ship_interval_s, recorder_capacity)
         self.mode = mode
-        self.identity = ProducerIdentity.here(0, semconv.PROCESS_ROLE_ENGINE_CORE)
-        self.recorder = LifecycleRecorder(config, recorder_capacity, producer_id=0)
-        self.requests_on = self.recorder.requests_on
-        self.steps_on = self.recorder.steps_on
-        self.kernels_on = self.recorder.kernels_on
-        self.ship_interval_s = ship_interval_s
         self.gpu = None                        # GpuTelemetry, answers kernel-name questions
-        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
         self.restarts = 0
         self._child_stats: dict = {}
         self._child_base: dict = {}            # sums of earlier (dead) children's counters
-        self._stopping = False
         self._lock = threading.Lock()
-        self._ship_lock = threading.Lock()     # one shipper at a time (force_flush ships too)
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(PipelineMetrics(self))
         self._telemetry = telemetry            # thread mode: the span builder in this process
         self._worker = None
         self._process: subprocess.Popen | None = None
@@ -94,9 +135,7 @@ class TelemetryPipeline:
             self._worker = TelemetryWorker(self._telemetry, self._resolve_names_inline)
         else:
             self._spawn()
-        self._shipper = threading.Thread(target=self._ship_loop, name="sightline-telemetry-ship",
-                                         daemon=True)
-        self._shipper.start()
+        self._start_shipping()
 
     # -- construction ----------------------------------------------------------------
     @classmethod
@@ -158,9 +197,6 @@ class TelemetryPipeline:
             self._worker.handle(items, identity, watermark_ns)
 
     # -- the engine's side ---------------------------------------------------------------
-    def start_request(self, **kwargs):
-        return self.recorder.start_request(**kwargs)
-
     @property
     def pid(self) -> int | None:
         """The telemetry process's pid (process mode, while it runs)."""
@@ -171,18 +207,6 @@ class TelemetryPipeline:
         self.gpu = gpu
 
     # -- shipping (its own thread) ----------------------------------------------------------
-    def _ship_loop(self) -> None:
-        while not self._stopping:
-            time.sleep(self.ship_interval_s)
-            try:
-                self._ship_once()
-            except Exception:
-                logger.exception("telemetry shipping failed; continuing")
-
-    def _ship_once(self) -> None:
-        with self._ship_lock:
-            self._ship_locked()
-
     def _ship_locked(self) -> None:
         # taken before the drain: everything recorded earlier is in this batch or an earlier
         # one. Sent with every tick, empty or not, so that other producers' events wait for
@@ -295,13 +319,6 @@ class TelemetryPipeline:
                 stats = _add(self._child_base, self._child_stats)
         return stats
 
-    def dropped_events(self) -> dict[str, int]:
-        dropped = dict(self.dropped)
-        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
-        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
-        return dropped
-
-    # -- lifecycle ------------------------------------------------------------------------
     def process_up(self) -> bool:
         """Whether the telemetry process (or thread) runs."""
         return self._worker is not None or self.pid is not None
