@@ -70,6 +70,9 @@ GEN_AI_COMPLETION = "gen_ai.completion"
 GEN_AI_SYSTEM_VALUE = "sightline"
 
 HW_GPU_ID = "gpu.id"  # attribute of per-SM metrics and kernel spans
+# The process that recorded a span's events (request, phase and step spans): with an
+# API-server process and an engine-core process, one request's trace has spans of both.
+PROCESS_PID = "process.pid"
 
 # ---------------------------------------------------------------------------------
 # Span attributes: Sightline's own
@@ -86,6 +89,11 @@ REQUEST_PREEMPTIONS = "sightline.request.preemptions"
 REQUEST_PREFILL_CHUNKS = "sightline.request.prefill_chunks"
 EVENT_PREEMPTED = "sightline.preempted"
 EVENT_FIRST_TOKEN = "sightline.first_token"
+
+# which kind of process recorded a span's events (with PROCESS_PID)
+PROCESS_ROLE = "sightline.process.role"
+PROCESS_ROLE_API_SERVER = "api_server"      # HTTP, tokenize, detokenize: the server span
+PROCESS_ROLE_ENGINE_CORE = "engine_core"    # scheduler and GPU: queue, prefill, decode, steps
 
 # step
 STEP_ID = "sightline.step.id"

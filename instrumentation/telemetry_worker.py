@@ -1,11 +1,11 @@
 """Everything telemetry does after the engine recorded it: spans, kernel spans, SM metrics.
 
 A :class:`TelemetryWorker` takes batches of recorded items (lifecycle events and GPU
-records, in recording order) and drives a started :class:`~.tracing.Telemetry`: request,
-phase and step spans (:mod:`.span_assembler`), kernel spans of traced steps
-(:mod:`.kernel_spans`) and the per-SM CTA histograms as OTLP metrics (:mod:`.cta_metrics`).
-It runs in the telemetry process (:mod:`.telemetry_process`), or on a thread of the
-engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
+records, in recording order), each from one producer process, and drives a started
+:class:`~.tracing.Telemetry`: request, phase and step spans (:mod:`.span_assembler`), kernel
+spans of traced steps (:mod:`.kernel_spans`) and the per-SM CTA histograms as OTLP metrics
+(:mod:`.cta_metrics`). It runs in the telemetry process (:mod:`.telemetry_process`), or on a
+thread of the engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
 
 Guarantee: an item that cannot be processed is logged once per type and counted
 (``errors``); processing goes on. Cost: proportional to the items, off the engine thread.
@@ -21,6 +21,7 @@ from .cta_metrics import build_cta_metrics, metric_exporters_from, resource_of
 from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
 from .kernel_spans import KernelSpanBuilder, KernelSpanConfig
 from .lifecycle import Step
+from .producer_link import ProducerIdentity
 from .sm_probe import CtaBatch
 from .span_assembler import SpanAssembler
 
@@ -38,10 +39,11 @@ class TelemetryWorker:
     def __init__(self, telemetry, request_names: Callable[[list[int]], None],
                  kernel_config: KernelSpanConfig | None = None) -> None:
         self.telemetry = telemetry
-        self.assembler = SpanAssembler(telemetry)
+        config = telemetry.config
+        self.assembler = SpanAssembler(telemetry, hold_s=config.hold_unstarted_s,
+                                       max_held_events=config.max_held_events)
         if kernel_config is None:
-            detail = getattr(getattr(telemetry, "config", None), "kernel_span_detail", "attention")
-            kernel_config = KernelSpanConfig(detail=detail)
+            kernel_config = KernelSpanConfig(detail=config.kernel_span_detail)
         self.kernels = KernelSpanBuilder(telemetry, self._step_span, request_names,
                                          config=kernel_config)
         self._metric_exporters: list | None = None
@@ -57,7 +59,9 @@ class TelemetryWorker:
             GpuIdentity: self._identity,
         }
 
-    def handle(self, items) -> None:
+    def handle(self, items, producer: ProducerIdentity | None = None,
+               watermark_ns: int | None = None) -> None:
+        """``items`` recorded by ``producer`` (default: this process) before ``watermark_ns``."""
         lifecycle = []
         for item in items:
             handler = self._gpu.get(type(item))
@@ -68,7 +72,7 @@ class TelemetryWorker:
                     self.kernels.expect_step(item.step_id)
                 continue
             if lifecycle:
-                self.assembler.handle(lifecycle)
+                self.assembler.handle(lifecycle, producer)
                 lifecycle = []
             try:
                 handler(item)
@@ -78,15 +82,27 @@ class TelemetryWorker:
                     self._reported.add(type(item))
                     logger.exception("telemetry item %s could not be processed",
                                      type(item).__name__)
-        if lifecycle:
-            self.assembler.handle(lifecycle)
+        if lifecycle or watermark_ns is not None:
+            self.assembler.handle(lifecycle, producer, watermark_ns)
 
     def poll(self, force: bool = False) -> None:
+        """Emits what is due: held events past their time, kernel spans that settled
+        (``force``: every kernel span now)."""
         try:
+            self.assembler.poll()
             self.kernels.poll(force)
         except Exception:
             self.errors += 1
             logger.exception("kernel spans could not be emitted")
+
+    def close(self) -> None:
+        """At shutdown: applies or orphans every held event, emits every kernel span."""
+        try:
+            self.assembler.flush()
+        except Exception:
+            self.errors += 1
+            logger.exception("held lifecycle events could not be flushed")
+        self.poll(force=True)
 
     def _step_span(self, step_id: int):
         step = self.assembler.steps.get(step_id)
@@ -127,7 +143,8 @@ class TelemetryWorker:
         out = {"kernel_spans": st.kernel_spans, "kernels_seen": st.kernels_seen,
                "kernels_unmatched": st.kernels_unmatched, "kernels_untraced": st.kernels_untraced,
                "steps_traced": st.steps_traced,
-               "orphan_events": self.assembler.orphan_events, "errors": self.errors,
+               "orphan_events": self.assembler.orphan_events,
+               "held_events": self.assembler.held_events, "errors": self.errors,
                "metric_exports": self.metric_exports}
         if counters is not None:
             with counters._lock:
