@@ -22,7 +22,7 @@ from .windows import ClassicHistogram, Exemplar
 
 __all__ = ["SmBlock", "quantiles"]
 
-_ROW_STEP = 16  # SM rows added at a time
+_ROW_STEP = 16  # SM rows added at least at a time
 _EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
 
 
@@ -100,8 +100,9 @@ class SmBlock:
             r = self.rows[sm] = len(self.sms)
             self.sms.append(sm)
             if r >= self._cap:
-                # linear steps: a GPU's SM count is small and fixed, doubling would waste up to half
-                self._grow(self._cap + _ROW_STEP)
+                # half as many again (at least _ROW_STEP): each row's arrays are copied O(1)
+                # times amortised however many SM ids arrive; at most a third of them unused
+                self._grow(self._cap + max(_ROW_STEP, self._cap // 2))
             if self.classic_sm is not None:
                 self.classic_sm.append(ClassicHistogram(self._bounds))
         return r
@@ -168,37 +169,39 @@ class SmBlock:
 
     def _add_buckets(self, detail: _Detail, rows: list[int],
                      hists: list[ExpHistogram]) -> tuple[int, np.ndarray] | None:
-        """Adds the points' buckets to ``detail`` with one bincount; returns the batch
-        summed over SMs as ``(offset, counts)`` at the block's scale (None: no buckets)."""
+        """Adds the points' buckets to ``detail``; returns the batch summed over SMs as
+        ``(offset, counts)`` at the block's scale (None: no buckets). Cost: O(buckets in the
+        batch + rows it touches x width), whatever the block's size."""
+        with_buckets = [(r, h) for r, h in zip(rows, hists) if h.counts.size]
+        if not with_buckets:
+            return None
+        sizes = np.array([h.counts.size for _, h in with_buckets])
+        starts = np.cumsum(sizes) - sizes
+        # every bucket's index at its point's scale, then (a right shift) at the block's
+        index = (np.repeat([h.offset for _, h in with_buckets], sizes) + np.arange(int(sizes.sum()))
+                 - np.repeat(starts, sizes))
+        point_scales = np.repeat([h.scale for _, h in with_buckets], sizes)
+        values = np.concatenate([h.counts for _, h in with_buckets]).astype(np.float64)
+        point_rows = np.repeat([r for r, _ in with_buckets], sizes)
         while True:
-            at_scale = []  # (row, offset, counts) at the block's scale
-            for r, h in zip(rows, hists):
-                if h.counts.size:
-                    counts, offset = _rebin(h.counts[None, :], h.offset, h.scale - self.scale)
-                    at_scale.append((r, offset, counts[0]))
-            if not at_scale:
-                return None
-            lo = min(o for _, o, _ in at_scale)
-            hi = max(o + c.size for _, o, c in at_scale)
+            at_scale = index >> (point_scales - self.scale)
+            lo, hi = int(at_scale.min()), int(at_scale.max()) + 1
             if detail.counts.shape[1]:
                 lo, hi = min(lo, detail.offset), max(hi, detail.offset + detail.counts.shape[1])
             if hi - lo <= self.max_buckets:
                 break
             self._downscale(1)
-        n, width = self._cap, hi - lo
+        width = hi - lo
         if (lo, width) != (detail.offset, detail.counts.shape[1]):
-            grown = np.zeros((n, width), dtype=np.uint32)
+            grown = np.zeros((self._cap, width), dtype=np.uint32)
             if detail.counts.shape[1]:
                 start = detail.offset - lo
                 grown[:, start:start + detail.counts.shape[1]] = detail.counts
             detail.counts, detail.offset = grown, lo
-        sizes = np.array([c.size for _, _, c in at_scale])
-        firsts = np.array([r * width + o - lo for r, o, _ in at_scale])
-        # flat index of every bucket: its point's first index + its place in the point
-        idx = np.repeat(firsts, sizes) + np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        values = np.concatenate([c for _, _, c in at_scale]).astype(np.float64)
-        added = np.bincount(idx, weights=values, minlength=n * width).reshape(n, width)
-        detail.counts += added.astype(np.uint32)
+        touched, local = np.unique(point_rows, return_inverse=True)
+        added = np.bincount(local * width + (at_scale - lo), weights=values,
+                            minlength=touched.size * width).reshape(touched.size, width)
+        detail.counts[touched] += added.astype(np.uint32)
         return lo, added.sum(axis=0).astype(np.int64)
 
     def _slot(self, epoch: int) -> _Detail:

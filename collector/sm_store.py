@@ -7,9 +7,9 @@ One :class:`~.sm_blocks.SmBlock` holds the SMs of one (instance, gpu, kernel).
 
 Admission is fair per GPU: at most ``max_gpus`` GPUs; ``max_sm_series`` is shared equally
 among the GPUs present, a kernel is admitted whole or not at all, and when a new GPU
-arrives, GPUs over their new share give back their latest kernels. Every refused series is
-counted once in ``overflow["sm_cta"]``, its points in ``dropped``; :meth:`refusal` names
-the limit. CUMULATIVE points become deltas against the stream's previous point; a stream
+arrives, GPUs over their new share give back their latest kernels. Every refused point is
+counted in ``overflow["sm_cta"]`` and in ``dropped``; :meth:`refusal` names the limit
+(:mod:`.sm_refusals`: a bounded table that ages out). CUMULATIVE points become deltas against the stream's previous point; a stream
 whose state was let go (idle past the horizon) restarts as a baseline, never re-counted.
 A lock not held while an export's points are read, and taken per block for the merges;
 queries copy out.
@@ -33,18 +33,13 @@ from .aggregation_config import AggregationConfig
 from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
                           resource_instance)
 from .sm_blocks import SmBlock
+from .sm_refusals import GpuKey, Refusal, RefusedGpus
 from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 
 __all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
 
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _YIELD_BLOCKS = 32  # a snapshot lets waiting queries in after this many blocks
-_MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
-
-
-class GpuKey(NamedTuple):
-    instance: str
-    gpu: str
 
 
 def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
@@ -68,14 +63,6 @@ class SmKey(NamedTuple):
     instance: str
     gpu: str
     kernel: str
-
-
-class Refusal(NamedTuple):
-    """Why per-SM data of a GPU is (partly) missing: the limit, its value, what it refused."""
-
-    limit: str
-    value: int
-    refused_series: int
 
 
 class BlockSnapshot(NamedTuple):
@@ -129,8 +116,7 @@ class SmStore:
         self._ingest_lock = threading.Lock()  # writers (consume, expire), one at a time
         self._gpus: dict[GpuKey, _Gpu] = {}
         self._series = 0
-        self._refused: dict[GpuKey, tuple[str, int, set]] = {}
-        self._refused_total = 0
+        self._refused = RefusedGpus()
         self._blocks_made = 0
         self._streams: OrderedDict[tuple, tuple[int, ExpHistogram, float]] = OrderedDict()
         self._baseline_before_ns = 0  # streams started before this may have been let go
@@ -166,7 +152,9 @@ class SmStore:
                         continue
                     data = metric.exponential_histogram
                     cumulative = data.aggregation_temporality == _CUMULATIVE
-                    resource_key = rm.resource.SerializeToString(deterministic=True) if cumulative else None
+                    # a digest: the key must not grow with whatever a resource carries
+                    resource_key = hashlib.blake2b(rm.resource.SerializeToString(deterministic=True),
+                                                   digest_size=16).digest() if cumulative else None
                     points = []
                     for point in data.data_points:
                         try:
@@ -236,9 +224,10 @@ class SmStore:
     def _point(self, read: tuple, instance: str, cumulative: bool, resource_key, now: float, batches) -> int:
         """Admits one read point and adds it to its (block, slot) batch (under the lock)."""
         gpu_id, gpu, sm, kernel, hist, t, start_ns, exemplar = read
-        block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm)
+        block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm, now)
         if block is None:
             self._drop("sm_series_limit")
+            _count(self.overflow, "sm_cta")
             return 0
         if cumulative:
             hist = self._delta((resource_key, gpu, sm, kernel), start_ns, hist, now)
@@ -287,7 +276,7 @@ class SmStore:
         return hist if delta is None else delta  # None: reset without a new start time
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, key: GpuKey, gpu_id: str, kernel: str, sm: str) -> SmBlock | None:
+    def _admit(self, key: GpuKey, gpu_id: str, kernel: str, sm: str, now: float) -> SmBlock | None:
         gpu = self._gpus.get(key)
         if gpu is not None:
             block = gpu.blocks.get(kernel)
@@ -296,29 +285,29 @@ class SmStore:
         cfg = self.config
         if gpu is None:
             if len(self._gpus) >= cfg.max_gpus:
-                return self._refuse(key, "max_gpus", cfg.max_gpus, (kernel, sm))
+                return self._refuse(key, "max_gpus", cfg.max_gpus, (kernel, sm), now)
             gpu = self._gpus[key] = _Gpu(gpu_id)
-            self._refused.pop(key, None)
-            self._rebalance()
+            self._refused.forget(key)
+            self._rebalance(now)
         share = cfg.max_sm_series // len(self._gpus)
         block = gpu.blocks.get(kernel)
         if block is None:
             # a kernel whole or not at all: room for as many SMs as its GPU's biggest kernel
             need = max((len(b.sms) for b in gpu.blocks.values()), default=1)
             if gpu.series + need > share or self._series + need > cfg.max_sm_series:
-                return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+                return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm), now)
             self._blocks_made += 1
             block = gpu.blocks[kernel] = SmBlock(
                 self._wc.num_slots, self.detail_slots, self._wc.initial_scale, self._wc.max_buckets,
                 sc.CTA_BUCKETS_S, cfg.expose_sm_histograms, serial=self._blocks_made)
         elif self._series >= cfg.max_sm_series:
-            return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+            return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm), now)
         gpu.series += 1
         self._series += 1
         block.row(sm)
         return block
 
-    def _rebalance(self) -> None:
+    def _rebalance(self, now: float) -> None:
         """GPUs over their share (a GPU just arrived) give back their latest kernels."""
         share = self.config.max_sm_series // len(self._gpus)
         if self._series <= self.config.max_sm_series - share:
@@ -329,16 +318,10 @@ class SmStore:
                 gpu.series -= len(block.sms)
                 self._series -= len(block.sms)
                 for sm in block.sms:
-                    self._refuse(key, "max_sm_series", self.config.max_sm_series, (kernel, sm))
+                    self._refuse(key, "max_sm_series", self.config.max_sm_series, (kernel, sm), now)
 
-    def _refuse(self, key: GpuKey, limit: str, value: int, series: tuple[str, str]) -> None:
-        entry = self._refused.get(key)
-        if entry is None:
-            entry = self._refused[key] = (limit, value, set())
-        if series not in entry[2] and self._refused_total < _MAX_REFUSED_TRACKED:
-            entry[2].add(series)
-            self._refused_total += 1
-            self.overflow["sm_cta"] = self.overflow.get("sm_cta", 0) + 1
+    def _refuse(self, key: GpuKey, limit: str, value: int, series: tuple[str, str], now: float) -> None:
+        self._refused.refuse(key, limit, value, series, now)
         return None
 
     def expire(self, now: float) -> None:
@@ -353,6 +336,7 @@ class SmStore:
                     self._series -= len(block.sms)
                 if not gpu.blocks:
                     del self._gpus[key]
+            self._refused.expire(now - self._wc.horizon_s)
 
     def _drop(self, reason: str, n: int = 1) -> None:
         _count(self.dropped, reason, n)
@@ -382,8 +366,7 @@ class SmStore:
         with self._lock:
             found = sorted({k.instance for k, g in self._gpus.items()
                             if (k.gpu == gpu or g.index == gpu) and (instance is None or k.instance == instance)
-                            and kernel in g.blocks} | {k.instance for k in self._refused
-                                                       if k.gpu == gpu and instance in (None, k.instance)})
+                            and kernel in g.blocks} | {k.instance for k, _ in self._refused.of_gpu(gpu, instance)})
             if len(found) > 1:
                 raise ValueError(f"gpu={gpu!r} kernel={kernel!r} is on {len(found)} instances "
                                  f"({', '.join(found[:5])}): give instance_id=")
@@ -398,12 +381,18 @@ class SmStore:
             return self._refusal(key)
 
     def _refusal(self, key: GpuKey) -> Refusal | None:
-        entry = self._refused.get(key)
-        return Refusal(entry[0], entry[1], len(entry[2])) if entry else None
+        return self._refused.get(key)
 
     def refusals(self) -> dict[GpuKey, Refusal]:
+        """Every refusal held (a bounded table: see :mod:`.sm_refusals`)."""
         with self._lock:
-            return {key: self._refusal(key) for key in self._refused}
+            return self._refused.all()
+
+    def refusals_of(self, gpu: str, instance: str | None = None, limit: int = 8) -> list[tuple[GpuKey, Refusal]]:
+        """At most ``limit`` refusals of ``gpu`` (UUID or index, as sent), of ``instance`` or
+        of any: an index lookup, no scan or copy of the table."""
+        with self._lock:
+            return self._refused.of_gpu(gpu, instance, limit)
 
     def _block(self, key: SmKey) -> SmBlock | None:
         gpu = self._gpus.get(GpuKey(key.instance, key.gpu))

@@ -25,7 +25,7 @@ from tests.support import free_port
 class RunningCollector:
     """A real Collector on free loopback ports, its asyncio loop on a background thread."""
 
-    def __init__(self, sink=None, **overrides) -> None:
+    def __init__(self, sink=None, aggregation=None, **overrides) -> None:
         # port 0: the collector binds and reports its ports, so nothing can take them first
         fields = {f"{name}_address": "127.0.0.1:0" for name in ("otlp_grpc", "otlp_http", "zipkin", "http")}
         # a token in the developer's environment must not switch auth on in tests
@@ -33,7 +33,7 @@ class RunningCollector:
         fields.update(overrides)
         self.config = CollectorConfig(**fields)
         self.loop = asyncio.new_event_loop()
-        self.collector = Collector(self.config, sink=sink)
+        self.collector = Collector(self.config, aggregation, sink=sink)
         self.ports = self.loop.run_until_complete(self.collector.start())
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
@@ -82,8 +82,8 @@ class RunningCollector:
 
 
 @contextmanager
-def running_collector(sink=None, **overrides):
-    running = RunningCollector(sink=sink, **overrides)
+def running_collector(sink=None, aggregation=None, **overrides):
+    running = RunningCollector(sink=sink, aggregation=aggregation, **overrides)
     try:
         yield running
     finally:

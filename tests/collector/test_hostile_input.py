@@ -408,3 +408,14 @@ def test_a_refused_request_is_no_duplicate_when_retried():
         running.idle()
         assert running.dropped("duplicate") == 0
         assert running.received("otlp_http") == 9 == running.collector.aggregator.spans_seen
+
+
+@pytest.mark.parametrize("path", ["/api/v1/traces/" + "ab" * 16 + "%0a", "/api/v1/explain?trace_id=" + "ab" * 8 + "%0a"])
+def test_an_id_with_a_trailing_newline_is_400(col, path):
+    """Before: ``$`` matched before the trailing newline, so the id passed the check."""
+    try:
+        with urllib.request.urlopen(col.query_url + path, timeout=10) as response:
+            status, body = response.status, response.read()
+    except urllib.error.HTTPError as error:
+        status, body = error.code, error.read()
+    assert status == 400 and json.loads(body)["error"]["param"] == "trace_id", body
