@@ -128,7 +128,8 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(KVCacheConfig(config.block_size, self.runner.num_blocks))
+        self.kv_cache = KVCacheManager(KVCacheConfig(
+            config.block_size, self.runner.num_blocks, config.prefix_caching_on(self.runner.device.type)))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.metrics = EngineMetrics(self.model_name)
         self._watch_gpu_health()
