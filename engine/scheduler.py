@@ -95,9 +95,11 @@ class StepPlan:
     kv_blocks_total: int
     num_running: int = 0  # after scheduling (extension, for step telemetry)
     num_waiting: int = 0
-    # Prefix cache, while this plan was made: prompt tokens of the requests it admitted whose
-    # KV came from the cache (its cached prefill tokens; num_prefill_tokens are the computed
-    # ones) and the tokens looked up; parked blocks evicted; blocks cached after it.
+    # Prefix cache (``prefix_caching``: on), while this plan was made: prompt tokens of the
+    # requests it admitted whose KV came from the cache (its cached prefill tokens;
+    # num_prefill_tokens are the computed ones) and the tokens looked up; parked blocks
+    # evicted; blocks cached after it.
+    prefix_caching: bool = False
     num_cached_prefill_tokens: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_evictions: int = 0
@@ -253,6 +255,7 @@ class Scheduler:
             kv_blocks_total=self.kv_cache.num_blocks,
             num_running=len(self._running),
             num_waiting=len(self._waiting),
+            prefix_caching=self.kv_cache.prefix_cache is not None,
             num_cached_prefill_tokens=cache.hits,
             prefix_cache_queries=cache.queries,
             prefix_cache_evictions=cache.evictions,

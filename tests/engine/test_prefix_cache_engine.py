@@ -93,3 +93,84 @@ def test_cached_requests_compute_only_their_uncached_tokens():
     off = _engine(False, kv_cache_gib=0.004).generate(prompts, params)
     assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in off]
     assert [r.num_cached_tokens for r in off] == [0] * len(prompts)
+
+
+def test_usage_spans_and_metrics_agree_with_the_engines_count():
+    """Served over HTTP (openai SDK, spans to the OTel SDK's in-memory exporter): one chat,
+    then six sharing its system prompt (one of them its very prompt). Each response's
+    ``prompt_tokens_details.cached_tokens`` is the exact whole-block share, its server
+    span says the same, the step spans' cached and computed prefill tokens add up, and
+    /metrics reports the KV cache manager's own totals."""
+    import asyncio
+
+    import openai
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sightline.engine.server import serve_in_thread
+    from sightline.engine.tokenizer import ByteTokenizer, ChatMessage, apply_chat_template
+    from sightline.instrumentation import semconv as sc
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+    from tests.engine.test_server import _metrics
+
+    system = "You are a terse assistant. Answer in one line, cite nothing, never apologise."
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
+             for i in (0, 1, 2, 3, 4, 5)] + [[{"role": "system", "content": system},
+                                               {"role": "user", "content": "question 0"}]]
+    tokenizer = ByteTokenizer()
+    prompts = [tokenizer.encode(apply_chat_template([ChatMessage(m["role"], m["content"]) for m in chat]))
+               for chat in chats]
+    common = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    expected = [0] + [min(common, len(p) - 1) // BLOCK * BLOCK for p in prompts[1:6]]
+    expected.append((len(prompts[6]) - 1) // BLOCK * BLOCK)   # the first prompt again
+    assert expected[1] >= 5 * BLOCK and expected[6] > expected[1]
+
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry.start(TelemetryConfig(level="steps", exporter="none", schedule_delay_s=0.05,
+                                                metrics_enabled=False), span_exporters=[exporter])
+    config = EngineConfig(model="tiny", device="cpu", kv_cache_gib=0.01, port=0, shutdown_timeout_s=5,
+                          block_size=BLOCK, enable_prefix_caching=True)
+    running = serve_in_thread(config, telemetry=telemetry)
+    try:
+        async def chat(client, messages):
+            return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+            first = await chat(client, chats[0])
+            rest = await asyncio.gather(*(chat(client, c) for c in chats[1:6]))
+            stream = await client.chat.completions.create(  # the usage chunk of a stream
+                model="tiny", messages=chats[6], max_tokens=4, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            last = [chunk async for chunk in stream][-1]
+            await client.close()
+            return [first, *rest, last]
+
+        responses = asyncio.run(run())
+        metrics = _metrics(running.url)
+        stats = running.engine.kv_cache.prefix_cache_stats()
+    finally:
+        running.stop()
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in responses]
+    assert cached == expected
+    assert [r.usage.prompt_tokens for r in responses] == [len(p) for p in prompts]
+    assert (stats.hits, stats.queries, stats.evictions) == (sum(expected), sum(map(len, prompts)), 0)
+
+    model = (("model", "tiny"),)
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_HITS_TOTAL + "_total", model)] == stats.hits
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL + "_total", model)] == stats.queries
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL + "_total", model)] == 0
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_BLOCKS, model)] == stats.cached_blocks > 0
+    ttft_count = {outcome: metrics[(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS + "_count",
+                                    (("model", "tiny"), (sc.LABEL_PREFIX_CACHE, outcome)))]
+                  for outcome in (sc.PREFIX_CACHE_HIT, sc.PREFIX_CACHE_MISS)}
+    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 1}
+
+    spans = exporter.get_finished_spans()
+    by_id = {s.attributes[sc.REQUEST_ID]: s for s in spans if s.name == sc.SPAN_HTTP_CHAT_COMPLETIONS}
+    assert [by_id[r.id].attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS]
+            for r in responses] == expected
+    steps = [s for s in spans if s.name == sc.SPAN_ENGINE_STEP]
+    assert sum(s.attributes[sc.STEP_PREFILL_CACHED_TOKENS] for s in steps) == stats.hits
+    assert sum(s.attributes[sc.STEP_PREFILL_TOKENS] for s in steps) == stats.queries - stats.hits
