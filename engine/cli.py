@@ -46,6 +46,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch the next step while the device runs this one "
                             "(default: on with CUDA, off on the CPU)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV cache of prompt prefixes seen before, block by block "
+                            "(default: on with CUDA, off on the CPU)")
     serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -115,7 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
                                   max_num_batched_tokens=batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling,
+        async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)

@@ -184,6 +184,11 @@ class EngineConfig:
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # Automatic prefix caching: full KV blocks found again by their tokens and reused across
+    # requests (vLLM's --enable-prefix-caching). None: on with CUDA; off on the CPU, where the
+    # engine serves tests and demos whose step counts and timings should not depend on what
+    # ran before them (turn it on there with True).
+    enable_prefix_caching: bool | None = None
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
@@ -216,6 +221,8 @@ class EngineConfig:
         check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool or None")
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)
@@ -233,6 +240,12 @@ class EngineConfig:
         if self.served_model_name:
             return self.served_model_name
         return self.model if self.model in PRESETS else Path(self.model).name
+
+    def prefix_caching_on(self, device_type: str) -> bool:
+        """``enable_prefix_caching``, its default resolved for a device of ``device_type``."""
+        if self.enable_prefix_caching is None:
+            return device_type == "cuda"
+        return self.enable_prefix_caching
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return replace(self, **changes)

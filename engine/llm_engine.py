@@ -104,7 +104,8 @@ def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end
     return Step(step.step_id, step.start_ns, end_ns, step.trace_id, step.span_id, keys,
                 len(scheduled), preempted, tuple(prefill_done), plan.num_prefill_tokens,
                 num_decode, len(scheduled) - num_decode, num_decode, plan.kv_blocks_used,
-                plan.kv_blocks_total, error_type, attributes)
+                plan.kv_blocks_total, error_type, attributes,
+                plan.num_cached_prefill_tokens if plan.prefix_caching else None)
 
 
 class LLMEngine:
@@ -128,7 +129,8 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = self.tokenizer.eos_token_id
         self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(KVCacheConfig(config.block_size, self.runner.num_blocks))
+        self.kv_cache = KVCacheManager(KVCacheConfig(
+            config.block_size, self.runner.num_blocks, config.prefix_caching_on(self.runner.device.type)))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self.metrics = EngineMetrics(self.model_name)
         self._watch_gpu_health()
@@ -342,6 +344,7 @@ class LLMEngine:
             return outputs, None
         for _ in plan.preempted:
             self.metrics.preemptions.inc()
+        self.metrics.prefix_cache_step(plan)
         return outputs, plan
 
     def _launch(self, plan: StepPlan, previous: _Launched | None,
@@ -404,6 +407,7 @@ class LLMEngine:
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
         m.kv_usage.set(self.kv_cache.usage)
+        m.prefix_cache_blocks.set(self.kv_cache.prefix_cache_stats().cached_blocks)
 
     def _open_step(self, plan: StepPlan, c0: float) -> OpenStep:
         """The step's telemetry record; its time counted from the caller's ``c0``."""
@@ -514,7 +518,7 @@ class LLMEngine:
             prefill_s=first_token - scheduled if first_token is not None and scheduled is not None else None,
             decode_s=end - first_token if first_token is not None else None,
             prompt_tokens=request.num_prompt_tokens, generation_tokens=request.num_output_tokens,
-            exemplar=live.exemplar)
+            cached_tokens=request.num_cached_tokens, exemplar=live.exemplar)
         self.runner.release(request_id)
         return live, output
 

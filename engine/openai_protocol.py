@@ -277,24 +277,28 @@ def parse_chat_request(body: dict[str, Any]) -> ChatCompletionRequest:
 
 
 # ---- responses -------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage block; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV
+    the prefix cache held."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def completion_response(response_id: str, model: str, created: int, text: str,
-                        finish_reason: str | None, prompt_tokens: int, completion_tokens: int) -> dict:
+                        finish_reason: str | None, prompt_tokens: int, completion_tokens: int,
+                        cached_tokens: int = 0) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def chat_response(response_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict:
+                  prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def completion_chunk(response_id: str, model: str, created: int, text: str,
@@ -321,11 +325,11 @@ def _with_usage(chunk: dict, include_usage: bool, usage_now: dict | None) -> dic
 
 
 def usage_chunk(response_id: str, model: str, created: int, chat: bool, prompt_tokens: int,
-                completion_tokens: int) -> dict:
+                completion_tokens: int, cached_tokens: int = 0) -> dict:
     """The extra last chunk of ``stream_options.include_usage``: no choices, the totals."""
     return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def sse(payload: dict) -> bytes:

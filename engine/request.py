@@ -2,9 +2,9 @@
 
 A ``Request`` is created by the server, owned by the scheduler from ``Scheduler.add`` until it
 finishes, and read by the model runner. Only the scheduler changes ``status``,
-``num_computed_tokens``, ``output_token_ids`` and the timing fields; only the KV cache manager
-changes ``block_ids``. Plain Python, no torch: every property is O(1) except ``all_token_ids``,
-which builds a new list (O(prompt + output)).
+``num_computed_tokens``, ``num_cached_tokens``, ``output_token_ids`` and the timing fields; only
+the KV cache manager changes ``block_ids`` and ``prefix_ids``. Plain Python, no torch: every
+property is O(1) except ``all_token_ids``, which builds a new list (O(prompt + output)).
 """
 
 from __future__ import annotations
@@ -125,6 +125,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    # prefix_ids[i]: the prefix cache's id of the tokens through full block i (engine/prefix_cache.py)
+    prefix_ids: list[int] = field(default_factory=list)
+    # prompt tokens whose KV the prefix cache held when the request was first scheduled
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -35,6 +35,7 @@ class RequestOutput:
     queue_s: float | None = None
     e2e_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (known once scheduled)
 
 
 class RequestStream:
@@ -113,7 +114,8 @@ class LiveRequest:
         request = self.request
         return RequestOutput(request.request_id, text, tokens,
                              num_prompt_tokens=request.num_prompt_tokens,
-                             num_output_tokens=request.num_output_tokens_read)
+                             num_output_tokens=request.num_output_tokens_read,
+                             num_cached_tokens=request.num_cached_tokens)
 
 
 def deliver(batch: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -273,7 +273,7 @@ class EngineServer:
                     finished = out
                 if response is None or out.error or not (out.token_ids or out.finished):
                     continue
-                usage_now = (usage(out.num_prompt_tokens, out.num_output_tokens)
+                usage_now = (usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
                              if params.continuous_usage else None)
                 if chat:
                     delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
@@ -300,12 +300,14 @@ class EngineServer:
                 build = chat_response if chat else completion_response
                 self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
                 reply = _json_response(build(response_id, self.model, created, text, finished.finish_reason,
-                                             finished.num_prompt_tokens, finished.num_output_tokens))
+                                             finished.num_prompt_tokens, finished.num_output_tokens,
+                                             finished.num_cached_tokens))
                 reply.headers[REQUEST_ID_HEADER] = request_id
                 return reply
             if params.include_usage:
                 await response.write(sse(usage_chunk(response_id, self.model, created, chat,
-                                                     finished.num_prompt_tokens, finished.num_output_tokens)))
+                                                     finished.num_prompt_tokens, finished.num_output_tokens,
+                                                     finished.num_cached_tokens)))
             await response.write(SSE_DONE)
             await response.write_eof()
             self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
@@ -353,7 +355,7 @@ class EngineServer:
         trace.finish(status_code=status, finish_reason=out.finish_reason, input_tokens=out.num_prompt_tokens,
                      output_tokens=out.num_output_tokens, ttft_s=out.ttft_s, tpot_s=out.tpot_s,
                      queue_s=out.queue_s, e2e_s=out.e2e_s, preemptions=out.num_preemptions,
-                     error_type=error_type)
+                     error_type=error_type, cached_tokens=out.num_cached_tokens)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:

@@ -102,6 +102,8 @@ class Step(NamedTuple):
     kv_blocks_total: int
     error_type: str | None = None
     attributes: Mapping[str, Any] | None = None   # e.g. CUDA graph bucket, kernel trace reason
+    # prompt tokens of the requests it admitted served from a prefix cache (None: no cache)
+    prefill_cached_tokens: int | None = None
 
 
 class Detokenized(NamedTuple):
@@ -125,6 +127,7 @@ class RequestEnd(NamedTuple):
     e2e_s: float | None
     preemptions: int | None
     error_type: str | None
+    cached_tokens: int | None = None   # prompt tokens served from a prefix cache (None: unknown)
 
 
 class RequestHandle:
@@ -169,15 +172,16 @@ class RequestHandle:
                output_tokens: int, ttft_s: float | None = None, tpot_s: float | None = None,
                queue_s: float | None = None, e2e_s: float | None = None,
                preemptions: int | None = None, error_type: str | None = None,
-               end_time_ns: int | None = None) -> None:
-        """The request's outcome; ends its server span. Once: later calls are ignored."""
+               end_time_ns: int | None = None, cached_tokens: int | None = None) -> None:
+        """The request's outcome; ends its server span. Once: later calls are ignored.
+        ``cached_tokens``: of the input tokens, those a prefix cache served."""
         if self._ended:
             return
         self._ended = True
         self._recorder.record(RequestEnd(
             self.key, end_time_ns if end_time_ns is not None else time.time_ns(), status_code,
             finish_reason, input_tokens, output_tokens, ttft_s, tpot_s, queue_s, e2e_s,
-            preemptions, error_type))
+            preemptions, error_type, cached_tokens))
 
 
 class Deferred(NamedTuple):

@@ -371,8 +371,10 @@ class RequestTrace:
         preemptions: int | None = None,
         error_type: str | None = None,
         end_time_ns: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
-        """Ends every open phase and the server span with the request's outcome (once)."""
+        """Ends every open phase and the server span with the request's outcome (once);
+        ``cached_tokens``: of the input tokens, those a prefix cache served (None: unknown)."""
         try:
             with self._lock:
                 if self._finished:
@@ -390,6 +392,8 @@ class RequestTrace:
                         self._preemptions if preemptions is None else preemptions
                     ),
                 }
+                if cached_tokens is not None:
+                    attrs[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = int(cached_tokens)
                 if finish_reason is not None:
                     attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (str(finish_reason),)
                 if ttft_s is not None:

@@ -62,6 +62,8 @@ GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# of the input tokens, those whose KV the engine's prefix cache held (OTel GenAI, experimental)
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 # Opt-in only (SIGHTLINE_CAPTURE_CONTENT / --capture-content).
 GEN_AI_PROMPT = "gen_ai.prompt"
@@ -98,7 +100,10 @@ PROCESS_ROLE_ENGINE_CORE = "engine_core"    # scheduler and GPU: queue, prefill,
 # step
 STEP_ID = "sightline.step.id"
 STEP_BATCH_SIZE = "sightline.step.batch_size"
-STEP_PREFILL_TOKENS = "sightline.step.prefill_tokens"
+STEP_PREFILL_TOKENS = "sightline.step.prefill_tokens"  # computed (the prefix cache's are not)
+# prompt tokens of the requests this step admitted whose KV came from the prefix cache
+# (on every step of an engine with a prefix cache, 0 included; absent without one)
+STEP_PREFILL_CACHED_TOKENS = "sightline.step.prefill_cached_tokens"
 STEP_DECODE_TOKENS = "sightline.step.decode_tokens"
 STEP_NUM_PREFILL_SEQS = "sightline.step.prefill_seqs"
 STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
@@ -167,6 +172,16 @@ ENGINE_REQUEST_PROMPT_TOKENS = "sightline_engine_request_prompt_tokens"
 ENGINE_REQUEST_GENERATION_TOKENS = "sightline_engine_request_generation_tokens"
 ENGINE_PREFILL_SECONDS = "sightline_engine_request_prefill_time_seconds"
 ENGINE_DECODE_SECONDS = "sightline_engine_request_decode_time_seconds"
+# Prefix cache. Queries and hits count tokens, as vLLM's: a request's tokens when it is
+# admitted and, of those, the ones whose KV the cache held (a preempted request admitted
+# again is counted again). Blocks: cached now, held or evictable; evictions: cached blocks
+# taken for other content. TTFT by outcome: label prefix_cache, hit when any prompt token
+# was served from the cache.
+ENGINE_PREFIX_CACHE_QUERIES_TOTAL = "sightline_engine_prefix_cache_queries"
+ENGINE_PREFIX_CACHE_HITS_TOTAL = "sightline_engine_prefix_cache_hits"
+ENGINE_PREFIX_CACHE_BLOCKS = "sightline_engine_prefix_cache_blocks"
+ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL = "sightline_engine_prefix_cache_evictions"
+ENGINE_PREFIX_CACHE_TTFT_SECONDS = "sightline_engine_prefix_cache_time_to_first_token_seconds"
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
@@ -200,6 +215,9 @@ LABEL_REASON = "reason"
 LABEL_SIGNAL = "signal"
 LABEL_PHASE = "phase"
 LABEL_PID = "pid"
+LABEL_PREFIX_CACHE = "prefix_cache"  # a request's prefix cache outcome: hit | miss
+PREFIX_CACHE_HIT = "hit"
+PREFIX_CACHE_MISS = "miss"
 
 # Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -304,6 +322,12 @@ LLM_PREEMPTIONS_TOTAL = "llm:preemptions"
 LLM_RUNNING = "llm:requests_running"
 LLM_WAITING = "llm:requests_waiting"
 LLM_KV_USAGE = "llm:kv_cache_usage_ratio"
+LLM_PREFIX_CACHE_QUERIES_TOTAL = "llm:prefix_cache_queries"  # counter -> _total; tokens
+LLM_PREFIX_CACHE_HITS_TOTAL = "llm:prefix_cache_hits"
+# Sightline only (vLLM exposes no such series):
+LLM_PREFIX_CACHE_BLOCKS = "llm:prefix_cache_blocks"
+LLM_PREFIX_CACHE_EVICTIONS_TOTAL = "llm:prefix_cache_evictions"
+LLM_PREFIX_CACHE_TTFT_SECONDS = "llm:prefix_cache_time_to_first_token_seconds"  # prefix_cache
 # The sampled set: per-request latencies with a priority label, from request traces where
 # a Sightline collector receives them (sampled requests only: counts undercount at
 # sampling < 1), else from the engine's own histograms (vLLM: every request, no priority).
@@ -336,6 +360,8 @@ VLLM_PREEMPTIONS_TOTAL = "vllm:num_preemptions"
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction 0..1 despite its name
+VLLM_PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries"  # counter -> _total; tokens
+VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits"
 # vLLM's HTTP server counts responses through prometheus-fastapi-instrumentator
 VLLM_HTTP_REQUESTS_TOTAL = "http_requests"  # counter -> _total; handler, method, status ("2xx".."5xx")
 VLLM_LABEL_MODEL = "model_name"

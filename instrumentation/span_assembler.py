@@ -257,7 +257,7 @@ class SpanAssembler:
             status_code=e.status_code, finish_reason=e.finish_reason,
             input_tokens=e.input_tokens, output_tokens=e.output_tokens, ttft_s=e.ttft_s,
             tpot_s=e.tpot_s, queue_s=e.queue_s, e2e_s=e.e2e_s, preemptions=e.preemptions,
-            error_type=e.error_type, end_time_ns=e.time_ns)
+            error_type=e.error_type, end_time_ns=e.time_ns, cached_tokens=e.cached_tokens)
 
     # -- steps ----------------------------------------------------------------------
     def _step(self, e: Step, origin: dict, pid: int, now: float) -> None:
@@ -300,6 +300,8 @@ class SpanAssembler:
             sc.STEP_KV_BLOCKS_TOTAL: e.kv_blocks_total,
             **origin,
         }
+        if e.prefill_cached_tokens is not None:
+            attributes[sc.STEP_PREFILL_CACHED_TOKENS] = e.prefill_cached_tokens
         if e.attributes:
             attributes.update(e.attributes)
         step = self.telemetry.start_step(e.step_id, requests=traces, attributes=attributes,

@@ -53,9 +53,10 @@ class Harness:
     """Scheduler + KV manager + fake model, checking every step."""
 
     def __init__(self, *, block_size=4, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=32,
-                 max_waiting=1024, aging_s=10.0) -> None:
+                 max_waiting=1024, aging_s=10.0, prefix_caching=False) -> None:
         self.clock = Clock()
-        self.kv = KVCacheManager(KVCacheConfig(block_size=block_size, num_blocks=num_blocks))
+        self.kv = KVCacheManager(KVCacheConfig(block_size=block_size, num_blocks=num_blocks,
+                                               enable_prefix_caching=prefix_caching))
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_waiting=max_waiting, aging_s=aging_s)
         self.sched = Scheduler(self.config, self.kv, clock=self.clock)
@@ -63,8 +64,10 @@ class Harness:
         self.plans: list[StepPlan] = []
 
     def add(self, rid: str, prompt_len: int, *, max_tokens=8, priority=0, arrival=None, eos=None,
-            ignore_eos=False) -> Request:
-        prompt = [(len(rid) * 17 + i * 7 + sum(map(ord, rid))) % VOCAB for i in range(prompt_len)]
+            ignore_eos=False, prompt: list[int] | None = None) -> Request:
+        """A request of ``prompt_len`` tokens made from its id, or of ``prompt`` when given."""
+        if prompt is None:
+            prompt = [(len(rid) * 17 + i * 7 + sum(map(ord, rid))) % VOCAB for i in range(prompt_len)]
         r = Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos), priority=priority,
                     arrival_time_s=self.clock.now if arrival is None else arrival, eos_token_id=eos)
         self.sched.add(r)
@@ -93,7 +96,11 @@ class Harness:
             if r.is_finished:  # finished between schedule() and the model: the runner skips it
                 continue
             assert e.num_new_tokens >= 1 and e.computed_before == r.num_computed_tokens
-            assert e.is_prefill == (e.num_new_tokens > 1 or r.num_output_tokens == 0 or e.computed_before < r.num_tokens - 1)
+            decode_shaped = e.num_new_tokens == 1 and r.num_output_tokens > 0 and e.computed_before == r.num_tokens - 1
+            if self.kv.prefix_cache is None:
+                assert e.is_prefill is not decode_shaped
+            else:  # a re-admitted request may find all but its last token cached: still its prefill
+                assert e.is_prefill or decode_shaped
             for pos, tok in zip(range(e.computed_before, e.end), r.token_ids(e.computed_before, e.end)):
                 self.cache[self.kv.slot(r, pos)] = tok
             if e.samples_token:

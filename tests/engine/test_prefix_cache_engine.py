@@ -1,0 +1,176 @@
+"""Prefix caching through the whole engine on the tiny preset (CPU, torch path): greedy
+outputs with the cache equal those without it, token for token, for prefixes shared at and
+off block boundaries, whole prompts cached, preemption and eviction pressure, synchronous
+and overlapped scheduling, eager and the static (CUDA-graph) decode path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from sightline.engine.config import EngineConfig
+from sightline.engine.request import SamplingParams
+from sightline.engine.scheduler import SchedulerConfig
+
+BLOCK = 16
+
+
+def _engine(prefix_caching: bool, *, async_scheduling: bool = False, static: bool = False,
+            kv_cache_gib: float = 0.00045):
+    """0.00045 GiB holds 14 blocks of the tiny model (224 tokens): six running requests of
+    50-80 tokens do not fit, so requests are preempted and cached blocks evicted."""
+    from sightline.engine.llm_engine import LLMEngine
+    engine = LLMEngine(EngineConfig(device="cpu", block_size=BLOCK, kv_cache_gib=kv_cache_gib,
+                                    enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+                                    scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)))
+    if static:
+        engine.runner.static_decode(capture=False)
+    return engine
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    system = [rng.randrange(1, 500) for _ in range(64)]
+    other = [rng.randrange(1, 500) for _ in range(40)]
+
+    def user(n: int) -> list[int]:
+        return [rng.randrange(1, 500) for _ in range(n)]
+
+    return [
+        system[:48] + user(9),     # three whole blocks shared, at a block boundary
+        system[:48] + user(14),
+        system[:37] + user(20),    # 37 tokens shared: two whole blocks, then a partial one
+        system[:37] + user(3),
+        system[:64],               # a whole prompt of four cached blocks (the last is recomputed)
+        system[:64],
+        other + user(7),           # no prefix in common with the others
+        system[:48] + user(9),
+        other[:32] + user(30),
+        system[:20] + user(40),
+        system[:64] + user(1),     # all but its last token cached
+        other + user(7),
+    ]
+
+
+def _run(engine, prompts) -> list[list[int]]:
+    params = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    return [r.output_token_ids for r in engine.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("mode", ["sync", "overlapped", "static-decode"])
+def test_greedy_outputs_with_the_cache_equal_those_without(mode):
+    """Each mode against itself without the cache (the static path's padded decode rounds
+    differently from the eager one, cache or not)."""
+    prompts = _prompts()
+    kind = {"async_scheduling": mode == "overlapped", "static": mode == "static-decode"}
+    want = _run(_engine(False, **kind), prompts)
+    engine = _engine(True, **kind)
+    got = _run(engine, prompts)
+    assert got == want
+    kv = engine.kv_cache
+    stats = kv.prefix_cache_stats()
+    preemptions = engine.metrics.preemptions._value.get()
+    assert stats.hits >= 30 * BLOCK and stats.evictions >= 5 and preemptions >= 3, (stats, preemptions)
+    kv.check_invariants()
+    assert kv.num_used_blocks == 0 and all(kv.ref_count(b) == 0 for b in range(kv.num_blocks))
+    assert engine.num_live == 0 and not engine.scheduler.has_work
+
+
+def test_cached_requests_compute_only_their_uncached_tokens():
+    """With room for everything (no preemption, no eviction): each request's prefill computes
+    exactly its prompt minus its cached tokens, and the cached ones are whole blocks."""
+    prompts = _prompts()
+    engine = _engine(True, kv_cache_gib=0.004)
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    requests = []
+    for prompt in prompts:   # one at a time: each sees what the earlier ones cached
+        requests += engine.generate([prompt], params)
+    cached = [r.num_cached_tokens for r in requests]
+    assert cached == [0, 48, 32, 32, 48, 48, 0, 48, 32, 16, 64, 32]
+    stats = engine.kv_cache.prefix_cache_stats()
+    assert stats.hits == sum(cached) and stats.queries == sum(map(len, prompts)) and stats.evictions == 0
+    off = _engine(False, kv_cache_gib=0.004).generate(prompts, params)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in off]
+    assert [r.num_cached_tokens for r in off] == [0] * len(prompts)
+
+
+def test_usage_spans_and_metrics_agree_with_the_engines_count():
+    """Served over HTTP (openai SDK, spans to the OTel SDK's in-memory exporter): one chat,
+    then six sharing its system prompt (one of them its very prompt). Each response's
+    ``prompt_tokens_details.cached_tokens`` is the exact whole-block share, its server
+    span says the same, the step spans' cached and computed prefill tokens add up, and
+    /metrics reports the KV cache manager's own totals."""
+    import asyncio
+
+    import openai
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from sightline.engine.server import serve_in_thread
+    from sightline.engine.tokenizer import ByteTokenizer, ChatMessage, apply_chat_template
+    from sightline.instrumentation import semconv as sc
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.tracing import Telemetry
+    from tests.engine.test_server import _metrics
+
+    system = "You are a terse assistant. Answer in one line, cite nothing, never apologise."
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
+             for i in (0, 1, 2, 3, 4, 5)] + [[{"role": "system", "content": system},
+                                               {"role": "user", "content": "question 0"}]]
+    tokenizer = ByteTokenizer()
+    prompts = [tokenizer.encode(apply_chat_template([ChatMessage(m["role"], m["content"]) for m in chat]))
+               for chat in chats]
+    common = next(i for i, (a, b) in enumerate(zip(prompts[0], prompts[1])) if a != b)
+    expected = [0] + [min(common, len(p) - 1) // BLOCK * BLOCK for p in prompts[1:6]]
+    expected.append((len(prompts[6]) - 1) // BLOCK * BLOCK)   # the first prompt again
+    assert expected[1] >= 5 * BLOCK and expected[6] > expected[1]
+
+    exporter = InMemorySpanExporter()
+    telemetry = Telemetry.start(TelemetryConfig(level="steps", exporter="none", schedule_delay_s=0.05,
+                                                metrics_enabled=False), span_exporters=[exporter])
+    config = EngineConfig(model="tiny", device="cpu", kv_cache_gib=0.01, port=0, shutdown_timeout_s=5,
+                          block_size=BLOCK, enable_prefix_caching=True)
+    running = serve_in_thread(config, telemetry=telemetry)
+    try:
+        async def chat(client, messages):
+            return await client.chat.completions.create(model="tiny", messages=messages, max_tokens=4,
+                                                        temperature=0, extra_body={"ignore_eos": True})
+
+        async def run():
+            client = openai.AsyncOpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0)
+            first = await chat(client, chats[0])
+            rest = await asyncio.gather(*(chat(client, c) for c in chats[1:6]))
+            stream = await client.chat.completions.create(  # the usage chunk of a stream
+                model="tiny", messages=chats[6], max_tokens=4, temperature=0, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            last = [chunk async for chunk in stream][-1]
+            await client.close()
+            return [first, *rest, last]
+
+        responses = asyncio.run(run())
+        metrics = _metrics(running.url)
+        stats = running.engine.kv_cache.prefix_cache_stats()
+    finally:
+        running.stop()
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in responses]
+    assert cached == expected
+    assert [r.usage.prompt_tokens for r in responses] == [len(p) for p in prompts]
+    assert (stats.hits, stats.queries, stats.evictions) == (sum(expected), sum(map(len, prompts)), 0)
+
+    model = (("model", "tiny"),)
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_HITS_TOTAL + "_total", model)] == stats.hits
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL + "_total", model)] == stats.queries
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL + "_total", model)] == 0
+    assert metrics[(sc.ENGINE_PREFIX_CACHE_BLOCKS, model)] == stats.cached_blocks > 0
+    ttft_count = {outcome: metrics[(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS + "_count",
+                                    (("model", "tiny"), (sc.LABEL_PREFIX_CACHE, outcome)))]
+                  for outcome in (sc.PREFIX_CACHE_HIT, sc.PREFIX_CACHE_MISS)}
+    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 1}
+
+    spans = exporter.get_finished_spans()
+    by_id = {s.attributes[sc.REQUEST_ID]: s for s in spans if s.name == sc.SPAN_HTTP_CHAT_COMPLETIONS}
+    assert [by_id[r.id].attributes[sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS]
+            for r in responses] == expected
+    steps = [s for s in spans if s.name == sc.SPAN_ENGINE_STEP]
+    assert sum(s.attributes[sc.STEP_PREFILL_CACHED_TOKENS] for s in steps) == stats.hits
+    assert sum(s.attributes[sc.STEP_PREFILL_TOKENS] for s in steps) == stats.queries - stats.hits
