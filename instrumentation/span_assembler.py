@@ -278,19 +278,21 @@ class SpanAssembler:
             if request is not None and request.phase == sc.SPAN_QUEUE:
                 _enter(request, sc.SPAN_PREFILL, e.start_ns, origin)
         step = self._step_span(e, served, origin)
-        pending = _PendingStep(step) if step is not None else None
-        for key, request in zip(e.scheduled, served):
-            if request is None and key is not None:     # its start has not arrived (yet)
-                if pending is not None:
-                    pending.missing += 1
-                self._apply(key, _scheduled, (pending, e.start_ns, origin,
-                                                 self.telemetry.config.max_links_per_span),
-                            now, e.start_ns)
+        pending = None
+        if None in served:            # untraced requests, or ones whose start has not arrived
+            pending = _PendingStep(step) if step is not None else None
+            for key, request in zip(e.scheduled, served):
+                if request is None and key is not None:
+                    if pending is not None:
+                        pending.missing += 1
+                    self._apply(key, _scheduled, (pending, e.start_ns, origin,
+                                                     self.telemetry.config.max_links_per_span),
+                                now, e.start_ns)
         for key in e.prefill_done:
             self._keyed(key, _prefill_done, (e.end_ns, origin), pid, now, e.end_ns)
         if step is not None:
             step.end({sc.ERROR_TYPE: e.error_type} if e.error_type else None,
-                     end_time_ns=e.end_ns, emit=pending.missing == 0)
+                     end_time_ns=e.end_ns, emit=pending is None or pending.missing == 0)
             self.steps[e.step_id] = step
             while len(self.steps) > self.max_recent_steps:
                 self.steps.popitem(last=False)
