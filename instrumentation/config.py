@@ -148,8 +148,9 @@ class TelemetryConfig:
     # CPUs with and catches up in idle time; falling behind drops records, counted.
     process_nice: int = 10
     # With several producer processes (API servers and the engine core), a request's events
-    # that reach the telemetry process before its start are held this long (and at most
-    # this many, in all) before they count as orphans.
+    # that reach the telemetry process before its start are held this long (at most this
+    # many of them) before they count as orphans; a request's end waits as long at most for
+    # the other producers' earlier events (at most as many again).
     hold_unstarted_s: float = 2.0
     max_held_events: int = 65536
 

@@ -118,6 +118,11 @@ class Watermarks:
             return True
         return False
 
+    def passed(self, producer_id: int, time_ns: int) -> bool:
+        """Whether ``producer_id`` has shipped everything it recorded before ``time_ns``."""
+        entry = self._producers.get(producer_id)
+        return entry is not None and entry[0] >= time_ns
+
     def caught_up(self, producer_id: int, time_ns: int, now: float) -> bool:
         """Whether every other live producer has shipped all it recorded before ``time_ns``."""
         for other, (watermark_ns, heard) in self._producers.items():

@@ -195,6 +195,10 @@ TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
 TELEMETRY_EVENTS_DROPPED_TOTAL = "sightline_telemetry_events_dropped"
 TELEMETRY_PROCESS_RESTARTS_TOTAL = "sightline_telemetry_process_restarts"  # counter -> _total
 TELEMETRY_PROCESS_UP = "sightline_telemetry_process_up"  # gauge: 1 while it runs
+# counters -> _total, in the telemetry process: a request's events that arrived before its
+# start (from another producer process) and waited for it; events never matched to a request
+TELEMETRY_EVENTS_HELD_TOTAL = "sightline_telemetry_events_held"
+TELEMETRY_EVENTS_ORPHANED_TOTAL = "sightline_telemetry_events_orphaned"
 
 LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"

@@ -9,10 +9,10 @@ producers (:mod:`.event_order`), an event whose request has not started is held 
 ``hold_s`` and applied in order when the start arrives (a step span is built at once, its links
 to such requests added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
 
-Guarantee: an event still unmatched after ``hold_s`` (its start was dropped, or the telemetry
-process restarted) is counted in ``orphan_events``; at most ``max_live_requests`` requests
-are tracked (the oldest beyond it are dropped, counted). Cost: O(1) per event plus O(batch)
-per step event, in the assembling process.
+Guarantee: an event unmatched after ``hold_s``, or once its request's producer has shipped
+past it (the start was dropped, or the telemetry process restarted), counts in
+``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond it
+are dropped, counted). Cost: O(1) per event plus O(batch) per step event.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 from . import semconv as sc
 from .config_checks import check_range
 from .event_order import HeldEvents, Watermarks
-from .lifecycle import (Detokenized, Queued, RequestAttributes, RequestEnd, RequestStart, Step,
-                        Tokenized)
+from .lifecycle import (PRODUCER_KEY_SHIFT, Detokenized, Queued, RequestAttributes, RequestEnd,
+                        RequestStart, Step, Tokenized)
 from .producer_link import ProducerIdentity
 from .request_trace import RequestTrace, StepTrace
 
@@ -127,14 +127,14 @@ class SpanAssembler:
         now = time.monotonic() if now is None else now
         self._release_closing(now)
         for item in self._closing.expire(now):
-            self._apply(item[0], item[1], item[2], now)
+            self._apply(item[0], item[1], item[2], now, item[5])
         self._expired(self._held.expire(now))
 
     def flush(self) -> None:
         """At shutdown: applies every held closing event; what still waits is orphaned."""
         now = time.monotonic()
         for item in self._closing.expire_all():
-            self._apply(item[0], item[1], item[2], now)
+            self._apply(item[0], item[1], item[2], now, item[5])
         self._expired(self._held.expire_all())
 
     def _local_producer(self) -> ProducerIdentity:
@@ -143,30 +143,37 @@ class SpanAssembler:
         return self._local
 
     # -- ordering -----------------------------------------------------------------
-    def _keyed(self, key: int, fn, args: tuple, pid: int, now: float,
+    def _keyed(self, key: int, fn, args: tuple, pid: int, now: float, time_ns: int | None,
                close_ns: int | None = None) -> None:
-        """Applies ``fn(request, *args)`` to ``key``'s request, now or once it may."""
+        """Applies ``fn(request, *args)`` (an event of ``time_ns``) to ``key``'s request, now
+        or once it may; ``close_ns``: a closing event's time (waits for other producers)."""
         closing = self._closing
         if key in closing:
             # behind a held closing event of its producer: keep that producer's order
             if close_ns is not None or closing.head(key)[3] == pid:
-                self._hold_closing(key, fn, args, pid, close_ns, now)
+                self._hold_closing(key, fn, args, pid, time_ns, close_ns, now)
                 return
         elif close_ns is not None and not self._watermarks.caught_up(
                 pid, close_ns + _ORDER_SLACK_NS, now):
-            self._hold_closing(key, fn, args, pid, close_ns, now)
+            self._hold_closing(key, fn, args, pid, time_ns, close_ns, now)
             return
-        self._apply(key, fn, args, now)
+        self._apply(key, fn, args, now, time_ns)
 
-    def _hold_closing(self, key, fn, args, pid, close_ns, now) -> None:
-        for item in self._closing.add(key, (key, fn, args, pid, close_ns), now):
-            self._apply(item[0], item[1], item[2], now)
+    def _hold_closing(self, key, fn, args, pid, time_ns, close_ns, now) -> None:
+        for item in self._closing.add(key, (key, fn, args, pid, close_ns, time_ns), now):
+            self._apply(item[0], item[1], item[2], now, item[5])
 
-    def _apply(self, key: int, fn, args: tuple, now: float) -> None:
+    def _apply(self, key: int, fn, args: tuple, now: float, time_ns: int | None) -> None:
         request = self._requests.get(key)
         if request is None:
             if key in self._finished:
                 self._expired([(fn, args)], finished=True)
+                return
+            if time_ns is not None and self._watermarks.passed(key >> PRODUCER_KEY_SHIFT,
+                                                               time_ns):
+                # its producer has shipped all it recorded before this event, the request's
+                # start included (recorded first): there is no start to wait for
+                self._expired([(fn, args)])
                 return
             self.held_events += 1
             self._expired(self._held.add(key, (fn, args), now))
@@ -180,11 +187,11 @@ class SpanAssembler:
         closing, caught_up = self._closing, self._watermarks.caught_up
         for key in closing.keys():
             while key in closing:
-                _, fn, args, pid, close_ns = closing.head(key)
+                _, fn, args, pid, close_ns, time_ns = closing.head(key)
                 if close_ns is not None and not caught_up(pid, close_ns + _ORDER_SLACK_NS, now):
                     break
                 closing.pop_head(key)
-                self._apply(key, fn, args, now)
+                self._apply(key, fn, args, now, time_ns)
 
     def _expired(self, items: list, finished: bool = False) -> None:
         """Held items that will never meet their request, counted as orphans; ``finished``:
@@ -223,20 +230,21 @@ class SpanAssembler:
                 logger.exception("a held lifecycle event could not be turned into spans")
 
     def _tokenized(self, e: Tokenized, origin: dict, pid: int, now: float) -> None:
-        self._keyed(e.key, self._phase, (sc.SPAN_TOKENIZE, e.start_ns, e.end_ns, origin), pid, now)
+        self._keyed(e.key, self._phase, (sc.SPAN_TOKENIZE, e.start_ns, e.end_ns, origin), pid, now,
+                    e.start_ns)
 
     def _attributes(self, e: RequestAttributes, origin: dict, pid: int, now: float) -> None:
-        self._keyed(e.key, _set_attributes, (e.attributes,), pid, now)
+        self._keyed(e.key, _set_attributes, (e.attributes,), pid, now, None)
 
     def _queued(self, e: Queued, origin: dict, pid: int, now: float) -> None:
-        self._keyed(e.key, _enter, (sc.SPAN_QUEUE, e.time_ns, origin), pid, now)
+        self._keyed(e.key, _enter, (sc.SPAN_QUEUE, e.time_ns, origin), pid, now, e.time_ns)
 
     def _detokenized(self, e: Detokenized, origin: dict, pid: int, now: float) -> None:
         self._keyed(e.key, self._phase, (sc.SPAN_DETOKENIZE, e.start_ns, e.end_ns, origin), pid,
-                    now, close_ns=e.start_ns)
+                    now, e.start_ns, close_ns=e.start_ns)
 
     def _end(self, e: RequestEnd, origin: dict, pid: int, now: float) -> None:
-        self._keyed(e.key, self._finish, (e,), pid, now, close_ns=e.time_ns)
+        self._keyed(e.key, self._finish, (e,), pid, now, e.time_ns, close_ns=e.time_ns)
 
     @staticmethod
     def _phase(request: _Request, name: str, start_ns: int, end_ns: int, origin: dict) -> None:
@@ -264,24 +272,27 @@ class SpanAssembler:
         requests = self._requests
         for key in e.preempted:
             if key is not None:
-                self._keyed(key, _preempted, (e.start_ns, origin), pid, now)
+                self._keyed(key, _preempted, (e.start_ns, origin), pid, now, e.start_ns)
         served = [requests.get(key) if key is not None else None for key in e.scheduled]
         for request in served:
             if request is not None and request.phase == sc.SPAN_QUEUE:
                 _enter(request, sc.SPAN_PREFILL, e.start_ns, origin)
         step = self._step_span(e, served, origin)
-        pending = _PendingStep(step) if step is not None else None
-        for key, request in zip(e.scheduled, served):
-            if request is None and key is not None:     # its start has not arrived (yet)
-                if pending is not None:
-                    pending.missing += 1
-                self._apply(key, _scheduled, (pending, e.start_ns, origin,
-                                                 self.telemetry.config.max_links_per_span), now)
+        pending = None
+        if None in served:            # untraced requests, or ones whose start has not arrived
+            pending = _PendingStep(step) if step is not None else None
+            for key, request in zip(e.scheduled, served):
+                if request is None and key is not None:
+                    if pending is not None:
+                        pending.missing += 1
+                    self._apply(key, _scheduled, (pending, e.start_ns, origin,
+                                                     self.telemetry.config.max_links_per_span),
+                                now, e.start_ns)
         for key in e.prefill_done:
-            self._keyed(key, _prefill_done, (e.end_ns, origin), pid, now)
+            self._keyed(key, _prefill_done, (e.end_ns, origin), pid, now, e.end_ns)
         if step is not None:
             step.end({sc.ERROR_TYPE: e.error_type} if e.error_type else None,
-                     end_time_ns=e.end_ns, emit=pending.missing == 0)
+                     end_time_ns=e.end_ns, emit=pending is None or pending.missing == 0)
             self.steps[e.step_id] = step
             while len(self.steps) > self.max_recent_steps:
                 self.steps.popitem(last=False)

@@ -437,6 +437,12 @@ class PipelineMetrics:
         stats = p.counters()
         if stats is None:      # a joined producer: the span counters are the starting side's
             return
+        yield CounterMetricFamily(semconv.TELEMETRY_EVENTS_HELD_TOTAL,
+                                  "Request events that waited for their request's start.",
+                                  value=stats.get("held_events", 0))
+        yield CounterMetricFamily(semconv.TELEMETRY_EVENTS_ORPHANED_TOTAL,
+                                  "Request events never matched to a started request.",
+                                  value=stats.get("orphan_events", 0))
         yield from TelemetryCounters._families(dict(stats.get("spans_dropped", {})),
                                                dict(stats.get("export_failures", {})),
                                                stats.get("spans_exported", 0))

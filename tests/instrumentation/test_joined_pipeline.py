@@ -244,6 +244,9 @@ def test_two_processes_feed_one_telemetry_process_into_one_trace(collector):
         _assert_one_trace_from_two_processes(spans, api_pid, span_id)
         counters = core.counters()
         assert (counters["held_events"], counters["orphan_events"]) == (4, 0)
+        metrics = generate_latest(core.registry).decode()
+        assert "sightline_telemetry_events_held_total 4.0" in metrics
+        assert "sightline_telemetry_events_orphaned_total 0.0" in metrics
         # the step spans: from the core, linked to the request's server span
         prefill = next(s for s in spans if s["name"] == sc.SPAN_PREFILL)
         (link,) = prefill["links"]
@@ -267,6 +270,8 @@ def test_held_events_of_a_request_that_never_starts_expire_as_orphans():
         time.sleep(0.6)                      # the counts settle: nothing else is counted
         counters = core.counters()
         assert (counters["held_events"], counters["orphan_events"]) == (4, 4)
+        assert "sightline_telemetry_events_orphaned_total 4.0" in \
+            generate_latest(core.registry).decode()
     finally:
         core.shutdown()
 

@@ -123,6 +123,19 @@ def test_held_events_whose_start_never_comes_expire_as_orphans():
     telemetry.shutdown()
 
 
+def test_events_whose_producer_has_shipped_past_them_without_a_start_are_orphans_at_once():
+    """After a telemetry process restart the API server's frames come with watermarks past
+    the core's events of requests started before: those starts will never come."""
+    assembler, telemetry, exporter = _assembler()
+    assembler.handle([], API, T0 + 10 * MS)        # the API server shipped all it had then
+    assembler.handle([Queued(KEY, T0 + 2 * MS), _step(1, T0 + 3 * MS, T0 + 4 * MS),
+                      Queued(KEY + 1, T0 + 11 * MS)], CORE, T0 + 12 * MS)
+    assert (assembler.held_events, assembler.orphan_events) == (1, 2)   # KEY + 1 may still start
+    (step,) = _spans(telemetry, exporter)          # not held back for a request that never starts
+    assert step.name == sc.SPAN_ENGINE_STEP and step.links == ()
+    telemetry.shutdown()
+
+
 def test_held_events_are_bounded_in_number_and_the_oldest_expire_first():
     assembler, telemetry, _ = _assembler(max_held_events=3)
     assembler.handle([Queued(KEY + i, T0 + i) for i in range(5)], CORE, T0 + 10)
