@@ -81,6 +81,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API server processes (HTTP, tokenization, detokenization) in front "
+                            "of the one engine-core process, all on one port (default: 1)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(handler=_serve)
 
@@ -90,8 +93,8 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..instrumentation import TelemetryConfig
     from .config import EngineConfig
+    from .launcher import serve
     from .scheduler import SchedulerConfig
-    from .server import serve
 
     telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
                                          otlp_protocol=args.otlp_protocol,
@@ -119,4 +122,4 @@ def _serve(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)
-    return serve(config)
+    return serve(config, args.api_server_count, args.log_level)

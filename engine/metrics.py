@@ -1,9 +1,11 @@
 """The engine's Prometheus series (``/metrics``), named in ``instrumentation/semconv.py``.
 
-Each engine owns a ``CollectorRegistry`` (several engines may live in one test process).
-Updates are plain prometheus_client calls, thread-safe, O(1) each; the engine loop records
-per step (and one inter-token latency per generated token), the server records request
-errors. Histogram buckets come from semconv, so the dashboards and rules read the same
+Each API server owns one ``EngineMetrics`` (several may live in one test process), fed by
+its ``OutputProcessor``: request series per request, one inter-token latency per token, the
+step series from the core's per-step stats; the server records request errors. Updates are
+plain prometheus_client calls, O(1) each. Several API server processes write
+prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``) and each exposes
+the sums (gauges: the live maximum; one server writes them); exemplars need one process. Histogram buckets come from semconv, so the dashboards and rules read the same
 boundaries the engine writes. TTFT, ITL and end-to-end observations of a sampled request
 carry its trace id as an exemplar; ``exposition`` serves them when the scraper accepts
 OpenMetrics (the classic text format has no exemplars).
@@ -11,6 +13,7 @@ OpenMetrics (the classic text format has no exemplars).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,13 +45,15 @@ class EngineMetrics:
     def __init__(self, model: str) -> None:
         self.model = model
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.collected = CollectorRegistry(auto_describe=True)   # read at scrape time (NVML)
         m = [sc.LABEL_MODEL]
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, m, registry=r).labels(model)
+            # one API server sets them; the others' zeros never win the maximum
+            return Gauge(name, doc, m, registry=r, multiprocess_mode="livemax").labels(model)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, m, registry=r).labels(model)
@@ -117,7 +122,7 @@ class EngineMetrics:
         collector = NvmlCollector([device_index])
         if not collector.available:
             return collector.unavailable_reason
-        self.registry.register(collector)
+        self.collected.register(collector)
         return None
 
     def request_finished(self, reason: str, *, e2e_s: float, queue_s: float | None, ttft_s: float | None,
@@ -142,7 +147,19 @@ class EngineMetrics:
         tracer's ``sightline_telemetry_*`` counters), in the format ``accept`` (an HTTP
         Accept header) prefers: OpenMetrics, with exemplars, or the classic text format."""
         encode, content_type = choose_encoder(accept)
-        parts = [encode(r) for r in (self.registry, *extra) if r is not None]
+        parts = [encode(r) for r in (_series(self.registry), self.collected, *extra) if r is not None]
         if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
             parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
         return b"".join(parts), content_type
+
+
+def _series(registry: CollectorRegistry) -> CollectorRegistry:
+    """``registry``, or with several API server processes, the sums of all their files."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return registry
+    from prometheus_client import multiprocess
+
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged, path)
+    return merged
