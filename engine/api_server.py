@@ -72,8 +72,9 @@ class EngineServer:
     """Routes bound to one engine client; ``app`` is the aiohttp application."""
 
     def __init__(self, client: InProcessClient | MPClient, telemetry, metrics: EngineMetrics,
-                 tokenizer: Tokenizer, model: str, tokenize_threads: int = 2) -> None:
+                 tokenizer: Tokenizer, model: str, index: int = 0, tokenize_threads: int = 2) -> None:
         self.client = client
+        self.index = index   # which API server of ``engine serve`` this is
         self.telemetry = telemetry
         self.metrics = metrics
         self.tokenizer = tokenizer
@@ -135,7 +136,9 @@ class EngineServer:
             return _json_response({"status": "starting", "phase": client.phase}, 503)
         stats = client.stats
         return _json_response({"status": "ok", "running": stats.running if stats else 0,
-                               "waiting": stats.waiting if stats else 0})
+                               "waiting": stats.waiting if stats else 0,
+                               "api_server": self.index, "pid": os.getpid(),
+                               "core_pid": client.ready.core_pid})
 
     async def live(self, request: web.Request) -> web.Response:
         return _json_response({"status": "alive"})
@@ -580,7 +583,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     # with several API servers, one records the step series (every server gets every step)
     client = MPClient(address, index, tokenizer, metrics, record_steps=index == 0,
                       core_lifeline=core_lifeline)
-    server = EngineServer(client, None, metrics, tokenizer, config.model_name)
+    server = EngineServer(client, None, metrics, tokenizer, config.model_name, index)
     runner, _ = await _start_http(server, config.host, config.port, sock)
     await client.start()
     loop = asyncio.get_running_loop()

@@ -131,7 +131,14 @@ class CoreLoop:
             self.received.setdefault(record.client_index, 0)
             self._send_to(record.client_index, encode(core.ready(os.getpid(), self.telemetry_endpoint)))
         elif kind is UtilityCall:
-            result = core.debug_steps() if record.method == "debug_steps" else core.kv_blocks()
+            if record.method == "debug_steps":
+                result = core.debug_steps()
+            else:   # with the live requests of each API server
+                result = core.kv_blocks()
+                by_server = dict.fromkeys(map(str, self.clients), 0)
+                for index in self.client_of.values():
+                    by_server[str(index)] = by_server.get(str(index), 0) + 1
+                result["live_by_api_server"] = by_server
             self._send_to(record.client_index, encode(UtilityResult(record.call_id, result)))
 
     def _client_gone(self, index: int) -> None:

@@ -23,6 +23,7 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 
 from .config import EngineConfig
 
@@ -31,6 +32,9 @@ __all__ = ["serve"]
 log = logging.getLogger(__name__)
 
 _CORE_STOP_S = 30.0       # how long the core may take to stop once the API servers are gone
+# the core gone, the API servers answer 503 (and /health fails) this long before they stop:
+# a client or a load balancer then gets an answer, not a refused connection
+_DEAD_CORE_GRACE_S = 2.0
 
 
 def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "info") -> int:
@@ -94,14 +98,17 @@ def _supervise(core, servers: dict, config: EngineConfig, metrics_dir: str | Non
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     code = 0
+    core_died = None
     while servers:
         watched = [p.sentinel for p in servers.values()]
-        if core.exitcode is None:
+        if core_died is None:
             watched.append(core.sentinel)
-        ready = multiprocessing.connection.wait(watched, timeout=1.0)
-        if core.sentinel in ready and not signals:
-            log.error("the engine core exited with %s; stopping the API servers", core.exitcode)
-            code = 1
+        ready = multiprocessing.connection.wait(watched, timeout=0.2 if core_died else 1.0)
+        if core.sentinel in ready and core_died is None and not signals:
+            log.error("the engine core exited with %s; stopping the API servers in %.0f s",
+                      core.exitcode, _DEAD_CORE_GRACE_S)
+            code, core_died = 1, time.monotonic()
+        if core_died is not None and not signals and time.monotonic() > core_died + _DEAD_CORE_GRACE_S:
             on_signal(signal.SIGTERM, None)   # their streams failed already: they stop at once
         for index, process in list(servers.items()):
             if process.sentinel in ready or not process.is_alive():
