@@ -107,9 +107,12 @@ def _serve(args: argparse.Namespace) -> int:
                                          process_nice=args.telemetry_nice)
     batched_tokens = args.max_num_batched_tokens
     if batched_tokens is None:
-        from .model_runner import default_max_num_batched_tokens, resolve_device
-        batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
-                             args.max_num_seqs)
+        if args.device == "cpu":   # without importing torch in this (supervising) process
+            batched_tokens = max(2048, args.max_num_seqs)
+        else:
+            from .model_runner import default_max_num_batched_tokens, resolve_device
+            batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
+                                 args.max_num_seqs)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,

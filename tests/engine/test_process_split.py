@@ -263,12 +263,41 @@ def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
 
 
 # ---- deaths ------------------------------------------------------------------------------------
-def test_the_core_killed_mid_load_ends_every_stream_with_an_error_and_serve_exits_non_zero():
+def test_an_api_server_then_the_core_killed():
+    """An API server SIGKILLed: the core aborts its requests, their KV blocks come back, the
+    other server serves on. Then the core SIGKILLed mid-load: every stream ends with an
+    OpenAI-shaped error within 2 s, new requests get 503, /health fails, exit non-zero."""
     served = Served(2)
     try:
-        streams = Streams(served, 6)
+        pids = {}
+        while len(pids) < 2:
+            _, health = served.get("/health")
+            pids[health["api_server"]] = health["pid"]
+        groups = []
+        deadline = time.monotonic() + 60   # until each API server holds a stream
+        while True:
+            groups.append(Streams(served, 2))
+            groups[-1].wait_tokens()
+            by_server = served.kv()["live_by_api_server"]
+            if by_server.get("0") and by_server.get("1"):
+                break
+            assert time.monotonic() < deadline, by_server
+        on_survivor = by_server["1"]
+        os.kill(pids[0], signal.SIGKILL)
+        kv = served.wait_kv(lambda kv: kv["live"] == on_survivor)
+        assert kv["live_by_api_server"] == {"1": on_survivor} and kv["live"] == on_survivor
+        assert 0 < kv["used"]
+        for group in groups:   # the survivor's streams go on; closing them frees the rest
+            for stream in group.streams:
+                if stream is not None:
+                    stream.close()
+        kv = served.wait_kv(lambda kv: kv["live"] == 0)
+        assert kv["used"] == 0 and kv["live"] == 0
+        assert served.client().completions.create(model=MODEL, prompt="still", max_tokens=2,
+                                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+
+        streams = Streams(served, 4)
         streams.wait_tokens()
-        _, health = served.get("/health")
         os.kill(health["core_pid"], signal.SIGKILL)
         killed = time.monotonic()
         streams.join(timeout_s=10)
@@ -282,38 +311,5 @@ def test_the_core_killed_mid_load_ends_every_stream_with_an_error_and_serve_exit
             served.client().completions.create(model=MODEL, prompt="after", max_tokens=2)
         assert info.value.status_code == 503 and info.value.body["code"] == "engine_unavailable"
         assert served.process.wait(30) != 0
-    finally:
-        served.close()
-
-
-def test_an_api_server_killed_has_its_requests_aborted_and_kv_blocks_freed():
-    served = Served(2)
-    try:
-        pids = {}
-        while len(pids) < 2:
-            _, health = served.get("/health")
-            pids[health["api_server"]] = health["pid"]
-        streams = []
-        deadline = time.monotonic() + 60   # until each API server holds a stream
-        while True:
-            streams.append(Streams(served, 2))
-            streams[-1].wait_tokens()
-            by_server = served.kv()["live_by_api_server"]
-            if by_server.get("0") and by_server.get("1"):
-                break
-            assert time.monotonic() < deadline, by_server
-        on_survivor = by_server["1"]
-        os.kill(pids[0], signal.SIGKILL)
-        kv = served.wait_kv(lambda kv: kv["live"] == on_survivor)
-        assert kv["live_by_api_server"] == {"1": on_survivor} and kv["live"] == on_survivor
-        assert 0 < kv["used"]
-        for group in streams:   # the survivor's streams go on; closing them frees the rest
-            for stream in group.streams:
-                if stream is not None:
-                    stream.close()
-        kv = served.wait_kv(lambda kv: kv["live"] == 0)
-        assert kv["used"] == 0 and kv["live"] == 0
-        assert served.client().completions.create(model=MODEL, prompt="still", max_tokens=2,
-                                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 2
     finally:
         served.close()
