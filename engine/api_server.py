@@ -3,18 +3,16 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
 ``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/debug/kv``, ``/metrics``
 (OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
-generated token even when its text is empty, the chat role on the first token's chunk,
-usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
-caller's ``X-Request-Id`` is echoed and names the request's spans (generated if absent).
-The server reads nothing of the engine but its client (``core_client``): the core's
-``Ready`` handshake and per-step stats. Tokenization runs on a thread pool.
+token even when its text is empty, the chat role on the first, usage at the end
+(``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
+It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
+handshake and per-step stats. Tokenization runs on a thread pool.
 
-Errors come in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided
-here), 503 (starting, shutting down, engine core gone), 500 (engine failure); the process
-serves on. ``/health`` is 503 ``{"status": "starting", "phase": ...}`` until the core is
-ready; ``/live`` is 200 once HTTP is served. A client that disconnects has its request
-aborted. SIGTERM/SIGINT: new requests get 503, in-flight ones get ``shutdown_timeout_s``
-(a second signal cuts it short), the rest are aborted, telemetry is flushed.
+Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
+(starting, draining, engine core gone), 500 (engine failure); the process serves on.
+``/health`` is 503 ``{"status": "starting", "phase": ...}`` until the core is ready, ``/live``
+200 once HTTP is served. A client that disconnects has its request aborted. SIGTERM: new
+requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations
@@ -394,6 +392,9 @@ class EngineServer:
             await asyncio.sleep(0.02)
         if client.num_live:
             log.warning("shutdown: aborting %d live requests", client.num_live)
+        flush = getattr(self.telemetry, "flush", None)
+        if flush is not None:   # forwarded telemetry: its last events, before the socket closes
+            flush()
         await client.shutdown()
         self._tokenize_pool.shutdown(wait=False)
 
@@ -614,16 +615,27 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
 
 async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
     """Once the core is ready: this server's telemetry joins the core's, then /health is 200."""
-    from .telemetry_link import join_pipeline
+    from .telemetry_link import ForwardedTelemetry, join_pipeline
 
     ready = await client.wait_ready()
-    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1)
+    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1,
+                                        client.forward_telemetry)
     server.telemetry = telemetry
     client.processor.recorder = telemetry.recorder if telemetry is not None else None
+    if isinstance(telemetry, ForwardedTelemetry):
+        client.flush_telemetry = telemetry.flush
+        asyncio.create_task(_forward_every(telemetry, 0.05))
     _watch_gpu(server.metrics, ready.device)
     server.started = True
     log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
              os.getpid())
+
+
+async def _forward_every(telemetry, interval_s: float) -> None:
+    """Request ends and detokenize phases go to the core's telemetry on a timer."""
+    while True:
+        await asyncio.sleep(interval_s)
+        telemetry.flush()
 
 
 async def _watch_parent(stop: asyncio.Event) -> None:

@@ -21,8 +21,9 @@ import time
 
 from .config import EngineConfig
 from .core_records import (ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort, AddRequest,
-                           FinalOutput, Hello, OutputBatch, Phase, UtilityCall, UtilityResult,
-                           core_decoder, encode)
+                           FinalOutput, Hello, OutputBatch, Phase, TelemetryEvents, UtilityCall,
+                           UtilityResult, core_decoder, encode)
+from .telemetry_link import record_forwarded
 from .engine_core import EngineCore, EngineStoppedError
 from .scheduler import QueueFullError
 
@@ -126,6 +127,8 @@ class CoreLoop:
                 if final is not None:
                     del self.client_of[record.request_id]
                     self.pending.setdefault(record.client_index, []).append(final)
+        elif kind is TelemetryEvents:
+            record_forwarded(core.telemetry, record.payload)
         elif kind is Hello:
             self.clients[record.client_index] = identity
             self.received.setdefault(record.client_index, 0)

@@ -2,7 +2,7 @@
 
 API server -> core: ``Hello`` (once, then ``Ready`` comes back), ``AddRequest``, ``Abort``
 (a client gone, or a stop string found: then the core finishes the request with reason
-``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``. Core -> API server:
+``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``, ``TelemetryEvents``. Core -> API server:
 ``Phase`` (start-up progress), ``Ready``, ``OutputBatch`` (ONE per engine step and API
 server: its requests' new tokens in two columns, ended ones with their figures, the
 step's stats),
@@ -19,7 +19,7 @@ import msgspec
 
 from .request import SamplingParams
 
-__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "Phase", "Ready",
+__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "TelemetryEvents", "Phase", "Ready",
            "FinalOutput", "StepStats", "OutputBatch", "UtilityResult", "ToCore", "FromCore",
            "encode", "core_decoder", "client_decoder", "ERROR_QUEUE_FULL", "ERROR_INVALID",
            "ERROR_STOPPED", "ERROR_ENGINE"]
@@ -71,7 +71,14 @@ class UtilityCall(msgspec.Struct, tag="call", array_like=True, frozen=True):
     method: Literal["debug_steps", "kv_blocks"]
 
 
-ToCore = Union[Hello, AddRequest, Abort, UtilityCall]
+class TelemetryEvents(msgspec.Struct, tag="events", array_like=True, frozen=True):
+    """An API server's lifecycle events for the core's telemetry (``telemetry_link``)."""
+
+    client_index: int
+    payload: bytes
+
+
+ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryEvents]
 
 
 class Phase(msgspec.Struct, tag="phase", array_like=True, frozen=True):
