@@ -29,6 +29,7 @@ from sightline.engine.config import EngineConfig
 from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
 from sightline.engine.tokenizer import ByteTokenizer
+from sightline.deploy.processes import free_ports
 from tests.support import free_port, wait_for_http
 
 MODEL = "tiny"
@@ -71,15 +72,15 @@ def test_every_record_round_trips():
 class Served:
     """``sightline engine serve`` in a subprocess; its /health, /debug/kv and /metrics."""
 
-    def __init__(self, api_servers: int, *args: str) -> None:
+    def __init__(self, api_servers: int, *args: str, trace_level: str = "off", **env: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process = subprocess.Popen(
             [sys.executable, "-m", "sightline.deploy.cli", "engine", "serve", "--model", MODEL,
              "--device", "cpu", "--port", str(self.port), "--kv-cache-gib", "0.02",
-             "--trace-level", "off", "--api-server-count", str(api_servers),
+             "--trace-level", trace_level, "--api-server-count", str(api_servers),
              "--log-level", "warning", *args],
-            env=dict(os.environ, SIGHTLINE_TRACE_LEVEL="off"))
+            env=dict(os.environ, SIGHTLINE_TRACE_LEVEL=trace_level, **env))
         try:
             wait_for_http(self.url + "/health", timeout_s=120, process=self.process)
         except BaseException:
@@ -260,6 +261,52 @@ def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
         assert result.usage.completion_tokens == 3
     finally:
         assert served.close() == 0
+
+
+def test_one_trace_across_the_processes():
+    """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
+    decode and the steps by the core: one trace, joined in the core's telemetry and read
+    back from a real collector, continuing the caller's context."""
+    grpc, http, zipkin, query = free_ports(4)
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc",
+         f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
+         "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"])
+    served = None
+    try:
+        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=collector)
+        served = Served(2, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
+                        OTEL_BSP_SCHEDULE_DELAY="50")
+        trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                               default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        chunks = list(client.completions.create(model=MODEL, prompt="trace", max_tokens=4, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True}))
+        assert len(chunks) == 4
+        assert served.close() == 0   # flushes every process's telemetry
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
+                                        timeout=5) as response:
+                spans = json.loads(response.read()).get("spans", [])
+            names = {s["name"] for s in spans}
+            if {"detokenize", "decode"} <= names or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
+        assert server["parent_span_id"] == parent
+        phases = {s["name"]: s for s in spans if s["parent_span_id"] == server["span_id"]}
+        assert set(phases) == {"tokenize", "queue", "prefill", "decode", "detokenize"}
+        order = [phases[n] for n in ("tokenize", "queue", "prefill", "decode", "detokenize")]
+        for before, after in zip(order, order[1:]):
+            assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
+        step_links = [link["span_id"] for link in phases["prefill"]["links"] + phases["decode"]["links"]]
+        assert len(step_links) == 4   # the prefill step and three decode steps
+    finally:
+        if served is not None:
+            served.close()
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(30)
 
 
 # ---- deaths ------------------------------------------------------------------------------------
