@@ -129,7 +129,9 @@ class StepStats(msgspec.Struct, array_like=True):
 
     step_id: int | None
     duration_s: float | None
-    num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_seqs: int
     num_generated: int          # tokens sampled in the step
     num_preemptions: int
     running: int

@@ -313,15 +313,17 @@ class EngineCore:
         completed, self._completed = self._completed, None
         if completed is not None:
             plan, stats.duration_s, stats.num_generated = completed
-            stats.step_id, stats.num_scheduled_tokens = plan.step_id, plan.num_scheduled_tokens
+            stats.step_id, stats.num_seqs = plan.step_id, len(plan.scheduled)
+            stats.num_prefill_tokens, stats.num_decode_tokens = (plan.num_prefill_tokens,
+                                                                 plan.num_decode_tokens)
         return OutputBatch(out.ids, out.tokens, out.finished, stats)
 
     def queue_stats(self) -> StepStats:
         """The queue and the cache now, and the preemptions not reported yet (no step)."""
         preempted, self._preempted = self._preempted, 0
         scheduler, kv = self.scheduler, self.kv_cache
-        return StepStats(None, None, 0, 0, preempted, scheduler.num_running, scheduler.num_waiting,
-                         kv.num_used_blocks, kv.num_blocks)
+        return StepStats(None, None, 0, 0, 0, 0, preempted, scheduler.num_running,
+                         scheduler.num_waiting, kv.num_used_blocks, kv.num_blocks)
 
     def _schedule(self) -> tuple[_Outputs, StepPlan | None]:
         """Applies aborts and plans the next step (None when there is nothing to run)."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ..instrumentation import TelemetryPipeline
 from .config import EngineConfig
-from .core_records import AddRequest, TraceContext
+from .core_records import AddRequest, OutputBatch, StepStats, TraceContext
 from .engine_core import EngineCore, EngineStoppedError
 from .metrics import EngineMetrics
 from .output_processor import LiveRequest, OutputProcessor
@@ -63,13 +63,13 @@ class LLMEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._next_id = 0
+        self.last_step: StepStats | None = None   # the step the last iteration completed
 
     # ---- the core's parts (tests and benchmarks read them) ------------------------------------
     runner = property(lambda self: self.core.runner)
     scheduler = property(lambda self: self.core.scheduler)
     kv_cache = property(lambda self: self.core.kv_cache)
     max_model_len = property(lambda self: self.core.max_model_len)
-    async_scheduling = property(lambda self: self.core.async_scheduling)
     _in_flight = property(lambda self: self.core._in_flight)
     step_durations_s = property(lambda self: self.core.step_durations_s)
 
@@ -80,6 +80,14 @@ class LLMEngine:
     @eos_token_id.setter
     def eos_token_id(self, value: int | None) -> None:
         self.core.eos_token_id = value
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self.core.async_scheduling
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:   # benchmarks switch it between runs
+        self.core.async_scheduling = on
 
     @property
     def gpu_telemetry(self):
@@ -203,11 +211,16 @@ class LLMEngine:
 
     def step(self) -> list[tuple[LiveRequest, RequestOutput]]:
         """One iteration on the caller's thread, waited for. Returns the outputs it produced."""
-        return self.processor.process(self.core.step())
+        return self._process(self.core.step())
 
     def step_overlapped(self) -> list[tuple[LiveRequest, RequestOutput]]:
         """One iteration of overlapped scheduling (``EngineCore.step_overlapped``)."""
-        return self.processor.process(self.core.step_overlapped())
+        return self._process(self.core.step_overlapped())
+
+    def _process(self, batch: OutputBatch) -> list[tuple[LiveRequest, RequestOutput]]:
+        stats = batch.stats
+        self.last_step = stats if stats.duration_s is not None else None
+        return self.processor.process(batch)
 
     # ---- offline use (benchmarks, tests) -------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams | Sequence[SamplingParams],

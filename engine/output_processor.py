@@ -204,7 +204,7 @@ class OutputProcessor:
         m = self.metrics
         if stats.duration_s is not None:
             m.step.observe(stats.duration_s)
-            m.step_tokens.observe(stats.num_scheduled_tokens)
+            m.step_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
             m.generation_tokens.inc(stats.num_generated)
         if stats.num_preemptions:
             m.preemptions.inc(stats.num_preemptions)

@@ -44,7 +44,7 @@ def test_every_record_round_trips():
     to_core = [cr.Hello(1, 4242), cr.AddRequest("cmpl-1", [256, 104, 105], sampling, -2, 1, trace),
                cr.AddRequest("cmpl-2", [1], SamplingParams()), cr.Abort("cmpl-1", 1),
                cr.Abort("cmpl-1", 1, stop_at=4), cr.UtilityCall(9, 1, "kv_blocks")]
-    stats = cr.StepStats(12, 0.0042, 130, 2, 1, 2, 5, 40, 327)
+    stats = cr.StepStats(12, 0.0042, 128, 2, 3, 2, 1, 2, 5, 40, 327)
     from_core = [cr.Phase("loading_model"),
                  cr.Ready("tiny", 2048, 512, 257, 327, 16, 1024, 64, "cpu", "float32", False, 99, None),
                  cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, "ipc:///x"),
@@ -52,7 +52,7 @@ def test_every_record_round_trips():
                      "c", [7], "length", None, None, 3, 4, 0.01, 0.02, 0.003, 0.05, 0.01, 0.03, 1)],
                      stats, 3),
                  cr.OutputBatch([], [], [cr.FinalOutput("d", [], "abort", "boom", cr.ERROR_ENGINE)],
-                                cr.StepStats(None, None, 0, 0, 0, 0, 0, 0, 327)),
+                                cr.StepStats(None, None, 0, 0, 0, 0, 0, 0, 0, 0, 327)),
                  cr.UtilityResult(9, {"used": 3, "live_by_api_server": {"0": 1}})]
     to_decoder, from_decoder = cr.core_decoder(), cr.client_decoder()
     for record in to_core:
