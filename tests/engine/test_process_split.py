@@ -177,6 +177,78 @@ def offline():
     return LLMEngine(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.02))
 
 
+def test_health_is_starting_with_the_cores_phase_until_ready():
+    """An API server process against a core played by this test over the real socket: /live
+    at once, /health 503 with the phase until Ready, 200 after; the core's pipe closing is
+    its death: /health 503, and the server exits non-zero on SIGTERM."""
+    import multiprocessing
+    import socket
+    import tempfile
+
+    import zmq
+
+    from sightline.engine.api_server import run_api_server
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/core"
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.bind(address)
+        listener = socket.create_server(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        core_watch, core_alive = ctx.Pipe(duplex=False)
+        server_watch, server_alive = ctx.Pipe(duplex=False)
+        config = EngineConfig(model=MODEL, device="cpu", shutdown_timeout_s=1)
+        process = ctx.Process(target=run_api_server, args=(config, 0, 1, address, listener, core_watch,
+                                                           server_alive, "warning"))
+        process.start()
+        core_watch.close(), server_alive.close(), listener.close()
+        try:
+            wait_for_http(url + "/live", timeout_s=60)
+            served = Served.__new__(Served)
+            served.url = url
+            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting"})
+            assert router.poll(30_000)
+            identity, payload = router.recv_multipart()
+            hello = cr.core_decoder().decode(payload)
+            assert hello == cr.Hello(0, process.pid) and identity == b"api-0"
+            router.send_multipart([identity, cr.encode(cr.Phase("loading_model"))])
+            deadline = time.monotonic() + 10
+            while served.get("/health")[1].get("phase") != "loading_model":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert served.get("/health") == (503, {"status": "starting", "phase": "loading_model"})
+            router.send_multipart([identity, cr.encode(cr.Ready(
+                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid()))])
+            wait_for_http(url + "/health", timeout_s=10)
+            status, health = served.get("/health")
+            assert status == 200 and health == {"status": "ok", "running": 0, "waiting": 0,
+                                                "api_server": 0, "pid": process.pid,
+                                                "core_pid": os.getpid()}
+            core_alive.close()   # the core's death, as the API server sees it
+            deadline = time.monotonic() + 10
+            while served.get("/health")[0] != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert served.get("/health")[1]["status"] == "engine_dead"
+            os.kill(process.pid, signal.SIGTERM)
+            process.join(30)
+            assert process.exitcode == 1
+            assert server_watch.poll(0) and _eof(server_watch)   # the core would see it gone
+        finally:
+            if process.is_alive():
+                process.kill()
+            router.close(0)
+
+
+def _eof(conn) -> bool:
+    try:
+        conn.recv_bytes()
+    except EOFError:
+        return True
+    return False
+
+
 # ---- serving -----------------------------------------------------------------------------------
 def test_streams_give_the_in_process_engines_tokens(served, offline):
     prompts = ["héllo ✓ wörld", "Sightline", "a", "the engine core", "1 2 3", "zmq", "split", "ok"]
