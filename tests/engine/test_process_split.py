@@ -29,6 +29,7 @@ from sightline.engine.config import EngineConfig
 from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
 from sightline.engine.tokenizer import ByteTokenizer
+from sightline.instrumentation import semconv as sc
 from sightline.deploy.processes import free_ports
 from tests.support import free_port, wait_for_http
 
@@ -257,6 +258,10 @@ def test_streams_give_the_in_process_engines_tokens(served, offline):
                               [SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True)
                                for i in range(len(prompts))])
     got: dict[int, tuple[str, int, str]] = {}
+    counters = (sc.ENGINE_REQUESTS_TOTAL + "_total", sc.ENGINE_GENERATION_TOKENS_TOTAL + "_total",
+                sc.ENGINE_PROMPT_TOKENS_TOTAL + "_total")
+    before = [served.metric(counters[0], finish_reason="length"), served.metric(counters[1]),
+              served.metric(counters[2])]
 
     def run(i: int) -> None:
         chunks = list(served.client().completions.create(
@@ -271,6 +276,13 @@ def test_streams_give_the_in_process_engines_tokens(served, offline):
         t.join(60)
     for i, request in enumerate(wanted):   # one chunk per token, the same text
         assert got[i] == (tokenizer.decode(request.output_token_ids), 10 + i, "length"), i
+    # the series count each request once, whichever API server served it
+    after = [served.metric(counters[0], finish_reason="length"), served.metric(counters[1]),
+             served.metric(counters[2])]
+    assert [a - b for a, b in zip(after, before)] == [
+        len(prompts), sum(10 + i for i in range(len(prompts))),
+        sum(len(tokenizer.encode(p)) for p in prompts)]
+    assert served.metric(sc.ENGINE_RUNNING) == served.metric(sc.ENGINE_WAITING) == 0
     # a stop string found in the front end ends the request in the core, reason stop
     i = max(got, key=lambda i: len(got[i][0]))
     text = got[i][0]
