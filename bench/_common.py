@@ -80,20 +80,29 @@ def process_cpu_s(pid: int) -> float:
 
 
 def children_cpu_s(pid: int) -> float:
-    """``process_cpu_s`` summed over the live child processes of ``pid`` (gone ones: 0)."""
+    """``process_cpu_s`` summed over the live descendants of ``pid`` (gone ones: 0): with
+    ``engine serve``, the engine core, the API servers and the core's telemetry process."""
+    total = 0.0
+    for child in _children(pid):
+        try:
+            total += process_cpu_s(child) + children_cpu_s(child)
+        except OSError:
+            pass
+    return total
+
+
+def _children(pid: int) -> list[int]:
     children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return children
+    for task in tasks:
         try:
             children += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             pass
-    total = 0.0
-    for child in children:
-        try:
-            total += process_cpu_s(child)
-        except OSError:
-            pass
-    return total
+    return children
 
 
 def utc_now() -> str:

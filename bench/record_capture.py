@@ -144,7 +144,7 @@ async def drive(base_url: str, plans: list[PlannedRequest], waves: int) -> tuple
 def start_server(args: argparse.Namespace, capture: Path):
     """The engine's HTTP server on a free loopback port, its telemetry written to ``capture``."""
     from sightline.engine.config import EngineConfig
-    from sightline.engine.server import serve_in_thread
+    from sightline.engine.api_server import serve_in_thread
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.tracing import Telemetry
 

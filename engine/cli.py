@@ -84,6 +84,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--telemetry-mode", choices=("process", "thread"), default="process",
                        help="build spans in a supervised telemetry process (default) or on "
                             "a thread of the engine's process")
+    serve.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                       help="API server processes (HTTP, tokenization, detokenization) in front "
+                            "of the one engine-core process, all on one port (default: 1)")
     serve.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     serve.set_defaults(handler=_serve)
 
@@ -93,8 +96,8 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..instrumentation import TelemetryConfig
     from .config import EngineConfig
+    from .launcher import serve
     from .scheduler import SchedulerConfig
-    from .server import serve
 
     telemetry = TelemetryConfig.from_env(level=args.trace_level, otlp_endpoint=args.otlp_endpoint,
                                          otlp_protocol=args.otlp_protocol,
@@ -107,9 +110,12 @@ def _serve(args: argparse.Namespace) -> int:
                                          process_nice=args.telemetry_nice)
     batched_tokens = args.max_num_batched_tokens
     if batched_tokens is None:
-        from .model_runner import default_max_num_batched_tokens, resolve_device
-        batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
-                             args.max_num_seqs)
+        if args.device == "cpu":   # without importing torch in this (supervising) process
+            batched_tokens = max(2048, args.max_num_seqs)
+        else:
+            from .model_runner import default_max_num_batched_tokens, resolve_device
+            batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
+                                 args.max_num_seqs)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
@@ -122,4 +128,4 @@ def _serve(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)
-    return serve(config)
+    return serve(config, args.api_server_count, args.log_level)

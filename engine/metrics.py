@@ -1,16 +1,19 @@
 """The engine's Prometheus series (``/metrics``), named in ``instrumentation/semconv.py``.
 
-Each engine owns a ``CollectorRegistry`` (several engines may live in one test process).
-Updates are plain prometheus_client calls, thread-safe, O(1) each; the engine loop records
-per step (and one inter-token latency per generated token), the server records request
-errors. Histogram buckets come from semconv, so the dashboards and rules read the same
-boundaries the engine writes. TTFT (also by prefix cache outcome), ITL and end-to-end
-observations of a sampled request carry its trace id as an exemplar; ``exposition`` serves them when the scraper accepts
+Each API server owns one ``EngineMetrics`` (several may live in one test process), fed by
+its ``OutputProcessor``: request series per request, one inter-token latency per token, the
+step series from the core's per-step stats; the server records request errors. Updates are
+plain prometheus_client calls, O(1) each. Several API server processes write
+prometheus_client's multiprocess files (``PROMETHEUS_MULTIPROC_DIR``) and each exposes
+the sums (gauges: the live maximum; one server writes them); exemplars need one process. Histogram buckets come from semconv, so the dashboards and rules read the same
+boundaries the engine writes. TTFT, ITL and end-to-end observations of a sampled request
+carry its trace id as an exemplar; ``exposition`` serves them when the scraper accepts
 OpenMetrics (the classic text format has no exemplars).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -42,13 +45,15 @@ class EngineMetrics:
     def __init__(self, model: str) -> None:
         self.model = model
         self.registry = r = CollectorRegistry(auto_describe=True)
+        self.collected = CollectorRegistry(auto_describe=True)   # read at scrape time (NVML)
         m = [sc.LABEL_MODEL]
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
             return Histogram(name, doc, m, buckets=buckets, registry=r).labels(model)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, m, registry=r).labels(model)
+            # one API server sets them; the others' zeros never win the maximum
+            return Gauge(name, doc, m, registry=r, multiprocess_mode="livemax").labels(model)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, m, registry=r).labels(model)
@@ -89,20 +94,6 @@ class EngineMetrics:
                                  sc.REQUEST_DURATION_BUCKETS_S)
         self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
                                 sc.REQUEST_DURATION_BUCKETS_S)
-        self.prefix_cache_queries = counter(sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL,
-                                            "Tokens of admitted requests looked up in the prefix cache.")
-        self.prefix_cache_hits = counter(sc.ENGINE_PREFIX_CACHE_HITS_TOTAL,
-                                         "Of the looked-up tokens, those whose KV the prefix cache held.")
-        self.prefix_cache_evictions = counter(sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL,
-                                              "Cached KV blocks taken for other content.")
-        self.prefix_cache_blocks = gauge(sc.ENGINE_PREFIX_CACHE_BLOCKS,
-                                         "KV blocks in the prefix cache, held or evictable.")
-        ttft_by_cache = Histogram(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS,
-                                  "Time to first token by prefix cache outcome (hit: some prompt "
-                                  "tokens were served from the cache).", m + [sc.LABEL_PREFIX_CACHE],
-                                  buckets=sc.TTFT_BUCKETS_S, registry=r)
-        self.ttft_cache_hit = ttft_by_cache.labels(model, sc.PREFIX_CACHE_HIT)
-        self.ttft_cache_miss = ttft_by_cache.labels(model, sc.PREFIX_CACHE_MISS)
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -110,7 +101,6 @@ class EngineMetrics:
         self.running.set(0)
         self.waiting.set(0)
         self.kv_usage.set(0)
-        self.prefix_cache_blocks.set(0)
 
     def finished(self, reason: str):
         child = self._requests.get(reason)
@@ -132,25 +122,14 @@ class EngineMetrics:
         collector = NvmlCollector([device_index])
         if not collector.available:
             return collector.unavailable_reason
-        self.registry.register(collector)
+        self.collected.register(collector)
         return None
-
-    def prefix_cache_step(self, plan) -> None:
-        """The prefix cache counts of one ``StepPlan`` (tokens queried and hit by the requests
-        it admitted, blocks evicted making it)."""
-        if plan.prefix_cache_queries:
-            self.prefix_cache_queries.inc(plan.prefix_cache_queries)
-        if plan.num_cached_prefill_tokens:
-            self.prefix_cache_hits.inc(plan.num_cached_prefill_tokens)
-        if plan.prefix_cache_evictions:
-            self.prefix_cache_evictions.inc(plan.prefix_cache_evictions)
 
     def request_finished(self, reason: str, *, e2e_s: float, queue_s: float | None, ttft_s: float | None,
                          tpot_s: float | None, prefill_s: float | None, decode_s: float | None,
-                         prompt_tokens: int, generation_tokens: int, cached_tokens: int = 0,
+                         prompt_tokens: int, generation_tokens: int,
                          exemplar: dict[str, str] | None = None) -> None:
-        """Every per-request series of one finished request (None: the phase never happened);
-        ``cached_tokens``: its prompt tokens served from the prefix cache."""
+        """Every per-request series of one finished request (None: the phase never happened)."""
         self.finished(reason).inc()
         self.e2e.observe(e2e_s, exemplar)
         self.request_prompt_tokens.observe(prompt_tokens)
@@ -161,7 +140,6 @@ class EngineMetrics:
                 series.observe(value)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, exemplar)
-            (self.ttft_cache_hit if cached_tokens else self.ttft_cache_miss).observe(ttft_s, exemplar)
 
     def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
                    accept: str = "") -> tuple[bytes, str]:
@@ -169,7 +147,19 @@ class EngineMetrics:
         tracer's ``sightline_telemetry_*`` counters), in the format ``accept`` (an HTTP
         Accept header) prefers: OpenMetrics, with exemplars, or the classic text format."""
         encode, content_type = choose_encoder(accept)
-        parts = [encode(r) for r in (self.registry, *extra) if r is not None]
+        parts = [encode(r) for r in (_series(self.registry), self.collected, *extra) if r is not None]
         if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
             parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
         return b"".join(parts), content_type
+
+
+def _series(registry: CollectorRegistry) -> CollectorRegistry:
+    """``registry``, or with several API server processes, the sums of all their files."""
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if not path:
+        return registry
+    from prometheus_client import multiprocess
+
+    merged = CollectorRegistry()
+    multiprocess.MultiProcessCollector(merged, path)
+    return merged

@@ -245,9 +245,8 @@ class GpuTelemetry:
         # granted by a plan when neither countdown nor the window's refresh can come due
         # sooner (``_quiet_granted`` settles the countdowns for those taken). A step is quiet
         # while ``quiet_steps`` > 0 if it is no slower than ``quiet_limit`` and not
-        # recorded by CUPTI; its caller may then, instead of ``observe_step``, take it:
-        # ``quiet_steps -= 1`` and append its duration to ``quiet_durations`` (the engine
-        # does, so that its usual step makes no call here).
+        # recorded by CUPTI; ``observe_step`` then only counts it down and appends its
+        # duration to ``quiet_durations``, at its first branch.
         self.quiet_steps = 0
         self._quiet_granted = 0
         self.quiet_limit = math.inf

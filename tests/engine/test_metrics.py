@@ -39,15 +39,15 @@ def test_inter_token_exemplars_go_on_a_requests_slowest_gap_so_far():
     """Each bucket keeps only its latest exemplar: a request's trace id goes on its first gap
     and on each gap slower than all before it, and on no other; every bucket such a gap
     falls in then points at the request."""
-    from sightline.engine.request_output import LiveRequest
+    from sightline.engine.output_processor import LiveRequest
 
     exemplar = {sc.EXEMPLAR_TRACE_ID_LABEL: "0af7651916cd43dd8448eb211c80319c"}
-    live = LiveRequest(request=None, stream=None, detok=None, key=1, exemplar=exemplar)
+    live = LiveRequest("r", None, None, key=1, exemplar=exemplar)
     gaps = [0.010, 0.008, 0.012, 0.012, 0.005, 0.030, 0.029]
     carried = [live.itl_exemplar(gap) is exemplar for gap in gaps]
     assert carried == [True, False, True, False, False, True, False]
     metrics = EngineMetrics("tiny")
-    live = LiveRequest(request=None, stream=None, detok=None, key=1, exemplar=exemplar)
+    live = LiveRequest("r", None, None, key=1, exemplar=exemplar)
     for gap in gaps:
         metrics.itl.observe(gap, live.itl_exemplar(gap))
     buckets = {s.labels["le"]: s.exemplar for m in metrics.registry.collect()
@@ -57,5 +57,5 @@ def test_inter_token_exemplars_go_on_a_requests_slowest_gap_so_far():
     expected = {str(next(b for b in boundaries if g <= b)) for g in (0.010, 0.012, 0.030)}
     assert with_exemplar == expected
     # an untraced request (no exemplar) never carries one
-    untraced = LiveRequest(request=None, stream=None, detok=None, key=None)
+    untraced = LiveRequest("r", None, None, key=None)
     assert all(untraced.itl_exemplar(gap) is None for gap in gaps)

@@ -251,7 +251,7 @@ def test_malformed_json_and_unknown_model_and_route(server):
 
 def test_queue_full_is_429_and_priority_orders_the_queue():
     from sightline.engine.request import RequestStatus
-    from sightline.engine.server import serve_in_thread
+    from sightline.engine.api_server import serve_in_thread
 
     config = EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0, shutdown_timeout_s=5,
                           scheduler=SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=256,
@@ -292,7 +292,7 @@ def test_queue_full_is_429_and_priority_orders_the_queue():
 
 
 def test_failed_model_step_is_a_500_and_the_server_goes_on():
-    from sightline.engine.server import serve_in_thread
+    from sightline.engine.api_server import serve_in_thread
 
     running = serve_in_thread(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0,
                                            shutdown_timeout_s=5))

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sightline.engine.config import EngineConfig
 from sightline.engine.llm_engine import LLMEngine
 from sightline.engine.request import SamplingParams
-from sightline.engine.server import serve_in_thread
+from sightline.engine.api_server import serve_in_thread
 from sightline.engine.tokenizer import ByteTokenizer
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.config import TelemetryConfig

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from sightline.engine.config import EngineConfig
-from sightline.engine.server import serve_in_thread
+from sightline.engine.api_server import serve_in_thread
 from sightline.engine.tokenizer import ByteTokenizer, ChatMessage, apply_chat_template
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.config import TelemetryConfig

@@ -22,7 +22,7 @@ import pytest
 
 from sightline.deploy.processes import free_ports
 from sightline.engine.config import EngineConfig
-from sightline.engine.server import serve_in_thread
+from sightline.engine.api_server import serve_in_thread
 from sightline.instrumentation.config import TelemetryConfig
 
 from ..support import wait_for_http

@@ -1,18 +1,18 @@
-"""The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
+"""The OpenAI-compatible HTTP server (aiohttp): one API server, in front of an engine core.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics with trace-id exemplars when
-asked). Streams as vLLM does, which benchmark tools are built against: one SSE chunk per
-generated token even when its text is empty, the chat role on the first token's chunk,
-usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
-caller's ``X-Request-Id`` is echoed and names the request's spans (generated if absent).
+``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/debug/kv``, ``/metrics``
+(OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
+token even when its text is empty, the chat role on the first, usage at the end
+(``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
+It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
+handshake and per-step stats. Tokenization runs on a thread pool.
 
-Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
-``Retry-After`` (queue full), 503 (shutting down), 500 (engine failure); the process serves
-on. A client that disconnects has its request aborted, its KV blocks freed before the next
-step. SIGTERM/SIGINT: new requests get 503, in-flight ones get ``shutdown_timeout_s`` (a
-second signal cuts it short), the rest are aborted, telemetry is flushed. The event loop
-runs in the main thread, the engine loop in its own.
+Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
+(starting, draining, engine core gone), 500 (engine failure); the process serves on.
+``/health`` is 503 ``{"status": "starting", "phase": ...}`` until the core is ready, ``/live``
+200 once HTTP is served. A client that disconnects has its request aborted. SIGTERM: new
+requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations
@@ -21,28 +21,35 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import re
 import signal
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
-from .config import EngineConfig
-from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
+from .config import EngineConfig, resolve_model_config
+from .core_client import REFUSALS, EngineDeadError, InProcessClient, MPClient
+from .engine_core import EngineStoppedError, QueueFullError
+from .llm_engine import LLMEngine
+from .metrics import EngineMetrics
 from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
     parse_completion_request, parse_json, sse, usage, usage_chunk)
 from .request import SamplingParams
-from .tokenizer import apply_chat_template
+from .request_output import RequestOutput
+from .tokenizer import Tokenizer, apply_chat_template, load_tokenizer
 
-__all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
+__all__ = ["EngineServer", "RunningServer", "run_api_server", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +67,20 @@ def _json_response(payload: dict, status: int = 200) -> web.Response:
 
 
 class EngineServer:
-    """Routes bound to one engine; ``app`` is the aiohttp application."""
+    """Routes bound to one engine client; ``app`` is the aiohttp application."""
 
-    def __init__(self, engine: LLMEngine, telemetry) -> None:
-        self.engine = engine
+    def __init__(self, client: InProcessClient | MPClient, telemetry, metrics: EngineMetrics,
+                 tokenizer: Tokenizer, model: str, index: int = 0, tokenize_threads: int = 2) -> None:
+        self.client = client
+        self.index = index   # which API server of ``engine serve`` this is
         self.telemetry = telemetry
-        self.model = engine.model_name
+        self.metrics = metrics
+        self.tokenizer = tokenizer
+        self.model = model
         self.created = now_s()
         self.draining = False
+        self.started = False   # the core is ready and this server's telemetry joined it
+        self._tokenize_pool = ThreadPoolExecutor(tokenize_threads, "sightline-tokenize")
         self.app = web.Application(middlewares=[self._errors_middleware], client_max_size=16 * 2**20)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
@@ -75,11 +88,13 @@ class EngineServer:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model_card),
             web.get("/health", self.health),
+            web.get("/live", self.live),
             web.get("/ping", self.ping),
             web.post("/ping", self.ping),
             web.get("/version", self.version),
-            web.get("/metrics", self.metrics),
+            web.get("/metrics", self.scrape),
             web.get("/debug/steps", self.debug_steps),
+            web.get("/debug/kv", self.debug_kv),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
 
@@ -90,14 +105,14 @@ class EngineServer:
         try:
             return await handler(request)
         except ProtocolError as exc:
-            self.engine.metrics.error(exc.status)
+            self.metrics.error(exc.status)
             reply = _json_response(exc.body(), exc.status)
             reply.headers.update(exc.headers)
             return reply
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            self.engine.metrics.error(exc.status)
+            self.metrics.error(exc.status)
             code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
             return _json_response(error_body(f"{request.method} {request.path}: {exc.reason}",
                                              "invalid_request_error", None, code), exc.status)
@@ -105,52 +120,59 @@ class EngineServer:
             raise
         except Exception as exc:
             log.exception("unhandled error in %s", request.path)
-            self.engine.metrics.error(500)
+            self.metrics.error(500)
             return _json_response(error_body(f"internal error: {type(exc).__name__}: {exc}",
                                              "server_error", None, "internal_error"), 500)
 
     async def health(self, request: web.Request) -> web.Response:
+        client = self.client
+        if client.dead is not None:
+            return _json_response({"status": "engine_dead", "error": client.dead}, 503)
         if self.draining:
             return _json_response({"status": "draining"}, 503)
-        return _json_response({"status": "ok", "running": self.engine.scheduler.num_running,
-                               "waiting": self.engine.scheduler.num_waiting})
+        if not self.started:
+            return _json_response({"status": "starting", "phase": client.phase}, 503)
+        stats = client.stats
+        return _json_response({"status": "ok", "running": stats.running if stats else 0,
+                               "waiting": stats.waiting if stats else 0,
+                               "api_server": self.index, "pid": os.getpid(),
+                               "core_pid": client.ready.core_pid})
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json_response({"status": "alive"})
 
     async def ping(self, request: web.Request) -> web.Response:
-        return web.Response(status=503 if self.draining else 200)
+        ok = self.started and not self.draining and self.client.dead is None
+        return web.Response(status=200 if ok else 503)
 
     async def version(self, request: web.Request) -> web.Response:
         return _json_response({"version": _version()})
 
-    async def metrics(self, request: web.Request) -> web.Response:
-        body, content_type = self.engine.metrics.exposition(
+    async def scrape(self, request: web.Request) -> web.Response:
+        body, content_type = self.metrics.exposition(
             [getattr(self.telemetry, "registry", None)], accept=request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "sightline",
-                "max_model_len": self.engine.max_model_len}
+                "max_model_len": self.client.ready.max_model_len if self.client.ready else None}
 
     async def debug_steps(self, request: web.Request) -> web.Response:
         """The wall times of the engine's recent steps, oldest first (what a step-time
         histogram cannot answer: how many steps were over twice the median), and the loop's
-        total time beside the part of it the engine thread spent recording telemetry."""
-        engine = self.engine
-        gpu = engine.gpu_telemetry
-        return _json_response({
-            "durations_s": list(engine.step_durations_s), "loop_s": engine.loop_s,
-            "telemetry_engine_thread_s": engine.telemetry_thread_s
-            + (gpu.stats.engine_thread_s if gpu is not None else 0.0),
-            # the traced steps' part of it, and how many steps were traced
-            "telemetry_traced_steps_s": gpu.stats.engine_thread_traced_s if gpu is not None else 0.0,
-            "steps_traced": gpu.stats.steps_traced_sampled + gpu.stats.steps_traced_tail
-            if gpu is not None else 0,
-            # untraced steps whose probe records were read: their part, and every probed step
-            "telemetry_probed_steps_s": gpu.stats.engine_thread_probed_s if gpu is not None else 0.0,
-            "steps_probed": gpu.stats.steps_probed if gpu is not None else 0,
-            "ctas_probed": gpu.stats.ctas_probed if gpu is not None else 0,   # fed the histograms
-            "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0,
-            "gpu_telemetry_worker_phases_cpu_s":
-                gpu.stats.worker_phases_cpu_s() if gpu is not None else {}})
+        total time beside the part of it the engine spent recording telemetry."""
+        return _json_response(await self._call("debug_steps"))
+
+    async def debug_kv(self, request: web.Request) -> web.Response:
+        """The core's KV blocks in use and in all, and the requests it holds."""
+        return _json_response(await self._call("kv_blocks"))
+
+    async def _call(self, method: str) -> dict:
+        try:
+            return await self.client.call(method)
+        except (EngineDeadError, asyncio.TimeoutError) as exc:
+            raise ProtocolError(f"the engine core did not answer: {exc}", status=503,
+                                type="service_unavailable", code="engine_unavailable") from None
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
@@ -173,6 +195,11 @@ class EngineServer:
         if self.draining:
             raise ProtocolError("the server is shutting down", status=503, type="service_unavailable",
                                 code="shutting_down")
+        if self.client.dead is not None:
+            raise _engine_gone(self.client.dead)
+        if not self.started:
+            raise ProtocolError(f"the engine is starting ({self.client.phase})", status=503,
+                                type="service_unavailable", code="starting")
         body = parse_json(await http.read())
         params: ChatCompletionRequest | CompletionRequest = (
             parse_chat_request(body) if chat else parse_completion_request(body))
@@ -213,20 +240,22 @@ class EngineServer:
             self._live_ids.discard(response_id)
 
     async def _run(self, http: web.Request, params, chat: bool, response_id: str, request_id: str, trace):
-        engine = self.engine
+        client = self.client
+        max_model_len = client.ready.max_model_len
         tokenize_start = time.time_ns()
         try:
-            prompt_text, prompt_ids = self._tokenize(params, chat)
+            prompt_text, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._tokenize, params, chat)
         finally:
             if trace is not None:
                 trace.tokenized(tokenize_start, time.time_ns())
-        room = engine.max_model_len - len(prompt_ids)
+        room = max_model_len - len(prompt_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = max(room, 1) if chat else 16
-        if len(prompt_ids) + max_tokens > engine.max_model_len:
+        if len(prompt_ids) + max_tokens > max_model_len:
             raise ProtocolError(
-                f"this model's maximum context length is {engine.max_model_len} tokens; the request has "
+                f"this model's maximum context length is {max_model_len} tokens; the request has "
                 f"{len(prompt_ids)} prompt tokens and max_tokens={max_tokens} "
                 f"({len(prompt_ids) + max_tokens} in all)", param="max_tokens", code="context_length_exceeded")
         try:
@@ -245,17 +274,9 @@ class EngineServer:
                                   sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream,
                                   **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
-            stream = engine.add_request(response_id, prompt_ids, sampling, priority=params.priority,
-                                        trace=trace, loop=asyncio.get_running_loop())
-        except QueueFullError as exc:
-            raise ProtocolError(f"the waiting queue is full, retry later ({exc})", status=429,
-                                type="rate_limit_error", code="queue_full",
-                                headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except EngineStoppedError:
-            raise ProtocolError("the server is shutting down", status=503, type="service_unavailable",
-                                code="shutting_down") from None
-        except ValueError as exc:
-            raise ProtocolError(str(exc), param="max_tokens", code="context_length_exceeded") from None
+            stream = client.add_request(response_id, prompt_ids, sampling, params.priority, trace)
+        except Exception as exc:
+            raise _refusal(exc) from None
         created = now_s()
         finished: RequestOutput | None = None
         pieces: list[str] = []
@@ -268,6 +289,10 @@ class EngineServer:
                 await response.prepare(http)
             first = True
             async for out in stream:
+                if out.error_code in REFUSALS and response is None:
+                    # the core's own check refused it (the front end's let it through)
+                    finished = out
+                    raise _refusal(REFUSALS[out.error_code](out.error))
                 pieces.append(out.text)
                 if out.finished:
                     finished = out
@@ -286,14 +311,15 @@ class EngineServer:
                 await response.write(sse(payload))
             assert finished is not None
             if finished.error:
-                self.engine.metrics.error(500)
-                error = error_body(finished.error, "server_error", None, "engine_error")
+                status, kind, code = _ERROR_SHAPES.get(finished.error_code, _ERROR_SHAPES[None])
+                self.metrics.error(status)
+                error = error_body(finished.error, kind, None, code)
                 if response is None:
-                    self._finish_trace(trace, finished, 500, pieces, prompt_text, "engine_error")
-                    return _json_response(error, 500)
+                    self._finish_trace(trace, finished, status, pieces, prompt_text, code)
+                    return _json_response(error, status)
                 await response.write(sse(error))
                 await response.write(SSE_DONE)
-                self._finish_trace(trace, finished, 200, pieces, prompt_text, "engine_error")
+                self._finish_trace(trace, finished, 200, pieces, prompt_text, code)
                 return response
             text = "".join(pieces)
             if response is None:
@@ -314,7 +340,7 @@ class EngineServer:
             return response
         except (asyncio.CancelledError, ConnectionResetError):
             # The client went away: free its KV blocks before the next step.
-            engine.abort(response_id)
+            client.abort(response_id)
             if trace is not None:
                 trace.finish(status_code=499, finish_reason="abort", input_tokens=len(prompt_ids),
                              output_tokens=finished.num_output_tokens if finished else 0,
@@ -322,23 +348,22 @@ class EngineServer:
             raise
         finally:
             if finished is None:
-                engine.abort(response_id)
+                client.abort(response_id)
 
     def _tokenize(self, params, chat: bool) -> tuple[str | None, list[int]]:
         """(prompt text or None, prompt token ids); a token id outside the vocabulary (in the
-        prompt or in allowed_token_ids) is a 400."""
-        engine = self.engine
-        vocab = engine.model_config.vocab_size
+        prompt or in allowed_token_ids) is a 400. Runs on the tokenizer pool."""
+        vocab = self.client.ready.vocab_size
         bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",
                                 param="allowed_token_ids", code="invalid_value")
         if chat:
             prompt_text = apply_chat_template(params.messages)
-            prompt_ids = engine.tokenizer.encode(prompt_text)
+            prompt_ids = self.tokenizer.encode(prompt_text)
         elif isinstance(params.prompt, str):
             prompt_text = params.prompt
-            prompt_ids = engine.tokenizer.encode(prompt_text)
+            prompt_ids = self.tokenizer.encode(prompt_text)
         else:
             prompt_text, prompt_ids = None, params.prompt
             bad = next((t for t in prompt_ids if t >= vocab), None)
@@ -362,13 +387,47 @@ class EngineServer:
         """Refuse new work, give live requests ``timeout_s`` to finish (or until ``force`` is
         set: a second SIGTERM), then abort the rest."""
         self.draining = True
-        self.engine.stop_accepting()
+        client = self.client
+        client.stop_accepting()
         deadline = time.monotonic() + timeout_s
-        while self.engine.num_live and time.monotonic() < deadline and not (force and force.is_set()):
+        while client.num_live and time.monotonic() < deadline and not (force and force.is_set()):
             await asyncio.sleep(0.02)
-        if self.engine.num_live:
-            log.warning("shutdown: aborting %d live requests", self.engine.num_live)
-        await asyncio.to_thread(self.engine.shutdown)
+        if client.num_live:
+            log.warning("shutdown: aborting %d live requests", client.num_live)
+        flush = getattr(self.telemetry, "flush", None)
+        if flush is not None:   # forwarded telemetry: its last events, before the socket closes
+            flush()
+        await client.shutdown()
+        self._tokenize_pool.shutdown(wait=False)
+
+
+# an error ending a stream whose head was sent: (status it stands for, OpenAI type, code)
+_ERROR_SHAPES = {None: (500, "server_error", "engine_error"),
+                 "engine_error": (500, "server_error", "engine_error"),
+                 "queue_full": (429, "rate_limit_error", "queue_full"),
+                 "shutting_down": (503, "service_unavailable", "shutting_down"),
+                 "invalid_request": (400, "invalid_request_error", "context_length_exceeded")}
+
+
+def _engine_gone(reason: str) -> ProtocolError:
+    return ProtocolError(f"the engine is unavailable: {reason}", status=503,
+                         type="service_unavailable", code="engine_unavailable")
+
+
+def _refusal(exc: Exception) -> ProtocolError:
+    """The OpenAI-shaped error for a request the engine would not take."""
+    if isinstance(exc, QueueFullError):
+        return ProtocolError(f"the waiting queue is full, retry later ({exc})", status=429,
+                             type="rate_limit_error", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, EngineStoppedError):
+        return ProtocolError("the server is shutting down", status=503, type="service_unavailable",
+                             code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return _engine_gone(str(exc))
+    if isinstance(exc, ValueError):
+        return ProtocolError(str(exc), param="max_tokens", code="context_length_exceeded")
+    raise exc
 
 
 def _version() -> str:
@@ -402,32 +461,60 @@ class RunningServer:
             self.thread.join(timeout_s)
 
 
+def _watch_gpu(metrics: EngineMetrics, device: str) -> None:
+    """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever the
+    trace level: a leak must raise an alert even with tracing off."""
+    if not device.startswith("cuda"):
+        return
+    try:
+        reason = metrics.watch_gpu(int(device.partition(":")[2] or 0))
+    except Exception as exc:  # NVML trouble never stops the server
+        reason = str(exc)
+    if reason:
+        log.warning("GPU memory/context metrics unavailable: %s", reason)
+
+
+async def _start_http(server: EngineServer, host: str, port: int,
+                      sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    await site.start()
+    return runner, runner.addresses[0][1] if runner.addresses else port
+
+
+def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, force: asyncio.Event,
+             signals=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """The first of ``signals`` drains, a second one aborts (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in signals:
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
+
+
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
                  telemetry=None) -> int:
+    """One process: the API server and an in-process engine (loop thread)."""
     telemetry = _pipeline(config, telemetry)
+    metrics = EngineMetrics(config.model_name)
     try:
-        engine = await asyncio.to_thread(LLMEngine, config, telemetry)
+        engine = await asyncio.to_thread(LLMEngine, config, telemetry, metrics)
     except BaseException:
         if telemetry is not None:
             telemetry.shutdown()
         raise
-    engine.start()
-    server = EngineServer(engine, telemetry)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else config.port
-    log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
-             engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
-             engine.max_model_len,
-             telemetry.config.level.name.lower() if telemetry is not None else "off")
-    stop, force = asyncio.Event(), asyncio.Event()  # first signal drains, a second one aborts
     loop = asyncio.get_running_loop()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
+    client = InProcessClient(engine, loop)
+    _watch_gpu(metrics, client.ready.device)
+    server = EngineServer(client, telemetry, metrics, engine.tokenizer, engine.model_name)
+    server.started = True
+    runner, port = await _start_http(server, config.host, config.port)
+    log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
+             engine.model_name, config.host, port, client.ready.device, client.ready.num_kv_blocks,
+             client.ready.max_model_len,
+             telemetry.config.level.name.lower() if telemetry is not None else "off")
+    stop, force = asyncio.Event(), asyncio.Event()
+    _signals(loop, stop, force)
     if on_ready is not None:
         on_ready(RunningServer(port, engine, server, loop, stop))
     else:
@@ -458,16 +545,11 @@ def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
     return TelemetryPipeline.around(telemetry)
 
 
-def serve(config: EngineConfig) -> int:
-    """Runs the server in this (main) thread until SIGTERM/SIGINT; returns the exit code."""
-    return asyncio.run(_serve(config))
-
-
 def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None) -> RunningServer:
-    """Starts the server on a daemon thread with its own event loop; returns once it listens.
-    ``telemetry``: a started Telemetry to use instead of one built from ``config.telemetry``
-    (the server shuts it down when it stops). Raises whatever start-up raised (bad model
-    path, port in use, ...)."""
+    """Starts the server and an in-process engine on a daemon thread with its own event loop;
+    returns once it listens. ``telemetry``: a started Telemetry to use instead of one built
+    from ``config.telemetry`` (the server shuts it down when it stops). Raises whatever
+    start-up raised (bad model path, port in use, ...)."""
     ready: list[RunningServer] = []
     failed: list[BaseException] = []
     event = threading.Event()
@@ -491,3 +573,90 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
         raise failed[0]
     ready[0].thread = thread
     return ready[0]
+
+
+# ---- an API server process of ``engine serve`` ---------------------------------------------------
+async def _serve_split(config: EngineConfig, index: int, count: int, address: str,
+                       sock: socket.socket, core_lifeline) -> int:
+    """API server ``index`` of ``count``: HTTP on the shared ``sock``, the core at ``address``.
+    Returns 1 when the core died under it, else 0."""
+    model_config = resolve_model_config(config.model)
+    tokenizer = load_tokenizer(model_config.path, model_config.bos_token_id, model_config.eos_token_id)
+    metrics = EngineMetrics(config.model_name)
+    # with several API servers, one records the step series (every server gets every step)
+    client = MPClient(address, index, tokenizer, metrics, record_steps=index == 0,
+                      core_lifeline=core_lifeline)
+    server = EngineServer(client, None, metrics, tokenizer, config.model_name, index)
+    runner, _ = await _start_http(server, config.host, config.port, sock)
+    await client.start()
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+    # SIGTERM comes from the parent, which answers a terminal's Ctrl-C (sent to the whole
+    # group) for all: the API servers ignore SIGINT, so that one Ctrl-C is one signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _signals(loop, stop, force, (signal.SIGTERM,))
+    start = asyncio.create_task(_join_core(server, client, config, index))
+    orphan = asyncio.create_task(_watch_parent(stop))
+    dead_watch = asyncio.create_task(client.dead_event.wait())
+    try:
+        await asyncio.wait([asyncio.create_task(stop.wait()), dead_watch],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if client.dead is not None and not stop.is_set():
+            # the parent stops every API server when the core is gone; until then, 503s
+            await stop.wait()
+    finally:
+        start.cancel()
+        dead_watch.cancel()
+        orphan.cancel()
+        await server.drain(config.shutdown_timeout_s, force)
+        await runner.cleanup()
+        if server.telemetry is not None:
+            await asyncio.to_thread(server.telemetry.shutdown)
+    return 1 if client.dead is not None else 0
+
+
+async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
+    """Once the core is ready: this server's telemetry joins the core's, then /health is 200."""
+    from .telemetry_link import ForwardedTelemetry, join_pipeline
+
+    ready = await client.wait_ready()
+    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1,
+                                        client.forward_telemetry)
+    server.telemetry = telemetry
+    client.processor.recorder = telemetry.recorder if telemetry is not None else None
+    if isinstance(telemetry, ForwardedTelemetry):
+        client.flush_telemetry = telemetry.flush
+        asyncio.create_task(_forward_every(telemetry, 0.05))
+    _watch_gpu(server.metrics, ready.device)
+    server.started = True
+    log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
+             os.getpid())
+
+
+async def _forward_every(telemetry, interval_s: float) -> None:
+    """Request ends and detokenize phases go to the core's telemetry on a timer."""
+    while True:
+        await asyncio.sleep(interval_s)
+        telemetry.flush()
+
+
+async def _watch_parent(stop: asyncio.Event) -> None:
+    """Stops this server when the process that started it is gone (killed)."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.error("the serving process is gone; stopping")
+    stop.set()
+
+
+def run_api_server(config: EngineConfig, index: int, count: int, address: str,
+                   sock: socket.socket, core_lifeline, lifeline, log_level: str = "INFO") -> None:
+    """The process's entry point (multiprocessing, spawn). ``lifeline``: the write end of the
+    pipe the core watches for this server (held open, never written, until it exits)."""
+    logging.basicConfig(level=log_level.upper(),
+                        format=f"%(asctime)s %(levelname)s %(name)s[api-{index}]: %(message)s")
+    try:
+        code = asyncio.run(_serve_split(config, index, count, address, sock, core_lifeline))
+    finally:
+        lifeline.close()
+    raise SystemExit(code)

@@ -1,0 +1,446 @@
+"""``engine serve`` as processes: an engine core and 1 or 2 API servers, driven by the openai SDK.
+
+The boundary's records round-trip through msgpack. Each served engine is the real CLI in a
+subprocess on a free port. Streams through 1 and 2 API servers give the in-process engine's
+exact tokens; a client that disconnects has its request aborted in the core; a full queue is
+a 429 with ``Retry-After`` from the front end. Deaths: the core SIGKILLed mid-load ends every
+stream with an OpenAI-shaped error within 2 s, new requests get 503, ``/health`` fails and
+``engine serve`` exits non-zero; an API server SIGKILLed has its requests aborted by the
+core, whose KV blocks come back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from sightline.engine import core_records as cr
+from sightline.engine.config import EngineConfig
+from sightline.engine.llm_engine import LLMEngine
+from sightline.engine.request import SamplingParams
+from sightline.engine.tokenizer import ByteTokenizer
+from sightline.instrumentation import semconv as sc
+from sightline.deploy.processes import free_ports
+from tests.support import free_port, wait_for_http
+
+MODEL = "tiny"
+
+
+# ---- the records ------------------------------------------------------------------------------
+def test_every_record_round_trips():
+    sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("a", "bc"),
+                              top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=-0.5,
+                              frequency_penalty=0.25, allowed_token_ids=(1, 2, 3))
+    trace = cr.TraceContext((3 << 48) | 17, "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7")
+    to_core = [cr.Hello(1, 4242), cr.AddRequest("cmpl-1", [256, 104, 105], sampling, -2, 1, trace),
+               cr.AddRequest("cmpl-2", [1], SamplingParams()), cr.Abort("cmpl-1", 1),
+               cr.Abort("cmpl-1", 1, stop_at=4), cr.UtilityCall(9, 1, "kv_blocks")]
+    stats = cr.StepStats(12, 0.0042, 128, 2, 3, 2, 1, 2, 5, 40, 327)
+    from_core = [cr.Phase("loading_model"),
+                 cr.Ready("tiny", 2048, 512, 257, 327, 16, 1024, 64, "cpu", "float32", False, 99, None),
+                 cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, "ipc:///x"),
+                 cr.OutputBatch(["a", "b"], [5, 6], [cr.FinalOutput(
+                     "c", [7], "length", None, None, 3, 4, 0.01, 0.02, 0.003, 0.05, 0.01, 0.03, 1)],
+                     stats, 3),
+                 cr.OutputBatch([], [], [cr.FinalOutput("d", [], "abort", "boom", cr.ERROR_ENGINE)],
+                                cr.StepStats(None, None, 0, 0, 0, 0, 0, 0, 0, 0, 327)),
+                 cr.UtilityResult(9, {"used": 3, "live_by_api_server": {"0": 1}})]
+    to_decoder, from_decoder = cr.core_decoder(), cr.client_decoder()
+    for record in to_core:
+        assert to_decoder.decode(cr.encode(record)) == record
+    for record in from_core:
+        assert from_decoder.decode(cr.encode(record)) == record
+    # a bad record is refused by the decoder, not taken half-way
+    with pytest.raises(Exception):
+        to_decoder.decode(cr.encode(cr.AddRequest("x", [1], SamplingParams()))[:-3])
+    bad = cr.encode(cr.AddRequest("x", [1], SamplingParams(max_tokens=2))).replace(
+        b"max_tokens\x02", b"max_tokens\x00")
+    with pytest.raises(Exception, match="max_tokens"):   # SamplingParams checks itself
+        to_decoder.decode(bad)
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+class Served:
+    """``sightline engine serve`` in a subprocess; its /health, /debug/kv and /metrics."""
+
+    def __init__(self, api_servers: int, *args: str, trace_level: str = "off", **env: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "sightline.deploy.cli", "engine", "serve", "--model", MODEL,
+             "--device", "cpu", "--port", str(self.port), "--kv-cache-gib", "0.02",
+             "--trace-level", trace_level, "--api-server-count", str(api_servers),
+             "--log-level", "warning", *args],
+            env=dict(os.environ, SIGHTLINE_TRACE_LEVEL=trace_level, **env))
+        try:
+            wait_for_http(self.url + "/health", timeout_s=120, process=self.process)
+        except BaseException:
+            self.close()
+            raise
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def get(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def kv(self) -> dict:
+        status, body = self.get("/debug/kv")
+        assert status == 200, body
+        return body
+
+    def wait_kv(self, predicate, timeout_s: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            kv = self.kv()
+            if predicate(kv) or time.monotonic() > deadline:
+                return kv
+            time.sleep(0.05)
+
+    def metric(self, name: str, **labels: str) -> float:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as response:
+            text = response.read().decode()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted({"model": MODEL, **labels}.items()))
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and
+                   ",".join(sorted(line[len(name) + 1:line.index("}")].split(","))) == want)
+
+    def close(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait(10)
+
+
+class Streams:
+    """Streamed completions on threads, each on its own connection; records how each ended."""
+
+    def __init__(self, served: Served, n: int, max_tokens: int = 2000) -> None:
+        self.chunks = [0] * n
+        self.ended: list[tuple[float, BaseException | None] | None] = [None] * n
+        self.streams: list = [None] * n
+        self.threads = [threading.Thread(target=self._run, args=(served, i, max_tokens), daemon=True)
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, served: Served, i: int, max_tokens: int) -> None:
+        error = None
+        try:
+            self.streams[i] = stream = served.client().completions.create(
+                model=MODEL, prompt=f"stream {i}", max_tokens=max_tokens, stream=True, temperature=0,
+                extra_body={"ignore_eos": True})
+            for _ in stream:
+                self.chunks[i] += 1
+        except BaseException as exc:  # how it ended is the test's question
+            error = exc
+        self.ended[i] = (time.monotonic(), error)
+
+    def wait_tokens(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while min(self.chunks) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert min(self.chunks) >= 2, self.chunks
+
+    def join(self, timeout_s: float) -> None:
+        for t in self.threads:
+            t.join(timeout_s)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-api-server", "2-api-servers"])
+def served(request):
+    served = Served(request.param)
+    try:
+        yield served
+    finally:
+        assert served.close() == 0
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLMEngine(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.02))
+
+
+def test_health_is_starting_with_the_cores_phase_until_ready():
+    """An API server process against a core played by this test over the real socket: /live
+    at once, /health 503 with the phase until Ready, 200 after; the core's pipe closing is
+    its death: /health 503, and the server exits non-zero on SIGTERM."""
+    import multiprocessing
+    import socket
+    import tempfile
+
+    import zmq
+
+    from sightline.engine.api_server import run_api_server
+
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/core"
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.bind(address)
+        listener = socket.create_server(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        core_watch, core_alive = ctx.Pipe(duplex=False)
+        server_watch, server_alive = ctx.Pipe(duplex=False)
+        config = EngineConfig(model=MODEL, device="cpu", shutdown_timeout_s=1)
+        process = ctx.Process(target=run_api_server, args=(config, 0, 1, address, listener, core_watch,
+                                                           server_alive, "warning"))
+        process.start()
+        core_watch.close(), server_alive.close(), listener.close()
+        try:
+            wait_for_http(url + "/live", timeout_s=60)
+            served = Served.__new__(Served)
+            served.url = url
+            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting"})
+            assert router.poll(30_000)
+            identity, payload = router.recv_multipart()
+            hello = cr.core_decoder().decode(payload)
+            assert hello == cr.Hello(0, process.pid) and identity == b"api-0"
+            router.send_multipart([identity, cr.encode(cr.Phase("loading_model"))])
+            deadline = time.monotonic() + 10
+            while served.get("/health")[1].get("phase") != "loading_model":
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert served.get("/health") == (503, {"status": "starting", "phase": "loading_model"})
+            router.send_multipart([identity, cr.encode(cr.Ready(
+                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid()))])
+            wait_for_http(url + "/health", timeout_s=10)
+            status, health = served.get("/health")
+            assert status == 200 and health == {"status": "ok", "running": 0, "waiting": 0,
+                                                "api_server": 0, "pid": process.pid,
+                                                "core_pid": os.getpid()}
+            core_alive.close()   # the core's death, as the API server sees it
+            deadline = time.monotonic() + 10
+            while served.get("/health")[0] != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert served.get("/health")[1]["status"] == "engine_dead"
+            os.kill(process.pid, signal.SIGTERM)
+            process.join(30)
+            assert process.exitcode == 1
+            assert server_watch.poll(0) and _eof(server_watch)   # the core would see it gone
+        finally:
+            if process.is_alive():
+                process.kill()
+            router.close(0)
+
+
+def _eof(conn) -> bool:
+    try:
+        conn.recv_bytes()
+    except EOFError:
+        return True
+    return False
+
+
+# ---- serving -----------------------------------------------------------------------------------
+def test_streams_give_the_in_process_engines_tokens(served, offline):
+    prompts = ["héllo ✓ wörld", "Sightline", "a", "the engine core", "1 2 3", "zmq", "split", "ok"]
+    tokenizer = ByteTokenizer()
+    wanted = offline.generate([tokenizer.encode(p) for p in prompts],
+                              [SamplingParams(max_tokens=10 + i, temperature=0.0, ignore_eos=True)
+                               for i in range(len(prompts))])
+    got: dict[int, tuple[str, int, str]] = {}
+    counters = (sc.ENGINE_REQUESTS_TOTAL + "_total", sc.ENGINE_GENERATION_TOKENS_TOTAL + "_total",
+                sc.ENGINE_PROMPT_TOKENS_TOTAL + "_total")
+    before = [served.metric(counters[0], finish_reason="length"), served.metric(counters[1]),
+              served.metric(counters[2])]
+
+    def run(i: int) -> None:
+        chunks = list(served.client().completions.create(
+            model=MODEL, prompt=prompts[i], max_tokens=10 + i, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}))
+        got[i] = ("".join(c.choices[0].text for c in chunks), len(chunks), chunks[-1].choices[0].finish_reason)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, request in enumerate(wanted):   # one chunk per token, the same text
+        assert got[i] == (tokenizer.decode(request.output_token_ids), 10 + i, "length"), i
+    # the series count each request once, whichever API server served it
+    after = [served.metric(counters[0], finish_reason="length"), served.metric(counters[1]),
+             served.metric(counters[2])]
+    assert [a - b for a, b in zip(after, before)] == [
+        len(prompts), sum(10 + i for i in range(len(prompts))),
+        sum(len(tokenizer.encode(p)) for p in prompts)]
+    assert served.metric(sc.ENGINE_RUNNING) == served.metric(sc.ENGINE_WAITING) == 0
+    # a stop string found in the front end ends the request in the core, reason stop
+    i = max(got, key=lambda i: len(got[i][0]))
+    text = got[i][0]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert len(stop) == 2
+    reply = served.client().completions.create(model=MODEL, prompt=prompts[i], max_tokens=10 + i,
+                                               temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == text[:text.index(stop)] and reply.choices[0].finish_reason == "stop"
+    kv = served.wait_kv(lambda kv: kv["live"] == 0)
+    assert kv["used"] == 0 and kv["live"] == 0
+
+
+def test_both_api_servers_serve_one_port(served):
+    seen = {}
+    deadline = time.monotonic() + 20
+    while len(seen) < int(served.process.args[served.process.args.index("--api-server-count") + 1]):
+        status, health = served.get("/health")   # each call is a new connection
+        assert status == 200 and health["status"] == "ok"
+        seen[health["api_server"]] = health["pid"]
+        assert time.monotonic() < deadline, seen
+    assert len(set(seen.values())) == len(seen)
+    assert health["core_pid"] not in seen.values()
+    status, live = served.get("/live")
+    assert (status, live) == (200, {"status": "alive"})
+
+
+def test_a_client_that_disconnects_is_aborted_in_the_core(served):
+    aborted = served.metric("sightline_engine_requests_total", finish_reason="abort")
+    stream = served.client().completions.create(model=MODEL, prompt="bye", max_tokens=1900, stream=True,
+                                                extra_body={"ignore_eos": True})
+    iterator = iter(stream)
+    next(iterator), next(iterator)
+    assert served.kv()["live"] == 1
+    stream.close()
+    closed = time.monotonic()
+    kv = served.wait_kv(lambda kv: kv["live"] == 0)
+    assert kv == {**kv, "used": 0, "live": 0, "running": 0, "waiting": 0}
+    assert time.monotonic() - closed < 2.0
+    assert served.metric("sightline_engine_requests_total", finish_reason="abort") == aborted + 1
+
+
+def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
+    served = Served(1, "--max-num-seqs", "1", "--max-waiting", "2")
+    try:
+        client = served.client()
+        long = dict(model=MODEL, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+        first = client.completions.create(prompt="one", **long)
+        next(iter(first))   # running: the one slot is taken
+        waiting = [client.completions.create(prompt=p, **long) for p in ("two", "three")]
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=MODEL, prompt="four", max_tokens=4)
+        assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+        assert info.value.response.headers["Retry-After"] == "1"
+        assert served.kv()["waiting"] == 2
+        for stream in (first, *waiting):
+            stream.close()
+        served.wait_kv(lambda kv: kv["live"] == 0)
+        result = client.completions.create(model=MODEL, prompt="five", max_tokens=3,
+                                           extra_body={"ignore_eos": True})
+        assert result.usage.completion_tokens == 3
+    finally:
+        assert served.close() == 0
+
+
+def test_one_trace_across_the_processes():
+    """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
+    decode and the steps by the core: one trace, joined in the core's telemetry and read
+    back from a real collector, continuing the caller's context."""
+    grpc, http, zipkin, query = free_ports(4)
+    collector = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc",
+         f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
+         "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"])
+    served = None
+    try:
+        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=collector)
+        served = Served(2, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
+                        OTEL_BSP_SCHEDULE_DELAY="50")
+        trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                               default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        chunks = list(client.completions.create(model=MODEL, prompt="trace", max_tokens=4, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True}))
+        assert len(chunks) == 4
+        assert served.close() == 0   # flushes every process's telemetry
+        deadline = time.monotonic() + 30
+        while True:
+            with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
+                                        timeout=5) as response:
+                spans = json.loads(response.read()).get("spans", [])
+            names = {s["name"] for s in spans}
+            if {"detokenize", "decode"} <= names or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
+        assert server["parent_span_id"] == parent
+        phases = {s["name"]: s for s in spans if s["parent_span_id"] == server["span_id"]}
+        assert set(phases) == {"tokenize", "queue", "prefill", "decode", "detokenize"}
+        order = [phases[n] for n in ("tokenize", "queue", "prefill", "decode", "detokenize")]
+        for before, after in zip(order, order[1:]):
+            assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
+        step_links = [link["span_id"] for link in phases["prefill"]["links"] + phases["decode"]["links"]]
+        assert len(step_links) == 4   # the prefill step and three decode steps
+    finally:
+        if served is not None:
+            served.close()
+        collector.send_signal(signal.SIGTERM)
+        collector.wait(30)
+
+
+# ---- deaths ------------------------------------------------------------------------------------
+def test_an_api_server_then_the_core_killed():
+    """An API server SIGKILLed: the core aborts its requests, their KV blocks come back, the
+    other server serves on. Then the core SIGKILLed mid-load: every stream ends with an
+    OpenAI-shaped error within 2 s, new requests get 503, /health fails, exit non-zero."""
+    served = Served(2)
+    try:
+        pids = {}
+        while len(pids) < 2:
+            _, health = served.get("/health")
+            pids[health["api_server"]] = health["pid"]
+        groups = []
+        deadline = time.monotonic() + 60   # until each API server holds a stream
+        while True:
+            groups.append(Streams(served, 2))
+            groups[-1].wait_tokens()
+            by_server = served.kv()["live_by_api_server"]
+            if by_server.get("0") and by_server.get("1"):
+                break
+            assert time.monotonic() < deadline, by_server
+        on_survivor = by_server["1"]
+        os.kill(pids[0], signal.SIGKILL)
+        kv = served.wait_kv(lambda kv: kv["live"] == on_survivor)
+        assert kv["live_by_api_server"] == {"1": on_survivor} and kv["live"] == on_survivor
+        assert 0 < kv["used"]
+        for group in groups:   # the survivor's streams go on; closing them frees the rest
+            for stream in group.streams:
+                if stream is not None:
+                    stream.close()
+        kv = served.wait_kv(lambda kv: kv["live"] == 0)
+        assert kv["used"] == 0 and kv["live"] == 0
+        assert served.client().completions.create(model=MODEL, prompt="still", max_tokens=2,
+                                                  extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+
+        streams = Streams(served, 4)
+        streams.wait_tokens()
+        os.kill(health["core_pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        streams.join(timeout_s=10)
+        assert all(e is not None for e in streams.ended), streams.ended
+        for ended_at, error in streams.ended:
+            assert ended_at - killed < 2.0
+            assert isinstance(error, openai.APIError) and "engine core" in str(error), error
+        status, health = served.get("/health")
+        assert status == 503 and health["status"] == "engine_dead"
+        with pytest.raises(openai.APIStatusError) as info:
+            served.client().completions.create(model=MODEL, prompt="after", max_tokens=2)
+        assert info.value.status_code == 503 and info.value.body["code"] == "engine_unavailable"
+        assert served.process.wait(30) != 0
+    finally:
+        served.close()
