@@ -122,6 +122,7 @@ class FinalOutput(msgspec.Struct, array_like=True):
     prefill_s: float | None = None
     decode_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache held
 
 
 class StepStats(msgspec.Struct, array_like=True):
@@ -138,6 +139,12 @@ class StepStats(msgspec.Struct, array_like=True):
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    # the prefix cache since the last batch: prompt tokens looked up, of them found, and
+    # cached blocks evicted; cached blocks now (held or evictable)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_blocks: int = 0
 
 
 class OutputBatch(msgspec.Struct, tag="out", array_like=True):

@@ -125,7 +125,8 @@ def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end
     return Step(step.step_id, step.start_ns, end_ns, step.trace_id, step.span_id, keys,
                 len(scheduled), preempted, tuple([k for k in prefill_done if k is not None]),
                 plan.num_prefill_tokens, num_decode, len(scheduled) - num_decode, num_decode,
-                plan.kv_blocks_used, plan.kv_blocks_total, error_type, attributes)
+                plan.kv_blocks_used, plan.kv_blocks_total, error_type, attributes,
+                plan.num_cached_prefill_tokens if plan.prefix_caching else None)
 
 
 class EngineCore:
@@ -162,6 +163,7 @@ class EngineCore:
         self._accepting = True
         self._last_plan_nonempty = False
         self._preempted = 0               # preemptions not reported in a batch yet
+        self._prefix_counts = [0, 0, 0]   # prefix cache queries, hits, evictions not reported yet
         self._completed: tuple[StepPlan, float, int] | None = None   # (plan, s, tokens sampled)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -322,9 +324,11 @@ class EngineCore:
     def queue_stats(self) -> StepStats:
         """The queue and the cache now, and the preemptions not reported yet (no step)."""
         preempted, self._preempted = self._preempted, 0
+        (queries, hits, evictions), self._prefix_counts = self._prefix_counts, [0, 0, 0]
         scheduler, kv = self.scheduler, self.kv_cache
         return StepStats(None, None, 0, 0, 0, 0, preempted, scheduler.num_running,
-                         scheduler.num_waiting, kv.num_used_blocks, kv.num_blocks)
+                         scheduler.num_waiting, kv.num_used_blocks, kv.num_blocks, queries, hits,
+                         evictions, kv.prefix_cache_stats().cached_blocks)
 
     def _schedule(self) -> tuple[_Outputs, StepPlan | None]:
         """Applies aborts and plans the next step (None when there is nothing to run)."""
@@ -339,6 +343,9 @@ class EngineCore:
         if plan.is_empty:
             return out, None
         self._preempted += len(plan.preempted)
+        self._prefix_counts[0] += plan.prefix_cache_queries
+        self._prefix_counts[1] += plan.num_cached_prefill_tokens
+        self._prefix_counts[2] += plan.prefix_cache_evictions
         return out, plan
 
     def _launch(self, plan: StepPlan, previous: _Launched | None, out: _Outputs) -> _Launched | None:
@@ -422,7 +429,8 @@ class EngineCore:
         first_token, scheduled = request.first_token_time_s, request.first_scheduled_time_s
         out = FinalOutput(request_id, tokens, reason, error, ERROR_ENGINE if error else None,
                           request.num_prompt_tokens, request.num_output_tokens_read,
-                          e2e_s=end - arrival, num_preemptions=request.num_preemptions)
+                          e2e_s=end - arrival, num_preemptions=request.num_preemptions,
+                          num_cached_tokens=request.num_cached_tokens)
         if scheduled is not None:
             out.queue_s = scheduled - arrival
         if first_token is not None:

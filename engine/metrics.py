@@ -94,6 +94,20 @@ class EngineMetrics:
                                  sc.REQUEST_DURATION_BUCKETS_S)
         self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
                                 sc.REQUEST_DURATION_BUCKETS_S)
+        self.prefix_cache_queries = counter(sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL,
+                                            "Tokens of admitted requests looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(sc.ENGINE_PREFIX_CACHE_HITS_TOTAL,
+                                         "Of the looked-up tokens, those whose KV the prefix cache held.")
+        self.prefix_cache_evictions = counter(sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL,
+                                              "Cached KV blocks taken for other content.")
+        self.prefix_cache_blocks = gauge(sc.ENGINE_PREFIX_CACHE_BLOCKS,
+                                         "KV blocks in the prefix cache, held or evictable.")
+        ttft_by_cache = Histogram(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS,
+                                  "Time to first token by prefix cache outcome (hit: some prompt "
+                                  "tokens were served from the cache).", m + [sc.LABEL_PREFIX_CACHE],
+                                  buckets=sc.TTFT_BUCKETS_S, registry=r)
+        self.ttft_cache_hit = ttft_by_cache.labels(model, sc.PREFIX_CACHE_HIT)
+        self.ttft_cache_miss = ttft_by_cache.labels(model, sc.PREFIX_CACHE_MISS)
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -101,6 +115,7 @@ class EngineMetrics:
         self.running.set(0)
         self.waiting.set(0)
         self.kv_usage.set(0)
+        self.prefix_cache_blocks.set(0)
 
     def finished(self, reason: str):
         child = self._requests.get(reason)
@@ -127,9 +142,10 @@ class EngineMetrics:
 
     def request_finished(self, reason: str, *, e2e_s: float, queue_s: float | None, ttft_s: float | None,
                          tpot_s: float | None, prefill_s: float | None, decode_s: float | None,
-                         prompt_tokens: int, generation_tokens: int,
+                         prompt_tokens: int, generation_tokens: int, cached_tokens: int = 0,
                          exemplar: dict[str, str] | None = None) -> None:
-        """Every per-request series of one finished request (None: the phase never happened)."""
+        """Every per-request series of one finished request (None: the phase never happened);
+        ``cached_tokens``: its prompt tokens served from the prefix cache."""
         self.finished(reason).inc()
         self.e2e.observe(e2e_s, exemplar)
         self.request_prompt_tokens.observe(prompt_tokens)
@@ -140,6 +156,17 @@ class EngineMetrics:
                 series.observe(value)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, exemplar)
+            (self.ttft_cache_hit if cached_tokens else self.ttft_cache_miss).observe(ttft_s, exemplar)
+
+    def prefix_cache_step(self, stats) -> None:
+        """The prefix cache's counts from one batch's ``StepStats``."""
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.prefix_cache_evictions:
+            self.prefix_cache_evictions.inc(stats.prefix_cache_evictions)
+        self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
 
     def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
                    accept: str = "") -> tuple[bytes, str]:

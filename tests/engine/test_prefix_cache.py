@@ -15,7 +15,7 @@ from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
 from sightline.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from sightline.engine.request import FinishReason, Request, SamplingParams
 from sightline.engine.scheduler import QueueFullError, StepPlan
-from tests.engine.test_scheduler import VOCAB, Harness, reference_output
+from tests.engine.scheduler_harness import VOCAB, Harness, reference_output
 
 
 def _entries(h: Harness, rid: str) -> list[tuple[int, int]]:

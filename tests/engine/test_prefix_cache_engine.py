@@ -106,12 +106,12 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     import openai
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from sightline.engine.server import serve_in_thread
+    from sightline.engine.api_server import serve_in_thread
     from sightline.engine.tokenizer import ByteTokenizer, ChatMessage, apply_chat_template
     from sightline.instrumentation import semconv as sc
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.tracing import Telemetry
-    from tests.engine.test_server import _metrics
+    from tests.collector.servers import scrape
 
     system = "You are a terse assistant. Answer in one line, cite nothing, never apologise."
     chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"question {i}"}]
@@ -148,7 +148,7 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
             return [first, *rest, last]
 
         responses = asyncio.run(run())
-        metrics = _metrics(running.url)
+        metrics = scrape(running.url + "/metrics")
         stats = running.engine.kv_cache.prefix_cache_stats()
     finally:
         running.stop()
