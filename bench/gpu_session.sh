@@ -8,7 +8,9 @@
 # probe), profile (bench.profile_levels: py-spy stacks of each level's engine under load;
 # carry .pyspy too), cold-path (bench.telemetry_cold_path on CUDA: the per-step calls by kind
 # of step, warm and cold), cupti-idle (bench.cupti_idle_cost: CUPTI's cost to CUDA calls between traced steps), kernels (all of bench.kernels), capture (bench.record_capture; HTTP-served requests),
-# overhead-http (bench.overhead_http: served engine, spans to a collector),
+# overhead-http (bench.overhead_http: served engine, spans to a collector), served
+# (bench.served_throughput: the split server's tok/s and TTFT at 1, 64 and 256 concurrent
+# beside the offline engine and the weight-read floor),
 # engine (the fused-kernel, CUDA-graph and sampler GPU tests (alone: engine-tests), then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
@@ -67,6 +69,8 @@ for p in "$@"; do
     kernels) part "kernels-$commit" 420 python3 -m bench.kernels --out "$RESULTS_DIR" ;;
     decode-step) part "decode_step-$commit" 180 python3 -m bench.decode_step --out "$RESULTS_DIR" ;;
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$RESULTS_DIR" ;;
+    served) part "served_throughput-$commit" "${SERVED_LIMIT_S:-420}" python3 -m bench.served_throughput \
+        --model llama-8b --device cuda --out "$RESULTS_DIR" ${SERVED_ARGS:-} ;;
     overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
         --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
         --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-detached,kernels@0.05}" --out "$RESULTS_DIR" ${HTTP_ARGS:-} ;;
