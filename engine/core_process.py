@@ -134,10 +134,8 @@ class CoreLoop:
             self.received.setdefault(record.client_index, 0)
             self._send_to(record.client_index, encode(core.ready(os.getpid(), self.telemetry_endpoint)))
         elif kind is UtilityCall:
-            if record.method == "debug_steps":
-                result = core.debug_steps()
-            else:   # with the live requests of each API server
-                result = core.kv_blocks()
+            result = core.utility(record.method, record.argument)
+            if record.method == "kv_blocks":   # with the live requests of each API server
                 by_server = dict.fromkeys(map(str, self.clients), 0)
                 for index in self.client_of.values():
                     by_server[str(index)] = by_server.get(str(index), 0) + 1

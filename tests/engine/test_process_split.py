@@ -367,6 +367,10 @@ def test_one_trace_across_the_processes():
         chunks = list(client.completions.create(model=MODEL, prompt="trace", max_tokens=4, stream=True,
                                                 temperature=0, extra_body={"ignore_eos": True}))
         assert len(chunks) == 4
+        # the core's telemetry series, on an API server's /metrics
+        with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+            exposed = response.read().decode()
+        assert f"{sc.TELEMETRY_PROCESS_UP} 1.0" in exposed
         assert served.close() == 0   # flushes every process's telemetry
         deadline = time.monotonic() + 30
         while True:
