@@ -174,3 +174,45 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     steps = [s for s in spans if s.name == sc.SPAN_ENGINE_STEP]
     assert sum(s.attributes[sc.STEP_PREFILL_CACHED_TOKENS] for s in steps) == stats.hits
     assert sum(s.attributes[sc.STEP_PREFILL_TOKENS] for s in steps) == stats.queries - stats.hits
+
+
+_TRITON_SCRIPT = """
+import json, os, random
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+from sightline.engine.config import EngineConfig
+from sightline.engine.llm_engine import LLMEngine
+from sightline.engine.request import SamplingParams
+from sightline.engine.scheduler import SchedulerConfig
+rng = random.Random(5)
+a = [rng.randrange(500) for _ in range(20)]
+prompts = [a, a[:16] + [rng.randrange(500) for _ in range(3)], a]
+out = {}
+for backend, caching in (("triton", True), ("torch", True), ("torch", False)):
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.002, attention_backend=backend,
+                                    enable_prefix_caching=caching,
+                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)))
+    done = [engine.generate([p], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+            for p in prompts]   # one after another: the later ones find the first one's blocks
+    out[f"{backend}-{caching}"] = [[r.output_token_ids, r.num_cached_tokens] for r in done]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_triton_prefill_from_a_cached_prefix_matches_the_torch_path():
+    """The Triton FA2 prefill (Triton interpreter) of a chunk that starts after a cached
+    prefix, its keys read back from the paged cache: the torch path's tokens, with or
+    without the cache. (~20 s: the interpreter is slow.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [cached for _, cached in out["triton-True"]] == [0, 16, 16]
+    assert [cached for _, cached in out["torch-False"]] == [0, 0, 0]
+    tokens = {key: [t for t, _ in runs] for key, runs in out.items()}
+    assert tokens["triton-True"] == tokens["torch-True"] == tokens["torch-False"]
