@@ -2,21 +2,16 @@
 
     python -m bench.prefix_cache --model llama-8b --device cuda --out bench/results
 
-One ``sightline collector run`` and two ``sightline engine serve`` at once, the same flags
-but ``--enable-prefix-caching`` / ``--no-enable-prefix-caching``; ``--max-model-len`` of
-``--kv-headroom`` times a request's length bounds both KV caches (to ``--concurrency`` such
-sequences) so that they fit on one GPU; each engine is idle while the other serves. Each
-round sends every engine, in rotating order, two bursts of ``--concurrency`` streamed
-``/v1/completions`` (token-id prompts, ``--output`` tokens with ignore_eos): *unique*,
-prompts with nothing in common (fresh every burst), then *shared*, chats that share one
-``--system``-token system prompt and differ in a fresh ``--user``-token turn. A warm-up
-round is discarded: kernels compile and the system prompt becomes warm, as in a chat
-service; with a headroom of 2 the unique burst evicts older blocks before it. Reported per engine and workload: client-side TTFT P50/P90/P99
-(first token chunk), output tokens/s per burst (median), and on over off per round
-(paired medians). Counts: each request's ``usage.prompt_tokens_details.cached_tokens``,
-the engine's ``/metrics`` prefix cache hits and queries over the measured rounds, and the
-``gen_ai.usage.cache_read.input_tokens`` of each request's span read back from the collector
-(the requests carry their own trace ids), which must all agree.
+A collector and two ``engine serve`` at once, alike but for ``--[no-]enable-prefix-caching``,
+each KV cache bounded (``--max-model-len``: ``--kv-headroom`` x a request) so both fit on one
+GPU. Each round sends every engine, in rotating order, two bursts of ``--concurrency``
+streamed ``/v1/completions`` (token ids, ``--output`` tokens, ignore_eos): *unique*, fresh
+prompts with nothing in common, then *shared*, chats of one ``--system``-token system prompt
+and a fresh ``--user``-token turn each. A warm-up round is dropped (kernels compile, the
+system prompt becomes warm). Reported: client TTFT P50/P90/P99, output tok/s per burst, on
+over off paired by round; and each request's ``usage`` cached tokens, the engines' /metrics
+hits and queries, and each request's span ``cache_read.input_tokens`` read back from the
+collector (requests carry their own trace ids), which must all agree.
 """
 
 from __future__ import annotations

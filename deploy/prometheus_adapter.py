@@ -5,11 +5,10 @@ unchanged on a Prometheus that scrapes Sightline's engine and collector, vLLM, o
 Each rule copies one source series under its ``llm:`` name, renaming vLLM's labels
 (``model_name`` -> ``model``, ``finished_reason`` -> ``finish_reason``); counters and
 histogram buckets stay raw counters, so ``rate()`` and ``histogram_quantile()`` work on
-the copies as on the originals. Prefix cache blocks, evictions and TTFT by hit / miss
-exist only in Sightline: their mappings have no vLLM source. vLLM has no per-request
-error counter: its HTTP middleware's ``http_requests_total{status="5xx"}`` on ``/v1/*``
-handlers becomes ``llm:request_errors_total{code="5xx"}``, given the model of the same
-target.
+the copies as on the originals; prefix cache blocks, evictions and TTFT by hit / miss
+have no vLLM source. vLLM has no per-request error counter: its HTTP middleware's
+``http_requests_total{status="5xx"}`` on ``/v1/*`` handlers becomes
+``llm:request_errors_total{code="5xx"}``, given the model of the same target.
 
 Cost: one stored series per source series (the copy), evaluated at the rule interval.
 Bucket bounds are the source's: vLLM's TTFT bounds start with Sightline's, so an SLO

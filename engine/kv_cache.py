@@ -1,21 +1,18 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, prefix caching.
 
-The manager owns block *ids* only; the model runner owns the tensors and turns a request's
-``block_ids`` into its block table and slots (position ``p`` lives at slot
-``block_ids[p // block_size] * block_size + p % block_size``). ``fork`` shares a parent's
-blocks with a child; the first write into a shared, partly filled block copies it: the
-manager hands out a fresh block and queues the (source, destination) pair, which the runner
-drains with ``take_pending_copies()`` before its next forward pass. With
-``enable_prefix_caching`` full blocks are cached by their tokens (``engine/prefix_cache.py``):
-``find_cached_prefix`` + ``take_prefix`` give a new request the blocks of its cached leading
-tokens, ``cache_full_blocks`` caches a request's blocks as they fill, and a cached block nobody
-holds is free but keeps its KV until an allocation finds no never-cached free block.
+The manager owns block *ids* only; the runner turns a request's ``block_ids`` into slots
+(position ``p``: ``block_ids[p // block_size] * block_size + p % block_size``). ``fork``
+shares a parent's blocks with a child; the first write into a shared, partly filled block
+copies it (a fresh block, and a (source, destination) pair the runner drains with
+``take_pending_copies()``). With ``enable_prefix_caching`` full blocks are cached by their
+tokens (``prefix_cache.py``): ``find_cached_prefix`` + ``take_prefix`` give a new request the
+blocks of its cached leading tokens, ``cache_full_blocks`` caches blocks as they fill, and a
+cached block nobody holds is free but keeps its KV until no never-cached block is left.
 
 Guarantees: a block is either free (ref count 0) or held, and its ref count equals the
 number of requests whose ``block_ids`` contain it (``check_invariants`` verifies this).
-Costs: allocate/free/fork are O(blocks touched); slot() is O(1); find_cached_prefix is
-O(prompt tokens); check_invariants() is O(num_blocks + blocks held), for tests. Not
-thread-safe: the engine loop is the only caller.
+Costs: allocate/free/fork O(blocks touched); slot() O(1); find_cached_prefix O(prompt);
+check_invariants() O(num_blocks + blocks held), for tests. Not thread-safe.
 """
 
 from __future__ import annotations

@@ -5,15 +5,14 @@ Each ``schedule()`` call builds one engine step (a ``StepPlan``) of at most
 then split prefills, then waiting requests, each group most urgent first (``Scheduler``
 states the policy). Lower ``priority`` is more urgent, and waiting ages a request's priority,
 so no request starves. When blocks run out the least urgent running request is preempted by
-recompute. With prefix caching on, an admitted request starts after its cached leading blocks:
-only the rest counts against the token budget.
+recompute. With prefix caching, an admitted request starts after its cached leading blocks.
 
 Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
 never exceeded; outputs with preemption equal outputs without; every finished or aborted
 request leaves no blocks behind; the most urgent running request always makes progress.
 Costs per step: O(R log R) for R running requests plus O(C + k log C) to admit k waiting
-requests from C priority classes. Deterministic for a given clock; not thread-safe: call it
-from one thread (the engine loop), or under one lock with add() and abort().
+requests from C priority classes. Deterministic for a given clock; not thread-safe: one
+thread (the engine loop), or one lock around it and add() and abort().
 """
 
 from __future__ import annotations
