@@ -20,23 +20,21 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
-import signal
 import statistics
-import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 import aiohttp
 
-from sightline.deploy.processes import free_ports
+from sightline.deploy.processes import HealthCheck, ProcessSpec, Supervisor, free_ports
 from sightline.engine.config import resolve_model_config
 from sightline.instrumentation import semconv as sc
 
 from ._common import device_name, git_commit, utc_now, write_json, write_report
-from .overhead_http import CLI, _get, _metric, _wait_http
+from .overhead_http import CLI, _get, _metric
 
 ENGINES = {"on": ["--enable-prefix-caching"], "off": ["--no-enable-prefix-caching"]}
 WORKLOADS = ("shared", "unique")   # as reported; each round runs unique first
@@ -89,41 +87,34 @@ def workload_prompts(kind: str, rng: random.Random, system: list[int], args) -> 
 
 @contextlib.contextmanager
 def serving(args):
-    """A collector and the two engines (cache on, off), answering; yields
-    ``({name: url}, collector query url)`` and stops them all after."""
+    """A collector and the two engines (cache on, off), healthy, under one supervisor (logs
+    in ``--log-dir``, else a temporary folder); yields ``({name: url}, collector query url)``
+    and stops the engines, then the collector (their last spans reach it)."""
     grpc, http, zipkin, query = free_ports(4)
-    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
-                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
-                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-                                        "--log-level", "WARNING"])
-    engines: dict[str, tuple[subprocess.Popen, str]] = {}
-    # spans leave the engines every 0.5 s (not 5): the counts are read back right after the load
-    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "500"}
-    try:
-        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
+    collector = f"http://127.0.0.1:{query}"
+    with tempfile.TemporaryDirectory(prefix="prefix-cache-") as temporary, \
+            Supervisor(args.log_dir or temporary) as supervisor:
+        supervisor.start(ProcessSpec("collector", tuple(CLI + [
+            "collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}",
+            "--zipkin", f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"]),
+            health=HealthCheck(http_url=collector + "/healthz", timeout_s=60)))
+        urls = {}
         for name, port in zip(ENGINES, free_ports(len(ENGINES))):
-            engines[name] = (subprocess.Popen(CLI + [
+            urls[name] = f"http://127.0.0.1:{port}"
+            # spans leave every 0.5 s (not 5): the counts are read back right after the load
+            supervisor.start(ProcessSpec(f"engine-{name}", tuple(CLI + [
                 "engine", "serve", "--model", args.model, "--device", args.device, "--port", str(port),
                 "--max-model-len", str(args.kv_headroom * (args.system + args.user + args.output)),
                 "--max-num-seqs", str(args.concurrency), "--trace-level", args.trace_level,
                 "--otlp-endpoint", f"http://127.0.0.1:{grpc}", "--log-level", "warning",
-                *args.engine_args, *ENGINES[name]], env=env), f"http://127.0.0.1:{port}")
-            if args.device == "cuda":   # one at a time: each sizes its KV cache from what is free
-                _wait_http(engines[name][1] + "/health", engines[name][0], args.start_timeout_s)
-        for name, (process, url) in engines.items():
-            _wait_http(url + "/health", process, args.start_timeout_s)
+                *args.engine_args, *ENGINES[name]]), env={"OTEL_BSP_SCHEDULE_DELAY": "500"},
+                health=HealthCheck(http_url=urls[name] + "/health", timeout_s=args.start_timeout_s),
+                stop_timeout_s=60),
+                wait=args.device == "cuda")   # on a GPU one at a time: each sizes its KV from what is free
+        for name, url in urls.items():
+            supervisor[f"engine-{name}"].wait_healthy()
             print(f"prefix caching {name}: serving on {url}", flush=True)
-        yield {name: url for name, (_, url) in engines.items()}, f"http://127.0.0.1:{query}"
-    finally:
-        for process, _ in engines.values():
-            process.send_signal(signal.SIGTERM)
-        for process, _ in engines.values():
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(timeout=60)
+        yield urls, collector
 
 
 def cache_counters(url: str) -> dict[str, float]:
@@ -245,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--start-timeout-s", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-args", nargs="*", default=[], help="more engine serve flags, for both")
+    ap.add_argument("--log-dir", type=Path, default=None, help="the servers' logs (default: a temporary folder)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     args.vocab = resolve_model_config(args.model).vocab_size   # prompt ids: [0, vocab)
@@ -283,7 +275,8 @@ def main(argv=None) -> int:
                           and all(spans[r["trace_id"]] == r["cached_tokens"] for r in requests)),
             }
     record = {"bench": "prefix_cache", "commit": git_commit(), "utc": utc_now(), "model": args.model,
-              "device": device_name(args.device), "args": vars(args) | {"out": str(args.out)},
+              "device": device_name(args.device),
+              "args": vars(args) | {"out": str(args.out), "log_dir": str(args.log_dir)},
               "summary": summarize(bursts), "counts": counts,
               "bursts": [{k: v for k, v in b.items() if k != "requests"}
                          | {"ttft_s": [r["ttft_s"] for r in b["requests"]],

@@ -14,8 +14,8 @@ import pytest
 from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
 from sightline.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from sightline.engine.request import FinishReason, Request, SamplingParams
-from sightline.engine.scheduler import QueueFullError, StepPlan
-from tests.engine.test_scheduler import VOCAB, Harness, reference_output
+from sightline.engine.scheduler import QueueFullError
+from tests.engine.test_scheduler import VOCAB, Harness, reference_output, step_with_random_abort
 
 
 def _entries(h: Harness, rid: str) -> list[tuple[int, int]]:
@@ -225,12 +225,7 @@ def test_random_load_with_shared_prefixes_aborts_preemption_and_eviction():
             r = live[rng.randrange(len(live))]
             h.sched.finish(r.request_id, FinishReason.ABORT if rng.random() < 0.5 else FinishReason.STOP)
         else:
-            def abort_one(plan: StepPlan) -> None:
-                if plan.scheduled and rng.random() < 0.05:
-                    victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
-                    assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
-            plan, _ = h.step(between=abort_one)
-            n_preempt += len(plan.preempted)
+            n_preempt += len(step_with_random_abort(h, rng).preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
         done += [r for r in live if r.is_finished]
         live = [r for r in live if not r.is_finished]

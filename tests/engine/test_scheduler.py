@@ -125,6 +125,15 @@ class Harness:
         return finished
 
 
+def step_with_random_abort(h: Harness, rng: random.Random) -> StepPlan:
+    """One step; 5 % of the time one of its requests is aborted between schedule() and the model."""
+    def abort_one(plan: StepPlan) -> None:
+        if plan.scheduled and rng.random() < 0.05:
+            victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
+            assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
+    return h.step(between=abort_one)[0]
+
+
 def _chunks(h: Harness, rid: str) -> list[tuple[int, bool, bool]]:
     return [(e.num_new_tokens, e.is_prefill, e.samples_token)
             for p in h.plans for e in p.scheduled if e.request.request_id == rid]
@@ -376,12 +385,7 @@ def test_randomized_operations_keep_invariants_and_outputs():
             expected = None if r.is_finished else r
             assert h.sched.finish(r.request_id, reason) is expected
         else:
-            def abort_one(plan: StepPlan) -> None:
-                if plan.scheduled and rng.random() < 0.05:
-                    victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
-                    assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
-            plan, _ = h.step(between=abort_one)
-            n_preempt += len(plan.preempted)
+            n_preempt += len(step_with_random_abort(h, rng).preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
         if op % 50 == 0:  # the lazy per-class merge agrees with a full sort by urgency
             waiting = h.sched.waiting_requests()
