@@ -24,7 +24,6 @@ import random
 import statistics
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp

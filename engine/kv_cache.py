@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..instrumentation import check_range
-from .prefix_cache import NO_HIT, ROOT_PREFIX_ID, PrefixCache, PrefixCacheStats, PrefixHit
+from .prefix_cache import NO_HIT, PrefixCache, PrefixCacheStats, PrefixHit, root_prefix
 from .request import Request
 
 __all__ = [
@@ -212,7 +212,7 @@ class KVCacheManager:
         usable = min(request.num_tokens - 1, known) // self.block_size * self.block_size
         if usable == 0:
             return NO_HIT
-        return self.prefix_cache.match(request.token_ids(0, usable))
+        return self.prefix_cache.match(request.token_ids(0, usable), root_prefix(request.cache_salt))
 
     def take_prefix(self, request: Request, hit: PrefixHit) -> None:
         """Gives a request that holds no block the blocks of ``hit`` (a parked one leaves the
@@ -247,7 +247,7 @@ class KVCacheManager:
         full = min(request.num_computed_tokens, known, len(request.block_ids) * bs) // bs
         ids = request.prefix_ids
         for index in range(len(ids), full):
-            parent = ids[-1] if ids else ROOT_PREFIX_ID
+            parent = ids[-1] if ids else root_prefix(request.cache_salt)
             ids.append(cache.register(parent, request.token_ids(index * bs, (index + 1) * bs),
                                       request.block_ids[index]))
 

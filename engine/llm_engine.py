@@ -204,8 +204,8 @@ class LLMEngine:
             return f"{prefix}-{self._next_id}"
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    *, priority: int = 0, trace=None,
-                    loop: asyncio.AbstractEventLoop | None = None) -> RequestStream | None:
+                    *, priority: int = 0, trace=None, loop: asyncio.AbstractEventLoop | None = None,
+                    cache_salt: str | None = None) -> RequestStream | None:
         """Queues a request. Returns its output stream (None when ``loop`` is None: offline).
 
         Raises EngineStoppedError (draining), QueueFullError (queue full) or ValueError (a prompt
@@ -218,7 +218,7 @@ class LLMEngine:
                              f"{self.max_model_len}")
         key = trace.key if trace is not None else None
         request = Request(request_id, list(prompt_token_ids), sampling, priority=priority,
-                          eos_token_id=self.eos_token_id, telemetry=key)
+                          eos_token_id=self.eos_token_id, telemetry=key, cache_salt=cache_salt)
         stream = RequestStream(request_id, loop) if loop is not None else None
         live = LiveRequest(request, stream, IncrementalDetokenizer(self.tokenizer), key,
                      hold=max((len(s) for s in sampling.stop), default=1) - 1, exemplar=trace_exemplar(trace))

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 from ..instrumentation import check_range
 from .kv_cache import KVCacheManager
-from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
@@ -303,6 +302,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.computed_before:
                 continue  # aborted/finished since schedule(), or a stale plan
             request.num_computed_tokens = entry.end
+            # Cached as soon as the step that writes them is applied (with overlapped scheduling,
+            # launched): a later step reads them in stream order. A step that fails at launch is
+            # never applied; one that fails on the device leaves the CUDA context unusable.
             self.kv_cache.cache_full_blocks(request)
             if not entry.samples_token:
                 continue

@@ -246,7 +246,8 @@ class EngineServer:
                                   **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
             stream = engine.add_request(response_id, prompt_ids, sampling, priority=params.priority,
-                                        trace=trace, loop=asyncio.get_running_loop())
+                                        trace=trace, loop=asyncio.get_running_loop(),
+                                        cache_salt=params.cache_salt)
         except QueueFullError as exc:
             raise ProtocolError(f"the waiting queue is full, retry later ({exc})", status=429,
                                 type="rate_limit_error", code="queue_full",

@@ -134,6 +134,19 @@ def test_different_prefixes_never_share_blocks(monkeypatch, colliding):
     h.kv.check_invariants()
 
 
+def test_only_requests_of_one_cache_salt_share_blocks():
+    h = Harness(block_size=4, num_blocks=32, prefix_caching=True)
+    p = [(i * 9 + 4) % VOCAB for i in range(9)]
+    cached = []
+    for i, salt in enumerate((None, "a", "a", "b", None)):
+        r = Request(f"r{i}", p, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=salt)
+        h.sched.add(r)
+        h.run()
+        cached.append(r.num_cached_tokens)
+    assert cached == [0, 0, 8, 0, 8]
+    h.kv.check_invariants()
+
+
 def test_blocks_with_tokens_not_read_back_are_cached_when_they_are():
     """Overlapped scheduling: update_pending leaves stand-ins for the step in flight; a block
     whose last input is a stand-in is cached when resolve() puts the real token there."""

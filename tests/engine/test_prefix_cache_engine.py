@@ -97,7 +97,8 @@ def test_cached_requests_compute_only_their_uncached_tokens():
 
 def test_usage_spans_and_metrics_agree_with_the_engines_count():
     """Served over HTTP (openai SDK, spans to the OTel SDK's in-memory exporter): one chat,
-    then six sharing its system prompt (one of them its very prompt). Each response's
+    then six sharing its system prompt (one of them its very prompt), then the first again
+    with a ``cache_salt`` (it shares nothing). Each response's
     ``prompt_tokens_details.cached_tokens`` is the exact whole-block share, its server
     span says the same, the step spans' cached and computed prefill tokens add up, and
     /metrics reports the KV cache manager's own totals."""
@@ -124,6 +125,8 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     expected = [0] + [min(common, len(p) - 1) // BLOCK * BLOCK for p in prompts[1:6]]
     expected.append((len(prompts[6]) - 1) // BLOCK * BLOCK)   # the first prompt again
     assert expected[1] >= 5 * BLOCK and expected[6] > expected[1]
+    prompts.append(prompts[0])                                # again, with a cache_salt
+    expected.append(0)
 
     exporter = InMemorySpanExporter()
     telemetry = Telemetry.start(TelemetryConfig(level="steps", exporter="none", schedule_delay_s=0.05,
@@ -144,8 +147,11 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
                 model="tiny", messages=chats[6], max_tokens=4, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             last = [chunk async for chunk in stream][-1]
+            salted = await client.chat.completions.create(   # shares nothing: another salt
+                model="tiny", messages=chats[0], max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True, "cache_salt": "tenant-b"})
             await client.close()
-            return [first, *rest, last]
+            return [first, *rest, last, salted]
 
         responses = asyncio.run(run())
         metrics = _metrics(running.url)
@@ -165,7 +171,7 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     ttft_count = {outcome: metrics[(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS + "_count",
                                     (("model", "tiny"), (sc.LABEL_PREFIX_CACHE, outcome)))]
                   for outcome in (sc.PREFIX_CACHE_HIT, sc.PREFIX_CACHE_MISS)}
-    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 1}
+    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 2}
 
     spans = exporter.get_finished_spans()
     by_id = {s.attributes[sc.REQUEST_ID]: s for s in spans if s.name == sc.SPAN_HTTP_CHAT_COMPLETIONS}
