@@ -222,3 +222,37 @@ def test_triton_prefill_from_a_cached_prefix_matches_the_torch_path():
     assert [cached for _, cached in out["torch-False"]] == [0, 0, 0]
     tokens = {key: [t for t, _ in runs] for key, runs in out.items()}
     assert tokens["triton-True"] == tokens["torch-True"] == tokens["torch-False"]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cache_gives_the_uncached_tokens_with_graphs_and_overlap():
+    """On CUDA (float32, Triton kernels, CUDA graphs, overlapped scheduling: the defaults
+    there, prefix caching included) against the same engine with the cache off: the same
+    greedy tokens; a cache small enough to preempt and evict."""
+    import torch
+
+    from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
+    from sightline.engine.llm_engine import LLMEngine
+
+    prompts = _prompts()
+
+    def engine(caching: bool) -> LLMEngine:
+        built = LLMEngine(EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                                       block_size=BLOCK, enable_prefix_caching=None if caching else False,
+                                       scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)))
+        # 14 of the runner's blocks, as on the CPU: requests are preempted and blocks evicted
+        built.kv_cache = built.scheduler.kv_cache = KVCacheManager(KVCacheConfig(BLOCK, 14, caching))
+        return built
+
+    off = engine(False)
+    want = _run(off, prompts)
+    del off
+    torch.cuda.empty_cache()
+    on = engine(True)
+    assert on.kv_cache.prefix_cache is not None and on.runner.graphs is not None and on.async_scheduling
+    assert _run(on, prompts) == want
+    assert on.kv_cache.prefix_cache_stats().hits >= 30 * BLOCK
+    stats = on.kv_cache.prefix_cache_stats()
+    assert stats.evictions >= 5 and on.metrics.preemptions._value.get() >= 3, stats
+    on.kv_cache.check_invariants()
+    assert on.kv_cache.num_used_blocks == 0
