@@ -212,7 +212,10 @@ class KVCacheManager:
         usable = min(request.num_tokens - 1, known) // self.block_size * self.block_size
         if usable == 0:
             return NO_HIT
-        return self.prefix_cache.match(request.token_ids(0, usable), root_prefix(request.cache_salt))
+        # the prompt itself when it holds them all: a miss then costs one block, not a copy
+        tokens = (request.prompt_token_ids if usable <= request.num_prompt_tokens
+                  else request.token_ids(0, usable))
+        return self.prefix_cache.match(tokens, usable, root_prefix(request.cache_salt))
 
     def take_prefix(self, request: Request, hit: PrefixHit) -> None:
         """Gives a request that holds no block the blocks of ``hit`` (a parked one leaves the
@@ -240,12 +243,12 @@ class KVCacheManager:
         yet (call after ``num_computed_tokens`` grows or stand-in tokens are read back).
         O(1) when no block filled."""
         cache = self.prefix_cache
-        if cache is None:
-            return
+        ids = request.prefix_ids
         bs = self.block_size
+        if cache is None or request.num_computed_tokens < (len(ids) + 1) * bs:
+            return   # the usual call (every scheduled request, every step): no block filled
         known = request.num_prompt_tokens + request.num_output_tokens_read
         full = min(request.num_computed_tokens, known, len(request.block_ids) * bs) // bs
-        ids = request.prefix_ids
         for index in range(len(ids), full):
             parent = ids[-1] if ids else root_prefix(request.cache_salt)
             ids.append(cache.register(parent, request.token_ids(index * bs, (index + 1) * bs),

@@ -407,7 +407,8 @@ class LLMEngine:
         m.running.set(self.scheduler.num_running)
         m.waiting.set(self.scheduler.num_waiting)
         m.kv_usage.set(self.kv_cache.usage)
-        m.prefix_cache_blocks.set(self.kv_cache.prefix_cache_stats().cached_blocks)
+        if self.kv_cache.prefix_cache is not None:
+            m.prefix_cache_blocks.set(self.kv_cache.prefix_cache.num_cached_blocks)
 
     def _open_step(self, plan: StepPlan, c0: float) -> OpenStep:
         """The step's telemetry record; its time counted from the caller's ``c0``."""

@@ -100,14 +100,14 @@ class PrefixCache:
         return (parent_id, tuple(tokens))
 
     # ---- lookup -------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], parent_id: PrefixId = ROOT_PREFIX_ID) -> PrefixHit:
-        """The longest run of cached blocks holding ``tokens`` from their start (whole
+    def match(self, tokens: Sequence[int], limit: int, parent_id: PrefixId = ROOT_PREFIX_ID) -> PrefixHit:
+        """The longest run of cached blocks holding ``tokens[:limit]`` from their start (whole
         blocks only; a partial last block is never matched)."""
         bs = self.block_size
         blocks: list[int] = []
         ids: list[int] = []
         parked = 0
-        for start in range(0, len(tokens) - bs + 1, bs):
+        for start in range(0, min(limit, len(tokens)) - bs + 1, bs):
             entry = self._entries.get(self.key(parent_id, tokens[start:start + bs]))
             if entry is None:
                 break

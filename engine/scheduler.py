@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 
 from ..instrumentation import check_range
 from .kv_cache import KVCacheManager
+from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
+
+_NO_CACHE = PrefixCacheStats()   # a plan's prefix cache counts when the cache is off
 
 
 class QueueFullError(RuntimeError):
@@ -219,7 +222,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Build the next step. Allocates the blocks it schedules; may preempt (see module doc)."""
         now = self.clock()
-        cache_before = self.kv_cache.prefix_cache_stats()
+        caching = self.kv_cache.prefix_cache is not None
+        cache_before = self.kv_cache.prefix_cache_stats() if caching else None
         step = _StepBuilder(self.config.max_num_batched_tokens)
         key = {id(r): self.urgency_key(r, now) for r in self._running}
         self._running.sort(key=lambda r: key[id(r)])
@@ -242,7 +246,7 @@ class Scheduler:
         if step.budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             self._admit_waiting(step, now)
 
-        cache = self.kv_cache.prefix_cache_stats().minus(cache_before)
+        cache = self.kv_cache.prefix_cache_stats().minus(cache_before) if caching else _NO_CACHE
         plan = StepPlan(
             step_id=self._next_step_id,
             scheduled=step.scheduled,
@@ -253,7 +257,7 @@ class Scheduler:
             kv_blocks_total=self.kv_cache.num_blocks,
             num_running=len(self._running),
             num_waiting=len(self._waiting),
-            prefix_caching=self.kv_cache.prefix_cache is not None,
+            prefix_caching=caching,
             num_cached_prefill_tokens=cache.hits,
             prefix_cache_queries=cache.queries,
             prefix_cache_evictions=cache.evictions,
