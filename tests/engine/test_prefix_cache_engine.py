@@ -29,6 +29,15 @@ def _engine(prefix_caching: bool, *, async_scheduling: bool = False, static: boo
     return engine
 
 
+def test_config_default_is_on_with_cuda_and_off_on_the_cpu():
+    config = EngineConfig()
+    assert (config.prefix_caching_on("cuda"), config.prefix_caching_on("cpu")) == (True, False)
+    assert EngineConfig(enable_prefix_caching=False).prefix_caching_on("cuda") is False
+    assert EngineConfig(enable_prefix_caching=True).prefix_caching_on("cpu") is True
+    with pytest.raises(ValueError, match="enable_prefix_caching=1 must be a bool or None"):
+        EngineConfig(enable_prefix_caching=1)
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(11)
     system = [rng.randrange(1, 500) for _ in range(64)]
