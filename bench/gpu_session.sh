@@ -16,7 +16,8 @@
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
 # argmax, each next to its floor), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
-# neighbour on measured SMs, calibrated first, the capture diagnosed after).
+# neighbour on measured SMs, calibrated first, the capture diagnosed after), prefix-cache (the prefix cache's GPU
+# test, then bench.prefix_cache on llama-8b: cache on and off served side by side).
 # Results go to $RESULTS_DIR (default /tmp/sightline-results) and are copied into bench/results/,
 # with the commit and device they came from in their names.
 #
@@ -86,6 +87,10 @@ for p in "$@"; do
     incident)
         part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
         part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$RESULTS_DIR" ;;
+    prefix-cache)
+        part "prefix-cache-gpu-test-$commit" 120 python3 -m pytest -q -m gpu tests/engine/test_prefix_cache_engine.py
+        part "prefix_cache-$commit" "${PREFIX_CACHE_LIMIT_S:-540}" python3 -m bench.prefix_cache \
+            --model llama-8b --device cuda --rounds "${PREFIX_CACHE_ROUNDS:-5}" --out "$RESULTS_DIR" ;;
     *) echo "unknown part: $p" ;;
     esac
 done

@@ -5,8 +5,9 @@ trace id); ``explain_slowest(sources, quantile, limit)`` explains every request 
 the exact ``quantile`` of the end-to-end latencies in the trace store, slowest first.
 ``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
 An explanation holds the request's phases (``queue``, ``prefill``, ``decode``, the rest of
-e2e as ``other_s``), the ``engine.step`` spans it rode (found through span links in both
-directions) with their slowest kernel spans, and its slowest SM.
+e2e as ``other_s``), how much of its prompt the engine's prefix cache served and how long
+computing the rest took, the ``engine.step`` spans it rode (found through span links in
+both directions) with their slowest kernel spans, and its slowest SM.
 
 Guarantee: explanations only cover what the bounded store still holds: a step evicted
 (or never received, e.g. kernel spans that were not sampled) is absent, never invented.
@@ -25,7 +26,7 @@ from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery, Sources
 from .trace_store import StoredSpan, TraceStore
 
-__all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
+__all__ = ["Explanation", "KernelSummary", "Phases", "PromptCache", "RequestExplanation", "StepSummary",
            "explain_slowest", "explain_trace", "trace_spans"]
 
 
@@ -52,6 +53,20 @@ class StepSummary:
     decode_tokens: int | None
     kernels: list[KernelSummary] = field(default_factory=list)
     kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
+    prefill_cached_tokens: int | None = None  # prompt tokens it took from the prefix cache
+
+
+@dataclass
+class PromptCache:
+    """The request's prompt and the engine's prefix cache: tokens served from the cache, the
+    rest computed by its prefill phase(s) in ``prefill_s`` (for a miss, the whole prompt)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    cached_ratio: float | None  # None for an empty prompt
+    hit: bool                   # some prompt tokens were served from the cache
+    prefill_s: float
 
 
 @dataclass
@@ -87,6 +102,7 @@ class RequestExplanation:
     tpot_s: float | None
     finish_reason: str | None
     phases: Phases
+    prompt_cache: PromptCache | None  # None: the engine reported no prefix cache figures
     steps_total: int
     steps: list[StepSummary]
     slowest_kernel: KernelSummary | None
@@ -212,7 +228,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
                                      step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels,
-                                     a.get(sc.STEP_TRACE_REASON)))
+                                     a.get(sc.STEP_TRACE_REASON), _i(a.get(sc.STEP_PREFILL_CACHED_TOKENS))))
     all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
     slowest_kernel = all_kernels[0] if all_kernels else None
     slowest_sm = None
@@ -245,8 +261,17 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
-        steps_total=len(summaries), steps=shown, slowest_kernel=slowest_kernel,
+        prompt_cache=_prompt_cache(attrs, phases.prefill_s), steps_total=len(summaries), steps=shown, slowest_kernel=slowest_kernel,
         slowest_sm=slowest_sm), {step.span_id for step in steps}
+
+
+def _prompt_cache(attrs, prefill_s: float) -> PromptCache | None:
+    """From the server span's input and cache-read token counts; None without both."""
+    prompt, cached = _i(attrs.get(sc.GEN_AI_USAGE_INPUT_TOKENS)), _i(attrs.get(sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS))
+    if prompt is None or cached is None:
+        return None
+    return PromptCache(prompt, cached, prompt - cached, cached / prompt if prompt else None, cached > 0,
+                       prefill_s)
 
 
 def _steps_of(store: TraceStore, trace_id: bytes, spans: list[StoredSpan]) -> list[StoredSpan]:

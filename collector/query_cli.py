@@ -126,13 +126,18 @@ def format_explanation(result: dict) -> str:
                      f"finish={r['finish_reason']}")
         lines.append(f"  phases: queue {ms(p['queue_s'])}  prefill {ms(p['prefill_s'])}  "
                      f"decode {ms(p['decode_s'])}  other {ms(p['other_s'])}")
+        cache = r.get("prompt_cache")
+        if cache:
+            lines.append(_prompt_cache_line(cache, ms))
         lines.append(f"  steps ridden: {r['steps_total']} (slowest shown)")
         for s in r["steps"]:
             note = ""
             if s.get("kernel_trace_reason"):
                 note += f"  [kernels traced: {s['kernel_trace_reason']}]"
+            cached = s.get("prefill_cached_tokens")
+            cached = f" prefill_cached_tokens={cached}" if cached else ""
             lines.append(f"    step {s['step_id']}  {ms(s['duration_s'])}  batch={s['batch_size']}  "
-                         f"prefill_tokens={s['prefill_tokens']} decode_tokens={s['decode_tokens']}{note}")
+                         f"prefill_tokens={s['prefill_tokens']}{cached} decode_tokens={s['decode_tokens']}{note}")
             for k in s["kernels"]:
                 sm = f"  slowest SM {k['slowest_sm']}" if k["slowest_sm"] is not None else ""
                 lines.append(f"      {k['name'][:70]}  gpu {k['gpu']}  {k['duration_s'] * 1e6:.1f} us{sm}")
@@ -143,6 +148,15 @@ def format_explanation(result: dict) -> str:
             lines.append(f"  slowest SM: gpu {s['gpu']} SM {s['sm']} in {s['kernel'][:60]}{value} "
                          f"[from {s['source']}]")
     return "\n".join(lines)
+
+
+def _prompt_cache_line(cache: dict, ms) -> str:
+    """The prompt's prefix cache outcome and what computing its uncached part took."""
+    computed = f"{cache['computed_tokens']} computed in prefill {ms(cache['prefill_s'])}"
+    if not cache["hit"]:
+        return f"  prompt: {cache['prompt_tokens']} tokens, prefix cache miss: {computed}"
+    return (f"  prompt: {cache['prompt_tokens']} tokens, {cache['cached_tokens']} from the prefix cache "
+            f"({cache['cached_ratio']:.0%}), {computed}")
 
 
 def _explain(args: argparse.Namespace) -> int:

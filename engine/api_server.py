@@ -280,7 +280,8 @@ class EngineServer:
                                   sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream,
                                   **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
-            stream = client.add_request(response_id, prompt_ids, sampling, params.priority, trace)
+            stream = client.add_request(response_id, prompt_ids, sampling, params.priority, trace,
+                                        params.cache_salt)
         except Exception as exc:
             raise _refusal(exc) from None
         created = now_s()

@@ -69,9 +69,9 @@ class InProcessClient:
         return self.engine.num_live
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int, trace) -> RequestStream:
+                    priority: int, trace, cache_salt: str | None = None) -> RequestStream:
         return self.engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
-                                       trace=trace, loop=self._loop)
+                                       trace=trace, loop=self._loop, cache_salt=cache_salt)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -140,7 +140,7 @@ class MPClient:
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int, trace) -> RequestStream:
+                    priority: int, trace, cache_salt: str | None = None) -> RequestStream:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if not self._accepting:
@@ -162,7 +162,7 @@ class MPClient:
             self.flush_telemetry()   # its start goes before the core's events for it
         self._sent += 1
         self._sock.send(encode(AddRequest(request_id, prompt, sampling, priority, self.index,
-                                          trace_context(trace))))
+                                          trace_context(trace), cache_salt)))
         return stream
 
     def abort(self, request_id: str) -> None:

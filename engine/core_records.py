@@ -54,6 +54,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, frozen=True):
     priority: int = 0
     client_index: int = 0
     trace: TraceContext | None = None
+    cache_salt: str | None = None   # only requests with the same salt share prefix-cache blocks
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):

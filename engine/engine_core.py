@@ -238,7 +238,7 @@ class EngineCore:
                              f"{self.max_model_len}")
         key = add.trace.key if add.trace is not None else None
         request = Request(add.request_id, add.prompt_token_ids, sampling, priority=add.priority,
-                          eos_token_id=self.eos_token_id, telemetry=key)
+                          eos_token_id=self.eos_token_id, telemetry=key, cache_salt=add.cache_salt)
         if key is not None:
             self.recorder.record(Queued(key, time.time_ns()))
         with self._lock:

@@ -1,21 +1,18 @@
-"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts.
+"""Paged KV cache bookkeeping: fixed-size blocks, a free list, reference counts, prefix caching.
 
-The manager owns block *ids* only; the model runner owns the tensors and turns a request's
-``block_ids`` into its block table and slots (position ``p`` lives at slot
-``block_ids[p // block_size] * block_size + p % block_size``). ``fork`` shares a parent's
-blocks with a child; the first write into a shared, partly filled block copies it: the
-manager hands out a fresh block and queues the (source, destination) pair, which the runner
-drains with ``take_pending_copies()`` before its next forward pass. With
-``enable_prefix_caching`` full blocks are cached by their tokens (``engine/prefix_cache.py``):
-``find_cached_prefix`` + ``take_prefix`` give a new request the blocks of its cached leading
-tokens, ``cache_full_blocks`` caches a request's blocks as they fill, and a cached block nobody
-holds is free but keeps its KV until an allocation finds no never-cached free block.
+The manager owns block *ids* only; the runner turns a request's ``block_ids`` into slots
+(position ``p``: ``block_ids[p // block_size] * block_size + p % block_size``). ``fork``
+shares a parent's blocks with a child; the first write into a shared, partly filled block
+copies it (a fresh block, and a (source, destination) pair the runner drains with
+``take_pending_copies()``). With ``enable_prefix_caching`` full blocks are cached by their
+tokens (``prefix_cache.py``): ``find_cached_prefix`` + ``take_prefix`` give a new request the
+blocks of its cached leading tokens, ``cache_full_blocks`` caches blocks as they fill, and a
+cached block nobody holds is free but keeps its KV until no never-cached block is left.
 
 Guarantees: a block is either free (ref count 0) or held, and its ref count equals the
 number of requests whose ``block_ids`` contain it (``check_invariants`` verifies this).
-Costs: allocate/free/fork are O(blocks touched); slot() is O(1); find_cached_prefix is
-O(prompt tokens); check_invariants() is O(num_blocks + blocks held), for tests. Not
-thread-safe: the engine loop is the only caller.
+Costs: allocate/free/fork O(blocks touched); slot() O(1); find_cached_prefix O(prompt);
+check_invariants() O(num_blocks + blocks held), for tests. Not thread-safe.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ..instrumentation import check_range
-from .prefix_cache import NO_HIT, ROOT_PREFIX_ID, PrefixCache, PrefixCacheStats, PrefixHit
+from .prefix_cache import NO_HIT, PrefixCache, PrefixCacheStats, PrefixHit, root_prefix
 from .request import Request
 
 __all__ = [
@@ -215,7 +212,10 @@ class KVCacheManager:
         usable = min(request.num_tokens - 1, known) // self.block_size * self.block_size
         if usable == 0:
             return NO_HIT
-        return self.prefix_cache.match(request.token_ids(0, usable))
+        # the prompt itself when it holds them all: a miss then costs one block, not a copy
+        tokens = (request.prompt_token_ids if usable <= request.num_prompt_tokens
+                  else request.token_ids(0, usable))
+        return self.prefix_cache.match(tokens, usable, root_prefix(request.cache_salt))
 
     def take_prefix(self, request: Request, hit: PrefixHit) -> None:
         """Gives a request that holds no block the blocks of ``hit`` (a parked one leaves the
@@ -243,14 +243,14 @@ class KVCacheManager:
         yet (call after ``num_computed_tokens`` grows or stand-in tokens are read back).
         O(1) when no block filled."""
         cache = self.prefix_cache
-        if cache is None:
-            return
+        ids = request.prefix_ids
         bs = self.block_size
+        if cache is None or request.num_computed_tokens < (len(ids) + 1) * bs:
+            return   # the usual call (every scheduled request, every step): no block filled
         known = request.num_prompt_tokens + request.num_output_tokens_read
         full = min(request.num_computed_tokens, known, len(request.block_ids) * bs) // bs
-        ids = request.prefix_ids
         for index in range(len(ids), full):
-            parent = ids[-1] if ids else ROOT_PREFIX_ID
+            parent = ids[-1] if ids else root_prefix(request.cache_salt)
             ids.append(cache.register(parent, request.token_ids(index * bs, (index + 1) * bs),
                                       request.block_ids[index]))
 

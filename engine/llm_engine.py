@@ -117,23 +117,24 @@ class LLMEngine:
             return f"{prefix}-{self._next_id}"
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    *, priority: int = 0, trace=None,
-                    loop: asyncio.AbstractEventLoop | None = None) -> RequestStream | None:
+                    *, priority: int = 0, trace=None, loop: asyncio.AbstractEventLoop | None = None,
+                    cache_salt: str | None = None) -> RequestStream | None:
         """Queues a request. Returns its output stream (None when ``loop`` is None: offline).
 
         Raises EngineStoppedError (draining), QueueFullError (queue full) or ValueError (a prompt
         with max_tokens past ``max_model_len`` or the KV cache). O(1) plus the scheduler's add.
         """
         stream = RequestStream(request_id, loop) if loop is not None else None
-        self._add(request_id, prompt_token_ids, sampling, priority, trace, stream)
+        self._add(request_id, prompt_token_ids, sampling, priority, trace, stream, cache_salt)
         return stream
 
-    def _add(self, request_id, prompt_token_ids, sampling, priority, trace, stream) -> Request:
+    def _add(self, request_id, prompt_token_ids, sampling, priority, trace, stream,
+             cache_salt: str | None = None) -> Request:
         prompt = list(prompt_token_ids)
         self.processor.add(request_id, len(prompt), sampling, stream, trace)
         try:
             request = self.core.add_request(AddRequest(request_id, prompt, sampling, priority,
-                                                       trace=trace_context(trace)))
+                                                       trace=trace_context(trace), cache_salt=cache_salt))
         except BaseException:
             self.processor.live.pop(request_id, None)
             raise

@@ -29,6 +29,7 @@ __all__ = ["ProtocolError", "CompletionRequest", "ChatCompletionRequest", "error
 SSE_DONE = b"data: [DONE]\n\n"
 MAX_STOP_SEQUENCES = 4
 MAX_JSON_DEPTH = 32  # a chat request with content parts is 5 deep
+MAX_CACHE_SALT_CHARS = 256
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -69,6 +70,7 @@ class _Common:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     allowed_token_ids: tuple[int, ...] | None = None  # None: every token id
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share cached blocks
 
 
 @dataclass
@@ -195,6 +197,10 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     elif not _is_int(top_k) or top_k < 1:
         raise ProtocolError(f"top_k={top_k!r} must be an integer >= 1, or -1 or 0 for off", param="top_k",
                             code="invalid_value")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise ProtocolError(f"cache_salt={str(salt)[:300]!r} must be a string of 1..{MAX_CACHE_SALT_CHARS} "
+                            "characters", param="cache_salt", code="invalid_value")
     allowed = body.get("allowed_token_ids")
     if allowed is not None and (not isinstance(allowed, list) or not allowed
                                 or not all(_is_int(t) and t >= 0 for t in allowed)):
@@ -209,7 +215,8 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
                 repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 10.0, lo_open=True),
                 presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                 frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
-                allowed_token_ids=tuple(allowed) if allowed is not None else None)
+                allowed_token_ids=tuple(allowed) if allowed is not None else None,
+                cache_salt=_text(salt, "cache_salt") if salt is not None else None)
 
 
 _STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")

@@ -1,12 +1,12 @@
 """Automatic prefix caching: full KV blocks found again by their tokens, kept until room is needed.
 
 A full block is cached under the key ``(prefix id, its tokens)``. The prefix id names the
-exact token sequence before the block: 0 is the empty prefix, and each key cached for the
-first time draws the next id from a counter, which names the prefix through that block. The
-key is a dict key: Python hashes it, chaining the block's tokens onto its prefix's id, and
-compares it exactly on a match, so two different prefixes never share a block whatever the
-hash values (ids are never reused). Nothing else changes a block's KV today (no adapters, no
-images); whatever did would join the key.
+exact tokens before the block: 0 is the empty prefix (a request's ``cache_salt`` instead, so
+that only requests of one salt share blocks), and each key cached for the first time draws
+the next id from a counter. The key is a dict key: Python hashes it, chaining the block's
+tokens onto its prefix's id, and compares it exactly on a match, so two different prefixes
+never share a block whatever the hash values (ids are never reused). Nothing else changes a
+block's KV today (no adapters, no images); whatever did would join the key.
 
 Blocks no request holds stay cached, parked in least-recently-released order; the KV cache
 manager hands out never-cached free blocks first and evicts the least recently used parked
@@ -20,9 +20,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-__all__ = ["NO_HIT", "PrefixCache", "PrefixCacheStats", "PrefixHit", "ROOT_PREFIX_ID"]
+__all__ = ["NO_HIT", "PrefixCache", "PrefixCacheStats", "PrefixHit", "ROOT_PREFIX_ID", "root_prefix"]
 
-ROOT_PREFIX_ID = 0  # the empty prefix: the parent of every sequence's first block
+ROOT_PREFIX_ID = 0  # the empty prefix: the parent of every unsalted sequence's first block
+PrefixId = int | str   # a salted sequence's empty prefix is its salt (a str: never an id)
+
+
+def root_prefix(cache_salt: str | None) -> PrefixId:
+    """The parent of a sequence's first block: its salt, else the shared empty prefix."""
+    return ROOT_PREFIX_ID if cache_salt is None else cache_salt
 
 
 class PrefixHit(NamedTuple):
@@ -61,8 +67,8 @@ class PrefixCache:
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.block_size = block_size
         # (parent prefix id, tokens) -> (block id, prefix id of the tokens through the block)
-        self._entries: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
-        self._key_of: list[tuple[int, tuple[int, ...]] | None] = [None] * num_blocks
+        self._entries: dict[tuple[PrefixId, tuple[int, ...]], tuple[int, int]] = {}
+        self._key_of: list[tuple[PrefixId, tuple[int, ...]] | None] = [None] * num_blocks
         self._parked: OrderedDict[int, None] = OrderedDict()   # least recently released first
         self._next_id = ROOT_PREFIX_ID + 1
         self.queries = 0
@@ -88,20 +94,20 @@ class PrefixCache:
         return PrefixCacheStats(self.queries, self.hits, self.evictions, len(self._entries))
 
     @staticmethod
-    def key(parent_id: int, tokens: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    def key(parent_id: PrefixId, tokens: Sequence[int]) -> tuple[PrefixId, tuple[int, ...]]:
         """The cache key of a block of ``tokens`` after the prefix ``parent_id`` (tests
         replace it with a colliding one to show that matches compare whole keys)."""
         return (parent_id, tuple(tokens))
 
     # ---- lookup -------------------------------------------------------------------------------
-    def match(self, tokens: Sequence[int], parent_id: int = ROOT_PREFIX_ID) -> PrefixHit:
-        """The longest run of cached blocks holding ``tokens`` from their start (whole
+    def match(self, tokens: Sequence[int], limit: int, parent_id: PrefixId = ROOT_PREFIX_ID) -> PrefixHit:
+        """The longest run of cached blocks holding ``tokens[:limit]`` from their start (whole
         blocks only; a partial last block is never matched)."""
         bs = self.block_size
         blocks: list[int] = []
         ids: list[int] = []
         parked = 0
-        for start in range(0, len(tokens) - bs + 1, bs):
+        for start in range(0, min(limit, len(tokens)) - bs + 1, bs):
             entry = self._entries.get(self.key(parent_id, tokens[start:start + bs]))
             if entry is None:
                 break
@@ -116,7 +122,7 @@ class PrefixCache:
         self.hits += hit.num_tokens
 
     # ---- caching ------------------------------------------------------------------------------
-    def register(self, parent_id: int, tokens: Sequence[int], block_id: int) -> int:
+    def register(self, parent_id: PrefixId, tokens: Sequence[int], block_id: int) -> int:
         """Caches ``block_id`` (full, its KV written or being written by the step in flight)
         as ``tokens`` after ``parent_id``; returns the prefix id through it. When that key is
         cached already (another request computed the same tokens meanwhile), the block

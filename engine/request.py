@@ -136,6 +136,7 @@ class Request:
     first_token_time_s: float | None = None
     telemetry: int | None = None  # the request's key in the telemetry's lifecycle events; None: untraced
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
+    cache_salt: str | None = None  # the prefix cache shares blocks only among requests of one salt
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

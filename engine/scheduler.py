@@ -5,15 +5,14 @@ Each ``schedule()`` call builds one engine step (a ``StepPlan``) of at most
 then split prefills, then waiting requests, each group most urgent first (``Scheduler``
 states the policy). Lower ``priority`` is more urgent, and waiting ages a request's priority,
 so no request starves. When blocks run out the least urgent running request is preempted by
-recompute. With prefix caching on, an admitted request starts after its cached leading blocks:
-only the rest counts against the token budget.
+recompute. With prefix caching, an admitted request starts after its cached leading blocks.
 
 Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
 never exceeded; outputs with preemption equal outputs without; every finished or aborted
 request leaves no blocks behind; the most urgent running request always makes progress.
 Costs per step: O(R log R) for R running requests plus O(C + k log C) to admit k waiting
-requests from C priority classes. Deterministic for a given clock; not thread-safe: call it
-from one thread (the engine loop), or under one lock with add() and abort().
+requests from C priority classes. Deterministic for a given clock; not thread-safe: one
+thread (the engine loop), or one lock around it and add() and abort().
 """
 
 from __future__ import annotations
@@ -31,6 +30,8 @@ from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
+
+_NO_CACHE = PrefixCacheStats()   # a plan's prefix cache counts when the cache is off
 
 
 class QueueFullError(RuntimeError):
@@ -221,7 +222,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Build the next step. Allocates the blocks it schedules; may preempt (see module doc)."""
         now = self.clock()
-        cache_before = self.kv_cache.prefix_cache_stats()
+        caching = self.kv_cache.prefix_cache is not None
+        cache_before = self.kv_cache.prefix_cache_stats() if caching else None
         step = _StepBuilder(self.config.max_num_batched_tokens)
         key = {id(r): self.urgency_key(r, now) for r in self._running}
         self._running.sort(key=lambda r: key[id(r)])
@@ -244,7 +246,7 @@ class Scheduler:
         if step.budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             self._admit_waiting(step, now)
 
-        cache = self.kv_cache.prefix_cache_stats().minus(cache_before)
+        cache = self.kv_cache.prefix_cache_stats().minus(cache_before) if caching else _NO_CACHE
         plan = StepPlan(
             step_id=self._next_step_id,
             scheduled=step.scheduled,
@@ -255,7 +257,7 @@ class Scheduler:
             kv_blocks_total=self.kv_cache.num_blocks,
             num_running=len(self._running),
             num_waiting=len(self._waiting),
-            prefix_caching=self.kv_cache.prefix_cache is not None,
+            prefix_caching=caching,
             num_cached_prefill_tokens=cache.hits,
             prefix_cache_queries=cache.queries,
             prefix_cache_evictions=cache.evictions,
@@ -304,6 +306,9 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.computed_before:
                 continue  # aborted/finished since schedule(), or a stale plan
             request.num_computed_tokens = entry.end
+            # Cached as soon as the step that writes them is applied (with overlapped scheduling,
+            # launched): a later step reads them in stream order. A step that fails at launch is
+            # never applied; one that fails on the device leaves the CUDA context unusable.
             self.kv_cache.cache_full_blocks(request)
             if not entry.samples_token:
                 continue

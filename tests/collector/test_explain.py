@@ -114,6 +114,36 @@ def test_steps_say_when_their_kernels_were_traced():
     plain.consume_traces(otlp_traces(build(1)))
     assert "traced" not in format_explanation(explain_slowest(plain, 1.0, 1).to_dict())
 
+def test_prompt_cache_hit_and_miss_are_explained():
+    """A request whose prompt the prefix cache mostly served, one it missed (the prefill of
+    its whole prompt), one from an engine that reports no cache figures."""
+    from sightline.collector.explain import PromptCache
+    from sightline.collector.query_cli import format_explanation
+    from tests.collector.test_aggregator import otlp_attrs
+
+    agg = make_aggregator()
+    spans = build(3)
+    extra = {sid(1, 3): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: 1920},
+             sid(1, 2): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: 0},
+             sid(1, 1): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000},
+             sid(2, 3): {sc.STEP_PREFILL_CACHED_TOKENS: 1920}}
+    for span in spans:
+        if span.span_id in extra:
+            span.attributes.extend(otlp_attrs(extra[span.span_id]))
+    agg.consume_traces(otlp_traces(spans))
+    result = explain_slowest(agg, quantile=0.0, limit=3)
+    hit, miss, unknown = result.requests
+    assert hit.prompt_cache == PromptCache(2000, 1920, 80, 0.96, True, pytest.approx(0.3 / 8, abs=1e-6))
+    assert miss.prompt_cache == PromptCache(2000, 0, 2000, 0.0, False, pytest.approx(0.2 / 8, abs=1e-6))
+    assert unknown.prompt_cache is None
+    assert {s.step_id: s.prefill_cached_tokens for s in hit.steps} == {3: 1920, 103: None}
+    text = format_explanation(result.to_dict())
+    assert "  prompt: 2000 tokens, 1920 from the prefix cache (96%), 80 computed in prefill 37.5 ms" in text
+    assert "  prompt: 2000 tokens, prefix cache miss: 2000 computed in prefill 25.0 ms" in text
+    assert text.count("  prompt: ") == 2
+    assert "prefill_tokens=32 prefill_cached_tokens=1920 decode_tokens=0" in text
+
+
 def test_slowest_sm_falls_back_to_per_sm_exemplars():
     agg = make_aggregator()
     spans = [s for s in build(2) if sc.KERNEL_SLOWEST_SM not in {kv.key for kv in s.attributes}]

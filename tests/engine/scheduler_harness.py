@@ -114,3 +114,12 @@ class Harness:
         assert not self.sched.has_work, "did not drain"
         assert self.kv.num_used_blocks == 0
         return finished
+
+
+def step_with_random_abort(h: Harness, rng: random.Random) -> StepPlan:
+    """One step; 5 % of the time one of its requests is aborted between schedule() and the model."""
+    def abort_one(plan: StepPlan) -> None:
+        if plan.scheduled and rng.random() < 0.05:
+            victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
+            assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
+    return h.step(between=abort_one)[0]

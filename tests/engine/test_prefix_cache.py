@@ -14,8 +14,8 @@ import pytest
 from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
 from sightline.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from sightline.engine.request import FinishReason, Request, SamplingParams
-from sightline.engine.scheduler import QueueFullError, StepPlan
-from tests.engine.scheduler_harness import VOCAB, Harness, reference_output
+from sightline.engine.scheduler import QueueFullError
+from tests.engine.scheduler_harness import VOCAB, Harness, reference_output, step_with_random_abort
 
 
 def _entries(h: Harness, rid: str) -> list[tuple[int, int]]:
@@ -134,6 +134,19 @@ def test_different_prefixes_never_share_blocks(monkeypatch, colliding):
     h.kv.check_invariants()
 
 
+def test_only_requests_of_one_cache_salt_share_blocks():
+    h = Harness(block_size=4, num_blocks=32, prefix_caching=True)
+    p = [(i * 9 + 4) % VOCAB for i in range(9)]
+    cached = []
+    for i, salt in enumerate((None, "a", "a", "b", None)):
+        r = Request(f"r{i}", p, SamplingParams(max_tokens=1, ignore_eos=True), cache_salt=salt)
+        h.sched.add(r)
+        h.run()
+        cached.append(r.num_cached_tokens)
+    assert cached == [0, 0, 8, 0, 8]
+    h.kv.check_invariants()
+
+
 def test_blocks_with_tokens_not_read_back_are_cached_when_they_are():
     """Overlapped scheduling: update_pending leaves stand-ins for the step in flight; a block
     whose last input is a stand-in is cached when resolve() puts the real token there."""
@@ -225,12 +238,7 @@ def test_random_load_with_shared_prefixes_aborts_preemption_and_eviction():
             r = live[rng.randrange(len(live))]
             h.sched.finish(r.request_id, FinishReason.ABORT if rng.random() < 0.5 else FinishReason.STOP)
         else:
-            def abort_one(plan: StepPlan) -> None:
-                if plan.scheduled and rng.random() < 0.05:
-                    victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
-                    assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
-            plan, _ = h.step(between=abort_one)
-            n_preempt += len(plan.preempted)
+            n_preempt += len(step_with_random_abort(h, rng).preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
         done += [r for r in live if r.is_finished]
         live = [r for r in live if not r.is_finished]

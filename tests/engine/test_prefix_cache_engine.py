@@ -29,6 +29,15 @@ def _engine(prefix_caching: bool, *, async_scheduling: bool = False, static: boo
     return engine
 
 
+def test_config_default_is_on_with_cuda_and_off_on_the_cpu():
+    config = EngineConfig()
+    assert (config.prefix_caching_on("cuda"), config.prefix_caching_on("cpu")) == (True, False)
+    assert EngineConfig(enable_prefix_caching=False).prefix_caching_on("cuda") is False
+    assert EngineConfig(enable_prefix_caching=True).prefix_caching_on("cpu") is True
+    with pytest.raises(ValueError, match="enable_prefix_caching=1 must be a bool or None"):
+        EngineConfig(enable_prefix_caching=1)
+
+
 def _prompts() -> list[list[int]]:
     rng = random.Random(11)
     system = [rng.randrange(1, 500) for _ in range(64)]
@@ -97,7 +106,8 @@ def test_cached_requests_compute_only_their_uncached_tokens():
 
 def test_usage_spans_and_metrics_agree_with_the_engines_count():
     """Served over HTTP (openai SDK, spans to the OTel SDK's in-memory exporter): one chat,
-    then six sharing its system prompt (one of them its very prompt). Each response's
+    then six sharing its system prompt (one of them its very prompt), then the first again
+    with a ``cache_salt`` (it shares nothing). Each response's
     ``prompt_tokens_details.cached_tokens`` is the exact whole-block share, its server
     span says the same, the step spans' cached and computed prefill tokens add up, and
     /metrics reports the KV cache manager's own totals."""
@@ -124,6 +134,8 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     expected = [0] + [min(common, len(p) - 1) // BLOCK * BLOCK for p in prompts[1:6]]
     expected.append((len(prompts[6]) - 1) // BLOCK * BLOCK)   # the first prompt again
     assert expected[1] >= 5 * BLOCK and expected[6] > expected[1]
+    prompts.append(prompts[0])                                # again, with a cache_salt
+    expected.append(0)
 
     exporter = InMemorySpanExporter()
     telemetry = Telemetry.start(TelemetryConfig(level="steps", exporter="none", schedule_delay_s=0.05,
@@ -144,8 +156,11 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
                 model="tiny", messages=chats[6], max_tokens=4, temperature=0, stream=True,
                 stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
             last = [chunk async for chunk in stream][-1]
+            salted = await client.chat.completions.create(   # shares nothing: another salt
+                model="tiny", messages=chats[0], max_tokens=4, temperature=0,
+                extra_body={"ignore_eos": True, "cache_salt": "tenant-b"})
             await client.close()
-            return [first, *rest, last]
+            return [first, *rest, last, salted]
 
         responses = asyncio.run(run())
         metrics = scrape(running.url + "/metrics")
@@ -165,7 +180,7 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     ttft_count = {outcome: metrics[(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS + "_count",
                                     (("model", "tiny"), (sc.LABEL_PREFIX_CACHE, outcome)))]
                   for outcome in (sc.PREFIX_CACHE_HIT, sc.PREFIX_CACHE_MISS)}
-    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 1}
+    assert ttft_count == {sc.PREFIX_CACHE_HIT: 6, sc.PREFIX_CACHE_MISS: 2}
 
     spans = exporter.get_finished_spans()
     by_id = {s.attributes[sc.REQUEST_ID]: s for s in spans if s.name == sc.SPAN_HTTP_CHAT_COMPLETIONS}
@@ -174,3 +189,79 @@ def test_usage_spans_and_metrics_agree_with_the_engines_count():
     steps = [s for s in spans if s.name == sc.SPAN_ENGINE_STEP]
     assert sum(s.attributes[sc.STEP_PREFILL_CACHED_TOKENS] for s in steps) == stats.hits
     assert sum(s.attributes[sc.STEP_PREFILL_TOKENS] for s in steps) == stats.queries - stats.hits
+
+
+_TRITON_SCRIPT = """
+import json, os, random
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+from sightline.engine.config import EngineConfig
+from sightline.engine.llm_engine import LLMEngine
+from sightline.engine.request import SamplingParams
+from sightline.engine.scheduler import SchedulerConfig
+rng = random.Random(5)
+a = [rng.randrange(500) for _ in range(20)]
+prompts = [a, a[:16] + [rng.randrange(500) for _ in range(3)], a]
+out = {}
+for backend, caching in (("triton", True), ("torch", True), ("torch", False)):
+    engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.002, attention_backend=backend,
+                                    enable_prefix_caching=caching,
+                                    scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32)))
+    done = [engine.generate([p], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))[0]
+            for p in prompts]   # one after another: the later ones find the first one's blocks
+    out[f"{backend}-{caching}"] = [[r.output_token_ids, r.num_cached_tokens] for r in done]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_triton_prefill_from_a_cached_prefix_matches_the_torch_path():
+    """The Triton FA2 prefill (Triton interpreter) of a chunk that starts after a cached
+    prefix, its keys read back from the paged cache: the torch path's tokens, with or
+    without the cache. (~20 s: the interpreter is slow.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [cached for _, cached in out["triton-True"]] == [0, 16, 16]
+    assert [cached for _, cached in out["torch-False"]] == [0, 0, 0]
+    tokens = {key: [t for t, _ in runs] for key, runs in out.items()}
+    assert tokens["triton-True"] == tokens["torch-True"] == tokens["torch-False"]
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_cache_gives_the_uncached_tokens_with_graphs_and_overlap():
+    """On CUDA (float32, Triton kernels, CUDA graphs, overlapped scheduling: the defaults
+    there, prefix caching included) against the same engine with the cache off: the same
+    greedy tokens; a cache small enough to preempt and evict."""
+    import torch
+
+    from sightline.engine.kv_cache import KVCacheConfig, KVCacheManager
+    from sightline.engine.llm_engine import LLMEngine
+
+    prompts = _prompts()
+
+    def engine(caching: bool) -> LLMEngine:
+        built = LLMEngine(EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
+                                       block_size=BLOCK, enable_prefix_caching=None if caching else False,
+                                       scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)))
+        # 14 of the runner's blocks, as on the CPU: requests are preempted and blocks evicted
+        built.kv_cache = built.scheduler.kv_cache = KVCacheManager(KVCacheConfig(BLOCK, 14, caching))
+        return built
+
+    off = engine(False)
+    want = _run(off, prompts)
+    del off
+    torch.cuda.empty_cache()
+    on = engine(True)
+    assert on.kv_cache.prefix_cache is not None and on.runner.graphs is not None and on.async_scheduling
+    assert _run(on, prompts) == want
+    assert on.kv_cache.prefix_cache_stats().hits >= 30 * BLOCK
+    stats = on.kv_cache.prefix_cache_stats()
+    assert stats.evictions >= 5 and on.metrics.preemptions._value.get() >= 3, stats
+    on.kv_cache.check_invariants()
+    assert on.kv_cache.num_used_blocks == 0

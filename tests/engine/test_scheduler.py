@@ -17,7 +17,7 @@ import pytest
 
 from sightline.engine.request import FinishReason, Request, RequestStatus, SamplingParams
 from sightline.engine.scheduler import QueueFullError, SchedulerConfig, StepPlan
-from tests.engine.scheduler_harness import Harness, next_token, reference_output
+from tests.engine.scheduler_harness import Harness, next_token, reference_output, step_with_random_abort
 
 
 def _chunks(h: Harness, rid: str) -> list[tuple[int, bool, bool]]:
@@ -271,12 +271,7 @@ def test_randomized_operations_keep_invariants_and_outputs():
             expected = None if r.is_finished else r
             assert h.sched.finish(r.request_id, reason) is expected
         else:
-            def abort_one(plan: StepPlan) -> None:
-                if plan.scheduled and rng.random() < 0.05:
-                    victim = plan.scheduled[rng.randrange(len(plan.scheduled))].request
-                    assert h.sched.abort(victim.request_id) is victim and victim.block_ids == []
-            plan, _ = h.step(between=abort_one)
-            n_preempt += len(plan.preempted)
+            n_preempt += len(step_with_random_abort(h, rng).preempted)
         h.clock.now += rng.choice((0.0, 0.5, 1.0))
         if op % 50 == 0:  # the lazy per-class merge agrees with a full sort by urgency
             waiting = h.sched.waiting_requests()
