@@ -129,12 +129,18 @@ class ModelConfig:
 
 
 # Random-weight presets. ``tiny`` is the CPU demo model (byte-level vocabulary fits in 512);
-# the other two have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those
-# of the real architectures without downloading anything.
+# ``tiny-256k`` is smaller still but has the widest vocabulary in use (Gemma 3's 262,144 ids), so
+# that per-vocabulary costs (sampling, masks) are those of real models on the CPU; the other two
+# have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those of the real
+# architectures without downloading anything.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", vocab_size=512, hidden_size=256, intermediate_size=688,
                         num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
                         max_position_embeddings=2048, rope_theta=10000.0, init_std=0.08),
+    "tiny-256k": ModelConfig(name="tiny-256k", vocab_size=262144, hidden_size=64, intermediate_size=176,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                             max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+                             init_std=0.08),
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, hidden_size=2048,
                             intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                             head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,

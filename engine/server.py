@@ -327,6 +327,9 @@ class EngineServer:
         prompt or in allowed_token_ids) is a 400."""
         engine = self.engine
         vocab = engine.model_config.vocab_size
+        if len(params.allowed_token_ids or ()) > vocab:  # so a mask row per request bounds them
+            raise ProtocolError(f"allowed_token_ids holds {len(params.allowed_token_ids):,} ids, more than the "
+                                f"vocabulary's {vocab:,}", param="allowed_token_ids", code="invalid_value")
         bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",

@@ -77,6 +77,10 @@ HW_GPU_ID = "gpu.id"  # attribute of per-SM metrics and kernel spans
 # request
 REQUEST_ID = "sightline.request.id"
 REQUEST_PRIORITY = "sightline.request.priority"
+# The API's `priority` range (lower is more urgent): the engine refuses a value outside it
+# (400), so that per-priority series stay few; readers of other producers clamp to it.
+REQUEST_PRIORITY_MIN = -100
+REQUEST_PRIORITY_MAX = 100
 REQUEST_STREAM = "sightline.request.stream"
 REQUEST_TTFT_S = "sightline.request.time_to_first_token_s"
 REQUEST_TPOT_S = "sightline.request.time_per_output_token_s"
