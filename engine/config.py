@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..instrumentation import TelemetryConfig, check_range
+from .http_limits import HttpLimits
 from .scheduler import SchedulerConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
@@ -195,6 +196,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    http: HttpLimits = field(default_factory=HttpLimits)  # connection deadlines and caps
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     telemetry: TelemetryConfig | None = None  # None: tracing off
     # where spans are built: a telemetry process the engine supervises, or a thread here
@@ -226,6 +228,8 @@ class EngineConfig:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)
         check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        if not isinstance(self.http, HttpLimits):
+            raise ValueError(f"http={self.http!r} must be an HttpLimits")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):

@@ -34,6 +34,7 @@ from aiohttp import web
 from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
 from .config import EngineConfig
+from .http_limits import LimitedSite, track_requests
 from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
 from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
@@ -68,7 +69,7 @@ class EngineServer:
         self.model = engine.model_name
         self.created = now_s()
         self.draining = False
-        self.app = web.Application(middlewares=[self._errors_middleware], client_max_size=16 * 2**20)
+        self.app = web.Application(middlewares=[self._errors_middleware, track_requests], client_max_size=16 * 2**20)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -416,7 +417,7 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     server = EngineServer(engine, telemetry)
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
+    site = LimitedSite(runner, config.host, config.port, config.http, engine.metrics.connection_closed)
     await site.start()
     port = runner.addresses[0][1] if runner.addresses else config.port
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",

@@ -163,6 +163,9 @@ ENGINE_REQUEST_PROMPT_TOKENS = "sightline_engine_request_prompt_tokens"
 ENGINE_REQUEST_GENERATION_TOKENS = "sightline_engine_request_generation_tokens"
 ENGINE_PREFILL_SECONDS = "sightline_engine_request_prefill_time_seconds"
 ENGINE_DECODE_SECONDS = "sightline_engine_request_decode_time_seconds"
+# Connections the HTTP server closed, by reason (a deadline, a slot given to a newer one, or
+# refused with 503): engine/http_limits.py's CLOSE_REASONS
+ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL = "sightline_engine_http_connections_closed"  # labels model, reason
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
