@@ -38,6 +38,7 @@ from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
 from .config import EngineConfig, resolve_model_config
 from .core_client import REFUSALS, EngineDeadError, InProcessClient, MPClient
+from .http_limits import LimitedSite, track_requests
 from .engine_core import EngineStoppedError, QueueFullError
 from .llm_engine import LLMEngine
 from .metrics import EngineMetrics
@@ -81,7 +82,8 @@ class EngineServer:
         self.draining = False
         self.started = False   # the core is ready and this server's telemetry joined it
         self._tokenize_pool = ThreadPoolExecutor(tokenize_threads, "sightline-tokenize")
-        self.app = web.Application(middlewares=[self._errors_middleware], client_max_size=16 * 2**20)
+        self.app = web.Application(middlewares=[self._errors_middleware, track_requests],
+                                   client_max_size=16 * 2**20)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -361,6 +363,9 @@ class EngineServer:
         """(prompt text or None, prompt token ids); a token id outside the vocabulary (in the
         prompt or in allowed_token_ids) is a 400. Runs on the tokenizer pool."""
         vocab = self.client.ready.vocab_size
+        if len(params.allowed_token_ids or ()) > vocab:  # so a mask row per request bounds them
+            raise ProtocolError(f"allowed_token_ids holds {len(params.allowed_token_ids):,} ids, more than the "
+                                f"vocabulary's {vocab:,}", param="allowed_token_ids", code="invalid_value")
         bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",
@@ -481,11 +486,14 @@ def _watch_gpu(metrics: EngineMetrics, device: str) -> None:
         log.warning("GPU memory/context metrics unavailable: %s", reason)
 
 
-async def _start_http(server: EngineServer, host: str, port: int,
+async def _start_http(server: EngineServer, config: EngineConfig,
                       sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Serves the app on ``config``'s address (or the shared listening ``sock``) with the
+    connection limits of ``config.http`` (header and idle deadlines, a capped share per peer)."""
+    host, port = config.host, config.port
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    site = LimitedSite(runner, host, port, config.http, server.metrics.connection_closed, sock=sock)
     await site.start()
     return runner, runner.addresses[0][1] if runner.addresses else port
 
@@ -515,7 +523,7 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
     _watch_gpu(metrics, client.ready.device)
     server = EngineServer(client, telemetry, metrics, engine.tokenizer, engine.model_name)
     server.started = True
-    runner, port = await _start_http(server, config.host, config.port)
+    runner, port = await _start_http(server, config)
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, client.ready.device, client.ready.num_kv_blocks,
              client.ready.max_model_len,
@@ -594,7 +602,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     client = MPClient(address, index, tokenizer, metrics, record_steps=index == 0,
                       core_lifeline=core_lifeline)
     server = EngineServer(client, None, metrics, tokenizer, config.model_name, index)
-    runner, _ = await _start_http(server, config.host, config.port, sock)
+    runner, _ = await _start_http(server, config, sock)
     await client.start()
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()

@@ -53,6 +53,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM")
+    serve.add_argument("--http-header-timeout", type=float, default=10.0,
+                       help="seconds a connection's request headers may take (else 408)")
+    serve.add_argument("--http-body-timeout", type=float, default=30.0,
+                       help="seconds a request body may take once its headers are in (else 408)")
+    serve.add_argument("--http-keepalive-timeout", type=float, default=10.0,
+                       help="seconds an idle connection is kept between requests")
+    serve.add_argument("--http-max-connections", type=int, default=4096,
+                       help="open connections at most (lowered to fit the file-descriptor limit)")
+    serve.add_argument("--http-peer-share", type=float, default=0.5,
+                       help="fraction of the connections one client address may hold (behind a "
+                            "single gateway or load balancer: 1.0)")
     serve.add_argument("--trace-level", choices=("off", "requests", "steps", "kernels"), default=None,
                        help="tracing depth (default: SIGHTLINE_TRACE_LEVEL, else requests)")
     serve.add_argument("--otlp-endpoint", default=None,
@@ -96,6 +107,7 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..instrumentation import TelemetryConfig
     from .config import EngineConfig
+    from .http_limits import HttpLimits
     from .launcher import serve
     from .scheduler import SchedulerConfig
 
@@ -127,5 +139,8 @@ def _serve(args: argparse.Namespace) -> int:
         async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
+        http=HttpLimits(header_timeout_s=args.http_header_timeout, body_timeout_s=args.http_body_timeout,
+                        keepalive_timeout_s=args.http_keepalive_timeout,
+                        max_connections=args.http_max_connections, peer_share=args.http_peer_share),
         telemetry_mode=args.telemetry_mode)
     return serve(config, args.api_server_count, args.log_level)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..instrumentation import TelemetryConfig, check_range
+from .http_limits import HttpLimits
 from .scheduler import SchedulerConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
@@ -129,12 +130,18 @@ class ModelConfig:
 
 
 # Random-weight presets. ``tiny`` is the CPU demo model (byte-level vocabulary fits in 512);
-# the other two have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those
-# of the real architectures without downloading anything.
+# ``tiny-256k`` is smaller still but has the widest vocabulary in use (Gemma 3's 262,144 ids), so
+# that per-vocabulary costs (sampling, masks) are those of real models on the CPU; the other two
+# have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those of the real
+# architectures without downloading anything.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", vocab_size=512, hidden_size=256, intermediate_size=688,
                         num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
                         max_position_embeddings=2048, rope_theta=10000.0, init_std=0.08),
+    "tiny-256k": ModelConfig(name="tiny-256k", vocab_size=262144, hidden_size=64, intermediate_size=176,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                             max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+                             init_std=0.08),
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, hidden_size=2048,
                             intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                             head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
@@ -194,6 +201,7 @@ class EngineConfig:
     cpu_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    http: HttpLimits = field(default_factory=HttpLimits)  # connection deadlines and caps
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     telemetry: TelemetryConfig | None = None  # None: tracing off
     # where spans are built: a telemetry process the engine supervises, or a thread here
@@ -227,6 +235,8 @@ class EngineConfig:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)
         check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        if not isinstance(self.http, HttpLimits):
+            raise ValueError(f"http={self.http!r} must be an HttpLimits")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
 from ..instrumentation import semconv as sc
+from .http_limits import CLOSE_REASONS
 
 __all__ = ["EngineMetrics", "trace_exemplar"]
 
@@ -108,6 +109,9 @@ class EngineMetrics:
                                   buckets=sc.TTFT_BUCKETS_S, registry=r)
         self.ttft_cache_hit = ttft_by_cache.labels(model, sc.PREFIX_CACHE_HIT)
         self.ttft_cache_miss = ttft_by_cache.labels(model, sc.PREFIX_CACHE_MISS)
+        closed = Counter(sc.ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL, "Connections the HTTP server closed, by reason.",
+                         m + [sc.LABEL_REASON], registry=r)
+        self._closed = {reason: closed.labels(model, reason) for reason in CLOSE_REASONS}
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -128,6 +132,10 @@ class EngineMetrics:
         if child is None:
             child = self._errors[code] = self._errors_by_code.labels(self.model, str(code))
         child.inc()
+
+    def connection_closed(self, reason: str) -> None:
+        """For ``LimitedSite(on_closed=...)``: one connection closed by the server."""
+        self._closed[reason].inc()
 
     def watch_gpu(self, device_index: int) -> str | None:
         """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this

@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..instrumentation import check_range
+from ..instrumentation import semconv as sc
 
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request", "pending_token"]
+
+# Temperatures below this sample as greedy, as in vLLM: softmax(logits / T) tends to argmax as
+# T -> 0, and T = 1e-40 is not even a normal float32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# repetition_penalty divides logits: below the smallest normal float32 it is no number the
+# sampler can divide by.
+MIN_REPETITION_PENALTY = 2.0 ** -126
 
 
 def pending_token(row: int) -> int:
@@ -43,7 +51,8 @@ class RequestStatus(Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. Validated on construction; errors name the bad value and the range."""
+    """How to pick tokens. Validated on construction; errors name the bad value and the range.
+    A temperature below ``GREEDY_BELOW_TEMPERATURE`` is stored as 0 (greedy)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,6 +70,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_range("max_tokens", self.max_tokens, 1, integer=True)
         check_range("temperature", self.temperature, 0, 100)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         check_range("top_p", self.top_p, 0, 1, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -77,8 +88,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not _is_real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:.6g}, 10], got "
+                             f"{self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
@@ -144,8 +156,8 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least 1 token, got 0")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        check_range("priority", self.priority, sc.REQUEST_PRIORITY_MIN, sc.REQUEST_PRIORITY_MAX, integer=True,
+                    hint="(lower is more urgent)")
         if not _is_real(self.arrival_time_s):
             raise ValueError(f"arrival_time_s must be a finite number, got {self.arrival_time_s!r}")
 

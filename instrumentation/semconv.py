@@ -82,6 +82,10 @@ PROCESS_PID = "process.pid"
 # request
 REQUEST_ID = "sightline.request.id"
 REQUEST_PRIORITY = "sightline.request.priority"
+# The API's `priority` range (lower is more urgent): the engine refuses a value outside it
+# (400), so that per-priority series stay few; readers of other producers clamp to it.
+REQUEST_PRIORITY_MIN = -100
+REQUEST_PRIORITY_MAX = 100
 REQUEST_STREAM = "sightline.request.stream"
 REQUEST_TTFT_S = "sightline.request.time_to_first_token_s"
 REQUEST_TPOT_S = "sightline.request.time_per_output_token_s"
@@ -182,6 +186,9 @@ ENGINE_PREFIX_CACHE_HITS_TOTAL = "sightline_engine_prefix_cache_hits"
 ENGINE_PREFIX_CACHE_BLOCKS = "sightline_engine_prefix_cache_blocks"
 ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL = "sightline_engine_prefix_cache_evictions"
 ENGINE_PREFIX_CACHE_TTFT_SECONDS = "sightline_engine_prefix_cache_time_to_first_token_seconds"
+# Connections the HTTP server closed, by reason (a deadline, a slot given to a newer one, or
+# refused with 503): engine/http_limits.py's CLOSE_REASONS
+ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL = "sightline_engine_http_connections_closed"  # labels model, reason
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
