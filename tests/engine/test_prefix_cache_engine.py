@@ -86,6 +86,34 @@ def test_greedy_outputs_with_the_cache_equal_those_without(mode):
     assert engine.num_live == 0 and not engine.scheduler.has_work
 
 
+@pytest.mark.parametrize("overlapped", [False, True], ids=["sync", "overlapped"])
+def test_random_aborts_leave_no_reference_behind(overlapped):
+    """The engine's own loop with aborts arriving between steps (a client going away), while
+    requests share blocks, are preempted and evict: afterwards every ref count is zero, the
+    invariants hold and every block is free (never-cached or parked)."""
+    rng = random.Random(3)
+    prompts = _prompts()
+    engine = _engine(True, async_scheduling=overlapped)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    ids = [engine.new_request_id("r") for _ in prompts]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    aborted = 0
+    run = engine.step_overlapped if overlapped else engine.step
+    while engine.has_work:
+        run()
+        engine.kv_cache.check_invariants()
+        live = [i for i in ids if engine.scheduler.get(i) is not None]
+        if live and rng.random() < 0.3:
+            engine.abort(rng.choice(live))
+            aborted += 1
+    kv = engine.kv_cache
+    assert aborted >= 3 and kv.prefix_cache_stats().hits > 0 and engine.metrics.preemptions._value.get() > 0
+    kv.check_invariants()
+    assert all(kv.ref_count(b) == 0 for b in range(kv.num_blocks)) and kv.num_free_blocks == kv.num_blocks
+    assert engine.num_live == 0
+
+
 def test_cached_requests_compute_only_their_uncached_tokens():
     """With room for everything (no preemption, no eviction): each request's prefill computes
     exactly its prompt minus its cached tokens, and the cached ones are whole blocks."""
