@@ -34,6 +34,9 @@ from pathlib import Path
 from ._common import ROOT, git_commit, utc_now, write_json, write_report
 
 _CLIENT_STREAMS = 32   # streams per client process (at most; C / this processes, rounded up)
+# A closed loop's streams start spread over about one request's time, as users arrive: started
+# together, streams of equal lengths would stay in step and every request would meet a burst.
+_STAGGER_S = 0.5
 
 
 # ---- a client process ---------------------------------------------------------------------------
@@ -64,8 +67,9 @@ async def _stream(session, url: str, model: str, prompt: list[int], output: int,
 
 async def _loop(session, url: str, model: str, prompt: list[int], output: int, start_at: float,
                 until: float, rng: random.Random, vocab: int) -> list[dict]:
-    """One stream of a sustained run: a new request as soon as the last one ends, until ``until``."""
-    results = [await _stream(session, url, model, prompt, output, start_at)]
+    """One stream of a sustained run: a new request as soon as the last one ends, until ``until``;
+    its first one ``start_at`` plus a random share of the stagger (``_STAGGER_S``)."""
+    results = [await _stream(session, url, model, prompt, output, start_at + rng.uniform(0, _STAGGER_S))]
     while time.time() < until:
         prompt = [rng.randrange(1, vocab) for _ in range(len(prompt))]
         results.append(await _stream(session, url, model, prompt, output, 0.0))
@@ -123,8 +127,9 @@ def _run_clients(url: str, model: str, prompts: list[list[int]], output: int, wo
 def _sustained(url: str, model: str, prompts: list[list[int]], output: int, workdir: Path,
                sustain_s: float, vocab: int) -> dict:
     """Closed-loop load (len(prompts) requests always in flight, as benchmark tools' concurrency
-    mode keeps them) for ``sustain_s``: output tokens of the requests ending in the window
-    after the first quarter, over that window; TTFT of the requests starting in it."""
+    mode keeps them, their first requests spread over ``_STAGGER_S``) for ``sustain_s``: output
+    tokens of the requests ending in the window after the first quarter, over that window;
+    TTFT of the requests starting in it."""
     start_at, requests = _run_clients(url, model, prompts, output, workdir, sustain_s, vocab)
     lo, hi = start_at + sustain_s / 4, start_at + sustain_s
     ok = [r for r in requests if r["error"] is None]
@@ -305,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.api_server_count} API server(s); medians of {args.rounds} bursts; offline: "
              f"bench.engine_throughput ({record['offline_mode']}), floor {floor_ms} ms/step", "",
              "Burst: every request sent at one instant. Closed loop: the concurrency kept in flight "
-             "(each stream sends its next request as the last ends), as benchmark tools' "
-             "concurrency mode does.", "",
+             "(each stream sends its next request as the last ends, the streams' first requests "
+             f"spread over {_STAGGER_S} s), as benchmark tools' concurrency mode does.", "",
              "| concurrency | burst tok/s | burst TTFT p50 ms | closed-loop tok/s | closed-loop TTFT p50 / p99 ms "
              "| offline tok/s | burst / offline | floor tok/s | failed |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -71,7 +71,10 @@ class CoreLoop:
                 timeout = _IDLE_POLL_MS
                 continue
             batch = step()
-            if batch.request_ids or batch.finished or batch.stats.duration_s is not None:
+            stats = batch.stats
+            # a step that only launched (overlapped) still reports what its planning counted
+            if (batch.request_ids or batch.finished or stats.duration_s is not None or stats.num_preemptions
+                    or stats.prefix_cache_queries or stats.prefix_cache_evictions):
                 self._send(batch)
             # work exists but nothing fits yet (all blocks held): wait a little, don't spin
             idle = not (batch.request_ids or batch.finished or core.last_plan_nonempty

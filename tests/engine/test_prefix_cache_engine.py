@@ -278,7 +278,7 @@ def test_on_a_gpu_the_cache_gives_the_uncached_tokens_with_graphs_and_overlap():
                                        block_size=BLOCK, enable_prefix_caching=None if caching else False,
                                        scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)))
         # 14 of the runner's blocks, as on the CPU: requests are preempted and blocks evicted
-        built.kv_cache = built.scheduler.kv_cache = KVCacheManager(KVCacheConfig(BLOCK, 14, caching))
+        built.core.kv_cache = built.scheduler.kv_cache = KVCacheManager(KVCacheConfig(BLOCK, 14, caching))
         return built
 
     off = engine(False)
