@@ -75,7 +75,7 @@ class CoreLoop:
                 self._send(batch)
             # work exists but nothing fits yet (all blocks held): wait a little, don't spin
             idle = not (batch.request_ids or batch.finished or core.last_plan_nonempty
-                        or core._in_flight is not None)
+                        or core.step_in_flight)
             timeout = 5 if idle else _IDLE_POLL_MS
             if idle:
                 self._receive(timeout)
