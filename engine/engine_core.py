@@ -310,6 +310,11 @@ class EngineCore:
     def last_plan_nonempty(self) -> bool:
         return self._last_plan_nonempty
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is launched and not completed (overlapped scheduling)."""
+        return self._in_flight is not None
+
     def _batch(self, out: _Outputs) -> OutputBatch:
         """The iteration's batch: the step it completed (if any) and the queue as it is now."""
         stats = self.queue_stats()
