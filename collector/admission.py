@@ -12,13 +12,20 @@ Every receiver (OTLP gRPC, OTLP HTTP, Zipkin) hands its decoded request to
   the items counted as received. So, for everything acknowledged:
   received = aggregated + dropped, exactly.
 
+``Intake.decode`` is the protobuf decoding the gRPC receiver shares (:mod:`.decoding`: the
+request's messages counted and capped before it is parsed, off the event loop).
+
 Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+from .decoding import Decoded, decode_protobuf, off_loop
 from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
+from .request_shape import RequestLimits
 from .self_metrics import SelfMetrics
 from .span_ids import SpanWindow, remove_spans, span_fingerprints
 
@@ -44,10 +51,21 @@ def admit(pipeline: Pipeline, batch: Batch | None) -> None:
 class Intake:
     """What the receivers share downstream of decoding (event-loop thread only)."""
 
-    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, window: SpanWindow) -> None:
+    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, window: SpanWindow,
+                 limits: RequestLimits | None = None) -> None:
         self.pipeline = pipeline
         self.metrics = metrics
         self.window = window
+        self.limits = limits or RequestLimits()
+        self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sightline-intake-decode")
+
+    async def decode(self, body: bytes, signal: Signal) -> Decoded:
+        """``body`` (an encoded export request) walked, checked against ``limits`` and parsed,
+        on a decoder thread unless it is small; IngestError 413/400."""
+        return await off_loop(self._decoder, len(body), decode_protobuf, body, signal, self.limits)
+
+    def close(self) -> None:
+        self._decoder.shutdown(wait=False, cancel_futures=True)
 
     def check_room(self, size_bytes: int) -> None:
         """The cheap refusal before a body is read: raises 429/503 when there is no room."""

@@ -82,9 +82,10 @@ class Collector:
         self._query_auth = TokenAuth(config.read_query_token())
         limits = IngestLimits(config.max_request_bytes, config.max_decompressed_bytes,
                               config.retry_after_s, config.max_inflight_requests,
-                              config.request_timeout_s, config.max_json_depth)
+                              config.request_timeout_s, config.max_json_depth, config.max_decompression_ratio)
         self.errors = RateLimitedLog(log)
-        intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans))
+        intake = self._intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans),
+                                       config.request_limits())
         self._grpc = OtlpGrpcReceiver(intake, auth, max_message_bytes=config.max_decompressed_bytes,
                                       retry_after_s=config.retry_after_s,
                                       max_concurrent_rpcs=config.max_inflight_requests, errors=self.errors)
@@ -157,6 +158,7 @@ class Collector:
                              *(runner.cleanup() for runner in self._ingest_runners))
         self._otlp_http.close()
         self._zipkin.close()
+        self._intake.close()
         loop = asyncio.get_running_loop()
         summary = await loop.run_in_executor(None, self.pipeline.close, grace)
         log.info("collector stopped: %s", json.dumps(summary.to_dict(), sort_keys=True))

@@ -45,9 +45,26 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     add("--max-request-bytes", type=int, default=_D["max_request_bytes"], help="largest request body on the wire (default %(default)s)")
     add("--max-decompressed-bytes", type=int, default=_D["max_decompressed_bytes"],
         help="largest body after gzip/deflate, and largest gRPC message (default %(default)s)")
+    add("--max-decompression-ratio", type=int, default=_D["max_decompression_ratio"],
+        help="a compressed body may inflate to at most this many times its size (default %(default)s)")
+    add("--max-resources-per-request", type=int, default=_D["max_resources_per_request"],
+        help="resources in one export request, empty ones included, counted before it is parsed; more -> 413 "
+             "(default %(default)s)")
+    add("--max-scopes-per-request", type=int, default=_D["max_scopes_per_request"],
+        help="scopes and metrics in one export request, same effect (default %(default)s)")
+    add("--max-items-per-request", type=int, default=_D["max_items_per_request"],
+        help="spans or data points in one export request, same effect (default %(default)s)")
+    add("--max-values-per-request", type=int, default=_D["max_values_per_request"],
+        help="attributes, events, links and exemplars in one export request, same effect (default %(default)s)")
+    add("--max-buckets-per-request", type=int, default=_D["max_buckets_per_request"],
+        help="histogram bucket counts in one export request, same effect (default %(default)s)")
+    add("--max-json-values", type=int, default=_D["max_json_values"],
+        help="objects, arrays and elements in one OTLP/JSON or Zipkin body, counted before it is parsed; "
+             "more -> 413 (default %(default)s)")
     add("--queue-max-items", type=int, default=_D["queue_max_items"],
         help="spans+data points waiting for the aggregator before 429/RESOURCE_EXHAUSTED")
-    add("--queue-max-bytes", type=int, default=_D["queue_max_bytes"], help="payload bytes waiting, same effect")
+    add("--queue-max-bytes", type=int, default=_D["queue_max_bytes"],
+        help="bytes of parsed requests waiting (estimated), same effect (default %(default)s)")
     add("--workers", type=int, default=_D["workers"], help="aggregator worker threads")
     add("--max-inflight-requests", type=int, default=_D["max_inflight_requests"],
         help="export requests read/parsed at once per listener before 429/RESOURCE_EXHAUSTED")
@@ -162,6 +179,13 @@ def _collector_config(args: argparse.Namespace) -> CollectorConfig:
         http_address=args.http,
         max_request_bytes=args.max_request_bytes,
         max_decompressed_bytes=args.max_decompressed_bytes,
+        max_decompression_ratio=args.max_decompression_ratio,
+        max_resources_per_request=args.max_resources_per_request,
+        max_scopes_per_request=args.max_scopes_per_request,
+        max_items_per_request=args.max_items_per_request,
+        max_values_per_request=args.max_values_per_request,
+        max_buckets_per_request=args.max_buckets_per_request,
+        max_json_values=args.max_json_values,
         queue_max_items=args.queue_max_items,
         queue_max_bytes=args.queue_max_bytes,
         workers=args.workers,

@@ -64,12 +64,20 @@ class CollectorConfig:
       present, otherwise while reading.
     - ``max_decompressed_bytes``: body after gzip/deflate; decompression is streamed and
       stops at this limit, so a gzip bomb costs at most this much memory.
+    - ``max_decompression_ratio``: a compressed body inflates to at most this many times its
+      wire size (bodies inflating to under 1 MiB excepted), so that no small body buys a
+      large amount of work.
+    - ``max_resources_per_request``, ``max_scopes_per_request`` (scopes and metrics),
+      ``max_items_per_request`` (spans or data points), ``max_values_per_request``
+      (attributes, events, links, exemplars), ``max_buckets_per_request`` (histogram bucket
+      counts): an encoded request's messages, empty ones included, are counted before it is
+      parsed, and one past any cap is refused (413 / RESOURCE_EXHAUSTED), so the parse and
+      aggregation of one request are bounded. ``max_json_values``: the same for JSON bodies
+      (objects, arrays and elements, bounded before ``json.loads``).
     - ``queue_max_items`` / ``queue_max_bytes``: the pipeline queue between receivers and
-      the aggregator holds at most this many spans+data points and this many payload
-      bytes; beyond either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint
-      of ``retry_after_s``. A parsed request occupies a few times its encoded size in
-      memory, and protobuf trace requests keep their encoding too (the trace store takes
-      it), so resident memory is a small multiple of this bound.
+      the aggregator holds at most this many spans+data points and this many bytes of
+      parsed requests (estimated from their message counts, encodings included); beyond
+      either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint of ``retry_after_s``.
     - ``max_inflight_requests``: export requests being decoded at once, per listener
       (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
       gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.
@@ -97,9 +105,16 @@ class CollectorConfig:
     zipkin_address: str = "127.0.0.1:9411"
     http_address: str = "127.0.0.1:8889"
     max_request_bytes: int = 8 * MiB
-    max_decompressed_bytes: int = 32 * MiB
+    max_decompressed_bytes: int = 16 * MiB
+    max_decompression_ratio: int = 200
+    max_resources_per_request: int = 4_096
+    max_scopes_per_request: int = 16_384
+    max_items_per_request: int = 32_768
+    max_values_per_request: int = 524_288
+    max_buckets_per_request: int = 2_097_152
+    max_json_values: int = 65_536
     queue_max_items: int = 100_000
-    queue_max_bytes: int = 32 * MiB
+    queue_max_bytes: int = 128 * MiB
     workers: int = 1
     max_inflight_requests: int = 64
     request_timeout_s: float = 30.0
@@ -131,6 +146,10 @@ class CollectorConfig:
                 f"max_decompressed_bytes={self.max_decompressed_bytes} is below "
                 f"max_request_bytes={self.max_request_bytes}; it must be >= it"
             )
+        _check_range("max_decompression_ratio", self.max_decompression_ratio, 2, 1_000_000)
+        for name in ("max_resources_per_request", "max_scopes_per_request", "max_items_per_request",
+                     "max_values_per_request", "max_buckets_per_request", "max_json_values"):
+            _check_range(name, getattr(self, name), 1, 1 << 30)
         _check_range("queue_max_items", self.queue_max_items, 1, 100_000_000)
         _check_range("queue_max_bytes", self.queue_max_bytes, 1024, 64 * 1024 * MiB)
         _check_range("workers", self.workers, 1, 64)
@@ -159,6 +178,14 @@ class CollectorConfig:
             raise ValueError(f"sink={self.sink!r} is not one of 'aggregator', 'discard'")
 
     # -- derived ---------------------------------------------------------------------
+    def request_limits(self):
+        """The caps on one request's messages, as the decoders take them."""
+        from .request_shape import RequestLimits  # numpy and numba: not at this module's import
+
+        return RequestLimits(self.max_resources_per_request, self.max_scopes_per_request,
+                             self.max_items_per_request, self.max_values_per_request,
+                             self.max_buckets_per_request, self.max_json_values)
+
     def address(self, name: str) -> tuple[str, int]:
         """(host, port) of ``otlp_grpc`` | ``otlp_http`` | ``zipkin`` | ``http``."""
         return parse_address(getattr(self, f"{name}_address"), what=f"{name}_address")

@@ -26,6 +26,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ..instrumentation import semconv as sc
+from .decoding import Decoded
 from .ingest import IngestError, load_json
 from .otlp_http import Handler, HttpIngestReceiver
 
@@ -231,9 +232,13 @@ class ZipkinReceiver(HttpIngestReceiver):
                               f"Content-Type {request.content_type!r} is not application/json "
                               "(Zipkin v2 JSON; proto3 is not supported)")
 
-    def _decode(self, body: bytes, signal: str, as_json: bool) -> tuple[Any, int, bytes | None]:
+    def _decode(self, body: bytes, signal: str, as_json: bool) -> Decoded:
+        limits = self._request_limits
+        values = limits.check_json(body)
         document = load_json(body, self._limits.max_json_depth)
-        return zipkin_to_otlp(document), len(document), None
+        if isinstance(document, list):
+            limits.check_items(len(document), signal)
+        return Decoded(zipkin_to_otlp(document), len(document), limits.json_parsed_bytes(len(body), values))
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
         return web.Response(status=202)
