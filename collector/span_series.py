@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 
 _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
+# Caches keyed by what a client sends hold keys of at most this many bytes (characters for
+# span names): a longer name or attribute is read each time it comes, never remembered, so
+# the caches stay under ~4,096 x 512 bytes each whatever arrives.
+_MAX_CACHED_KEY_BYTES = 512
 
 
 class SpanKind(enum.IntEnum):
@@ -296,7 +300,8 @@ class SpanSeries:
     # -- spans ----------------------------------------------------------------------
     def _learn_name(self, name: str) -> int:
         handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanKind.NONE
-        if len(self._dispatch) < _MAX_DISPATCH_NAMES:  # past it, names are tested each time
+        # past the count (or for a long name), names are tested each time
+        if len(self._dispatch) < _MAX_DISPATCH_NAMES and len(name) <= _MAX_CACHED_KEY_BYTES:
             self._dispatch[name] = handler
         return handler
 
@@ -327,7 +332,7 @@ class SpanSeries:
             key, value = decode_attribute(raw)
             if key in _REQUEST_KEYS:
                 got[key] = value
-                if key in _LABEL_KEYS:  # model, priority: every request repeats them
+                if key in _LABEL_KEYS and len(raw) <= _MAX_CACHED_KEY_BYTES:  # model, priority: repeated
                     if len(cache) >= _MAX_ATTRIBUTE_CACHE:
                         cache.clear()
                     cache[raw] = (key, value)
@@ -503,6 +508,8 @@ class SpanSeries:
             if read is None:
                 return key, None
             hit = (key, read(value))
+            if len(raw) > _MAX_CACHED_KEY_BYTES:
+                return hit
             if len(self._attr_cache) >= _MAX_ATTRIBUTE_CACHE:
                 self._attr_cache.clear()
             self._attr_cache[raw] = hit

@@ -11,6 +11,7 @@ one-megabyte names, 100 slow scrapers) are in bench/collector_limits.py.
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -20,7 +21,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from sightline.collector import sm_refusals
 from sightline.collector.aggregation_config import AggregationConfig
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import otlp_attrs, otlp_cta_point
+from tests.collector.test_aggregator import otlp_attrs, otlp_cta_point, otlp_span, otlp_traces
 from tests.collector.test_receivers import post, running_collector
 
 PB = {"Content-Type": "application/x-protobuf"}
@@ -66,3 +67,38 @@ def test_refused_identities_are_a_bounded_table_answered_by_index(monkeypatch):
         status, body = _get(col.query_url + "/api/v1/heatmap?gpu=nope")
         assert status == 404 and "no per-SM data matches" in body["error"]["message"]
         assert copies == []
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def test_megabyte_span_names_and_kernel_names_are_not_remembered():
+    """Before: 1,000 span names of 1 MB kept +1.1 GB (the name dispatch remembered 4,096 names
+    of any length), and 1 MB kernel-name attributes +0.7 GB (the attribute cache)."""
+    now = time.time()
+    megabyte = "x" * (1024 * 1024)
+    with running_collector(aggregation=AggregationConfig(store_traces=False)) as col:
+        series = col.collector.aggregator._spans
+        before = None
+        for batch in range(16):  # 48 span names of 1 MB and 48 kernel-name attributes of 1 MB
+            if batch == 4:  # past the allocators' first high-water mark (client and server)
+                col.idle()
+                before = _rss_mib()
+            spans = []
+            for i in range(6):
+                n = batch * 6 + i
+                ids = (n + 1).to_bytes(16, "big"), (n + 1).to_bytes(8, "big")
+                name = f"{n}{megabyte}" if i % 2 else f"{sc.SPAN_KERNEL_PREFIX}k"
+                attrs = {sc.CUDA_KERNEL_NAME: f"{n}{megabyte}", sc.HW_GPU_ID: "0"} if i % 2 == 0 else {}
+                spans.append(otlp_span(name, ids[0], ids[1], now - 1, now - 0.5, attrs))
+            assert post(col.http_url + "/v1/traces", otlp_traces(spans).SerializeToString(), PB)[0] == 200
+        col.idle()
+        held = (sum(len(name) for name in series._dispatch) + sum(len(raw) for raw in series._attr_cache)
+                + sum(len(raw) for raw in series._label_cache))
+        grown = _rss_mib() - before
+        kernels = {kernel for _, kernel in series.kernels}
+    assert held < 4096 * 512, f"{held / 2**20:.0f} MiB of keys held"
+    assert grown < 24, f"RSS +{grown:.0f} MiB"  # before: +72 MiB (36 names + 36 attributes of 1 MB)
+    assert {len(kernel) for kernel in kernels} == {256}  # the series label: the name, cut
