@@ -8,12 +8,9 @@ Every receiver (OTLP gRPC, OTLP HTTP, Zipkin) hands its decoded request to
   retry after timeouts, so one span can arrive twice) are removed from the request and
   counted in ``sightline_collector_dropped_total{reason="duplicate"}``;
 - the pipeline either queues the rest or refuses (429 queue full, 503 shutting down);
-- only then are the ids remembered (a refused request's retry is not a duplicate) and
-  the items counted as received. So, for everything acknowledged:
-  received = aggregated + dropped, exactly.
-
-``Intake.decode`` is the protobuf decoding the gRPC receiver shares (:mod:`.decoding`: the
-request's messages counted and capped before it is parsed, off the event loop).
+- only then are the ids remembered (a refused request's retry is not a duplicate) and the
+  items counted as received. So, for everything acknowledged: received = aggregated + dropped.
+``Intake.decode``: the gRPC receiver's decoding (:mod:`.decoding`: capped, off the loop).
 
 Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
 """

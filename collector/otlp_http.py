@@ -8,13 +8,11 @@ caps on a request's messages, checked before it is parsed: :mod:`.decoding`; adm
 span checks and duplicates: :mod:`.admission`. Undecodable body, JSON nested too deep or a
 bad span id: 400; past a size or message cap: 413; queue over capacity or too many bodies
 being decoded: 429 with ``Retry-After``; shutting down: 503 with ``Retry-After``; bad token:
-401; a bug: 500 INTERNAL, counted ``internal_error`` and logged rate-limited. OTLP/JSON ids
-are hex strings (not base64 as in protobuf's canonical JSON mapping): ``parse_otlp_json``
-converts them.
+401; a bug: 500 INTERNAL, counted and logged rate-limited. OTLP/JSON ids are hex strings
+(not base64 as in protobuf's JSON mapping): ``parse_otlp_json`` converts them.
 
-Cost of the hot path (protobuf): one compiled walk over the body, one upb parse and one
-pass over the resource/scope lists to count spans; bodies over ``INLINE_BYTES`` and every
-compressed or JSON body are decoded on the receiver's decoder threads, off the event loop.
+Cost (protobuf): one compiled walk, one upb parse, one pass over the resource/scope lists;
+bodies over ``INLINE_BYTES``, compressed or JSON are decoded on the receiver's decoder threads.
 """
 
 from __future__ import annotations

@@ -2,18 +2,17 @@
 kernel spans, and the per-series batches they feed.
 
 Spans are dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
-queue time by (model, priority); ``engine.step`` spans give step durations by phase;
-``kernel ...`` spans give kernel durations by (gpu, kernel). Memory is bounded whatever
-arrives: at most ``max_{request,kernel,step}_series + 1`` series each (the extra one is the
-overflow series that absorbs every new key past the limit, counted in ``overflow``).
-Timestamps ahead of the collector's clock are clamped to it; late spans still count in the
-cumulative Prometheus histograms. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`)
-holds its lock around :meth:`SpanSeries.consume` and around every read of the series.
+queue time by (model, priority: clamped to semconv's documented range); ``engine.step``
+spans give step durations by phase; ``kernel ...`` spans give kernel durations by (gpu,
+kernel). Memory is bounded whatever arrives: at most ``max_{request,kernel,step}_series + 1``
+series each (the extra one absorbs every new key past the limit, counted in ``overflow``);
+a full table first lets go of its series idle past the window horizon (counted in
+``evicted``). Future timestamps are clamped to the collector's clock. Not thread-safe: the
+owner (:class:`~.aggregator.Aggregator`) holds its lock around every call and read.
 
 Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
 read of the few attributes they need, folded in once per export request (:class:`_LatencySeries`).
 """
-
 from __future__ import annotations
 
 import enum
@@ -70,6 +69,14 @@ def _kernel_spans_estimate(encoded: bytes) -> float:
     step = size // 4
     hits = sum(encoded.count(_KERNEL_NAME_BYTES, i * step, i * step + 4096) for i in range(4))
     return hits * size / (4 * 4096)
+
+
+def _priority_label(value) -> str:
+    """A request priority's label: an integer clamped to the documented range, else "other"."""
+    number = _num(value)
+    if number is None or not math.isfinite(number) or number != int(number):
+        return sc.PRIORITY_LABEL_OTHER
+    return str(int(min(max(number, sc.REQUEST_PRIORITY_MIN), sc.REQUEST_PRIORITY_MAX)))
 
 
 def _phase(prefill_tokens, decode_tokens) -> str:
@@ -156,12 +163,16 @@ class SpanSeries:
     in and added to here (families ``request``/``kernel``/``step``, reason ``malformed_span``).
     """
 
-    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int]) -> None:
+    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
+                 evicted: dict[str, int] | None = None) -> None:
         self.config = config
         wc = config.window
         self._wc = wc
         self.overflow = overflow
         self.dropped = dropped
+        self.evicted = evicted if evicted is not None else {}
+        # per family: before this data time no series of its full table can be idle (no scan)
+        self._no_idle_before: dict[str, float] = {}
         self.kernels: dict[tuple[str, str], _LatencySeries] = {}
         self.requests: dict[tuple[str, str], dict[str, _LatencySeries]] = {}
         self.requests_total: dict[tuple[str, str, str], int] = {}
@@ -297,6 +308,34 @@ class SpanSeries:
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
+    def _evict_idle(self, family: str, now: float) -> bool:
+        """Lets go of every series of the full ``family`` table ("request" or "kernel") with no
+        data within the window horizon (the overflow series stays); True if one went. One
+        scan of the table at most until the next series could have become idle."""
+        horizon = self._wc.horizon_s
+        if now < self._no_idle_before.get(family, 0.0):
+            return False
+        table = self.requests if family == "request" else self.kernels
+        touched = self._touched  # series with values pending in this request stay
+        newest = {key: (max(s.epoch for s in series.values()) if family == "request" else series.epoch)
+                  for key, series in table.items() if key != (OVERFLOW, OVERFLOW)
+                  and not any(s in touched for s in (series.values() if family == "request" else (series,)))}
+        idle_from = int((now - horizon) // self._slot_s)  # a series whose newest slot is before this is idle
+        idle = [key for key, epoch in newest.items() if epoch < idle_from]
+        for key in idle:
+            del table[key]
+        if idle and family == "request":
+            gone = set(idle)
+            for total_key in [k for k in self.requests_total if k[:2] in gone]:
+                del self.requests_total[total_key]
+        if idle:
+            self.evicted[family] = self.evicted.get(family, 0) + len(idle)
+            return True
+        oldest = min(newest.values(), default=None)
+        self._no_idle_before[family] = (now + horizon if oldest is None
+                                        else (oldest + 1) * self._slot_s + horizon)
+        return False
+
     # -- spans ----------------------------------------------------------------------
     def _learn_name(self, name: str) -> int:
         handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanKind.NONE
@@ -344,10 +383,10 @@ class SpanSeries:
             value = got.get(_RESPONSE_MODEL)
         model = _label(value) if value is not None else "unknown"
         value = got.get(_PRIORITY)
-        key = (model, _label(value) if value is not None else "unknown")
+        key = (model, _priority_label(value) if value is not None else "unknown")
         series = self.requests.get(key)
         if series is None:
-            if len(self.requests) >= self.config.max_request_series:
+            if len(self.requests) >= self.config.max_request_series and not self._evict_idle("request", now):
                 key = (OVERFLOW, OVERFLOW)
                 self.overflow["request"] = self.overflow.get("request", 0) + 1
                 series = self.requests.get(key)
@@ -456,7 +495,7 @@ class SpanSeries:
         key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
         series = self.kernels.get(key)
         if series is None:
-            if len(self.kernels) >= self.config.max_kernel_series:
+            if len(self.kernels) >= self.config.max_kernel_series and not self._evict_idle("kernel", now):
                 key = (OVERFLOW, OVERFLOW)
                 self.overflow["kernel"] = self.overflow.get("kernel", 0) + 1
                 series = self.kernels.get(key)

@@ -19,7 +19,7 @@ import urllib.request
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 
 from sightline.collector import sm_refusals
-from sightline.collector.aggregation_config import AggregationConfig
+from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.instrumentation import semconv as sc
 from tests.collector.test_aggregator import otlp_attrs, otlp_cta_point, otlp_span, otlp_traces
 from tests.collector.test_receivers import post, running_collector
@@ -102,3 +102,41 @@ def test_megabyte_span_names_and_kernel_names_are_not_remembered():
     assert held < 4096 * 512, f"{held / 2**20:.0f} MiB of keys held"
     assert grown < 24, f"RSS +{grown:.0f} MiB"  # before: +72 MiB (36 names + 36 attributes of 1 MB)
     assert {len(kernel) for kernel in kernels} == {256}  # the series label: the name, cut
+
+
+def _request_spans(labels: list[tuple[str, object]], end_s: float, seed: int):
+    """One request span per (model, priority), ending at ``end_s``."""
+    return otlp_traces([otlp_span(sc.SPAN_HTTP_COMPLETIONS, (seed * 10_000 + i + 1).to_bytes(16, "big"),
+                                  (seed * 10_000 + i + 1).to_bytes(8, "big"), end_s - 0.2, end_s, {
+                                      sc.GEN_AI_REQUEST_MODEL: model, sc.REQUEST_PRIORITY: priority,
+                                      sc.REQUEST_E2E_S: 0.2}, kind=2)
+                        for i, (model, priority) in enumerate(labels)]).SerializeToString()
+
+
+def _request_series(col) -> dict[tuple[str, str], float]:
+    return {(dict(labels)["model"], dict(labels)["priority"]): value for (name, labels), value in col.metrics().items()
+            if name == sc.COLLECTOR_REQUEST_E2E_SECONDS + "_count"}
+
+
+def test_priorities_are_clamped_and_a_full_series_table_lets_idle_series_go():
+    """Before: 520 distinct API priorities filled the request-series table for good and legitimate
+    traffic folded into __overflow__ from then on."""
+    window = WindowConfig(slot_s=0.5, num_slots=4)  # a 2 s horizon
+    aggregation = AggregationConfig(window=window, gauge_window_s=2.0, max_request_series=16)
+    with running_collector(aggregation=aggregation) as col:
+        odd = [("m", -1000), ("m", 10**12), ("m", 100), ("m", 2.5), ("m", "urgent"), ("m", "7")]
+        assert post(col.http_url + "/v1/traces", _request_spans(odd, time.time(), seed=1), PB)[0] == 200
+        col.idle()
+        assert _request_series(col) == {("m", "-100"): 1, ("m", "100"): 2, ("m", "other"): 2, ("m", "7"): 1}
+        flood = [("m", p) for p in range(520)]  # priorities 0..519: 101 labels after the clamp
+        assert post(col.http_url + "/v1/traces", _request_spans(flood, time.time(), seed=2), PB)[0] == 200
+        col.idle()
+        assert ("__overflow__", "__overflow__") in _request_series(col)
+        time.sleep(window.horizon_s + 2 * window.slot_s)  # the flood idles past the horizon
+        assert post(col.http_url + "/v1/traces", _request_spans([("llama", 0)], time.time(), seed=3), PB)[0] == 200
+        col.idle()
+        series = _request_series(col)
+        metrics = col.metrics()
+    assert series[("llama", "0")] == 1  # its own series again, not the overflow
+    assert metrics[(sc.COLLECTOR_SERIES_EVICTED_TOTAL + "_total", (("family", "request"),))] == 16  # all but the overflow series
+    assert metrics[(sc.COLLECTOR_SERIES_EVICTED_TOTAL + "_total", (("family", "kernel"),))] == 0
