@@ -81,6 +81,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="OTLP/JSON and Zipkin bodies nested deeper are refused with 400")
     add("--retry-after-s", type=int, default=_D["retry_after_s"], help="retry hint sent with 429/RESOURCE_EXHAUSTED")
     add("--shutdown-timeout-s", type=float, default=_D["shutdown_timeout_s"], help="how long the drain on SIGTERM may take")
+    add("--scrape-deadline-s", type=float, default=_D["scrape_deadline_s"],
+        help="a /metrics response not read within this many seconds is cut (default %(default)s)")
     add("--auth-token-file", type=Path, default=None, help="file holding the ingest bearer token")
     add("--auth-token-env", default=_D["auth_token_env"],
         help="environment variable holding the ingest bearer token (if set)")
@@ -197,6 +199,7 @@ def _collector_config(args: argparse.Namespace) -> CollectorConfig:
         max_json_depth=args.max_json_depth,
         retry_after_s=args.retry_after_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
+        scrape_deadline_s=args.scrape_deadline_s,
         auth_token_file=args.auth_token_file,
         auth_token_env=args.auth_token_env,
         query_auth=args.query_auth,

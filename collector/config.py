@@ -93,6 +93,8 @@ class CollectorConfig:
       acknowledged, not stored or counted twice, and counted in
       ``dropped_total{reason="duplicate"}``. 0 = off. 8 bytes per remembered span.
     - ``max_json_depth``: OTLP/JSON and Zipkin bodies nested deeper -> 400.
+    - ``scrape_deadline_s``: a /metrics response not read by then is cut (scrapers share one
+      rendered page and each holds only a slice of it buffered).
 
     Query API auth (``/api/v1/``: it serves span attributes): on when ``query_auth`` is set
     or a read token is configured (file or environment variable). The read token, when
@@ -124,6 +126,7 @@ class CollectorConfig:
     max_json_depth: int = 64
     retry_after_s: int = 1
     shutdown_timeout_s: float = 30.0
+    scrape_deadline_s: float = 30.0
     auth_token_file: Path | None = None
     auth_token_env: str = DEFAULT_TOKEN_ENV
     query_auth: bool = False
@@ -161,6 +164,7 @@ class CollectorConfig:
         _check_range("max_json_depth", self.max_json_depth, 2, 512)
         _check_range("retry_after_s", self.retry_after_s, 1, 3600)
         _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        _check_range("scrape_deadline_s", self.scrape_deadline_s, 0.1, 3600.0)
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"tls_cert_file={self.tls_cert_file!r} and tls_key_file={self.tls_key_file!r}: "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +22,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from sightline.collector import sm_refusals
 from sightline.collector.aggregation_config import AggregationConfig, WindowConfig
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import otlp_attrs, otlp_cta_point, otlp_span, otlp_traces
+from tests.collector.test_aggregator import otlp_attrs, otlp_cta_point, otlp_metrics, otlp_span, otlp_traces
 from tests.collector.test_receivers import post, running_collector
 
 PB = {"Content-Type": "application/x-protobuf"}
@@ -140,3 +141,54 @@ def test_priorities_are_clamped_and_a_full_series_table_lets_idle_series_go():
     assert series[("llama", "0")] == 1  # its own series again, not the overflow
     assert metrics[(sc.COLLECTOR_SERIES_EVICTED_TOTAL + "_total", (("family", "request"),))] == 16  # all but the overflow series
     assert metrics[(sc.COLLECTOR_SERIES_EVICTED_TOTAL + "_total", (("family", "kernel"),))] == 0
+
+
+def _slow_scraper(port: int) -> socket.socket:
+    """A /metrics request from a reader that never reads: a small receive buffer, nothing read."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAccept-Encoding: identity\r\n\r\n")
+    return sock
+
+
+def _fleet_points(gpus: int, kernels: int, now: float) -> list[bytes]:
+    return [otlp_metrics([otlp_cta_point(str(g), str(sm), f"kernel_{k}", [1e-5, 2e-5, 4e-5], now)
+                          for k in range(kernels) for sm in range(132)]).SerializeToString() for g in range(gpus)]
+
+
+def test_slow_scrapers_share_one_page_and_are_cut_at_the_deadline(monkeypatch):
+    """Before: 100 readers at 4 KB/s each held a full copy of the page (345 MB -> 7.8 GB RSS),
+    with no write deadline."""
+    from sightline.collector import app as app_module
+    renders = []
+    real_page = app_module.metrics_page
+    monkeypatch.setattr(app_module, "metrics_page", lambda *a, **k: renders.append(1) or real_page(*a, **k))
+    now = time.time()
+    with running_collector(aggregation=AggregationConfig(expose_sm_histograms=True), scrape_deadline_s=4.0) as col:
+        for body in _fleet_points(4, 10, now):
+            assert post(col.http_url + "/v1/metrics", body, PB)[0] == 200
+        col.idle()
+        with urllib.request.urlopen(col.query_url + "/metrics", timeout=30) as response:
+            page_bytes = len(response.read())
+        assert page_bytes > 8 * 2**20  # 4 GPUs x 132 SMs x 10 kernels, 19 lines each
+        renders.clear()
+        before = _rss_mib()
+        scrapers = [_slow_scraper(col.ports.http) for _ in range(20)]
+        time.sleep(1.5)
+        grown = _rss_mib() - before
+        assert grown < 2 * page_bytes / 2**20 + 16, f"RSS +{grown:.0f} MiB for a {page_bytes / 2**20:.0f} MiB page"
+        assert len(renders) <= 2, len(renders)
+        time.sleep(4.0)  # past the deadline: each is cut, what it had buffered let go
+        for sock in scrapers:
+            received = 0
+            sock.settimeout(10)
+            try:
+                while chunk := sock.recv(1 << 20):
+                    received += len(chunk)
+            except ConnectionResetError:
+                pass
+            sock.close()
+            assert received < page_bytes
+        with urllib.request.urlopen(col.query_url + "/metrics", timeout=30) as response:
+            assert response.status == 200 and len(response.read()) > 8 * 2**20
