@@ -24,7 +24,7 @@ from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
 from .request_shape import RequestLimits
 from .self_metrics import SelfMetrics
-from .span_ids import SpanWindow, remove_spans, span_fingerprints
+from .span_ids import SpanWindow, remove_spans, span_fingerprints, with_variants
 
 __all__ = ["Intake", "admit"]
 
@@ -70,19 +70,20 @@ class Intake:
             admit(self.pipeline, None)
 
     def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
-               encoded: bytes | None = None) -> None:
-        """Admits ``request`` (``items`` spans or data points) or raises IngestError."""
+               encoded: bytes | None = None, variants=None) -> None:
+        """Admits ``request`` (``items`` spans or data points) or raises IngestError.
+        ``variants``: per span, what else tells apart spans sharing ids (Zipkin's kind and
+        ``shared``; :func:`.span_ids.with_variants`)."""
         repeats = 0
         seen = None
         if signal == "traces":
-            seen = self.window.lookup(span_fingerprints(request, encoded))
+            seen = self.window.lookup(with_variants(span_fingerprints(request, encoded), variants))
             repeats = len(seen.repeats)
             if repeats:
                 remove_spans(request, seen.repeats)
                 encoded = None  # no longer the request's encoding
-        kept = items - repeats
-        if kept or not repeats:  # a request of nothing but repeats has nothing to queue
-            admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
+        # a batch of nothing but repeats is counted as acknowledged, never queued
+        admit(self.pipeline, Batch(signal, request, items - repeats, size_bytes, receiver, encoded, repeats))
         if seen is not None:
             self.window.remember(seen.kept)
             self.metrics.accepted(receiver, items, 0)

@@ -18,6 +18,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
+import numpy as np
 from google.protobuf.message import DecodeError
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
@@ -34,12 +35,14 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """One decoded export request: the message, its spans or data points, its estimated
-    parsed size and (traces in protobuf) the encoding it was parsed from."""
+    parsed size, (traces in protobuf) the encoding it was parsed from, and (Zipkin) per span
+    what tells apart spans sharing ids (:func:`.span_ids.with_variants`)."""
 
     message: Any
     items: int
     parsed_bytes: int
     encoded: bytes | None = None
+    variants: np.ndarray | None = None
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:

@@ -160,6 +160,6 @@ OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")
 EVICTED_FAMILIES = ("request", "kernel", "sm_cta")
 # Every reason the aggregator refuses a span or point for: each is on /metrics at 0 from the
 # start (tests/collector/test_counting.py checks the list against every reason in the code).
-DROP_REASONS = ("malformed_span", "malformed_point", "explicit_bucket_histogram", "unsupported_metric_type",
+DROP_REASONS = ("malformed_span", "span_out_of_range", "malformed_point", "explicit_bucket_histogram", "unsupported_metric_type",
                 "unknown_metric", "missing_attributes", "late", "sm_series_limit", "cumulative_streams_full",
                 "cumulative_baseline") + POINT_REFUSALS

@@ -202,7 +202,7 @@ class HttpIngestReceiver:
                     decoded = await asyncio.get_running_loop().run_in_executor(
                         self._decoder, self._inflate_and_decode, raw, encoding, signal, as_json)
                 self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
-                                    decoded.encoded)
+                                    decoded.encoded, decoded.variants)
             finally:
                 self._inflight.leave()
         except IngestError as error:

@@ -27,7 +27,8 @@ from numba import types
 from .ingest import IngestError
 from .protowire import BAD_FIELD, NONE_LEFT, le64, message, next_message, skip, varint
 
-__all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
+__all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys",
+           "with_variants"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
@@ -178,6 +179,23 @@ def span_fingerprints(request, encoded: bytes | None = None) -> np.ndarray:
         if words is not None:
             return _fingerprints(words)
     return fingerprints(_exact_keys(request))
+
+
+def with_variants(fp: np.ndarray, variants: np.ndarray | None) -> np.ndarray:
+    """``fp`` with each nonzero ``variants[i]`` mixed into ``fp[i]``: spans that share ids but
+    differ in what the variant says (Zipkin: kind and ``shared``) get distinct fingerprints;
+    variant 0 leaves a fingerprint as it is. Per variant the mix is a bijection (an XOR, then
+    splitmix64's shift-XORs and products), so distinct ids stay distinct."""
+    if variants is None or not variants.any():
+        return fp
+    out = fp.copy()
+    mixed = variants != 0
+    x = fp[mixed] ^ (variants[mixed] * np.uint64(0x9E3779B97F4A7C15))
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(29)
+    out[mixed] = x | np.uint64(1)
+    return out
 
 
 def _walked(encoded: bytes) -> np.ndarray | None:

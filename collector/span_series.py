@@ -152,7 +152,15 @@ _LABEL_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.R
                          sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
-_REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
+_REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S),
+                     ("e2e", sc.REQUEST_E2E_S))
+# Physical bounds: a span that feeds a distribution ends between 2000 and 2100 and lasts at
+# most a day, and a latency attribute is within 0..1 day; anything else is refused and
+# counted (dropped reason "span_out_of_range"): one absurd value would poison a sum for good.
+_MIN_END_NS, _MAX_END_NS = 946_684_800 * 10**9, 4_102_444_800 * 10**9  # 2000-01-01, 2100-01-01 UTC
+_MAX_SPAN_NS = 86_400 * 10**9
+_MAX_LATENCY_S = 86_400.0
+_CLIENT = 3  # Span.SPAN_KIND_CLIENT: a caller's view of a request (Zipkin's other half), not the request
 # A marked step's attribute as encoders write it (key, then value): found in a lean span's
 # encoded attributes by one list membership test, nothing decoded.
 
@@ -160,7 +168,7 @@ _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), (
 class SpanSeries:
     """The span-derived series (``requests``, ``requests_total``, ``kernels``, ``steps``) and
     the handlers that fill them. ``overflow`` and ``dropped`` are the owner's counters, passed
-    in and added to here (families ``request``/``kernel``/``step``, reason ``malformed_span``).
+    in and added to here (families ``request``/``kernel``/``step``; reasons ``malformed_span``, ``span_out_of_range``).
     """
 
     def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
@@ -280,6 +288,9 @@ class SpanSeries:
                                     continue
                             end_ns = span.end_time_unix_nano
                             duration = end_ns - span.start_time_unix_nano
+                            if not _MIN_END_NS <= end_ns <= _MAX_END_NS or duration > _MAX_SPAN_NS:
+                                self._drop("span_out_of_range")
+                                continue
                             t = end_ns / 1e9
                             if t > now or t <= 0:
                                 t = now
@@ -351,6 +362,8 @@ class SpanSeries:
         return t
 
     def _on_request_full(self, span, now: float) -> None:
+        if span.kind == _CLIENT:
+            return
         got: dict[str, object] = {}
         for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
             key = kv.key
@@ -359,6 +372,8 @@ class SpanSeries:
         self._on_request_attributes(span, now, got)
 
     def _on_request(self, span, now: float) -> None:
+        if span.kind == _CLIENT:
+            return
         got: dict[str, object] = {}
         cache = self._label_cache
         for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
@@ -378,6 +393,22 @@ class SpanSeries:
         self._on_request_attributes(span, now, got)
 
     def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
+        end_ns, start_ns = span.end_time_unix_nano, span.start_time_unix_nano
+        if not _MIN_END_NS <= end_ns <= _MAX_END_NS or end_ns - start_ns > _MAX_SPAN_NS:
+            self._drop("span_out_of_range")
+            return
+        latencies: dict[str, float] = {}
+        for family, attr in _REQUEST_FAMILIES:
+            if attr in got:
+                value = _num(got[attr])
+                if value is None:
+                    continue  # not a number: as if absent
+                if not 0 <= value <= _MAX_LATENCY_S:  # NaN too
+                    self._drop("span_out_of_range")
+                    return
+                latencies[family] = value
+        if "e2e" not in latencies:
+            latencies["e2e"] = max(0, end_ns - start_ns) / 1e9
         value = got.get(_MODEL)
         if value is None:
             value = got.get(_RESPONSE_MODEL)
@@ -398,19 +429,9 @@ class SpanSeries:
                     "e2e": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
                     "queue": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
                 }
-        end_ns = span.end_time_unix_nano
-        t = self._time(end_ns, now)
-        e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
-        if e2e is None:
-            e2e = max(0, end_ns - span.start_time_unix_nano) / 1e9
-        epoch = int(t // self._slot_s)
-        for family, attr in _REQUEST_FAMILIES:
-            if attr in got:
-                value = _num(got[attr])
-                if value is not None and value >= 0 and math.isfinite(value):
-                    self._pend(series[family], value, epoch, span)
-        if e2e >= 0 and math.isfinite(e2e):
-            self._pend(series["e2e"], e2e, epoch, span)
+        epoch = int(self._time(end_ns, now) // self._slot_s)
+        for family, value in latencies.items():
+            self._pend(series[family], value, epoch, span)
         error = _label(got[sc.ERROR_TYPE]) if sc.ERROR_TYPE in got else None
         if error == sc.ERROR_TYPE_CLIENT_DISCONNECTED:
             reason = "abort"  # as the engine counts it
@@ -556,7 +577,11 @@ class SpanSeries:
 
     def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
         end_ns = span.end_time_unix_nano
-        duration = max(0, end_ns - span.start_time_unix_nano) / 1e9
+        duration = end_ns - span.start_time_unix_nano
+        if not _MIN_END_NS <= end_ns <= _MAX_END_NS or duration > _MAX_SPAN_NS:
+            self._drop("span_out_of_range")
+            return
+        duration = max(0, duration) / 1e9
         t = end_ns / 1e9  # self._time inlined: most recorded spans pass here
         if t > now or t <= 0:
             t = now
