@@ -21,9 +21,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["CompileEvent", "CompileWatch", "compile_watch"]
+from ..instrumentation import semconv as sc
+
+__all__ = ["CompileEvent", "CompileWatch", "compile_watch", "step_compile_attributes"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,13 @@ class CompileWatch:
                                   is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled, **kwargs)
         return None
+
+
+def step_compile_attributes(events: list[CompileEvent]) -> dict[str, Any]:
+    """The step span's attributes for the variants its launches met (``STEP_JIT_*``)."""
+    return {sc.STEP_JIT_COMPILES: len(events),
+            sc.STEP_JIT_COMPILE_KERNELS: [e.kernel for e in events],
+            sc.STEP_JIT_COMPILE_S: round(sum(e.duration_s for e in events), 6)}
 
 
 _watch: CompileWatch | None = None

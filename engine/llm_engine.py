@@ -27,12 +27,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..instrumentation import Detokenized, OpenStep, Queued, Step, TelemetryPipeline
+from .compile_cache import resolve_compile_cache
+from .compile_watch import compile_watch, step_compile_attributes
 from .config import EngineConfig, resolve_model_config
 from .kv_cache import KVCacheConfig, KVCacheManager
 from .metrics import EngineMetrics, trace_exemplar
 from .request import FinishReason, Request, SamplingParams
 from .scheduler import QueueFullError, Scheduler, StepPlan
 from .request_output import LiveRequest, RequestOutput, RequestStream, deliver
+from .startup import StartupProgress
 from .tokenizer import IncrementalDetokenizer, load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
@@ -110,18 +113,23 @@ def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end
 class LLMEngine:
     """One model, one device, one loop thread (or ``step()`` driven by the caller, offline)."""
 
-    def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None) -> None:
+    def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None,
+                 startup: StartupProgress | None = None) -> None:
+        """Loads the model, sizes the KV cache and warms up (``engine/warmup.py``): once
+        constructed, the engine is ready. ``startup``: where the phases are reported."""
         from .model_runner import ModelRunner  # torch, loaded with the engine
+        from .warmup import warm_up
 
         self.config = config
+        self.startup = startup if startup is not None else StartupProgress()
+        self.compile_cache = self.startup.use_cache(resolve_compile_cache(config.compile_cache_dir))
+        self._compiles = compile_watch()
         self.model_config = resolve_model_config(config.model)
         self.model_name = config.model_name
         self.telemetry = telemetry
         self._recorder = telemetry.recorder if telemetry is not None else None
         self.gpu_telemetry = self._gpu_telemetry()
-        self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry)
-        if self.gpu_telemetry is not None:
-            self.gpu_telemetry.start_kernel_tracing()
+        self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry, self.startup)
         self.tokenizer = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
                                         self.model_config.eos_token_id)
         self.eos_token_id = self.model_config.eos_token_id
@@ -151,6 +159,10 @@ class LLMEngine:
         # (GpuTelemetry's begin/end_step count theirs in gpu_telemetry.stats.engine_thread_s)
         self.loop_s = 0.0
         self.telemetry_thread_s = 0.0
+        # the CUDA graphs and kernel tracing (CUPTI) start here, after the eager variants
+        self.startup_report = warm_up(self.runner, config, self.startup, self._recorder,
+                                      self.compile_cache)
+        self.metrics.record_startup(self.startup_report)
 
     def _watch_gpu_health(self) -> None:
         """GPU memory and contexts on /metrics whenever the model runs on CUDA, whatever
@@ -351,8 +363,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         step = self._open_step(plan, t0) if self._recorder is not None else None
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
+        compiles = self._compiles.thread_count()
         try:
             run = self.runner.launch(plan, step, previous.run.tokens if previous else None)
+            if self._compiles.thread_count() != compiles:
+                self._served_compiles(plan, step, compiles)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             if step is not None:
@@ -363,6 +378,17 @@ class LLMEngine:
             finished = self.scheduler.update_pending(
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
         return _Launched(plan, step, run, finished, t0)
+
+    def _served_compiles(self, plan: StepPlan, step: OpenStep | None, since: int) -> None:
+        """Kernel variants this step met for the first time: counted (a defect of the
+        warm-up), logged, and on its span for explain."""
+        events = self._compiles.since(since)
+        self.metrics.jit_compiled(events)
+        log.warning("step %d met %d kernel variants for the first time while serving: %s",
+                    plan.step_id, len(events), ", ".join(f"{e.kernel} ({e.source})" for e in events))
+        if step is not None:
+            for key, value in step_compile_attributes(events).items():
+                step.set_attribute(key, value)
 
     def _complete(self, launched: _Launched) -> list[tuple[LiveRequest, RequestOutput]]:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs."""

@@ -89,6 +89,14 @@ class EngineMetrics:
                                  sc.REQUEST_DURATION_BUCKETS_S)
         self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
                                 sc.REQUEST_DURATION_BUCKETS_S)
+        self._jit_compiles = Counter(
+            sc.ENGINE_JIT_COMPILES_TOTAL, "Kernel variants met for the first time while serving "
+            "(compiled, loaded from the disk cache, or autotuned): each is a defect of the warm-up.",
+            m + [sc.LABEL_KERNEL, sc.LABEL_COMPILE_KIND], registry=r)
+        self._startup_phases = Gauge(sc.ENGINE_STARTUP_SECONDS, "Seconds each start-up phase took.",
+                                     m + [sc.LABEL_PHASE], registry=r)
+        self.startup_total = gauge(sc.ENGINE_STARTUP_TOTAL_SECONDS,
+                                   "Seconds from process start (or the engine's construction) to ready.")
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -108,6 +116,17 @@ class EngineMetrics:
         if child is None:
             child = self._errors[code] = self._errors_by_code.labels(self.model, str(code))
         child.inc()
+
+    def record_startup(self, report) -> None:
+        """The start-up's phase durations and total (a ``StartupReport``)."""
+        for phase in report.phases:
+            self._startup_phases.labels(self.model, phase.name).set(phase.duration_s)
+        self.startup_total.set(report.total_s)
+
+    def jit_compiled(self, events) -> None:
+        """Kernel variants met while serving (``CompileEvent``s), by kernel and kind."""
+        for event in events:
+            self._jit_compiles.labels(self.model, event.kernel, event.source).inc()
 
     def watch_gpu(self, device_index: int) -> str | None:
         """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this

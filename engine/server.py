@@ -1,18 +1,18 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics with trace-id exemplars when
-asked). Streams as vLLM does, which benchmark tools are built against: one SSE chunk per
-generated token even when its text is empty, the chat role on the first token's chunk,
-usage at the end (``include_usage``) or on every chunk (``continuous_usage_stats``). The
-caller's ``X-Request-Id`` is echoed and names the request's spans (generated if absent).
+``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics
+with trace-id exemplars when asked). HTTP is served from the start: ``/live`` is 200 at once,
+``/health`` 503 naming the start-up phase until the engine is warm, other routes 503. Streams
+as vLLM does: one SSE chunk per generated token even when its text is empty, the chat role
+on the first token's chunk, usage at the end (``include_usage``) or on every chunk
+(``continuous_usage_stats``). ``X-Request-Id`` is echoed and names the request's spans.
 
 Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
-``Retry-After`` (queue full), 503 (shutting down), 500 (engine failure); the process serves
-on. A client that disconnects has its request aborted, its KV blocks freed before the next
-step. SIGTERM/SIGINT: new requests get 503, in-flight ones get ``shutdown_timeout_s`` (a
-second signal cuts it short), the rest are aborted, telemetry is flushed. The event loop
-runs in the main thread, the engine loop in its own.
+``Retry-After`` (queue full), 503 (starting, shutting down), 500 (engine failure); the
+process serves on. A client that disconnects has its request aborted, its KV blocks freed
+before the next step. SIGTERM/SIGINT: new requests get 503, in-flight ones get
+``shutdown_timeout_s`` (a second signal cuts it short), the rest are aborted, telemetry flushed.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .openai_protocol import (
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
     parse_completion_request, parse_json, sse, usage, usage_chunk)
 from .request import SamplingParams
+from .startup import StartupProgress
 from .tokenizer import apply_chat_template
 
 __all__ = ["EngineServer", "RunningServer", "serve", "serve_in_thread"]
@@ -62,10 +63,15 @@ def _json_response(payload: dict, status: int = 200) -> web.Response:
 class EngineServer:
     """Routes bound to one engine; ``app`` is the aiohttp application."""
 
-    def __init__(self, engine: LLMEngine, telemetry) -> None:
+    def __init__(self, engine: LLMEngine | None, telemetry, startup: StartupProgress | None = None,
+                 model: str | None = None) -> None:
+        """``engine`` None: still starting (``startup`` says where); set it once ready."""
+        if engine is None and startup is None:
+            raise ValueError("an EngineServer without its engine needs the start-up progress")
         self.engine = engine
         self.telemetry = telemetry
-        self.model = engine.model_name
+        self.startup = startup
+        self.model = engine.model_name if engine is not None else model
         self.created = now_s()
         self.draining = False
         self.app = web.Application(middlewares=[self._errors_middleware], client_max_size=16 * 2**20)
@@ -75,6 +81,7 @@ class EngineServer:
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model_id:.+}", self.model_card),
             web.get("/health", self.health),
+            web.get("/live", self.live),
             web.get("/ping", self.ping),
             web.post("/ping", self.ping),
             web.get("/version", self.version),
@@ -87,6 +94,12 @@ class EngineServer:
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
         """Every failure leaves in OpenAI's error shape (404/405 included); the server goes on."""
+        if self.engine is None and request.path not in ("/health", "/live", "/version"):
+            reply = _json_response(error_body(
+                f"the engine is starting (phase {self.startup.state()['phase']}); retry once "
+                "/health answers 200", "service_unavailable", None, "starting"), 503)
+            reply.headers["Retry-After"] = str(RETRY_AFTER_S)
+            return reply
         try:
             return await handler(request)
         except ProtocolError as exc:
@@ -110,10 +123,20 @@ class EngineServer:
                                              "server_error", None, "internal_error"), 500)
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: 200 once warm, 503 naming the start-up phase before, and while draining."""
+        if self.engine is None:
+            return _json_response(self.startup.state(), 503)
         if self.draining:
             return _json_response({"status": "draining"}, 503)
+        report = self.engine.startup_report
         return _json_response({"status": "ok", "running": self.engine.scheduler.num_running,
-                               "waiting": self.engine.scheduler.num_waiting})
+                               "waiting": self.engine.scheduler.num_waiting,
+                               "startup_s": round(report.total_s, 3),
+                               "startup_trace_id": report.trace_id})
+
+    async def live(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves HTTP, starting and draining included."""
+        return _json_response({"status": "alive"})
 
     async def ping(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.draining else 200)
@@ -401,21 +424,26 @@ class RunningServer:
 
 
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
-                 telemetry=None) -> int:
+                 telemetry=None, startup: StartupProgress | None = None) -> int:
     telemetry = _pipeline(config, telemetry)
+    startup = startup if startup is not None else StartupProgress()
+    server = EngineServer(None, telemetry, startup, config.model_name)   # /live, /health 503
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
     try:
-        engine = await asyncio.to_thread(LLMEngine, config, telemetry)
-    except BaseException:
+        await runner.setup()
+        await web.TCPSite(runner, config.host, config.port).start()
+        port = runner.addresses[0][1] if runner.addresses else config.port
+        log.info("starting on http://%s:%d: /live answers, /health is 503 until warm",
+                 config.host, port)
+        engine = await asyncio.to_thread(LLMEngine, config, telemetry, startup)
+    except BaseException as exc:
+        startup.fail(exc)
+        await runner.cleanup()
         if telemetry is not None:
             telemetry.shutdown()
         raise
     engine.start()
-    server = EngineServer(engine, telemetry)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    port = runner.addresses[0][1] if runner.addresses else config.port
+    server.engine = engine
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, engine.runner.device, engine.runner.num_blocks,
              engine.max_model_len,
@@ -457,15 +485,18 @@ def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
 
 
 def serve(config: EngineConfig) -> int:
-    """Runs the server in this (main) thread until SIGTERM/SIGINT; returns the exit code."""
-    return asyncio.run(_serve(config))
+    """Runs the server in this (main) thread until SIGTERM/SIGINT; returns the exit code.
+    Start-up is reported from the process's own start."""
+    return asyncio.run(_serve(config, startup=StartupProgress(from_process_start=True)))
 
 
-def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None) -> RunningServer:
-    """Starts the server on a daemon thread with its own event loop; returns once it listens.
-    ``telemetry``: a started Telemetry to use instead of one built from ``config.telemetry``
-    (the server shuts it down when it stops). Raises whatever start-up raised (bad model
-    path, port in use, ...)."""
+def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None,
+                    on_phase=None) -> RunningServer:
+    """Starts the server on a daemon thread with its own event loop; returns once it is
+    ready (warm). ``telemetry``: a started Telemetry to use instead of one built from
+    ``config.telemetry`` (the server shuts it down when it stops). ``on_phase(name,
+    report)``: called at each start-up phase's start (report None) and end. Raises
+    whatever start-up raised (bad model path, port in use, ...)."""
     ready: list[RunningServer] = []
     failed: list[BaseException] = []
     event = threading.Event()
@@ -476,7 +507,7 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
 
     def main() -> None:
         try:
-            asyncio.run(_serve(config, on_ready, telemetry))
+            asyncio.run(_serve(config, on_ready, telemetry, StartupProgress(on_phase)))
         except BaseException as exc:  # reported to the caller below
             failed.append(exc)
             event.set()

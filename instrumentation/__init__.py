@@ -18,7 +18,8 @@ if TYPE_CHECKING:
     from .config_checks import check_range
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
     from .gpu_telemetry import GpuTelemetry
-    from .lifecycle import Detokenized, LifecycleRecorder, OpenStep, Queued, Step
+    from .lifecycle import (Detokenized, LifecycleRecorder, OpenStep, Queued, Startup,
+                            StartupPhase, Step)
     from .nvml import NvmlCollector
     from .otlp_json_ids import base64_to_hex, convert_ids
     from .sm_probe import (PROBE_OFF, ProbedLaunches, SmProbe, launch_facts, probe_begin,
@@ -34,6 +35,7 @@ _MODULE_OF = {
     "relative_error": "exphist",
     "GpuTelemetry": "gpu_telemetry",
     "Detokenized": "lifecycle", "LifecycleRecorder": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
+    "Startup": "lifecycle", "StartupPhase": "lifecycle",
     "NvmlCollector": "nvml",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
     "PROBE_OFF": "sm_probe", "ProbedLaunches": "sm_probe", "SmProbe": "sm_probe",

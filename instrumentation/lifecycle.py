@@ -29,7 +29,8 @@ from .config import TelemetryConfig, TraceLevel
 from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
-           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep"]
+           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep",
+           "Startup", "StartupPhase"]
 
 
 class RemoteParent(NamedTuple):
@@ -117,6 +118,26 @@ class RequestEnd(NamedTuple):
     e2e_s: float | None
     preemptions: int | None
     error_type: str | None
+
+
+class StartupPhase(NamedTuple):
+    """One phase of the engine's start-up (loading weights, a warm-up family, ...)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any] | None
+
+
+class Startup(NamedTuple):
+    """The engine's start-up, recorded once when it is ready: one trace, a span per phase."""
+
+    trace_id: int
+    span_id: int
+    start_ns: int
+    end_ns: int
+    phases: tuple[StartupPhase, ...]
+    attributes: Mapping[str, Any] | None
 
 
 class RequestHandle:

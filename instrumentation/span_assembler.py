@@ -1,6 +1,7 @@
 """Builds request, phase and step spans from lifecycle events (:mod:`.lifecycle`).
 
-The phase machine lives here, not in the engine: a request's ``queue`` opens when it is
+The engine's start-up becomes one trace (a root and a span per phase). The phase machine
+of requests lives here, not in the engine: a request's ``queue`` opens when it is
 queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
 when a step finishes its prompt, ``detokenize`` around the engine's final flush. Step spans
 link to the requests they served; prefill/decode spans link back (capped, counted).
@@ -24,8 +25,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 
 from . import semconv as sc
-from .lifecycle import (Detokenized, Queued, RequestAttributes, RequestEnd, RequestStart, Step,
-                        Tokenized)
+from .lifecycle import (Detokenized, Queued, RequestAttributes, RequestEnd, RequestStart, Startup,
+                        Step, Tokenized)
 from .request_trace import RequestTrace, StepTrace
 
 __all__ = ["SpanAssembler"]
@@ -56,7 +57,7 @@ class SpanAssembler:
         self._handlers = {
             RequestStart: self._start, Tokenized: self._tokenized,
             RequestAttributes: self._attributes, Queued: self._queued, Step: self._step,
-            Detokenized: self._detokenized, RequestEnd: self._end,
+            Detokenized: self._detokenized, RequestEnd: self._end, Startup: self._startup,
         }
 
     def handle(self, events) -> None:
@@ -140,6 +141,19 @@ class SpanAssembler:
             input_tokens=e.input_tokens, output_tokens=e.output_tokens, ttft_s=e.ttft_s,
             tpot_s=e.tpot_s, queue_s=e.queue_s, e2e_s=e.e2e_s, preemptions=e.preemptions,
             error_type=e.error_type, end_time_ns=e.time_ns)
+
+    # -- the engine's start-up --------------------------------------------------------
+    def _startup(self, e: Startup) -> None:
+        """One trace: the ``engine.startup`` root and a child span per phase."""
+        spans = self.telemetry.finished_spans
+        if spans is None:
+            return
+        root = spans.root_context(sc.SPAN_ENGINE_STARTUP, e.attributes, (), e.trace_id,
+                                  e.span_id)
+        for phase in e.phases:
+            spans.emit(sc.SPAN_STARTUP_PHASE_PREFIX + phase.name, spans.child_context(root), root,
+                       phase.start_ns, phase.end_ns, phase.attributes)
+        spans.emit(sc.SPAN_ENGINE_STARTUP, root, None, e.start_ns, e.end_ns, e.attributes)
 
     # -- steps ----------------------------------------------------------------------
     def _step(self, e: Step) -> None:

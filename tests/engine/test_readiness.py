@@ -1,0 +1,80 @@
+"""Readiness and liveness while the engine starts: the real server, probed over HTTP.
+
+At the start of each start-up phase (the ``on_phase`` hook runs on the thread that builds
+the engine, while the server's event loop answers), ``/health`` is 503 and names that
+phase, ``/live`` is 200, and a completion is refused with 503 in OpenAI's error shape.
+Once ``serve_in_thread`` returns (the engine is warm) ``/health`` is 200 and says how long
+start-up took; ``/live`` stays 200 while draining, when ``/health`` is 503 again.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+from sightline.engine.config import EngineConfig
+from sightline.engine.server import serve_in_thread
+from sightline.instrumentation import semconv as sc
+
+from ..support import free_port
+
+
+def _get(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_health_is_503_naming_the_phase_until_warm_and_live_is_200_throughout():
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    seen: dict[str, tuple] = {}
+    ended: list[str] = []
+
+    def on_phase(name: str, report) -> None:
+        if report is not None:
+            ended.append(name)
+            return
+        completion = _get(base + "/v1/completions",
+                          json.dumps({"model": "tiny", "prompt": "hi"}).encode())
+        seen[name] = (_get(base + "/health"), _get(base + "/live"), completion)
+
+    running = serve_in_thread(EngineConfig(model="tiny", device="cpu", kv_cache_gib=0.01,
+                                           port=port, shutdown_timeout_s=5), on_phase=on_phase)
+    try:
+        phases = [sc.STARTUP_LOAD_WEIGHTS, sc.STARTUP_ALLOCATE_KV, sc.STARTUP_WARMUP_FUSED,
+                  sc.STARTUP_WARMUP_PREFILL, sc.STARTUP_WARMUP_DECODE, sc.STARTUP_WARMUP_MIXED,
+                  sc.STARTUP_WARMUP_SAMPLER]
+        assert list(seen) == phases and ended == phases   # the CPU's phases, in order
+        for i, (name, (health, live, completion)) in enumerate(seen.items()):
+            status, body = health
+            assert status == 503 and body["status"] == "starting" and body["phase"] == name
+            assert body["phases_done"] == phases[:i]
+            assert live == (200, {"status": "alive"})
+            status, body = completion
+            assert status == 503 and body["error"]["code"] == "starting"
+            assert body["error"]["type"] == "service_unavailable"
+            assert f"phase {name}" in body["error"]["message"]
+        status, body = _get(base + "/health")
+        report = running.engine.startup_report
+        assert status == 200 and body["status"] == "ok"
+        assert body["startup_s"] == round(report.total_s, 3) > 0
+        assert [p.name for p in report.phases] == phases
+        assert all(p.variants_run > 0 for p in report.phases if p.name.startswith("warmup_"))
+        assert _get(base + "/live") == (200, {"status": "alive"})
+        status, body = _get(base + "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": "hi", "max_tokens": 2}).encode())
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        for phase in phases:
+            assert f'{sc.ENGINE_STARTUP_SECONDS}{{model="tiny",phase="{phase}"}}' in metrics
+        assert f'{sc.ENGINE_STARTUP_TOTAL_SECONDS}{{model="tiny"}}' in metrics
+        running.server.draining = True   # what SIGTERM sets first
+        assert _get(base + "/health") == (503, {"status": "draining"})
+        assert _get(base + "/live") == (200, {"status": "alive"})
+    finally:
+        running.stop()
