@@ -55,12 +55,23 @@ class CompileCache:
         except OSError:
             return 0
 
-    def apply(self) -> None:
-        """Creates the directories and points Triton and inductor at them (``os.environ``)."""
-        for directory in (self.root, self.triton_dir, self.inductor_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+    def apply(self) -> bool:
+        """Creates the directories and points Triton and inductor at them (``os.environ``).
+        A directory that cannot be created is an error when it was the argument; otherwise
+        it is logged and the compilers keep their own defaults (False)."""
+        try:
+            for directory in (self.root, self.triton_dir, self.inductor_dir):
+                directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if self.source == "argument":
+                raise ValueError(f"compile cache directory {str(self.root)!r} cannot be "
+                                 f"created: {exc}") from None
+            log.warning("compile cache %s unusable (%s); kernels are compiled into the "
+                        "compilers' own default caches", self.root, exc)
+            return False
         os.environ["TRITON_CACHE_DIR"] = str(self.triton_dir)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
+        return True
 
 
 def resolve_compile_cache(path: str | os.PathLike | None = None) -> CompileCache:

@@ -4,7 +4,8 @@ At the start of each start-up phase (the ``on_phase`` hook runs on the thread th
 the engine, while the server's event loop answers), ``/health`` is 503 and names that
 phase, ``/live`` is 200, and a completion is refused with 503 in OpenAI's error shape.
 Once ``serve_in_thread`` returns (the engine is warm) ``/health`` is 200 and says how long
-start-up took; ``/live`` stays 200 while draining, when ``/health`` is 503 again.
+start-up took; ``/live`` stays 200 while draining, when ``/health`` is 503 again. On a GPU
+(``gpu`` marker), load using every sampling option meets no kernel variant once ready.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import json
 import urllib.error
 import urllib.request
 
+import pytest
+
 from sightline.engine.config import EngineConfig
+from sightline.engine.scheduler import SchedulerConfig
 from sightline.engine.server import serve_in_thread
 from sightline.instrumentation import semconv as sc
 
@@ -76,5 +80,57 @@ def test_health_is_503_naming_the_phase_until_warm_and_live_is_200_throughout():
         running.server.draining = True   # what SIGTERM sets first
         assert _get(base + "/health") == (503, {"status": "draining"})
         assert _get(base + "/live") == (200, {"status": "alive"})
+    finally:
+        running.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("level", ["requests", "kernels"])
+def test_no_kernel_variant_is_met_while_serving_every_sampling_option_on_gpu(tmp_path, level):
+    """On CUDA, once /health is 200: concurrent requests using every sampling path, prompts
+    from 1 token to the step budget (prefill, mixed and decode steps, every graph size),
+    leave sightline_engine_jit_compiles_total without a single sample."""
+    import concurrent.futures
+
+    import openai
+
+    from sightline.engine.warmup import SAMPLER_CASES
+    from sightline.instrumentation.config import TelemetryConfig
+
+    config = EngineConfig(model="tiny", device="cuda", port=0, shutdown_timeout_s=10,
+                          compile_cache_dir=str(tmp_path / "cache"),
+                          scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=1024),
+                          telemetry=TelemetryConfig(level=level, exporter="none",
+                                                    kernel_sample_ratio=0.5,
+                                                    metrics_enabled=False))
+    running = serve_in_thread(config, timeout_s=600)
+    try:
+        report = running.engine.startup_report
+        assert report.compiled + report.cached > 0   # the warm-up met the variants
+        client = openai.OpenAI(base_url=running.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=120)
+        cases = list(SAMPLER_CASES.values())
+
+        def one(i: int) -> str:
+            params = cases[i % len(cases)]
+            extra = {"ignore_eos": True, "min_p": params.min_p,
+                     "repetition_penalty": params.repetition_penalty}
+            if params.top_k is not None:
+                extra["top_k"] = params.top_k
+            if params.allowed_token_ids is not None:
+                extra["allowed_token_ids"] = list(params.allowed_token_ids)
+            out = client.completions.create(
+                model="tiny", prompt=[1] * (1 + (i * 97) % 1000), max_tokens=1 + i % 24,
+                temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+                presence_penalty=params.presence_penalty,
+                frequency_penalty=params.frequency_penalty, extra_body=extra)
+            return out.choices[0].finish_reason
+
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            assert set(pool.map(one, range(96))) == {"length"}
+        metrics = urllib.request.urlopen(running.url + "/metrics", timeout=10).read().decode()
+        served = [line for line in metrics.splitlines()
+                  if line.startswith(sc.ENGINE_JIT_COMPILES_TOTAL + "_total")]
+        assert served == [], served
     finally:
         running.stop()
