@@ -88,7 +88,7 @@ class PhaseReport:
         """One log line: duration, status, what compiled and what came from the cache."""
         parts = [f"{self.name}: {self.duration_s:.2f} s, {self.status}"]
         if self.variants_run or self.variants_skipped:
-            parts.append(f"{self.variants_run} cases run"
+            parts.append(f"cases: {self.variants_run} run"
                          + (f", {self.variants_skipped} left out (time limit)"
                             if self.variants_skipped else ""))
         for label, names in (("compiled", self.compiled), ("from cache", self.cached),
