@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP server (aiohttp) in front of one ``LLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/metrics`` (OpenMetrics
-with trace-id exemplars when asked). HTTP is served from the start: ``/live`` is 200 at once,
-``/health`` 503 naming the start-up phase until the engine is warm, other routes 503. Streams
-as vLLM does: one SSE chunk per generated token even when its text is empty, the chat role
-on the first token's chunk, usage at the end (``include_usage``) or on every chunk
-(``continuous_usage_stats``). ``X-Request-Id`` is echoed and names the request's spans.
+``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/{steps,startup}``, ``/metrics``
+(OpenMetrics with trace-id exemplars when asked). HTTP is served from the start: ``/live``
+is 200 at once, ``/health`` 503 naming the start-up phase until the engine is warm, other
+routes 503. Streams as vLLM does: one SSE chunk per generated token even when its text is
+empty, the chat role on the first token's chunk, usage at the end (``include_usage``) or on
+every chunk (``continuous_usage_stats``). ``X-Request-Id`` is echoed and names the spans.
 
 Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
 ``Retry-After`` (queue full), 503 (starting, shutting down), 500 (engine failure); the
@@ -87,6 +87,7 @@ class EngineServer:
             web.get("/version", self.version),
             web.get("/metrics", self.metrics),
             web.get("/debug/steps", self.debug_steps),
+            web.get("/debug/startup", self.debug_startup),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
 
@@ -174,6 +175,11 @@ class EngineServer:
             "gpu_telemetry_worker_cpu_s": gpu.stats.worker_cpu_s if gpu is not None else 0.0,
             "gpu_telemetry_worker_phases_cpu_s":
                 gpu.stats.worker_phases_cpu_s() if gpu is not None else {}})
+
+    async def debug_startup(self, request: web.Request) -> web.Response:
+        """The start-up report: each phase's time and the kernel variants it compiled or
+        took from the cache (``StartupReport.to_dict``)."""
+        return _json_response(self.engine.startup_report.to_dict())
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
