@@ -41,6 +41,10 @@ class CompileEvent:
     source: Source
     duration_s: float    # Triton's own compile (or cache load) time; autotune: the tuning
     time_ns: int         # when it ended (time.time_ns)
+    variant: str = ""    # which one: its constexprs and launch options, or the tuning key
+
+    def __str__(self) -> str:
+        return self.variant or self.kernel
 
 
 class CompileWatch:
@@ -55,11 +59,13 @@ class CompileWatch:
         self._previous = None             # a listener installed before ours
 
     # -- recording -----------------------------------------------------------------
-    def record(self, kernel: str, source: Source, duration_s: float = 0.0) -> None:
+    def record(self, kernel: str, source: Source, duration_s: float = 0.0,
+               variant: str = "") -> None:
         """Records one event on the calling thread's list (any thread)."""
         if source not in SOURCES:
             raise ValueError(f"source={source!r} is not one of {'|'.join(SOURCES)}")
-        self.thread_events().append(CompileEvent(kernel, source, duration_s, time.time_ns()))
+        self.thread_events().append(CompileEvent(kernel, source, duration_s, time.time_ns(),
+                                                 variant))
         with self._lock:
             self.total += 1
 
@@ -107,9 +113,10 @@ class CompileWatch:
 
     def _listener(self, *, src, metadata, metadata_group, times, cache_hit, **kwargs) -> None:
         try:
-            name = getattr(src, "name", None) or (metadata or {}).get("name") or "<unknown>"
+            name = str(getattr(src, "name", None) or (metadata or {}).get("name") or "<unknown>")
             micros = getattr(times, "total", 0) or 0
-            self.record(str(name), "disk_cache" if cache_hit else "compiled", micros / 1e6)
+            self.record(name, "disk_cache" if cache_hit else "compiled", micros / 1e6,
+                        _variant(name, src, metadata or {}))
         except Exception:   # counting must never break a compile
             log.exception("compile watch: could not record a compile")
         if self._previous is not None:
@@ -127,6 +134,22 @@ class CompileWatch:
                                   is_manual_warmup=is_manual_warmup,
                                   already_compiled=already_compiled, **kwargs)
         return None
+
+
+def _variant(name: str, src, metadata: dict) -> str:
+    """``kernel[CONSTEXPR=value,...] w<warps> s<stages>``: what tells a kernel's variants
+    apart (specialized ints appear among the constexprs); the name alone when unreadable."""
+    try:
+        arg_names = src.fn.arg_names
+        constants = sorted((arg_names[key[0]], value) for key, value in src.constants.items()
+                           if len(key) == 1 and isinstance(value, (bool, int, str)))
+        inner = ",".join(f"{k}={v}" for k, v in constants)
+        options = " ".join(f"{tag}{metadata[key]}" for key, tag in (("num_warps", "w"),
+                                                                      ("num_stages", "s"))
+                           if key in metadata)
+        return f"{name}[{inner}]" + (f" {options}" if options else "")
+    except Exception:   # another Triton's source object: the name says enough
+        return name
 
 
 def step_compile_attributes(events: list[CompileEvent]) -> dict[str, Any]:

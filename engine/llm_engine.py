@@ -385,7 +385,7 @@ class LLMEngine:
         events = self._compiles.since(since)
         self.metrics.jit_compiled(events)
         log.warning("step %d met %d kernel variants for the first time while serving: %s",
-                    plan.step_id, len(events), ", ".join(f"{e.kernel} ({e.source})" for e in events))
+                    plan.step_id, len(events), ", ".join(f"{e} ({e.source})" for e in events))
         if step is not None:
             for key, value in step_compile_attributes(events).items():
                 step.set_attribute(key, value)

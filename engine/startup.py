@@ -34,14 +34,14 @@ OnPhase = Callable[[str, "PhaseReport | None"], None]
 
 @dataclass(frozen=True)
 class PhaseReport:
-    """One finished start-up phase. Kernel names appear once per variant."""
+    """One finished start-up phase and the kernel variants it met."""
 
     name: str
     start_ns: int
     end_ns: int
-    compiled: tuple[str, ...] = ()    # variants compiled in this phase
+    compiled: tuple[str, ...] = ()    # variants compiled in this phase (``CompileEvent.variant``)
     cached: tuple[str, ...] = ()      # variants loaded from the on-disk cache
-    autotuned: tuple[str, ...] = ()   # kernels tuned for a new key (timing, not compiling)
+    autotuned: tuple[str, ...] = ()   # tuning keys timed (no compile)
     compile_s: float = 0.0            # Triton's compile/load time and tuning time within it
     variants_run: int = 0             # warm-up cases run (0 for phases that are not warm-up)
     variants_skipped: int = 0         # warm-up cases left out: the time limit ran out
@@ -100,10 +100,12 @@ class PhaseReport:
         return "; ".join(parts)
 
 
-def _counted(names: tuple[str, ...]) -> str:
+def _counted(variants: tuple[str, ...]) -> str:
+    """Variants counted per kernel: ``fa2 x7, rope``."""
     counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
+    for variant in variants:
+        kernel = variant.split("[", 1)[0].split(" ", 1)[0]
+        counts[kernel] = counts.get(kernel, 0) + 1
     return ", ".join(f"{n} x{c}" if c > 1 else n for n, c in counts.items())
 
 
@@ -244,7 +246,7 @@ def _report(name: str, start: int, end: int, events: list[CompileEvent],
             run: PhaseRun) -> PhaseReport:
     by_source: dict[str, list[str]] = {"compiled": [], "disk_cache": [], "autotune": []}
     for event in events:
-        by_source[event.source].append(event.kernel)
+        by_source[event.source].append(str(event))
     return PhaseReport(name, start, end, tuple(by_source["compiled"]),
                        tuple(by_source["disk_cache"]), tuple(by_source["autotune"]),
                        sum(e.duration_s for e in events), run.variants_run,

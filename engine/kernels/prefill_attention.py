@@ -265,7 +265,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 started = time.perf_counter()
                 config = _tune(launch)
                 _tuned[key] = config
-                compile_watch().record(KERNEL_NAME, "autotune", time.perf_counter() - started)
+                compile_watch().record(KERNEL_NAME, "autotune", time.perf_counter() - started,
+                                       f"{KERNEL_NAME} tuned for {key}: {config}")
     launch(config, probe)
     return o
 

@@ -63,6 +63,7 @@ def test_a_new_variant_is_compiled_then_comes_from_the_disk_cache(watch):
     _compile(64)
     [event] = watch.thread_events()
     assert (event.kernel, event.source) == ("doubler", "compiled") and event.duration_s > 0
+    assert str(event) == event.variant == "doubler[BLOCK=64] w4 s3"
     _compile(64)          # a new process-level miss of the same variant: Triton's disk cache
     _compile(128)         # another constexpr: another variant, compiled
     assert [(e.kernel, e.source) for e in watch.since(1)] == [("doubler", "disk_cache"),

@@ -89,16 +89,17 @@ def test_phases_report_compiled_then_cached_then_warm(watch):
         pass
     report = progress.ready()
     first, second, third = report.phases
+    variant = "doubler[BLOCK=64] w4 s3"   # the kernel, its constexprs, warps and stages
     assert (first.compiled, first.cached, first.status, first.variants_run) == (
-        ("doubler",), (), "compiled", 1)
-    assert (second.compiled, second.cached, second.status) == ((), ("doubler",), "cached")
+        (variant,), (), "compiled", 1)
+    assert (second.compiled, second.cached, second.status) == ((), (variant,), "cached")
     assert third.status == "warm" and (report.compiled, report.cached) == (1, 1)
     assert [(name, r is None) for name, r in calls] == [
         ("first", True), ("first", False), ("second", True), ("second", False),
         ("third", True), ("third", False)]
     assert "compiled 1 (doubler)" in first.summary() and "from cache 1" in second.summary()
     attributes = first.attributes()
-    assert attributes[sc.STARTUP_KERNELS_COMPILED] == ["doubler"]
+    assert attributes[sc.STARTUP_KERNELS_COMPILED] == [variant]
     assert attributes[sc.STARTUP_STATUS] == "compiled" and first.compile_s > 0
     assert report.start_ns == progress.start_ns <= first.start_ns <= third.end_ns <= report.ready_ns
 
