@@ -18,7 +18,7 @@ from prometheus_client.exposition import choose_encoder
 
 from ..instrumentation import semconv as sc
 
-__all__ = ["EngineMetrics", "trace_exemplar"]
+__all__ = ["EngineMetrics", "exposition", "trace_exemplar"]
 
 _OPENMETRICS_EOF = b"# EOF\n"
 
@@ -158,10 +158,15 @@ class EngineMetrics:
     def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
                    accept: str = "") -> tuple[bytes, str]:
         """(body, content type): the registry followed by ``extra`` registries (e.g. the
-        tracer's ``sightline_telemetry_*`` counters), in the format ``accept`` (an HTTP
-        Accept header) prefers: OpenMetrics, with exemplars, or the classic text format."""
-        encode, content_type = choose_encoder(accept)
-        parts = [encode(r) for r in (self.registry, *extra) if r is not None]
-        if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
-            parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
-        return b"".join(parts), content_type
+        tracer's ``sightline_telemetry_*`` counters); see ``exposition``."""
+        return exposition((self.registry, *extra), accept)
+
+
+def exposition(registries: Iterable[CollectorRegistry | None], accept: str = "") -> tuple[bytes, str]:
+    """(body, content type): the registries in the format ``accept`` (an HTTP Accept header)
+    prefers: OpenMetrics, with exemplars, or the classic text format."""
+    encode, content_type = choose_encoder(accept)
+    parts = [encode(r) for r in registries if r is not None]
+    if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
+        parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
+    return b"".join(parts), content_type

@@ -3,10 +3,10 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
 ``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/{steps,startup}``, ``/metrics``
 (OpenMetrics with trace-id exemplars when asked). HTTP is served from the start: ``/live``
-is 200 at once, ``/health`` 503 naming the start-up phase until the engine is warm, other
-routes 503. Streams as vLLM does: one SSE chunk per generated token even when its text is
-empty, the chat role on the first token's chunk, usage at the end (``include_usage``) or on
-every chunk (``continuous_usage_stats``). ``X-Request-Id`` is echoed and names the spans.
+is 200 at once, ``/health`` 503 naming the start-up phase until the engine is warm, the API
+routes 503 (``/metrics`` has the telemetry's series). Streams as vLLM does: one SSE chunk
+per generated token even when empty, the chat role on the first token's chunk, usage at the
+end (``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
 
 Errors come in OpenAI's shape: 400 (bad parameters, JSON, context), 404, 429 with
 ``Retry-After`` (queue full), 503 (starting, shutting down), 500 (engine failure); the
@@ -35,6 +35,7 @@ from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
 from .config import EngineConfig
 from .llm_engine import EngineStoppedError, LLMEngine, QueueFullError, RequestOutput
+from .metrics import exposition
 from .openai_protocol import (
     SSE_DONE, ChatCompletionRequest, CompletionRequest, ProtocolError, chat_chunk, chat_response,
     completion_chunk, completion_response, error_body, now_s, parse_chat_request,
@@ -95,7 +96,7 @@ class EngineServer:
     @web.middleware
     async def _errors_middleware(self, request: web.Request, handler):
         """Every failure leaves in OpenAI's error shape (404/405 included); the server goes on."""
-        if self.engine is None and request.path not in ("/health", "/live", "/version"):
+        if self.engine is None and request.path not in ("/health", "/live", "/version", "/metrics"):
             reply = _json_response(error_body(
                 f"the engine is starting (phase {self.startup.state()['phase']}); retry once "
                 "/health answers 200", "service_unavailable", None, "starting"), 503)
@@ -146,8 +147,11 @@ class EngineServer:
         return _json_response({"version": _version()})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body, content_type = self.engine.metrics.exposition(
-            [getattr(self.telemetry, "registry", None)], accept=request.headers.get("Accept", ""))
+        registries = [getattr(self.telemetry, "registry", None)]
+        if self.engine is not None:
+            registries.insert(0, self.engine.metrics.registry)
+        # starting: the telemetry's series alone, so that the scrape target is up meanwhile
+        body, content_type = exposition(registries, accept=request.headers.get("Accept", ""))
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:

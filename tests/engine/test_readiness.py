@@ -2,7 +2,8 @@
 
 At the start of each start-up phase (the ``on_phase`` hook runs on the thread that builds
 the engine, while the server's event loop answers), ``/health`` is 503 and names that
-phase, ``/live`` is 200, and a completion is refused with 503 in OpenAI's error shape.
+phase, ``/live`` is 200, a completion is refused with 503 in OpenAI's error shape, and
+``/metrics`` answers (the scrape target is up while it starts).
 Once ``serve_in_thread`` returns (the engine is warm) ``/health`` is 200 and says how long
 start-up took; ``/live`` stays 200 while draining, when ``/health`` is 503 again. On a GPU
 (``gpu`` marker), load using every sampling option meets no kernel variant once ready.
@@ -38,6 +39,7 @@ def test_health_is_503_naming_the_phase_until_warm_and_live_is_200_throughout():
     base = f"http://127.0.0.1:{port}"
     seen: dict[str, tuple] = {}
     ended: list[str] = []
+    scrapes: list[tuple[int, bool]] = []
 
     def on_phase(name: str, report) -> None:
         if report is not None:
@@ -46,6 +48,8 @@ def test_health_is_503_naming_the_phase_until_warm_and_live_is_200_throughout():
         completion = _get(base + "/v1/completions",
                           json.dumps({"model": "tiny", "prompt": "hi"}).encode())
         seen[name] = (_get(base + "/health"), _get(base + "/live"), completion)
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as response:   # the target is up
+            scrapes.append((response.status, b"sightline_engine_" in response.read()))
 
     running = serve_in_thread(EngineConfig(model="tiny", device="cpu", kv_cache_gib=0.01,
                                            port=port, shutdown_timeout_s=5), on_phase=on_phase)
@@ -54,6 +58,7 @@ def test_health_is_503_naming_the_phase_until_warm_and_live_is_200_throughout():
                   sc.STARTUP_WARMUP_PREFILL, sc.STARTUP_WARMUP_DECODE, sc.STARTUP_WARMUP_MIXED,
                   sc.STARTUP_WARMUP_SAMPLER]
         assert list(seen) == phases and ended == phases   # the CPU's phases, in order
+        assert scrapes == [(200, False)] * len(phases)    # no engine series before the engine
         for i, (name, (health, live, completion)) in enumerate(seen.items()):
             status, body = health
             assert status == 503 and body["status"] == "starting" and body["phase"] == name
