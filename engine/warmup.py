@@ -283,10 +283,13 @@ def _served_steps(runner, config) -> None:
     budget = min(32, config.scheduler.max_num_batched_tokens)
     scheduler = Scheduler(dataclasses.replace(config.scheduler, max_num_batched_tokens=budget,
                                               max_num_seqs=min(2, budget)), kv)
-    prompt = min(budget + budget // 2, runner.max_model_len - 2)
+    # both requests fit the cache together, however small (prompt + max_tokens each)
+    prompt = min(budget + budget // 2, runner.max_model_len - 2,
+                 runner.num_blocks * runner.block_size - 8)
     for request_id, length, max_tokens in (("warmup-short", 4, 3), ("warmup-long", prompt, 1)):
-        scheduler.add(Request(request_id, [1] * length, SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
+        if length >= 1:
+            scheduler.add(Request(request_id, [1] * length, SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))
     in_flight = None
     while scheduler.has_work or in_flight is not None:
         plan = scheduler.schedule()
