@@ -44,6 +44,9 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
     from .api_server import run_api_server
     from .core_process import run_core
 
+    from .startup import process_start_ns
+
+    started = process_start_ns()   # start-up is reported from this process's start
     ctx = multiprocessing.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="sightline-engine-")
     address = f"ipc://{workdir}/core"
@@ -53,7 +56,7 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
     server_pipes = [ctx.Pipe(duplex=False) for _ in range(api_server_count)]
     core = ctx.Process(target=run_core, name="sightline-engine-core", args=(
         config, address, {i: watch for i, (watch, _) in enumerate(server_pipes)}, core_alive,
-        log_level))
+        log_level, started))
     core.start()
     core_alive.close()
     for watch, _ in server_pipes:
