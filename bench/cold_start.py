@@ -2,8 +2,10 @@
 
     python -m bench.cold_start --model llama-8b --device cuda --levels requests,kernels
 
-Per trace level: starts ``sightline engine serve`` on an empty ``--compile-cache-dir`` and
-times process start to ``/health`` 200 (phases from ``/debug/startup``); one request (its
+Per trace level: starts ``sightline engine serve`` (the engine-core process and
+``--api-server-count`` API servers; the core's phases, step times and compile counter reach
+the bench through an API server's endpoints) on an empty ``--compile-cache-dir`` and times
+process start to ``/health`` 200 (phases from ``/debug/startup``); one request (its
 TTFT); a burst of concurrent requests (the longest engine step it caused, ``/debug/steps``);
 the same burst again, warm; sequential requests (the warm median TTFT); a mixed load using
 every sampling option, reading ``sightline_engine_jit_compiles_total`` before and after.
@@ -103,7 +105,8 @@ def start(args, level: str, cache_dir: Path, port: int, log: Path) -> Server:
     command = [sys.executable, "-m", "sightline.deploy.cli", "engine", "serve", "--model", args.model,
                "--device", args.device, "--port", str(port), "--trace-level", level,
                "--compile-cache-dir", str(cache_dir), "--max-num-seqs", str(args.max_num_seqs),
-               "--log-level", "info", *args.engine_args]
+               "--api-server-count", str(args.api_server_count), "--log-level", "info",
+               *args.engine_args]
     if args.max_num_batched_tokens:
         command += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     # spans are built (the telemetry's cost is the engine's) and dropped: no collector to wait on
@@ -248,7 +251,8 @@ def checks(result: dict) -> dict:
 
 def format_report(record: dict) -> list[str]:
     lines = [f"# Cold start: {record['model']} on {record['device']} at {record['commit'][:8]}", "",
-             f"{record['date']}; burst {record['args']['burst']} x {record['args']['burst_prompt']}-token "
+             f"{record['date']}; `engine serve` with {record['args'].get('api_server_count', 1)} API "
+             f"server(s); burst {record['args']['burst']} x {record['args']['burst_prompt']}-token "
              f"prompts, {record['args']['burst_output']} tokens out; first request "
              f"{record['args']['first_prompt']} tokens.", ""]
     for level, result in record["levels"].items():
@@ -295,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="requests,kernels")
     ap.add_argument("--port", type=int, default=18000)
     ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="API server processes of `engine serve` (default: 1)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="default: the engine's (8192 on an H200)")
     ap.add_argument("--first-prompt", type=int, default=24, help="tokens of the first request")

@@ -1,7 +1,7 @@
 """bench/cold_start.py on the CPU: the whole flow with the tiny model, and its arithmetic.
 
-The dry run starts ``sightline engine serve`` twice (an empty compile cache, then the same
-cache), as the H200 run does, with small sizes; the record holds every measurement the
+The dry run starts ``sightline engine serve`` (the engine core and two API servers) twice (an
+empty compile cache, then the same cache), as the H200 run does, with small sizes; the record holds every measurement the
 markdown reports, and the CPU's torch paths meet no kernel variant while serving.
 """
 
@@ -51,6 +51,7 @@ def test_a_cpu_dry_run_measures_every_part_cold_and_warm(tmp_path):
     assert main(["--model", "tiny", "--device", "cpu", "--levels", "requests", "--burst", "3",
                  "--burst-prompt", "16", "--burst-output", "3", "--warm-requests", "2",
                  "--mixed", "10", "--first-output", "3", "--max-num-seqs", "8",
+                 "--api-server-count", "2",
                  "--port", str(free_port()), "--out", str(out), "--logs", str(tmp_path / "logs")]) == 0
     [path] = out.glob("cold_start-*.json")
     record = json.loads(path.read_text())
