@@ -17,7 +17,12 @@
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
 # argmax, each next to its floor), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
 # neighbour on measured SMs, calibrated first, the capture diagnosed after), prefix-cache (the prefix cache's GPU
-# test, then bench.prefix_cache on llama-8b: cache on and off served side by side).
+# test, then bench.prefix_cache on llama-8b: cache on and off served side by side), cold-start
+# (bench.cold_start on llama-8b through `sightline engine serve`: start-up from an empty compile
+# cache and from a warm one, the first request and burst against warm ones, compiles while
+# serving; COLD_START_LEVELS picks the trace levels, one per call keeps each call within 10
+# minutes), readiness-tests (the GPU tests of tests/engine/test_readiness.py: no kernel variant
+# met while serving).
 # Results go to $RESULTS_DIR (default /tmp/sightline-results) and are copied into bench/results/,
 # with the commit and device they came from in their names.
 #
@@ -84,6 +89,13 @@ for p in "$@"; do
         part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
             --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
             --out "$RESULTS_DIR" ${SIGHTLINE_ENGINE_ARGS:-} ;;
+    cold-start)   # the FA2 tuning is part of a cold start: no fixed config here
+        SIGHTLINE_FA2_PREFILL_CONFIG= part "cold_start-$commit" "${COLD_START_LIMIT_S:-560}" \
+            python3 -m bench.cold_start --model llama-8b --device cuda \
+            --levels "${COLD_START_LEVELS:-requests,kernels}" --out "$RESULTS_DIR" --logs "$RESULTS_DIR" ;;
+    readiness-tests)
+        part "readiness-gpu-tests-$commit" 300 python3 -m pytest -q -m gpu \
+            tests/engine/test_readiness.py ;;
     incident)
         part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
         part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$RESULTS_DIR" ;;

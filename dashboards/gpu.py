@@ -5,7 +5,8 @@ the collector: ``sightline_sm_cta_p99_seconds`` (each SM's CTA-duration P99 over
 last window) drawn as a time x SM heatmap with one row per SM, and the per-SM CTA
 duration buckets drawn as an SM x latency matrix (fraction of that SM's CTAs that
 finished within each bound, so a slow SM is the row whose colors lag). Kernel views
-come from CUPTI kernel spans; memory and CUDA contexts from NVML.
+come from CUPTI kernel spans, kernel compiles while serving and start-up phases from the
+engine; memory and CUDA contexts from NVML.
 
 One panel per GPU (Grafana repeats on ``$gpu``) so SM rows of different devices never
 mix.
@@ -137,6 +138,26 @@ def spec() -> DashboardSpec:
             _step_quantiles("Engine step duration (engine)", sc.ENGINE_STEP_SECONDS, sc.LABEL_MODEL,
                             "Every step, from Sightline's engine's own histogram (vLLM has no such series).",
                             exemplar=False),
+            PanelSpec(
+                title="Kernel variants met while serving",
+                unit="short",
+                description=("Kernel variants compiled, loaded from the disk cache or autotuned after the "
+                             "engine said ready: each one is a defect of the warm-up, and the step that met "
+                             "it carries sightline.step.jit_compiles (explain names the cause). Should "
+                             "stay empty."),
+                queries=(Query(q.sum_by(("instance", sc.LABEL_KERNEL, sc.LABEL_COMPILE_KIND),
+                                        f"increase({q.counter(sc.ENGINE_JIT_COMPILES_TOTAL)}[$__rate_interval])"),
+                               "{{instance}} {{kernel}} {{kind}}"),),
+            ),
+            PanelSpec(
+                title="Engine start-up by phase",
+                unit="s",
+                description=("Seconds of each start-up phase of the running engines (loading weights, the "
+                             "KV cache, each warm-up family, graph capture), and process start to ready."),
+                queries=(Query(q.sum_by(("instance", sc.LABEL_PHASE), q.selector(sc.ENGINE_STARTUP_SECONDS)),
+                               "{{instance}} {{phase}}"),
+                         Query(q.selector(sc.ENGINE_STARTUP_TOTAL_SECONDS), "{{instance}} total")),
+            ),
         ),
     )
     memory = Row(

@@ -167,6 +167,9 @@ def engine_cases() -> list[Case]:
     waiting = series(sc.ENGINE_WAITING, {**ENGINE, **MODEL})
     up_engine = series("up", ENGINE)
     up_other = series("up", {"job": "node", "instance": "host:9100"})
+    compiles = series(q.counter(sc.ENGINE_JIT_COMPILES_TOTAL),
+                      {**ENGINE, **MODEL, sc.LABEL_KERNEL: "sightline_paged_decode",
+                       sc.LABEL_COMPILE_KIND: "compiled"})
     return [
         Case(
             "kv cache at 97% for 20 minutes",
@@ -197,6 +200,18 @@ def engine_cases() -> list[Case]:
             "engine target up",
             ((up_engine, "1x10"),),
             (AlertCheck("8m", "SightlineTargetDown"),),
+        ),
+        Case(
+            "a kernel variant compiled while serving, ten minutes ago",
+            ((compiles, "0x10 1x20"),),
+            (AlertCheck("20m", "SightlineKernelCompiledWhileServing",
+                        ({**ENGINE, sc.LABEL_KERNEL: "sightline_paged_decode",
+                          sc.LABEL_COMPILE_KIND: "compiled"},)),),
+        ),
+        Case(
+            "compiles counted long ago only",
+            ((compiles, "1x40"),),
+            (AlertCheck("30m", "SightlineKernelCompiledWhileServing"),),
         ),
     ]
 

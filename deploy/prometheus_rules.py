@@ -257,7 +257,8 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
       requests whose TTFT exceeded the threshold, read from the histogram bucket whose
       ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
       (5xx and 429 over all requests).
-    - Saturation: KV cache near full; waiting queue long and growing.
+    - Saturation: KV cache near full; waiting queue long and growing. A kernel variant met
+      while serving (a warm-up defect: a request waited on a compile).
     - GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up against
       the same hour a day earlier; device memory or CUDA contexts growing (leak).
     - Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
@@ -300,6 +301,19 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                 description=f"More than {slo.waiting_threshold} requests wait and the queue has grown over the "
                 "last 15 minutes: arrivals exceed what the engine serves. Queue time (and TTFT) will keep rising.",
                 runbook="waiting-queue-growing",
+            ),
+            AlertRule(
+                alert="SightlineKernelCompiledWhileServing",
+                expr=f"sum by (job, instance, {sc.LABEL_KERNEL}, {sc.LABEL_COMPILE_KIND}) "
+                f"(increase({q.counter(sc.ENGINE_JIT_COMPILES_TOTAL)}[15m])) > 0",
+                for_="0m",
+                severity="ticket",
+                summary="Engine {{ $labels.instance }} met kernel variants of {{ $labels.kernel }} "
+                "while serving ({{ $labels.kind }})",
+                description="A request's step compiled (or loaded, or autotuned) a kernel variant the "
+                "warm-up did not run, so it waited for it: seconds on a GPU. The step span carries "
+                "sightline.step.jit_compiles; explain names the requests it held up.",
+                runbook="kernel-compiled-while-serving",
             ),
             AlertRule(
                 alert="SightlineTargetDown",

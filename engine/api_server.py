@@ -1,18 +1,19 @@
 """The OpenAI-compatible HTTP server (aiohttp): one API server, in front of an engine core.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/debug/kv``, ``/metrics``
+``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/{steps,kv,startup}``, ``/metrics``
 (OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
 token even when its text is empty, the chat role on the first, usage at the end
 (``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
 It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
-handshake and per-step stats. Tokenization runs on a thread pool.
+handshake, its start-up ``Phase`` records and per-step stats. Tokenization runs on a thread pool.
 
 Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
 (starting, draining, engine core gone), 500 (engine failure); the process serves on.
-``/health`` is 503 ``{"status": "starting", "phase": ...}`` until the core is ready, ``/live``
-200 once HTTP is served. A client that disconnects has its request aborted. SIGTERM: new
-requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
+HTTP is served from the start: ``/live`` is 200 at once, ``/health`` 503
+``{"status": "starting", "phase", "elapsed_s", "phases_done"}`` until the core is warm and
+ready, ``/metrics`` answers meanwhile. A client that disconnects has its request aborted.
+SIGTERM: new requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .openai_protocol import (
     parse_completion_request, parse_json, sse, usage, usage_chunk)
 from .request import SamplingParams
 from .request_output import RequestOutput
+from .startup import StartupProgress
 from .tokenizer import Tokenizer, apply_chat_template, load_tokenizer
 
 __all__ = ["EngineServer", "RunningServer", "run_api_server", "serve_in_thread"]
@@ -97,6 +99,7 @@ class EngineServer:
             web.get("/metrics", self.scrape),
             web.get("/debug/steps", self.debug_steps),
             web.get("/debug/kv", self.debug_kv),
+            web.get("/debug/startup", self.debug_startup),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
 
@@ -127,20 +130,24 @@ class EngineServer:
                                              "server_error", None, "internal_error"), 500)
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: 200 once the core is warm and ready; 503 naming the start-up phase
+        before, while draining, and once the core is gone."""
         client = self.client
         if client.dead is not None:
             return _json_response({"status": "engine_dead", "error": client.dead}, 503)
         if self.draining:
             return _json_response({"status": "draining"}, 503)
         if not self.started:
-            return _json_response({"status": "starting", "phase": client.phase}, 503)
-        stats = client.stats
+            return _json_response({"status": "starting", **client.progress()}, 503)
+        stats, ready = client.stats, client.ready
         return _json_response({"status": "ok", "running": stats.running if stats else 0,
                                "waiting": stats.waiting if stats else 0,
                                "api_server": self.index, "pid": os.getpid(),
-                               "core_pid": client.ready.core_pid})
+                               "core_pid": ready.core_pid, "startup_s": ready.startup_s,
+                               "startup_trace_id": ready.startup_trace_id})
 
     async def live(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves HTTP, starting and draining included."""
         return _json_response({"status": "alive"})
 
     async def ping(self, request: web.Request) -> web.Response:
@@ -152,13 +159,16 @@ class EngineServer:
 
     async def scrape(self, request: web.Request) -> web.Response:
         accept = request.headers.get("Accept", "")
-        core_series = []
-        if isinstance(self.client, MPClient) and self.client.dead is None:
-            # the core's telemetry series (drops, restarts, spans exported): asked per scrape
-            with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
-                core_series.append((await self.client.call("telemetry_metrics", accept))["body"].encode())
-        body, content_type = self.metrics.exposition(
-            [getattr(self.telemetry, "registry", None)], accept=accept, encoded=core_series)
+        client, core_series, extra = self.client, [], [getattr(self.telemetry, "registry", None)]
+        if isinstance(client, MPClient):
+            if client.ready is not None and client.dead is None:
+                # the core's series (start-up, compiles while serving, its telemetry's): asked
+                # per scrape, so each is counted once however many API servers there are
+                with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                    core_series.append((await client.call("core_metrics", accept))["body"].encode())
+        elif client.engine is not None:   # in this process: the core's registry as it is
+            extra.append(client.engine.core.series.registry)
+        body, content_type = self.metrics.exposition(extra, accept=accept, encoded=core_series)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:
@@ -176,11 +186,18 @@ class EngineServer:
         return _json_response(await self._call("kv_blocks"))
 
     async def _call(self, method: str) -> dict:
+        if not self.started:
+            raise _starting(self.client.phase)
         try:
             return await self.client.call(method)
         except (EngineDeadError, asyncio.TimeoutError) as exc:
             raise ProtocolError(f"the engine core did not answer: {exc}", status=503,
                                 type="service_unavailable", code="engine_unavailable") from None
+
+    async def debug_startup(self, request: web.Request) -> web.Response:
+        """The start-up report: each phase's time and the kernel variants it compiled or
+        took from the cache (``StartupReport.to_dict``)."""
+        return _json_response(await self._call("startup_report"))
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
@@ -206,8 +223,7 @@ class EngineServer:
         if self.client.dead is not None:
             raise _engine_gone(self.client.dead)
         if not self.started:
-            raise ProtocolError(f"the engine is starting ({self.client.phase})", status=503,
-                                type="service_unavailable", code="starting")
+            raise _starting(self.client.phase)
         body = parse_json(await http.read())
         params: ChatCompletionRequest | CompletionRequest = (
             parse_chat_request(body) if chat else parse_completion_request(body))
@@ -421,6 +437,12 @@ _ERROR_SHAPES = {None: (500, "server_error", "engine_error"),
                  "invalid_request": (400, "invalid_request_error", "context_length_exceeded")}
 
 
+def _starting(phase: str) -> ProtocolError:
+    return ProtocolError(f"the engine is starting (phase {phase}); retry once /health answers 200",
+                         status=503, type="service_unavailable", code="starting",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _engine_gone(reason: str) -> ProtocolError:
     return ProtocolError(f"the engine is unavailable: {reason}", status=503,
                          type="service_unavailable", code="engine_unavailable")
@@ -508,22 +530,34 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, force: asynci
 
 
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
-                 telemetry=None) -> int:
-    """One process: the API server and an in-process engine (loop thread)."""
+                 telemetry=None, startup: StartupProgress | None = None) -> int:
+    """One process: the API server and an in-process engine (loop thread). HTTP is served
+    first (``/live``; ``/health`` 503 naming the phase), then the engine is built and warmed
+    up on a thread."""
     telemetry = _pipeline(config, telemetry)
+    startup = startup if startup is not None else StartupProgress()
     metrics = EngineMetrics(config.model_name)
+    loop = asyncio.get_running_loop()
+    client = InProcessClient(loop, startup)
+    model_config = resolve_model_config(config.model)
+    tokenizer = load_tokenizer(model_config.path, model_config.bos_token_id, model_config.eos_token_id)
+    server = EngineServer(client, telemetry, metrics, tokenizer, config.model_name)
+    runner = None
     try:
-        engine = await asyncio.to_thread(LLMEngine, config, telemetry, metrics)
-    except BaseException:
+        runner, port = await _start_http(server, config)
+        log.info("starting on http://%s:%d: /live answers, /health is 503 until warm",
+                 config.host, port)
+        engine = await asyncio.to_thread(LLMEngine, config, telemetry, metrics, startup)
+    except BaseException as exc:
+        startup.fail(exc)
+        if runner is not None:
+            await runner.cleanup()
         if telemetry is not None:
             telemetry.shutdown()
         raise
-    loop = asyncio.get_running_loop()
-    client = InProcessClient(engine, loop)
+    client.attach(engine)
     _watch_gpu(metrics, client.ready.device)
-    server = EngineServer(client, telemetry, metrics, engine.tokenizer, engine.model_name)
     server.started = True
-    runner, port = await _start_http(server, config)
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, client.ready.device, client.ready.num_kv_blocks,
              client.ready.max_model_len,
@@ -560,11 +594,13 @@ def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
     return TelemetryPipeline.around(telemetry)
 
 
-def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None) -> RunningServer:
+def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None,
+                    on_phase=None) -> RunningServer:
     """Starts the server and an in-process engine on a daemon thread with its own event loop;
-    returns once it listens. ``telemetry``: a started Telemetry to use instead of one built
-    from ``config.telemetry`` (the server shuts it down when it stops). Raises whatever
-    start-up raised (bad model path, port in use, ...)."""
+    returns once it is ready (warm). ``telemetry``: a started Telemetry to use instead of one
+    built from ``config.telemetry`` (the server shuts it down when it stops). ``on_phase(name,
+    report)``: called at each start-up phase's start (report None) and end, on the thread
+    that builds the engine. Raises whatever start-up raised (bad model path, port in use, ...)."""
     ready: list[RunningServer] = []
     failed: list[BaseException] = []
     event = threading.Event()
@@ -575,7 +611,7 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
 
     def main() -> None:
         try:
-            asyncio.run(_serve(config, on_ready, telemetry))
+            asyncio.run(_serve(config, on_ready, telemetry, StartupProgress(on_phase)))
         except BaseException as exc:  # reported to the caller below
             failed.append(exc)
             event.set()

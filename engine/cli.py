@@ -19,7 +19,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve = engine_sub.add_parser(
         "serve", help="serve the OpenAI-compatible API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
-                    "SIGTERM drains in-flight requests, then exits.")
+                    "/live answers as soon as HTTP is up; /health is 503 (naming the start-up "
+                    "phase) until the engine is warm. SIGTERM drains in-flight requests, then exits.")
     serve.add_argument("--model", default="tiny",
                        help="preset (tiny, llama-1b, llama-8b: random weights) or a local HF-style "
                             "directory with config.json and *.safetensors (default: tiny)")
@@ -43,6 +44,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(by default they are captured at start-up on CUDA)")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="before /health answers 200, run every kernel variant the "
+                            "configuration can reach, then capture the CUDA graphs (default: on)")
+    serve.add_argument("--warmup-limit", type=float, default=600.0, metavar="SECONDS",
+                       help="the warm-up stops past this; the cases left are logged (default: 600)")
+    serve.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                       help="where compiled kernels are kept across restarts (Triton's cache, "
+                            "FA2 tuning): default SIGHTLINE_COMPILE_CACHE_DIR, else "
+                            "~/.cache/sightline/compile")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch the next step while the device runs this one "
                             "(default: on with CUDA, off on the CPU)")
@@ -105,6 +115,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .compile_cache import resolve_compile_cache
+    resolve_compile_cache(args.compile_cache_dir).apply()   # before any kernel is imported
     from ..instrumentation import TelemetryConfig
     from .config import EngineConfig
     from .http_limits import HttpLimits
@@ -134,6 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
                                   max_num_batched_tokens=batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+        warmup=args.warmup, warmup_limit_s=args.warmup_limit,
+        compile_cache_dir=args.compile_cache_dir,
         async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,

@@ -187,6 +187,13 @@ class EngineConfig:
     # only); True runs every step eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
     cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
+    # Before ready, run every kernel variant the configuration can reach (engine/warmup.py),
+    # for at most warmup_limit_s (the cases left are logged and reported).
+    warmup: bool = True
+    warmup_limit_s: float = 600.0
+    # Triton's (and inductor's) compile cache; None: SIGHTLINE_COMPILE_CACHE_DIR, else
+    # ~/.cache/sightline/compile (engine/compile_cache.py)
+    compile_cache_dir: str | None = None
     # Overlapped scheduling: the next step is planned and launched while the device runs this
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
@@ -227,6 +234,13 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
         check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
+        if not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup={self.warmup!r} must be a bool")
+        check_range("warmup_limit_s", self.warmup_limit_s, 0.0, 86400.0, lo_open=True)
+        if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
+                                                   or not self.compile_cache_dir):
+            raise ValueError(f"compile_cache_dir={self.compile_cache_dir!r} must be a non-empty "
+                             "path or None")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):

@@ -1,12 +1,14 @@
 """What an API server talks to: the engine core in this process, or in another one over ZMQ.
 
 Both clients have one interface: ``ready`` (the core's ``Ready`` handshake, None until it
-came), ``phase``, ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
+came), ``phase`` and ``progress()`` (start-up: the phase running, the time so far, the phases
+done), ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
 ``num_live``, ``add_request(...) -> RequestStream`` (raises ``QueueFullError``,
 ``EngineStoppedError``, ``EngineDeadError`` or ``ValueError``), ``abort``, ``call`` (a
 utility record), ``stop_accepting`` and ``shutdown``.
 
-* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use).
+* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use); made
+  before the engine (``attach`` it once built), so that HTTP is served while it starts.
 * ``MPClient``: a DEALER socket to the core process's ROUTER (msgpack records, asyncio).
   Text, stop strings and request metrics run here (``OutputProcessor``, on the event loop).
   A full queue is refused here, without a round trip: the core's queue bound comes in
@@ -21,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 
 from .core_records import (ERROR_ENGINE, ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort,
@@ -33,6 +36,7 @@ from .output_processor import OutputProcessor
 from .request import SamplingParams
 from .request_output import RequestStream
 from .scheduler import QueueFullError
+from .startup import StartupProgress
 from .tokenizer import Tokenizer
 
 __all__ = ["EngineDeadError", "InProcessClient", "MPClient", "REFUSALS"]
@@ -50,23 +54,37 @@ REFUSALS = {ERROR_QUEUE_FULL: QueueFullError, ERROR_STOPPED: EngineStoppedError,
 
 
 class InProcessClient:
-    """An ``LLMEngine`` in this process, its loop thread started here."""
+    """An ``LLMEngine`` in this process, its loop thread started here (see module doc)."""
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
+    def __init__(self, loop: asyncio.AbstractEventLoop, startup: StartupProgress) -> None:
+        self.engine: LLMEngine | None = None
+        self.startup = startup   # the engine being built reports its phases here
         self._loop = loop
-        self.ready: Ready | None = engine.core.ready(os.getpid())
-        self.phase = "ready"
+        self.ready: Ready | None = None
         self.dead: str | None = None
+
+    def attach(self, engine: LLMEngine) -> None:
+        """The engine is built (and warm): start its loop thread; ``ready`` from now on."""
+        self.engine = engine
         engine.start()
+        self.ready = engine.core.ready(os.getpid())
+
+    @property
+    def phase(self) -> str:
+        return "ready" if self.ready is not None else self.startup.state()["phase"]
+
+    def progress(self) -> dict:
+        state = self.startup.state()
+        return {"phase": state["phase"], "elapsed_s": state["elapsed_s"],
+                "phases_done": state["phases_done"]}
 
     @property
     def stats(self) -> StepStats | None:
-        return self.engine.processor.stats
+        return self.engine.processor.stats if self.engine is not None else None
 
     @property
     def num_live(self) -> int:
-        return self.engine.num_live
+        return self.engine.num_live if self.engine is not None else 0
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                     priority: int, trace, cache_salt: str | None = None) -> RequestStream:
@@ -80,10 +98,12 @@ class InProcessClient:
         return self.engine.core.utility(method, argument)
 
     def stop_accepting(self) -> None:
-        self.engine.stop_accepting()
+        if self.engine is not None:
+            self.engine.stop_accepting()
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.engine.shutdown)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
 
 
 class MPClient:
@@ -97,6 +117,7 @@ class MPClient:
         self.index = index
         self.ready: Ready | None = None
         self.phase = "connecting"
+        self._phase_record = Phase("connecting")   # the core's latest start-up progress
         self.dead: str | None = None
         self.processor = OutputProcessor(tokenizer, metrics, self._send_stop, recorder, record_steps)
         self._ctx = zmq.asyncio.Context()
@@ -133,6 +154,13 @@ class MPClient:
             loop.add_reader(self._lifeline.fileno(), self._core_exited)
         self._reader = asyncio.create_task(self._read())
         await self._sock.send(encode(Hello(self.index, os.getpid())))
+
+    def progress(self) -> dict:
+        """The core's start-up as its last ``Phase`` record told it."""
+        record = self._phase_record
+        return {"phase": self.phase, "elapsed_s": round(
+                    (time.time_ns() - record.start_ns) / 1e9, 3) if record.start_ns else None,
+                "phases_done": list(record.phases_done)}
 
     async def wait_ready(self, timeout_s: float | None = None) -> Ready:
         await asyncio.wait_for(self._ready_event.wait(), timeout_s)
@@ -223,7 +251,7 @@ class MPClient:
                     self.ready, self.phase = record, "ready"
                     self._ready_event.set()
                 elif type(record) is Phase:
-                    self.phase = record.name
+                    self.phase, self._phase_record = record.name, record
                 elif type(record) is UtilityResult:
                     future = self._calls.get(record.call_id)
                     if future is not None and not future.done():

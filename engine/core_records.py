@@ -67,12 +67,13 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True, frozen=True):
-    """A question for the core, answered between steps: its step times, its KV blocks, or
-    its telemetry's Prometheus series (``argument``: the scraper's Accept header)."""
+    """A question for the core, answered between steps: its step times, its KV blocks, its
+    start-up report, or its own Prometheus series (start-up, compiles while serving, its
+    telemetry's; ``argument``: the scraper's Accept header)."""
 
     call_id: int
     client_index: int
-    method: Literal["debug_steps", "kv_blocks", "telemetry_metrics"]
+    method: Literal["debug_steps", "kv_blocks", "startup_report", "core_metrics"]
     argument: str = ""
 
 
@@ -87,9 +88,12 @@ ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryEvents]
 
 
 class Phase(msgspec.Struct, tag="phase", array_like=True, frozen=True):
-    """Start-up progress before ``Ready`` (``/health`` reports it)."""
+    """Start-up progress before ``Ready`` (``/health`` reports it): the phase starting, the
+    phases done, and when start-up began (Unix ns; 0: unknown)."""
 
     name: str
+    phases_done: tuple[str, ...] = ()
+    start_ns: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
@@ -108,6 +112,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     async_scheduling: bool
     core_pid: int
     telemetry_endpoint: str | None = None   # where API servers join the core's telemetry
+    startup_s: float = 0.0                  # from process start to ready (the warm-up included)
+    startup_trace_id: str | None = None     # the start-up trace (32 hex digits), when traced
 
 
 class FinalOutput(msgspec.Struct, array_like=True):

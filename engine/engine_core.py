@@ -1,17 +1,16 @@
 """The engine core: schedule, launch, complete, and one ``OutputBatch`` per step. No text.
 
 ``EngineCore`` owns the scheduler and KV block manager (plain Python), the model runner
-(device, CUDA graphs) and the GPU telemetry. Its step turns the scheduler's plan into
-device work and the sampled tokens into an ``OutputBatch``: each request's new token, or its
-final figures when it ended (eos, max_tokens, abort, failure). Detokenization and stop
-strings belong to the caller, which ends a request on a stop string with ``finish_stop``.
-With overlapped scheduling (``EngineConfig.async_scheduling``, on with CUDA) the next step is
-planned and launched before the one on the device is waited for (stand-in tokens,
-``Scheduler.update_pending`` then ``resolve``). Telemetry: Queued and Step events for the
-request keys that come with ``AddRequest``, O(1) appends per step through the recorder
-(a null one when tracing is off). ``add_request`` and ``abort`` may be called from any
-thread; stepping and ``finish_stop`` from one. The scheduler's lock is never held around
-the model.
+(device, CUDA graphs) and the GPU telemetry; built, it is warm (``engine/warmup.py``). A
+step turns the scheduler's plan into device work and the sampled tokens into an
+``OutputBatch`` (new tokens, or final figures on eos, max_tokens, abort, failure); text and
+stop strings belong to the caller (``finish_stop``). Overlapped scheduling
+(``async_scheduling``, on with CUDA) plans and launches the next step before the one on the
+device is waited for. Telemetry: Queued and Step events for the keys in ``AddRequest``, O(1)
+appends per step (a null recorder when off); a kernel variant a launch meets after start-up
+is counted (``CoreMetrics``) and set on its step span. ``add_request`` and ``abort`` may be
+called from any thread; stepping and ``finish_stop`` from one. The scheduler's lock is
+never held around the model.
 """
 
 from __future__ import annotations
@@ -21,16 +20,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..instrumentation import OpenStep, Queued, Step, TelemetryPipeline
+from .compile_cache import resolve_compile_cache
+from .compile_watch import compile_watch, step_compile_attributes
 from .config import EngineConfig, resolve_model_config
 from .core_records import (ERROR_ENGINE, AddRequest, FinalOutput, OutputBatch, Ready,
                            StepStats)
 from .kv_cache import KVCacheConfig, KVCacheManager
+from .metrics import CoreMetrics
 from .request import FinishReason, Request
 from .scheduler import QueueFullError, Scheduler, StepPlan
+from .startup import StartupProgress
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
@@ -133,21 +135,27 @@ class EngineCore:
     """One model, one device; stepped by one thread (``step`` / ``step_overlapped``)."""
 
     def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None,
-                 on_phase: Callable[[str], None] | None = None) -> None:
+                 startup: StartupProgress | None = None) -> None:
+        """Loads the model, sizes the KV cache and warms up (``engine/warmup.py``): once
+        constructed, the core is ready. ``startup``: where the phases are reported (its
+        ``on_phase`` tells the API servers)."""
         from .model_runner import ModelRunner  # torch, loaded with the engine
+        from .warmup import warm_up
 
-        phase = on_phase or (lambda name: None)
         self.config = config
+        self.startup = startup if startup is not None else StartupProgress()
+        # before the first kernel module is imported (ModelRunner): Triton reads it then
+        self.compile_cache = self.startup.use_cache(resolve_compile_cache(config.compile_cache_dir))
+        self._compiles = compile_watch()
         self.model_config = resolve_model_config(config.model)
         self.model_name = config.model_name
+        self.series = CoreMetrics(self.model_name)
         self.telemetry = telemetry
         self.recorder = telemetry.recorder if telemetry is not None else _NULL_RECORDER
-        phase("loading_model")
         self._gpu = _NO_GPU
         self.gpu_telemetry = self._start_gpu_telemetry()
-        self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry)
-        if self.gpu_telemetry is not None:
-            self.gpu_telemetry.start_kernel_tracing()
+        # kernel tracing (CUPTI) starts in the warm-up, after the eager variants and graphs
+        self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry, self.startup)
         eos = self.model_config.eos_token_id
         if eos is None:   # the tokenizer's, when the model's config names none
             eos = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
@@ -174,7 +182,10 @@ class EngineCore:
         # begin/end_step count theirs in gpu_telemetry.stats.engine_thread_s)
         self.loop_s = 0.0
         self.telemetry_thread_s = 0.0
-        phase("ready")
+        self.startup_report = warm_up(self.runner, config, self.startup,
+                                      telemetry.recorder if telemetry is not None else None,
+                                      self.compile_cache)
+        self.series.record_startup(self.startup_report)
 
     @property
     def gpu_telemetry(self):
@@ -205,12 +216,13 @@ class EngineCore:
 
     def ready(self, core_pid: int, telemetry_endpoint: str | None = None) -> Ready:
         """The handshake an API server waits for."""
-        runner = self.runner
+        runner, report = self.runner, self.startup_report
         return Ready(self.model_name, self.max_model_len, self.model_config.vocab_size,
                      self.eos_token_id, runner.num_blocks, self.config.block_size,
                      self.config.scheduler.max_waiting, self.config.scheduler.max_num_seqs,
                      str(runner.device), str(runner.dtype).removeprefix("torch."),
-                     self.async_scheduling, core_pid, telemetry_endpoint)
+                     self.async_scheduling, core_pid, telemetry_endpoint,
+                     round(report.total_s, 3), report.trace_id)
 
     # ---- requests (any thread) -----------------------------------------------------------------
     @property
@@ -360,8 +372,11 @@ class EngineCore:
         step = OpenStep(plan.step_id, 0, 0, time.time_ns())   # ids drawn off this thread
         self.telemetry_thread_s += time.perf_counter() - t0
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
+        compiles = self._compiles.thread_count()
         try:
             run = self.runner.launch(plan, step, previous.run.tokens if previous else None)
+            if self._compiles.thread_count() != compiles:
+                self._served_compiles(plan, step, compiles)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             self._close_step(plan, step, None, [], type(exc).__name__)
@@ -371,6 +386,16 @@ class EngineCore:
             finished = self.scheduler.update_pending(
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
         return _Launched(plan, step, run, finished, t0)
+
+    def _served_compiles(self, plan: StepPlan, step: OpenStep, since: int) -> None:
+        """Kernel variants this step met for the first time: counted (a defect of the
+        warm-up), logged, and on its span for explain's ``compile`` cause."""
+        events = self._compiles.since(since)
+        self.series.jit_compiled(events)
+        log.warning("step %d met %d kernel variants for the first time while serving: %s",
+                    plan.step_id, len(events), ", ".join(f"{e} ({e.source})" for e in events))
+        for key, value in step_compile_attributes(events).items():
+            step.set_attribute(key, value)
 
     def _complete(self, launched: _Launched, out: _Outputs) -> None:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs
@@ -485,18 +510,23 @@ class EngineCore:
                 stats.worker_phases_cpu_s() if stats is not None else {}}
 
     def utility(self, method: str, argument: str = "") -> dict:
-        """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks`` or ``telemetry_metrics``
-        (this process's telemetry series, in the format the Accept header ``argument`` asks)."""
+        """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks``, ``startup_report`` or
+        ``core_metrics`` (this process's series: start-up, compiles while serving and its
+        telemetry's, in the format the Accept header ``argument`` asks for)."""
         if method == "debug_steps":
             return self.debug_steps()
         if method == "kv_blocks":
             return self.kv_blocks()
-        if method == "telemetry_metrics":
-            registry = getattr(self.telemetry, "registry", None)
-            if registry is None:
-                return {"body": ""}
+        if method == "startup_report":
+            return self.startup_report.to_dict()
+        if method == "core_metrics":
             from prometheus_client.exposition import choose_encoder
-            return {"body": choose_encoder(argument)[0](registry).decode()}
+            encode = choose_encoder(argument)[0]
+            registry = getattr(self.telemetry, "registry", None)
+            parts = [encode(r).decode() for r in (self.series.registry, registry) if r is not None]
+            # one body: an OpenMetrics "# EOF" only at its end (the API server's exposition
+            # keeps one, at the end of the page)
+            return {"body": "".join(p.removesuffix("# EOF\n") for p in parts[:-1]) + parts[-1]}
         raise ValueError(f"unknown utility method {method!r}")
 
     def kv_blocks(self) -> dict:

@@ -28,6 +28,7 @@ from .output_processor import LiveRequest, OutputProcessor
 from .request import FinishReason, Request, SamplingParams
 from .request_output import RequestOutput, RequestStream, deliver
 from .scheduler import QueueFullError
+from .startup import StartupProgress
 from .tokenizer import load_tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "EngineStoppedError", "QueueFullError",
@@ -47,8 +48,11 @@ class LLMEngine:
     """One model, one device, one loop thread (or ``step()`` driven by the caller, offline)."""
 
     def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
-        self.core = core = EngineCore(config, telemetry)
+                 metrics: EngineMetrics | None = None,
+                 startup: StartupProgress | None = None) -> None:
+        """Builds the core, which warms up before it returns (``startup``: where the
+        phases are reported); once constructed, the engine is ready."""
+        self.core = core = EngineCore(config, telemetry, startup)
         self.config = config
         self.model_config = core.model_config
         self.model_name = core.model_name
@@ -72,6 +76,8 @@ class LLMEngine:
     max_model_len = property(lambda self: self.core.max_model_len)
     _in_flight = property(lambda self: self.core._in_flight)
     step_durations_s = property(lambda self: self.core.step_durations_s)
+    startup_report = property(lambda self: self.core.startup_report)
+    compile_cache = property(lambda self: self.core.compile_cache)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -22,7 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from ..instrumentation import semconv as sc
 from .http_limits import CLOSE_REASONS
 
-__all__ = ["EngineMetrics", "trace_exemplar"]
+__all__ = ["CoreMetrics", "EngineMetrics", "trace_exemplar"]
 
 _OPENMETRICS_EOF = b"# EOF\n"
 
@@ -188,6 +188,40 @@ class EngineMetrics:
         if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
             parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
         return b"".join(parts), content_type
+
+
+class CoreMetrics:
+    """The engine core's own series: start-up by phase, and kernel variants met while
+    serving. One core per engine, so the API servers serve these as the core encodes them
+    (a utility call per scrape): each compile is counted once, however many API servers."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        m = [sc.LABEL_MODEL]
+        self._jit_compiles = Counter(
+            sc.ENGINE_JIT_COMPILES_TOTAL, "Kernel variants met for the first time while serving "
+            "(compiled, loaded from the disk cache, or autotuned): each is a defect of the warm-up.",
+            m + [sc.LABEL_KERNEL, sc.LABEL_COMPILE_KIND], registry=r)
+        self._startup_phases = Gauge(sc.ENGINE_STARTUP_SECONDS, "Seconds each start-up phase took.",
+                                     m + [sc.LABEL_PHASE], registry=r)
+        self._startup_total = Gauge(sc.ENGINE_STARTUP_TOTAL_SECONDS, "Seconds from process start "
+                                    "(or the engine's construction) to ready.", m, registry=r)
+
+    def record_startup(self, report) -> None:
+        """The start-up's phase durations and total (a ``StartupReport``)."""
+        for phase in report.phases:
+            self._startup_phases.labels(self.model, phase.name).set(phase.duration_s)
+        self._startup_total.labels(self.model).set(report.total_s)
+
+    def jit_compiled(self, events) -> None:
+        """Kernel variants met while serving (``CompileEvent``s), by kernel and kind."""
+        for event in events:
+            self._jit_compiles.labels(self.model, event.kernel, event.source).inc()
+
+    def encode(self, accept: str = "") -> str:
+        """The series in the format the Accept header ``accept`` asks for."""
+        return choose_encoder(accept)[0](self.registry).decode()
 
 
 def _series(registry: CollectorRegistry) -> CollectorRegistry:

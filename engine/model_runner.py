@@ -11,12 +11,13 @@ non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinn
 issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
 the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
 ``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
-step (``_warmup``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
+step (``_profile_step``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
 sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from .kv_cache import kv_bytes_per_block
 from .model import AttentionMetadata, build_model
 from .sampling import SampledTokens, Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, StepPlan
+from .startup import StartupProgress
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepBatch", "StepExecution", "resolve_device", "resolve_dtype"]
 
@@ -101,6 +103,11 @@ class StepExecution:
 _EAGER = StepExecution(cuda_graph=False)
 
 
+def _untimed(name: str) -> contextlib.AbstractContextManager:
+    """Where no start-up progress is kept: phases run untimed."""
+    return contextlib.nullcontext()
+
+
 @dataclass
 class LaunchedStep:
     """A step enqueued on the device: ``wait()`` -> request_id -> sampled token."""
@@ -116,7 +123,11 @@ class LaunchedStep:
 class ModelRunner:
     """Model + KV cache + sampler on one device. Not thread-safe: the engine loop calls it."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, gpu_telemetry=None) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, gpu_telemetry=None,
+                 startup: StartupProgress | None = None) -> None:
+        """``startup``: times the phases (load weights, size and allocate the KV cache) and
+        leaves the CUDA graphs to the warm-up (``engine/warmup.py``), which captures them
+        after the eager variants; without it they are captured here."""
         self.config = config
         self.model_config = model_config
         self.device = resolve_device(config.device)
@@ -128,25 +139,31 @@ class ModelRunner:
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
         start = time.monotonic()
-        self.model = build_model(model_config, self.device, self.dtype, seed=config.seed)
+        phase = startup.phase if startup is not None else _untimed
+        with phase(sc.STARTUP_LOAD_WEIGHTS):
+            self.model = build_model(model_config, self.device, self.dtype, seed=config.seed)
         self.sampler = Sampler(self.device, config.seed)
         self.bytes_per_block = kv_bytes_per_block(
             num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
             head_dim=model_config.head_dim, block_size=self.block_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
-        self.num_blocks = self._kv_blocks()
-        # One block more than the scheduler manages: padded rows of graph replays write there.
-        self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv, D]; block N: padding's scratch
-            model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
-            model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
+        with phase(sc.STARTUP_PROFILE_MEMORY) if self.device.type == "cuda" else _untimed(""):
+            self.num_blocks = self._kv_blocks()
+        with phase(sc.STARTUP_ALLOCATE_KV):
+            # One block more than the scheduler manages: padded rows of graph replays and
+            # the warm-up's synthetic steps write there.
+            self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv, D]; block N: scratch
+                model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
+                model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype,
+                device=self.device)
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = min(limit, model_config.max_position_embeddings,
                                  self.num_blocks * self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: GraphCapture | None = None
         self.last_execution: StepExecution = _EAGER
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+        if startup is None and self.uses_graphs:
+            self.capture_graphs()
         log.info("model %s on %s (%s): %d blocks of %d tokens (%.2f GiB KV), max_model_len %d, "
                  "ready in %.1f s", model_config.name, self.device, self.dtype, self.num_blocks,
                  self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
@@ -163,13 +180,28 @@ class ModelRunner:
             self.backend, probe, capture=capture)
         return self.graphs
 
-    def _capture_graphs(self) -> None:
-        graphs = self.static_decode(capture=True)
-        self.graph_capture = graphs.capture_all(self.config.cuda_graph_capture_limit_s)
-        cap = self.graph_capture
+    @property
+    def uses_graphs(self) -> bool:
+        """Decode-only steps replay CUDA graphs (on CUDA, unless ``enforce_eager``)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first KV slot of the block no request owns (padding and warm-up write there)."""
+        return self.num_blocks * self.block_size
+
+    def capture_graphs(self, limit_s: float | None = None) -> GraphCapture:
+        """Captures the decode graphs (on the static path ``static_decode`` made, or a new
+        one), for at most ``limit_s`` (default: the config's capture limit)."""
+        graphs = self.graphs if self.graphs is not None and self.graphs.capture else \
+            self.static_decode(capture=True)
+        if limit_s is None:
+            limit_s = self.config.cuda_graph_capture_limit_s
+        self.graph_capture = cap = graphs.capture_all(limit_s)
         log.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)%s",
                  ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
+        return cap
 
     @property
     def last_step_graph_bucket(self) -> int | None:
@@ -183,7 +215,7 @@ class ModelRunner:
         else:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._warmup()
+            self._profile_step()
             free, total = torch.cuda.mem_get_info(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             current = torch.cuda.memory_allocated(self.device)
@@ -205,7 +237,7 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def _warmup(self) -> None:
+    def _profile_step(self) -> None:
         """One cache-less prefill at the step token budget, sampled at max_num_seqs rows: its
         peak memory is what activations need (and Triton kernels get compiled here)."""
         sched = self.config.scheduler

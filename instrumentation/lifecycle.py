@@ -32,7 +32,7 @@ from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
            "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep",
-           "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID"]
+           "Startup", "StartupPhase", "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID"]
 
 # A request key is (producer_id << PRODUCER_KEY_SHIFT) + n, n < 2**48 (from a random start
 # below 2**40): every key fits an int64 (msgpack, the engine's own records).
@@ -128,6 +128,26 @@ class RequestEnd(NamedTuple):
     preemptions: int | None
     error_type: str | None
     cached_tokens: int | None = None   # prompt tokens served from a prefix cache (None: unknown)
+
+
+class StartupPhase(NamedTuple):
+    """One phase of the engine's start-up (loading weights, a warm-up family, ...)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any] | None
+
+
+class Startup(NamedTuple):
+    """The engine's start-up, recorded once when it is ready: one trace, a span per phase."""
+
+    trace_id: int
+    span_id: int
+    start_ns: int
+    end_ns: int
+    phases: tuple[StartupPhase, ...]
+    attributes: Mapping[str, Any] | None
 
 
 class RequestHandle:

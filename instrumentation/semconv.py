@@ -119,6 +119,43 @@ STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's f
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
+# on a step whose launches met kernel variants for the first time in the process (a compile,
+# a load from the on-disk cache or an autotuning while serving: each one a defect of the
+# warm-up): how many, which kernels (one name per variant) and the seconds they took
+STEP_JIT_COMPILES = "sightline.step.jit_compiles"
+STEP_JIT_COMPILE_KERNELS = "sightline.step.jit_compile_kernels"
+STEP_JIT_COMPILE_S = "sightline.step.jit_compile_s"
+
+# start-up: one trace per engine start, a root span and one child span per phase
+SPAN_ENGINE_STARTUP = "engine.startup"
+SPAN_STARTUP_PHASE_PREFIX = "engine.startup."   # + the phase name
+STARTUP_PHASE = "sightline.startup.phase"
+STARTUP_STATUS = "sightline.startup.status"     # compiled | cached | warm | timed_out
+STARTUP_VARIANTS_RUN = "sightline.startup.variants_run"
+STARTUP_VARIANTS_SKIPPED = "sightline.startup.variants_skipped"   # past the time limit
+STARTUP_VARIANTS_COMPILED = "sightline.startup.variants_compiled"
+STARTUP_VARIANTS_CACHED = "sightline.startup.variants_cached"     # from the on-disk cache
+STARTUP_AUTOTUNED = "sightline.startup.autotuned"
+STARTUP_KERNELS_COMPILED = "sightline.startup.kernels_compiled"   # kernel[constexprs] per variant
+STARTUP_COMPILE_S = "sightline.startup.compile_s"
+STARTUP_COMPILE_CACHE_DIR = "sightline.startup.compile_cache_dir"
+STARTUP_DURATION_S = "sightline.startup.duration_s"   # root: process start to ready
+# Phase names (span suffixes and the phase label of ENGINE_STARTUP_SECONDS), in order.
+STARTUP_IMPORTS = "imports"                 # process start to the engine's construction
+STARTUP_LOAD_WEIGHTS = "load_weights"
+STARTUP_PROFILE_MEMORY = "profile_memory"   # CUDA: a full-size step sizes the KV cache
+STARTUP_ALLOCATE_KV = "allocate_kv"
+STARTUP_WARMUP_FUSED = "warmup_fused_kernels"   # RMSNorm, SwiGLU, RoPE
+STARTUP_WARMUP_PREFILL = "warmup_prefill"
+STARTUP_WARMUP_DECODE = "warmup_decode"
+STARTUP_WARMUP_MIXED = "warmup_mixed"
+STARTUP_WARMUP_SAMPLER = "warmup_sampler"
+STARTUP_WARMUP_TELEMETRY = "warmup_telemetry"   # SM probe and CUPTI (trace level kernels)
+STARTUP_CUDA_GRAPHS = "cuda_graph_capture"
+STARTUP_PHASES = (STARTUP_IMPORTS, STARTUP_LOAD_WEIGHTS, STARTUP_PROFILE_MEMORY,
+                  STARTUP_ALLOCATE_KV, STARTUP_WARMUP_FUSED, STARTUP_WARMUP_PREFILL,
+                  STARTUP_WARMUP_DECODE, STARTUP_WARMUP_MIXED, STARTUP_WARMUP_SAMPLER,
+                  STARTUP_CUDA_GRAPHS, STARTUP_WARMUP_TELEMETRY)
 
 # kernel (CUPTI)
 CUDA_KERNEL_NAME = "cuda.kernel.name"
@@ -190,6 +227,12 @@ ENGINE_PREFIX_CACHE_TTFT_SECONDS = "sightline_engine_prefix_cache_time_to_first_
 # Connections the HTTP server closed, by reason (a deadline, a slot given to a newer one, or
 # refused with 503): engine/http_limits.py's CLOSE_REASONS
 ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL = "sightline_engine_http_connections_closed"  # labels model, reason
+# start-up (gauges, set once ready): seconds per phase (label phase), and process start to ready
+ENGINE_STARTUP_SECONDS = "sightline_engine_startup_seconds"
+ENGINE_STARTUP_TOTAL_SECONDS = "sightline_engine_startup_total_seconds"
+# counter -> _total; labels model, kernel, kind (compiled | disk_cache | autotune): kernel
+# variants met for the first time while serving. Any increase is a defect of the warm-up.
+ENGINE_JIT_COMPILES_TOTAL = "sightline_engine_jit_compiles"
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
@@ -230,6 +273,7 @@ LABEL_PID = "pid"
 LABEL_PREFIX_CACHE = "prefix_cache"  # a request's prefix cache outcome: hit | miss
 PREFIX_CACHE_HIT = "hit"
 PREFIX_CACHE_MISS = "miss"
+LABEL_COMPILE_KIND = "kind"   # compiled | disk_cache | autotune
 
 # Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,

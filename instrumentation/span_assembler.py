@@ -1,6 +1,7 @@
 """Builds request, phase and step spans from lifecycle events (:mod:`.lifecycle`).
 
-The phase machine lives here, not in the engine: a request's ``queue`` opens when it is
+The engine's start-up becomes one trace (a root and a span per phase). The phase machine
+of requests lives here, not in the engine: a request's ``queue`` opens when it is
 queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
 when a step finishes its prompt, ``detokenize`` around the final flush of its text. Step
 spans link to the requests they served; prefill/decode spans link back (capped, counted).
@@ -31,7 +32,7 @@ from . import semconv as sc
 from .config_checks import check_range
 from .event_order import HeldEvents, Watermarks
 from .lifecycle import (PRODUCER_KEY_SHIFT, Detokenized, Queued, RequestAttributes, RequestEnd,
-                        RequestStart, Step, Tokenized)
+                        RequestStart, Startup, Step, Tokenized)
 from .producer_link import ProducerIdentity
 from .request_trace import RequestTrace, StepTrace
 
@@ -94,7 +95,7 @@ class SpanAssembler:
         self._handlers = {
             RequestStart: self._start, Tokenized: self._tokenized,
             RequestAttributes: self._attributes, Queued: self._queued, Step: self._step,
-            Detokenized: self._detokenized, RequestEnd: self._end,
+            Detokenized: self._detokenized, RequestEnd: self._end, Startup: self._startup,
         }
 
     def handle(self, events, producer: ProducerIdentity | None = None,
@@ -266,6 +267,19 @@ class SpanAssembler:
             input_tokens=e.input_tokens, output_tokens=e.output_tokens, ttft_s=e.ttft_s,
             tpot_s=e.tpot_s, queue_s=e.queue_s, e2e_s=e.e2e_s, preemptions=e.preemptions,
             error_type=e.error_type, end_time_ns=e.time_ns, cached_tokens=e.cached_tokens)
+
+    # -- the engine's start-up --------------------------------------------------------
+    def _startup(self, e: Startup, origin: dict, pid: int, now: float) -> None:
+        """One trace: the ``engine.startup`` root and a child span per phase."""
+        spans = self.telemetry.finished_spans
+        if spans is None:
+            return
+        attributes = {**origin, **(e.attributes or {})}
+        root = spans.root_context(sc.SPAN_ENGINE_STARTUP, attributes, (), e.trace_id, e.span_id)
+        for phase in e.phases:
+            spans.emit(sc.SPAN_STARTUP_PHASE_PREFIX + phase.name, spans.child_context(root), root,
+                       phase.start_ns, phase.end_ns, {**origin, **(phase.attributes or {})})
+        spans.emit(sc.SPAN_ENGINE_STARTUP, root, None, e.start_ns, e.end_ns, attributes)
 
     # -- steps ----------------------------------------------------------------------
     def _step(self, e: Step, origin: dict, pid: int, now: float) -> None:

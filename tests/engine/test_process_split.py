@@ -46,9 +46,11 @@ def test_every_record_round_trips():
                cr.AddRequest("cmpl-2", [1], SamplingParams()), cr.Abort("cmpl-1", 1),
                cr.Abort("cmpl-1", 1, stop_at=4), cr.UtilityCall(9, 1, "kv_blocks")]
     stats = cr.StepStats(12, 0.0042, 128, 2, 3, 2, 1, 2, 5, 40, 327)
-    from_core = [cr.Phase("loading_model"),
+    from_core = [cr.Phase("connecting"), cr.Phase("warmup_decode", ("imports", "load_weights"), 17),
                  cr.Ready("tiny", 2048, 512, 257, 327, 16, 1024, 64, "cpu", "float32", False, 99, None),
                  cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, "ipc:///x"),
+                 cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, None, 42.5,
+                          "4bf92f3577b34da6a3ce929d0e0e4736"),
                  cr.OutputBatch(["a", "b"], [5, 6], [cr.FinalOutput(
                      "c", [7], "length", None, None, 3, 4, 0.01, 0.02, 0.003, 0.05, 0.01, 0.03, 1)],
                      stats, 3),
@@ -208,24 +210,32 @@ def test_health_is_starting_with_the_cores_phase_until_ready():
             wait_for_http(url + "/live", timeout_s=60)
             served = Served.__new__(Served)
             served.url = url
-            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting"})
+            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting",
+                                                   "elapsed_s": None, "phases_done": []})
             assert router.poll(30_000)
             identity, payload = router.recv_multipart()
             hello = cr.core_decoder().decode(payload)
             assert hello == cr.Hello(0, process.pid) and identity == b"api-0"
-            router.send_multipart([identity, cr.encode(cr.Phase("loading_model"))])
+            started = time.time_ns() - 5 * 10**9
+            router.send_multipart([identity, cr.encode(cr.Phase("warmup_prefill", (
+                "imports", "load_weights"), started))])
             deadline = time.monotonic() + 10
-            while served.get("/health")[1].get("phase") != "loading_model":
+            while served.get("/health")[1].get("phase") != "warmup_prefill":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert served.get("/health") == (503, {"status": "starting", "phase": "loading_model"})
+            status, health = served.get("/health")
+            assert status == 503 and health.pop("elapsed_s") >= 5
+            assert health == {"status": "starting", "phase": "warmup_prefill",
+                              "phases_done": ["imports", "load_weights"]}
             router.send_multipart([identity, cr.encode(cr.Ready(
-                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid()))])
+                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid(),
+                None, 7.25, "ab" * 16))])
             wait_for_http(url + "/health", timeout_s=10)
             status, health = served.get("/health")
             assert status == 200 and health == {"status": "ok", "running": 0, "waiting": 0,
                                                 "api_server": 0, "pid": process.pid,
-                                                "core_pid": os.getpid()}
+                                                "core_pid": os.getpid(), "startup_s": 7.25,
+                                                "startup_trace_id": "ab" * 16}
             core_alive.close()   # the core's death, as the API server sees it
             deadline = time.monotonic() + 10
             while served.get("/health")[0] != 503:
@@ -307,6 +317,22 @@ def test_both_api_servers_serve_one_port(served):
     assert health["core_pid"] not in seen.values()
     status, live = served.get("/live")
     assert (status, live) == (200, {"status": "alive"})
+    # the core's start-up, the same through every API server: its report (a utility call),
+    # and its series on /metrics once per phase, whichever server answers the scrape
+    status, report = served.get("/debug/startup")
+    assert status == 200 and health["startup_s"] == round(report["total_s"], 3) > 0
+    phases = [p["name"] for p in report["phases"]]
+    assert phases[0] == sc.STARTUP_IMPORTS and sc.STARTUP_WARMUP_SAMPLER in phases
+    assert health["startup_trace_id"] is None   # tracing off
+    for _ in range(4):
+        with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        by_phase = {line.split('phase="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                    for line in lines if line.startswith(sc.ENGINE_STARTUP_SECONDS + "{")}
+        assert by_phase == {p["name"]: pytest.approx(p["duration_s"], abs=1e-6)   # rounded there
+                            for p in report["phases"]}
+        assert sum(line.startswith(sc.ENGINE_STARTUP_SECONDS + "{") for line in lines) == len(phases)
+        assert [line for line in lines if line.startswith(sc.ENGINE_JIT_COMPILES_TOTAL + "_total")] == []
 
 
 def test_a_client_that_disconnects_is_aborted_in_the_core(served):
@@ -372,6 +398,9 @@ def test_one_trace_across_the_processes():
         with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
             exposed = response.read().decode()
         assert f"{sc.TELEMETRY_PROCESS_UP} 1.0" in exposed
+        _, health = served.get("/health")
+        _, report = served.get("/debug/startup")
+        assert health["startup_trace_id"] == report["trace_id"] and len(report["trace_id"]) == 32
         assert served.close() == 0   # flushes every process's telemetry
         deadline = time.monotonic() + 30
         while True:
@@ -391,6 +420,16 @@ def test_one_trace_across_the_processes():
             assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
         step_links = [link["span_id"] for link in phases["prefill"]["links"] + phases["decode"]["links"]]
         assert len(step_links) == 4   # the prefill step and three decode steps
+        # the core's start-up: one trace, a root and a span per phase, recorded by the core
+        with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{report['trace_id']}",
+                                    timeout=5) as response:
+            startup = json.loads(response.read())["spans"]
+        [root] = [s for s in startup if s["name"] == sc.SPAN_ENGINE_STARTUP]
+        assert sorted(s["name"] for s in startup if s is not root) == sorted(
+            sc.SPAN_STARTUP_PHASE_PREFIX + p["name"] for p in report["phases"])
+        assert all(s["parent_span_id"] == root["span_id"] for s in startup if s is not root)
+        assert root["end_time_unix_nano"] == report["ready_ns"]
+        assert {s["attributes"][sc.PROCESS_ROLE] for s in startup} == {sc.PROCESS_ROLE_ENGINE_CORE}
     finally:
         if served is not None:
             served.close()
