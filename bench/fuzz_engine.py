@@ -11,9 +11,7 @@ or 2**18, long stop strings, priorities out of range, unsupported fields, in-fli
 ids reused, truncated and bit-flipped bodies, unknown routes and methods. Unhandled: a 5xx, no
 answer, a malformed 200, an error not in OpenAI's shape, an SSE error event. Every 500 cases
 a greedy completion must return exactly the text it returned first.
-
-Run: ``python -m bench.fuzz_engine --cases 100000 --seconds 600``; results:
-bench/results/fuzz_engine.json and .md.
+Run: ``python -m bench.fuzz_engine --cases 100000 --seconds 600`` (results/fuzz_engine.*).
 """
 
 from __future__ import annotations

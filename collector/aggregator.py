@@ -48,10 +48,11 @@ class Aggregator:
         self.store = TraceStore(self.config.trace_store)
         self.overflow: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
+        self.evicted: dict[str, int] = {}
         self.spans_seen = 0
-        # Span-derived series and per-SM series; both add to these overflow and dropped counters.
-        self._spans = SpanSeries(self.config, self.overflow, self.dropped)
-        self.sm = SmStore(self.config, self.overflow, self.dropped, clock)
+        # Span-derived series and per-SM series; both add to these overflow, dropped and evicted counters.
+        self._spans = SpanSeries(self.config, self.overflow, self.dropped, self.evicted)
+        self.sm = SmStore(self.config, self.overflow, self.dropped, clock, self.evicted)
         self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
 
     @property
@@ -143,7 +144,8 @@ class Aggregator:
                 requests_total=dict(self._spans.requests_total),
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
                 steps={k: s.classic.copy() for k, s in self._spans.steps.items()})
-        return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped))
+        return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped),
+                                  evicted=dict(self.evicted))
 
     def memory_bytes(self) -> int:
         """Bytes held by every histogram's bucket arrays (the part that grows with data)."""

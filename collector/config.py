@@ -61,12 +61,20 @@ class CollectorConfig:
       present, otherwise while reading.
     - ``max_decompressed_bytes``: body after gzip/deflate; decompression is streamed and
       stops at this limit, so a gzip bomb costs at most this much memory.
+    - ``max_decompression_ratio``: a compressed body inflates to at most this many times its
+      wire size (bodies inflating to under 1 MiB excepted), so that no small body buys a
+      large amount of work.
+    - ``max_resources_per_request``, ``max_scopes_per_request`` (scopes and metrics),
+      ``max_items_per_request`` (spans or data points), ``max_values_per_request``
+      (attributes, events, links, exemplars), ``max_buckets_per_request`` (histogram bucket
+      counts): an encoded request's messages, empty ones included, are counted before it is
+      parsed, and one past any cap is refused (413 / RESOURCE_EXHAUSTED), so the parse and
+      aggregation of one request are bounded. ``max_json_values``: the same for JSON bodies
+      (objects, arrays and elements, bounded before ``json.loads``).
     - ``queue_max_items`` / ``queue_max_bytes``: the pipeline queue between receivers and
-      the aggregator holds at most this many spans+data points and this many payload
-      bytes; beyond either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint
-      of ``retry_after_s``. A parsed request occupies a few times its encoded size in
-      memory, and protobuf trace requests keep their encoding too (the trace store takes
-      it), so resident memory is a small multiple of this bound.
+      the aggregator holds at most this many spans+data points and this many bytes of
+      parsed requests (estimated from their message counts, encodings included); beyond
+      either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint of ``retry_after_s``.
     - ``max_inflight_requests``: export requests being decoded at once, per listener
       (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
       gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.
@@ -82,6 +90,8 @@ class CollectorConfig:
       acknowledged, not stored or counted twice, and counted in
       ``dropped_total{reason="duplicate"}``. 0 = off. 8 bytes per remembered span.
     - ``max_json_depth``: OTLP/JSON and Zipkin bodies nested deeper -> 400.
+    - ``scrape_deadline_s``: a /metrics response not read by then is cut (scrapers share one
+      rendered page and each holds only a slice of it buffered).
 
     Query API auth (``/api/v1/``: it serves span attributes): on when ``query_auth`` is set
     or a read token is configured (file or environment variable). The read token, when
@@ -98,11 +108,26 @@ class CollectorConfig:
     http_address: str = setting("127.0.0.1:8889", "query port: /metrics, /healthz, /readyz, /api/v1/",
                                 flag="--http", metavar="HOST:PORT")
     max_request_bytes: int = setting(8 * MiB, "largest request body on the wire", lo=1024, hi=1024 * MiB)
-    max_decompressed_bytes: int = setting(32 * MiB, "largest body after gzip/deflate, and largest gRPC "
+    max_decompressed_bytes: int = setting(16 * MiB, "largest body after gzip/deflate, and largest gRPC "
                                                     "message", lo=1024, hi=4096 * MiB)
+    max_decompression_ratio: int = setting(200, "a compressed body may inflate to at most this many times its "
+                                                "size", lo=2, hi=1_000_000)
+    max_resources_per_request: int = setting(4_096, "resources in one export request, empty ones included, "
+                                                    "counted before it is parsed; more -> 413", lo=1, hi=1 << 30)
+    max_scopes_per_request: int = setting(16_384, "scopes and metrics in one export request, same effect",
+                                          lo=1, hi=1 << 30)
+    max_items_per_request: int = setting(32_768, "spans or data points in one export request, same effect",
+                                         lo=1, hi=1 << 30)
+    max_values_per_request: int = setting(524_288, "attributes, events, links and exemplars in one export "
+                                                   "request, same effect", lo=1, hi=1 << 30)
+    max_buckets_per_request: int = setting(2_097_152, "histogram bucket counts in one export request, same "
+                                                      "effect", lo=1, hi=1 << 30)
+    max_json_values: int = setting(65_536, "objects, arrays and elements in one OTLP/JSON or Zipkin body, "
+                                           "counted before it is parsed; more -> 413", lo=1, hi=1 << 30)
     queue_max_items: int = setting(100_000, "spans+data points waiting for the aggregator before "
                                             "429/RESOURCE_EXHAUSTED", lo=1, hi=100_000_000)
-    queue_max_bytes: int = setting(32 * MiB, "payload bytes waiting, same effect", lo=1024, hi=64 * 1024 * MiB)
+    queue_max_bytes: int = setting(128 * MiB, "bytes of parsed requests waiting (estimated), same effect",
+                                   lo=1024, hi=64 * 1024 * MiB)
     workers: int = setting(1, "aggregator worker threads", lo=1, hi=64)
     max_inflight_requests: int = setting(64, "export requests read/parsed at once per listener before "
                                              "429/RESOURCE_EXHAUSTED", lo=1, hi=100_000)
@@ -119,6 +144,8 @@ class CollectorConfig:
                                   lo=2, hi=512)
     retry_after_s: int = setting(1, "retry hint sent with 429/RESOURCE_EXHAUSTED", lo=1, hi=3600)
     shutdown_timeout_s: float = setting(30.0, "how long the drain on SIGTERM may take", lo=0.0, hi=3600.0)
+    scrape_deadline_s: float = setting(30.0, "a /metrics response not read within this many seconds is cut",
+                                       lo=0.1, hi=3600.0)
     auth_token_file: Path | None = setting(None, "file holding the ingest bearer token")
     auth_token_env: str = setting(DEFAULT_TOKEN_ENV, "environment variable holding the ingest bearer token "
                                                      "(if set)")
@@ -156,6 +183,14 @@ class CollectorConfig:
                 raise ValueError(f"{name}={value!r} is not an environment variable name")
 
     # -- derived ---------------------------------------------------------------------
+    def request_limits(self):
+        """The caps on one request's messages, as the decoders take them."""
+        from .request_shape import RequestLimits  # numpy and numba: not at this module's import
+
+        return RequestLimits(self.max_resources_per_request, self.max_scopes_per_request,
+                             self.max_items_per_request, self.max_values_per_request,
+                             self.max_buckets_per_request, self.max_json_values)
+
     def address(self, name: str) -> tuple[str, int]:
         """(host, port) of ``otlp_grpc`` | ``otlp_http`` | ``zipkin`` | ``http``."""
         return parse_address(getattr(self, f"{name}_address"), what=f"{name}_address")

@@ -105,13 +105,14 @@ class SmStore:
     """See the module docstring. ``overflow`` and ``dropped`` are the owner's counters."""
 
     def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], evicted: dict[str, int] | None = None) -> None:
         self.config = config
         self.now = clock
         wc = self.window = self._wc = config.window
         self._expired_epoch = wc.epoch(clock())
         self.detail_slots = min(wc.num_slots, math.ceil(config.gauge_window_s / wc.slot_s) + 1)
         self.overflow, self.dropped = overflow, dropped
+        self.evicted = evicted if evicted is not None else {}  # "sm_cta": SM series let go idle
         self._lock = threading.Lock()  # the store's state: every read and write
         self._ingest_lock = threading.Lock()  # writers (consume, expire), one at a time
         self._gpus: dict[GpuKey, _Gpu] = {}
@@ -334,6 +335,7 @@ class SmStore:
                     block = gpu.blocks.pop(kernel)
                     gpu.series -= len(block.sms)
                     self._series -= len(block.sms)
+                    _count(self.evicted, "sm_cta", len(block.sms))
                 if not gpu.blocks:
                     del self._gpus[key]
             self._refused.expire(now - self._wc.horizon_s)

@@ -265,7 +265,7 @@ class TraceStore:
         self._num_spans += 1
         self.held_bytes += len(stored.raw)
         name = stored.name
-        if name in REQUEST_SPAN_NAMES:
+        if name in REQUEST_SPAN_NAMES and span.kind != Span.SPAN_KIND_CLIENT:  # a caller's half is not the root
             trace.request_root = stored
         elif name == semconv.SPAN_ENGINE_STEP:
             trace.step_spans.append(stored)

@@ -11,7 +11,7 @@ exponential race ``argmax(p / E)``, ``E ~ Exp(1)``: a draw from ``p`` without ``
 Cost: no host-device sync until ``to_host``; per step at most two small host-to-device copies,
 O(rows) Python work and one sort of ``[S, V]`` when some row has top-k or top-p. What a request
 keeps for its life is on the device from its first sampled token until ``release``: allowed ids
-as a ``[V]`` bool row; for penalties its prompt as a ``[V]`` bool row and its output as ``[V]``
+as a ``[V]`` float32 row of 0 and -inf, added to its logits; for penalties its prompt as a ``[V]`` bool row and its output as ``[V]``
 float32 counts, which ``sample`` updates on the device.
 """
 
@@ -54,16 +54,17 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None  # [S] int64 (vocab size = all); None: no row uses it
     min_ps: torch.Tensor | None = None  # [S] float32; None: no row uses it
     penalties: Penalties | None = None
-    allowed: torch.Tensor | None = None  # [R, V] bool of the restricted rows; None: no row restricts
-    allowed_rows: torch.Tensor | None = None  # [R] int64: their rows of the logits
+    allowed_bias: torch.Tensor | None = None  # [R, V] float32, 0 or -inf; None: no row restricts its ids
+    allowed_rows: torch.Tensor | None = None  # [R] int64: the restricted rows of the logits
 
 
 class _RowPool:
-    """Device rows ``[V]`` (one tensor per dtype) lent to requests; grows by doubling."""
+    """Device rows ``[V]`` lent to requests, one tensor per (dtype, value of a fresh row);
+    grows by doubling."""
 
-    def __init__(self, device: torch.device, vocab_size: int, dtypes: tuple[torch.dtype, ...]) -> None:
-        self.device, self.vocab_size, self.dtypes = device, vocab_size, dtypes
-        self.tensors = [torch.zeros((0, vocab_size), dtype=d, device=device) for d in dtypes]  # [cap, V]
+    def __init__(self, device: torch.device, vocab_size: int, kinds: tuple[tuple[torch.dtype, float], ...]) -> None:
+        self.device, self.vocab_size, self.fresh = device, vocab_size, [value for _, value in kinds]
+        self.tensors = [torch.zeros((0, vocab_size), dtype=d, device=device) for d, _ in kinds]  # [cap, V]
         self._free: list[int] = []
 
     def take(self) -> int:
@@ -78,8 +79,8 @@ class _RowPool:
             self.tensors = grown
             self._free = list(range(new - 1, old - 1, -1))
         row = self._free.pop()
-        for t in self.tensors:
-            t[row].zero_()
+        for t, value in zip(self.tensors, self.fresh):
+            t[row].fill_(value)
         return row
 
     def give(self, row: int) -> None:
@@ -105,7 +106,7 @@ class Sampler:
         self._shared.manual_seed(seed)
         self._per_request: dict[str, torch.Generator] = {}
         self._rows: dict[str, _Rows] = {}
-        self._allowed_pool: _RowPool | None = None  # [cap, V] bool
+        self._allowed_pool: _RowPool | None = None  # [cap, V] float32: 0 allowed, -inf not
         self._penalty_pool: _RowPool | None = None  # [cap, V] float32 counts, [cap, V] bool prompt ids
         self._pin = device.type == "cuda"
         # two pinned buffers, alternating: with overlapped scheduling the previous step's
@@ -147,8 +148,8 @@ class Sampler:
         """Pools of ``vocab_size`` columns (a new width drops every request's rows)."""
         if self._allowed_pool is None or self._allowed_pool.vocab_size != vocab_size:
             self._rows.clear()
-            self._allowed_pool = _RowPool(self.device, vocab_size, (torch.bool,))
-            self._penalty_pool = _RowPool(self.device, vocab_size, (torch.float32, torch.bool))
+            self._allowed_pool = _RowPool(self.device, vocab_size, ((torch.float32, float("-inf")),))
+            self._penalty_pool = _RowPool(self.device, vocab_size, ((torch.float32, 0.0), (torch.bool, 0.0)))
 
     def _rows_for(self, req: Request, fills: list[tuple[_RowPool, int, int, list[int], float]]) -> _Rows:
         """The request's pool rows, taken at its first sampled token; ``fills`` gets what to
@@ -162,7 +163,7 @@ class Sampler:
         rows = _Rows(req, None, None)
         if s.allowed_token_ids is not None:
             rows.allowed = self._allowed_pool.take()
-            fills.append((self._allowed_pool, 0, rows.allowed, list(s.allowed_token_ids), True))
+            fills.append((self._allowed_pool, 0, rows.allowed, list(s.allowed_token_ids), 0.0))
         if s.penalized:
             rows.penalty = self._penalty_pool.take()
             # outputs it already has (a new request has none); stand-ins of tokens in flight are not ids
@@ -229,13 +230,14 @@ class Sampler:
         for pool, which, pool_row, ids, value in fills:  # new requests' rows, before they are read
             if ids:
                 tensor = pool.tensors[which]
+                accumulate = pool is self._penalty_pool and which == 0  # counts; else set
                 tensor[pool_row].index_put_((i[ioff:ioff + len(ids)],),
                                             torch.tensor(value, dtype=tensor.dtype, device=self.device),
-                                            accumulate=tensor.dtype != torch.bool)
+                                            accumulate=accumulate)
             ioff += len(ids)
         if views[0] is not None:
             batch.allowed_rows, pool_rows = views[0]
-            batch.allowed = self._allowed_pool.tensors[0][pool_rows]  # [R, V]
+            batch.allowed_bias = self._allowed_pool.tensors[0][pool_rows]  # [R, V]
         if views[1] is not None:
             rows, pool_rows = views[1]
             values = f[off:].view(-1, 3)  # [P, 3]
@@ -254,11 +256,10 @@ class Sampler:
         sync). Masks, penalties and probabilities are computed in float32; float32 logits are
         edited in place (rows with allowed ids or penalties: O(rows x V), not O(S x V)). The
         penalized rows' sampled ids are counted in their output counts: sample a batch once."""
-        if batch.allowed is not None or batch.penalties is not None or not batch.all_greedy:
+        if batch.allowed_bias is not None or batch.penalties is not None or not batch.all_greedy:
             logits = logits.float()
-        if batch.allowed is not None:
-            rows = batch.allowed_rows
-            logits[rows] = logits[rows].masked_fill_(~batch.allowed, float("-inf"))
+        if batch.allowed_bias is not None:
+            logits.index_add_(0, batch.allowed_rows, batch.allowed_bias)  # disallowed ids: -inf
         if batch.penalties is not None:
             p = batch.penalties
             logits[p.rows] = _penalized(logits[p.rows], p)

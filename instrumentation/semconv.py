@@ -82,10 +82,11 @@ PROCESS_PID = "process.pid"
 # request
 REQUEST_ID = "sightline.request.id"
 REQUEST_PRIORITY = "sightline.request.priority"
-# The API's `priority` range (lower is more urgent): the engine refuses a value outside it
-# (400), so that per-priority series stay few; readers of other producers clamp to it.
-REQUEST_PRIORITY_MIN = -100
-REQUEST_PRIORITY_MAX = 100
+# The documented range of a request's priority (an integer, lower is more urgent): the engine
+# refuses a value outside it (400) and the collector clamps one to the nearest end (a
+# non-integer to "other"), so that client-chosen values cannot multiply the per-priority series.
+REQUEST_PRIORITY_MIN, REQUEST_PRIORITY_MAX = -100, 100
+PRIORITY_LABEL_OTHER = "other"
 REQUEST_STREAM = "sightline.request.stream"
 REQUEST_TTFT_S = "sightline.request.time_to_first_token_s"
 REQUEST_TPOT_S = "sightline.request.time_per_output_token_s"
@@ -268,6 +269,9 @@ COLLECTOR_DROPPED_TOTAL = "sightline_collector_dropped"  # reason
 COLLECTOR_QUEUE_DEPTH = "sightline_collector_queue_depth"
 COLLECTOR_PROCESSING_SECONDS = "sightline_collector_processing_seconds"
 COLLECTOR_SERIES_OVERFLOW_TOTAL = "sightline_collector_series_overflow"
+# counter -> _total, label family: series let go from a full table after idling past the
+# window horizon (their counters restart at 0 if they come back)
+COLLECTOR_SERIES_EVICTED_TOTAL = "sightline_collector_series_evicted"
 
 # Histogram buckets for the collector's exposition of span-derived latencies and
 # per-SM CTA durations (seconds). CTA durations of attention blocks span ~1 us..100 ms.

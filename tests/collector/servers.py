@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import subprocess
+import sys
 import threading
 import urllib.error
 import urllib.request
@@ -19,7 +22,7 @@ from sightline.collector.api import add_api_routes
 from sightline.collector.app import Collector
 from sightline.collector.config import CollectorConfig
 from sightline.instrumentation import semconv as sc
-from tests.support import free_port
+from tests.support import free_port, wait_for_http
 
 
 class RunningCollector:
@@ -216,3 +219,21 @@ class GatedAggregator:
     def consume_metrics(self, request) -> int:
         self.gate.wait(30)
         return self.inner.consume_metrics(request)
+
+
+def collector_process(tmp_path, *extra):
+    """``sightline collector run`` as a process (torch and triton unimportable) on free ports:
+    (process, ports, summary file path)."""
+    ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
+    summary = tmp_path / "summary.json"
+    # torch and triton made unimportable: the collector must run on a machine without them.
+    command = [sys.executable, "-c", "import sys; sys.modules['torch'] = sys.modules['triton'] = None; "
+               "from sightline.deploy.cli import main; sys.exit(main())",
+               "collector", "run", "--otlp-grpc", f"127.0.0.1:{ports['grpc']}",
+               "--otlp-http", f"127.0.0.1:{ports['http']}", "--zipkin", f"127.0.0.1:{ports['zipkin']}",
+               "--http", f"127.0.0.1:{ports['query']}", "--summary-file", str(summary),
+               "--log-level", "WARNING", *extra]
+    env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    wait_for_http(f"http://127.0.0.1:{ports['query']}/readyz", 30, process)
+    return process, ports, summary

@@ -119,7 +119,7 @@ def test_prompt_cache_hit_and_miss_are_explained():
     its whole prompt), one from an engine that reports no cache figures."""
     from sightline.collector.explain import PromptCache
     from sightline.collector.query_cli import format_explanation
-    from tests.collector.test_aggregator import otlp_attrs
+    from tests.collector.otlp_builders import otlp_attrs
 
     agg = make_aggregator()
     spans = build(3)

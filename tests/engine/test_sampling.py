@@ -3,6 +3,8 @@ batch builder against the requests it was built from."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -88,8 +90,8 @@ def test_allowed_token_ids_leave_only_those_ids():
     sampler = Sampler(torch.device("cpu"), seed=4)
     rows = [_request(f"r{i}", allowed_token_ids=(1, 3)) for i in range(N)] + [_request("free")]
     batch = sampler.batch(rows, vocab_size=5)
-    assert batch.allowed_rows.tolist() == list(range(N)) and batch.allowed.shape == (N, 5)
-    assert batch.allowed[:2].tolist() == [[False, True, False, True, False]] * 2
+    assert batch.allowed_rows.tolist() == list(range(N)) and batch.allowed_bias.shape == (N, 5)
+    assert batch.allowed_bias[:2].tolist() == [[-math.inf, 0, -math.inf, 0, -math.inf]] * 2
     drawn = sampler.sample(PROBS.log().repeat(N + 1, 1), batch)[:N]
     freq = torch.bincount(drawn, minlength=5).double() / N
     assert freq[[0, 2, 4]].tolist() == [0.0, 0.0, 0.0]
@@ -130,7 +132,7 @@ def test_request_rows_live_on_the_device_from_first_sample_to_release():
     logits = torch.tensor([[0.0, 9.0, 9.0, 2.0, 1.0]])
     first = sampler.batch([req], vocab_size=5)
     assert first.penalties.prompt_seen.tolist() == [[False, True, True, False, False]]
-    assert first.allowed.tolist() == [[True, False, False, True, True]]
+    assert first.allowed_bias.tolist() == [[0, -math.inf, -math.inf, 0, 0]]
     tokens = []
     for _ in range(4):  # the host never tells the sampler which token came: it counts on the device
         batch = sampler.batch([req], vocab_size=5)
@@ -145,7 +147,7 @@ def test_request_rows_live_on_the_device_from_first_sample_to_release():
     assert sampler.num_device_rows == 0
     again = _request("a", prompt=(4,), temperature=0.0, presence_penalty=1.0)  # a new request, same id
     batch = sampler.batch([again], vocab_size=5)
-    assert batch.allowed is None and batch.penalties.counts.sum().item() == 0
+    assert batch.allowed_bias is None and batch.penalties.counts.sum().item() == 0
     assert not batch.penalties.prompt_seen.any()
 
 
