@@ -11,7 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["AggregationConfig", "TraceStoreConfig", "WindowConfig"]
+__all__ = ["AggregationConfig", "ContentionConfig", "TraceStoreConfig", "WindowConfig"]
+
+# what collector/contention.py compares a CTA's duration with: the other SMs' P90
+REFERENCE_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,26 @@ class WindowConfig:
         """The slot number (since the Unix epoch) holding time ``t_s``."""
         return int(math.floor(t_s / self.slot_s))
 
+
+
+@dataclass(frozen=True)
+class ContentionConfig:
+    """Thresholds of the per-SM contention tests (collector/contention.py says how they are
+    used); errors name the bad value."""
+
+    alpha: float = 1e-3  # chance that one (kernel, slot) flags any SM with nothing wrong
+    slow_share: float = 0.3  # slow: at least this share of its CTAs above the others' P90 (null: 0.1)
+    starve_ratio: float = 0.7  # starved: fewer than this share of its expected CTAs
+
+    def __post_init__(self) -> None:
+        if not 0 < self.alpha <= 0.5:
+            raise ValueError(f"ContentionConfig.alpha={self.alpha} is outside (0, 0.5]")
+        if not 1 - REFERENCE_QUANTILE < self.slow_share <= 1:
+            raise ValueError(f"ContentionConfig.slow_share={self.slow_share} is outside "
+                             f"({1 - REFERENCE_QUANTILE:g}, 1] (the share above the others' P90 by chance is "
+                             f"{1 - REFERENCE_QUANTILE:g})")
+        if not 0 < self.starve_ratio < 1:
+            raise ValueError(f"ContentionConfig.starve_ratio={self.starve_ratio} is outside (0, 1)")
 
 
 @dataclass(frozen=True)
@@ -99,6 +122,7 @@ class AggregationConfig:
     # of one P99 gauge. Off (the default) leaves the gauges and the per-GPU summaries.
     expose_sm_histograms: bool = False
     trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
+    contention: ContentionConfig = field(default_factory=ContentionConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.gauge_window_s <= self.window.horizon_s:

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..instrumentation import semconv as sc
-from .hotspot import hotspots
+from .contention import hotspots
 from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery, Sources
 from .trace_store import StoredSpan, TraceStore

@@ -153,4 +153,4 @@ OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")
 DROP_REASONS = ("malformed_span", "malformed_point", "explicit_bucket_histogram",
                 "unsupported_metric_type", "missing_attributes", "bad_scale", "too_many_buckets",
                 "inconsistent_count", "out_of_range", "late", "sm_series_limit", "cumulative_streams_full",
-                "cumulative_baseline")
+                "cumulative_baseline", "wide_launches_unmatched")

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 if TYPE_CHECKING:
     from ..instrumentation import ExpHistogram
     from .aggregation_config import WindowConfig
+    from .contention import SlotContention
     from .sm_store import GpuKey, Refusal, SmKey
     from .trace_store import TraceStore
     from .windows import Exemplar
@@ -42,6 +43,10 @@ class SmQuery(Protocol):
     def slot_cells(self, key: SmKey, now_s: float, last_s: float) -> tuple: ...
 
     def exemplar_for_spans(self, span_ids: set[bytes]) -> tuple[SmKey, str, Exemplar] | None: ...
+
+    def num_sms(self, key: GpuKey) -> int: ...
+
+    def contention(self, key: SmKey, now_s: float, last_s: float) -> list[tuple[int, SlotContention]]: ...
 
 
 class TraceQuery(Protocol):

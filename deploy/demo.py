@@ -64,7 +64,6 @@ class DemoConfig:
     # 0: the capture lands at once, shifted to end now with its spacing kept (its minutes
     # fill the heatmap's columns); N: replayed live at N x, time compressed.
     replay_speed: float = 0.0
-    hot_sm_threshold: float = 1.5  # an SM is hot at this P99 over the median SM's P99
     # The SM-hotspot alert waits 15 min in production; the demo's Prometheus waits this.
     alert_for_s: int = 5
     alert_timeout_s: float = 60.0
@@ -75,7 +74,6 @@ class DemoConfig:
         if self.max_num_seqs is not None:
             check_range("DemoConfig.max_num_seqs", self.max_num_seqs, 1, 4096, integer=True)
         check_range("DemoConfig.replay_speed", self.replay_speed, 0, 1000)
-        check_range("DemoConfig.hot_sm_threshold", self.hot_sm_threshold, 1.0, 100, lo_open=True)
         check_range("DemoConfig.alert_for_s", self.alert_for_s, 0, 3600)
         check_range("DemoConfig.alert_timeout_s", self.alert_timeout_s, 1, 3600)
         if self.capture is not None and not Path(self.capture).is_file():
@@ -368,7 +366,7 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         if replayed is not None:
             capture, label, time_map = replayed
             if report.incident is not None:
-                report.findings = find(report.incident, time_sm, time_map, config.hot_sm_threshold)
+                report.findings = find(report.incident, time_sm, time_map)
             summary, _ = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
                                          config.replay_speed, ("traces",), time_map)
             say(f"  replayed spans: {summary}")

@@ -147,8 +147,9 @@ def format_incident(report) -> list[str]:
                 continue
             missed = sorted(set(f.planted) - set(f.flagged))
             extra = sorted(set(f.flagged) - set(f.planted))
-            lines.append(f"    {f.kernel}: Sightline flags {len(f.flagged)} SMs hot over {f.slots} slots "
-                         f"(P99 >= {f.threshold:g}x the median SM's), {f.true_positives} planted: "
+            lines.append(f"    {f.kernel}: Sightline flags {len(f.flagged)} SMs contended over {f.slots} slots "
+                         f"(slow or starved against the kernel's other SMs in at least half of them), "
+                         f"{f.true_positives} planted: "
                          f"precision {_ratio(f.precision)}, recall {_ratio(f.recall)}"
                          + (f"; missed {missed}" if missed else "") + (f"; not planted {extra}" if extra else ""))
     rows = _slowest_requests(report)

@@ -132,6 +132,13 @@ ATTR_GPU_ID = "gpu.id"  # the GPU's index on its host (every host's first GPU is
 ATTR_GPU_UUID = "gpu.uuid"  # NVML's UUID: the GPU's identity across hosts
 ATTR_SM_ID = "gpu.sm.id"
 ATTR_KERNEL_NAME = "cuda.kernel.name"
+# Sum (delta, per gpu and kernel): CTAs of the launches with at least WIDE_LAUNCH_WAVES times
+# as many CTAs as the GPU has SMs. The block scheduler spreads those over every SM; smaller
+# launches may leave SMs out by its own choice, so only these say what share an SM should get.
+METRIC_CTA_WIDE = "gpu.kernel.cta.wide_launches"
+METRIC_CTA_WIDE_UNIT = "{cta}"
+ATTR_GPU_SM_COUNT = "gpu.sm.count"  # on METRIC_CTA_WIDE points: the GPU's SMs
+WIDE_LAUNCH_WAVES = 2
 
 # ---------------------------------------------------------------------------------
 # Prometheus metrics: the engine's /metrics
@@ -219,6 +226,15 @@ COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, 
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
 COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # gpu, kernel: the SM with the largest P99
+# gpu, kernel, reason (CONTENTION_REASONS): SMs the contention tests (collector/contention.py)
+# flagged in any slot of the gauge window; 0 when none
+COLLECTOR_SM_CONTENDED = "sightline_sm_contended_sms"
+# gpu, kernel, sm: only SMs flagged then (sparse): the largest contention score of their
+# flagged slots, max(own P90 / other SMs' P90, expected CTAs / own CTAs)
+COLLECTOR_SM_CONTENTION_SCORE = "sightline_sm_contention_score"
+CONTENTION_SLOW = "slow"  # more of its CTAs than chance allows above the other SMs' P90
+CONTENTION_STARVED = "starved"  # fewer CTAs than chance allows against its share of the slot's
+CONTENTION_REASONS = (CONTENTION_SLOW, CONTENTION_STARVED)
 # gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
 COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
