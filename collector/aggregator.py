@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
+from .engine_timeline import EngineTimeline
 from .exposition import AggregatorCollector, ExpositionSnapshot
 from .sm_exposition import SmPage
 from .sm_store import SmKey, SmStore
@@ -53,6 +54,7 @@ class Aggregator:
         self._spans = SpanSeries(self.config, self.overflow, self.dropped)
         self.sm = SmStore(self.config, self.overflow, self.dropped, clock)
         self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
+        self.timeline = EngineTimeline()  # explain's step and queue facts (used under the store's lock)
 
     @property
     def points_seen(self) -> int:

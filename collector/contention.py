@@ -130,6 +130,7 @@ class SlotContention:
     slow: np.ndarray  # bool
     starved: np.ndarray  # bool
     score: np.ndarray  # max(own P90 / others' P90, expected / own CTAs <= 100); NaN when neither is known
+    p90_s: np.ndarray  # its own CTA P90 (NaN: no CTAs)
 
     @property
     def flagged(self) -> np.ndarray:
@@ -176,7 +177,7 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
         starved = np.zeros(len(names), dtype=bool)
         starve_factor = np.full(len(names), np.nan)
     score = np.fmax(slow_factor, starve_factor)
-    return SlotContention(names, ctas, expected, exceed_share, slow_bound, starve_bound, slow, starved, score)
+    return SlotContention(names, ctas, expected, exceed_share, slow_bound, starve_bound, slow, starved, score, own_q)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 :class:`SmQuery` is the per-SM data (implemented by :class:`~.sm_store.SmStore`);
 :class:`TraceQuery` the recent-trace store (:class:`~.trace_store.TraceStore`);
-:class:`Sources` is anything holding both (the :class:`~.aggregator.Aggregator`).
+:class:`Sources` is anything holding both and an engine timeline (the
+:class:`~.aggregator.Aggregator`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ if TYPE_CHECKING:
     from ..instrumentation import ExpHistogram
     from .aggregation_config import WindowConfig
     from .contention import SlotContention
+    from .engine_timeline import EngineTimeline
     from .sm_store import GpuKey, Refusal, SmKey
     from .trace_store import TraceStore
     from .windows import Exemplar
@@ -56,3 +58,4 @@ class TraceQuery(Protocol):
 class Sources(Protocol):
     store: TraceQuery
     sm: SmQuery
+    timeline: EngineTimeline  # read and refreshed only inside ``store.read``

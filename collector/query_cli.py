@@ -6,7 +6,7 @@ and never imports numpy or protobuf); each handler imports what it needs.
 * ``sightline heatmap --url http://127.0.0.1:8889 --out DIR``: every (gpu, kernel) with
   per-SM data, both views, as JSON and PNG, plus one interactive ``index.html``.
 * ``sightline explain --url ... --quantile 0.99 --limit 5``: the slowest requests, with
-  their phases, steps, kernels and slowest SM (``--json`` for the raw answer).
+  their cause, phases, steps, kernels and slowest SM (``--json`` for the raw answer).
 * ``sightline replay FILE [--collector http://127.0.0.1:4318] [--speed 1]``: feeds a
   capture to a running collector's OTLP/HTTP port, or (without ``--collector``) to an
   in-process aggregator and prints what it found (``--out DIR`` writes its heatmaps).
@@ -122,6 +122,10 @@ def format_explanation(result: dict) -> str:
     for r in result["requests"]:
         p = r["phases"]
         lines.append(f"\ntrace {r['trace_id']}  {r['name']}  model={r['model']} priority={r['priority']}")
+        cause = r.get("cause")
+        if cause:
+            lines.append(f"  cause: {cause['name']}: {cause['summary']}")
+            lines.append(f"    compared with: {cause['compared_with']}")
         lines.append(f"  e2e {ms(r['e2e_s'])}  ttft {ms(r['ttft_s'])}  tpot {ms(r['tpot_s'])}  "
                      f"finish={r['finish_reason']}")
         lines.append(f"  phases: queue {ms(p['queue_s'])}  prefill {ms(p['prefill_s'])}  "

@@ -100,6 +100,8 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
+# kernels compiled (Triton JIT, graph captures) while the step ran: a compile while serving
+STEP_JIT_COMPILES = "sightline.step.jit_compiles"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 
 # kernel (CUPTI)
@@ -199,6 +201,18 @@ LABEL_REASON = "reason"
 LABEL_SIGNAL = "signal"
 LABEL_PHASE = "phase"
 LABEL_PID = "pid"
+LABEL_CAUSE = "cause"
+
+# The cause classes explain names for a slow request (collector/causes.py)
+CAUSE_SM_CONTENTION = "sm_contention"  # another tenant on some SMs
+CAUSE_DEVICE_CONTENTION = "device_contention"  # every SM slower alike (memory bandwidth, clocks)
+CAUSE_HOST_STALL = "host_stall"  # the GPU idle between kernels: the engine's host side was held up
+CAUSE_QUEUEING = "queueing"  # waiting behind other (more urgent) requests
+CAUSE_COMPILE = "compile"  # a kernel compiled while serving
+CAUSE_PREFILL_INTERFERENCE = "prefill_interference"  # its decode steps carried other requests' prefill
+CAUSE_UNKNOWN = "unknown"
+CAUSES = (CAUSE_SM_CONTENTION, CAUSE_DEVICE_CONTENTION, CAUSE_HOST_STALL, CAUSE_QUEUEING, CAUSE_COMPILE,
+          CAUSE_PREFILL_INTERFERENCE, CAUSE_UNKNOWN)
 
 # Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -239,6 +253,9 @@ CONTENTION_REASONS = (CONTENTION_SLOW, CONTENTION_STARVED)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
 COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
 COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name: 1 per kernel
+# counter -> _total, label cause (CAUSES): slow requests the collector explained, by the cause
+# it named (collector/causes.py); each request counted once, when it is first classified
+COLLECTOR_SLOW_REQUESTS_EXPLAINED = "sightline_slow_requests_explained"
 # self-metrics
 COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
 COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver
