@@ -123,11 +123,16 @@ class AggregationConfig:
     expose_sm_histograms: bool = False
     trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
     contention: ContentionConfig = field(default_factory=ContentionConfig)
+    # Slow requests (e2e at or above this quantile of the stored ones) are explained when
+    # /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
+    slow_request_quantile: float | None = 0.9
 
     def __post_init__(self) -> None:
         if not 0 < self.gauge_window_s <= self.window.horizon_s:
             raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
                              f"(0, {self.window.horizon_s}] (the window horizon)")
+        if self.slow_request_quantile is not None and not 0 <= self.slow_request_quantile <= 1:
+            raise ValueError(f"slow_request_quantile={self.slow_request_quantile} is outside [0, 1]")
         for name in ("max_sm_series", "max_gpus", "max_kernel_series", "max_request_series", "max_step_series"):
             value = getattr(self, name)
             if not 1 <= value <= 1_000_000:

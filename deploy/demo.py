@@ -30,7 +30,7 @@ from typing import IO, Any, Literal
 
 from ..collector.aggregation_config import WindowConfig
 from ..instrumentation import check_range, read_capture_meta
-from .demo_incident import (SM_HOTSPOT_ALERT, demo_rules, format_incident, incident_record,
+from .demo_incident import (SM_CONTENTION_ALERT, demo_rules, format_incident, incident_record,
                             screenshot_heatmap, story_kernel, wait_for_alert)
 from .incident import Finding, Incident, find
 from .load import LoadConfig, LoadResult, format_summary, run_load_sync
@@ -386,8 +386,8 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         else:
             report.notes.append("no per-SM data reached the collector, so no heatmaps")
         if report.incident is not None:
-            say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_HOTSPOT_ALERT} in Alertmanager")
-            report.alerts = wait_for_alert(p.alertmanager_url, SM_HOTSPOT_ALERT, config.alert_timeout_s)
+            say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_CONTENTION_ALERT} in Alertmanager")
+            report.alerts = wait_for_alert(p.alertmanager_url, SM_CONTENTION_ALERT, config.alert_timeout_s)
             (out / "incident.json").write_text(json.dumps(incident_record(report), indent=2) + "\n")
             report.files["planted vs found (JSON)"] = out / "incident.json"
         dashboards = _build_dashboards(out / "dashboards")

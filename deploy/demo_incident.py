@@ -1,6 +1,6 @@
 """The demo's incident chapter: what the replayed capture planted against what Sightline found.
 
-* :func:`demo_rules`: the project's alert rules with ``SightlineSMHotspot``'s ``for`` cut to
+* :func:`demo_rules`: the project's alert rules with ``SightlineSMContention``'s ``for`` cut to
   seconds, so that the alert can fire within the demo (production waits 15 minutes); the
   summary says so.
 * :func:`wait_for_alert`: that alert as the demo's real Alertmanager lists it.
@@ -25,12 +25,13 @@ from typing import Any
 import yaml
 
 from .screenshot import screenshot
+from . import prometheus_rules
 from .stack import default_rules_files
 
-__all__ = ["SM_HOTSPOT_ALERT", "demo_rules", "format_incident", "incident_record",
+__all__ = ["SM_CONTENTION_ALERT", "demo_rules", "format_incident", "incident_record",
            "screenshot_heatmap", "story_kernel", "wait_for_alert"]
 
-SM_HOTSPOT_ALERT = "SightlineSMHotspot"
+SM_CONTENTION_ALERT = prometheus_rules.SM_CONTENTION_ALERT
 
 
 def story_kernel(time_sm: list[dict[str, Any]]) -> str | None:
@@ -51,11 +52,11 @@ def demo_rules(folder: Path, for_s: int) -> tuple[Path, ...] | None:
     data = yaml.safe_load(sources[0].read_text())
     for group in data.get("groups", []):
         for rule in group.get("rules", []):
-            if rule.get("alert") == SM_HOTSPOT_ALERT:
+            if rule.get("alert") == SM_CONTENTION_ALERT:
                 rule["for"] = f"{for_s}s"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "demo-rules.yml"
-    path.write_text(f"# {sources[0].name} with {SM_HOTSPOT_ALERT} waiting {for_s}s instead of its "
+    path.write_text(f"# {sources[0].name} with {SM_CONTENTION_ALERT} waiting {for_s}s instead of its "
                     "production duration, so that it can fire within the demo\n"
                     + yaml.safe_dump(data, sort_keys=False))
     return (path, *sources[1:])
@@ -165,9 +166,9 @@ def format_incident(report) -> list[str]:
     if report.alerts:
         for a in report.alerts:
             labels = a["labels"]
-            lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} {a['state'] or 'received'} for GPU "
+            lines.append(f"  Alertmanager: {SM_CONTENTION_ALERT} {a['state'] or 'received'} for GPU "
                          f"{labels.get('gpu', '?')} {labels.get('kernel', '?')} since {a['startsAt']} "
                          "(the demo's rule waits seconds; production waits 15 minutes)")
     else:
-        lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} did not arrive in time")
+        lines.append(f"  Alertmanager: {SM_CONTENTION_ALERT} did not arrive in time")
     return lines

@@ -232,3 +232,28 @@ def test_the_rules_order_and_config_checks():
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):
         CauseConfig(queue_share=0)
+
+
+def test_slow_requests_are_counted_once_by_cause_on_metrics():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sightline.collector.exposition import metrics_page
+
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.6, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    agg = make_aggregator(slow_request_quantile=1.0)  # the slowest request only: the target
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+
+    def counted() -> dict[str, float]:
+        text = metrics_page(registry, agg)[0].decode()
+        return {s.labels[sc.LABEL_CAUSE]: s.value for f in text_string_to_metric_families(text)
+                if f.name == sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED for s in f.samples if s.name.endswith("_total")}
+
+    assert counted() == dict.fromkeys(sc.CAUSES, 0.0)  # present before any request
+    sc_.send(agg)
+    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}
+    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}  # once
+    assert make_aggregator(slow_request_quantile=None).slow_request_causes() is None

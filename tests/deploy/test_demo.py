@@ -123,7 +123,7 @@ def test_the_planted_incident_is_found_and_alerted(demo_run):
     columns = [c for c in range(len(heatmap["times_unix_s"])) if any(row[c] is not None for row in heatmap["p99_s"])]
     assert len(columns) >= 12
     alerts = record["alerts"]
-    assert alerts and {a["labels"]["alertname"] for a in alerts} == {"SightlineSMHotspot"}
+    assert alerts and {a["labels"]["alertname"] for a in alerts} == {"SightlineSMContention"}
     assert kernel in {a["labels"]["kernel"] for a in alerts}
     shot = page.with_name(page.stem + "-chromium.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
