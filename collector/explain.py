@@ -162,17 +162,24 @@ def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
 
 
 def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
-                    max_steps: int = 5, max_kernels: int = 3) -> Explanation:
+                    max_steps: int = 5, max_kernels: int = 3,
+                    within_s: tuple[float, float] | None = None) -> Explanation:
     """The requests at or above ``quantile`` of e2e latency, explained, slowest first: the
     threshold is the exact value at rank ``ceil(quantile * n)`` of the request root spans'
-    latencies (the store holds every one of them, no sketch)."""
+    latencies (the store holds every one of them, no sketch). ``within_s``: only the
+    requests whose life (root span) overlaps ``[start, end]`` (Unix seconds) count."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"quantile={quantile} is outside [0, 1]")
     if not 1 <= limit <= 1000:
         raise ValueError(f"limit={limit} is outside [1, 1000]")
+    if within_s is not None and not within_s[0] < within_s[1]:
+        raise ValueError(f"within_s={within_s}: the start must come before the end")
 
     def read(store: TraceStore):
         roots = store.request_roots()
+        if within_s is not None:
+            lo, hi = int(within_s[0] * 1e9), int(within_s[1] * 1e9)
+            roots = [r for r in roots if r.start_time_unix_nano < hi and r.end_time_unix_nano > lo]
         if not roots:
             return Explanation(quantile, None, 0, []), []
         ranked = sorted(roots, key=e2e_of)

@@ -46,6 +46,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     explain.add_argument("--limit", type=int, default=5, help="at most this many requests (default %(default)s)")
     explain.add_argument("--trace-id", default=None, help="explain this one request (32 hex digits), "
                                                           "e.g. from a Prometheus exemplar")
+    explain.add_argument("--between", default=None, metavar="START,END",
+                         help="only requests that lived between these Unix times (seconds)")
     explain.add_argument("--json", action="store_true", help="print the API's JSON instead of text")
     explain.set_defaults(handler=_explain)
 
@@ -156,8 +158,11 @@ def _explain(args: argparse.Namespace) -> int:
         result = {"quantile": None, "threshold_s": None, "requests_considered": 1, "requests": [one]}
         print(json.dumps(one, indent=2) if args.json else format_explanation(result))
         return 0
-    query = urllib.parse.urlencode({"quantile": args.quantile, "limit": args.limit})
-    result = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{query}"))
+    params = {"quantile": args.quantile, "limit": args.limit}
+    if args.between:
+        start, _, end = args.between.partition(",")
+        params.update(start_unix_s=start, end_unix_s=end)
+    result = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{urllib.parse.urlencode(params)}"))
     print(json.dumps(result, indent=2) if args.json else format_explanation(result))
     return 0
 
