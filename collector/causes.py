@@ -86,7 +86,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     """The cause of one slow request (module docstring)."""
     c = config or CauseConfig()
     e2e = max(e.e2e_s, 1e-12)
-    usual = (f"the usual step in the collector's store: a decode-only step's median "
+    usual = (f"the usual step of its engine in the collector's store (where most steps lie): decode-only "
              f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms plus {e.usual.get('duration_per_token', 0.0) * 1e6:.2f} "
              "us per prefill token")
     compile_s = sum(s["duration_s"] for s in e.compiles)
@@ -117,7 +117,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"per-SM spread {_x(e.cta_spread)}, no SM flagged)",
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                           "cta_spread": e.cta_spread, "traced_steps": e.traced_steps},
-                         f"{usual}; GPU time and CTA durations against their medians over the store and window")
+                         f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         host_evidence = (e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
                          or gpu is not None)
         if host_evidence:

@@ -4,8 +4,8 @@
 for a traced step the GPU time of its kernels) and its request roots (arrival, time in the
 queue, priority) into arrays that ``explain`` queries by time: which steps ran while a
 request lived, how long they took against what a step of that kind and size usually takes
-in the store (its medians: the usual is what most stored steps look like), the time with no
-step running, and how many requests waited when one arrived.
+on that engine in the store (where most of its steps lie: the median of their densest half),
+the time with no step running, and how many requests waited when one arrived.
 Guarantee: only what the store holds is counted; a span is decoded once, again only when
 its trace grew. Cost: one protobuf decode per new step, kernel and queue span per
 :meth:`refresh` (under the store's lock), then O(steps) numpy per query.
@@ -19,11 +19,24 @@ import numpy as np
 
 from ..instrumentation import semconv as sc
 
-__all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps"]
+__all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", "usual_value"]
 
 KINDS = ("decode", "prefill", "mixed")  # a step's tokens: decode only, prefill only, both
 _KERNEL, _SUMMARY = sc.SPAN_KERNEL_PREFIX, sc.SPAN_KERNEL_SUMMARY_PREFIX
 _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a token's cost
+
+
+def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
+    """Where most of ``values`` lie: the median of their shortest half (the densest half of
+    the sorted values). A slowdown in fewer than half of the steps leaves it where the
+    others are, where a plain median would move toward the slow ones."""
+    x = np.sort(values[np.isfinite(values)])
+    if not x.size:
+        return default
+    half = (x.size + 1) // 2
+    widths = x[half - 1:] - x[:x.size - half + 1]
+    i = int(np.argmin(widths))
+    return float(np.median(x[i:i + half]))
 
 
 def _number(value, default=0.0) -> float:
@@ -115,7 +128,7 @@ class EngineTimeline:
         self._steps: dict[bytes, tuple[int, list[StepFacts]]] = {}  # trace id -> (its spans, facts)
         self._queues: dict[bytes, tuple[int, QueueEntry]] = {}
         self._arrays: dict[str, np.ndarray] | None = None
-        self._usual: dict[str, float] = {}
+        self._usual: dict[str | None, dict[str, float]] = {}  # per instance (None: all of them)
 
     # -- building -------------------------------------------------------------------------
     def refresh(self, store) -> None:
@@ -151,38 +164,38 @@ class EngineTimeline:
              "instance": np.array([f.instance for f in facts], dtype=object)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
         self._arrays = a
-        self._usual = self._fit(a)
+        # each engine against its own usual: engines of other models or devices share the store
+        self._usual = {None: self._fit(a)}
+        for instance in set(a["instance"].tolist()):
+            mine = a["instance"] == instance
+            self._usual[instance] = self._fit({k: v[mine] for k, v in a.items()})
 
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
-        """The usual step: a decode-only step's median duration, plus a median cost per prefill
-        token; the same for GPU time (traced steps) and a traced step's median host time."""
-        def median(x) -> float:
-            x = x[np.isfinite(x)]
-            return float(np.median(x)) if x.size else float("nan")
-
+        """The usual step: a decode-only step's duration, plus a cost per prefill token; the
+        same for GPU time (traced steps), a traced step's host time and the gap between steps.
+        Each is the median of the shortest half of the values (:func:`usual_value`)."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
-        base = median(a["duration"][decode])
-        base = base if np.isfinite(base) else 0.0
-        per_token = median((a["duration"][prefilled] - base) / a["prefill"][prefilled])
+        base = usual_value(a["duration"][decode], 0.0)
+        per_token = usual_value((a["duration"][prefilled] - base) / a["prefill"][prefilled], 0.0)
         traced = np.isfinite(a["busy"])
-        busy_base = median(a["busy"][decode & traced])
-        busy_base = busy_base if np.isfinite(busy_base) else 0.0
-        busy_token = median((a["busy"][prefilled & traced] - busy_base) / a["prefill"][prefilled & traced])
-        return {"duration": base, "duration_per_token": max(0.0, per_token) if np.isfinite(per_token) else 0.0,
-                "busy": busy_base, "busy_per_token": max(0.0, busy_token) if np.isfinite(busy_token) else 0.0,
-                "host": median(a["duration"][traced] - a["busy"][traced]),
-                "gap": median(np.diff(a["start"]) / 1e9 - a["duration"][:-1]) if len(a["start"]) > 1 else 0.0}
+        busy_base = usual_value(a["busy"][decode & traced], 0.0)
+        busy_token = usual_value((a["busy"][prefilled & traced] - busy_base) / a["prefill"][prefilled & traced], 0.0)
+        return {"duration": base, "duration_per_token": max(0.0, per_token),
+                "busy": busy_base, "busy_per_token": max(0.0, busy_token),
+                "host": usual_value(a["duration"][traced] - a["busy"][traced]),
+                "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
     # -- queries ----------------------------------------------------------------------
     @property
     def steps(self) -> int:
         return 0 if self._arrays is None else len(self._arrays["start"])
 
-    def usual(self) -> dict[str, float]:
-        """The usual step the comparisons use (durations in seconds, per-token costs)."""
-        return dict(self._usual)
+    def usual(self, instance: str | None = None) -> dict[str, float]:
+        """The usual step of ``instance``'s engine (all steps when it has none): durations in
+        seconds, per-token costs."""
+        return dict(self._usual.get(instance) or self._usual.get(None) or {})
 
     def window(self, start_ns: int, end_ns: int, instance: str | None = None) -> WindowSteps:
         """The steps that overlapped ``[start_ns, end_ns]`` (of ``instance``, when it has steps)."""
@@ -192,7 +205,7 @@ class EngineTimeline:
         inside = (a["start"] < end_ns) & (a["end"] > start_ns)
         if instance is not None and (a["instance"] == instance).any():
             inside &= a["instance"] == instance
-        u = self._usual
+        u = self.usual(instance)
         idx = np.flatnonzero(inside)
         if not idx.size:
             return WindowSteps(0, None, 0, None, None, (end_ns - start_ns) / 1e9, [])
@@ -218,7 +231,8 @@ class EngineTimeline:
                 covered += e - max(s, reach)
                 reach = e
         idle = (end_ns - start_ns - covered) / 1e9
-        usual_gap = u["gap"] if np.isfinite(u["gap"]) else 0.0
+        # steps of an engine that schedules ahead overlap: a negative usual gap counts as none
+        usual_gap = max(0.0, u["gap"]) if np.isfinite(u["gap"]) else 0.0
         compiles = [{"step_id": int(a["step_id"][i]) if a["step_id"][i] >= 0 else None,
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]

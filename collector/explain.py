@@ -297,7 +297,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
     left = queue.end_time_unix_nano if queue is not None else arrival + int(phases.queue_s * 1e9)
     decode = [s.start_time_unix_nano for s in spans if s.name == sc.SPAN_DECODE]
     decode_from = min(decode) if decode else None
-    usual = timeline.usual()
+    usual = timeline.usual(root.instance)
     interference = 0.0
     if decode_from is not None:
         for step in steps:  # its decode steps that also carried prefill tokens

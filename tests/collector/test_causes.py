@@ -257,3 +257,15 @@ def test_slow_requests_are_counted_once_by_cause_on_metrics():
     assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}
     assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}  # once
     assert make_aggregator(slow_request_quantile=None).slow_request_causes() is None
+
+
+def test_the_usual_is_where_most_values_lie_not_pulled_by_a_slow_minority():
+    from sightline.collector.engine_timeline import usual_value
+
+    assert usual_value(np.array([1.0, 2.0, 3.0, 100.0, 101.0])) == 2.0  # the densest 3 of 5: 1, 2, 3
+    # 40 % of the steps 1.5x slower: the median moves up into the normal ones' tail (10.83), the
+    # usual stays at the middle of the normal ones (10 .. 11)
+    values = np.concatenate([np.linspace(10, 11, 60), np.linspace(14, 16, 40)])
+    assert np.median(values) > 10.8 and 10.4 <= usual_value(values) <= 10.5
+    assert usual_value(np.array([10.0] * 51 + [20.0] * 49)) == 10.0
+    assert np.isnan(usual_value(np.array([np.nan]))) and usual_value(np.array([]), 0.0) == 0.0
