@@ -14,7 +14,9 @@
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
 # argmax, each next to its floor), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
-# neighbour on measured SMs, calibrated first, the capture diagnosed after).
+# neighbour on measured SMs, calibrated first, the capture diagnosed after), scenarios (bench.scenarios: issue 30's
+# suite, SM neighbours of a quarter and half of the SMs, an HBM hog, a GIL-holding thread, a priority burst and a
+# control, scored live by a collector; SCENARIOS_ARGS adds flags, e.g. --runs 3).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
 #
@@ -82,6 +84,8 @@ for p in "$@"; do
     incident)
         part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
         part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$OUT" ;;
+    scenarios) part "scenarios-$commit" "${SCENARIOS_LIMIT_S:-540}" python3 -m bench.scenarios --out "$OUT" \
+        ${SCENARIOS_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
     esac
 done
