@@ -12,7 +12,7 @@ from bench.plants import GilHog
 
 
 def test_other_threads_stand_still_while_the_gil_hog_holds_the_lock():
-    hog = GilHog(hold_s=0.02, period_s=0.03)
+    hog = GilHog(hold_s=0.03, period_s=0.04)
     assert set(hog.text) == {"x"} and len(hog.text) > 100
     stop, stamps = threading.Event(), []
 
@@ -34,13 +34,12 @@ def test_other_threads_stand_still_while_the_gil_hog_holds_the_lock():
         stop.set()
         thread.join()
     # the other thread stood still for a whole search, once per hold: its longest gap between
-    # two turns within a hold is the search's own time (at least the calibrated hold, a bit
-    # less when the clock was read just off it); a lock let go would leave gaps of the 5 ms
-    # switch interval. After the search returns, the next line may wait a turn of the spinner.
+    # two turns there is about the search's time (calibrated to 30 ms; a busy machine moves
+    # it either way), where a lock let go every 5 ms switch interval would leave short gaps
     gaps = list(zip(stamps, stamps[1:]))
     for a, b in holds:
         longest = max((y - x for x, y in gaps if x < b and y > a), default=0.0)
-        assert longest >= 0.75 * hog.hold_s, (b - a, longest)
+        assert longest >= 0.35 * hog.hold_s, (b - a, longest)
     assert [t for t in stamps for (_, b), (a, _) in zip(holds, holds[1:]) if b < t < a]  # it ran in between
     run = hog.run(0.2)
     assert run.details["holds"] >= 3 and run.end_ns - run.start_ns >= 0.2e9 and run.details["held_s"] > 0
