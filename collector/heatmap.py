@@ -232,6 +232,7 @@ def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
 _VIRIDIS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)],
                     dtype=np.float64)
 _EMPTY = (235, 235, 235)
+_SLOW, _STARVED = (214, 39, 40), (31, 119, 180)  # outlines of contended cells, as the page draws them
 
 
 def colour(t: float) -> tuple[int, int, int]:
@@ -283,12 +284,16 @@ def render_png(heatmap: TimeSmHeatmap | SmLatencyHeatmap) -> bytes:
     draw = ImageDraw.Draw(image)
     words = _font(12)  # text with spaces in it; row and scale labels keep the 10 px default
     draw.text((4, 6), title, fill=(0, 0, 0), font=words)
+    marks = heatmap.contention if isinstance(heatmap, TimeSmHeatmap) else []
     for r, row in enumerate(grid):
         y = top + r * cell_h
         for c, v in enumerate(row):
             x = left + c * cell_w
             fill = _EMPTY if v is None else colour((transform(v) - vmin) / span)
-            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=fill)
+            # a contended cell: outlined red (slow) or blue (starved, also when it ran nothing)
+            mark = marks[r][c] if r < len(marks) and c < len(marks[r]) else None
+            outline = None if not mark else _SLOW if "slow" in mark else _STARVED
+            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=fill, outline=outline)
         if rows <= 40 or r % max(1, rows // 20) == 0:
             draw.text((4, y), f"SM {heatmap.sms[r]}", fill=(0, 0, 0))
     bar_x = left + cell_w * max(cols, 1) + 12

@@ -107,6 +107,9 @@ def test_png_decodes(aggregator):
         # some pixels carry the viridis extremes (the hottest/coolest cells)
         colours = {c for _, c in image.getcolors(maxcolors=1 << 16)}
         assert hm.colour(1.0) in colours and hm.colour(0.0) in colours
+        # the time x SM view outlines SM 3's slow cells red and SM 1's starved (empty) one blue
+        outlines = {hm._SLOW, hm._STARVED} & colours
+        assert outlines == ({hm._SLOW, hm._STARVED} if fn is hm.time_sm else set())
 
 
 class _Server:
