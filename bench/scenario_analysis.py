@@ -7,14 +7,18 @@ in it, and the share naming the planted one; onset to alert: :class:`AlertClock`
 project's alert rules on the collector's /metrics as scraped (the SM-contention rule as it is,
 the cause rules over ``cause_window_s``), each firing once its condition held ``for_s``, as
 the demo's short ``for`` does. :func:`summarize` pools the runs per scenario (min, median,
-max) and checks issue 30's bounds. Guarantee: pure functions of what the run recorded (no GPU,
+max) and checks issue 30's bounds; ``python -m bench.scenario_analysis FILE...`` pools files. Guarantee: pure functions of what the run recorded (no GPU,
 no network); a scrape's sample is read as Prometheus reads it. Cost: one parse per scrape.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -23,7 +27,8 @@ from sightline.deploy.incident import EXPECTED_CAUSE
 from sightline.deploy.prometheus_rules import SM_CONTENTION_ALERT, SloConfig
 from sightline.instrumentation import semconv as sc
 
-__all__ = ["ALERT_OF", "AlertClock", "AlertRules", "BOUNDS", "score_interval", "summarize", "format_summary"]
+__all__ = ["ALERT_OF", "AlertClock", "AlertRules", "BOUNDS", "score_interval", "summarize", "format_summary",
+           "pool"]
 
 DEVICE_ALERT, HOST_ALERT = "SightlineDeviceContention", "SightlineHostStall"
 # the alert each kind of planted interval should fire (None: none should)
@@ -218,3 +223,31 @@ def format_summary(summary: dict[str, Any]) -> str:
                          f"| {_fmt(e['cause_share']) if first else ''} | {_fmt(e['onset_to_alert_s'], 1) if first else ''} "
                          f"| {checks if first else ''} |")
     return "\n".join(lines)
+
+
+def pool(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary of several runs' result files (bench/scenarios.py's JSON), their scored
+    intervals renumbered run by run in the order given."""
+    scored, run = [], 0
+    for record in records:
+        rounds = sorted({s["run"] for s in record["scored"]})
+        for s in record["scored"]:
+            scored.append(dict(s, run=run + rounds.index(s["run"]) + 1))
+        run += len(rounds)
+    return summarize(scored)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Pools bench/scenarios.py result files: median [min, max] per scenario.")
+    ap.add_argument("results", type=Path, nargs="+", help="scenarios-<device>-<commit>.json files")
+    ap.add_argument("--json", type=Path, default=None, help="also write the pooled summary here")
+    args = ap.parse_args(argv)
+    summary = pool([json.loads(path.read_text()) for path in args.results])
+    print(format_summary(summary))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

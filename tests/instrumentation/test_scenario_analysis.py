@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.scenario_analysis import (ALERT_OF, AlertClock, AlertRules, format_summary, score_interval,
+from bench.scenario_analysis import (ALERT_OF, AlertClock, AlertRules, format_summary, pool, score_interval,
                                      summarize)
 from sightline.deploy.prometheus_rules import SM_CONTENTION_ALERT
 from sightline.instrumentation import semconv as sc
@@ -92,3 +92,7 @@ def test_runs_pooled_per_scenario_with_the_bounds_checked(episodes):
     table = format_summary(summary)
     assert "| sm_quarter | 3 | k | 1.00 [0.95, 1.00] | 0.90 [0.80, 1.00] | 9 | 1.00 | 6.0 [6.0, 8.0] |" in table
     assert "sms_found {'k': False}" in table
+    # result files of separate calls pooled: their runs numbered on
+    pooled = pool([{"scored": [dict(runs[0], run=1), dict(control, run=1)]},
+                   {"scored": [dict(runs[1], run=1), dict(runs[2], run=2)]}])
+    assert pooled == summary
