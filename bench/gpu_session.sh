@@ -84,7 +84,7 @@ for p in "$@"; do
     incident)
         part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
         part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$OUT" ;;
-    scenarios) part "scenarios-$commit" "${SCENARIOS_LIMIT_S:-540}" python3 -m bench.scenarios --out "$OUT" \
+    scenarios) part "scenarios-$commit" "${SCENARIOS_LIMIT_S:-520}" python3 -m bench.scenarios --out "$OUT" \
         ${SCENARIOS_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
     esac

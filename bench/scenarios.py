@@ -10,7 +10,7 @@ requests, or nothing for the control), then ``--tail-s``. A scraper reads the co
 collector's time x SM heatmaps and its explanation of the planted interval's 10 slowest
 requests are fetched, and scored. Guarantee: what was planted is measured (the neighbour's
 SMs by ``%smid``, the hogs' own clocks) and goes into each kept capture's metadata; every
-figure comes from the live collector. Cost: the segments (65 s each by default) and about
+figure comes from the live collector. Cost: the segments (60 s each by default) and about
 a minute of start-up; ``--runs 1`` of the six scenarios fits in 9 minutes on an H200.
 """
 
@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scenarios", default=",".join(DEFAULT_ORDER),
                     help=f"comma list, in order, of {', '.join(SCENARIOS)}")
     ap.add_argument("--runs", type=int, default=1, help="rounds of the scenarios")
-    ap.add_argument("--lead-s", type=float, default=25.0)
+    ap.add_argument("--lead-s", type=float, default=20.0)
     ap.add_argument("--planted-s", type=float, default=30.0)
     ap.add_argument("--tail-s", type=float, default=10.0)
     ap.add_argument("--settle-s", type=float, default=20.0,
