@@ -1,8 +1,7 @@
 """Builds request, phase and step spans from lifecycle events (:mod:`.lifecycle`).
 
-The engine's start-up becomes one trace (a root and a span per phase). The phase machine
-of requests lives here, not in the engine: a request's ``queue`` opens when it is
-queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
+The engine's start-up becomes one trace (a span per phase). The phase machine lives here,
+not in the engine: a request's ``queue`` opens when it is queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
 when a step finishes its prompt, ``detokenize`` around the final flush of its text. Step
 spans link to the requests they served; prefill/decode spans link back (capped, counted).
 Spans carry the recording process (``sightline.process.role``, ``process.pid``). With several
