@@ -49,7 +49,9 @@ _OK_TRAILERS = h2.encode_headers([(b"grpc-status", b"0")])
 class GrpcLimits:
     """Admission limits (see the module docstring); the two budgets are token buckets per
     connection: ``abandoned_*`` for streams refused or reset by the client, ``control_*``
-    for frames that carry no request data (SETTINGS, PING, WINDOW_UPDATE, PRIORITY, ...)."""
+    for frames that carry no request data (SETTINGS, PING, WINDOW_UPDATE, PRIORITY, ...),
+    which every frame of request data also refills by ``control_per_data_frame`` (clients
+    send such frames in proportion to their calls: window updates, BDP pings)."""
 
     max_message_bytes: int
     max_streams_per_connection: int = 32
@@ -63,7 +65,8 @@ class GrpcLimits:
     abandoned_burst: int = 64
     abandoned_per_s: float = 16.0
     control_burst: int = 1024
-    control_per_s: float = 512.0
+    control_per_s: float = 64.0
+    control_per_data_frame: float = 8.0
 
 
 @dataclass
@@ -104,6 +107,9 @@ class _Bucket:
 
     def __init__(self, burst: int, rate: float) -> None:
         self.tokens, self.burst, self.rate, self.stamp = float(burst), burst, rate, time.monotonic()
+
+    def give(self, tokens: float) -> None:
+        self.tokens = min(self.burst, self.tokens + tokens)
 
     def take(self) -> bool:
         now = time.monotonic()
@@ -525,6 +531,8 @@ class _Connection(asyncio.Protocol):
             self._charge_control()  # empty DATA frames carry nothing
         stream.recv_window -= size
         stream.owed += size
+        if data:
+            self._control.give(self.limits.control_per_data_frame)
         stream.data += data
         self.server.buffered += len(data)
         if stream.length is None and len(stream.data) >= 5:
