@@ -26,13 +26,13 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .connection_table import ConnectionState, ConnectionTable, Slot
+from .listener import Listener
 
-__all__ = ["ConnectionLimits", "GuardedListener", "RateLimitedLog", "effective_max_connections",
-           "peer_address"]
+__all__ = ["ConnectionLimits", "GuardedListener", "RateLimitedLog", "effective_max_connections"]
 
-_REFUSAL_LINGER_S = 0.2  # how long a refused connection may take to send its headers
-_MAX_LINGERING = 8  # refused connections answered after their headers; more are answered at once
-_RESERVED_FDS = 128  # descriptors left for files, outgoing sockets, refused connections
+_PROBATION_S = 0.25  # how long a newcomer at a full listener may wait for a slot
+_PROBATION_BYTES = 64 * 1024  # what it may send meanwhile
+_RESERVED_FDS = 128  # descriptors left for files, outgoing sockets, connections on probation
 _EVICTION_GRACE_S = 1.0  # a connection waiting for its request longer than this may be taken back
 
 
@@ -57,19 +57,15 @@ def effective_max_connections(configured: int, listeners: int) -> int:
     return max(8, min(configured, (soft - _RESERVED_FDS) // max(1, listeners)))
 
 
-def peer_address(transport: asyncio.BaseTransport) -> str:
-    """The peer's IP address (no port): the unit the connection table shares slots by."""
-    peer = transport.get_extra_info("peername")
-    if isinstance(peer, (tuple, list)) and peer:
-        return str(peer[0])
-    return str(peer)
-
-
-def _response(status: str, text: str, retry_after_s: int | None = None) -> bytes:
+def _response(status: str, text: str, retry_after_s: int | None = None, extra: str = "") -> bytes:
     body = (text + "\n").encode()
     retry = f"Retry-After: {retry_after_s}\r\n" if retry_after_s is not None else ""
-    return (f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n{retry}"
+    return (f"HTTP/1.1 {status}\r\nContent-Type: text/plain; charset=utf-8\r\n{retry}{extra}"
             f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+_UNAUTHENTICATED = _response("401 Unauthorized", "too many requests without a valid bearer token",
+                             extra='WWW-Authenticate: Bearer realm="sightline-collector"\r\n')
 
 
 def _headers_end(tail: bytes, data: bytes) -> bool:
@@ -81,14 +77,20 @@ def _headers_end(tail: bytes, data: bytes) -> bool:
 class _Guarded(asyncio.Protocol):
     """One connection: aiohttp's RequestHandler behind the slot and the two deadlines.
 
+    Without a slot, the connection is on probation: what it sends is kept (up to
+    ``_PROBATION_BYTES``) until the table gives it a slot, or a 503 after ``_PROBATION_S``.
     ``_reading_headers``: bytes arriving now belong to a request's headers (the connection
     is new, or was idle when they started), so the header deadline runs."""
 
-    __slots__ = ("_listener", "_inner", "_transport", "_timer", "_tail", "_slot", "_reading_headers",
-                 "_in_request", "_write_paused")
+    __slots__ = ("_listener", "_peer", "_inner", "_transport", "_timer", "_tail", "_slot", "_reading_headers",
+                 "_in_request", "_write_paused", "_taken_back", "_heard", "_pending", "_closing")
 
-    def __init__(self, listener: GuardedListener) -> None:
+    def __init__(self, listener: GuardedListener, peer: str) -> None:
         self._listener = listener
+        self._peer = peer
+        self._heard = False
+        self._pending = bytearray()
+        self._closing = False  # counted in the table's ``closing`` until its socket is gone
         self._inner = None
         self._transport = None
         self._timer: asyncio.TimerHandle | None = None
@@ -97,31 +99,56 @@ class _Guarded(asyncio.Protocol):
         self._reading_headers = False
         self._in_request = False
         self._write_paused = False
+        self._taken_back = False
 
     def connection_made(self, transport) -> None:
         listener = self._listener
         self._transport = transport
-        self._slot = listener.table.admit(peer_address(transport), self._evicted)
-        if self._slot is None:
-            listener.lingering += 1
-            if listener.lingering > _MAX_LINGERING:
-                self._refuse()
-            else:  # refused (503) once its request headers arrived, or after _REFUSAL_LINGER_S
-                self._timer = asyncio.get_running_loop().call_later(_REFUSAL_LINGER_S, self._refuse)
+        if self._taken_back:  # refused or taken back before its transport existed (counted then)
+            transport.write(self._listener._refusal())
+            transport.close()
             return
-        listener.guards[transport] = self
+        if self._slot is None:
+            self._timer = asyncio.get_running_loop().call_later(_PROBATION_S, self._refuse)
+            return
+        self._serve()
+
+    def _serve(self) -> None:
+        listener = self._listener
+        listener.guards[self._transport] = self
         self._start_headers()
         self._inner = listener.runner.server()
-        self._inner.connection_made(transport)
+        self._inner.connection_made(self._transport)
 
     def data_received(self, data: bytes) -> None:
-        if self._inner is None:  # refused: answer as soon as its headers are in
-            if self._timer is not None and _headers_end(self._tail, data):
-                self._timer.cancel()
+        if self._inner is None:  # on probation (or refused): kept until a slot comes
+            if self._taken_back:
+                return
+            self._pending += data
+            if len(self._pending) > _PROBATION_BYTES:
                 self._refuse()
-            else:
-                self._tail = (self._tail + data[-3:])[-3:]
+            elif not self._heard:
+                self._heard = True
+                self._listener.table.probation_heard(self)  # may promote it at once
             return
+        if not self._heard:
+            self._heard = True
+            self._listener.table.heard(self._slot)
+        self._feed(data)
+
+    def _promote(self, slot: Slot) -> None:
+        """The table gave this connection on probation a slot."""
+        slot.evict = self._evicted
+        self._slot = slot
+        self._cancel_timer()
+        if self._transport is None:  # still connecting: served from connection_made
+            return
+        self._serve()
+        pending, self._pending = bytes(self._pending), bytearray()
+        if pending:
+            self._feed(pending)
+
+    def _feed(self, data: bytes) -> None:
         if not self._reading_headers and not self._in_request:
             self._start_headers()  # a kept-alive connection's next request begins
         if self._reading_headers:
@@ -141,9 +168,11 @@ class _Guarded(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self._cancel_timer()
         listener = self._listener
-        if self._slot is None:  # refused or taken back: its descriptor is free again
-            listener.lingering -= 1
-        else:
+        listener.table.leave_probation(self)
+        if self._closing:
+            self._closing = False
+            listener.table.closing -= 1
+        if self._slot is not None:
             listener.table.release(self._slot)
             listener.guards.pop(self._transport, None)
         if self._inner is not None:
@@ -202,29 +231,41 @@ class _Guarded(asyncio.Protocol):
             self._timer = None
 
     # -- endings -------------------------------------------------------------------------
+    def _count_closing(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self._listener.table.closing += 1
+
     def _refuse(self) -> None:
-        self._timer = None
+        self._cancel_timer()
+        self._listener.table.leave_probation(self)
+        self._count_closing()
         transport = self._transport
-        if transport is None or transport.is_closing():
+        if transport is None:  # not connected yet (TLS, or this turn's accepts): answered once it is
+            self._taken_back = True
+            self._listener.refused("too_many_connections")
             return
-        limits = self._listener.limits
+        if transport.is_closing():
+            return
         self._listener.refused("too_many_connections")
-        transport.write(_response("503 Service Unavailable",
-                                  f"more than {limits.max_connections} open connections; retry later",
-                                  limits.retry_after_s))
+        transport.write(self._listener._refusal())
         transport.close()
 
     def _evicted(self, state: ConnectionState) -> None:
         """The table took this slot back for a newer connection."""
         self._cancel_timer()
         self._slot = None
+        self._taken_back = True
+        self._count_closing()
         transport = self._transport
         self._listener.guards.pop(transport, None)
-        self._listener.lingering += 1  # released already: counted like a refusal until closed
-        if transport is None or transport.is_closing():
-            return
         if state is ConnectionState.WAITING:  # it had not sent a whole request: refused
             self._listener.refused("too_many_connections")
+        if transport is None:  # not connected yet (TLS): refused once it is
+            return
+        if transport.is_closing():
+            return
+        if state is ConnectionState.WAITING:
             transport.write(_response("503 Service Unavailable", "the listener is full and this "
                                       "connection sent no request; retry later",
                                       self._listener.limits.retry_after_s))
@@ -265,9 +306,8 @@ class GuardedListener:
         self.limits = limits
         self.table = ConnectionTable(limits.max_connections, limits.eviction_grace_s)
         self.guards: dict[asyncio.BaseTransport, _Guarded] = {}
-        self.lingering = 0
         self._on_refused = on_refused
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: Listener | None = None
         self.port: int | None = None
 
     @property
@@ -285,31 +325,54 @@ class GuardedListener:
             return await handler(request)
         guard.request_started()
         try:
-            response = await handler(request)
-            if response.status == 401:  # an unauthenticated client gets no kept-alive slot
-                response.force_close()
+            # the response is written here, so the connection counts as busy until it is out
+            # (a slot must not be taken back with its answer unsent)
+            try:
+                response = await handler(request)
+            except web.HTTPException as error:
+                await self._send(request, error, guard)
+                raise
+            await self._send(request, response, guard)
             return response
-        except web.HTTPException as error:
-            if error.status == 401:
-                error.force_close()
-            raise
         finally:
             guard.request_finished()
 
-    async def start(self, host: str, port: int, ssl_context=None, backlog: int = 1024) -> int:
+    async def _send(self, request: web.Request, response: web.StreamResponse, guard: _Guarded) -> None:
+        if response.status == 401:  # an unauthenticated client gets no kept-alive slot
+            response.force_close()
+            self.table.auth_failed(guard._peer)
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:  # the client left before its answer: aiohttp ends it quietly
+            pass
+
+    def _admit(self, peer: str, heard: bool) -> _Guarded | bytes:
+        if self.table.blocked(peer):
+            self.refused("unauthenticated")
+            return _UNAUTHENTICATED
+        guard = _Guarded(self, peer)
+        guard._slot = self.table.admit(peer, guard._evicted, heard)
+        if guard._slot is None:  # refused for now: on probation
+            guard._heard = heard
+            self.table.enter_probation(guard, peer, heard, guard._refuse, guard._promote)
+        return guard
+
+    def _refusal(self) -> bytes:
+        return _response("503 Service Unavailable", f"more than {self.limits.max_connections} open "
+                         "connections; retry later", self.limits.retry_after_s)
+
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
         """Sets the runner up, binds and listens; returns the bound port (``port`` 0 picks one)."""
         await self.runner.setup()
-        loop = asyncio.get_running_loop()
-        extra = {"ssl_handshake_timeout": self.limits.header_timeout_s} if ssl_context is not None else {}
-        self._server = await loop.create_server(lambda: _Guarded(self), host, port, ssl=ssl_context,
-                                                backlog=backlog, reuse_address=True, **extra)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self._listener = Listener(self._admit, self.table.room, ssl_context, self.limits.header_timeout_s)
+        self.port = await self._listener.start(host, port)
         return self.port
 
     def close(self) -> None:
         """Stops accepting; open connections are left to ``runner.cleanup()`` to finish."""
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
 
 
 class RateLimitedLog:

@@ -1,18 +1,15 @@
 """Fair admission of connections to one listener: a fixed number of slots, shared fairly.
 
-Every open connection holds a slot and is in one of three states: ``WAITING`` (connected,
-but no complete request yet: before its first request, mid-headers, or gRPC calls whose
-message has not arrived), ``BUSY`` (a request is being handled) or ``IDLE`` (kept alive
-between requests). When all slots are taken, a new connection takes one back instead of
-being refused, in this order: the longest-idle connection; else, when the newcomer's peer
-(IP address) holds fewer slots than the peer holding the most, that peer's longest-waiting
-connection; else any connection waiting for longer than ``grace_s``. Only when none
-exists is the newcomer refused. So a peer that holds every slot with idle or incomplete
-connections cannot keep another peer out, and a flood of idle connections cannot keep
-anyone out for longer than ``grace_s``; a connection doing work is never taken.
-
-Cost: O(1) per state change; a full table scans the peers (and, for the busiest peer, the
-waiting connections) once per admission.
+A connection holds a slot while it is ``WAITING`` (no complete request yet), ``BUSY`` or
+``IDLE`` (kept alive). A full table takes a slot back for a newcomer that has sent bytes:
+from an idle connection (one that served a single request first), a connection silent or
+incomplete for ``grace_s``, or the busiest peer's incomplete one when the newcomer's peer
+holds fewer; never from one doing work. Other newcomers wait briefly on a probation list
+and take the first slot freed. A peer that fails authentication too often is refused at
+accept for a while. Guarantee: idle, silent or incomplete connections keep a client that
+talks out for at most ``grace_s`` (another peer's: not at all), and the sockets a listener
+holds stay within ``room()``'s bound. Cost: O(1) per state change; a full table scans its
+peers once per admission. The exact order is ``ConnectionTable``'s docstring.
 """
 
 from __future__ import annotations
@@ -23,6 +20,11 @@ from collections.abc import Callable
 from enum import Enum
 
 __all__ = ["ConnectionState", "ConnectionTable", "Slot"]
+
+_CLOSING_MARGIN = 8
+_AUTH_FAILURES = 32  # refusals of authentication per peer and second before it is blocked
+_AUTH_BLOCK_S = 2.0
+_AUTH_PEERS = 4096  # peers remembered (the table forgets them all when more come)
 
 
 class ConnectionState(Enum):
@@ -35,48 +37,80 @@ class Slot:
     """One admitted connection. ``evict(state)`` closes it (called with the state it was
     taken back in); the owner calls ``ConnectionTable.release`` when it is gone."""
 
-    __slots__ = ("peer", "state", "since", "evict")
+    __slots__ = ("peer", "state", "since", "evict", "admitted", "served")
 
     def __init__(self, peer: str, evict: Callable[[ConnectionState], None], now: float) -> None:
         self.peer = peer
         self.state = ConnectionState.WAITING
         self.since = now
+        self.admitted = now
+        self.served = 0  # times it went idle after a request
         self.evict = evict
 
 
-class ConnectionTable:
-    """The slots of one listener (event-loop thread only: no lock)."""
+class _Probationer:
+    __slots__ = ("peer", "heard", "refuse", "promote")
 
-    def __init__(self, capacity: int, grace_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, peer: str, heard: bool, refuse: Callable[[], None],
+                 promote: Callable[[Slot], None]) -> None:
+        self.peer, self.heard, self.refuse, self.promote = peer, heard, refuse, promote
+
+
+class ConnectionTable:
+    """The slots of one listener and its probation list (event-loop thread only: no lock).
+
+    A slot is *silent* until its connection sends a first byte. When every slot is taken, a
+    newcomer that has sent bytes takes one back, in this order: the longest-idle connection
+    that has served one request, then the longest-idle of the rest (a client that comes
+    back to its connection is kept longest); the longest-silent one, if silent for
+    ``grace_s``; when its peer holds fewer slots than the busiest peer, that peer's
+    longest-waiting connection; any connection waiting for ``grace_s``. A silent newcomer
+    takes nothing. A newcomer without a slot waits on probation (at most ``probation``;
+    when full, the oldest silent one leaves first); once it has sent bytes, the first slot
+    freed or gone idle is its. A peer refused authentication more than ``_AUTH_FAILURES``
+    times in a second is ``blocked`` for ``_AUTH_BLOCK_S``."""
+
+    def __init__(self, capacity: int, grace_s: float, probation: int = 8,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if capacity < 1:
             raise ValueError(f"capacity={capacity!r} is outside the allowed range 1..inf")
         self.capacity = capacity
         self.grace_s = grace_s
+        self.probation_capacity = probation
         self._clock = clock
         self._peers: dict[str, int] = {}
-        self._idle: OrderedDict[Slot, None] = OrderedDict()  # oldest first
+        self._idle_once: OrderedDict[Slot, None] = OrderedDict()  # oldest first
+        self._idle: OrderedDict[Slot, None] = OrderedDict()
         self._waiting: OrderedDict[Slot, None] = OrderedDict()
+        self._silent: OrderedDict[Slot, None] = OrderedDict()
+        self._probation: OrderedDict[object, _Probationer] = OrderedDict()
+        self._offering = False
+        self._auth: dict[str, list[float]] = {}  # peer -> [window start, failures, blocked until]
         self.size = 0
+        self.closing = 0  # connections taken back or refused whose sockets are not closed yet
 
-    def peer_slots(self, peer: str) -> int:
-        return self._peers.get(peer, 0)
-
-    def admit(self, peer: str, evict: Callable[[ConnectionState], None]) -> Slot | None:
-        """A slot for a new connection from ``peer`` (in state WAITING), taking one back if the
-        table is full; None when every slot is doing work or is protected (see the module)."""
+    def admit(self, peer: str, evict: Callable[[ConnectionState], None], heard: bool) -> Slot | None:
+        """A slot (state WAITING) for a new connection from ``peer``, taking one back if the
+        table is full and the newcomer has ``heard`` (sent bytes); None otherwise."""
         now = self._clock()
         if self.size >= self.capacity:
-            victim = self._victim(peer, now)
+            victim = self._victim(peer, now) if heard else None
             if victim is None:
                 return None
-            state = victim.state
-            self.release(victim)
-            victim.evict(state)
+            state, evict_victim = victim.state, victim.evict
+            self._free(victim)
+            evict_victim(state)
         slot = Slot(peer, evict, now)
         self.size += 1
         self._peers[peer] = self._peers.get(peer, 0) + 1
         self._waiting[slot] = None
+        if not heard:
+            self._silent[slot] = None
         return slot
+
+    def heard(self, slot: Slot) -> None:
+        """``slot``'s connection sent its first bytes."""
+        self._silent.pop(slot, None)
 
     def set_state(self, slot: Slot, state: ConnectionState) -> None:
         if slot.state is state or slot.evict is None:
@@ -85,15 +119,84 @@ class ConnectionTable:
         slot.state = state
         slot.since = self._clock()
         if state is ConnectionState.IDLE:
-            self._idle[slot] = None
+            slot.served += 1
+            (self._idle_once if slot.served <= 1 else self._idle)[slot] = None
+            self._offer()
         elif state is ConnectionState.WAITING:
             self._waiting[slot] = None
 
     def release(self, slot: Slot) -> None:
-        """Frees ``slot`` (idempotent)."""
-        if slot.evict is None:
+        """Frees ``slot`` (idempotent); the oldest talking connection on probation may take it."""
+        if slot.evict is not None:
+            self._free(slot)
+            self._offer()
+
+    # -- probation: newcomers refused for now ----------------------------------------------
+    def enter_probation(self, key: object, peer: str, heard: bool, refuse: Callable[[], None],
+                        promote: Callable[[Slot], None]) -> None:
+        """Puts ``key`` on probation: ``promote(slot)`` if a slot comes its way while it has
+        sent bytes, else ``refuse()`` (at once for the oldest, silent first, when full)."""
+        if len(self._probation) >= self.probation_capacity:
+            out = next((k for k, p in self._probation.items() if not p.heard), next(iter(self._probation)))
+            self._probation.pop(out).refuse()
+        self._probation[key] = _Probationer(peer, heard, refuse, promote)
+        if heard:
+            self._offer()
+
+    def probation_heard(self, key: object) -> None:
+        """``key``, on probation, sent its first bytes: it may take a slot back now."""
+        probationer = self._probation.get(key)
+        if probationer is not None and not probationer.heard:
+            probationer.heard = True
+            self._offer()
+
+    def leave_probation(self, key: object) -> None:
+        self._probation.pop(key, None)
+
+    def auth_failed(self, peer: str) -> None:
+        """``peer`` was refused authentication once more."""
+        now = self._clock()
+        entry = self._auth.get(peer)
+        if entry is None or now - entry[0] >= 1.0:
+            if entry is None and len(self._auth) >= _AUTH_PEERS:
+                self._auth.clear()
+            entry = self._auth[peer] = [now, 0, entry[2] if entry is not None else 0.0]
+        entry[1] += 1
+        if entry[1] > _AUTH_FAILURES:
+            entry[2] = now + _AUTH_BLOCK_S
+
+    def blocked(self, peer: str) -> bool:
+        """Whether ``peer``'s new connections are refused for failing authentication."""
+        entry = self._auth.get(peer)
+        return entry is not None and self._clock() < entry[2]
+
+    def room(self) -> int:
+        """How many more sockets the listener may open: the slots, the probation list and a
+        margin for those being closed, less what is open."""
+        limit = self.capacity + self.probation_capacity + _CLOSING_MARGIN
+        return limit - self.size - len(self._probation) - self.closing
+
+    def _offer(self) -> None:
+        """Hands free (or idle) slots to the talking connections on probation, oldest first."""
+        if self._offering or not self._probation:
             return
+        self._offering = True
+        try:
+            for key in [k for k, p in self._probation.items() if p.heard]:
+                probationer = self._probation.get(key)
+                if probationer is None:  # refused meanwhile
+                    continue
+                slot = self.admit(probationer.peer, _unset, heard=True)
+                if slot is None:
+                    return
+                del self._probation[key]
+                probationer.promote(slot)  # sets slot.evict
+        finally:
+            self._offering = False
+
+    def _free(self, slot: Slot) -> None:
         self._unlist(slot)
+        self._silent.pop(slot, None)
         slot.evict = None
         self.size -= 1
         left = self._peers[slot.peer] - 1
@@ -104,13 +207,20 @@ class ConnectionTable:
 
     def _unlist(self, slot: Slot) -> None:
         if slot.state is ConnectionState.IDLE:
+            self._idle_once.pop(slot, None)
             self._idle.pop(slot, None)
         elif slot.state is ConnectionState.WAITING:
             self._waiting.pop(slot, None)
 
     def _victim(self, peer: str, now: float) -> Slot | None:
+        for slot in self._idle_once:
+            return slot
         for slot in self._idle:
             return slot
+        for slot in self._silent:
+            if now - slot.admitted >= self.grace_s:
+                return slot
+            break
         if not self._waiting:
             return None
         busiest, held = max(self._peers.items(), key=lambda item: item[1])
@@ -120,3 +230,7 @@ class ConnectionTable:
                     return slot
         oldest = next(iter(self._waiting))
         return oldest if now - oldest.since >= self.grace_s else None
+
+
+def _unset(state: ConnectionState) -> None:
+    raise AssertionError("a promoted slot's owner sets its evict callback")

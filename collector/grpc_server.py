@@ -28,14 +28,16 @@ import hpack
 from google.rpc import code_pb2
 
 from . import http2_frames as h2
-from .connection_guard import peer_address
 from .connection_table import ConnectionState, ConnectionTable, Slot
+from .listener import Listener
 
 __all__ = ["GrpcAbort", "GrpcCall", "GrpcLimits", "GrpcServer"]
 
 log = logging.getLogger(__name__)
 
 _FRAMES_PER_TURN = 128
+_PROBATION_S = 0.25  # how long a newcomer at a full listener may wait for a slot
+_PROBATION_BYTES = 64 * 1024  # what it may send meanwhile
 _STREAM_WINDOW = 1 << 20  # what a client may send on one call before we grant more
 _CONNECTION_WINDOW = 4 << 20
 _ENCODINGS = ("identity", "gzip", "deflate")
@@ -144,11 +146,11 @@ class _Stream:
 class _Connection(asyncio.Protocol):
     """One HTTP/2 connection (event-loop thread only)."""
 
-    def __init__(self, server: GrpcServer) -> None:
+    def __init__(self, server: GrpcServer, peer: str) -> None:
         self.server = server
         self.limits = server.limits
         self.transport: asyncio.Transport | None = None
-        self.peer = ""
+        self.peer = peer
         self.slot: Slot | None = None
         self.closed = False
         self._buf = bytearray()
@@ -179,20 +181,22 @@ class _Connection(asyncio.Protocol):
         self.draining = False
         self._abandoned = _Bucket(self.limits.abandoned_burst, self.limits.abandoned_per_s)
         self._control = _Bucket(self.limits.control_burst, self.limits.control_per_s)
+        self._heard = False
+        self._closing = False  # counted in the table's ``closing`` until its socket is gone
 
     # -- asyncio.Protocol ----------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
-        self.peer = peer_address(transport)
-        server = self.server
-        self.slot = server.table.admit(self.peer, self._evicted)
-        if self.slot is None or server.closing:
-            server.refused("too_many_connections" if self.slot is None else "shutting_down")
-            self._release_slot()
-            self.closed = True
+        if self.closed:  # taken back or refused while its TLS handshake ran
             transport.close()
             return
-        server.connections.add(self)
+        self.server.connections.add(self)
+        if self.slot is None:  # on probation: its first bytes may win it a slot
+            self._timer = asyncio.get_running_loop().call_later(_PROBATION_S, self.refuse)
+            return
+        self._start()
+
+    def _start(self) -> None:
         self._out.append(h2.settings({h2.SETTINGS_MAX_CONCURRENT_STREAMS: self.limits.max_streams_per_connection,
                                       h2.SETTINGS_INITIAL_WINDOW_SIZE: _STREAM_WINDOW,
                                       h2.SETTINGS_ENABLE_PUSH: 0}))
@@ -203,6 +207,17 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.closed:
             return
+        if self.slot is None:  # on probation: kept until a slot comes
+            self._buf += data
+            if len(self._buf) > _PROBATION_BYTES:
+                self.refuse()
+            elif not self._heard:
+                self._heard = True
+                self.server.table.probation_heard(self)  # may promote it at once
+            return
+        if not self._heard:
+            self._heard = True
+            self.server.table.heard(self.slot)
         self._buf += data
         if self._turn is None:
             self._process()
@@ -222,6 +237,10 @@ class _Connection(asyncio.Protocol):
                 stream.task.cancel()
             self._drop(stream)
         self._release_slot()
+        self.server.table.leave_probation(self)
+        if self._closing:
+            self._closing = False
+            self.server.table.closing -= 1
         self.server.connections.discard(self)
         self.server.starved.discard(self)
         self.server.connection_closed()
@@ -628,6 +647,8 @@ class _Connection(asyncio.Protocol):
         """Answers ``abort`` in trailers only, counts it, and ends the stream."""
         stream.answered = True
         self.server.refused(abort.reason)
+        if abort.reason == "unauthenticated":
+            self.server.table.auth_failed(self.peer)
         if self.closed:
             return
         fields = [(b":status", b"200"), (b"content-type", b"application/grpc"),
@@ -733,6 +754,33 @@ class _Connection(asyncio.Protocol):
                                            f"within {self.limits.message_timeout_s} s", "timeout"))
             self._flush()
 
+    def promote(self, slot: Slot) -> None:
+        """The table gave this connection on probation a slot."""
+        slot.evict = self._evicted
+        self.slot = slot
+        self._cancel_timer()
+        if self.transport is None or self.closed:  # still connecting: started from connection_made
+            return
+        self._start()
+        if self._buf:
+            self._process()
+
+    def _count_closing(self) -> None:
+        if not self._closing:
+            self._closing = True
+            self.server.table.closing += 1
+
+    def refuse(self) -> None:
+        """Refused for want of a slot (from probation)."""
+        self._cancel_timer()
+        self.server.table.leave_probation(self)
+        self._count_closing()
+        if not self.closed:
+            self.server.refused("too_many_connections")
+            self.closed = True
+            if self.transport is not None:
+                self.transport.close()
+
     def _handshake_late(self) -> None:
         self._timer = None
         self._abort("timeout")
@@ -746,9 +794,12 @@ class _Connection(asyncio.Protocol):
     def _evicted(self, state: ConnectionState) -> None:
         """The connection table took this slot back for a newer connection."""
         self.slot = None
+        self._count_closing()
         if state is ConnectionState.WAITING:
             self.server.refused("too_many_connections")
-        if not self.closed:
+        if self.transport is None:
+            self.closed = True  # connection_made closes it
+        elif not self.closed:
             code = h2.NO_ERROR if state is ConnectionState.IDLE else h2.ENHANCE_YOUR_CALM
             self._out.append(h2.goaway(self._last_stream, code, b"connection taken back"))
             self._close()
@@ -839,7 +890,7 @@ class GrpcServer:
         self.buffered = 0
         self.starved: set[_Connection] = set()
         self.closing = False
-        self._server: asyncio.base_events.Server | None = None
+        self._listener: Listener | None = None
         self._all_closed: asyncio.Event | None = None
 
     def refused(self, reason: str) -> None:
@@ -857,19 +908,27 @@ class GrpcServer:
         if self._all_closed is not None and not self.connections:
             self._all_closed.set()
 
-    async def start(self, host: str, port: int, ssl_context=None, backlog: int = 1024) -> int:
+    def _admit(self, peer: str, heard: bool) -> _Connection | None:
+        if self.table.blocked(peer):
+            self.refused("unauthenticated")
+            return None
+        connection = _Connection(self, peer)
+        connection.slot = self.table.admit(peer, connection._evicted, heard)
+        if connection.slot is None:  # on probation until a slot comes its way
+            connection._heard = heard
+            self.table.enter_probation(connection, peer, heard, connection.refuse, connection.promote)
+        return connection
+
+    async def start(self, host: str, port: int, ssl_context=None) -> int:
         """Binds and listens; returns the bound port (``port`` 0 picks a free one)."""
-        loop = asyncio.get_running_loop()
-        extra = {"ssl_handshake_timeout": self.limits.handshake_timeout_s} if ssl_context is not None else {}
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, ssl=ssl_context,
-                                                backlog=backlog, reuse_address=True, **extra)
-        return self._server.sockets[0].getsockname()[1]
+        self._listener = Listener(self._admit, self.table.room, ssl_context, self.limits.handshake_timeout_s)
+        return await self._listener.start(host, port)
 
     async def stop(self, grace_s: float) -> None:
         """Stops accepting, sends GOAWAY; open calls get ``grace_s`` to be answered."""
         self.closing = True
-        if self._server is not None:
-            self._server.close()
+        if self._listener is not None:
+            self._listener.close()
         self._all_closed = asyncio.Event()
         for connection in list(self.connections):
             connection.goaway()
