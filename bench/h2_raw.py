@@ -102,12 +102,18 @@ class RawH2:
             self._flush()
         return stream_id
 
-    def send(self, stream_id: int, data: bytes, *, end_stream: bool = True) -> None:
+    def send(self, stream_id: int, data: bytes, *, end_stream: bool = True) -> bool:
+        """DATA on an open call; False when the server already ended the stream."""
         with self.lock:
-            for i in range(0, max(1, len(data)), 16_384):
-                last = i + 16_384 >= len(data)
-                self.conn.send_data(stream_id, data[i:i + 16_384], end_stream=end_stream and last)
-            self._flush()
+            try:
+                for i in range(0, max(1, len(data)), 16_384):
+                    last = i + 16_384 >= len(data)
+                    self.conn.send_data(stream_id, data[i:i + 16_384], end_stream=end_stream and last)
+            except h2.exceptions.StreamClosedError:
+                return False
+            finally:
+                self._flush()
+        return True
 
     def call(self, message: bytes, path: str = TRACE_EXPORT, *, compressed: int = 0,
              extra: tuple[tuple[str, str], ...] = ()) -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from ._common import ROOT, git_commit, utc_now, write_report
 
-__all__ = ["ATTACKS", "Ports", "hold_attack", "probe", "start_collector", "stop_collector"]
+__all__ = ["ATTACKS", "Ports", "hold_attack", "probe", "sdk_spans", "start_collector", "stop_collector"]
 
 ATTACKS = ("idle_calls", "unread_calls", "idle_tcp", "keepalive", "unauthenticated", "rapid_reset")
 TOKEN = "lockouts-bench-token"
@@ -330,7 +330,8 @@ class hold_attack:
 
 
 # -- normal clients ------------------------------------------------------------------------
-def _sdk_spans(count: int) -> list:
+def sdk_spans(count: int) -> list:
+    """``count`` finished spans from the OTel SDK (fresh ids each call)."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -394,9 +395,9 @@ def probe(ports: Ports, seconds: float, every_s: float = 0.25, spans: int = 20) 
             round_start = time.monotonic()
             timed("healthz", healthz)
             timed("otlp_grpc", lambda: (lambda r: (r == SpanExportResult.SUCCESS, r))(
-                grpc_exporter.export(_sdk_spans(spans))))
+                grpc_exporter.export(sdk_spans(spans))))
             timed("otlp_http", lambda: (lambda r: (r == SpanExportResult.SUCCESS, r))(
-                http_exporter.export(_sdk_spans(spans))))
+                http_exporter.export(sdk_spans(spans))))
             timed("zipkin", zipkin_post)
             time.sleep(max(0.0, every_s - (time.monotonic() - round_start)))
     finally:

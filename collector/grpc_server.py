@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 _FRAMES_PER_TURN = 128
 _PROBATION_S = 0.25  # how long a newcomer at a full listener may wait for a slot
 _PROBATION_BYTES = 64 * 1024  # what it may send meanwhile
+_LINGER_S = 1.0  # a closing connection's input is drained this long
 _STREAM_WINDOW = 1 << 20  # what a client may send on one call before we grant more
 _CONNECTION_WINDOW = 4 << 20
 _ENCODINGS = ("identity", "gzip", "deflate")
@@ -223,7 +224,7 @@ class _Connection(asyncio.Protocol):
             self._process()
 
     def eof_received(self) -> bool:
-        return False  # the client finished sending: close once written
+        return False  # the client finished sending (or answered our GOAWAY): close once written
 
     def connection_lost(self, exc) -> None:
         self.closed = True
@@ -816,9 +817,24 @@ class _Connection(asyncio.Protocol):
             self.transport.abort()
 
     def _close(self) -> None:
+        """Closes after what is queued (a GOAWAY); what the client still sends is read and
+        dropped for up to ``_LINGER_S``, so that it gets the GOAWAY instead of a reset."""
         self._flush()
         self.closed = True
-        self.transport.close()
+        self._cancel_timer()
+        if self._turn is not None:
+            self._turn.cancel()
+            self._turn = None
+        self._release_slot()
+        self._count_closing()
+        transport = self.transport
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        if self._paused:
+            transport.resume_reading()
+        self._timer = asyncio.get_running_loop().call_later(_LINGER_S, transport.abort)
 
     def goaway(self) -> None:
         """Graceful stop: no new calls; closes once the open ones are answered."""
