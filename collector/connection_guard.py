@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from .connection_table import ConnectionState, ConnectionTable, Slot
-from .listener import Listener
+from .listener import Listener, has_input
 
 __all__ = ["ConnectionLimits", "GuardedListener", "RateLimitedLog", "effective_max_connections"]
 
@@ -251,8 +251,11 @@ class _Guarded(asyncio.Protocol):
         transport.write(self._listener._refusal())
         transport.close()
 
-    def _evicted(self, state: ConnectionState) -> None:
-        """The table took this slot back for a newer connection."""
+    def _evicted(self, state: ConnectionState) -> bool:
+        """The table takes this slot back for a newer connection (declined, False, when the
+        idle connection's client is already sending its next request)."""
+        if state is ConnectionState.IDLE and has_input(self._transport):
+            return False
         self._cancel_timer()
         self._slot = None
         self._taken_back = True
@@ -261,15 +264,14 @@ class _Guarded(asyncio.Protocol):
         self._listener.guards.pop(transport, None)
         if state is ConnectionState.WAITING:  # it had not sent a whole request: refused
             self._listener.refused("too_many_connections")
-        if transport is None:  # not connected yet (TLS): refused once it is
-            return
-        if transport.is_closing():
-            return
+        if transport is None or transport.is_closing():  # not connected yet (TLS): refused once it is
+            return True
         if state is ConnectionState.WAITING:
             transport.write(_response("503 Service Unavailable", "the listener is full and this "
                                       "connection sent no request; retry later",
                                       self._listener.limits.retry_after_s))
         transport.close()
+        return True
 
     def _idle_expired(self) -> None:
         self._timer = None

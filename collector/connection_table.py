@@ -35,11 +35,12 @@ class ConnectionState(Enum):
 
 class Slot:
     """One admitted connection. ``evict(state)`` closes it (called with the state it was
-    taken back in); the owner calls ``ConnectionTable.release`` when it is gone."""
+    taken back in) and returns True, or declines with False (an idle connection whose client
+    is sending again); the owner calls ``ConnectionTable.release`` when it is gone."""
 
     __slots__ = ("peer", "state", "since", "evict", "admitted", "served")
 
-    def __init__(self, peer: str, evict: Callable[[ConnectionState], None], now: float) -> None:
+    def __init__(self, peer: str, evict: Callable[[ConnectionState], bool], now: float) -> None:
         self.peer = peer
         self.state = ConnectionState.WAITING
         self.since = now
@@ -89,17 +90,13 @@ class ConnectionTable:
         self.size = 0
         self.closing = 0  # connections taken back or refused whose sockets are not closed yet
 
-    def admit(self, peer: str, evict: Callable[[ConnectionState], None], heard: bool) -> Slot | None:
+    def admit(self, peer: str, evict: Callable[[ConnectionState], bool], heard: bool) -> Slot | None:
         """A slot (state WAITING) for a new connection from ``peer``, taking one back if the
         table is full and the newcomer has ``heard`` (sent bytes); None otherwise."""
         now = self._clock()
         if self.size >= self.capacity:
-            victim = self._victim(peer, now) if heard else None
-            if victim is None:
+            if not heard or not self._take_back(peer, now):
                 return None
-            state, evict_victim = victim.state, victim.evict
-            self._free(victim)
-            evict_victim(state)
         slot = Slot(peer, evict, now)
         self.size += 1
         self._peers[peer] = self._peers.get(peer, 0) + 1
@@ -212,25 +209,45 @@ class ConnectionTable:
         elif slot.state is ConnectionState.WAITING:
             self._waiting.pop(slot, None)
 
-    def _victim(self, peer: str, now: float) -> Slot | None:
-        for slot in self._idle_once:
-            return slot
-        for slot in self._idle:
-            return slot
+    def _take_back(self, peer: str, now: float) -> bool:
+        """Frees one slot for a newcomer from ``peer`` (the class docstring's order)."""
+        for slot in self._candidates(peer, now):
+            state, evict = slot.state, slot.evict
+            self._free(slot)
+            if evict(state):
+                return True
+            self._relist(slot, evict)  # its client is sending again: it stays
+        return False
+
+    def _candidates(self, peer: str, now: float):
+        yield from list(self._idle_once)
+        yield from list(self._idle)
         for slot in self._silent:
             if now - slot.admitted >= self.grace_s:
-                return slot
+                yield slot
             break
         if not self._waiting:
-            return None
+            return
         busiest, held = max(self._peers.items(), key=lambda item: item[1])
         if self._peers.get(peer, 0) < held:
             for slot in self._waiting:
                 if slot.peer == busiest:
-                    return slot
+                    yield slot
+                    return
         oldest = next(iter(self._waiting))
-        return oldest if now - oldest.since >= self.grace_s else None
+        if now - oldest.since >= self.grace_s:
+            yield oldest
+
+    def _relist(self, slot: Slot, evict: Callable[[ConnectionState], bool]) -> None:
+        """Puts back a slot that declined to be taken (as the most recent of its state)."""
+        slot.evict = evict
+        self.size += 1
+        self._peers[slot.peer] = self._peers.get(slot.peer, 0) + 1
+        if slot.state is ConnectionState.IDLE:
+            (self._idle_once if slot.served <= 1 else self._idle)[slot] = None
+        elif slot.state is ConnectionState.WAITING:
+            self._waiting[slot] = None
 
 
-def _unset(state: ConnectionState) -> None:
+def _unset(state: ConnectionState) -> bool:
     raise AssertionError("a promoted slot's owner sets its evict callback")

@@ -18,10 +18,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import select
 import socket
 from collections.abc import Callable
 
-__all__ = ["Listener"]
+__all__ = ["Listener", "has_input"]
 
 log = logging.getLogger(__name__)
 
@@ -148,3 +149,15 @@ def _refuse(conn: socket.socket, answer: bytes | None) -> None:
     except OSError:
         pass
     conn.close()
+
+
+def has_input(transport: asyncio.BaseTransport | None) -> bool:
+    """Whether the client has sent bytes not read yet (a kept-alive client sending its next
+    request): such a connection is not idle, whatever its state says."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or transport.is_closing():
+        return False
+    try:
+        return bool(select.select([sock.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False

@@ -32,7 +32,7 @@ def _table(clock, capacity=3, probation=2):
 
 def _slot(table, evicted, peer=A, heard=True, name=None):
     name = name or f"c{len(evicted) + table.size}"
-    slot = table.admit(peer, lambda state, name=name: evicted.append((name, state)), heard)
+    slot = table.admit(peer, lambda state, name=name: evicted.append((name, state)) or True, heard)
     return slot
 
 
@@ -103,7 +103,7 @@ def test_probation_promotes_the_oldest_that_talked_when_a_slot_frees_or_goes_idl
     for key, heard in (("p1", False), ("p2", True), ("p3", True)):
         table.enter_probation(key, A, heard, lambda key=key: events.append(("refused", key)),
                               lambda slot, key=key: events.append(("promoted", key)) or setattr(
-                                  slot, "evict", lambda state: evicted.append((key, state))))
+                                  slot, "evict", lambda state: evicted.append((key, state)) or True))
     table.release(first)
     assert events == [("promoted", "p2")]  # the oldest that talked, not the silent p1
     table.set_state(second, ConnectionState.BUSY)
@@ -154,3 +154,15 @@ def test_a_peer_failing_authentication_too_often_is_blocked_for_a_while(clock):
         table.auth_failed(A)
         clock.now += 0.05
     assert not table.blocked(A)
+
+
+def test_an_idle_connection_whose_client_sends_again_declines_and_the_next_is_taken(clock):
+    table, evicted = _table(clock, capacity=2), []
+    sending = table.admit(A, lambda state: False, True)  # declines: its next request is arriving
+    quiet = _slot(table, evicted, name="quiet")
+    for slot in (sending, quiet):
+        table.set_state(slot, ConnectionState.BUSY)
+        table.set_state(slot, ConnectionState.IDLE)
+    assert _slot(table, evicted, name="new") is not None
+    assert evicted == [("quiet", ConnectionState.IDLE)] and table.size == 2
+    assert _slot(table, evicted, name="newer") is None  # only the sending one is left: kept
