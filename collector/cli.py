@@ -52,8 +52,10 @@ def register(subcommands: argparse._SubParsersAction) -> None:
              "(default %(default)s)")
     add("--max-scopes-per-request", type=int, default=_D["max_scopes_per_request"],
         help="scopes and metrics in one export request, same effect (default %(default)s)")
-    add("--max-items-per-request", type=int, default=_D["max_items_per_request"],
-        help="spans or data points in one export request, same effect (default %(default)s)")
+    add("--max-spans-per-request", type=int, default=_D["max_spans_per_request"],
+        help="spans in one export request, same effect (default %(default)s)")
+    add("--max-points-per-request", type=int, default=_D["max_points_per_request"],
+        help="metric data points in one export request, same effect (default %(default)s)")
     add("--max-values-per-request", type=int, default=_D["max_values_per_request"],
         help="attributes, events, links and exemplars in one export request, same effect (default %(default)s)")
     add("--max-buckets-per-request", type=int, default=_D["max_buckets_per_request"],
@@ -186,7 +188,8 @@ def _collector_config(args: argparse.Namespace) -> CollectorConfig:
         max_decompression_ratio=args.max_decompression_ratio,
         max_resources_per_request=args.max_resources_per_request,
         max_scopes_per_request=args.max_scopes_per_request,
-        max_items_per_request=args.max_items_per_request,
+        max_spans_per_request=args.max_spans_per_request,
+        max_points_per_request=args.max_points_per_request,
         max_values_per_request=args.max_values_per_request,
         max_buckets_per_request=args.max_buckets_per_request,
         max_json_values=args.max_json_values,

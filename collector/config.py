@@ -68,7 +68,7 @@ class CollectorConfig:
       wire size (bodies inflating to under 1 MiB excepted), so that no small body buys a
       large amount of work.
     - ``max_resources_per_request``, ``max_scopes_per_request`` (scopes and metrics),
-      ``max_items_per_request`` (spans or data points), ``max_values_per_request``
+      ``max_spans_per_request``, ``max_points_per_request``, ``max_values_per_request``
       (attributes, events, links, exemplars), ``max_buckets_per_request`` (histogram bucket
       counts): an encoded request's messages, empty ones included, are counted before it is
       parsed, and one past any cap is refused (413 / RESOURCE_EXHAUSTED), so the parse and
@@ -111,7 +111,8 @@ class CollectorConfig:
     max_decompression_ratio: int = 200
     max_resources_per_request: int = 4_096
     max_scopes_per_request: int = 16_384
-    max_items_per_request: int = 32_768
+    max_spans_per_request: int = 32_768
+    max_points_per_request: int = 8_192
     max_values_per_request: int = 524_288
     max_buckets_per_request: int = 2_097_152
     max_json_values: int = 65_536
@@ -150,8 +151,9 @@ class CollectorConfig:
                 f"max_request_bytes={self.max_request_bytes}; it must be >= it"
             )
         _check_range("max_decompression_ratio", self.max_decompression_ratio, 2, 1_000_000)
-        for name in ("max_resources_per_request", "max_scopes_per_request", "max_items_per_request",
-                     "max_values_per_request", "max_buckets_per_request", "max_json_values"):
+        for name in ("max_resources_per_request", "max_scopes_per_request", "max_spans_per_request",
+                     "max_points_per_request", "max_values_per_request", "max_buckets_per_request",
+                     "max_json_values"):
             _check_range(name, getattr(self, name), 1, 1 << 30)
         _check_range("queue_max_items", self.queue_max_items, 1, 100_000_000)
         _check_range("queue_max_bytes", self.queue_max_bytes, 1024, 64 * 1024 * MiB)
@@ -187,8 +189,8 @@ class CollectorConfig:
         from .request_shape import RequestLimits  # numpy and numba: not at this module's import
 
         return RequestLimits(self.max_resources_per_request, self.max_scopes_per_request,
-                             self.max_items_per_request, self.max_values_per_request,
-                             self.max_buckets_per_request, self.max_json_values)
+                             self.max_spans_per_request, self.max_values_per_request,
+                             self.max_buckets_per_request, self.max_json_values, self.max_points_per_request)
 
     def address(self, name: str) -> tuple[str, int]:
         """(host, port) of ``otlp_grpc`` | ``otlp_http`` | ``zipkin`` | ``http``."""
