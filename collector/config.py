@@ -112,10 +112,10 @@ class CollectorConfig:
     max_resources_per_request: int = 4_096
     max_scopes_per_request: int = 16_384
     max_spans_per_request: int = 32_768
-    max_points_per_request: int = 8_192
+    max_points_per_request: int = 4_096
     max_values_per_request: int = 524_288
     max_buckets_per_request: int = 2_097_152
-    max_json_values: int = 65_536
+    max_json_values: int = 49_152
     queue_max_items: int = 100_000
     queue_max_bytes: int = 128 * MiB
     workers: int = 1

@@ -56,9 +56,9 @@ class RequestLimits:
     max_items: int = 32_768  # spans
     max_values: int = 524_288
     max_buckets: int = 2_097_152
-    max_json_values: int = 65_536
+    max_json_values: int = 49_152
     # data points: each costs the aggregator ~10x a span (its histogram is checked and merged)
-    max_points: int = 8_192
+    max_points: int = 4_096
 
     def __post_init__(self) -> None:
         for name in ("max_resources", "max_scopes", "max_items", "max_values", "max_buckets", "max_json_values",
@@ -272,7 +272,8 @@ def _point(buf, at, end, counts, caps, kind):
     return True
 
 
-@numba.njit(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), cache=True)
+# nogil: the walk runs on a decoder thread; the event loop goes on meanwhile
+@numba.njit(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), cache=True, nogil=True)
 def _walk(buf, signal, counts, caps):
     """Counts into ``counts`` (see the indexes above) until one passes its cap in ``caps``:
     0, or -1 when ``buf`` is not an export request the walk can read (bad framing, groups)
