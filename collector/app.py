@@ -39,6 +39,7 @@ from .connection_table import ConnectionTable
 from .grpc_server import GrpcLimits
 from .exposition import metrics_page
 from .ingest import IngestLimits
+from .log_filter import limit_library_errors
 from .otlp_grpc import OtlpGrpcReceiver
 from .otlp_http import OtlpHttpReceiver
 from .pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
@@ -47,7 +48,7 @@ from .self_metrics import SelfMetrics
 from .span_ids import SpanWindow
 from .zipkin import ZipkinReceiver
 
-__all__ = ["BoundPorts", "Collector", "run"]
+__all__ = ["BoundPorts", "Collector", "check_summary_file", "run"]
 
 log = logging.getLogger("sightline.collector")
 
@@ -120,8 +121,10 @@ class Collector:
         ssl_context = (http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file)
                        if cfg.tls_enabled else None)
         grpc_ssl = grpc_ssl_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_enabled else None
-        # asyncio's own errors (e.g. accept() at the descriptor limit) are logged rate-limited
+        # asyncio's own errors (e.g. accept() at the descriptor limit) are logged rate-limited,
+        # and so are aiohttp's (a traceback per malformed HTTP request otherwise)
         asyncio.get_running_loop().set_exception_handler(self.errors.loop_exception_handler)
+        limit_library_errors()
         host, port = cfg.address("otlp_grpc")
         grpc_port = await self._grpc.start(host, port, grpc_ssl)
         http_ports = []
@@ -172,7 +175,11 @@ class Collector:
         summary = await loop.run_in_executor(None, self.pipeline.close, grace)
         log.info("collector stopped: %s", json.dumps(summary.to_dict(), sort_keys=True))
         if self.config.summary_file is not None:
-            _write_atomically(Path(self.config.summary_file), json.dumps(summary.to_dict(), indent=2))
+            try:
+                _write_atomically(Path(self.config.summary_file), json.dumps(summary.to_dict(), indent=2))
+            except OSError as error:  # checked writable at start; a disk may still fill up
+                log.error("could not write the summary file %s: %s", self.config.summary_file, error)
+                summary.drained_cleanly = False
         for listener in self._listeners[len(self._ingest_runners):]:
             listener.close()
         if self._http_runner is not None:
@@ -221,9 +228,27 @@ class Collector:
 def _write_atomically(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text + "\n")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)  # a full disk must not leave a .tmp behind
+        raise
+
+
+def check_summary_file(path: Path) -> None:
+    """Raises ValueError naming ``path`` unless a summary can be written there: its directory
+    is made if missing and a probe file is written and removed (a read-only or full
+    filesystem is found at start, not at exit)."""
+    try:
+        _write_atomically(path.with_name(f".{path.name}.probe"), "{}")
+        os.unlink(path.with_name(f".{path.name}.probe"))
+    except OSError as error:
+        raise ValueError(f"summary_file={str(path)!r} cannot be written: {error.strerror or error} "
+                         f"({type(error).__name__})") from None
+    if path.is_dir():
+        raise ValueError(f"summary_file={str(path)!r} is a directory")
 
 
 def run(config: CollectorConfig, aggregation: AggregationConfig | None = None) -> int:

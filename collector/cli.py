@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from ..instrumentation import add_flags, from_flags  # stdlib-only modules
 from .aggregation_config import AggregationConfig
@@ -56,10 +57,12 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config, aggregation = _collector_config(args), aggregation_config(args)
+        from .app import check_summary_file, run
+        if config.summary_file is not None:
+            check_summary_file(Path(config.summary_file))
     except ValueError as error:  # a bad flag value: say which, like argparse does
         print(f"sightline collector run: error: {error}", file=sys.stderr)
         return 2
-    from .app import run
     return run(config, aggregation)
 
 

@@ -65,7 +65,7 @@ class CollectorConfig:
       wire size (bodies inflating to under 1 MiB excepted), so that no small body buys a
       large amount of work.
     - ``max_resources_per_request``, ``max_scopes_per_request`` (scopes and metrics),
-      ``max_items_per_request`` (spans or data points), ``max_values_per_request``
+      ``max_spans_per_request``, ``max_points_per_request``, ``max_values_per_request``
       (attributes, events, links, exemplars), ``max_buckets_per_request`` (histogram bucket
       counts): an encoded request's messages, empty ones included, are counted before it is
       parsed, and one past any cap is refused (413 / RESOURCE_EXHAUSTED), so the parse and
@@ -124,8 +124,9 @@ class CollectorConfig:
                                                     "counted before it is parsed; more -> 413", lo=1, hi=1 << 30)
     max_scopes_per_request: int = setting(16_384, "scopes and metrics in one export request, same effect",
                                           lo=1, hi=1 << 30)
-    max_items_per_request: int = setting(32_768, "spans or data points in one export request, same effect",
-                                         lo=1, hi=1 << 30)
+    max_spans_per_request: int = setting(32_768, "spans in one export request, same effect", lo=1, hi=1 << 30)
+    max_points_per_request: int = setting(4_096, "metric data points in one export request, same effect",
+                                          lo=1, hi=1 << 30)
     max_values_per_request: int = setting(524_288, "attributes, events, links and exemplars in one export "
                                                    "request, same effect", lo=1, hi=1 << 30)
     max_buckets_per_request: int = setting(2_097_152, "histogram bucket counts in one export request, same "
@@ -206,8 +207,8 @@ class CollectorConfig:
         from .request_shape import RequestLimits  # numpy and numba: not at this module's import
 
         return RequestLimits(self.max_resources_per_request, self.max_scopes_per_request,
-                             self.max_items_per_request, self.max_values_per_request,
-                             self.max_buckets_per_request, self.max_json_values)
+                             self.max_spans_per_request, self.max_values_per_request,
+                             self.max_buckets_per_request, self.max_json_values, self.max_points_per_request)
 
     def address(self, name: str) -> tuple[str, int]:
         """(host, port) of ``otlp_grpc`` | ``otlp_http`` | ``zipkin`` | ``http``."""

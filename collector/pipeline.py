@@ -7,7 +7,7 @@ Guarantees:
   still aggregating included): nothing acknowledged disappears silently. ``close`` drains
   everything queued and returns a ``PipelineSummary`` whose acknowledged counts are /metrics'
   received counts: acknowledged = processed + duplicate + dropped, exactly.
-- Memory: at most ``max_items`` spans+data points and ``max_bytes`` decoded payload bytes
+- Memory: at most ``max_items`` spans+data points and ``max_bytes`` of parsed requests
   queued (a single larger batch is admitted into an empty queue, see ``offer``).
 - ``offer`` never blocks: over capacity it answers FULL at once (429 / RESOURCE_EXHAUSTED).
 

@@ -53,24 +53,26 @@ class RequestLimits:
 
     max_resources: int = 4_096
     max_scopes: int = 16_384
-    max_items: int = 32_768
+    max_items: int = 32_768  # spans
     max_values: int = 524_288
     max_buckets: int = 2_097_152
-    max_json_values: int = 65_536
+    max_json_values: int = 49_152
+    # data points: each costs the aggregator ~10x a span (its histogram is checked and merged)
+    max_points: int = 4_096
 
     def __post_init__(self) -> None:
-        for name in ("max_resources", "max_scopes", "max_items", "max_values", "max_buckets", "max_json_values"):
+        for name in ("max_resources", "max_scopes", "max_items", "max_values", "max_buckets", "max_json_values",
+                     "max_points"):
             value = getattr(self, name)
             if not 1 <= value <= 1 << 30:
                 raise ValueError(f"{name}={value!r} is outside the allowed range 1..{1 << 30}")
 
     def check(self, shape: RequestShape, signal: str) -> None:
         """Raises IngestError(413) for the first cap ``shape`` exceeds."""
-        items = "spans" if signal == "traces" else "data points"
         for what, count, cap, flag in (
                 ("resources", shape.resources, self.max_resources, "max-resources-per-request"),
                 ("scopes", shape.scopes + shape.metrics, self.max_scopes, "max-scopes-per-request"),
-                (items, shape.items, self.max_items, "max-items-per-request"),
+                *self._items(shape.items, signal),
                 ("attributes, events, links and exemplars", shape.values, self.max_values,
                  "max-values-per-request"),
                 ("histogram buckets", shape.buckets, self.max_buckets, "max-buckets-per-request")):
@@ -78,12 +80,17 @@ class RequestLimits:
                 raise IngestError(413, "too_large", f"the request holds {count} {what}, more than the {cap} "
                                   f"one request may hold (--{flag})")
 
+    def _items(self, items: int, signal: str) -> tuple[tuple[str, int, int, str]]:
+        if signal == "traces":
+            return (("spans", items, self.max_items, "max-spans-per-request"),)
+        return (("data points", items, self.max_points, "max-points-per-request"),)
+
     def check_items(self, items: int, signal: str) -> None:
-        """Raises IngestError(413) when ``items`` spans or data points are past the cap."""
-        if items > self.max_items:
-            what = "spans" if signal == "traces" else "data points"
-            raise IngestError(413, "too_large", f"the request holds {items} {what}, more than the "
-                              f"{self.max_items} one request may hold (--max-items-per-request)")
+        """Raises IngestError(413) when ``items`` spans or data points are past their cap."""
+        for what, count, cap, flag in self._items(items, signal):
+            if count > cap:
+                raise IngestError(413, "too_large", f"the request holds {count} {what}, more than the "
+                                  f"{cap} one request may hold (--{flag})")
 
     def check_json(self, body: bytes) -> int:
         """The JSON values ``body`` may hold (:func:`json_values`); IngestError(413) past the
@@ -265,7 +272,8 @@ def _point(buf, at, end, counts, caps, kind):
     return True
 
 
-@numba.njit(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), cache=True)
+# nogil: the walk runs on a decoder thread; the event loop goes on meanwhile
+@numba.njit(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), cache=True, nogil=True)
 def _walk(buf, signal, counts, caps):
     """Counts into ``counts`` (see the indexes above) until one passes its cap in ``caps``:
     0, or -1 when ``buf`` is not an export request the walk can read (bad framing, groups)
@@ -299,8 +307,8 @@ def request_shape(encoded: bytes, signal: str, limits: RequestLimits | None = No
     counts = np.zeros(6, dtype=np.int64)
     caps = np.full(6, np.iinfo(np.int64).max, dtype=np.int64)
     if limits is not None:
-        caps[:] = (limits.max_resources, limits.max_scopes, limits.max_scopes, limits.max_items,
-                   limits.max_values, limits.max_buckets)
+        caps[:] = (limits.max_resources, limits.max_scopes, limits.max_scopes,
+                   limits.max_items if signal == "traces" else limits.max_points, limits.max_values, limits.max_buckets)
     status = _walk(np.frombuffer(encoded, dtype=np.uint8), 0 if signal == "traces" else 1, counts, caps)
     shape = RequestShape(*(int(c) for c in counts))
     if limits is not None:

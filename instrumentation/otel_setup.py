@@ -140,6 +140,12 @@ def _temporality(config: TelemetryConfig) -> dict:
     }
 
 
+# Data points per metric export request: a TP engine's per-SM histograms are GPUs x SMs x
+# kernels points (21,120 for 8 x 132 x 20), more than one request may carry to Sightline's
+# collector (--max-points-per-request, 4,096 by default); with room for a sidecar to merge two.
+MAX_POINTS_PER_EXPORT = 2_048
+
+
 def _otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
     temporality = _temporality(config)
     if config.otlp_protocol == "grpc":
@@ -151,6 +157,7 @@ def _otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
             headers=dict(config.otlp_headers) or None,
             timeout=config.export_timeout_s,
             preferred_temporality=temporality,
+            max_export_batch_size=MAX_POINTS_PER_EXPORT,
         )
     from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
@@ -159,6 +166,7 @@ def _otlp_metric_exporter(config: TelemetryConfig) -> MetricExporter:
         headers=dict(config.otlp_headers) or None,
         timeout=config.export_timeout_s,
         preferred_temporality=temporality,
+        max_export_batch_size=MAX_POINTS_PER_EXPORT,
     )
 
 

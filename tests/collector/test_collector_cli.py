@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -99,3 +100,34 @@ def test_settings_in_force_in_a_running_collector(tmp_path):
             process.wait(30)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+@pytest.mark.parametrize("where", ["/proc/self/sightline/summary.json", "{tmp}/a-file/summary.json", "{tmp}"])
+def test_a_summary_file_that_cannot_be_written_is_refused_at_start(where, tmp_path, capsys):
+    """Before: a read-only or full filesystem was found only at exit (exit 1, a .tmp left)."""
+    (tmp_path / "a-file").write_text("not a directory")
+    path = where.format(tmp=tmp_path)
+    started = time.monotonic()
+    assert main(["collector", "run", "--http", f"127.0.0.1:{free_port()}", "--summary-file", path]) == 2
+    err = capsys.readouterr().err
+    assert f"summary_file={path!r}" in err and "Traceback" not in err
+    assert time.monotonic() - started < 10  # refused before anything started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # no probe or .tmp left
+
+
+def test_malformed_http_requests_do_not_flood_the_log(tmp_path):
+    """Before: 2,000 malformed requests wrote 1.45 MB of tracebacks (aiohttp logs one each)."""
+    from tests.collector.servers import collector_process
+
+    process, ports, _ = collector_process(tmp_path)
+    try:
+        for i in range(2_000):
+            port = (ports["http"], ports["zipkin"], ports["query"])[i % 3]
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"POST /v1/traces HTTP/1.1\r\nHost x\r\nContent-Length: 0\r\n\r\n")
+                assert b" 400 " in sock.recv(100)  # answered: the server stays up
+    finally:
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=60)
+    assert len(output) < 16 * 1024, f"{len(output)} bytes of log for 2,000 bad requests"
+    assert output.count(b"Traceback") <= 3  # once per kind (here: one kind), then counted

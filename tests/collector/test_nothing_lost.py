@@ -141,24 +141,26 @@ def test_acknowledged_means_the_same_on_metrics_and_in_the_exit_summary():
 def test_sigterm_mid_batch_counts_the_batch_in_flight(tmp_path):
     """Before: a batch inside the aggregator at shutdown was lost uncounted (1,000 acknowledged,
     processed 0, dropped{shutdown_timeout} 0)."""
-    process, ports, summary_path = collector_process(tmp_path, "--shutdown-timeout-s", "0.2")
+    process, ports, summary_path = collector_process(tmp_path, "--shutdown-timeout-s", "0.05")
     try:
         now = time.time()
-        # 20,000 CTA points: seconds of aggregation, far past the 0.2 s the drain may take
+        # 4 x 4,000 CTA points: each batch a few tenths of a second of aggregation, past the
+        # 0.05 s the drain may take
         points = [otlp_cta_point(str(g), str(sm), f"k{k}", [1e-5 * (1 + sm % 7)], now)
-                  for g in range(8) for k in range(19) for sm in range(132)][:20_000]
-        body = otlp_metrics(points).SerializeToString()
-        status, _, _ = post(f"http://127.0.0.1:{ports['http']}/v1/metrics", body, PB, timeout=60)
-        assert status == 200
+                  for g in range(8) for k in range(16) for sm in range(132)]
+        bodies = [otlp_metrics(points[i:i + 4_000]).SerializeToString() for i in range(0, 16_000, 4_000)]
+        for body in bodies:
+            status, _, _ = post(f"http://127.0.0.1:{ports['http']}/v1/metrics", body, PB, timeout=60)
+            assert status == 200
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 1  # not drained cleanly: said so in the exit status
     finally:
         if process.poll() is None:
             process.kill()
     summary = json.loads(summary_path.read_text())
-    assert summary["data_points_acknowledged"] == 20_000
-    assert summary["data_points_processed"] + summary["dropped"] == 20_000
-    assert summary["dropped"] == 20_000 and summary["drained_cleanly"] is False
+    assert summary["data_points_acknowledged"] == 16_000
+    assert summary["data_points_processed"] + summary["dropped"] == 16_000
+    assert summary["dropped"] >= 4_000 and summary["drained_cleanly"] is False
 
 
 # -- values past physical bounds ------------------------------------------------------------------

@@ -229,3 +229,53 @@ def test_compose_services_and_files():
     jobs = {job["job_name"]: job["static_configs"][0]["targets"] for job in prometheus["scrape_configs"]}
     assert jobs == {sc.SERVICE_NAME_ENGINE: ["engine:8000"], sc.SERVICE_NAME_COLLECTOR: ["collector:8889"]}
     assert "--enable-feature=exemplar-storage" in services["prometheus"]["command"]
+
+
+def test_the_query_api_is_not_open_to_the_network():
+    """Kubernetes listens on every interface: the query API takes a token from a Secret. Compose
+    publishes the query port on the host's loopback only. (``sightline up`` binds loopback.)"""
+    collector = _pod_spec(_by_kind("Deployment")["sightline-collector"])["containers"][0]
+    assert "--query-auth" in collector["args"]
+    [token] = [e for e in collector["env"] if e["name"] == "SIGHTLINE_COLLECTOR_READ_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "sightline-collector-read-token", "key": "token"}
+    compose = yaml.safe_load(COMPOSE.read_text())
+    assert "127.0.0.1:8889:8889" in compose["services"]["collector"]["ports"]
+
+
+def test_the_kubernetes_collector_command_refuses_the_query_api_without_the_token(tmp_path):
+    """The manifest's own command line, run for real: /api/v1 401 without the token, 200 with."""
+    import os
+    import signal
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from tests.support import free_port, wait_for_http
+
+    args = list(_pod_spec(_by_kind("Deployment")["sightline-collector"])["containers"][0]["args"])
+    for flag in ("--otlp-grpc", "--otlp-http", "--zipkin", "--http"):  # free loopback ports
+        args[args.index(flag) + 1] = f"127.0.0.1:{free_port()}"
+    query = args[args.index("--http") + 1]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("SIGHTLINE_COLLECTOR")},
+           "SIGHTLINE_COLLECTOR_READ_TOKEN": "reader-token"}
+    process = subprocess.Popen([sys.executable, "-m", "sightline.deploy.cli", *args[1:]], env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_http(f"http://{query}/readyz", 60, process)
+
+        def status(path: str, token: str | None = None) -> int:
+            request = urllib.request.Request(f"http://{query}{path}")
+            if token:
+                request.add_header("Authorization", f"Bearer {token}")
+            try:
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return response.status
+            except urllib.error.HTTPError as error:
+                return error.code
+
+        assert status("/api/v1/kernels") == 401 and status("/api/v1/kernels", "wrong") == 401
+        assert status("/api/v1/kernels", "reader-token") == 200
+        assert status("/metrics") == 200 and status("/healthz") == 200
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
