@@ -91,6 +91,7 @@ class _Connection(asyncio.Protocol):
         self.inner = None
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
+        self.tail = b""  # the last bytes of a header block still coming in
 
     # asyncio.Protocol
     def connection_made(self, transport) -> None:
@@ -107,8 +108,17 @@ class _Connection(asyncio.Protocol):
         if self.state == _IDLE:  # a new request begins: its headers have a deadline
             self.site.stop_waiting(self)
             self.state = _HEAD
+            self.tail = b""
             self.site.start_waiting(self)
             self._arm(self.site.limits.header_timeout_s, self._headers_late)
+        if self.state in (_NEW, _HEAD):
+            # The deadline is the client's: it stops when the blank line arrives, not when a
+            # busy server gets round to the request (dispatch, in track_requests, stops it too).
+            window = self.tail + data
+            if b"\r\n\r\n" in window or b"\n\n" in window:
+                self.request_started()
+            else:
+                self.tail = window[-3:]
         if self.inner is not None:
             self.inner.data_received(data)
 
