@@ -122,7 +122,7 @@ class OtlpGrpcReceiver:
             self._intake.check_room(len(body))  # overloaded: refuse before parsing
             decoded = await self._intake.decode(body, signal)  # capped before it is parsed, off the loop
             self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
-                                decoded.encoded)
+                                decoded.encoded, fingerprints=decoded.fingerprints)
             return
         except IngestError as error:
             refusal = error
