@@ -443,6 +443,9 @@ def main(argv=None) -> int:
         result["metrics_page_bytes"] = page
         _memory(result, "scrapers", collector, steady,
                 lambda: slow_scrapers(collector, args.scrapers, args.scrape_hold_s))
+        metrics = urllib.request.urlopen(collector.url("query", "/metrics"), timeout=120).read().decode()
+        cut = [line for line in metrics.splitlines() if line.startswith("sightline_collector_scrapes_cut_total ")]
+        result["memory"]["scrapers"]["cut_by_the_deadline"] = float(cut[0].split()[1]) if cut else None
     finally:
         collector.stop()
     result["load_average_at_end"] = os.getloadavg()
@@ -494,8 +497,10 @@ def _report(result: dict, args) -> list[str]:
                      f"{m['healthz_max_ms']} | {m['seconds']} | {ok(m['ratio_to_steady'] <= BOUND_RSS_RATIO)} |")
     if "scrapers" in result["memory"]:
         s = result["memory"]["scrapers"]
-        lines += ["", f"Scrapers: {s['ended_by_the_collector']} of {s['scrapers']} cut by the collector's write "
-                  f"deadline within {s['seconds']} s; each had read a median {s['median_bytes_read']:,} bytes."]
+        lines += ["", f"Scrapers: {s['cut_by_the_deadline']:.0f} of {s['scrapers']} cut at the collector's write "
+                  f"deadline (`sightline_collector_scrapes_cut_total`; {s['ended_by_the_collector']} seen reset by "
+                  f"the readers within {s['seconds']} s), each having read a median {s['median_bytes_read']:,} bytes; "
+                  f"the page rendered once for all of them."]
     return lines
 
 

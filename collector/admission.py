@@ -70,14 +70,17 @@ class Intake:
             admit(self.pipeline, None)
 
     def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
-               encoded: bytes | None = None, variants=None) -> None:
+               encoded: bytes | None = None, variants=None, fingerprints=None) -> None:
         """Admits ``request`` (``items`` spans or data points) or raises IngestError.
         ``variants``: per span, what else tells apart spans sharing ids (Zipkin's kind and
-        ``shared``; :func:`.span_ids.with_variants`)."""
+        ``shared``; :func:`.span_ids.with_variants`); ``fingerprints``: the spans'
+        fingerprints, when the decoder computed them already (variants mixed in)."""
         repeats = 0
         seen = None
         if signal == "traces":
-            seen = self.window.lookup(with_variants(span_fingerprints(request, encoded), variants))
+            if fingerprints is None:
+                fingerprints = with_variants(span_fingerprints(request, encoded), variants)
+            seen = self.window.lookup(fingerprints)
             repeats = len(seen.repeats)
             if repeats:
                 remove_spans(request, seen.repeats)

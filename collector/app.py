@@ -111,7 +111,8 @@ class Collector:
         self._ingest_runners: list[web.AppRunner] = []
         self._listeners: list[GuardedListener] = []
         self._http_runner: web.AppRunner | None = None
-        self._pages = SharedPages(self._metrics_page, deadline_s=config.scrape_deadline_s)
+        self._pages = SharedPages(self._metrics_page, deadline_s=config.scrape_deadline_s,
+                                  on_cut=self.metrics.scrapes_cut.inc)
         self._ready = False
         self.ports: BoundPorts | None = None
 

@@ -15,6 +15,7 @@ Cost: the walk (a few ns per field) on top of the parse; one thread hop per body
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -25,8 +26,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from .ingest import IngestError
 from .request_shape import RequestLimits, request_shape
+from .span_ids import span_fingerprints, with_variants
 
-__all__ = ["INLINE_BYTES", "Decoded", "count_data_points", "count_spans", "decode_protobuf", "off_loop"]
+__all__ = ["INLINE_BYTES", "Decoded", "count_data_points", "count_spans", "decode_protobuf", "off_loop",
+           "with_fingerprints"]
 
 INLINE_BYTES = 64 * 1024  # a protobuf body this small parses in well under a millisecond: no hop
 T = TypeVar("T")
@@ -35,14 +38,16 @@ T = TypeVar("T")
 @dataclass(frozen=True, slots=True)
 class Decoded:
     """One decoded export request: the message, its spans or data points, its estimated
-    parsed size, (traces in protobuf) the encoding it was parsed from, and (Zipkin) per span
-    what tells apart spans sharing ids (:func:`.span_ids.with_variants`)."""
+    parsed size, (traces in protobuf) the encoding it was parsed from, (Zipkin) per span what
+    tells apart spans sharing ids, and (traces) the spans' fingerprints (:mod:`.span_ids`;
+    IngestError 400 for a bad id), so the event loop only looks them up."""
 
     message: Any
     items: int
     parsed_bytes: int
     encoded: bytes | None = None
     variants: np.ndarray | None = None
+    fingerprints: np.ndarray | None = None  # traces: each span's identity, computed off the loop
 
 
 def count_spans(request: ExportTraceServiceRequest) -> int:
@@ -72,8 +77,16 @@ def decode_protobuf(body: bytes, signal: str, limits: RequestLimits) -> Decoded:
         message = message_cls.FromString(body)
     except (DecodeError, ValueError) as exc:
         raise IngestError(400, "malformed", f"body is not a protobuf {message_cls.__name__}: {exc}") from None
-    items = count_spans(message) if traces else count_data_points(message)
-    return Decoded(message, items, shape.parsed_bytes(len(body)), body if traces else None)
+    if not traces:
+        return Decoded(message, count_data_points(message), shape.parsed_bytes(len(body)))
+    return Decoded(message, count_spans(message), shape.parsed_bytes(len(body)), body,
+                   fingerprints=span_fingerprints(message, body))
+
+
+def with_fingerprints(decoded: Decoded) -> Decoded:
+    """``decoded`` (traces decoded from JSON) with its spans' fingerprints, variants mixed in."""
+    fp = with_variants(span_fingerprints(decoded.message), decoded.variants)
+    return dataclasses.replace(decoded, fingerprints=fp)
 
 
 async def off_loop(executor, size: int, fn: Callable[..., T], *args) -> T:

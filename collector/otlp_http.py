@@ -43,7 +43,7 @@ from ..instrumentation import semconv as sc
 from .admission import Intake, admit
 from .auth import TokenAuth
 from .connection_guard import RateLimitedLog
-from .decoding import INLINE_BYTES, Decoded, count_data_points, count_spans, decode_protobuf
+from .decoding import INLINE_BYTES, Decoded, count_data_points, count_spans, decode_protobuf, with_fingerprints
 from .ingest import (IngestError, IngestLimits, InflightLimit, content_encoding, decompress_bounded, inflate,
                      load_json, read_body, read_raw)
 from .request_shape import RequestLimits
@@ -202,7 +202,7 @@ class HttpIngestReceiver:
                     decoded = await asyncio.get_running_loop().run_in_executor(
                         self._decoder, self._inflate_and_decode, raw, encoding, signal, as_json)
                 self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
-                                    decoded.encoded, decoded.variants)
+                                    decoded.encoded, decoded.variants, decoded.fingerprints)
             finally:
                 self._inflight.leave()
         except IngestError as error:
@@ -220,7 +220,10 @@ class HttpIngestReceiver:
         raise NotImplementedError
 
     def _inflate_and_decode(self, raw: bytes, encoding: str, signal: str, as_json: bool) -> Decoded:
-        return self._decode(inflate(raw, encoding, self._limits), signal, as_json)
+        decoded = self._decode(inflate(raw, encoding, self._limits), signal, as_json)
+        if signal == "traces" and decoded.fingerprints is None:  # JSON: ids read here, not on the loop
+            decoded = with_fingerprints(decoded)
+        return decoded
 
     def _decode(self, body: bytes, signal: str, as_json: bool) -> Decoded:
         """The request ``body`` (decompressed) decoded, or IngestError (thread-safe)."""

@@ -14,6 +14,8 @@ Cost: one render per format per ``reuse_s`` at most under a crowd of readers, el
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -23,6 +25,17 @@ from prometheus_client.exposition import choose_encoder
 __all__ = ["CHUNK_BYTES", "SharedPages"]
 
 CHUNK_BYTES = 64 * 1024
+
+
+def _reset(transport) -> None:
+    """Closes with a reset: what is buffered for the reader, in the process and in the kernel's
+    send buffer (up to ``tcp_wmem``), is dropped at once instead of trickling out."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
 
 
 class _Page:
@@ -76,8 +89,7 @@ class SharedPages:
             except asyncio.TimeoutError:
                 if self._on_cut is not None:
                     self._on_cut()
-                if request.transport is not None:
-                    request.transport.abort()  # drops what is buffered for it at once
+                _reset(request.transport)
                 raise ConnectionResetError(f"/metrics not read within {self.deadline_s} s") from None
             return response
         finally:

@@ -72,6 +72,8 @@ class SelfMetrics:
                                 [sc.LABEL_REASON], registry=r)
         self.queue_depth = Gauge(sc.COLLECTOR_QUEUE_DEPTH,
                                  "Spans and data points waiting for the aggregator.", registry=r)
+        self.scrapes_cut = Counter(sc.COLLECTOR_SCRAPES_CUT_TOTAL,
+                                   "/metrics responses cut at their write deadline (a reader too slow).", registry=r)
         self._processing = Histogram(sc.COLLECTOR_PROCESSING_SECONDS,
                                      "Aggregator time per queued export request.",
                                      [sc.LABEL_SIGNAL], buckets=PROCESSING_BUCKETS_S, registry=r)

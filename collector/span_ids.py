@@ -47,7 +47,7 @@ _BYTES = types.Array(types.uint8, 1, "C", readonly=True)
 _WORDS = types.Array(types.uint64, 2, "C")
 
 
-@_compiled(types.int64(_BYTES, _WORDS))
+@numba.njit(types.int64(_BYTES, _WORDS), cache=True, nogil=True)  # on decoder threads: the loop goes on
 def _walk_ids(buf, out):
     """Reads every span's ids of an encoded ExportTraceServiceRequest into ``out`` (a row of
     trace id high and low word, span id; little-endian), in span order. Returns the number

@@ -345,6 +345,7 @@ COLLECTOR_REJECTED_TOTAL = "sightline_collector_rejected"  # receiver, reason
 COLLECTOR_DROPPED_TOTAL = "sightline_collector_dropped"  # reason
 COLLECTOR_QUEUE_DEPTH = "sightline_collector_queue_depth"
 COLLECTOR_PROCESSING_SECONDS = "sightline_collector_processing_seconds"
+COLLECTOR_SCRAPES_CUT_TOTAL = "sightline_collector_scrapes_cut"  # counter -> _total: /metrics past its write deadline
 COLLECTOR_SERIES_OVERFLOW_TOTAL = "sightline_collector_series_overflow"
 # counter -> _total, label family: series let go from a full table after idling past the
 # window horizon (their counters restart at 0 if they come back)

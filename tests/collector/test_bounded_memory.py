@@ -192,3 +192,4 @@ def test_slow_scrapers_share_one_page_and_are_cut_at_the_deadline(monkeypatch):
             assert received < page_bytes
         with urllib.request.urlopen(col.query_url + "/metrics", timeout=30) as response:
             assert response.status == 200 and len(response.read()) > 8 * 2**20
+        assert col.metrics()[(sc.COLLECTOR_SCRAPES_CUT_TOTAL + "_total", ())] == 20
