@@ -2,11 +2,10 @@
 
     python -m bench.cold_start --model llama-8b --device cuda --levels requests,kernels
 
-Per trace level: starts ``sightline engine serve`` (the engine-core process and
-``--api-server-count`` API servers; the core's phases, step times and compile counter reach
-the bench through an API server's endpoints) on an empty ``--compile-cache-dir`` and times
-process start to ``/health`` 200 (phases from ``/debug/startup``); one request (its
-TTFT); a burst of concurrent requests (the longest engine step it caused, ``/debug/steps``);
+Per trace level: starts ``sightline engine serve`` (the engine core and
+``--api-server-count`` API servers, whose endpoints carry the core's phases, step times and
+compile counter) on an empty ``--compile-cache-dir``; times process start to ``/health``
+200 (phases from ``/debug/startup``); one request (its TTFT); a burst of concurrent requests (the longest engine step it caused, ``/debug/steps``);
 the same burst again, warm; sequential requests (the warm median TTFT); a mixed load using
 every sampling option, reading ``sightline_engine_jit_compiles_total`` before and after.
 Then the server restarts on the same cache: start-up and first TTFT again. The issue's

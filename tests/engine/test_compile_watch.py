@@ -19,23 +19,8 @@ from sightline.engine.compile_cache import (ENV_COMPILE_CACHE_DIR, default_compi
                                             resolve_compile_cache)
 from sightline.engine.compile_watch import CompileWatch
 
-triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-
-@triton.jit
-def doubler(X, N, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(X + offs, tl.load(X + offs, mask=offs < N) * 2, mask=offs < N)
-
-
-def _compile(block: int) -> None:
-    """One variant of ``doubler`` (its BLOCK), built for an H100/H200."""
-    source = ASTSource(doubler, signature={"X": "*fp32", "N": "i32", "BLOCK": "constexpr"},
-                       constexprs={"BLOCK": block})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+pytest.importorskip("triton")
+from .triton_variants import compile_variant as _compile  # noqa: E402
 
 
 @pytest.fixture

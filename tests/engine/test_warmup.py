@@ -23,7 +23,7 @@ from sightline.engine.startup import StartupProgress
 from sightline.engine.warmup import _decode_layouts, plan_warmup
 from sightline.instrumentation import semconv as sc
 
-from .test_compile_watch import _compile
+from .triton_variants import compile_variant as _compile
 
 
 def _variant(rows: int, context: int, kv_heads: int, block_n: int) -> int:
