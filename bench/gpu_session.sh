@@ -77,9 +77,9 @@ for p in "$@"; do
     capture) part "capture-$commit" 300 python3 -m bench.record_capture --out "$RESULTS_DIR" ;;
     served) part "served_throughput-$commit" "${SERVED_LIMIT_S:-420}" python3 -m bench.served_throughput \
         --model llama-8b --device cuda --out "$RESULTS_DIR" ${SERVED_ARGS:-} ;;
-    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-480}" python3 -m bench.overhead_http \
-        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" \
-        --levels "${HTTP_LEVELS:-off,off-b,steps,kernels,kernels-detached,kernels@0.05}" --out "$RESULTS_DIR" ${HTTP_ARGS:-} ;;
+    overhead-http) part "overhead_http-$commit" "${HTTP_LIMIT_S:-530}" python3 -m bench.overhead_http \
+        --model llama-8b --device cuda --rounds "${HTTP_ROUNDS:-12}" --concurrency ${HTTP_CONCURRENCY:-64 256} \
+        --levels "${HTTP_LEVELS:-off,off-b,requests,steps,kernels}" --out "$RESULTS_DIR" ${HTTP_ARGS:-} ;;
     engine|engine-tests)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
             tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \

@@ -101,6 +101,17 @@ class EngineServer:
             web.get("/debug/startup", self.debug_startup),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
+        self._drops_reported: dict[str, int] = {}
+
+    def _report_drops(self) -> None:
+        """A joined telemetry's drops, to the core's series when they changed (split only)."""
+        dropped_events = getattr(self.telemetry, "dropped_events", None)
+        if dropped_events is None or not isinstance(self.client, MPClient):
+            return
+        dropped = dropped_events()
+        if dropped != self._drops_reported:
+            self.client.report_drops(dropped)
+            self._drops_reported = dropped
 
     # ---- plumbing -----------------------------------------------------------------------------
     @web.middleware
@@ -160,10 +171,14 @@ class EngineServer:
         accept = request.headers.get("Accept", "")
         client, core_series, extra = self.client, [], [getattr(self.telemetry, "registry", None)]
         if isinstance(client, MPClient):
+            # the core's series (start-up, compiles while serving, every producer's telemetry
+            # drops, held and orphaned events, restarts, spans exported), asked per scrape so
+            # that each is counted once however many API servers there are; this server's
+            # drops are reported to the core first and counted there
+            extra = []
             if client.ready is not None and client.dead is None:
-                # the core's series (start-up, compiles while serving, its telemetry's): asked
-                # per scrape, so each is counted once however many API servers there are
                 with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                    self._report_drops()
                     core_series.append((await client.call("core_metrics", accept))["body"].encode())
         elif client.engine is not None:   # in this process: the core's registry as it is
             extra.append(client.engine.core.series.registry)
@@ -421,9 +436,8 @@ class EngineServer:
             await asyncio.sleep(0.02)
         if client.num_live:
             log.warning("shutdown: aborting %d live requests", client.num_live)
-        flush = getattr(self.telemetry, "flush", None)
-        if flush is not None:   # forwarded telemetry: its last events, before the socket closes
-            flush()
+        if client.dead is None:
+            self._report_drops()   # the last figures, before the socket closes
         await client.shutdown()
         self._tokenize_pool.shutdown(wait=False)
 
@@ -666,28 +680,28 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
 
 
 async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
-    """Once the core is ready: this server's telemetry joins the core's, then /health is 200."""
-    from .telemetry_link import ForwardedTelemetry, join_pipeline
+    """Once the core is ready: this server's telemetry joins the core's telemetry process
+    (producer id ``index + 1``; the core is 0), then /health is 200."""
+    from .telemetry_link import join_pipeline
 
     ready = await client.wait_ready()
-    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1,
-                                        client.forward_telemetry)
+    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1)
     server.telemetry = telemetry
+    # Detokenized events come from here: the core records none for this server's requests
     client.processor.recorder = telemetry.recorder if telemetry is not None else None
-    if isinstance(telemetry, ForwardedTelemetry):
-        client.flush_telemetry = telemetry.flush
-        asyncio.create_task(_forward_every(telemetry, 0.05))
+    if telemetry is not None:
+        asyncio.create_task(_report_drops_every(server, 1.0))
     _watch_gpu(server.metrics, ready.device)
     server.started = True
     log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
              os.getpid())
 
 
-async def _forward_every(telemetry, interval_s: float) -> None:
-    """Request ends and detokenize phases go to the core's telemetry on a timer."""
-    while True:
+async def _report_drops_every(server: EngineServer, interval_s: float) -> None:
+    """This server's telemetry drops reach the core's series within ``interval_s``."""
+    while server.client.dead is None:
         await asyncio.sleep(interval_s)
-        telemetry.flush()
+        server._report_drops()
 
 
 async def _watch_parent(stop: asyncio.Event) -> None:

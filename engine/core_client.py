@@ -22,10 +22,10 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from .core_records import (ERROR_ENGINE, ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort,
-                           AddRequest, Hello, OutputBatch, Phase, Ready, StepStats, TelemetryEvents,
+                           AddRequest, Hello, OutputBatch, Phase, Ready, StepStats, TelemetryDrops,
                            UtilityCall, UtilityResult, client_decoder, encode)
 from .engine_core import EngineStoppedError
 from .llm_engine import LLMEngine, trace_context
@@ -134,8 +134,6 @@ class MPClient:
         self._ready_event = asyncio.Event()
         self.dead_event = asyncio.Event()
         self._reader: asyncio.Task | None = None
-        # sends this server's recorded telemetry before a request that needs it (forwarding)
-        self.flush_telemetry: Callable[[], None] | None = None
 
     @property
     def stats(self) -> StepStats | None:
@@ -184,8 +182,6 @@ class MPClient:
             raise QueueFullError(f"{waiting} requests waiting, the bound is {ready.max_waiting}")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self.processor.add(request_id, len(prompt), sampling, stream, trace)
-        if self.flush_telemetry is not None and trace is not None:
-            self.flush_telemetry()   # its start goes before the core's events for it
         self._sent += 1
         self._sock.send(encode(AddRequest(request_id, prompt, sampling, priority, self.index,
                                           trace_context(trace), cache_salt)))
@@ -195,10 +191,10 @@ class MPClient:
         if request_id in self.processor.live and self.dead is None:
             self._sock.send(encode(Abort(request_id, self.index)))
 
-    def forward_telemetry(self, payload: bytes) -> None:
-        """Recorded lifecycle events for the core's telemetry (``telemetry_link``)."""
+    def report_drops(self, dropped: dict[str, int]) -> None:
+        """This server's telemetry drops so far, for the core's series (``telemetry_link``)."""
         if self.dead is None:
-            self._sock.send(encode(TelemetryEvents(self.index, payload)))
+            self._sock.send(encode(TelemetryDrops(self.index, dropped)))
 
     def _send_stop(self, request_id: str, stop_at: int) -> None:
         """A stop string ended the request: the core finishes it (its final comes later)."""

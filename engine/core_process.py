@@ -24,9 +24,8 @@ import time
 from .compile_cache import resolve_compile_cache
 from .config import EngineConfig
 from .core_records import (ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort, AddRequest,
-                           FinalOutput, Hello, OutputBatch, Phase, TelemetryEvents, UtilityCall,
+                           FinalOutput, Hello, OutputBatch, Phase, TelemetryDrops, UtilityCall,
                            UtilityResult, core_decoder, encode)
-from .telemetry_link import record_forwarded
 from .engine_core import EngineCore, EngineStoppedError
 from .scheduler import QueueFullError
 from .startup import StartupProgress
@@ -134,8 +133,9 @@ class CoreLoop:
                 if final is not None:
                     del self.client_of[record.request_id]
                     self.pending.setdefault(record.client_index, []).append(final)
-        elif kind is TelemetryEvents:
-            record_forwarded(core.telemetry, record.payload)
+        elif kind is TelemetryDrops:
+            if core.telemetry is not None:   # the API server's producer id is its index + 1
+                core.telemetry.count_producer_drops(record.client_index + 1, record.dropped)
         elif kind is Hello:
             self.clients[record.client_index] = identity
             self.received.setdefault(record.client_index, 0)

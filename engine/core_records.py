@@ -2,7 +2,7 @@
 
 API server -> core: ``Hello`` (once, then ``Ready`` comes back), ``AddRequest``, ``Abort``
 (a client gone, or a stop string found: then the core finishes the request with reason
-``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``, ``TelemetryEvents``. Core -> API server:
+``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``, ``TelemetryDrops``. Core -> API server:
 ``Phase`` (start-up progress), ``Ready``, ``OutputBatch`` (ONE per engine step and API
 server: its requests' new tokens in two columns, ended ones with their figures, the
 step's stats),
@@ -19,7 +19,7 @@ import msgspec
 
 from .request import SamplingParams
 
-__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "TelemetryEvents", "Phase", "Ready",
+__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "TelemetryDrops", "Phase", "Ready",
            "FinalOutput", "StepStats", "OutputBatch", "UtilityResult", "ToCore", "FromCore",
            "encode", "core_decoder", "client_decoder", "ERROR_QUEUE_FULL", "ERROR_INVALID",
            "ERROR_STOPPED", "ERROR_ENGINE"]
@@ -77,14 +77,15 @@ class UtilityCall(msgspec.Struct, tag="call", array_like=True, frozen=True):
     argument: str = ""
 
 
-class TelemetryEvents(msgspec.Struct, tag="events", array_like=True, frozen=True):
-    """An API server's lifecycle events for the core's telemetry (``telemetry_link``)."""
+class TelemetryDrops(msgspec.Struct, tag="drops", array_like=True, frozen=True):
+    """An API server's telemetry drops so far, by reason (``telemetry_link``): the core's
+    telemetry series count them beside its own, once for all API servers."""
 
     client_index: int
-    payload: bytes
+    dropped: dict[str, int]
 
 
-ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryEvents]
+ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryDrops]
 
 
 class Phase(msgspec.Struct, tag="phase", array_like=True, frozen=True):

@@ -11,7 +11,8 @@ Guarantees: the engine never waits for telemetry. A full recorder buffer, a full
 queue or a dead telemetry process drops items and counts them by reason
 (``sightline_telemetry_events_dropped_total``); a dead process is restarted on the same
 producer endpoint (``sightline_telemetry_process_restarts_total``) and the engine serves on.
-The span counters of the telemetry process are mirrored on this pipeline's ``registry``.
+The span counters of the telemetry process are mirrored on this pipeline's ``registry``,
+and so are the drops joined producers report (``count_producer_drops``).
 Cost to the engine thread: the recorder's appends; shipping and pickling run on a thread.
 """
 
@@ -127,6 +128,7 @@ class TelemetryPipeline(ProducerSide):
         # bound here on first use of ``producer_endpoint``
         self._endpoint: str | None = private_endpoint() if mode == "process" else None
         self._inbox: ProducerInbox | None = None
+        self._producer_drops: dict[int, dict[str, int]] = {}   # joined producers' reports
         if mode == "thread":
             from .telemetry_worker import TelemetryWorker
             if self._telemetry is None:
@@ -195,6 +197,19 @@ class TelemetryPipeline(ProducerSide):
         items = from_wire(wire_items)
         with self._ship_lock:
             self._worker.handle(items, identity, watermark_ns)
+
+    def count_producer_drops(self, producer_id: int, dropped: dict[str, int]) -> None:
+        """A joined producer's drops so far, by reason (its ``dropped_events()``, reported
+        over the caller's own channel): counted on this registry beside this process's, so
+        that the series count every producer once. A later report replaces an earlier one."""
+        self._producer_drops[producer_id] = {str(k): int(v) for k, v in dropped.items()}
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = super().dropped_events()
+        for counts in list(self._producer_drops.values()):
+            for reason, count in counts.items():
+                dropped[reason] = dropped.get(reason, 0) + count
+        return dropped
 
     # -- the engine's side ---------------------------------------------------------------
     @property

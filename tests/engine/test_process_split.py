@@ -373,8 +373,128 @@ def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
         assert served.close() == 0
 
 
+def _trace(query: int, trace_id: str, names: set[str], timeout_s: float = 30.0) -> list[dict]:
+    """The collector's spans of ``trace_id`` once they include ``names`` (or the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
+                                        timeout=5) as response:
+                spans = json.loads(response.read()).get("spans", [])
+        except urllib.error.HTTPError as exc:   # 404 until its first span arrives
+            if exc.code != 404:
+                raise
+            spans = []
+        if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+def _families(exposition: str) -> list[str]:
+    return [line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE ")]
+
+
+def _value(exposition: str, name: str) -> float:
+    """The sum of the series of ``name`` (every label set)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+
+
+@pytest.fixture(scope="module")
+def collector():
+    """A real ``sightline collector run``: (its OTLP gRPC port, its query port)."""
+    grpc, http, zipkin, query = free_ports(4)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc",
+         f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
+         "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"])
+    try:
+        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=process)
+        yield grpc, query
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
 @pytest.mark.slow
-def test_one_trace_across_the_processes():
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_one_trace_per_request_across_the_processes(collector, api_servers):
+    """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
+    decode and the steps by the core; every API server joins the core's telemetry process,
+    which builds one trace per request, continuing the caller's context (read back from a
+    real collector). A normal load orphans nothing, and the telemetry series are on /metrics
+    once, whichever API server answers."""
+    grpc, query = collector
+    served = Served(api_servers, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
+                    OTEL_BSP_SCHEDULE_DELAY="50")
+    try:
+        core_pid = served.get("/health")[1]["core_pid"]
+        parent = "00f067aa0ba902b7"
+        trace_ids = [f"{api_servers:02x}{i:02x}2f3577b34da6a3ce929d0e0e4736" for i in range(8)]
+        chunks: dict[str, int] = {}
+
+        def run(trace_id: str) -> None:
+            client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                                   default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+            chunks[trace_id] = len(list(client.completions.create(
+                model=MODEL, prompt=f"trace {trace_id[:4]}", max_tokens=4, stream=True, temperature=0,
+                extra_body={"ignore_eos": True})))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in trace_ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert chunks == dict.fromkeys(trace_ids, 4)
+        api_pids = set()
+        for trace_id in trace_ids:
+            spans = _trace(query, trace_id, {"POST /v1/completions", "detokenize", "decode"})
+            [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
+            assert server["parent_span_id"] == parent   # the caller's context, continued
+            phases = {s["name"]: s for s in spans if s["parent_span_id"] == server["span_id"]}
+            assert len(spans) == 6 and set(phases) == {"tokenize", "queue", "prefill", "decode",
+                                                       "detokenize"}
+            order = [phases[n] for n in ("tokenize", "queue", "prefill", "decode", "detokenize")]
+            for before, after in zip(order, order[1:]):
+                assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
+            # who recorded what: the API server its spans, the core its own
+            api_pid = server["attributes"][sc.PROCESS_PID]
+            for span in (server, phases["tokenize"], phases["detokenize"]):
+                assert span["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_API_SERVER
+                assert span["attributes"][sc.PROCESS_PID] == api_pid
+            for name in ("queue", "prefill", "decode"):
+                assert phases[name]["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_ENGINE_CORE
+                assert phases[name]["attributes"][sc.PROCESS_PID] == core_pid
+            assert api_pid != core_pid
+            api_pids.add(api_pid)
+            # the core's step spans: linked from prefill and decode, and back to the request
+            links = phases["prefill"]["links"] + phases["decode"]["links"]
+            assert len(links) == 4   # the prefill step and three decode steps
+            for link in links:
+                step = next(s for s in _trace(query, link["trace_id"], {"engine.step"})
+                            if s["span_id"] == link["span_id"])
+                assert step["name"] == "engine.step"
+                assert step["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_ENGINE_CORE
+                assert step["attributes"][sc.PROCESS_PID] == core_pid
+                assert (trace_id, server["span_id"]) in {(k["trace_id"], k["span_id"]) for k in step["links"]}
+        assert len(api_pids) <= api_servers
+        # the telemetry series: once per scrape, whichever API server answers; nothing orphaned
+        for _ in range(2 * api_servers):
+            with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+                exposition = response.read().decode()
+            telemetry = [f for f in _families(exposition) if f.startswith("sightline_telemetry_")]
+            assert len(telemetry) == len(set(telemetry)) and {
+                sc.TELEMETRY_EVENTS_DROPPED_TOTAL + "_total", sc.TELEMETRY_EVENTS_HELD_TOTAL + "_total",
+                sc.TELEMETRY_EVENTS_ORPHANED_TOTAL + "_total", sc.TELEMETRY_PROCESS_UP} <= set(telemetry)
+            assert _value(exposition, sc.TELEMETRY_EVENTS_ORPHANED_TOTAL + "_total") == 0
+            assert _value(exposition, sc.TELEMETRY_EVENTS_DROPPED_TOTAL + "_total") == 0
+            assert _value(exposition, sc.TELEMETRY_PROCESS_UP) == 1
+    finally:
+        assert served.close() == 0
+
+
+@pytest.mark.slow
+def test_the_startup_trace_and_core_series_across_the_processes():
     """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
     decode and the steps by the core: one trace, joined in the core's telemetry and read
     back from a real collector, continuing the caller's context."""

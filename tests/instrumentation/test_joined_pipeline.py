@@ -97,6 +97,25 @@ def test_join_refuses_a_bad_producer_id_and_endpoint():
     assert TelemetryPipeline.join(CONFIG.replace(level="off"), "ipc:///tmp/x/producers", 1) is None
 
 
+def test_drops_joined_producers_report_are_counted_once_on_the_starting_pipeline():
+    core = TelemetryPipeline.start(CONFIG, mode="thread", span_exporters=[InMemorySpanExporter()])
+    try:
+        name = sc.TELEMETRY_EVENTS_DROPPED_TOTAL + "_total"
+
+        def dropped() -> dict[str, float]:
+            text = generate_latest(core.registry).decode()
+            return {line.split('"')[1]: float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines() if line.startswith(name + "{")}
+
+        core.recorder.dropped = 2                           # this process's own buffer_full
+        core.count_producer_drops(1, {"queue_full": 3})
+        core.count_producer_drops(2, {"queue_full": 1, "process_down": 4})
+        core.count_producer_drops(1, {"queue_full": 5})     # a later report replaces the first
+        assert dropped() == {"buffer_full": 2, "build_error": 0, "process_down": 4, "queue_full": 6}
+    finally:
+        core.shutdown()
+
+
 # -- other OS processes: an API server process, a real telemetry process, a real collector --
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
