@@ -2,17 +2,17 @@
 
     python -m bench.cold_start --model llama-8b --device cuda --levels requests,kernels
 
-Per trace level: starts ``sightline engine serve`` (the engine core and
-``--api-server-count`` API servers, whose endpoints carry the core's phases, step times and
-compile counter) on an empty ``--compile-cache-dir``; times process start to ``/health``
-200 (phases from ``/debug/startup``); one request (its TTFT); a burst of concurrent requests (the longest engine step it caused, ``/debug/steps``);
+Per trace level: starts ``sightline engine serve`` (the engine-core process and
+``--api-server-count`` API servers; the core's phases, step times and compile counter reach
+the bench through an API server's endpoints) on an empty ``--compile-cache-dir`` and times
+process start to ``/health`` 200 (phases from ``/debug/startup``); one request (its
+TTFT); a burst of concurrent requests (the longest engine step it caused, ``/debug/steps``);
 the same burst again, warm; sequential requests (the warm median TTFT); a mixed load using
 every sampling option, reading ``sightline_engine_jit_compiles_total`` before and after.
 Then the server restarts on the same cache: start-up and first TTFT again. The issue's
 bounds are checked: first TTFT <= 2x the warm median, the first burst's longest step <=
 1.5x the warm burst's, no compile while serving; start-up by phase, cold and warm.
-JSON and markdown go to ``--out`` (default bench/results/). ``--model tiny --device cpu``
-with small sizes is a dry run of the whole flow (tests/engine/test_cold_start_bench.py).
+JSON and markdown go to ``--out``; ``--model tiny --device cpu`` is a dry run of the flow.
 """
 
 from __future__ import annotations

@@ -22,7 +22,9 @@
 # cache and from a warm one, the first request and burst against warm ones, compiles while
 # serving; COLD_START_LEVELS picks the trace levels, one per call keeps each call within 10
 # minutes), readiness-tests (the GPU tests of tests/engine/test_readiness.py: no kernel variant
-# met while serving).
+# met while serving), scenarios (bench.scenarios: SM neighbours of a quarter and half of the
+# SMs, an HBM hog, a GIL-holding thread, a priority burst and a control, scored live by a
+# collector; SCENARIOS_ARGS adds flags, e.g. --runs 3).
 # Results go to $RESULTS_DIR (default /tmp/sightline-results) and are copied into bench/results/,
 # with the commit and device they came from in their names.
 #
@@ -103,6 +105,8 @@ for p in "$@"; do
         part "prefix-cache-gpu-test-$commit" 120 python3 -m pytest -q -m gpu tests/engine/test_prefix_cache_engine.py
         part "prefix_cache-$commit" "${PREFIX_CACHE_LIMIT_S:-540}" python3 -m bench.prefix_cache \
             --model llama-8b --device cuda --rounds "${PREFIX_CACHE_ROUNDS:-5}" --out "$RESULTS_DIR" ;;
+    scenarios) part "scenarios-$commit" "${SCENARIOS_LIMIT_S:-520}" python3 -m bench.scenarios \
+        --out "$RESULTS_DIR" ${SCENARIOS_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
     esac
 done

@@ -11,9 +11,8 @@ collector get the rest. A separate load process (``bench.burst_load``) sends eac
 burst of ``--concurrency`` streamed completions to every server in turn, the order rotating
 between rounds, so that drift hits every level alike; a warm-up round is discarded. Per
 concurrency and level: output tokens/s (median of bursts), the ratio to ``off`` paired by
-round, the core's step times (``/debug/steps``: median, steps over 2x the median), the share
-of the core's loop spent recording telemetry, CPU seconds per 1,000 output tokens of the
-core, the API servers and the telemetry process, failures, and the telemetry counters.
+round, the core's step times (``/debug/steps``), its loop's share in telemetry, CPU s per
+1,000 output tokens of core, API servers and telemetry process, failures, telemetry counters.
 """
 
 from __future__ import annotations

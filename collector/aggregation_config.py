@@ -15,7 +15,10 @@ from typing import Literal
 
 from ..instrumentation import check_range, check_settings, setting
 
-__all__ = ["AggregationConfig", "TraceStoreConfig", "WindowConfig"]
+__all__ = ["AggregationConfig", "ContentionConfig", "TraceStoreConfig", "WindowConfig"]
+
+# what collector/contention.py compares a CTA's duration with: the other SMs' P90
+REFERENCE_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,23 @@ class WindowConfig:
     def epoch(self, t_s: float) -> int:
         """The slot number (since the Unix epoch) holding time ``t_s``."""
         return int(math.floor(t_s / self.slot_s))
+
+
+@dataclass(frozen=True)
+class ContentionConfig:
+    """Thresholds of the per-SM contention tests (collector/contention.py says how they are
+    used); errors name the bad value."""
+
+    alpha: float = setting(1e-3, "chance that one (kernel, slot) flags any SM with nothing wrong",
+                           lo=0.0, hi=0.5, lo_open=True)
+    # a slow SM: at least this share of its CTAs above the others' P90 (by chance: 1 - 0.9)
+    slow_share: float = setting(0.3, "an SM is slow when at least this share of its CTAs ran longer than the "
+                                     "other SMs' P90", lo=round(1 - REFERENCE_QUANTILE, 6), hi=1.0, lo_open=True)
+    starve_ratio: float = setting(0.7, "an SM is starved below this share of its expected CTAs",
+                                  lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
 
 @dataclass(frozen=True)
@@ -103,6 +123,12 @@ class AggregationConfig:
                                                 "kernel); off keeps the per-SM P99 gauges and the per-GPU "
                                                 "summaries")
     trace_store: TraceStoreConfig = setting(factory=TraceStoreConfig)
+    contention: ContentionConfig = setting(factory=ContentionConfig)
+    # Slow requests (e2e at or above this quantile of the stored ones) are explained when
+    # /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
+    slow_request_quantile: float | None = setting(0.9, "requests at or above this quantile of end-to-end "
+                                                       "latency are explained at each scrape and counted by "
+                                                       "cause", lo=0.0, hi=1.0)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
+from .cause_counter import SlowRequestCauses
+from .engine_timeline import EngineTimeline
 from .exposition import AggregatorCollector, ExpositionSnapshot
 from .sm_exposition import SmPage
 from .sm_store import SmKey, SmStore
@@ -54,6 +56,9 @@ class Aggregator:
         self._spans = SpanSeries(self.config, self.overflow, self.dropped, self.evicted)
         self.sm = SmStore(self.config, self.overflow, self.dropped, clock, self.evicted)
         self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
+        self.timeline = EngineTimeline()  # explain's step and queue facts (used under the store's lock)
+        quantile = self.config.slow_request_quantile
+        self.causes = SlowRequestCauses(quantile) if quantile is not None and self.config.store_traces else None
 
     @property
     def points_seen(self) -> int:
@@ -131,6 +136,11 @@ class Aggregator:
             else:
                 series = self._spans.requests.get(key, {}).get(family)
             return series.window.window(now_s, last_s) if series else ExpHistogram()
+
+    def slow_request_causes(self) -> dict[str, int] | None:
+        """The slow requests explained so far, by cause (classifying those newly slow); None
+        when the collector does not classify them."""
+        return self.causes.refresh(self, self.clock()) if self.causes is not None else None
 
     def with_store(self, fn):
         """Runs ``fn(store)`` on the caught-up trace store under its lock (explanations)."""

@@ -171,7 +171,8 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:
-        # ?quantile=0.99&limit=10: the slowest requests; ?trace_id=...: one request
+        # ?quantile=0.99&limit=10: the slowest requests (&start_unix_s=&end_unix_s=: of those that
+        # lived in that range); ?trace_id=...: one request
         trace_id = request.query.get("trace_id")
         if trace_id is not None:  # one request, e.g. from an exemplar
             if not _TRACE_ID.fullmatch(trace_id):
@@ -186,9 +187,15 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             limit = _float(request, "limit", 10, 1, 1000)
             if limit != int(limit):
                 raise _BadParam("limit", f"limit={request.query['limit']} is not an integer")
+            start = _float(request, "start_unix_s", None, 0.0, 1e11)
+            end = _float(request, "end_unix_s", None, 0.0, 1e11)
+            if (start is None) != (end is None) or (start is not None and not start < end):
+                raise _BadParam("end_unix_s" if start is not None else "start_unix_s",
+                                "give both start_unix_s and end_unix_s, the start before the end")
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
-        result = await run(lambda: explain_mod.explain_slowest(aggregator, quantile, int(limit)))
+        within = None if start is None else (start, end)
+        result = await run(lambda: explain_mod.explain_slowest(aggregator, quantile, int(limit), within_s=within))
         return _json(result.to_dict())
 
     async def trace(request: web.Request) -> web.Response:

@@ -1,10 +1,11 @@
 """The collector process: every receiver, the pipeline, the aggregator and the query port.
 
-One asyncio loop serves four listeners: OTLP/gRPC (grpc.aio), OTLP/HTTP and Zipkin
-(aiohttp, each on its own port) and the query port (``/metrics``, ``/healthz``,
-``/readyz`` and ``/api/v1/`` from :mod:`.api`, behind an optional bearer token). Every
-HTTP listener runs behind :class:`~.connection_guard.GuardedListener`. Receivers parse and
-count on the loop; the aggregator runs on the pipeline's worker thread(s).
+One asyncio loop serves four listeners: OTLP/gRPC (:mod:`.grpc_server`), OTLP/HTTP and
+Zipkin (aiohttp, each on its own port) and the query port (``/metrics``, ``/healthz``,
+``/readyz`` and ``/api/v1/`` from :mod:`.api`, behind an optional bearer token). Every HTTP
+listener runs behind :class:`~.connection_guard.GuardedListener`; all four share the
+descriptor budget fairly (:mod:`.connection_table`). Receivers parse and count on the
+loop; the aggregator runs on the pipeline's worker thread(s).
 
 Guarantee: a graceful stop (SIGTERM/SIGINT or ``Collector.stop``) drains everything
 acknowledged into the aggregator within ``shutdown_timeout_s``, and its ``PipelineSummary``
@@ -30,10 +31,12 @@ from prometheus_client import disable_created_metrics
 from .admission import Intake
 from .aggregator import AggregationConfig, Aggregator
 from .api import add_api_routes
-from .auth import TokenAuth, grpc_server_credentials, http_ssl_context
+from .auth import TokenAuth, grpc_ssl_context, http_ssl_context
 from .config import CollectorConfig
 from .connection_guard import (ConnectionLimits, GuardedListener, RateLimitedLog,
                                effective_max_connections)
+from .connection_table import ConnectionTable
+from .grpc_server import GrpcLimits
 from .exposition import metrics_page
 from .ingest import IngestLimits
 from .otlp_grpc import OtlpGrpcReceiver
@@ -87,9 +90,21 @@ class Collector:
         self.errors = RateLimitedLog(log)
         intake = self._intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans),
                                        config.request_limits())
-        self._grpc = OtlpGrpcReceiver(intake, auth, max_message_bytes=config.max_decompressed_bytes,
-                                      retry_after_s=config.retry_after_s,
-                                      max_concurrent_rpcs=config.max_inflight_requests, errors=self.errors)
+        # every listener's cap, the gRPC port's included, from one descriptor budget
+        self._limits = ConnectionLimits(effective_max_connections(config.max_connections, listeners=4),
+                                        config.header_timeout_s, config.retry_after_s,
+                                        config.keepalive_timeout_s)
+        grpc_limits = GrpcLimits(max_message_bytes=config.max_request_bytes,
+                                 max_streams_per_connection=config.max_streams_per_connection,
+                                 max_calls_per_peer=config.max_calls_per_peer,
+                                 handshake_timeout_s=config.handshake_timeout_s,
+                                 message_timeout_s=config.request_timeout_s,
+                                 response_timeout_s=config.response_timeout_s,
+                                 idle_timeout_s=config.keepalive_timeout_s,
+                                 max_buffered_bytes=4 * config.max_request_bytes)
+        self._grpc = OtlpGrpcReceiver(intake, auth, limits, grpc_limits,
+                                      ConnectionTable(self._limits.max_connections, self._limits.eviction_grace_s),
+                                      self.errors)
         self._otlp_http = OtlpHttpReceiver(intake, auth, limits, self.errors)
         self._zipkin = ZipkinReceiver(intake, auth, limits, self.errors)
         self._ingest_runners: list[web.AppRunner] = []
@@ -104,12 +119,11 @@ class Collector:
         cfg = self.config
         ssl_context = (http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file)
                        if cfg.tls_enabled else None)
-        credentials = (grpc_server_credentials(cfg.tls_cert_file, cfg.tls_key_file)
-                       if cfg.tls_enabled else None)
+        grpc_ssl = grpc_ssl_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_enabled else None
         # asyncio's own errors (e.g. accept() at the descriptor limit) are logged rate-limited
         asyncio.get_running_loop().set_exception_handler(self.errors.loop_exception_handler)
         host, port = cfg.address("otlp_grpc")
-        grpc_port = await self._grpc.start(host, port, credentials)
+        grpc_port = await self._grpc.start(host, port, grpc_ssl)
         http_ports = []
         for name, receiver in (("otlp_http", self._otlp_http), ("zipkin", self._zipkin)):
             runner, bound = await self._serve(receiver.build_app(), cfg.address(name), ssl_context,
@@ -129,22 +143,15 @@ class Collector:
                      receiver: str | None) -> tuple[web.AppRunner, int]:
         # access_log=None: a log line per export request would cost more than parsing it.
         # auto_decompress=False: the receivers decompress themselves, with a size cap.
-        # keepalive_timeout: an idle kept-alive connection (or one stalled in a later
-        # request's headers) is closed after this.
-        cfg = self.config
-        runner = web.AppRunner(app, access_log=None, auto_decompress=False, keepalive_timeout=75.0,
-                               shutdown_timeout=cfg.shutdown_timeout_s)
-        await runner.setup()
-        limits = ConnectionLimits(effective_max_connections(cfg.max_connections, listeners=4),
-                                  cfg.header_timeout_s, cfg.retry_after_s)
         on_refused = None
         if receiver is not None:
             def on_refused(reason: str, receiver: str = receiver) -> None:
                 self.metrics.rejected(receiver, reason)
-        listener = GuardedListener(runner, limits, on_refused)
+        listener = GuardedListener(app, self._limits, on_refused, access_log=None, auto_decompress=False,
+                                   shutdown_timeout=self.config.shutdown_timeout_s)
         port = await listener.start(address[0], address[1], ssl_context)
         self._listeners.append(listener)
-        return runner, port
+        return listener.runner, port
 
     async def stop(self) -> PipelineSummary:
         """Graceful stop; returns the summary."""

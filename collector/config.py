@@ -75,16 +75,24 @@ class CollectorConfig:
       the aggregator holds at most this many spans+data points and this many bytes of
       parsed requests (estimated from their message counts, encodings included); beyond
       either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint of ``retry_after_s``.
-    - ``max_inflight_requests``: export requests being decoded at once, per listener
-      (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
-      gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.
-    - ``request_timeout_s``: a body that has not fully arrived by then -> 408 (a slow or
-      stalled sender cannot hold a connection forever).
-    - ``max_connections``: open connections per HTTP listener (both ingest ports and the
-      query port); one more is answered 503 and closed. Lowered at start so that all
-      listeners together stay under the process's file-descriptor limit.
-    - ``header_timeout_s``: a new connection must send its request headers within this
-      (else 408 and closed): connections that never finish their headers cannot pile up.
+    - ``max_inflight_requests``: export requests being decoded at once, per listener,
+      counted from when the whole body (gRPC: message) has arrived, so slow or stalled
+      senders hold no slot; more -> 429 / RESOURCE_EXHAUSTED at once.
+    - ``request_timeout_s``: a body (gRPC: the call's message) that has not fully arrived
+      by then -> 408 / DEADLINE_EXCEEDED (a stalled sender cannot hold a slot forever).
+    - ``max_connections``: open connections per listener (the gRPC port, both HTTP ingest
+      ports and the query port), lowered at start so that all listeners together stay
+      under the process's file-descriptor limit. A full listener takes back an idle or
+      incomplete connection for a new one (:mod:`.connection_table`), else answers 503.
+    - ``header_timeout_s``: every request's headers must arrive within this of their first
+      byte (the first request's: of the connection's opening), else 408 and closed;
+      ``keepalive_timeout_s``: an idle kept-alive connection (HTTP, or gRPC with no call
+      open) is closed after this; ``handshake_timeout_s``: a gRPC connection must finish
+      TLS and the HTTP/2 preface within this.
+    - ``max_streams_per_connection`` / ``max_calls_per_peer``: gRPC calls open at once on
+      one connection (more are refused with REFUSED_STREAM) and from one IP address (more
+      -> RESOURCE_EXHAUSTED); ``response_timeout_s``: a gRPC answer the client does not
+      read (flow control) within this is reset.
     - ``dedupe_window_spans``: a fingerprint of (trace id, span id) of about the last N
       spans admitted is remembered; a span arriving again (an exporter's retry) is
       acknowledged, not stored or counted twice, and counted in
@@ -108,8 +116,8 @@ class CollectorConfig:
     http_address: str = setting("127.0.0.1:8889", "query port: /metrics, /healthz, /readyz, /api/v1/",
                                 flag="--http", metavar="HOST:PORT")
     max_request_bytes: int = setting(8 * MiB, "largest request body on the wire", lo=1024, hi=1024 * MiB)
-    max_decompressed_bytes: int = setting(16 * MiB, "largest body after gzip/deflate, and largest gRPC "
-                                                    "message", lo=1024, hi=4096 * MiB)
+    max_decompressed_bytes: int = setting(16 * MiB, "largest body (or gRPC message) after gzip/deflate",
+                                          lo=1024, hi=4096 * MiB)
     max_decompression_ratio: int = setting(200, "a compressed body may inflate to at most this many times its "
                                                 "size", lo=2, hi=1_000_000)
     max_resources_per_request: int = setting(4_096, "resources in one export request, empty ones included, "
@@ -133,10 +141,20 @@ class CollectorConfig:
                                              "429/RESOURCE_EXHAUSTED", lo=1, hi=100_000)
     request_timeout_s: float = setting(30.0, "a request body must arrive within this many seconds (else 408)",
                                        lo=0.1, hi=3600.0)
-    max_connections: int = setting(1024, "open connections per HTTP listener before 503 (lowered to fit the "
+    max_connections: int = setting(1024, "open connections per listener before 503 (lowered to fit the "
                                          "file-descriptor limit)", lo=8, hi=1_000_000)
-    header_timeout_s: float = setting(10.0, "a new connection must send its request headers within this many "
-                                            "seconds (else 408)", lo=0.1, hi=3600.0)
+    header_timeout_s: float = setting(10.0, "every request's headers must arrive within this many seconds of "
+                                            "their first byte (else 408)", lo=0.1, hi=3600.0)
+    keepalive_timeout_s: float = setting(15.0, "an idle kept-alive connection (HTTP, or gRPC with no call open) "
+                                               "is closed after this many seconds", lo=0.1, hi=3600.0)
+    handshake_timeout_s: float = setting(5.0, "a gRPC connection must finish TLS and the HTTP/2 preface within "
+                                              "this many seconds", lo=0.1, hi=3600.0)
+    max_streams_per_connection: int = setting(32, "gRPC calls open at once on one connection (more are refused "
+                                                  "with REFUSED_STREAM)", lo=1, hi=10_000)
+    max_calls_per_peer: int = setting(256, "gRPC calls open at once from one IP address (more get "
+                                           "RESOURCE_EXHAUSTED)", lo=1, hi=1_000_000)
+    response_timeout_s: float = setting(10.0, "a gRPC answer the client does not read within this many seconds "
+                                              "is reset", lo=0.1, hi=3600.0)
     dedupe_window_spans: int = setting(262_144, "remember the ids of about this many recent spans; a span sent "
                                                 "again is acknowledged, not counted twice (0 = off; 8 bytes per "
                                                 "span)", lo=0, hi=100_000_000)

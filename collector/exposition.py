@@ -5,7 +5,7 @@
 (:mod:`.sm_exposition`), in the format the scraper's Accept header prefers, with one
 OpenMetrics ``# EOF`` at the very end. :class:`AggregatorCollector`: span-derived series as
 classic histograms (re-binned as :class:`~.windows.ClassicHistogram` states), requests seen,
-overflow, eviction and refusal counters. Per-SM data, by default: one P99 gauge per (gpu, SM, kernel)
+overflow, eviction and refusal counters, slow requests by the cause explain named. Per-SM data, by default: one P99 gauge per (gpu, SM, kernel)
 and per (gpu, kernel) a hotspot ratio, the hottest SM and a histogram over all SMs; per-SM
 histograms are opt-in (``expose_sm_histograms``). Exemplars appear in OpenMetrics only.
 A scrape reads a snapshot taken block by block (:meth:`.sm_store.SmStore.snapshot`), so
@@ -132,6 +132,9 @@ class AggregatorCollector:
         dropped = CounterMetricFamily(L.COLLECTOR_AGGREGATOR_DROPPED_TOTAL,
                                       "Data points or spans the aggregator refused, by reason.",
                                       labels=[L.LABEL_REASON])
+        causes = CounterMetricFamily(L.COLLECTOR_SLOW_REQUESTS_EXPLAINED,
+                                     "Slow requests the collector explained, by the cause it named.",
+                                     labels=[L.LABEL_CAUSE])
         if snap is not None:
             for (model, priority), series in snap.requests.items():
                 for key in ("ttft", "tpot", "e2e", "queue"):
@@ -152,8 +155,13 @@ class AggregatorCollector:
                 evicted.add_metric([family], n)
             for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
+            counted = self._aggregator.slow_request_causes()
+            for cause, n in (counted or {}).items():
+                causes.add_metric([cause], n)
         yield from fams.values()
         yield from (requests_total, kernel, step, overflow, evicted, dropped)
+        if snap is None or counted is not None:
+            yield causes
 
 
 OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")
@@ -162,4 +170,4 @@ EVICTED_FAMILIES = ("request", "kernel", "sm_cta")
 # start (tests/collector/test_counting.py checks the list against every reason in the code).
 DROP_REASONS = ("malformed_span", "span_out_of_range", "malformed_point", "explicit_bucket_histogram", "unsupported_metric_type",
                 "unknown_metric", "missing_attributes", "late", "sm_series_limit", "cumulative_streams_full",
-                "cumulative_baseline") + POINT_REFUSALS
+                "cumulative_baseline", "wide_launches_unmatched") + POINT_REFUSALS

@@ -21,9 +21,13 @@ from ..instrumentation import semconv as sc
 __all__ = ["DROP_REASONS", "REJECT_REASONS", "SelfMetrics"]
 
 RECEIVERS = (sc.RECEIVER_OTLP_GRPC, sc.RECEIVER_OTLP_HTTP, sc.RECEIVER_ZIPKIN)
-# Why a request was refused: timeout is a body or headers too slow, client_disconnected a
-# client gone mid-body, too_many_connections the HTTP connection cap, internal_error a 500
-# / INTERNAL (a bug, logged rate-limited).
+# Why a request (or a connection) was refused: timeout is headers, a body, a gRPC message or
+# handshake too slow; client_disconnected a client gone mid-body; too_many_connections a
+# full listener; internal_error a 500 / INTERNAL (a bug, logged rate-limited). gRPC also:
+# no_message a call ended without its message, cancelled a call the client reset (or left)
+# before its answer, too_many_streams the per-connection or per-peer call cap, rapid_reset a
+# connection closed for resetting or opening refused streams too fast, protocol_error an
+# HTTP/2 violation or flood of frames that carry no request.
 REJECT_REASONS = (
     "malformed",
     "too_large",
@@ -35,6 +39,12 @@ REJECT_REASONS = (
     "client_disconnected",
     "too_many_connections",
     "internal_error",
+    # gRPC transport
+    "no_message",
+    "cancelled",
+    "too_many_streams",
+    "rapid_reset",
+    "protocol_error",
 )
 # duplicate: a span acknowledged as a repeat of one already admitted (an exporter's retry)
 DROP_REASONS = ("aggregator_error", "shutdown_timeout", "duplicate")

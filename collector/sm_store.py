@@ -30,6 +30,7 @@ import numpy as np
 from ..instrumentation import semconv as sc
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig
+from .contention import ContendedSm, SlotContention, assess, contended_sms
 from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
                           resource_instance)
 from .sm_blocks import SmBlock
@@ -77,6 +78,8 @@ class BlockSnapshot(NamedTuple):
     p99_s: np.ndarray | None  # per SM over the gauge window (NaN: no CTAs)
     classic: ClassicHistogram | None  # all SMs together, since the start
     classic_sm: list[ClassicHistogram] | None  # per SM (opt-in)
+    # SMs the contention tests flagged in any slot of the gauge window (collector/contention.py)
+    contended: dict[str, ContendedSm] | None = None
 
     @property
     def current(self) -> bool:
@@ -93,12 +96,13 @@ def _exemplar(cell) -> Exemplar | None:
 
 
 class _Gpu:
-    __slots__ = ("index", "blocks", "series")
+    __slots__ = ("index", "blocks", "series", "sm_count")
 
     def __init__(self, index: str) -> None:
         self.index = index  # gpu.id
         self.blocks: OrderedDict[str, SmBlock] = OrderedDict()  # kernel -> block, in admission order
         self.series = 0
+        self.sm_count = 0  # as its producer declares it (METRIC_CTA_WIDE), 0 when not
 
 
 class SmStore:
@@ -135,10 +139,14 @@ class SmStore:
             self.expire(now)
         drops: dict[str, int] = {}
         streams = []
+        wide = []  # (instance, gpu, kernel, SM count, CTAs, time) of wide-launch sums
         for rm in request.resource_metrics:
             instance = resource_instance(rm.resource)
             for scope in rm.scope_metrics:
                 for metric in scope.metrics:
+                    if metric.name == sc.METRIC_CTA_WIDE:
+                        wide += self._read_wide(instance, metric, now, drops)
+                        continue
                     if metric.name != sc.METRIC_CTA_DURATION:
                         _count(drops, "unknown_metric", points_in(metric))
                         continue
@@ -186,7 +194,33 @@ class SmStore:
                     time.sleep(0)  # as in snapshot: Python's lock is not fair to a waiting query
                 with self._lock:
                     block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
+            if wide:  # after the merges: a sum belongs to the slot its export's CTAs opened
+                with self._lock:
+                    for instance, gpu, kernel, sm_count, ctas, t in wide:
+                        g = self._gpus.get(GpuKey(instance, gpu))
+                        block = g.blocks.get(kernel) if g is not None else None
+                        if block is None or not block.add_wide(self._wc.epoch(t), ctas):
+                            self._drop("wide_launches_unmatched")
+                            continue
+                        g.sm_count = max(g.sm_count, sm_count)
         return taken
+
+    def _read_wide(self, instance: str, metric, now: float, drops: dict[str, int]) -> list[tuple]:
+        """The points of a ``METRIC_CTA_WIDE`` sum (delta only: each point a slot's share)."""
+        if metric.WhichOneof("data") != "sum" or metric.sum.aggregation_temporality == _CUMULATIVE:
+            _count(drops, "unsupported_metric_type", points_in(metric))
+            return []
+        out = []
+        for point in metric.sum.data_points:
+            attrs = {kv.key: label(kv.value) for kv in point.attributes}
+            kernel, sm_count = attrs.get(sc.ATTR_KERNEL_NAME), attrs.get(sc.ATTR_GPU_SM_COUNT, "")
+            value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+            if kernel is None or not sm_count.isdigit() or not 0 <= value < 2**53 or value != int(value):
+                _count(drops, "malformed_point")
+                continue
+            gpu = attrs.get(sc.ATTR_GPU_UUID) or attrs.get(sc.ATTR_GPU_ID) or "0"
+            out.append((instance, gpu, kernel, int(sm_count), int(value), clamped_time_s(point.time_unix_nano, now)))
+        return out
 
     def _read(self, point, now: float, drops: dict[str, int]) -> tuple | None:
         """The point's identity, histogram, time and slowest exemplar (None: refused, counted
@@ -419,13 +453,45 @@ class SmStore:
         return out
 
     def slot_cells(self, key: SmKey, now_s: float, last_s: float):
-        """``(sms, scale, [(epoch, p99, count, exemplars)])`` per slot (see ``SmBlock.slot_cells``)."""
+        """``(sms, scale, [(epoch, p99, count, exemplars, evidence)])`` per slot (see
+        ``SmBlock.slot_cells``)."""
         with self._lock:
             block = self._block(key)
             if block is None:
                 return [], self._wc.initial_scale, []
-            cells = [(e, p.copy(), c.copy(), x.copy()) for e, p, c, x in block.slot_cells(*self._epochs(now_s, last_s))]
+            cells = [(e, p.copy(), c.copy(), x.copy(), ev)
+                     for e, p, c, x, ev in block.slot_cells(*self._epochs(now_s, last_s))]
             return list(block.sms), block.scale, cells
+
+    def num_sms(self, key: GpuKey) -> int:
+        """The GPU's SM count: as its producer declares it, else as its data shows it (one
+        more than the largest numeric SM id any of its kernels ran on, at least the SMs
+        seen); 0 when none is known."""
+        with self._lock:
+            return self._num_sms(key)
+
+    def _num_sms(self, key: GpuKey) -> int:
+        gpu = self._gpus.get(key)
+        if gpu is None:
+            return 0
+        found = gpu.sm_count
+        for block in gpu.blocks.values():
+            ids = [int(sm) for sm in block.sms if sm.isdigit()]
+            found = max(found, len(block.sms), (max(ids) + 1) if ids else 0)
+        return found
+
+    def contention(self, key: SmKey, now_s: float, last_s: float) -> list[tuple[int, SlotContention]]:
+        """The contention tests of each slot of the last ``last_s`` with CTAs of ``key``,
+        oldest first (collector/contention.py)."""
+        with self._lock:
+            block = self._block(key)
+            if block is None:
+                return []
+            num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
+            slots = block.slot_evidence(*self._epochs(now_s, last_s))
+            sms = list(block.sms)
+        config = self.config.contention
+        return [(epoch, assess(sms, evidence, num_sms, config)) for epoch, evidence in slots]
 
     def slot_histograms(self, key: SmKey, now_s: float, last_s: float) -> dict[str, list[tuple]]:
         """Per SM: ``(epoch, histogram, slowest exemplar)`` of each full-resolution slot."""
@@ -477,10 +543,18 @@ class SmStore:
                 if known.get(key) == stamp:
                     out.append(BlockSnapshot(key, index, stamp, None, None, None, None))
                     continue
+                num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
+                evidence = [ev for _, ev in block.slot_evidence(first, last)]
                 out.append(BlockSnapshot(key, index, stamp, list(block.sms), block.p99(first, last),
                                          block.classic.copy(),
-                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None))
-        return out
+                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None,
+                                         (num_sms, evidence)))
+        config = self.config.contention
+        # the tests run outside the lock, on what was read under it (evidence is never changed
+        # in place: a write replaces it)
+        return [snap._replace(contended=contended_sms([assess(snap.sms, ev, snap.contended[0], config)
+                                                       for ev in snap.contended[1]]))
+                if snap.current else snap for snap in out]
 
     def counts(self) -> dict[str, int]:
         with self._lock:

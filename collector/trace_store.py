@@ -207,6 +207,10 @@ class TraceStore:
                 return None
         return self._traces.get(trace_id)
 
+    def traces(self) -> list[Trace]:
+        """Every indexed trace, oldest first (a copy of the list; the traces are the store's)."""
+        return list(self._traces.values())
+
     def request_roots(self) -> list[StoredSpan]:
         return [t.request_root for t in self._traces.values() if t.request_root is not None]
 

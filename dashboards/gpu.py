@@ -78,6 +78,17 @@ def spec() -> DashboardSpec:
                                fmt="table", instant=True),),
             ),
             PanelSpec(
+                title="Contended SMs",
+                unit="short",
+                description="SMs the collector's contention tests flagged in the gauge window: slow (more CTAs "
+                "above the other SMs' P90 than chance allows) or starved (fewer CTAs than their share).",
+                queries=(
+                    Query(q.sum_by(_GPU_KERNEL + (sc.LABEL_REASON,),
+                                   q.selector(sc.COLLECTOR_SM_CONTENDED, regex=_GPU_KERNEL)),
+                          "{{reason}} gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+            PanelSpec(
                 title="SM hotspot ratio",
                 unit="short",
                 description="Slowest SM's CTA P99 over the median SM's, per kernel (1 = balanced).",

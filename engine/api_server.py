@@ -5,14 +5,14 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
 token even when its text is empty, the chat role on the first, usage at the end
 (``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
-It reads nothing of the engine but its client (``core_client``): the core's ``Ready``,
-``Phase`` records and per-step stats. Tokenization runs on a thread pool.
+It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
+handshake, its start-up ``Phase`` records and per-step stats. Tokenization runs on a thread pool.
 
 Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
-(starting, draining, engine core gone), 500 (engine failure); the process serves on.
-``/live`` is 200 at once, ``/health`` 503 ``{"status": "starting", "phase", "elapsed_s",
-"phases_done"}`` until the core is warm and ready. A client that disconnects is aborted.
-SIGTERM: new requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
+(starting, draining, core gone), 500; the process serves on. ``/live`` is 200 at once, ``/health`` 503
+``{"status": "starting", "phase", "elapsed_s", "phases_done"}`` until the core is warm and
+ready. A client that disconnects has its request aborted. SIGTERM: new requests get 503,
+in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations

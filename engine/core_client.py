@@ -1,18 +1,18 @@
 """What an API server talks to: the engine core in this process, or in another one over ZMQ.
 
-One interface: ``ready`` (the core's ``Ready``, None until it came), ``phase`` and
-``progress()`` (start-up: phase, time so far, phases done), ``stats`` (the latest step's),
-``dead`` (why the core is gone, or None), ``num_live``, ``add_request(...) -> RequestStream``
-(raises ``QueueFullError``, ``EngineStoppedError``, ``EngineDeadError`` or ``ValueError``),
-``abort``, ``call`` (a utility record), ``stop_accepting`` and ``shutdown``.
+Both clients have one interface: ``ready`` (the core's ``Ready`` handshake, None until it
+came), ``phase`` and ``progress()`` (start-up: the phase running, the time so far, the phases
+done), ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
+``num_live``, ``add_request(...) -> RequestStream`` (raises ``QueueFullError``,
+``EngineStoppedError``, ``EngineDeadError`` or ``ValueError``), ``abort``, ``call`` (a
+utility record), ``stop_accepting`` and ``shutdown``.
 
-* ``InProcessClient``: an ``LLMEngine`` and its loop thread (tests, embedded use), attached
-  once built, so that HTTP is served while it starts.
+* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use).
 * ``MPClient``: a DEALER socket to the core process's ROUTER (msgpack records, asyncio).
   Text, stop strings and request metrics run here (``OutputProcessor``, on the event loop).
-  A full queue is refused here, no round trip (the bound from ``Ready``, the waiting count
-  from each step, requests sent but not taken). The core's death is EOF on a pipe only it
-  holds open: live streams end with an error at once, later requests get ``EngineDeadError``.
+  A full queue is refused here, without a round trip (the bound in ``Ready``, the waiting
+  count with every step, plus the requests sent and not yet taken). The core's death shows as EOF on a pipe only the core holds open: every live
+  stream ends with an error at once, later requests get ``EngineDeadError``.
 """
 
 from __future__ import annotations

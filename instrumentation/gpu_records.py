@@ -50,6 +50,10 @@ class CtaHistograms(NamedTuple):
     exemplars: dict[tuple[int, int, str], Any]
     start_ns: int
     end_ns: int
+    # per (gpu, kernel): (CTAs of launches wide enough to cover every SM, all CTAs), and the
+    # GPU's SM count (semconv.METRIC_CTA_WIDE); None from producers that do not count them
+    launch_mix: dict[tuple[int, str], tuple[int, int]] | None = None
+    num_sms: int | None = None
 
 
 class GpuIdentity(NamedTuple):

@@ -664,10 +664,11 @@ class GpuTelemetry:
         import torch
         with torch.cuda.stream(self._side):
             hists, exemplars = self.histograms.take()
+        mix = self.histograms.take_launch_mix()
         now = time.time_ns()
         start, self._interval_start_ns = self._interval_start_ns, now
         if hists:
-            self.recorder.record(CtaHistograms(hists, exemplars, start, now))
+            self.recorder.record(CtaHistograms(hists, exemplars, start, now, mix, self.histograms.num_sms))
             self.stats.histogram_exports += 1
 
 

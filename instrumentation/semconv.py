@@ -118,6 +118,8 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
+# kernels compiled (Triton JIT, graph captures) while the step ran: a compile while serving
+STEP_JIT_COMPILES = "sightline.step.jit_compiles"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 # on a step whose launches met kernel variants for the first time in the process (a compile,
 # a load from the on-disk cache or an autotuning while serving: each one a defect of the
@@ -187,6 +189,13 @@ ATTR_GPU_ID = "gpu.id"  # the GPU's index on its host (every host's first GPU is
 ATTR_GPU_UUID = "gpu.uuid"  # NVML's UUID: the GPU's identity across hosts
 ATTR_SM_ID = "gpu.sm.id"
 ATTR_KERNEL_NAME = "cuda.kernel.name"
+# Sum (delta, per gpu and kernel): CTAs of the launches with at least WIDE_LAUNCH_WAVES times
+# as many CTAs as the GPU has SMs. The block scheduler spreads those over every SM; smaller
+# launches may leave SMs out by its own choice, so only these say what share an SM should get.
+METRIC_CTA_WIDE = "gpu.kernel.cta.wide_launches"
+METRIC_CTA_WIDE_UNIT = "{cta}"
+ATTR_GPU_SM_COUNT = "gpu.sm.count"  # on METRIC_CTA_WIDE points: the GPU's SMs
+WIDE_LAUNCH_WAVES = 2
 
 # ---------------------------------------------------------------------------------
 # Prometheus metrics: the engine's /metrics
@@ -274,6 +283,18 @@ LABEL_PREFIX_CACHE = "prefix_cache"  # a request's prefix cache outcome: hit | m
 PREFIX_CACHE_HIT = "hit"
 PREFIX_CACHE_MISS = "miss"
 LABEL_COMPILE_KIND = "kind"   # compiled | disk_cache | autotune
+LABEL_CAUSE = "cause"
+
+# The cause classes explain names for a slow request (collector/causes.py)
+CAUSE_SM_CONTENTION = "sm_contention"  # another tenant on some SMs
+CAUSE_DEVICE_CONTENTION = "device_contention"  # every SM slower alike (memory bandwidth, clocks)
+CAUSE_HOST_STALL = "host_stall"  # the GPU idle between kernels: the engine's host side was held up
+CAUSE_QUEUEING = "queueing"  # waiting behind other (more urgent) requests
+CAUSE_COMPILE = "compile"  # a kernel compiled while serving
+CAUSE_PREFILL_INTERFERENCE = "prefill_interference"  # its decode steps carried other requests' prefill
+CAUSE_UNKNOWN = "unknown"
+CAUSES = (CAUSE_SM_CONTENTION, CAUSE_DEVICE_CONTENTION, CAUSE_HOST_STALL, CAUSE_QUEUEING, CAUSE_COMPILE,
+          CAUSE_PREFILL_INTERFERENCE, CAUSE_UNKNOWN)
 
 # Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -301,10 +322,22 @@ COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, 
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
 COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # gpu, kernel: the SM with the largest P99
+# gpu, kernel, reason (CONTENTION_REASONS): SMs the contention tests (collector/contention.py)
+# flagged in any slot of the gauge window; 0 when none
+COLLECTOR_SM_CONTENDED = "sightline_sm_contended_sms"
+# gpu, kernel, sm: only SMs flagged then (sparse): the largest contention score of their
+# flagged slots, max(own P90 / other SMs' P90, expected CTAs / own CTAs)
+COLLECTOR_SM_CONTENTION_SCORE = "sightline_sm_contention_score"
+CONTENTION_SLOW = "slow"  # more of its CTAs than chance allows above the other SMs' P90
+CONTENTION_STARVED = "starved"  # fewer CTAs than chance allows against its share of the slot's
+CONTENTION_REASONS = (CONTENTION_SLOW, CONTENTION_STARVED)
 # gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
 COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
 COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name: 1 per kernel
+# counter -> _total, label cause (CAUSES): slow requests the collector explained, by the cause
+# it named (collector/causes.py); each request counted once, when it is first classified
+COLLECTOR_SLOW_REQUESTS_EXPLAINED = "sightline_slow_requests_explained"
 # self-metrics
 COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
 COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver

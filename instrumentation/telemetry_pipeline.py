@@ -11,8 +11,7 @@ Guarantees: the engine never waits for telemetry. A full recorder buffer, a full
 queue or a dead telemetry process drops items and counts them by reason
 (``sightline_telemetry_events_dropped_total``); a dead process is restarted on the same
 producer endpoint (``sightline_telemetry_process_restarts_total``) and the engine serves on.
-The span counters of the telemetry process are mirrored on this pipeline's ``registry``,
-and so are the drops joined producers report (``count_producer_drops``).
+Span counters and joined producers' drops (``count_producer_drops``) are on ``registry``.
 Cost to the engine thread: the recorder's appends; shipping and pickling run on a thread.
 """
 

@@ -95,9 +95,11 @@ def test_sm_series_limit_refuses_counts_series_and_bounds_memory():
     assert sorted(agg.sm_windows("0", "k", last_s=4.0), key=int) == [str(i) for i in range(10)]
     assert agg.sm.refusal(GpuKey("unknown", "0")) == Refusal("max_sm_series", 10, 30)
     # bucket memory: per SM row (capacity 16), full-resolution slots x max_buckets x 4 bytes plus
-    # 4 per-row arrays, and per slot a 56-byte summary (P99, count, exemplar)
+    # 4 per-row arrays, and per slot an 80-byte summary (P99, count, exemplar, contention
+    # evidence) and the slot's wide-launch CTAs
     rows, detail = 16, agg.sm.detail_slots  # 10 rows, in steps of 16
-    assert agg.memory_bytes() <= rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 56 + rows * 8
+    assert agg.memory_bytes() <= (rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 80 + rows * 8
+                                  + wc.num_slots * 8)
 
 
 def test_two_engines_sending_gpu_0_are_two_series():

@@ -177,6 +177,13 @@ def test_trace_by_id_and_api(tmp_path):
             answer = json.loads(resp.read())
         assert answer["threshold_s"] == pytest.approx(0.2)
         assert [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        # the requests that lived in a range: all start at T0 - 5 s; only the 0.3 s one reaches +0.25 s
+        start = T0_S - 5 + 0.25
+        query = f"quantile=0&limit=5&start_unix_s={start}&end_unix_s={start + 0.1}"
+        with urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10) as resp:
+            answer = json.loads(resp.read())
+        assert answer["requests_considered"] == 1 and [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        assert answer["requests"][0]["cause"]["name"] in sc.CAUSES
         with urllib.request.urlopen(server.url(f"/api/v1/explain?trace_id={tid(1, 2).hex()}"), timeout=10) as resp:
             one = json.loads(resp.read())
         assert one["trace_id"] == tid(1, 2).hex() and one["e2e_s"] == pytest.approx(0.2)
@@ -189,6 +196,11 @@ def test_trace_by_id_and_api(tmp_path):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
             assert err.value.code == 400 and "error" in json.loads(err.value.read())
+        for query, param in (("start_unix_s=5", "end_unix_s"), ("end_unix_s=5", "start_unix_s"),
+                             ("start_unix_s=9&end_unix_s=5", "end_unix_s")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
+            assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == param
     finally:
         server.close()
 

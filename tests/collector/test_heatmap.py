@@ -65,6 +65,21 @@ def test_time_sm_values_are_exact(aggregator):
     assert d["hotspot_ratio_by_time"] == [pytest.approx(40 / 10.5, rel=1e-12), pytest.approx(44 / 12, rel=1e-12), None]
 
 
+def test_time_sm_contention_cells_and_contended_sms(aggregator):
+    """SM 3's CTAs (40-44 us) all lie above the other SMs' P90 (10-12 us): slow in both slots;
+    SM 1 ran none of the second slot's 150 CTAs where 37.5 were its share: starved there."""
+    d = hm.time_sm(aggregator.sm, KEY, window_s=30).to_dict()
+    assert d["num_sms"] == 4
+    assert d["contention"] == [[None, None, None], [None, "starved", None], [None, None, None], ["slow", "slow", None]]
+    # scores: own P90 over the others' (exact here: one value per cell), or expected over own CTAs
+    scores = d["contention_score"]
+    assert scores[3][0] == pytest.approx(40 / 11, rel=0.011) and scores[3][1] == pytest.approx(44 / 12, rel=0.011)
+    assert scores[1][1] == 37.5 and scores[0][2] is None
+    assert list(d["contended"]) == ["1", "3"]  # the larger score first
+    assert d["contended"]["1"] == {"sm": "1", "score": 37.5, "reasons": ["starved"], "slots_flagged": 1, "slots": 2}
+    assert d["contended"]["3"]["reasons"] == ["slow"] and d["contended"]["3"]["slots_flagged"] == 2
+
+
 def test_sm_latency_counts_are_exact(aggregator):
     h = hm.sm_latency(aggregator.sm, KEY, window_s=30, max_bins=16)
     edges = np.asarray(h.edges_s)
@@ -88,6 +103,9 @@ def test_png_decodes(aggregator):
         # some pixels carry the viridis extremes (the hottest/coolest cells)
         colours = {c for _, c in image.getcolors(maxcolors=1 << 16)}
         assert hm.colour(1.0) in colours and hm.colour(0.0) in colours
+        # the time x SM view outlines SM 3's slow cells red and SM 1's starved (empty) one blue
+        outlines = {hm._SLOW, hm._STARVED} & colours
+        assert outlines == ({hm._SLOW, hm._STARVED} if fn is hm.time_sm else set())
 
 
 @pytest.fixture
@@ -157,10 +175,16 @@ def test_page_renders_in_headless_chromium(server):
              server.url("/api/v1/heatmap.html?window_s=30")],
             capture_output=True, text=True, timeout=120).stdout
     # the first (gpu 0, fa2_fwd, time_sm) view is drawn: 4 SMs x 3 slots
-    cells = re.findall(r'<rect class="cell"[^>]*>', dom)
+    cells = re.findall(r'<rect class="cell[^"]*"[^>]*>', dom)
     assert len(cells) == 12, dom[-2000:]
     assert sum('data-value="no CTAs' in c for c in cells) == 5  # 4 x 3 minus 7 cells with CTAs
     assert 'data-sm="3"' in dom and "hotspot ratio" in dom
+    # contended cells outlined: SM 3 slow in both slots, SM 1 starved (no CTAs) in the second
+    assert sorted(re.search(r'data-sm="(\d+)"', c).group(1) for c in cells if 'class="cell slow"' in c) == ["3", "3"]
+    [starved] = [c for c in cells if 'class="cell starved"' in c]
+    assert 'data-sm="1"' in starved and "no CTAs" in starved and "contention: starved" in starved
+    assert re.search(r"contended SMs \(red: slow, dashed blue: starved\): SM 1 starved in 1/2 slots "
+                     r"\(score 37.50\), SM 3 slow in 2/2 slots \(score 3.\d\d\)", dom)
     assert '<g id="legend">' in dom and "10.00 us" in dom and "44.00 us" in dom  # legend ends: min, max P99
     ticks = re.findall(r'<text class="axis tick"[^>]*>([^<]*)</text>', dom)  # one per slot: 3 columns
     assert len(ticks) == 3 and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in ticks), ticks

@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from sightline.collector.exposition import metrics_page
 from sightline.collector.gzip_pieces import deflate_piece, gzip_join
-from sightline.collector.hotspot import hotspots, hottest_sm
+from sightline.collector.contention import hotspots, hottest_sm
 from sightline.collector.sm_exposition import SmPage
 from sightline.collector.sm_store import kernel_label
 from sightline.instrumentation import semconv as sc
@@ -32,6 +32,7 @@ TRICKY = 'node "b"\\ 7\nx'  # a quote, a backslash and a newline: all three esca
 LONG = 'void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64, "bf16">, true>'
 TRACE, SPAN = bytes(range(16)), bytes(range(8, 16))
 PER_SM = (sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.COLLECTOR_SM_HOTSPOT_RATIO, sc.COLLECTOR_SM_HOTTEST,
+          sc.COLLECTOR_SM_CONTENDED, sc.COLLECTOR_SM_CONTENTION_SCORE,
           sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, sc.COLLECTOR_GPU_INFO, sc.COLLECTOR_SM_KERNEL_INFO)
 
 
@@ -82,6 +83,13 @@ def _check_page(text: str, families: list) -> None:
     assert _samples(families, sc.COLLECTOR_SM_HOTSPOT_RATIO) == {
         (sc.COLLECTOR_SM_HOTSPOT_RATIO, b): SLOW / FAST for b in by_block}
     assert _samples(families, sc.COLLECTOR_SM_HOTTEST) == {(sc.COLLECTOR_SM_HOTTEST, b): 3.0 for b in by_block}
+    # SM 3's 8 CTAs all above the others' P90: slow (the bound 0.1**8 is under 1e-3 / 4 SMs);
+    # its score is its P90 over theirs (exact: one value each); no SM ran short of its share
+    assert _samples(families, sc.COLLECTOR_SM_CONTENDED) == {
+        (sc.COLLECTOR_SM_CONTENDED, b + (("reason", r),)): float(r == "slow") for b in by_block
+        for r in sc.CONTENTION_REASONS}
+    assert _samples(families, sc.COLLECTOR_SM_CONTENTION_SCORE) == {
+        (sc.COLLECTOR_SM_CONTENTION_SCORE, b + (("sm", "3"),)): SLOW / FAST for b in by_block}
     hist = _samples(families, sc.COLLECTOR_GPU_CTA_DURATION_SECONDS)
     name = sc.COLLECTOR_GPU_CTA_DURATION_SECONDS
     for b in by_block:
