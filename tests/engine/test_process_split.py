@@ -524,9 +524,14 @@ def test_the_startup_trace_and_core_series_across_the_processes():
         assert served.close() == 0   # flushes every process's telemetry
         deadline = time.monotonic() + 30
         while True:
-            with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
-                                        timeout=5) as response:
-                spans = json.loads(response.read()).get("spans", [])
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
+                                            timeout=5) as response:
+                    spans = json.loads(response.read()).get("spans", [])
+            except urllib.error.HTTPError as exc:   # 404 until the first span arrives
+                if exc.code != 404:
+                    raise
+                spans = []
             names = {s["name"] for s in spans}
             if {"detokenize", "decode"} <= names or time.monotonic() > deadline:
                 break

@@ -54,7 +54,7 @@ def test_startup_trace_reaches_the_collector_with_one_span_per_phase():
                                         "--log-level", "WARNING"])
     running = None
     try:
-        wait_for_http(f"http://127.0.0.1:{query}/healthz", process=collector)
+        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=collector)
         telemetry = TelemetryConfig(level="requests", otlp_endpoint=f"http://127.0.0.1:{grpc}",
                                     schedule_delay_s=0.05, metrics_enabled=False)
         running = serve_in_thread(EngineConfig(model="tiny", device="cpu", port=0,
