@@ -408,9 +408,14 @@ def probe(ports: Ports, seconds: float, every_s: float = 0.25, spans: int = 20) 
 
 
 def _summary(values: list[float]) -> str:
+    """median / p99 / max in ms, and how many took over 1 s."""
     if not values:
         return "-"
-    return f"{1e3 * max(values):.0f} / {1e3 * statistics.median(values):.1f}"
+    ordered = sorted(values)
+    p99 = ordered[int(0.99 * (len(ordered) - 1))]
+    over = sum(v > 1.0 for v in ordered)
+    return (f"{1e3 * statistics.median(ordered):.1f} / {1e3 * p99:.0f} / {1e3 * ordered[-1]:.0f}"
+            + (f" ({over} > 1 s)" if over else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -437,7 +442,8 @@ def main(argv: list[str] | None = None) -> None:
                 with hold_attack(name, ports, args.scale) as attack:
                     seen = probe(ports, args.hold_s, args.every_s)
                     facts = _process_facts(process.pid)
-                results[name] = {**seen, **facts, "attack": attack.summary, "refusals": _refusals(ports)}
+                results[name] = {**seen, **facts, "attack": attack.summary, "refusals": _refusals(ports),
+                                 "load_avg_1m": os.getloadavg()[0]}
                 print(name, json.dumps({k: v for k, v in results[name].items() if k != "latencies_s"}),
                       flush=True)
         finally:
@@ -447,17 +453,18 @@ def main(argv: list[str] | None = None) -> None:
                                                           "args": {k: str(v) for k, v in vars(args).items()},
                                                           "results": results}, indent=1))
     lines = [f"# Lockouts: each attack held {args.hold_s:.0f} s against a collector at ulimit -n {args.nofile}",
-             "", f"commit `{git_commit()}`, {utc_now()}, {os.cpu_count()} CPUs (shared); attack counts x{args.scale}; "
-             f"normal clients every {args.every_s} s, each export of 20 spans; latency max / median in ms.", "",
+             "", f"commit `{git_commit()}`, {utc_now()}, {os.cpu_count()} CPUs (shared with other work: the load "
+             "average is the machine's at each attack's end); attack counts x{args.scale}; normal clients every "
+             f"{args.every_s} s, each export of 20 spans; latency median / p99 / max in ms.", "",
              "| attack | OTLP/gRPC export | OTLP/HTTP export | Zipkin export | /healthz | failures | "
-             "collector fds | RSS MiB | what the collector counted (receiver/reason: n) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+             "collector fds | RSS MiB | load | what the collector counted (receiver/reason: n) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, result in results.items():
         lat = result["latencies_s"]
         refusals = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(result["refusals"].items()))
         lines.append(f"| {name} | {_summary(lat['otlp_grpc'])} | {_summary(lat['otlp_http'])} | "
                      f"{_summary(lat['zipkin'])} | {_summary(lat['healthz'])} | {len(result['failures'])} | "
-                     f"{result['fds']} | {result['rss_mib']} | {refusals} |")
+                     f"{result['fds']} | {result['rss_mib']} | {result['load_avg_1m']:.1f} | {refusals} |")
     lines += ["", "Counts are cumulative over the run (the attacks ran in the order listed). What each "
               "attacker saw is in the .json (`attack`)."]
     write_report(args.out, "lockouts", argv, lines)
