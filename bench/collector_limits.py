@@ -499,8 +499,7 @@ def _report(result: dict, args) -> list[str]:
         s = result["memory"]["scrapers"]
         lines += ["", f"Scrapers: {s['cut_by_the_deadline']:.0f} of {s['scrapers']} cut at the collector's write "
                   f"deadline (`sightline_collector_scrapes_cut_total`; {s['ended_by_the_collector']} seen reset by "
-                  f"the readers within {s['seconds']} s), each having read a median {s['median_bytes_read']:,} bytes; "
-                  f"the page rendered once for all of them."]
+                  f"the readers within {s['seconds']} s), each having read a median {s['median_bytes_read']:,} bytes."]
     return lines
 
 

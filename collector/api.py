@@ -138,8 +138,9 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             kind = _choice(request, "kind", _KINDS)
             fmt = _choice(request, "format", _FORMATS)
             window_s = _float(request, "window_s", None, 1e-3, horizon)
-            key = _pick(aggregator.sm, request.query.get("instance_id"), request.query.get("gpu"),
-                        request.query.get("kernel"))
+            # on a thread: it reads every (instance, gpu, kernel) the store holds
+            key = await run(_pick, aggregator.sm, request.query.get("instance_id"), request.query.get("gpu"),
+                            request.query.get("kernel"))
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
 

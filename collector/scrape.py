@@ -102,3 +102,6 @@ class SharedPages:
         for start in range(0, len(body), CHUNK_BYTES):
             # each write waits for the transport to drain: a slice or two buffered per reader
             await response.write(view[start:start + CHUNK_BYTES])
+            # a write the kernel takes at once does not suspend: let the other scrapes (and
+            # /healthz) in between slices, not only between whole pages
+            await asyncio.sleep(0)
