@@ -133,10 +133,12 @@ class EngineServer:
         if not self.started:
             return _json_response({"status": "starting", "phase": client.phase}, 503)
         stats = client.stats
-        return _json_response({"status": "ok", "running": stats.running if stats else 0,
-                               "waiting": stats.waiting if stats else 0,
-                               "api_server": self.index, "pid": os.getpid(),
-                               "core_pid": client.ready.core_pid})
+        body = {"status": "ok", "running": stats.running if stats else 0,
+                "waiting": stats.waiting if stats else 0,
+                "api_server": self.index, "pid": os.getpid(), "core_pid": client.ready.core_pid}
+        if client.ready.tp_worker_pids:
+            body["tp_worker_pids"] = client.ready.tp_worker_pids
+        return _json_response(body)
 
     async def live(self, request: web.Request) -> web.Response:
         return _json_response({"status": "alive"})

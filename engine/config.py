@@ -184,6 +184,10 @@ class EngineConfig:
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # Ranks of tensor parallelism (vLLM's --tensor-parallel-size): 1 runs the model in the
+    # engine core alone; N > 1 splits its heads and MLP columns over the core (rank 0) and
+    # N - 1 worker processes, one GPU each on CUDA (cuda:0..N-1), gloo on the CPU.
+    tensor_parallel_size: int = 1
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
@@ -216,6 +220,7 @@ class EngineConfig:
         check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
+        check_range("tensor_parallel_size", self.tensor_parallel_size, 1, 64, integer=True)
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)

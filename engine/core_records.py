@@ -103,6 +103,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     async_scheduling: bool
     core_pid: int
     telemetry_endpoint: str | None = None   # where API servers join the core's telemetry
+    tp_worker_pids: list[int] = []          # tensor-parallel ranks 1..N-1 (empty: N = 1)
 
 
 class FinalOutput(msgspec.Struct, array_like=True):

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from .config_checks import check_range
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
     from .gpu_telemetry import GpuTelemetry
-    from .lifecycle import Detokenized, LifecycleRecorder, OpenStep, Queued, Step
+    from .lifecycle import Detokenized, LifecycleRecorder, OpenStep, Queued, RankStep, Step
     from .nvml import NvmlCollector
+    from .rank_recorder import RankRecorder
     from .otlp_json_ids import base64_to_hex, convert_ids
     from .sm_probe import (PROBE_OFF, ProbedLaunches, SmProbe, launch_facts, probe_begin,
                            probe_cta_index, probe_end)
@@ -34,7 +35,9 @@ _MODULE_OF = {
     "relative_error": "exphist",
     "GpuTelemetry": "gpu_telemetry",
     "Detokenized": "lifecycle", "LifecycleRecorder": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
+    "RankStep": "lifecycle",
     "NvmlCollector": "nvml",
+    "RankRecorder": "rank_recorder",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
     "PROBE_OFF": "sm_probe", "ProbedLaunches": "sm_probe", "SmProbe": "sm_probe",
     "launch_facts": "sm_probe",

@@ -20,9 +20,11 @@ __all__ = ["build_cta_metrics", "metric_exporters_from", "resource_of"]
 logger = logging.getLogger("sightline.instrumentation.gpu_telemetry")
 
 
-def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource):
+def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource,
+                      gpu_ranks: dict | None = None):
     """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
-    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step)."""
+    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step).
+    ``gpu_ranks``: gpu id -> (tensor-parallel rank, UUID) as the ranks reported them."""
     from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
                                                   ExponentialHistogram,
                                                   ExponentialHistogramDataPoint, Metric,
@@ -40,9 +42,13 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource):
             ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
                                     ex.trace_id))
         attributes = {semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
-        uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
+        rank, uuid = (gpu_ranks or {}).get(gpu, (None, None))
+        if uuid is None:
+            uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
         if uuid:  # the GPU's identity across hosts (gpu.id is only its index on this one)
             attributes[semconv.ATTR_GPU_UUID] = uuid
+        if rank is not None:
+            attributes[semconv.TP_RANK] = rank
         points.append(ExponentialHistogramDataPoint(
             attributes=attributes,
             start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,

@@ -29,7 +29,7 @@ from .config import TelemetryConfig, TraceLevel
 from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
-           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep"]
+           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep", "RankStep"]
 
 
 class RemoteParent(NamedTuple):
@@ -94,6 +94,22 @@ class Step(NamedTuple):
     kv_blocks_total: int
     error_type: str | None = None
     attributes: Mapping[str, Any] | None = None   # e.g. CUDA graph bucket, kernel trace reason
+
+
+class RankStep(NamedTuple):
+    """One tensor-parallel rank's part of step ``step_id``: its forward pass from start to
+    end (Unix ns), of which ``collective_ns`` inside collectives (waiting for the other
+    ranks, and the transfer) and the rest computing; ``collective_calls`` calls of
+    ``collective_bytes`` bytes each."""
+
+    step_id: int
+    rank: int
+    start_ns: int
+    end_ns: int
+    compute_ns: int
+    collective_ns: int
+    collective_calls: int
+    collective_bytes: int
 
 
 class Detokenized(NamedTuple):

@@ -5,7 +5,8 @@ queued (and again when preempted), ``prefill`` when a step first schedules it, `
 when a step finishes its prompt, ``detokenize`` around the engine's final flush. Step spans
 link to the requests they served; prefill/decode spans link back (capped, counted).
 Spans are made by the same :class:`~.tracing.Telemetry` builders the in-process path
-used, with the engine's timestamps and ids, so the span trees are the same.
+used, with the engine's timestamps and ids, so the span trees are the same. A tensor-parallel
+step waits for its ranks' parts before its span ends (:mod:`.rank_steps`).
 
 Guarantee: an event for an unknown request (its start was dropped, or the telemetry
 process restarted) is counted in ``orphan_events`` and ignored; at most
@@ -24,8 +25,9 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 
 from . import semconv as sc
-from .lifecycle import (Detokenized, Queued, RequestAttributes, RequestEnd, RequestStart, Step,
-                        Tokenized)
+from .lifecycle import (Detokenized, Queued, RankStep, RequestAttributes, RequestEnd,
+                        RequestStart, Step, Tokenized)
+from .rank_steps import RankJoin
 from .request_trace import RequestTrace, StepTrace
 
 __all__ = ["SpanAssembler"]
@@ -53,10 +55,11 @@ class SpanAssembler:
         self.orphan_events = 0
         self.evicted_requests = 0
         self.events = 0
+        self.ranks = RankJoin(telemetry)
         self._handlers = {
             RequestStart: self._start, Tokenized: self._tokenized,
             RequestAttributes: self._attributes, Queued: self._queued, Step: self._step,
-            Detokenized: self._detokenized, RequestEnd: self._end,
+            Detokenized: self._detokenized, RequestEnd: self._end, RankStep: self.ranks.add,
         }
 
     def handle(self, events) -> None:
@@ -190,5 +193,10 @@ class SpanAssembler:
         for t in traces:
             if t is not None:
                 t.link_step(step)
-        step.end({sc.ERROR_TYPE: e.error_type} if e.error_type else None, end_time_ns=e.end_ns)
+        end = {sc.ERROR_TYPE: e.error_type} if e.error_type else None
+        size = e.attributes.get(sc.TP_SIZE) if e.attributes else None
+        if size and e.error_type is None:   # its ranks' parts come from other processes
+            self.ranks.hold(e.step_id, step, int(size), e.end_ns, end)
+        else:
+            step.end(end, end_time_ns=e.end_ns)
         return step
