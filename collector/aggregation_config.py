@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["AggregationConfig", "TraceStoreConfig", "WindowConfig"]
+__all__ = ["AggregationConfig", "StragglerConfig", "TraceStoreConfig", "WindowConfig"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,35 @@ class TraceStoreConfig:
 
 
 @dataclass(frozen=True)
+class StragglerConfig:
+    """When a tensor-parallel rank is named the straggler (see :mod:`.stragglers`).
+
+    A step names one when its ranks' collective waits spread by at least
+    ``min_spread_ratio`` of its slowest rank's window and by ``min_spread_s``; a window slot
+    names the rank that at least ``min_slot_share`` of its steps named."""
+
+    min_spread_ratio: float = 0.2
+    min_spread_s: float = 100e-6
+    min_slot_share: float = 0.5
+    max_instances: int = 1_024      # producers with tensor-parallel steps (more: overflow)
+    max_ranks: int = 64
+    max_pending_steps: int = 4_096  # steps whose rank spans have not all come yet
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_spread_ratio <= 10.0:
+            raise ValueError(f"min_spread_ratio={self.min_spread_ratio} is outside [0, 10]")
+        if not 0.0 <= self.min_spread_s <= 60.0:
+            raise ValueError(f"min_spread_s={self.min_spread_s} is outside [0, 60]")
+        if not 0.0 < self.min_slot_share <= 1.0:
+            raise ValueError(f"min_slot_share={self.min_slot_share} is outside (0, 1]")
+        for name, high in (("max_instances", 1_000_000), ("max_ranks", 4096),
+                           ("max_pending_steps", 10_000_000)):
+            value = getattr(self, name)
+            if not 1 <= value <= high:
+                raise ValueError(f"{name}={value} is outside [1, {high}]")
+
+
+@dataclass(frozen=True)
 class AggregationConfig:
     """Limits and windows of the aggregator; every bound is checked on construction."""
 
@@ -99,6 +128,7 @@ class AggregationConfig:
     # of one P99 gauge. Off (the default) leaves the gauges and the per-GPU summaries.
     expose_sm_histograms: bool = False
     trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
 
     def __post_init__(self) -> None:
         if not 0 < self.gauge_window_s <= self.window.horizon_s:

@@ -6,7 +6,9 @@ the exact ``quantile`` of the end-to-end latencies in the trace store, slowest f
 ``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
 An explanation holds the request's phases (``queue``, ``prefill``, ``decode``, the rest of
 e2e as ``other_s``), the ``engine.step`` spans it rode (found through span links in both
-directions) with their slowest kernel spans, and its slowest SM.
+directions) with their slowest kernel spans, and its slowest SM. For a tensor-parallel
+engine, each step's per-rank collective waits and the rank its ranks waited for, and the
+request's straggler: the rank most of its steps named (:mod:`.stragglers`).
 
 Guarantee: explanations only cover what the bounded store still holds: a step evicted
 (or never received, e.g. kernel spans that were not sampled) is absent, never invented.
@@ -20,9 +22,11 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ..instrumentation import semconv as sc
+from .aggregation_config import StragglerConfig
 from .hotspot import hotspots
 from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery, Sources
+from .stragglers import straggler
 from .trace_store import StoredSpan, TraceStore
 
 __all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
@@ -52,6 +56,11 @@ class StepSummary:
     decode_tokens: int | None
     kernels: list[KernelSummary] = field(default_factory=list)
     kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
+    # tensor parallelism: per rank (index = rank), seconds computing and waiting in
+    # collectives, and the rank the others waited for (None: they kept pace)
+    rank_compute_s: list[float] | None = None
+    rank_collective_wait_s: list[float] | None = None
+    straggler_rank: int | None = None
 
 
 @dataclass
@@ -91,6 +100,10 @@ class RequestExplanation:
     steps: list[StepSummary]
     slowest_kernel: KernelSummary | None
     slowest_sm: SlowestSm | None
+    # tensor parallelism: the rank named by the most of its steps that named one, and how
+    # many of its steps did (0 and None without tensor parallelism)
+    straggler_rank: int | None = None
+    straggler_steps: int = 0
 
 
 @dataclass
@@ -142,7 +155,7 @@ def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
         trace = store.get(trace_id)
         if trace is None or trace.request_root is None:
             return None
-        return _explain_one(store, trace.request_root, max_steps, max_kernels)
+        return _explain_one(store, trace.request_root, max_steps, max_kernels, _stragglers(sources))
 
     found = sources.store.read(read)
     if found is None:
@@ -170,7 +183,8 @@ def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
         ranked = sorted(roots, key=e2e_of)
         threshold = e2e_of(ranked[max(1, math.ceil(quantile * len(ranked))) - 1])
         chosen = [r for r in reversed(ranked) if e2e_of(r) >= threshold][:limit]
-        out = [_explain_one(store, root, max_steps, max_kernels) for root in chosen]
+        config = _stragglers(sources)
+        out = [_explain_one(store, root, max_steps, max_kernels, config) for root in chosen]
         return Explanation(quantile, threshold, len(roots), [r for r, _ in out]), out
 
     explanation, requests = sources.store.read(read)
@@ -180,8 +194,27 @@ def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
     return explanation
 
 
-def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
-                 max_kernels: int) -> tuple[RequestExplanation, set[bytes]]:
+def _stragglers(sources) -> StragglerConfig:
+    config = getattr(sources, "config", None)
+    return getattr(config, "stragglers", None) or StragglerConfig()
+
+
+def _rank_figures(attrs: dict, config: StragglerConfig) -> tuple[list | None, list | None, int | None]:
+    """A step span's per-rank compute and collective-wait seconds and its straggler."""
+    compute, wait = attrs.get(sc.STEP_RANK_COMPUTE_S), attrs.get(sc.STEP_RANK_COLLECTIVE_WAIT_S)
+    if not isinstance(wait, list) or not isinstance(compute, list) or len(wait) != len(compute):
+        return None, None, None
+    compute, wait = [float(c) for c in compute], [float(w) for w in wait]
+    rank = straggler(wait, [c + w for c, w in zip(compute, wait)], config)
+
+    def known(values: list[float]) -> list:   # a rank that never reported: None, not NaN
+        return [v if math.isfinite(v) else None for v in values]
+
+    return known(compute), known(wait), rank
+
+
+def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernels: int,
+                 stragglers: StragglerConfig) -> tuple[RequestExplanation, set[bytes]]:
     trace = store.get(root.trace_id)
     spans = trace.spans if trace else [root]
     totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
@@ -212,7 +245,12 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
                                      step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels,
-                                     a.get(sc.STEP_TRACE_REASON)))
+                                     a.get(sc.STEP_TRACE_REASON), *_rank_figures(a, stragglers)))
+    named: dict[int, int] = {}
+    for summary in summaries:
+        if summary.straggler_rank is not None:
+            named[summary.straggler_rank] = named.get(summary.straggler_rank, 0) + 1
+    request_straggler = min(named, key=lambda r: (-named[r], r)) if named else None
     all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
     slowest_kernel = all_kernels[0] if all_kernels else None
     slowest_sm = None
@@ -246,7 +284,8 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
         steps_total=len(summaries), steps=shown, slowest_kernel=slowest_kernel,
-        slowest_sm=slowest_sm), {step.span_id for step in steps}
+        slowest_sm=slowest_sm, straggler_rank=request_straggler,
+        straggler_steps=named.get(request_straggler, 0)), {step.span_id for step in steps}
 
 
 def _steps_of(store: TraceStore, trace_id: bytes, spans: list[StoredSpan]) -> list[StoredSpan]:
