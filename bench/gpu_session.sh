@@ -13,7 +13,8 @@
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
-# argmax, each next to its floor), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
+# argmax, each next to its floor), served (bench.served_throughput: engine serve's output
+# tok/s and TTFT at 1/64/256 streams beside bench.engine_throughput), incident (the neighbour's GPU test, then bench.record_incident: served load with a noisy
 # neighbour on measured SMs, calibrated first, the capture diagnosed after).
 # Results go to $OUT (the device tool's folder) and are copied into bench/results/ by hand,
 # with the commit and device they came from in their names.
@@ -79,6 +80,11 @@ for p in "$@"; do
         part "engine-throughput-$commit" "${ENGINE_LIMIT_S:-300}" python3 -m bench.engine_throughput \
             --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
             --out "$OUT" ${SIGHTLINE_ENGINE_ARGS:-} ;;
+    served)   # engine serve over HTTP beside the offline engine (pyzmq and msgspec wheels in .whl/)
+        # shellcheck disable=SC2086  # the extra flags are meant to split
+        part "served_throughput-$commit" "${SERVED_LIMIT_S:-590}" python3 -m bench.served_throughput \
+            --model "${SIGHTLINE_ENGINE_MODEL:-llama-8b}" --device "${SIGHTLINE_ENGINE_DEVICE:-cuda}" \
+            --offline-repeats "${SERVED_OFFLINE_REPEATS:-2}" --out "$OUT" ${SERVED_ARGS:-} ;;
     incident)
         part "incident-gpu-test-$commit" 60 python3 -m pytest -q -m gpu tests/instrumentation/test_record_incident.py
         part "incident-$commit" "${INCIDENT_LIMIT_S:-310}" python3 -m bench.record_incident --out "$OUT" ;;

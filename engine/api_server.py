@@ -151,8 +151,14 @@ class EngineServer:
         return _json_response({"version": _version()})
 
     async def scrape(self, request: web.Request) -> web.Response:
+        accept = request.headers.get("Accept", "")
+        core_series = []
+        if isinstance(self.client, MPClient) and self.client.dead is None:
+            # the core's telemetry series (drops, restarts, spans exported): asked per scrape
+            with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                core_series.append((await self.client.call("telemetry_metrics", accept))["body"].encode())
         body, content_type = self.metrics.exposition(
-            [getattr(self.telemetry, "registry", None)], accept=request.headers.get("Accept", ""))
+            [getattr(self.telemetry, "registry", None)], accept=accept, encoded=core_series)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:

@@ -110,13 +110,11 @@ def _serve(args: argparse.Namespace) -> int:
                                          cupti_detach=args.cupti_detach,
                                          process_nice=args.telemetry_nice)
     batched_tokens = args.max_num_batched_tokens
+    # the default depends on the GPU: the core process, which owns it, decides (this
+    # supervising process never touches CUDA); the CPU's default until then
+    budget_from_device = batched_tokens is None and args.device != "cpu"
     if batched_tokens is None:
-        if args.device == "cpu":   # without importing torch in this (supervising) process
-            batched_tokens = max(2048, args.max_num_seqs)
-        else:
-            from .model_runner import default_max_num_batched_tokens, resolve_device
-            batched_tokens = max(default_max_num_batched_tokens(resolve_device(args.device)),
-                                 args.max_num_seqs)
+        batched_tokens = max(2048, args.max_num_seqs)
     config = EngineConfig(
         model=args.model, served_model_name=args.served_model_name, device=args.device,
         dtype=args.dtype, seed=args.seed, block_size=args.block_size, kv_cache_gib=args.kv_cache_gib,
@@ -129,4 +127,4 @@ def _serve(args: argparse.Namespace) -> int:
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         telemetry_mode=args.telemetry_mode)
-    return serve(config, args.api_server_count, args.log_level)
+    return serve(config, args.api_server_count, args.log_level, budget_from_device)

@@ -76,9 +76,8 @@ class InProcessClient:
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
-    async def call(self, method: str) -> dict:
-        core = self.engine.core
-        return core.debug_steps() if method == "debug_steps" else core.kv_blocks()
+    async def call(self, method: str, argument: str = "") -> dict:
+        return self.engine.core.utility(method, argument)
 
     def stop_accepting(self) -> None:
         self.engine.stop_accepting()
@@ -181,13 +180,13 @@ class MPClient:
             self._sock.send(encode(Abort(request_id, self.index, stop_at)))
         return None
 
-    async def call(self, method: str, timeout_s: float = 10.0) -> dict:
+    async def call(self, method: str, argument: str = "", timeout_s: float = 10.0) -> dict:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         call_id = next(self._call_ids)
         future = self._calls[call_id] = asyncio.get_running_loop().create_future()
         try:
-            await self._sock.send(encode(UtilityCall(call_id, self.index, method)))
+            await self._sock.send(encode(UtilityCall(call_id, self.index, method, argument)))
             return await asyncio.wait_for(future, timeout_s)
         finally:
             self._calls.pop(call_id, None)

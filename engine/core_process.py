@@ -17,6 +17,7 @@ returns, the process exits 1 a few seconds after the failure all the same.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -85,7 +86,7 @@ class CoreLoop:
                 self._send(batch)
             # work exists but nothing fits yet (all blocks held): wait a little, don't spin
             idle = not (batch.request_ids or batch.finished or core.last_plan_nonempty
-                        or core._in_flight is not None)
+                        or core.step_in_flight)
             timeout = 5 if idle else _IDLE_POLL_MS
             if idle:
                 self._receive(timeout)
@@ -144,10 +145,8 @@ class CoreLoop:
             self.received.setdefault(record.client_index, 0)
             self._send_to(record.client_index, encode(core.ready(os.getpid(), self.telemetry_endpoint)))
         elif kind is UtilityCall:
-            if record.method == "debug_steps":
-                result = core.debug_steps()
-            else:   # with the live requests of each API server
-                result = core.kv_blocks()
+            result = core.utility(record.method, record.argument)
+            if record.method == "kv_blocks":   # with the live requests of each API server
                 by_server = dict.fromkeys(map(str, self.clients), 0)
                 for index in self.client_of.values():
                     by_server[str(index)] = by_server.get(str(index), 0) + 1
@@ -214,10 +213,19 @@ class CoreLoop:
 
 
 def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], core_lifeline,
-             log_level: str = "INFO") -> None:
+             log_level: str = "INFO", budget_from_device: bool = False) -> None:
     """The process's entry point (multiprocessing, spawn). ``core_lifeline``: the write end
-    of the pipe the API servers watch (held open, never written, until this process exits)."""
+    of the pipe the API servers watch (held open, never written, until this process exits);
+    ``budget_from_device``: the step's token budget is the device's default."""
     import zmq
+
+    if budget_from_device:
+        from .model_runner import default_max_num_batched_tokens, resolve_device
+        scheduler = config.scheduler
+        budget = max(default_max_num_batched_tokens(resolve_device(config.device)),
+                     scheduler.max_num_seqs)
+        config = config.replace(scheduler=dataclasses.replace(scheduler,
+                                                              max_num_batched_tokens=budget))
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")

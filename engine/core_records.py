@@ -66,9 +66,13 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True, frozen=True):
+    """A question for the core, answered between steps: its step times, its KV blocks, or
+    its telemetry's Prometheus series (``argument``: the scraper's Accept header)."""
+
     call_id: int
     client_index: int
-    method: Literal["debug_steps", "kv_blocks"]
+    method: Literal["debug_steps", "kv_blocks", "telemetry_metrics"]
+    argument: str = ""
 
 
 class TelemetryEvents(msgspec.Struct, tag="events", array_like=True, frozen=True):

@@ -346,6 +346,11 @@ class EngineCore:
     def last_plan_nonempty(self) -> bool:
         return self._last_plan_nonempty
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A step is launched and not completed (overlapped scheduling)."""
+        return self._in_flight is not None
+
     def _batch(self, out: _Outputs) -> OutputBatch:
         """The iteration's batch: the step it completed (if any) and the queue as it is now."""
         stats = self.queue_stats()
@@ -520,6 +525,21 @@ class EngineCore:
             "gpu_telemetry_worker_cpu_s": stats.worker_cpu_s if stats is not None else 0.0,
             "gpu_telemetry_worker_phases_cpu_s":
                 stats.worker_phases_cpu_s() if stats is not None else {}}
+
+    def utility(self, method: str, argument: str = "") -> dict:
+        """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks`` or ``telemetry_metrics``
+        (this process's telemetry series, in the format the Accept header ``argument`` asks)."""
+        if method == "debug_steps":
+            return self.debug_steps()
+        if method == "kv_blocks":
+            return self.kv_blocks()
+        if method == "telemetry_metrics":
+            registry = getattr(self.telemetry, "registry", None)
+            if registry is None:
+                return {"body": ""}
+            from prometheus_client.exposition import choose_encoder
+            return {"body": choose_encoder(argument)[0](registry).decode()}
+        raise ValueError(f"unknown utility method {method!r}")
 
     def kv_blocks(self) -> dict:
         """Blocks in use and in all, and the requests the core holds."""

@@ -37,8 +37,10 @@ _CORE_STOP_S = 30.0       # how long the core may take to stop once the API serv
 _DEAD_CORE_GRACE_S = 2.0
 
 
-def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "info") -> int:
-    """Runs the processes until SIGTERM/SIGINT or a death; returns the exit code."""
+def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "info",
+          budget_from_device: bool = False) -> int:
+    """Runs the processes until SIGTERM/SIGINT or a death; returns the exit code.
+    ``budget_from_device``: the core sets the step's token budget from its device's memory."""
     if not 1 <= api_server_count <= 256:
         raise ValueError(f"api_server_count={api_server_count} is outside [1, 256]")
     from .api_server import run_api_server
@@ -53,7 +55,7 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
     server_pipes = [ctx.Pipe(duplex=False) for _ in range(api_server_count)]
     core = ctx.Process(target=run_core, name="sightline-engine-core", args=(
         config, address, {i: watch for i, (watch, _) in enumerate(server_pipes)}, core_alive,
-        log_level))
+        log_level, budget_from_device))
     core.start()
     core_alive.close()
     for watch, _ in server_pipes:

@@ -208,7 +208,7 @@ class LLMEngine:
                 loop.call_soon_threadsafe(deliver, batch)
             except RuntimeError:  # the server's loop closed under us (shutdown)
                 pass
-        return bool(outputs) or self.core.last_plan_nonempty or self.core._in_flight is not None
+        return bool(outputs) or self.core.last_plan_nonempty or self.core.step_in_flight
 
     def step(self) -> list[tuple[LiveRequest, RequestOutput]]:
         """One iteration on the caller's thread, waited for. Returns the outputs it produced."""

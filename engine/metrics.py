@@ -141,13 +141,15 @@ class EngineMetrics:
         if ttft_s is not None:
             self.ttft.observe(ttft_s, exemplar)
 
-    def exposition(self, extra: Iterable[CollectorRegistry | None] = (),
-                   accept: str = "") -> tuple[bytes, str]:
+    def exposition(self, extra: Iterable[CollectorRegistry | None] = (), accept: str = "",
+                   encoded: Iterable[bytes] = ()) -> tuple[bytes, str]:
         """(body, content type): the registry followed by ``extra`` registries (e.g. the
-        tracer's ``sightline_telemetry_*`` counters), in the format ``accept`` (an HTTP
-        Accept header) prefers: OpenMetrics, with exemplars, or the classic text format."""
+        tracer's ``sightline_telemetry_*`` counters) and ``encoded`` ones (another process's,
+        in the same format), in the format ``accept`` (an HTTP Accept header) prefers:
+        OpenMetrics, with exemplars, or the classic text format."""
         encode, content_type = choose_encoder(accept)
         parts = [encode(r) for r in (_series(self.registry), self.collected, *extra) if r is not None]
+        parts += [part for part in encoded if part]
         if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
             parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
         return b"".join(parts), content_type

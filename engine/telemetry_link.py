@@ -16,9 +16,8 @@ import itertools
 import pickle
 from collections.abc import Callable
 
-from ..instrumentation import TelemetryConfig, TelemetryPipeline, TraceLevel
-from ..instrumentation.event_wire import from_wire, to_wire
-from ..instrumentation.lifecycle import LifecycleRecorder
+from ..instrumentation import (LifecycleRecorder, TelemetryConfig, TelemetryPipeline, TraceLevel,
+                               from_wire, to_wire)
 from .config import EngineConfig
 
 __all__ = ["ForwardedTelemetry", "start_core_pipeline", "join_pipeline", "record_forwarded"]

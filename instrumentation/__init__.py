@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from .capture import META_SIGNAL, read_capture, read_capture_meta
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
+    from .event_wire import from_wire, to_wire
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
     from .gpu_telemetry import GpuTelemetry
     from .lifecycle import Detokenized, LifecycleRecorder, OpenStep, Queued, RankStep, Step
@@ -31,6 +32,7 @@ _MODULE_OF = {
     "read_capture": "capture", "read_capture_meta": "capture", "META_SIGNAL": "capture",
     "TelemetryConfig": "config", "TraceLevel": "config",
     "check_range": "config_checks",
+    "from_wire": "event_wire", "to_wire": "event_wire",
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
     "relative_error": "exphist",
     "GpuTelemetry": "gpu_telemetry",

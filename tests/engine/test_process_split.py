@@ -347,6 +347,7 @@ def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
         assert served.close() == 0
 
 
+@pytest.mark.slow
 def test_one_trace_across_the_processes():
     """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
     decode and the steps by the core: one trace, joined in the core's telemetry and read
@@ -367,6 +368,10 @@ def test_one_trace_across_the_processes():
         chunks = list(client.completions.create(model=MODEL, prompt="trace", max_tokens=4, stream=True,
                                                 temperature=0, extra_body={"ignore_eos": True}))
         assert len(chunks) == 4
+        # the core's telemetry series, on an API server's /metrics
+        with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+            exposed = response.read().decode()
+        assert f"{sc.TELEMETRY_PROCESS_UP} 1.0" in exposed
         assert served.close() == 0   # flushes every process's telemetry
         deadline = time.monotonic() + 30
         while True:
@@ -394,6 +399,7 @@ def test_one_trace_across_the_processes():
 
 
 # ---- deaths ------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_an_api_server_then_the_core_killed():
     """An API server SIGKILLed: the core aborts its requests, their KV blocks come back, the
     other server serves on. Then the core SIGKILLed mid-load: every stream ends with an
