@@ -152,7 +152,7 @@ class AggregatorCollector:
 
 
 def _straggler_families(producers: dict | None):
-    """Tensor-parallel families: counters per (instance, rank), the last complete slot's
+    """Tensor-parallel families: counters per (instance, rank), the newest complete slot's
     straggler (-1: none named) and share per instance."""
     L = semconv
     inst, rank = L.LABEL_INSTANCE_ID, L.LABEL_RANK
@@ -171,11 +171,11 @@ def _straggler_families(producers: dict | None):
                                "(waiting for the other ranks, and the transfer).",
                                labels=[inst, rank])
     verdict = GaugeMetricFamily(L.COLLECTOR_TP_STRAGGLER_RANK,
-                                "The rank named the straggler of the last complete window slot; "
-                                "-1: the ranks kept pace.", labels=[inst])
+                                "The rank named the straggler by the newest complete window slot "
+                                "with tensor-parallel steps; -1: the ranks kept pace.", labels=[inst])
     share = GaugeMetricFamily(L.COLLECTOR_TP_STRAGGLER_SHARE,
-                              "Share of the last complete slot's steps that named its most "
-                              "named rank.", labels=[inst])
+                              "Share of that slot's steps that named its most named rank.",
+                              labels=[inst])
     for name, p in sorted((producers or {}).items()):
         steps.add_metric([name], p["steps"])
         for r in sorted(p["compute_s"]):

@@ -155,15 +155,16 @@ class StragglerSeries:
         return out
 
     def snapshot(self, now_s: float) -> dict:
-        """For /metrics: per producer its counters, and the verdict of its last complete slot
-        (the one before ``now_s``'s) when that slot has steps."""
-        last = self.window.epoch(now_s) - 1
+        """For /metrics: per producer its counters, and the verdict of its newest complete
+        slot with steps (before ``now_s``'s slot, within the window; None: no such slot)."""
+        current = self.window.epoch(now_s)
         out = {}
         for name, producer in self.producers.items():
             verdict = None
-            slot = producer.slots.get(last)
-            if slot is not None:
-                verdict = slot_straggler(slot[0], slot[1], self.config)
+            complete = [e for e in producer.slots if e < current]
+            if complete:
+                steps, named = producer.slots[max(complete)]
+                verdict = slot_straggler(steps, named, self.config)
             out[name] = {"steps": producer.steps, "named": dict(producer.named),
                          "compute_s": dict(producer.compute_s), "wait_s": dict(producer.wait_s),
                          "last_slot": verdict}

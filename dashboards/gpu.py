@@ -5,7 +5,9 @@ the collector: ``sightline_sm_cta_p99_seconds`` (each SM's CTA-duration P99 over
 last window) drawn as a time x SM heatmap with one row per SM, and the per-SM CTA
 duration buckets drawn as an SM x latency matrix (fraction of that SM's CTAs that
 finished within each bound, so a slow SM is the row whose colors lag). Kernel views
-come from CUPTI kernel spans; memory and CUDA contexts from NVML.
+come from CUPTI kernel spans; memory and CUDA contexts from NVML. Tensor-parallel ranks:
+each rank's compute and collective wait per step, and the rank the others waited for (the
+straggler: the collector's verdict per step and per window slot).
 
 One panel per GPU (Grafana repeats on ``$gpu``) so SM rows of different devices never
 mix.
@@ -139,6 +141,51 @@ def spec() -> DashboardSpec:
                             exemplar=False),
         ),
     )
+    producer, per_rank = (sc.LABEL_INSTANCE_ID,), (sc.LABEL_INSTANCE_ID, sc.LABEL_RANK)
+    tp_steps = q.sum_by(producer, q.rate(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL)))
+
+    def per_step(counter: str) -> str:   # a rank's seconds per step
+        return (f"{q.sum_by(per_rank, q.rate(q.counter(counter)))}\n"
+                f"/ ignoring({sc.LABEL_RANK}) group_left\n{tp_steps}")
+
+    ranks = Row(
+        "Tensor-parallel ranks",
+        (
+            PanelSpec(
+                title="Collective wait per step, by rank",
+                unit="s",
+                width=6,
+                description="Seconds each rank's forward pass spends inside all-reduces per step (after "
+                "the step's first). A rank that keeps the others waiting waits least: the lowest line.",
+                queries=(Query(per_step(sc.COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL),
+                               "{{instance_id}} rank {{rank}}"),),
+            ),
+            PanelSpec(
+                title="Compute per step, by rank",
+                unit="s",
+                width=6,
+                description="Seconds each rank's forward pass spends outside collectives per step.",
+                queries=(Query(per_step(sc.COLLECTOR_TP_COMPUTE_SECONDS_TOTAL),
+                               "{{instance_id}} rank {{rank}}"),),
+            ),
+            PanelSpec(
+                title="Straggler share, by rank",
+                unit="percentunit",
+                width=6,
+                description="Share of the tensor-parallel steps over 5 minutes that named each rank the "
+                "straggler (the rank the others waited for). The alert fires past half.",
+                queries=(Query(q.selector(sc.RULE_TP_STRAGGLER_SHARE), "{{instance_id}} rank {{rank}}"),),
+            ),
+            PanelSpec(
+                title="Straggler of the last window slot",
+                unit="short",
+                width=6,
+                description="The rank the newest complete collector window slot with steps named (-1: the ranks "
+                "kept pace); per slot: the collector's /api/v1/stragglers.",
+                queries=(Query(q.selector(sc.COLLECTOR_TP_STRAGGLER_RANK), "{{instance_id}}"),),
+            ),
+        ),
+    )
     memory = Row(
         "Memory and contexts",
         (
@@ -166,12 +213,13 @@ def spec() -> DashboardSpec:
     return DashboardSpec(
         uid=UID,
         title="Sightline / GPU",
-        description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, GPU memory and contexts.",
+        description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, tensor-parallel "
+        "stragglers, GPU memory and contexts.",
         variables=(
             Variable(sc.LABEL_GPU, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_GPU,
                      also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS), sc.GPU_MEMORY_USED_BYTES)),
             Variable(sc.LABEL_KERNEL, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_KERNEL, depends=(sc.LABEL_GPU,),
                      also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS),)),
         ),
-        rows=(per_sm, kernels, memory),
+        rows=(per_sm, kernels, ranks, memory),
     )

@@ -244,8 +244,8 @@ COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name:
 # tensor parallelism, per producing instance (label instance_id) and rank (label rank):
 # steps whose ranks all reported, the steps that named each rank the straggler (the rank
 # the others waited for), and each rank's compute and collective-wait seconds (counters ->
-# _total); the straggler of the last complete window slot (-1: none) and the share of that
-# slot's steps that named it (gauges).
+# _total); the straggler of the newest complete window slot with steps (-1: none) and the
+# share of that slot's steps that named it (gauges).
 COLLECTOR_TP_STEPS_TOTAL = "sightline_tp_steps"
 COLLECTOR_TP_STRAGGLER_STEPS_TOTAL = "sightline_tp_straggler_steps"
 COLLECTOR_TP_COMPUTE_SECONDS_TOTAL = "sightline_tp_rank_compute_seconds"
