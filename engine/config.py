@@ -65,6 +65,15 @@ class ModelConfig:
         check_range("rope_theta", self.rope_theta, 0.0, 1e12, lo_open=True)
         check_range("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
 
+    def check_shardable(self, size: int) -> None:
+        """Raises ValueError naming the count that ``size`` tensor-parallel ranks cannot
+        split evenly (each rank holds an equal share of the KV heads and MLP columns)."""
+        for name in ("num_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if value % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value} of "
+                                 f"model {self.name!r} (each rank holds an equal part)")
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, per byte of element size."""
@@ -221,6 +230,8 @@ class EngineConfig:
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, 64, integer=True)
+        if self.tensor_parallel_size > 1:
+            resolve_model_config(self.model).check_shardable(self.tensor_parallel_size)
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)

@@ -35,8 +35,7 @@ from .kernels.rmsnorm import rms_norm
 from .kernels.rope import KvStore, rope_
 from .kernels.swiglu import swiglu
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "Shard", "build_model", "check_shardable",
-           "rope_cos_sin"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "Shard", "build_model", "rope_cos_sin"]
 
 
 @dataclass(frozen=True)
@@ -54,15 +53,6 @@ class Shard:
 
 
 _WHOLE = Shard()
-
-
-def check_shardable(config: ModelConfig, size: int) -> None:
-    """Raises ValueError naming the count that ``size`` ranks cannot split evenly."""
-    for name in ("num_kv_heads", "intermediate_size"):
-        value = getattr(config, name)
-        if value % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value} of "
-                             f"model {config.name!r} (each rank holds an equal part)")
 
 
 # Megatron splits of the fused weights, by name suffix: (dim, segments of the unsharded
@@ -389,7 +379,7 @@ def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dt
     ``shard``, this rank's part of them."""
     device = torch.device(device)
     if shard.size > 1:
-        check_shardable(config, shard.size)
+        config.check_shardable(shard.size)
     model = LlamaForCausalLM(config, device, dtype, shard)  # uninitialized memory, filled below
     if config.path:
         _load_hf_weights(model, Path(config.path), device)

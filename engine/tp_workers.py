@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 
 from .config import EngineConfig, resolve_model_config
-from .model import check_shardable
 
 __all__ = ["TpWorkers", "run_step", "run_worker"]
 
@@ -56,11 +55,11 @@ class TpWorkers:
     def start(cls, config: EngineConfig, sink: Callable[[list], None] | None = None,
               log_level: str | None = None) -> TpWorkers:
         """Spawns the workers and joins the group as rank 0. Checks first what would make a
-        worker fail before the rendezvous (the model's split, the GPUs present)."""
+        worker fail before the rendezvous (the GPUs present; the model's split is the
+        config's check)."""
         from .tensor_parallel import TpGroup, tp_device
 
         size = config.tensor_parallel_size
-        check_shardable(resolve_model_config(config.model), size)
         tp_device(config.device, size - 1)     # every rank's GPU exists
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         ctx = multiprocessing.get_context("spawn")
