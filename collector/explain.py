@@ -6,10 +6,9 @@ the exact ``quantile`` of the end-to-end latencies in the trace store, slowest f
 ``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
 An explanation holds the request's phases (``queue``, ``prefill``, ``decode``, the rest of
 e2e as ``other_s``), the ``engine.step`` spans it rode (found through span links in both
-directions) with their slowest kernel spans, and its slowest SM. For a tensor-parallel
-engine, each step's per-rank collective waits and the rank its ranks waited for, and the
-request's straggler: the rank most of its steps named (:mod:`.stragglers`).
-
+directions) with their slowest kernel spans and, under tensor parallelism, per-rank waits
+and straggler (:mod:`.stragglers`; the request's: the rank most of its steps named), and
+its slowest SM.
 Guarantee: explanations only cover what the bounded store still holds: a step evicted
 (or never received, e.g. kernel spans that were not sampled) is absent, never invented.
 Cost: O(spans of the selected requests and their steps) plus one pass over the
@@ -205,7 +204,7 @@ def _rank_figures(attrs: dict, config: StragglerConfig) -> tuple[list | None, li
     if not isinstance(wait, list) or not isinstance(compute, list) or len(wait) != len(compute):
         return None, None, None
     compute, wait = [float(c) for c in compute], [float(w) for w in wait]
-    rank = straggler(wait, [c + w for c, w in zip(compute, wait)], config)
+    rank = straggler(wait, compute, config)
 
     def known(values: list[float]) -> list:   # a rank that never reported: None, not NaN
         return [v if math.isfinite(v) else None for v in values]

@@ -7,13 +7,12 @@ final figures when it ended (eos, max_tokens, abort, failure). Detokenization an
 strings belong to the caller, which ends a request on a stop string with ``finish_stop``.
 With overlapped scheduling (``EngineConfig.async_scheduling``, on with CUDA) the next step is
 planned and launched before the one on the device is waited for (stand-in tokens,
-``Scheduler.update_pending`` then ``resolve``). Telemetry: Queued and Step events for the
-request keys that come with ``AddRequest``, O(1) appends per step through the recorder
-(a null one when tracing is off). ``add_request`` and ``abort`` may be called from any
-thread; stepping and ``finish_stop`` from one. The scheduler's lock is never held around
-the model. With ``tensor_parallel_size`` N > 1 the core is rank 0 of N (``tp_workers``): a
-worker's death or a failed step fails the group for good (``failed``): every live request
-ends with that error, new ones are refused, and the caller stops the core.
+``Scheduler.update_pending`` then ``resolve``). Telemetry: Queued and Step events, O(1)
+appends per step (a null recorder when tracing is off). ``add_request`` and ``abort`` may
+be called from any thread; stepping and ``finish_stop`` from one; the scheduler's lock is
+never held around the model. Tensor parallelism: the core is rank 0 (``tp_workers``); a
+worker's death or a failed step fails the group for good (``failed``): live requests end
+with that error, new ones are refused, the caller stops the core.
 """
 
 from __future__ import annotations

@@ -3,19 +3,16 @@
 One forward pass serves one engine step: the new tokens of every scheduled sequence are packed
 into a single ``[T]`` batch, prefill chunks first, then one token per decoding sequence. Each
 layer writes its new K/V into the paged cache ``[layers, 2, num_blocks, block_size, Hkv, D]``
-at the slots the runner computed, then attends through ``engine/kernels/attention.py``:
-packed-varlen causal attention for the prefill part, paged attention for the decode part.
-Only the positions that yield a token go through the vocabulary projection. The residual
-stream is carried beside each layer's output so that its add fuses into the next RMSNorm;
+at the slots the runner computed, then attends through ``engine/kernels/attention.py``
+(packed-varlen causal for prefill, paged for decode). Only the positions that yield a token
+go through the vocabulary projection; each layer's residual add fuses into the next RMSNorm;
 RMSNorm, RoPE and SwiGLU run as Triton kernels wherever attention does (``engine/kernels``).
-
-Weights are either random (seeded, created directly on the target device: no host copy of
-the 16 GB of ``llama-8b``) or read from a local HF-style directory's ``*.safetensors``.
-Tensor parallelism (``Shard``): each rank holds its query/KV heads and MLP columns (Megatron
-column / row splits) and sums the attention output and MLP down projections over the ranks;
-its random weights are the slices of the unsharded model's, so greedy tokens do not depend on N.
-Costs: the forward allocates activations ``O(T * hidden)``; no host-device sync happens inside
-(a decode forward can be captured in a CUDA graph: ``engine/cuda_graphs.py``).
+Weights are random (seeded, made on the target device: no host copy of ``llama-8b``'s 16 GB)
+or read from a local HF-style directory's ``*.safetensors``. Tensor parallelism (``Shard``):
+a rank holds its query/KV heads and MLP columns (Megatron column / row splits) and sums the
+attention and MLP outputs over the ranks; its random weights are slices of the unsharded
+model's. Costs: activations ``O(T * hidden)``; no host-device sync inside (a decode forward
+can be captured in a CUDA graph: ``engine/cuda_graphs.py``).
 """
 
 from __future__ import annotations

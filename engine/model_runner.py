@@ -1,22 +1,18 @@
 """Runs one ``StepPlan`` on the model: batch tensors in, one sampled token per finished chunk out.
 
 The runner owns the device state: the model, the paged KV cache tensor
-``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides ``num_blocks`` for the
-scheduler's block manager) and the sampler's generators. On CUDA, decode-only steps replay
-CUDA graphs captured at start-up (``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager``
-turns them off); the others, and every step on the CPU, run eagerly.
-
+``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides the scheduler's
+``num_blocks``) and the sampler's generators. On CUDA, decode-only steps replay CUDA graphs
+captured at start-up (``engine/cuda_graphs.py``; not with ``enforce_eager``). Tensor
+parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each step to
+the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
 non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
-issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
-the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
-``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
-step (``_warmup``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
-sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
-Tensor parallelism (``tp``): this rank's shard of the model and of the KV cache (its KV
-heads); the KV budget is the smallest rank's. Rank 0 (the engine core's runner) sends each
-step to the other ranks before running it (``tp_workers.run_step`` runs it there), samples
-alone and, with overlapped scheduling, broadcasts the sampled ids.
+awaited by ``LaunchedStep.wait``: meanwhile the engine can launch the next step, whose
+unknown inputs are gathered on the device. KV budget: on CUDA, ``gpu_memory_utilization``
+of the device minus what the weights and a full-size step (``_warmup``) use; on the CPU,
+``kv_cache_gib``; capped at what ``max_num_seqs`` sequences of ``max_model_len`` can use,
+at 2**31 elements per layer's K or V, and under tensor parallelism at the smallest rank's.
 """
 
 from __future__ import annotations

@@ -1,18 +1,15 @@
 """Kernel spans of traced steps, built from raw CUPTI buffers and per-CTA probe records.
 
-Runs where spans are assembled (the telemetry process), never on the engine thread. CUPTI
-buffers are decoded in bulk (:mod:`.cupti_records`); kernels join their step by the external
-id the engine pushed around its launches (``step_id + 1``). Once a traced step's records went
-quiet (``settle_s``) or ``max_wait_s`` passed, its spans go out as children of its step span:
-each attention launch (``attention_markers``: our FA2 prefill and paged decode, PyTorch's
-flash kernels) is a ``kernel <name>`` span with launch and per-SM facts; every other kernel
-is one ``kernels <name>`` span per (step, name) with launches, total and max duration, from
-the first launch's start to the last one's end; ``detail="all"`` gives every launch a span.
-Collective kernels (NCCL's) get a span per launch too, with the collective and, for the
-all-reduces of a tensor-parallel step, their bytes; from them the rank's part of the step
-(``RankStep``: from the end of its first all-reduce, which absorbs the ranks' different
-start times, to its last kernel; the time in the later all-reduces is its wait).
-
+Runs where spans are assembled (the telemetry process). CUPTI buffers are decoded in bulk
+(:mod:`.cupti_records`); kernels join their step by the external id the engine pushed
+around its launches (``step_id + 1``). Once a traced step's records went quiet
+(``settle_s``) or ``max_wait_s`` passed, its spans go out as children of its step span:
+each attention launch (``attention_markers``) and each collective (NCCL; an all-reduce of a
+tensor-parallel step with its bytes) is a ``kernel <name>`` span; every other kernel one
+``kernels <name>`` span per (step, name) with launches, total and max duration
+(``detail="all"``: a span each). A rank's part of a tensor-parallel step (``RankStep``) runs
+from its first all-reduce's end (which absorbs the ranks' start skew) to its last kernel;
+its later all-reduces are its wait.
 Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
 known step are counted. Cost: numpy per buffer, Python per emitted span (~100 a step).
 """
