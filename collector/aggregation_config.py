@@ -86,7 +86,7 @@ class StragglerConfig:
     """When a tensor-parallel rank is named the straggler (see :mod:`.stragglers`).
 
     A step names one when its ranks' collective waits spread by at least
-    ``min_spread_ratio`` of its slowest rank's compute time and by ``min_spread_s``; a window
+    ``min_spread_ratio`` of its slowest rank's window and by ``min_spread_s``; a window
     slot names the rank that at least ``min_slot_share`` of its steps named."""
 
     min_spread_ratio: float = 0.2

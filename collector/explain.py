@@ -204,7 +204,7 @@ def _rank_figures(attrs: dict, config: StragglerConfig) -> tuple[list | None, li
     if not isinstance(wait, list) or not isinstance(compute, list) or len(wait) != len(compute):
         return None, None, None
     compute, wait = [float(c) for c in compute], [float(w) for w in wait]
-    rank = straggler(wait, compute, config)
+    rank = straggler(wait, [c + w for c, w in zip(compute, wait)], config)
 
     def known(values: list[float]) -> list:   # a rank that never reported: None, not NaN
         return [v if math.isfinite(v) else None for v in values]

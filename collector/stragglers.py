@@ -1,10 +1,10 @@
 """Which tensor-parallel rank the others waited for: per step, per window slot, per producer.
 
 The ranks leave a collective at about the same moment, so the rank that arrived last waited
-least in it. ``straggler(waits, computes)``: in a step whose ranks' collective waits spread
-by at least ``min_spread_ratio`` of its slowest rank's compute time (not the whole window:
-where transfers dominate, a rank twice as slow to compute still stands out) and by
-``min_spread_s``, the rank with the least wait (the lowest on a tie); else None. ``slot_straggler``: the rank named by at least ``min_slot_share`` of a
+least in it. ``straggler(waits, windows)``: in a step whose ranks' collective waits spread by
+at least ``min_spread_ratio`` of its slowest rank's window (compute + wait: the imbalance
+must cost the step that much, not only the compute) and by ``min_spread_s``, the rank with
+the least wait (the lowest on a tie); else None. ``slot_straggler``: the rank named by at least ``min_slot_share`` of a
 window slot's steps. :class:`StragglerSeries` gathers each step's ranks from its
 ``engine.step.rank`` spans (a step is its own trace: grouped by trace id) per producing
 instance, with per-slot counts over the window and counters for /metrics.
@@ -28,15 +28,15 @@ from .aggregation_config import StragglerConfig, WindowConfig
 __all__ = ["SlotVerdict", "StragglerSeries", "slot_straggler", "straggler"]
 
 
-def straggler(waits: Sequence[float], computes: Sequence[float],
+def straggler(waits: Sequence[float], windows: Sequence[float],
               config: StragglerConfig) -> int | None:
     """The rank the others waited for in one step (see the module docstring), or None.
-    ``waits[r]``, ``computes[r]``: rank r's seconds in collectives, and outside them."""
-    if len(waits) < 2 or not all(map(math.isfinite, (*waits, *computes))):
+    ``waits[r]``, ``windows[r]``: rank r's seconds in collectives, and in its whole window."""
+    if len(waits) < 2 or not all(map(math.isfinite, (*waits, *windows))):
         return None
     least = min(waits)
     spread = max(waits) - least
-    if spread < config.min_spread_s or spread < config.min_spread_ratio * max(computes):
+    if spread < config.min_spread_s or spread < config.min_spread_ratio * max(windows):
         return None
     return list(waits).index(least)
 
@@ -120,7 +120,7 @@ class StragglerSeries:
             producer = self.producers.setdefault(instance, _Producer())
         ranks = range(step.size)
         waits = [step.parts[r][1] for r in ranks]
-        named = straggler(waits, [step.parts[r][0] for r in ranks], self.config)
+        named = straggler(waits, [step.parts[r][0] + step.parts[r][1] for r in ranks], self.config)
         producer.steps += 1
         for r in ranks:
             producer.compute_s[r] = producer.compute_s.get(r, 0.0) + step.parts[r][0]

@@ -1,7 +1,7 @@
 """The straggler rank of tensor-parallel steps, exactly, on hand-built traces.
 
 A step names the rank with the least collective wait when the ranks' waits spread by at
-least ``min_spread_ratio`` of the slowest rank's compute; a window slot names the rank that
+least ``min_spread_ratio`` of the slowest rank's window (compute + wait); a window slot names the rank that
 at least ``min_slot_share`` of its steps named. The collector reads steps from their
 ``engine.step.rank`` spans (lean and full reads alike), per producing instance, and shows
 the verdicts on /metrics, in the query API and in explain.
@@ -25,25 +25,25 @@ from sightline.instrumentation import semconv as sc
 from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_attrs, otlp_span
 from tests.collector.test_heatmap import _Server
 
-CONFIG = StragglerConfig()   # spread >= 0.2 of the slowest compute and >= 100 us; slot share 0.5
+CONFIG = StragglerConfig()   # spread >= 0.2 of the slowest window and >= 100 us; slot share 0.5
 # (compute, wait) per rank of the three kinds of step
 NAMES_1 = ((0.002, 0.003), (0.0045, 0.0005))    # rank 0 waited 2.5 ms for rank 1
 NAMES_0 = ((0.0045, 0.0005), (0.002, 0.003))
-EVEN = ((0.004, 0.001), (0.0042, 0.0008))       # 0.2 ms apart: under 0.2 * 4.2 ms
+EVEN = ((0.004, 0.001), (0.0042, 0.0008))       # 0.2 ms apart: under 0.2 * 5 ms
 
 
 def test_one_step_names_the_rank_the_others_waited_for():
     assert straggler([0.003, 0.0005], [0.005, 0.005], CONFIG) == 1
     assert straggler([0.0005, 0.003], [0.005, 0.005], CONFIG) == 0
     assert straggler([0.001, 0.0008], [0.005, 0.005], CONFIG) is None
-    # the bounds are inclusive: a spread of exactly 0.25 of the slowest compute names the rank
+    # the bounds are inclusive: a spread of exactly 0.25 of the slowest window names the rank
     exact = StragglerConfig(min_spread_ratio=0.25, min_spread_s=0.0)
     assert straggler([0.5, 0.25], [1.0, 1.0], exact) == 1
     assert straggler([0.5, 0.25 + 2**-20], [1.0, 1.0], exact) is None
-    # the absolute floor: 50 us apart is noise however short the step; the slowest compute
+    # the absolute floor: 50 us apart is noise however short the step; the slowest window
     # scales the spread that counts
     assert straggler([60e-6, 10e-6], [100e-6, 100e-6], CONFIG) is None
-    assert straggler([0.003, 0.0005], [0.002, 0.013], CONFIG) is None   # 2.5 ms < 0.2 * 13 ms
+    assert straggler([0.003, 0.0005], [0.005, 0.013], CONFIG) is None   # 2.5 ms < 0.2 * 13 ms
     # three ranks: the least wait; on a tie, the lowest rank; a rank that never reported: none
     assert straggler([0.004, 0.001, 0.001], [0.005] * 3, CONFIG) == 1
     assert straggler([0.004, math.nan, 0.001], [0.005] * 3, CONFIG) is None
