@@ -303,7 +303,9 @@ class KernelSpanBuilder:
         """This rank's part of a traced tensor-parallel step, from its kernels: the window
         from its first all-reduce's end to its last kernel's end (the sampled ids' broadcast
         after the forward pass left out), and its time in the later all-reduces."""
-        reduces = [i for i, op in collectives if op == "all_reduce"]
+        # in start order: a graph replay's kernels share one correlation id
+        reduces = sorted((i for i, op in collectives if op == "all_reduce"),
+                         key=lambda i: int(kernels["start_ns"][i]))
         if not reduces:
             return
         skip = {i for i, op in collectives if op != "all_reduce"}

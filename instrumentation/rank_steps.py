@@ -117,6 +117,6 @@ class RankJoin:
             spans.emit(sc.SPAN_RANK_STEP, spans.child_context(parent), parent, r.start_ns,
                        r.end_ns, attributes)
         attributes = dict(held.end_attributes or {})
-        attributes[sc.STEP_RANK_COMPUTE_S] = compute
-        attributes[sc.STEP_RANK_COLLECTIVE_WAIT_S] = wait
+        attributes[sc.STEP_RANK_COMPUTE_S] = tuple(compute)   # attribute values: immutable
+        attributes[sc.STEP_RANK_COLLECTIVE_WAIT_S] = tuple(wait)
         step.end(attributes, end_time_ns=held.end_ns)
