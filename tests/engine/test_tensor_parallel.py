@@ -5,7 +5,8 @@ prefills, and served through the openai SDK); each rank holds half of the heads 
 KV cache. Served with a real collector, a request's trace reaches its steps' spans, and
 each step span has a child span from each rank with that rank's compute and collective
 wait; the collector counts the steps. A worker SIGKILLed mid-load ends every stream with an
-error naming the rank, and ``engine serve`` exits non-zero.
+error naming the rank, and ``engine serve`` exits non-zero. On a GPU (one is enough), the
+NCCL path, captured in CUDA graphs, gives the plain engine's tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +67,33 @@ def test_two_ranks_give_one_ranks_greedy_tokens_offline():
         two.shutdown()
     assert got == want
     assert worker.exitcode == 0   # stopped when told
+
+
+@pytest.mark.gpu
+def test_the_nccl_path_in_cuda_graphs_gives_the_plain_engines_tokens(tmp_path):
+    """One rank over NCCL: its all-reduces run in every forward pass and inside the captured
+    graphs, each step goes out over the gloo group and the sampled ids are broadcast
+    (overlapped scheduling)."""
+    import torch
+
+    from sightline.engine.model_runner import ModelRunner
+    from sightline.engine.tensor_parallel import TpGroup
+
+    tokenizer = ByteTokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    engine = LLMEngine(EngineConfig(model=MODEL, device="cuda"))
+    assert engine.core.async_scheduling and engine.runner.graphs is not None
+    want = [r.output_token_ids for r in engine.generate(prompts, _sampling(len(prompts)))]
+    group = TpGroup.join(0, 1, f"file://{tmp_path / 'rendezvous'}", torch.device("cuda", 0))
+    try:
+        runner = ModelRunner(engine.config, engine.model_config, None, tp=group)
+        assert runner.num_blocks == engine.kv_cache.num_blocks and runner.graphs.buckets
+        runner.async_ids = True
+        engine.core.runner = runner
+        got = [r.output_token_ids for r in engine.generate(prompts, _sampling(len(prompts)))]
+    finally:
+        group.close()
+    assert got == want
 
 
 # ---- served ----------------------------------------------------------------------------------

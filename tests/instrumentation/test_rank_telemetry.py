@@ -106,3 +106,17 @@ def test_each_ranks_collectives_and_part_of_a_traced_step_exactly():
     summaries = {(s.attributes[sc.TP_RANK], s.attributes[sc.KERNEL_LAUNCHES]) for s in finished
                  if s.name == sc.SPAN_KERNEL_SUMMARY_PREFIX + "gemm_bf16"}
     assert summaries == {(0, 3), (1, 3)}
+
+
+def test_per_sm_histograms_carry_the_rank_and_uuid_their_gpu_reported():
+    from opentelemetry.sdk.resources import Resource
+
+    from sightline.instrumentation import ExpHistogram
+    from sightline.instrumentation.cta_metrics import build_cta_metrics
+
+    h = ExpHistogram(scale=6)
+    h.record(np.array([1e-5, 2e-5]))
+    data = build_cta_metrics({(1, 7, "fa2"): h}, {}, 1, 2, Resource.create({}), {1: (1, "GPU-bbb")})
+    [point] = data.resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
+    assert dict(point.attributes) == {sc.ATTR_GPU_ID: 1, sc.ATTR_SM_ID: 7, sc.ATTR_KERNEL_NAME: "fa2",
+                                      sc.ATTR_GPU_UUID: "GPU-bbb", sc.TP_RANK: 1}
