@@ -39,6 +39,19 @@ def _step_quantiles(title: str, histogram: str, by: str, description: str, exemp
     )
 
 
+def _per_step(counter: str) -> str:
+    """A rank's seconds per tensor-parallel step: its counter's rate over the steps' rate."""
+    per_rank = q.sum_by((sc.LABEL_INSTANCE_ID, sc.LABEL_RANK), q.rate(q.counter(counter)))
+    steps = q.sum_by((sc.LABEL_INSTANCE_ID,), q.rate(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL)))
+    return f"{per_rank}\n/ ignoring({sc.LABEL_RANK}) group_left\n{steps}"
+
+
+def _tp_panel(title: str, unit: str, expr: str, description: str,
+              legend: str = "{{instance_id}} rank {{rank}}") -> PanelSpec:
+    return PanelSpec(title=title, unit=unit, width=6, description=description,
+                     queries=(Query(expr, legend),))
+
+
 def spec() -> DashboardSpec:
     sm_p99 = q.selector(sc.COLLECTOR_SM_CTA_P99_SECONDS, regex=_GPU_KERNEL)
     # all SMs of a GPU together (per-SM buckets are opt-in; the full-resolution heatmap is the API's)
@@ -141,51 +154,20 @@ def spec() -> DashboardSpec:
                             exemplar=False),
         ),
     )
-    producer, per_rank = (sc.LABEL_INSTANCE_ID,), (sc.LABEL_INSTANCE_ID, sc.LABEL_RANK)
-    tp_steps = q.sum_by(producer, q.rate(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL)))
-
-    def per_step(counter: str) -> str:   # a rank's seconds per step
-        return (f"{q.sum_by(per_rank, q.rate(q.counter(counter)))}\n"
-                f"/ ignoring({sc.LABEL_RANK}) group_left\n{tp_steps}")
-
-    ranks = Row(
-        "Tensor-parallel ranks",
-        (
-            PanelSpec(
-                title="Collective wait per step, by rank",
-                unit="s",
-                width=6,
-                description="Seconds each rank's forward pass spends inside all-reduces per step (after "
-                "the step's first). A rank that keeps the others waiting waits least: the lowest line.",
-                queries=(Query(per_step(sc.COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL),
-                               "{{instance_id}} rank {{rank}}"),),
-            ),
-            PanelSpec(
-                title="Compute per step, by rank",
-                unit="s",
-                width=6,
-                description="Seconds each rank's forward pass spends outside collectives per step.",
-                queries=(Query(per_step(sc.COLLECTOR_TP_COMPUTE_SECONDS_TOTAL),
-                               "{{instance_id}} rank {{rank}}"),),
-            ),
-            PanelSpec(
-                title="Straggler share, by rank",
-                unit="percentunit",
-                width=6,
-                description="Share of the tensor-parallel steps over 5 minutes that named each rank the "
-                "straggler (the rank the others waited for). The alert fires past half.",
-                queries=(Query(q.selector(sc.RULE_TP_STRAGGLER_SHARE), "{{instance_id}} rank {{rank}}"),),
-            ),
-            PanelSpec(
-                title="Straggler of the last window slot",
-                unit="short",
-                width=6,
-                description="The rank the newest complete collector window slot with steps named (-1: the ranks "
-                "kept pace); per slot: the collector's /api/v1/stragglers.",
-                queries=(Query(q.selector(sc.COLLECTOR_TP_STRAGGLER_RANK), "{{instance_id}}"),),
-            ),
-        ),
-    )
+    ranks = Row("Tensor-parallel ranks", (
+        _tp_panel("Collective wait per step, by rank", "s",
+                  _per_step(sc.COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL),
+                  "Seconds each rank's forward pass spends inside all-reduces per step (after the "
+                  "step's first). A rank that keeps the others waiting waits least: the lowest line."),
+        _tp_panel("Compute per step, by rank", "s", _per_step(sc.COLLECTOR_TP_COMPUTE_SECONDS_TOTAL),
+                  "Seconds each rank's forward pass spends outside collectives per step."),
+        _tp_panel("Straggler share, by rank", "percentunit", q.selector(sc.RULE_TP_STRAGGLER_SHARE),
+                  "Share of the tensor-parallel steps over 5 minutes that named each rank the "
+                  "straggler (the rank the others waited for). The alert fires past half."),
+        _tp_panel("Straggler of the last window slot", "short", q.selector(sc.COLLECTOR_TP_STRAGGLER_RANK),
+                  "The rank the newest complete collector window slot with steps named (-1: the ranks "
+                  "kept pace); per slot: the collector's /api/v1/stragglers.", legend="{{instance_id}}"),
+    ))
     memory = Row(
         "Memory and contexts",
         (

@@ -83,7 +83,7 @@ class HostStep:
     ids; then, under tensor parallelism, the KV block copies' sources and destinations) and
     the sizes that shape the device batch."""
 
-    flat: torch.Tensor
+    flat: torch.Tensor | None   # None: not received yet (a rank's StepMessage header)
     lengths: tuple[int, ...]
     num_prefill_tokens: int
     max_seqlen_q: int
@@ -467,12 +467,9 @@ class ModelRunner:
         if traced:   # its collective kernels' spans carry their bytes
             step.set_attribute(sc.COLLECTIVE_BYTES, self.collective_bytes(bucket or host.lengths[0]))
         copies, self._copies = self._copies, []
-        tp.send_step(StepMessage(
-            plan.step_id, host.lengths, host.num_prefill_tokens, host.max_seqlen_q,
-            host.max_seqlen_k, host.num_prefill_seqs, host.num_decode_seqs, host.max_blocks,
-            host.gather, bucket, len(copies), traced, probed, self.async_ids, timed,
-            step.trace_id if step is not None else 0, step.span_id if step is not None else 0,
-            host.flat))
+        tp.send_step(StepMessage(plan.step_id, host, bucket, len(copies), traced, probed,
+                                 self.async_ids, timed, step.trace_id if step is not None else 0,
+                                 step.span_id if step is not None else 0))
         if timed:
             tp.begin_timing()
         return timed

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..instrumentation import RankStep
+from .model_runner import HostStep
 
 __all__ = ["StepMessage", "TpGroup", "tp_device"]
 
@@ -61,20 +62,13 @@ def _unsigned(value: int) -> int:
 
 @dataclass
 class StepMessage:
-    """A step as the other ranks receive it: the host batch's sizes and lists
-    (``model_runner.HostStep`` fields), the graph bucket to replay, the KV block copies to
-    make first, and what rank 0 decided about telemetry (trace and probe the step, time it,
-    the step span's ids for the records that point at it)."""
+    """A step as the other ranks receive it: its host batch (``HostStep``: the lists in one
+    tensor, the sizes that shape them; the KV block copies to make first after them), the
+    graph bucket to replay, and what rank 0 decided about telemetry (trace and probe the
+    step, time it; the step span's ids, for the records that point at it)."""
 
     step_id: int
-    lengths: tuple[int, ...]
-    num_prefill_tokens: int
-    max_seqlen_q: int
-    max_seqlen_k: int
-    num_prefill_seqs: int
-    num_decode_seqs: int
-    max_blocks: int
-    gather: bool
+    host: HostStep
     bucket: int | None
     num_copies: int
     traced: bool = False
@@ -83,14 +77,13 @@ class StepMessage:
     timed: bool = False
     trace_id: int = 0
     span_id: int = 0
-    flat: torch.Tensor | None = None  # [sum(lengths) + 2 * num_copies] int64 (host)
 
     def header(self) -> torch.Tensor:
+        h = self.host
         flags = (_FLAG_TRACED * self.traced | _FLAG_PROBED * self.probed
                  | _FLAG_SEND_IDS * self.send_ids | _FLAG_TIMED * self.timed)
-        words = [_OP_STEP, self.step_id, *self.lengths, self.num_prefill_tokens,
-                 self.max_seqlen_q, self.max_seqlen_k, self.num_prefill_seqs,
-                 self.num_decode_seqs, self.max_blocks, int(self.gather),
+        words = [_OP_STEP, self.step_id, *h.lengths, h.num_prefill_tokens, h.max_seqlen_q,
+                 h.max_seqlen_k, h.num_prefill_seqs, h.num_decode_seqs, h.max_blocks, int(h.gather),
                  -1 if self.bucket is None else self.bucket, self.num_copies, flags,
                  _signed(self.trace_id >> 64), _signed(self.trace_id & (2**64 - 1)),
                  _signed(self.span_id)]
@@ -98,18 +91,19 @@ class StepMessage:
 
     @classmethod
     def from_header(cls, words: list[int]) -> StepMessage:
+        """The message without its lists (``host.flat`` None until they come)."""
         lengths = tuple(words[2:2 + NUM_PARTS])
         (n_pre, max_q, max_k, pre_seqs, dec_seqs, max_blocks, gather, bucket, copies, flags,
          trace_hi, trace_lo, span) = words[2 + NUM_PARTS:2 + NUM_PARTS + 13]
-        return cls(words[1], lengths, n_pre, max_q, max_k, pre_seqs, dec_seqs, max_blocks,
-                   bool(gather), None if bucket < 0 else bucket, copies,
+        host = HostStep(None, lengths, n_pre, max_q, max_k, pre_seqs, dec_seqs, max_blocks, bool(gather))
+        return cls(words[1], host, None if bucket < 0 else bucket, copies,
                    bool(flags & _FLAG_TRACED), bool(flags & _FLAG_PROBED),
                    bool(flags & _FLAG_SEND_IDS), bool(flags & _FLAG_TIMED),
                    (_unsigned(trace_hi) << 64) | _unsigned(trace_lo), _unsigned(span))
 
     @property
     def num_sampled(self) -> int:
-        return self.lengths[8]
+        return self.host.lengths[8]
 
 
 class TpGroup:
@@ -173,8 +167,8 @@ class TpGroup:
     # -- step plans (rank 0 sends, the others receive) ----------------------------------------
     def send_step(self, message: StepMessage) -> None:
         dist.broadcast(message.header(), 0, group=self._plans)
-        if message.flat is not None and message.flat.numel():
-            dist.broadcast(message.flat, 0, group=self._plans)
+        if message.host.flat.numel():
+            dist.broadcast(message.host.flat, 0, group=self._plans)
 
     def send_stop(self) -> None:
         words = torch.zeros(HEADER_WORDS, dtype=torch.long)
@@ -189,10 +183,10 @@ class TpGroup:
         if words[0] == _OP_STOP:
             return None
         message = StepMessage.from_header(words)
-        n = sum(message.lengths) + 2 * message.num_copies
-        message.flat = torch.empty(n, dtype=torch.long, pin_memory=self._pin)
+        n = sum(message.host.lengths) + 2 * message.num_copies
+        message.host.flat = torch.empty(n, dtype=torch.long, pin_memory=self._pin)
         if n:
-            dist.broadcast(message.flat, 0, group=self._plans)
+            dist.broadcast(message.host.flat, 0, group=self._plans)
         return message
 
     # -- sampled ids (rank 0 samples once) ------------------------------------------------------

@@ -208,17 +208,12 @@ def run_step(runner, message, previous_ids, record: Callable) -> object:
     import torch
 
     from ..instrumentation import OpenStep
-    from .model_runner import HostStep
 
-    tp = runner.tp
-    flat = message.flat
+    tp, host = runner.tp, message.host
     with torch.inference_mode():
         if message.num_copies:
-            end, n = sum(message.lengths), message.num_copies
+            flat, end, n = host.flat, sum(host.lengths), message.num_copies
             runner.copy_blocks(list(zip(flat[end:end + n].tolist(), flat[end + n:end + 2 * n].tolist())))
-        host = HostStep(flat, message.lengths, message.num_prefill_tokens, message.max_seqlen_q,
-                        message.max_seqlen_k, message.num_prefill_seqs, message.num_decode_seqs,
-                        message.max_blocks, message.gather)
         ids, positions, meta, _ = runner.device_batch(host, previous_ids)
         gpu, step, replayed = runner.gpu_telemetry, None, None
         if gpu is not None:
@@ -240,7 +235,7 @@ def run_step(runner, message, previous_ids, record: Callable) -> object:
             if step is not None:
                 gpu.end_step(step, None, replayed)
         if message.timed:
-            rows = message.bucket or message.lengths[0]
+            rows = message.bucket or host.lengths[0]
             record(tp.end_timing(message.step_id, runner.collective_bytes(rows)))
         if message.send_ids:
             return tp.recv_ids(message.num_sampled) if message.num_sampled else None
