@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def git_commit(*, short: bool = False, dirty_paths: Sequence[str] = ()) -> str:
     """HEAD of the checkout this file is in, or ``$SIGHTLINE_COMMIT`` when set, else "unknown".
 
-    The environment variable wins because the device machine gets a copy of the working
+    The environment variable wins because a GPU machine may get a copy of the working
     tree without ``.git``. With ``dirty_paths``, "-dirty" is appended when any of them
     (paths relative to the repository root) has uncommitted changes.
     """

@@ -236,7 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
                           kv_cache_gib=args.kv_cache_gib, enforce_eager=args.enforce_eager,
                           gpu_memory_utilization=args.gpu_memory_utilization, scheduler=scheduler,
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len,
+                          # every mode and repeat runs the same prompts: a prefix cache would
+                          # turn their prefills into hits and measure something else
+                          enable_prefix_caching=False)
     t0 = time.perf_counter()
     engine = LLMEngine(config)
     load_s = time.perf_counter() - t0

@@ -10,7 +10,7 @@ time x SM heatmaps built and the planted SMs scored against the flagged ones
 the collector's own histogram and replay code; P99s are within the histograms' relative
 error. Cost: two passes over the capture (about 10 s for a 2 MB, 3-minute capture).
 
-    python -m bench.incident_analysis CAPTURE [--json OUT.json] [--threshold 1.5] [--starve-ratio 0.25]
+    python -m bench.incident_analysis CAPTURE [--json OUT.json]
 """
 
 from __future__ import annotations
@@ -28,11 +28,9 @@ from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import read_capture, read_capture_meta
 from sightline.instrumentation.exphist import ExpHistogram
 
-__all__ = ["HOT_THRESHOLD", "STARVE_RATIO", "ExportWindow", "analyse", "evaluate", "export_windows",
+__all__ = ["ExportWindow", "analyse", "evaluate", "export_windows",
            "interval_report", "step_report"]
 
-HOT_THRESHOLD = 1.5  # deploy/demo.py's DemoConfig.hot_sm_threshold
-STARVE_RATIO = 0.25  # an SM that ran under a quarter of the median SM's CTAs in an interval
 _MAX_BUCKETS = 4096
 
 
@@ -198,8 +196,7 @@ def step_report(capture: Path, intervals: list[tuple[int, int]], t0_ns: int, lon
     return out
 
 
-def evaluate(capture: Path, incident: Incident, threshold: float = HOT_THRESHOLD,
-             starve_ratio: float = STARVE_RATIO) -> dict:
+def evaluate(capture: Path, incident: Incident) -> dict:
     """The demo's finding, computed in-process: replay (slot-aligned, as the demo's), heatmaps,
     planted vs flagged SMs."""
     import time
@@ -216,7 +213,7 @@ def evaluate(capture: Path, incident: Incident, threshold: float = HOT_THRESHOLD
     heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
                      gpu_index=e["gpu_index"])
                 for e in aggregator.kernels() if e["source"] == "sm_probe"]
-    findings = find(incident, heatmaps, result.time_map, threshold, starve_ratio)
+    findings = find(incident, heatmaps, result.time_map)
     slowest = explain_slowest(aggregator, 0.99, 3).to_dict()
     return {"findings": [f.to_dict() for f in findings],
             "hotspot_ratio": {h["kernel"]: h["hotspot"]["ratio"] for h in heatmaps},
@@ -227,7 +224,7 @@ def evaluate(capture: Path, incident: Incident, threshold: float = HOT_THRESHOLD
             "exports": result.exports, "spans": result.spans, "data_points": result.data_points}
 
 
-def analyse(capture: Path, threshold: float = HOT_THRESHOLD, starve_ratio: float = STARVE_RATIO) -> dict:
+def analyse(capture: Path) -> dict:
     """Everything above, as one JSON-ready dict; times in seconds from the capture's first export."""
     incident = Incident.from_meta(read_capture_meta(capture))
     if incident is None:
@@ -251,7 +248,7 @@ def analyse(capture: Path, threshold: float = HOT_THRESHOLD, starve_ratio: float
             "planted_sms": len(interval.sms),
             "by_export_window": interval_report(windows, spans, index, set(interval.sms), incident.num_sms, t0_ns)})
     report["steps"] = step_report(capture, spans, t0_ns)
-    report["finding"] = evaluate(capture, incident, threshold, starve_ratio)
+    report["finding"] = evaluate(capture, incident)
     return report
 
 
@@ -270,10 +267,8 @@ def format_report(report: dict) -> str:
         lines.append(f"  steps: {json.dumps(st)}")
     lines.append(f"steps outside: {json.dumps(report['steps']['outside'])}")
     for f in report["finding"]["findings"]:
-        lines.append(f"finding {f['kernel']}: planted {len(f['planted'])}, flagged hot {len(f['flagged'])} "
-                     f"(precision {_f(f['precision'])}, recall {_f(f['recall'])}), starved {len(f['starved'])} "
-                     f"(precision {_f(f['starved_precision'])}, recall {_f(f['starved_recall'])}) "
-                     f"in {f['slots']} slots")
+        lines.append(f"finding {f['kernel']}: planted {len(f['planted'])}, flagged contended {len(f['flagged'])} "
+                     f"(precision {_f(f['precision'])}, recall {_f(f['recall'])}) in {f['slots']} slots")
     return "\n".join(lines)
 
 
@@ -285,10 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("capture", type=Path)
     ap.add_argument("--json", type=Path, default=None, help="also write the whole report here")
-    ap.add_argument("--threshold", type=float, default=HOT_THRESHOLD, help="hot: SM P99 over the median SM's")
-    ap.add_argument("--starve-ratio", type=float, default=STARVE_RATIO, help="starved: SM CTAs over the median SM's")
     args = ap.parse_args(argv)
-    report = analyse(args.capture, args.threshold, args.starve_ratio)
+    report = analyse(args.capture)
     print(format_report(report))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))

@@ -1,17 +1,18 @@
 """What each telemetry level costs an engine served over HTTP, spans going to a collector.
 
-    python -m bench.overhead_http --model llama-8b --device cuda --rounds 12 --out bench/results
+    python -m bench.overhead_http --model llama-8b --device cuda --rounds 12 --concurrency 64 256
 
-One ``sightline collector run``; one freshly started ``sightline engine serve`` per level,
-all serving at once (``--max-model-len`` bounds each KV cache so that they fit on one GPU),
-each on CPUs of its own with ``--pin`` (the load and the collector on the rest). A separate
-load process (``bench.burst_load``) sends each round one burst of ``--concurrency`` streamed
-completions to every server in turn, the order rotating between rounds, so that drift of the
-machine hits every level alike; a warm-up round is discarded. Per level: output tokens/s
-(median of bursts), the ratio to ``off`` paired by round, the engine's step times
-(``/debug/steps``: median, steps over 2x the median), the share of the engine loop its
-thread spent recording telemetry, the engine's and its telemetry process's CPU seconds per
-1,000 output tokens, failures and telemetry drops.
+One ``sightline collector run``; one freshly started ``sightline engine serve`` per level (an
+engine core, its API server(s) and, when tracing, its telemetry process), all serving at
+once (``--max-model-len``, default prompt + output, bounds each KV cache so that they fit on
+one GPU). With ``--pin`` each level's core and API servers get CPUs of their own, the
+telemetry processes share a pool (one level is under load at a time) and the load and the
+collector get the rest. A separate load process (``bench.burst_load``) sends each round one
+burst of ``--concurrency`` streamed completions to every server in turn, the order rotating
+between rounds, so that drift hits every level alike; a warm-up round is discarded. Per
+concurrency and level: output tokens/s (median of bursts), the ratio to ``off`` paired by
+round, the core's step times (``/debug/steps``), its loop's share in telemetry, CPU s per
+1,000 output tokens of core, API servers and telemetry process, failures, telemetry counters.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from sightline.deploy.processes import free_ports
 
-from ._common import ROOT, device_name, git_commit, utc_now, write_json
+from ._common import ROOT, _children, device_name, git_commit, utc_now, write_json
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags
@@ -75,37 +76,88 @@ def _metric(text: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+def concurrencies(args) -> list[int]:
+    """``args.concurrency``: one value or several."""
+    return list(args.concurrency) if isinstance(args.concurrency, (list, tuple)) else [args.concurrency]
+
+
 def start_engine(args, level: str, otlp: str, port: int,
                  cpus: set[int] | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts one engine (on ``cpus``, which its threads and telemetry process inherit); the
-    caller waits for its ``/health`` (engines start in parallel)."""
+    """Starts one ``engine serve`` (on ``cpus``, which its core, API servers and telemetry
+    process inherit); the caller waits for its ``/health`` (engines start in parallel)."""
+    max_model_len = getattr(args, "max_model_len", None) or args.prompt + args.output
     engine = subprocess.Popen(CLI + ["engine", "serve", "--model", args.model, "--device", args.device,
                                      "--port", str(port), "--otlp-endpoint", otlp,
-                                     "--max-model-len", str(args.max_model_len),
-                                     "--max-num-seqs", str(args.concurrency), "--log-level", "warning",
-                                     *args.engine_args, *LEVELS[level]],
+                                     "--max-model-len", str(max_model_len),
+                                     "--max-num-seqs", str(max(concurrencies(args))),
+                                     "--log-level", "warning", *args.engine_args, *LEVELS[level]],
                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     return engine, f"http://127.0.0.1:{port}"
 
 
-def cpu_plan(levels: list[str], cpus: list[int]) -> dict[str, set[int]] | None:
-    """Disjoint CPU sets: one per level, as even as the CPUs allow, and "load" (the load
-    process and the collector) with the rest; None when a set would have fewer than two."""
-    per = len(cpus) // (len(levels) + 1)
-    if per < 2:
+def api_server_count(engine_args: list[str]) -> int:
+    """``--api-server-count`` among the engines' flags (1 when absent)."""
+    for i, flag in enumerate(engine_args):
+        if flag == "--api-server-count" and i + 1 < len(engine_args):
+            return int(engine_args[i + 1])
+        if flag.startswith("--api-server-count="):
+            return int(flag.partition("=")[2])
+    return 1
+
+
+def cpu_plan(levels: list[str], cpus: list[int], per_level: int = 2,
+             telemetry: int = 2) -> dict[str, set[int]] | None:
+    """Disjoint CPU sets: ``per_level`` for each level (its engine core and API servers: one
+    CPU each), "telemetry" (``telemetry`` CPUs every level's telemetry process shares: one
+    level is under load at a time) and "load" (the load process and the collector) with the
+    rest; None when the load would get fewer than two."""
+    used = per_level * len(levels) + telemetry
+    if len(cpus) - used < 2:
         return None
-    plan = {level: set(cpus[i * per:(i + 1) * per]) for i, level in enumerate(levels)}
-    plan["load"] = set(cpus[len(levels) * per:])
+    plan = {level: set(cpus[i * per_level:(i + 1) * per_level]) for i, level in enumerate(levels)}
+    plan["telemetry"] = set(cpus[used - telemetry:used])
+    plan["load"] = set(cpus[used:])
     return plan
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        children = _children(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def telemetry_pids(pid: int) -> list[int]:
+    """The telemetry processes under ``engine serve`` ``pid`` (a child of its engine core)."""
+    found = []
+    for child in _descendants(pid):
+        with contextlib.suppress(OSError):
+            if b"sightline.instrumentation.telemetry_process" in Path(f"/proc/{child}/cmdline").read_bytes():
+                found.append(child)
+    return found
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (its threads started before keep their own
+    affinity otherwise)."""
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), cpus)
+
+
 def load(args, urls: list[str], pids: list[int], rounds: int, seed: int,
-         cpus: set[int] | None = None) -> list[dict]:
+         cpus: set[int] | None = None, concurrency: int | None = None,
+         core_pids: list[int] | None = None) -> list[dict]:
+    concurrency = concurrency or max(concurrencies(args))
     command = [sys.executable, "-m", "bench.burst_load", "--rounds", str(rounds),
-               "--concurrency", str(args.concurrency), "--prompt", str(args.prompt),
+               "--concurrency", str(concurrency), "--prompt", str(args.prompt),
                "--output", str(args.output), "--seed", str(seed)]
     for url, pid in zip(urls, pids):
         command += ["--url", url, "--pid", str(pid)]
+    for core_pid in core_pids or ():
+        command += ["--core-pid", str(core_pid)]
     out = subprocess.run(command, check=True, capture_output=True, text=True, cwd=ROOT,
                          preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -131,6 +183,10 @@ def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
         for level, (engine, url) in engines.items():
             _wait_http(url + "/health", engine, args.start_timeout_s)
             print(f"{level}: serving on {url}", flush=True)
+        if plan and "telemetry" in plan:   # every telemetry process on the shared pool
+            for engine, _ in engines.values():
+                for pid in telemetry_pids(engine.pid):
+                    pin_process(pid, plan["telemetry"])
         yield engines
     finally:
         for engine, _ in engines.values():
@@ -162,8 +218,17 @@ def _per_step_us(before: dict, after: dict, steps: int) -> dict:
             "plain_step": round(1e6 * (total - traced_s - probed_s) / plain, 2)}
 
 
+TELEMETRY_COUNTERS = {            # summary key -> series on /metrics (the core's, once)
+    "telemetry_dropped": "sightline_telemetry_events_dropped_total",
+    "telemetry_held": "sightline_telemetry_events_held_total",
+    "telemetry_orphaned": "sightline_telemetry_events_orphaned_total",
+    "telemetry_restarts": "sightline_telemetry_process_restarts_total",
+}
+
+
 def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float]],
-              metrics: dict[str, str]) -> dict:
+              metrics: dict[str, str], metrics_before: dict[str, str] | None = None) -> dict:
+    """Per level; the telemetry counters are ``metrics`` less ``metrics_before`` (scrapes)."""
     by_round: dict[int, dict[str, float]] = {}
     for b in bursts:
         by_round.setdefault(b["round"], {})[b["level"]] = b["output_tokens"] / b["wall_s"]
@@ -185,21 +250,24 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
             "steps_over_2x_median": sum(1 for d in durations if d > 2 * median_step),
             "steps_over_2x_off_median": sum(1 for d in durations if d > 2 * off_median),
             "engine_cpu_s_per_1k_tokens": 1000 * sum(b["server_cpu_s"] for b in mine) / max(tokens, 1),
+            "api_server_cpu_s_per_1k_tokens":
+                1000 * sum(b.get("api_server_cpu_s", 0.0) for b in mine) / max(tokens, 1),
             "telemetry_cpu_s_per_1k_tokens": 1000 * sum(b["children_cpu_s"] for b in mine) / max(tokens, 1),
             "failed": sum(b["failed"] for b in mine),
-            "telemetry_dropped": _metric(metrics[level], "sightline_telemetry_events_dropped_total"),
-            "telemetry_restarts": _metric(metrics[level], "sightline_telemetry_process_restarts_total"),
         }
+        before = (metrics_before or {}).get(level, "")
+        for key, name in TELEMETRY_COUNTERS.items():
+            summary[level][key] = _metric(metrics[level], name) - _metric(before, name)
     return summary
 
 
 def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
-             "| telemetry CPU s / 1k tok | engine thread in telemetry | µs / untraced step "
-             "| µs / plain, probed step | µs / traced step | CTAs probed / loop s | failed "
-             "| dropped |",
-             "|---" * 16 + "|"]
+             "| API servers CPU s / 1k tok | telemetry CPU s / 1k tok | engine thread in telemetry "
+             "| µs / untraced step | µs / plain, probed step | µs / traced step | CTAs probed / loop s "
+             "| failed | dropped | held | orphaned |",
+             "|---" * 19 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         us = s.get("engine_thread_telemetry_us") or {}
@@ -207,30 +275,73 @@ def format_table(summary: dict) -> str:
             f"| {level} | {s['bursts']} | {s['tokens_per_s_median']:,.0f} | "
             f"{s['ratio_vs_off_paired_median']:.3f} [{lo:.3f}, {hi:.3f}] | {s['median_step_ms']:.2f} | "
             f"{s['steps_over_2x_median']} / {s['steps']} | {s['steps_over_2x_off_median']} | "
-            f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
+            f"{s['engine_cpu_s_per_1k_tokens']:.3f} | {s.get('api_server_cpu_s_per_1k_tokens', 0.0):.3f} | "
+            f"{s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
             f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
             f"{us.get('traced_step')} | {s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
-            f"{s['telemetry_dropped']:.0f} |")
+            f"{s['telemetry_dropped']:.0f} | {s.get('telemetry_held', 0):.0f} | "
+            f"{s.get('telemetry_orphaned', 0):.0f} |")
     return "\n".join(lines)
+
+
+def measure(args, levels: list[str], engines: dict, core_pids: list[int], concurrency: int,
+            load_cpus: set[int] | None) -> tuple[dict, list[dict]]:
+    """``args.rounds`` interleaved rounds at ``concurrency``: (summary per level, bursts)."""
+    urls = [engines[level][1] for level in levels]
+    pids = [engines[level][0].pid for level in levels]
+    before = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
+    scraped = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
+    level_of = {url: level for level, (_, url) in engines.items()}
+    bursts = [{**b, "level": level_of[b["url"]], "concurrency": concurrency}
+              for b in load(args, urls, pids, args.rounds, concurrency, load_cpus, concurrency, core_pids)]
+    after = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
+    time.sleep(1.0)   # the telemetry process reports its counters twice a second
+    metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
+    # the core keeps its last 65,536 step times: far more than a run's steps
+    steps = {level: after[level]["durations_s"][len(before[level]["durations_s"]):] for level in levels}
+    summary = summarize(levels, bursts, steps, metrics, scraped)
+    for level in levels:
+        b, a = before[level], after[level]
+        loop_s = max(a["loop_s"] - b["loop_s"], 1e-9)
+        s = summary[level]
+        s["engine_thread_telemetry_share"] = (a["telemetry_engine_thread_s"]
+                                              - b["telemetry_engine_thread_s"]) / loop_s
+        # per step: the engine thread's telemetry time on untraced steps, and on traced ones
+        s["engine_thread_telemetry_us"] = _per_step_us(b, a, len(steps[level]))
+        s["gpu_worker_phase_cpu_s"] = {   # over all the bursts
+            phase: cpu_s - b["gpu_telemetry_worker_phases_cpu_s"].get(phase, 0.0)
+            for phase, cpu_s in a.get("gpu_telemetry_worker_phases_cpu_s", {}).items()}
+        # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
+        s["ctas_probed_per_loop_s"] = round((a.get("ctas_probed", 0) - b.get("ctas_probed", 0)) / loop_s)
+        s["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * (
+            a["gpu_telemetry_worker_cpu_s"] - b["gpu_telemetry_worker_cpu_s"]) / max(
+            sum(x["output_tokens"] for x in bursts if x["level"] == level), 1)
+    return summary, bursts
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-8b")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--levels", default="off,off-b,steps,kernels,kernels-detached,kernels@0.05",
+    ap.add_argument("--levels", default="off,off-b,requests,steps,kernels",
                     help=f"comma-separated, off first; known: {','.join(LEVELS)}")
-    ap.add_argument("--rounds", type=int, default=12, help="bursts per level")
-    ap.add_argument("--max-model-len", type=int, default=512,
-                    help="per engine: bounds its KV cache, so that every level's engine fits at once")
-    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=12, help="bursts per level and concurrency")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="per engine (default prompt + output): bounds its KV cache, so that "
+                         "every level's engine fits at once")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[64],
+                    help="streams per burst; several values run one after the other on the "
+                         "same engines (max-num-seqs is the largest)")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--start-timeout-s", type=float, default=300.0)
     ap.add_argument("--engine-args", nargs="*", default=[])
     ap.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
-                    help="each engine, and the load with the collector, on CPUs of their own")
+                    help="each level's core and API servers, the telemetry processes, and the "
+                         "load with the collector, on CPUs of their own")
+    ap.add_argument("--telemetry-cpus", type=int, default=2,
+                    help="with --pin: the CPUs every level's telemetry process shares")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     levels = args.levels.split(",")
@@ -239,46 +350,33 @@ def main(argv=None) -> int:
     unknown = [level for level in levels if level not in LEVELS]
     if unknown:
         raise SystemExit(f"--levels: unknown {unknown}; known: {','.join(LEVELS)}")
-    plan = cpu_plan(levels, sorted(os.sched_getaffinity(0))) if args.pin else None
+    plan = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        plan = cpu_plan(levels, cpus, 1 + api_server_count(args.engine_args), args.telemetry_cpus)
+        if plan is None:
+            print(f"--pin: {len(cpus)} CPUs are too few for {len(levels)} levels; not pinned",
+                  file=sys.stderr, flush=True)
+    load_cpus = plan["load"] if plan else None
+    results: dict[int, dict] = {}
+    bursts: list[dict] = []
     with serving(args, levels, plan) as engines:
         urls = [engines[level][1] for level in levels]
         pids = [engines[level][0].pid for level in levels]
-        load_cpus = plan["load"] if plan else None
+        core_pids = [json.loads(_get(url + "/health"))["core_pid"] for url in urls]
         load(args, urls, pids, 1, seed=999, cpus=load_cpus)       # warm-up, discarded
-        before = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
-        level_of = {url: level for level, (_, url) in engines.items()}
-        bursts = [{**b, "level": level_of[b["url"]]} for b in load(args, urls, pids, args.rounds, 0, load_cpus)]
-        after = {level: json.loads(_get(url + "/debug/steps")) for level, (_, url) in engines.items()}
-        steps = {level: after[level]["durations_s"][len(before[level]["durations_s"]):]
-                 for level in levels}
-        in_situ = {level: (after[level]["telemetry_engine_thread_s"]
-                           - before[level]["telemetry_engine_thread_s"])
-                   / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9) for level in levels}
-        # per step: the engine thread's telemetry time on untraced steps, and on traced ones
-        per_step = {level: _per_step_us(before[level], after[level], len(steps[level]))
-                    for level in levels}
-        phases = {level: {phase: cpu_s - before[level]["gpu_telemetry_worker_phases_cpu_s"][phase]
-                          for phase, cpu_s in after[level].get("gpu_telemetry_worker_phases_cpu_s",
-                                                               {}).items()} for level in levels}
-        gpu_worker_cpu = {level: after[level]["gpu_telemetry_worker_cpu_s"]
-                          - before[level]["gpu_telemetry_worker_cpu_s"] for level in levels}
-        metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
-    summary = summarize(levels, bursts, steps, metrics)
-    for level in levels:
-        summary[level]["engine_thread_telemetry_share"] = in_situ[level]
-        summary[level]["engine_thread_telemetry_us"] = per_step[level]
-        summary[level]["gpu_worker_phase_cpu_s"] = phases[level]   # over all the bursts
-        # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
-        summary[level]["ctas_probed_per_loop_s"] = round(
-            (after[level].get("ctas_probed", 0) - before[level].get("ctas_probed", 0))
-            / max(after[level]["loop_s"] - before[level]["loop_s"], 1e-9))
-        summary[level]["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * gpu_worker_cpu[level] / max(
-            sum(b["output_tokens"] for b in bursts if b["level"] == level), 1)
+        for concurrency in concurrencies(args):
+            results[concurrency], mine = measure(args, levels, engines, core_pids, concurrency,
+                                                 load_cpus)
+            bursts += mine
+            print(f"concurrency {concurrency}:\n{format_table(results[concurrency])}", flush=True)
     record = {"bench": "overhead_http", "commit": git_commit(), "device": device_name(args.device),
               "time": utc_now(), "args": vars(args) | {"out": str(args.out)},
               "cpu_plan": {k: sorted(v) for k, v in plan.items()} if plan else None,
-              "summary": summary, "bursts": bursts}
-    print(format_table(summary))
+              "by_concurrency": {str(c): summary for c, summary in results.items()},
+              "bursts": bursts}
+    if len(results) == 1:   # the layout readers of one concurrency's runs know
+        record["summary"] = next(iter(results.values()))
     if args.out is not None:
         write_json(args.out, record)
     return 0

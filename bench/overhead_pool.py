@@ -20,11 +20,15 @@ import sys
 from pathlib import Path
 
 
-def paired_ratios(run: dict) -> dict[str, list[float]]:
-    """Per level: each round's burst tokens/s over ``off``'s burst tokens/s in that round."""
-    rate: dict[int, dict[str, float]] = {}
+def paired_ratios(run: dict, concurrency: int | None = None) -> dict[str, list[float]]:
+    """Per level: each round's burst tokens/s over ``off``'s burst tokens/s in that round
+    (at ``concurrency``, for runs of several; rounds of different ones are never paired)."""
+    rate: dict[tuple, dict[str, float]] = {}
     for burst in run["bursts"]:
-        rate.setdefault(burst["round"], {})[burst["level"]] = burst["output_tokens"] / burst["wall_s"]
+        if concurrency is not None and burst.get("concurrency") != concurrency:
+            continue
+        rate.setdefault((burst.get("concurrency"), burst["round"]), {})[burst["level"]] = (
+            burst["output_tokens"] / burst["wall_s"])
     ratios: dict[str, list[float]] = {}
     for levels in rate.values():
         for level, value in levels.items():
@@ -43,10 +47,10 @@ def median_interval(values: list[float], z: float = 1.96) -> tuple[float, float]
     return ordered[lo], ordered[hi]
 
 
-def pool(runs: list[dict]) -> dict[str, dict]:
+def pool(runs: list[dict], concurrency: int | None = None) -> dict[str, dict]:
     pooled: dict[str, list[float]] = {}
     for run in runs:
-        for level, ratios in paired_ratios(run).items():
+        for level, ratios in paired_ratios(run, concurrency).items():
             pooled.setdefault(level, []).extend(ratios)
     return {level: {"bursts": len(r), "median": statistics.median(r), "interval_95": median_interval(r)}
             for level, r in pooled.items()}
@@ -58,11 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     runs = [json.loads(path.read_text()) for path in args.runs]
     print(f"{len(runs)} runs: " + ", ".join(f"{r['commit'][:8]}" for r in runs))
-    print("| level | paired bursts | median vs off | 95 % interval of the median |")
-    print("|---|---|---|---|")
-    for level, s in pool(runs).items():
-        lo, hi = s["interval_95"]
-        print(f"| {level} | {s['bursts']} | {s['median']:.3f} | [{lo:.3f}, {hi:.3f}] |")
+    found = sorted({b.get("concurrency") for r in runs for b in r["bursts"]}, key=lambda c: c or 0)
+    for concurrency in found:
+        if len(found) > 1:
+            print(f"\nconcurrency {concurrency}:")
+        print("| level | paired bursts | median vs off | 95 % interval of the median |")
+        print("|---|---|---|---|")
+        for level, s in pool(runs, concurrency).items():
+            lo, hi = s["interval_95"]
+            print(f"| {level} | {s['bursts']} | {s['median']:.3f} | [{lo:.3f}, {hi:.3f}] |")
     return 0
 
 

@@ -1,6 +1,6 @@
 """Where each telemetry level's engine spends its CPU under load: py-spy stacks (a diagnosis).
 
-    python -m bench.profile_levels --levels steps,kernels --out "$OUT"
+    python -m bench.profile_levels --levels steps,kernels --out <dir>
 
 Starts one engine per level (bench/overhead_http.py's flags) and a collector, sends bursts
 of streamed completions to each engine in turn from a separate process, and meanwhile

@@ -1,6 +1,6 @@
 """Records a telemetry capture of a real HTTP-served engine run, then checks what it holds.
 
-    python -m bench.record_capture --capture deploy/captures/h200-20261215.jsonl.gz --out "$OUT"
+    python -m bench.record_capture --capture deploy/captures/h200-<date>.jsonl.gz --out <dir>
     python -m bench.record_capture --model tiny --device cpu --requests 8 --out /tmp/rc  # CPU
 
 The engine's own server runs in this process at trace level ``kernels`` (on CUDA: CUPTI
@@ -141,15 +141,18 @@ async def drive(base_url: str, plans: list[PlannedRequest], waves: int) -> tuple
     return records, wall_s
 
 
-def start_server(args: argparse.Namespace, capture: Path):
-    """The engine's HTTP server on a free loopback port, its telemetry written to ``capture``."""
+def start_server(args: argparse.Namespace, capture: Path, otlp_http_endpoint: str | None = None):
+    """The engine's HTTP server on a free loopback port, its telemetry written to ``capture``
+    (and, with ``otlp_http_endpoint``, sent there too as OTLP/HTTP)."""
     from sightline.engine.config import EngineConfig
     from sightline.engine.api_server import serve_in_thread
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.tracing import Telemetry
 
+    export = ({"exporter": "otlp", "otlp_protocol": "http/protobuf", "otlp_endpoint": otlp_http_endpoint}
+              if otlp_http_endpoint else {"exporter": "none"})
     telemetry = Telemetry.start(TelemetryConfig(
-        level="kernels", exporter="none", capture_path=str(capture),
+        level="kernels", capture_path=str(capture), **export,
         kernel_sample_ratio=args.kernel_sample_ratio,
         metric_export_interval_s=getattr(args, "metric_export_interval", 10.0),
         resource_attributes={"host.name": socket.gethostname(),
@@ -207,8 +210,8 @@ def _ms(stats: dict | None) -> str:
 
 
 def default_capture() -> str:
-    """``$OUT/h200-capture.jsonl.gz`` on the device machine (what is under $OUT comes back)."""
-    out = os.environ.get("OUT")
+    """``h200-capture.jsonl.gz`` in ``$RESULTS_DIR`` (where ``gpu_session.sh`` collects results)."""
+    out = os.environ.get("RESULTS_DIR")
     return str(Path(out) / "h200-capture.jsonl.gz") if out else "/tmp/capture.jsonl.gz"
 
 

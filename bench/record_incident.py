@@ -11,7 +11,7 @@ finding is scored and the capture diagnosed in-process (bench/incident_analysis.
 the load, engine start-up, about 20 s of calibration, the replay. Writes the capture and
 ``record_incident-<device>-<commit8>.json`` into ``--out``.
 
-    python -m bench.record_incident --out "$OUT"                     # H200, llama-8b
+    python -m bench.record_incident --out <dir>                     # H200, llama-8b
     TRITON_INTERPRET=1 python -m bench.record_incident --device cpu --model tiny --duration-s 20 --interval 6,12
 """
 
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from ._common import device_name, git_commit, utc_now
-from .incident_analysis import HOT_THRESHOLD, analyse
+from .incident_analysis import analyse
 from .neighbour_calibration import calibrate, choose, parse_variants
 from .noisy_neighbour import NeighbourConfig, NeighbourRun, NoisyNeighbour, parse_sms
 from .record_capture import PlannedRequest, _prompt_text, start_server, stream_one
@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--kernel-sample-ratio", type=float, default=0.02)
     ap.add_argument("--metric-export-interval", type=float, default=2.0, help="seconds between per-SM exports")
     ap.add_argument("--fa2-config", default="64,64,4,3", help="SIGHTLINE_FA2_PREFILL_CONFIG for the engine")
-    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/record_incident")))
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("RESULTS_DIR", "/tmp/record_incident")))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     args = ap.parse_args(argv)
@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{time.time() - wall0:.0f}s] wrote {capture} ({capture.stat().st_size / 1e6:.2f} MB); "
           "checking what Sightline finds in it", flush=True)
     try:
-        report = analyse(capture, HOT_THRESHOLD)
+        report = analyse(capture)
         found = report.pop("finding")
     except Exception as exc:  # keep the record (and the capture) whatever the analysis does
         report, found = {"error": repr(exc)}, {"findings": [], "hotspot_ratio": {}, "columns_with_data": {}}
@@ -275,9 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"record_incident-{device.replace(' ', '-').lower()}-{commit[:8]}.json"
     path.write_text(json.dumps(record, indent=1))
     for f in found["findings"]:
-        print(f"  {f['kernel']}: planted {len(f['planted'])} SMs, flagged hot {len(f['flagged'])} "
-              f"(precision {f['precision']}, recall {f['recall']}), starved {len(f['starved'])} "
-              f"(precision {f['starved_precision']}, recall {f['starved_recall']}) in {f['slots']} slots")
+        print(f"  {f['kernel']}: planted {len(f['planted'])} SMs, flagged contended {len(f['flagged'])} "
+              f"(precision {f['precision']}, recall {f['recall']}) in {f['slots']} slots")
     for n, interval in enumerate(report.get("intervals", []), start=1):
         for cls, body in interval["by_export_window"].items():
             for kernel, k in body["kernels"].items():

@@ -34,6 +34,9 @@ from pathlib import Path
 from ._common import ROOT, git_commit, utc_now, write_json, write_report
 
 _CLIENT_STREAMS = 32   # streams per client process (at most; C / this processes, rounded up)
+# A closed loop's streams start spread over about one request's time, as users arrive: started
+# together, streams of equal lengths would stay in step and every request would meet a burst.
+_STAGGER_S = 0.5
 
 
 # ---- a client process ---------------------------------------------------------------------------
@@ -62,39 +65,85 @@ async def _stream(session, url: str, model: str, prompt: list[int], output: int,
     return {"start": started, "first": first, "end": time.time(), "tokens": tokens, "error": error}
 
 
-async def _client(url: str, model: str, prompts: list[list[int]], output: int, start_at: float) -> list:
+async def _loop(session, url: str, model: str, prompt: list[int], output: int, start_at: float,
+                until: float, rng: random.Random, vocab: int) -> list[dict]:
+    """One stream of a sustained run: a new request as soon as the last one ends, until ``until``;
+    its first one ``start_at`` plus a random share of the stagger (``_STAGGER_S``)."""
+    results = [await _stream(session, url, model, prompt, output, start_at + rng.uniform(0, _STAGGER_S))]
+    while time.time() < until:
+        prompt = [rng.randrange(1, vocab) for _ in range(len(prompt))]
+        results.append(await _stream(session, url, model, prompt, output, 0.0))
+    return results
+
+
+async def _client(url: str, model: str, prompts: list[list[int]], output: int, start_at: float,
+                  until: float | None = None, vocab: int = 0, seed: int = 0) -> list:
     import aiohttp
 
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        return await asyncio.gather(*(_stream(session, url, model, p, output, start_at) for p in prompts))
+        if until is None:
+            return await asyncio.gather(*(_stream(session, url, model, p, output, start_at) for p in prompts))
+        loops = await asyncio.gather(*(_loop(session, url, model, p, output, start_at, until,
+                                             random.Random(seed * 1000 + i), vocab)
+                                       for i, p in enumerate(prompts)))
+        return [r for loop in loops for r in loop]
 
 
 def client_main(args: argparse.Namespace) -> int:
     prompts = json.loads(Path(args.client_prompts).read_text())
-    results = asyncio.run(_client(args.url, args.model_name, prompts, args.output_len, args.start_at))
+    results = asyncio.run(_client(args.url, args.model_name, prompts, args.output_len, args.start_at,
+                                  args.sustain_until, args.client_vocab, args.client_seed))
     print(json.dumps(results))
     return 0
 
 
 # ---- the parent ---------------------------------------------------------------------------------
-def _burst(url: str, model: str, prompts: list[list[int]], output: int, workdir: Path) -> dict:
-    """One burst: len(prompts) streams from client processes, started at one instant."""
+def _run_clients(url: str, model: str, prompts: list[list[int]], output: int, workdir: Path,
+                 sustain_s: float | None = None, vocab: int = 0) -> tuple[float, list[dict]]:
+    """len(prompts) streams from client processes, started at one instant (returned): one
+    request each, or (``sustain_s``) each stream sending its next request as the last ends."""
     groups = [prompts[i:i + _CLIENT_STREAMS] for i in range(0, len(prompts), _CLIENT_STREAMS)]
     start_at = time.time() + 2.0 + 0.1 * len(groups)   # every client has started by then
     clients = []
     for i, group in enumerate(groups):
         path = workdir / f"prompts-{i}.json"
         path.write_text(json.dumps(group))
+        extra = ([] if sustain_s is None else
+                 ["--sustain-until", repr(start_at + sustain_s), "--client-vocab", str(vocab),
+                  "--client-seed", str(i)])
         clients.append(subprocess.Popen(
             [sys.executable, "-m", "bench.served_throughput", "--client-prompts", str(path),
              "--url", url, "--model-name", model, "--output-len", str(output),
-             "--start-at", repr(start_at)], cwd=ROOT, stdout=subprocess.PIPE, text=True))
+             "--start-at", repr(start_at), *extra], cwd=ROOT, stdout=subprocess.PIPE, text=True))
     requests = []
     for client in clients:
         out, _ = client.communicate(timeout=3600)
         requests += json.loads(out)
+    return start_at, requests
+
+
+def _sustained(url: str, model: str, prompts: list[list[int]], output: int, workdir: Path,
+               sustain_s: float, vocab: int) -> dict:
+    """Closed-loop load (len(prompts) requests always in flight, as benchmark tools' concurrency
+    mode keeps them, their first requests spread over ``_STAGGER_S``) for ``sustain_s``: output
+    tokens of the requests ending in the window after the first quarter, over that window;
+    TTFT of the requests starting in it."""
+    start_at, requests = _run_clients(url, model, prompts, output, workdir, sustain_s, vocab)
+    lo, hi = start_at + sustain_s / 4, start_at + sustain_s
+    ok = [r for r in requests if r["error"] is None]
+    tokens = sum(r["tokens"] for r in ok if lo <= r["end"] <= hi)
+    ttft = sorted(r["first"] - r["start"] for r in ok if r["first"] is not None and lo <= r["start"] <= hi)
+    return {"output_tokens_per_s": round(tokens / (hi - lo), 1), "requests": len(requests),
+            "ttft_p50_ms": _p50_ms(ttft), "ttft_p99_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1e3, 2)
+            if ttft else None, "failed": len(requests) - len(ok),
+            "errors": sorted({r["error"] for r in requests if r["error"]})[:3]}
+
+
+def _burst(url: str, model: str, prompts: list[list[int]], output: int, workdir: Path) -> dict:
+    """One burst: len(prompts) streams from client processes, started at one instant."""
+    _, requests = _run_clients(url, model, prompts, output, workdir)
     ok = [r for r in requests if r["error"] is None]
     wall = max(r["end"] for r in requests) - min(r["start"] for r in requests)
     tokens = sum(r["tokens"] for r in ok)
@@ -171,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-gib", type=float, default=0.5, help="KV cache on the CPU")
     parser.add_argument("--offline-repeats", type=int, default=3)
     parser.add_argument("--no-offline", action="store_true", help="served figures only")
+    parser.add_argument("--sustain-s", type=float, default=0.0,
+                        help="also a closed-loop run of this many seconds per concurrency (0: none)")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -179,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--model-name", help=argparse.SUPPRESS)
     parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--sustain-until", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--client-vocab", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--client-seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client_prompts:
         return client_main(args)
@@ -213,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                              "errors": sorted({e for b in bursts for e in b["errors"]})}
                 print(f"served, {c} concurrent: {served[c]['output_tokens_per_s']} output tok/s, "
                       f"TTFT p50 {served[c]['ttft_p50_ms']} ms, {served[c]['failed']} failed", flush=True)
+                if args.sustain_s > 0:
+                    served[c]["sustained"] = _sustained(url, model_name, prompts(), args.output_len,
+                                                        workdir, args.sustain_s, vocab)
+                    print(f"served, {c} concurrent, closed loop for {args.sustain_s} s: "
+                          f"{served[c]['sustained']}", flush=True)
         finally:
             server.send_signal(signal.SIGTERM)
             try:
@@ -250,12 +309,19 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.prompt_len}-token prompts, {args.output_len} output tokens, tracing off, "
              f"{args.api_server_count} API server(s); medians of {args.rounds} bursts; offline: "
              f"bench.engine_throughput ({record['offline_mode']}), floor {floor_ms} ms/step", "",
-             "| concurrency | served tok/s | TTFT p50 ms | offline tok/s | served / offline | floor tok/s | failed |",
-             "|---|---|---|---|---|---|---|"]
+             "Burst: every request sent at one instant. Closed loop: the concurrency kept in flight "
+             "(each stream sends its next request as the last ends, the streams' first requests "
+             f"spread over {_STAGGER_S} s), as benchmark tools' concurrency mode does.", "",
+             "| concurrency | burst tok/s | burst TTFT p50 ms | closed-loop tok/s | closed-loop TTFT p50 / p99 ms "
+             "| offline tok/s | burst / offline | floor tok/s | failed |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c, row in rows.items():
+        loop = row.get("sustained") or {}
         lines.append(f"| {c} | {row['output_tokens_per_s']} | {row['ttft_p50_ms']} | "
+                     f"{loop.get('output_tokens_per_s', '-')} | {loop.get('ttft_p50_ms', '-')} / "
+                     f"{loop.get('ttft_p99_ms', '-')} | "
                      f"{row.get('offline_output_tokens_per_s')} | {row.get('served_over_offline')} | "
-                     f"{row.get('floor_output_tokens_per_s')} | {row['failed']} |")
+                     f"{row.get('floor_output_tokens_per_s')} | {row['failed'] + loop.get('failed', 0)} |")
     write_report(path, "served_throughput", argv, lines)
     return 0
 

@@ -232,8 +232,8 @@ def measure_ingest(repeats: int = 5) -> dict:
     # The default store (deferred indexing) gets the received encoding, as from the OTLP
     # protobuf receivers; the eager one indexes every span as it arrives.
     modes = {"with_trace_store": AggregationConfig(),
-             "with_eager_trace_store": AggregationConfig(trace_store=TraceStoreConfig(defer_index=False)),
-             "without_trace_store": AggregationConfig(store_traces=False)}
+             "with_eager_trace_store": AggregationConfig(trace_store=TraceStoreConfig(mode="eager")),
+             "without_trace_store": AggregationConfig(trace_store=TraceStoreConfig(mode="off"))}
     for mode, config in modes.items():
         best = math.inf
         for _ in range(repeats):

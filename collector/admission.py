@@ -8,19 +8,23 @@ Every receiver (OTLP gRPC, OTLP HTTP, Zipkin) hands its decoded request to
   retry after timeouts, so one span can arrive twice) are removed from the request and
   counted in ``sightline_collector_dropped_total{reason="duplicate"}``;
 - the pipeline either queues the rest or refuses (429 queue full, 503 shutting down);
-- only then are the ids remembered (a refused request's retry is not a duplicate) and
-  the items counted as received. So, for everything acknowledged:
-  received = aggregated + dropped, exactly.
+- only then are the ids remembered (a refused request's retry is not a duplicate) and the
+  items counted as received. So, for everything acknowledged: received = aggregated + dropped.
+``Intake.decode``: the gRPC receiver's decoding (:mod:`.decoding`: capped, off the loop).
 
 Cost: see :mod:`.span_ids` for traces; metrics pay one queue offer.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+from .decoding import Decoded, decode_protobuf, off_loop
 from .ingest import IngestError
 from .pipeline import Admission, Batch, Pipeline, Signal
+from .request_shape import RequestLimits
 from .self_metrics import SelfMetrics
-from .span_ids import SpanWindow, remove_spans, span_fingerprints
+from .span_ids import SpanWindow, remove_spans, span_fingerprints, with_variants
 
 __all__ = ["Intake", "admit"]
 
@@ -44,10 +48,21 @@ def admit(pipeline: Pipeline, batch: Batch | None) -> None:
 class Intake:
     """What the receivers share downstream of decoding (event-loop thread only)."""
 
-    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, window: SpanWindow) -> None:
+    def __init__(self, pipeline: Pipeline, metrics: SelfMetrics, window: SpanWindow,
+                 limits: RequestLimits | None = None) -> None:
         self.pipeline = pipeline
         self.metrics = metrics
         self.window = window
+        self.limits = limits or RequestLimits()
+        self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sightline-intake-decode")
+
+    async def decode(self, body: bytes, signal: Signal) -> Decoded:
+        """``body`` (an encoded export request) walked, checked against ``limits`` and parsed,
+        on a decoder thread unless it is small; IngestError 413/400."""
+        return await off_loop(self._decoder, len(body), decode_protobuf, body, signal, self.limits)
+
+    def close(self) -> None:
+        self._decoder.shutdown(wait=False, cancel_futures=True)
 
     def check_room(self, size_bytes: int) -> None:
         """The cheap refusal before a body is read: raises 429/503 when there is no room."""
@@ -55,19 +70,20 @@ class Intake:
             admit(self.pipeline, None)
 
     def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
-               encoded: bytes | None = None) -> None:
-        """Admits ``request`` (``items`` spans or data points) or raises IngestError."""
+               encoded: bytes | None = None, variants=None) -> None:
+        """Admits ``request`` (``items`` spans or data points) or raises IngestError.
+        ``variants``: per span, what else tells apart spans sharing ids (Zipkin's kind and
+        ``shared``; :func:`.span_ids.with_variants`)."""
         repeats = 0
         seen = None
         if signal == "traces":
-            seen = self.window.lookup(span_fingerprints(request, encoded))
+            seen = self.window.lookup(with_variants(span_fingerprints(request, encoded), variants))
             repeats = len(seen.repeats)
             if repeats:
                 remove_spans(request, seen.repeats)
                 encoded = None  # no longer the request's encoding
-        kept = items - repeats
-        if kept or not repeats:  # a request of nothing but repeats has nothing to queue
-            admit(self.pipeline, Batch(signal, request, kept, size_bytes, receiver, encoded))
+        # a batch of nothing but repeats is counted as acknowledged, never queued
+        admit(self.pipeline, Batch(signal, request, items - repeats, size_bytes, receiver, encoded, repeats))
         if seen is not None:
             self.window.remember(seen.kept)
             self.metrics.accepted(receiver, items, 0)

@@ -1,40 +1,43 @@
 """The aggregator's configuration: windows, cardinality limits, trace store bounds.
 
-Frozen dataclasses, each bound range-checked on construction (errors name the bad value
-and the allowed range). Standard library only, so that ``sightline collector run`` can
-build its flags and defaults from these without importing numpy or protobuf; the modules
-that use them (:mod:`.windows`, :mod:`.trace_store`, :mod:`.aggregator`) re-export them.
+Frozen dataclasses whose fields are declared once with ``setting`` (default, allowed range,
+help): the range checks and ``sightline collector run``'s flags both come from there, and an
+error names the bad value and the allowed range. Standard library only, so that the CLI can
+build its flags without importing numpy or protobuf; the modules that use these configs
+(:mod:`.windows`, :mod:`.trace_store`, :mod:`.aggregator`) re-export them.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["AggregationConfig", "StragglerConfig", "TraceStoreConfig", "WindowConfig"]
+from ..instrumentation import check_range, check_settings, setting
+
+__all__ = ["AggregationConfig", "ContentionConfig", "StragglerConfig", "TraceStoreConfig", "WindowConfig"]
+
+# what collector/contention.py compares a CTA's duration with: the other SMs' P90
+REFERENCE_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)
 class WindowConfig:
     """Shape of every sliding window: ``num_slots`` slots of ``slot_s`` seconds."""
 
-    slot_s: float = 10.0
-    num_slots: int = 18
-    max_buckets: int = 1024
-    initial_scale: int = 6
-    flush_every: int = 256
+    slot_s: float = setting(10.0, "length of one window slot: the time resolution of heatmaps and "
+                                  "quantiles", lo=0.01, hi=3600.0, metavar="SECONDS")
+    num_slots: int = setting(18, "slots kept per series; slots x slot length is the horizon, older data "
+                                 "is refused", lo=1, hi=1440, flag="--window-slots", metavar="N")
+    max_buckets: int = setting(1024, "buckets per exponential histogram before its scale is lowered",
+                               lo=32, hi=8192, metavar="N")
+    initial_scale: int = setting(6, "scale (resolution) a new exponential histogram starts at",
+                                 lo=0, hi=20, metavar="SCALE")
+    flush_every: int = setting(256, "values buffered per series before they are folded into its "
+                                    "histogram", lo=1, hi=65536, metavar="N")
 
     def __post_init__(self) -> None:
-        if not 0.01 <= self.slot_s <= 3600.0:
-            raise ValueError(f"slot_s={self.slot_s} is outside [0.01, 3600]")
-        if not 1 <= self.num_slots <= 1440:
-            raise ValueError(f"num_slots={self.num_slots} is outside [1, 1440]")
-        if not 32 <= self.max_buckets <= 8192:
-            raise ValueError(f"max_buckets={self.max_buckets} is outside [32, 8192]")
-        if not 0 <= self.initial_scale <= 20:
-            raise ValueError(f"initial_scale={self.initial_scale} is outside [0, 20]")
-        if not 1 <= self.flush_every <= 65536:
-            raise ValueError(f"flush_every={self.flush_every} is outside [1, 65536]")
+        check_settings(self)
 
     def new_histogram(self):
         """An empty ``ExpHistogram`` at the initial scale (numpy imported here, not at
@@ -52,33 +55,47 @@ class WindowConfig:
         return int(math.floor(t_s / self.slot_s))
 
 
+@dataclass(frozen=True)
+class ContentionConfig:
+    """Thresholds of the per-SM contention tests (collector/contention.py says how they are
+    used); errors name the bad value."""
+
+    alpha: float = setting(1e-3, "chance that one (kernel, slot) flags any SM with nothing wrong",
+                           lo=0.0, hi=0.5, lo_open=True)
+    # a slow SM: at least this share of its CTAs above the others' P90 (by chance: 1 - 0.9)
+    slow_share: float = setting(0.3, "an SM is slow when at least this share of its CTAs ran longer than the "
+                                     "other SMs' P90", lo=round(1 - REFERENCE_QUANTILE, 6), hi=1.0, lo_open=True)
+    starve_ratio: float = setting(0.7, "an SM is starved below this share of its expected CTAs",
+                                  lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
 
 @dataclass(frozen=True)
 class TraceStoreConfig:
     """Bounds of the recent-trace store (see :mod:`.trace_store` for what each costs)."""
 
-    max_traces: int = 20_000
-    max_spans_per_trace: int = 4_096
-    max_spans: int = 200_000
-    max_bytes: int = 48 * 1024 * 1024  # encoded size of the export requests held
-    # True: queue each request as it arrived (its encoding), index on the first query
-    # (ingest O(1) per request). False: index each request as it arrives (several µs per
-    # span on the ingest path: more than all of the aggregation).
-    defer_index: bool = True
-    index_chunk_spans: int = 20_000  # spans indexed per lock hold while catching up
+    # deferred: queue each request as it arrived (its encoding), index on the first query
+    # (ingest O(1) per request); eager: index each request as it arrives (several µs per
+    # span on the ingest path: more than all of the aggregation); off: no store.
+    mode: Literal["deferred", "eager", "off"] = setting(
+        "deferred", "recent-trace store behind explain and /api/v1/traces: indexed on the first query "
+                    "(deferred, cheapest ingest), as spans arrive (eager), or none", flag="--trace-store")
+    max_traces: int = setting(20_000, "traces kept, oldest evicted first", lo=1, hi=10_000_000, metavar="N")
+    max_spans_per_trace: int = setting(4_096, "spans kept per trace", lo=1, hi=1_000_000, metavar="N")
+    max_spans: int = setting(200_000, "spans kept in all", lo=1, hi=100_000_000, metavar="N")
+    max_bytes: int = setting(48 * 1024 * 1024, "encoded bytes of the export requests kept in all",
+                             lo=1024, hi=1 << 40, metavar="BYTES")
+    index_chunk_spans: int = setting(20_000, "spans indexed per lock hold while catching up",
+                                     lo=1, hi=10_000_000, metavar="N")
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_traces <= 10_000_000:
-            raise ValueError(f"max_traces={self.max_traces} is outside [1, 10000000]")
-        if not 1 <= self.max_spans_per_trace <= 1_000_000:
-            raise ValueError(f"max_spans_per_trace={self.max_spans_per_trace} is outside [1, 1000000]")
-        if not 1 <= self.max_spans <= 100_000_000:
-            raise ValueError(f"max_spans={self.max_spans} is outside [1, 100000000]")
-        if not 1024 <= self.max_bytes <= 1 << 40:
-            raise ValueError(f"max_bytes={self.max_bytes} is outside [1024, 2**40]")
-        if not 1 <= self.index_chunk_spans <= 10_000_000:
-            raise ValueError(f"index_chunk_spans={self.index_chunk_spans} is outside [1, 10000000]")
+        check_settings(self)
 
+    @property
+    def defer_index(self) -> bool:
+        return self.mode == "deferred"
 
 
 @dataclass(frozen=True)
@@ -89,52 +106,61 @@ class StragglerConfig:
     ``min_spread_ratio`` of its slowest rank's window and by ``min_spread_s``; a window
     slot names the rank that at least ``min_slot_share`` of its steps named."""
 
-    min_spread_ratio: float = 0.2
-    min_spread_s: float = 100e-6
-    min_slot_share: float = 0.5
-    max_instances: int = 1_024      # producers with tensor-parallel steps (more: overflow)
-    max_ranks: int = 64
-    max_pending_steps: int = 4_096  # steps whose rank spans have not all come yet
+    min_spread_ratio: float = setting(0.2, "a tensor-parallel step names a straggler rank when its ranks' "
+                                           "collective waits spread by at least this share of the slowest "
+                                           "rank's window", lo=0.0, hi=10.0)
+    min_spread_s: float = setting(100e-6, "... and by at least this many seconds", lo=0.0, hi=60.0,
+                                  metavar="SECONDS")
+    min_slot_share: float = setting(0.5, "a window slot names the rank that at least this share of its "
+                                         "tensor-parallel steps named", lo=0.0, hi=1.0, lo_open=True)
+    max_instances: int = setting(1_024, "producers with tensor-parallel steps (more: overflow)",
+                                 lo=1, hi=1_000_000, metavar="N")
+    max_ranks: int = setting(64, "tensor-parallel ranks per producer", lo=1, hi=4096, metavar="N")
+    max_pending_steps: int = setting(4_096, "tensor-parallel steps whose rank spans have not all come yet",
+                                     lo=1, hi=10_000_000, metavar="N")
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_spread_ratio <= 10.0:
-            raise ValueError(f"min_spread_ratio={self.min_spread_ratio} is outside [0, 10]")
-        if not 0.0 <= self.min_spread_s <= 60.0:
-            raise ValueError(f"min_spread_s={self.min_spread_s} is outside [0, 60]")
-        if not 0.0 < self.min_slot_share <= 1.0:
-            raise ValueError(f"min_slot_share={self.min_slot_share} is outside (0, 1]")
-        for name, high in (("max_instances", 1_000_000), ("max_ranks", 4096),
-                           ("max_pending_steps", 10_000_000)):
-            value = getattr(self, name)
-            if not 1 <= value <= high:
-                raise ValueError(f"{name}={value} is outside [1, {high}]")
+        check_settings(self)
 
 
 @dataclass(frozen=True)
 class AggregationConfig:
     """Limits and windows of the aggregator; every bound is checked on construction."""
 
-    window: WindowConfig = field(default_factory=WindowConfig)
-    gauge_window_s: float = 60.0
+    window: WindowConfig = setting(factory=WindowConfig)
+    gauge_window_s: float = setting(60.0, "window of the per-SM P99 gauges and hotspot ratios, at most "
+                                          "the horizon", lo=0.0, lo_open=True, metavar="SECONDS")
     # Per-SM series (instance, gpu, sm, kernel), shared equally among the GPUs present
     # (64 GPUs x 132 SMs x 20 kernels, or 8 GPUs x 132 SMs x 170 kernels); see sm_store.
-    max_sm_series: int = 180_000
-    max_gpus: int = 256
-    max_kernel_series: int = 1_024
-    max_request_series: int = 512
-    max_step_series: int = 16
-    store_traces: bool = True
+    max_sm_series: int = setting(180_000, "(instance, gpu, SM, kernel) series, shared equally among the "
+                                          "GPUs present; a kernel past its GPU's share is refused, counted, "
+                                          "and its heatmap names this limit", lo=1, hi=1_000_000, metavar="N")
+    max_gpus: int = setting(256, "(instance, gpu) identities with per-SM data", lo=1, hi=1_000_000, metavar="N")
+    max_kernel_series: int = setting(1_024, "(gpu, kernel) series from kernel spans", lo=1, hi=1_000_000,
+                                     metavar="N")
+    max_request_series: int = setting(512, "(model, priority) series from request spans", lo=1, hi=1_000_000,
+                                      metavar="N")
+    max_step_series: int = setting(16, "step-phase series from engine.step spans", lo=1, hi=1_000_000,
+                                   metavar="N")
     # Per-SM classic histograms: 19 exposition lines per (instance, gpu, SM, kernel) instead
     # of one P99 gauge. Off (the default) leaves the gauges and the per-GPU summaries.
-    expose_sm_histograms: bool = False
-    trace_store: TraceStoreConfig = field(default_factory=TraceStoreConfig)
-    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    expose_sm_histograms: bool = setting(False, "per-SM CTA histograms on /metrics (19 lines per GPU x SM x "
+                                                "kernel); off keeps the per-SM P99 gauges and the per-GPU "
+                                                "summaries")
+    trace_store: TraceStoreConfig = setting(factory=TraceStoreConfig)
+    contention: ContentionConfig = setting(factory=ContentionConfig)
+    stragglers: StragglerConfig = setting(factory=StragglerConfig)
+    # Slow requests (e2e at or above this quantile of the stored ones) are explained when
+    # /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
+    slow_request_quantile: float | None = setting(0.9, "requests at or above this quantile of end-to-end "
+                                                       "latency are explained at each scrape and counted by "
+                                                       "cause", lo=0.0, hi=1.0)
 
     def __post_init__(self) -> None:
-        if not 0 < self.gauge_window_s <= self.window.horizon_s:
-            raise ValueError(f"gauge_window_s={self.gauge_window_s} is outside "
-                             f"(0, {self.window.horizon_s}] (the window horizon)")
-        for name in ("max_sm_series", "max_gpus", "max_kernel_series", "max_request_series", "max_step_series"):
-            value = getattr(self, name)
-            if not 1 <= value <= 1_000_000:
-                raise ValueError(f"{name}={value} is outside [1, 1000000]")
+        check_settings(self)
+        check_range("gauge_window_s", self.gauge_window_s, 0.0, self.window.horizon_s, lo_open=True,
+                    hint="(the window horizon)")
+
+    @property
+    def store_traces(self) -> bool:
+        return self.trace_store.mode != "off"

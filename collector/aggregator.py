@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
+from .cause_counter import SlowRequestCauses
+from .engine_timeline import EngineTimeline
 from .exposition import AggregatorCollector, ExpositionSnapshot
 from .sm_exposition import SmPage
 from .sm_store import SmKey, SmStore
@@ -48,11 +50,15 @@ class Aggregator:
         self.store = TraceStore(self.config.trace_store)
         self.overflow: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
+        self.evicted: dict[str, int] = {}
         self.spans_seen = 0
-        # Span-derived series and per-SM series; both add to these overflow and dropped counters.
-        self._spans = SpanSeries(self.config, self.overflow, self.dropped)
-        self.sm = SmStore(self.config, self.overflow, self.dropped, clock)
+        # Span-derived series and per-SM series; both add to these overflow, dropped and evicted counters.
+        self._spans = SpanSeries(self.config, self.overflow, self.dropped, self.evicted)
+        self.sm = SmStore(self.config, self.overflow, self.dropped, clock, self.evicted)
         self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
+        self.timeline = EngineTimeline()  # explain's step and queue facts (used under the store's lock)
+        quantile = self.config.slow_request_quantile
+        self.causes = SlowRequestCauses(quantile) if quantile is not None and self.config.store_traces else None
 
     @property
     def points_seen(self) -> int:
@@ -136,6 +142,11 @@ class Aggregator:
         with self._lock:
             return self._spans.stragglers.slots(instance)
 
+    def slow_request_causes(self) -> dict[str, int] | None:
+        """The slow requests explained so far, by cause (classifying those newly slow); None
+        when the collector does not classify them."""
+        return self.causes.refresh(self, self.clock()) if self.causes is not None else None
+
     def with_store(self, fn):
         """Runs ``fn(store)`` on the caught-up trace store under its lock (explanations)."""
         return self.store.read(fn)
@@ -149,7 +160,8 @@ class Aggregator:
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
                 steps={k: s.classic.copy() for k, s in self._spans.steps.items()},
                 stragglers=self._spans.stragglers.snapshot(self.clock()))
-        return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped))
+        return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped),
+                                  evicted=dict(self.evicted))
 
     def memory_bytes(self) -> int:
         """Bytes held by every histogram's bucket arrays (the part that grows with data)."""

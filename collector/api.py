@@ -30,7 +30,8 @@ from .sm_store import SmKey
 
 __all__ = ["add_api_routes", "all_heatmaps"]
 
-_TRACE_ID = re.compile(r"^(?:[0-9a-fA-F]{16}){1,2}$")
+# fullmatch, never match with "$": "$" also matches before a trailing newline ("...%0a")
+_TRACE_ID = re.compile(r"(?:[0-9a-fA-F]{16}){1,2}")
 _KINDS = ("time_sm", "sm_latency")
 _FORMATS = ("json", "png", "html")
 
@@ -90,8 +91,7 @@ def _pick(sm: SmQuery, instance: str | None, gpu: str | None, kernel: str | None
         return SmKey(e["instance"], e["gpu"], e["kernel"])
     if not candidates:
         if gpu is not None:
-            refused = [(k, r) for k, r in sm.refusals().items()
-                       if k.gpu == gpu and (instance is None or k.instance == instance)]
+            refused = sm.refusals_of(gpu, instance, limit=1)  # an index lookup: the table may be large
             if refused:
                 k, r = refused[0]
                 raise _BadParam("gpu", f"per-SM data of instance_id={k.instance!r} gpu={k.gpu!r} was refused: "
@@ -172,10 +172,11 @@ def add_api_routes(app: web.Application, aggregator) -> None:
         return web.Response(text=page, content_type="text/html")
 
     async def explain(request: web.Request) -> web.Response:
-        # ?quantile=0.99&limit=10: the slowest requests; ?trace_id=...: one request
+        # ?quantile=0.99&limit=10: the slowest requests (&start_unix_s=&end_unix_s=: of those that
+        # lived in that range); ?trace_id=...: one request
         trace_id = request.query.get("trace_id")
         if trace_id is not None:  # one request, e.g. from an exemplar
-            if not _TRACE_ID.match(trace_id):
+            if not _TRACE_ID.fullmatch(trace_id):
                 return _error(400, f"trace_id={trace_id!r} is not 32 (or 16) hex digits", "trace_id")
             one = await run(explain_mod.explain_trace, aggregator, _padded(trace_id))
             if one is None:
@@ -187,16 +188,22 @@ def add_api_routes(app: web.Application, aggregator) -> None:
             limit = _float(request, "limit", 10, 1, 1000)
             if limit != int(limit):
                 raise _BadParam("limit", f"limit={request.query['limit']} is not an integer")
+            start = _float(request, "start_unix_s", None, 0.0, 1e11)
+            end = _float(request, "end_unix_s", None, 0.0, 1e11)
+            if (start is None) != (end is None) or (start is not None and not start < end):
+                raise _BadParam("end_unix_s" if start is not None else "start_unix_s",
+                                "give both start_unix_s and end_unix_s, the start before the end")
         except _BadParam as exc:
             return _error(exc.status, exc.message, exc.param)
-        result = await run(lambda: explain_mod.explain_slowest(aggregator, quantile, int(limit)))
+        within = None if start is None else (start, end)
+        result = await run(lambda: explain_mod.explain_slowest(aggregator, quantile, int(limit), within_s=within))
         return _json(result.to_dict())
 
     async def trace(request: web.Request) -> web.Response:
         # the stored spans of one trace, with their events and status messages; the id is 32
         # hex digits, or 16: a 64-bit B3 id, zero-padded on the left as Zipkin's receiver stores it
         trace_id = request.match_info["trace_id"]
-        if not _TRACE_ID.match(trace_id):
+        if not _TRACE_ID.fullmatch(trace_id):
             return _error(400, f"trace_id={trace_id!r} is not 32 (or 16) hex digits", "trace_id")
         result = await run(explain_mod.trace_spans, aggregator, _padded(trace_id))
         if result is None:

@@ -8,9 +8,9 @@ count on the loop; the aggregator runs on the pipeline's worker thread(s).
 
 Guarantee: a graceful stop (SIGTERM/SIGINT or ``Collector.stop``) drains everything
 acknowledged into the aggregator within ``shutdown_timeout_s``, and its ``PipelineSummary``
-(acknowledged vs aggregated) is logged and, with ``--summary-file``, written as JSON. Cost: ``/metrics`` (self-metrics and
-the aggregator's series, :func:`~.exposition.metrics_page`) renders and is gzipped on a
-thread, so a scrape never stalls the event loop.
+(acknowledged vs aggregated) is logged and, with ``--summary-file``, written as JSON. Cost:
+``/metrics`` (:func:`~.exposition.metrics_page`) renders and is gzipped on a thread, shared
+by concurrent scrapers and streamed with a write deadline (:mod:`.scrape`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from .ingest import IngestLimits
 from .otlp_grpc import OtlpGrpcReceiver
 from .otlp_http import OtlpHttpReceiver
 from .pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
+from .scrape import SharedPages
 from .self_metrics import SelfMetrics
 from .span_ids import SpanWindow
 from .zipkin import ZipkinReceiver
@@ -82,9 +83,10 @@ class Collector:
         self._query_auth = TokenAuth(config.read_query_token())
         limits = IngestLimits(config.max_request_bytes, config.max_decompressed_bytes,
                               config.retry_after_s, config.max_inflight_requests,
-                              config.request_timeout_s, config.max_json_depth)
+                              config.request_timeout_s, config.max_json_depth, config.max_decompression_ratio)
         self.errors = RateLimitedLog(log)
-        intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans))
+        intake = self._intake = Intake(self.pipeline, self.metrics, SpanWindow(config.dedupe_window_spans),
+                                       config.request_limits())
         self._grpc = OtlpGrpcReceiver(intake, auth, max_message_bytes=config.max_decompressed_bytes,
                                       retry_after_s=config.retry_after_s,
                                       max_concurrent_rpcs=config.max_inflight_requests, errors=self.errors)
@@ -93,6 +95,7 @@ class Collector:
         self._ingest_runners: list[web.AppRunner] = []
         self._listeners: list[GuardedListener] = []
         self._http_runner: web.AppRunner | None = None
+        self._pages = SharedPages(self._metrics_page, deadline_s=config.scrape_deadline_s)
         self._ready = False
         self.ports: BoundPorts | None = None
 
@@ -157,6 +160,7 @@ class Collector:
                              *(runner.cleanup() for runner in self._ingest_runners))
         self._otlp_http.close()
         self._zipkin.close()
+        self._intake.close()
         loop = asyncio.get_running_loop()
         summary = await loop.run_in_executor(None, self.pipeline.close, grace)
         log.info("collector stopped: %s", json.dumps(summary.to_dict(), sort_keys=True))
@@ -171,7 +175,7 @@ class Collector:
     # -- query port ----------------------------------------------------------------------
     def _query_app(self) -> web.Application:
         app = web.Application(middlewares=[self._query_auth_middleware] if self._query_auth.enabled else [])
-        app.router.add_get("/metrics", self._metrics_handler)
+        app.router.add_get("/metrics", self._pages.handle)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         if self.aggregator is not None:
@@ -185,15 +189,9 @@ class Collector:
                                      status=401, headers={"WWW-Authenticate": 'Bearer realm="sightline-query"'})
         return await handler(request)
 
-    async def _metrics_handler(self, request: web.Request) -> web.Response:
+    def _metrics_page(self, accept: str, gzipped: bool) -> tuple[bytes, dict[str, str]]:
         # a scraper that asks for OpenMetrics (Accept: application/openmetrics-text) gets it,
         # so exemplars are visible; one that accepts gzip (Prometheus does) gets it gzipped
-        gzipped = "gzip" in request.headers.get("Accept-Encoding", "")
-        body, headers = await asyncio.get_running_loop().run_in_executor(
-            None, self._metrics_page, request.headers.get("Accept", ""), gzipped)
-        return web.Response(body=body, headers=headers)
-
-    def _metrics_page(self, accept: str, gzipped: bool) -> tuple[bytes, dict[str, str]]:
         # gzip: level 1 (most of level 9's reduction on this repetitive text at a fraction of
         # its CPU), per-SM blocks compressed once while unchanged; zlib lets go of the GIL
         # while it compresses, so ingest goes on

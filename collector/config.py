@@ -1,8 +1,8 @@
 """The collector's process configuration: listen addresses, limits, queue, auth, TLS.
 
-One frozen dataclass, ``CollectorConfig``, composed at the top by ``collector/cli.py``
-and handed to ``collector/app.py``. Every field is range-checked in ``__post_init__``
-and an error names the bad value and the allowed range.
+One frozen dataclass, ``CollectorConfig``, handed to ``collector/app.py``. Each field is
+declared once with ``setting``: its range check, flag and help come from there, and an
+error names the bad value and the allowed range.
 
 Addresses default to the loopback interface (127.0.0.1) on the standard ports (OTLP
 gRPC 4317, OTLP HTTP 4318, Zipkin 9411, query/metrics 8889): a collector started by
@@ -20,6 +20,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from ..instrumentation import check_range, check_settings, setting
 
 __all__ = [
     "DEFAULT_READ_TOKEN_ENV",
@@ -40,18 +43,12 @@ def parse_address(value: str, *, what: str) -> tuple[str, int]:
     if not sep or not port_text.isdigit():
         raise ValueError(f"{what}: address {value!r} is not host:port (for example 127.0.0.1:4317)")
     port = int(port_text)
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{what}: port {port} in {value!r} is outside 0..65535")
+    check_range(f"{what} port", port, 0, 65535, integer=True)
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
     if not host:
         raise ValueError(f"{what}: address {value!r} has no host (use 0.0.0.0 for all interfaces)")
     return host, port
-
-
-def _check_range(name: str, value: float, low: float, high: float) -> None:
-    if not low <= value <= high:
-        raise ValueError(f"{name}={value!r} is outside the allowed range {low}..{high}")
 
 
 @dataclass(frozen=True)
@@ -64,12 +61,20 @@ class CollectorConfig:
       present, otherwise while reading.
     - ``max_decompressed_bytes``: body after gzip/deflate; decompression is streamed and
       stops at this limit, so a gzip bomb costs at most this much memory.
+    - ``max_decompression_ratio``: a compressed body inflates to at most this many times its
+      wire size (bodies inflating to under 1 MiB excepted), so that no small body buys a
+      large amount of work.
+    - ``max_resources_per_request``, ``max_scopes_per_request`` (scopes and metrics),
+      ``max_items_per_request`` (spans or data points), ``max_values_per_request``
+      (attributes, events, links, exemplars), ``max_buckets_per_request`` (histogram bucket
+      counts): an encoded request's messages, empty ones included, are counted before it is
+      parsed, and one past any cap is refused (413 / RESOURCE_EXHAUSTED), so the parse and
+      aggregation of one request are bounded. ``max_json_values``: the same for JSON bodies
+      (objects, arrays and elements, bounded before ``json.loads``).
     - ``queue_max_items`` / ``queue_max_bytes``: the pipeline queue between receivers and
-      the aggregator holds at most this many spans+data points and this many payload
-      bytes; beyond either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint
-      of ``retry_after_s``. A parsed request occupies a few times its encoded size in
-      memory, and protobuf trace requests keep their encoding too (the trace store takes
-      it), so resident memory is a small multiple of this bound.
+      the aggregator holds at most this many spans+data points and this many bytes of
+      parsed requests (estimated from their message counts, encodings included); beyond
+      either, receivers answer 429 / RESOURCE_EXHAUSTED with a retry hint of ``retry_after_s``.
     - ``max_inflight_requests``: export requests being decoded at once, per listener
       (HTTP: counted from when the whole body has arrived, so slow senders hold no slot;
       gRPC: ``maximum_concurrent_rpcs``); more -> 429 / RESOURCE_EXHAUSTED at once.
@@ -85,6 +90,8 @@ class CollectorConfig:
       acknowledged, not stored or counted twice, and counted in
       ``dropped_total{reason="duplicate"}``. 0 = off. 8 bytes per remembered span.
     - ``max_json_depth``: OTLP/JSON and Zipkin bodies nested deeper -> 400.
+    - ``scrape_deadline_s``: a /metrics response not read by then is cut (scrapers share one
+      rendered page and each holds only a slice of it buffered).
 
     Query API auth (``/api/v1/``: it serves span attributes): on when ``query_auth`` is set
     or a read token is configured (file or environment variable). The read token, when
@@ -92,56 +99,75 @@ class CollectorConfig:
     ``/readyz`` stay open (scrapers and probes).
     """
 
-    otlp_grpc_address: str = "127.0.0.1:4317"
-    otlp_http_address: str = "127.0.0.1:4318"
-    zipkin_address: str = "127.0.0.1:9411"
-    http_address: str = "127.0.0.1:8889"
-    max_request_bytes: int = 8 * MiB
-    max_decompressed_bytes: int = 32 * MiB
-    queue_max_items: int = 100_000
-    queue_max_bytes: int = 32 * MiB
-    workers: int = 1
-    max_inflight_requests: int = 64
-    request_timeout_s: float = 30.0
-    max_connections: int = 1024
-    header_timeout_s: float = 10.0
-    dedupe_window_spans: int = 262_144
-    max_json_depth: int = 64
-    retry_after_s: int = 1
-    shutdown_timeout_s: float = 30.0
-    auth_token_file: Path | None = None
-    auth_token_env: str = DEFAULT_TOKEN_ENV
-    query_auth: bool = False
-    query_token_file: Path | None = None
-    query_token_env: str = DEFAULT_READ_TOKEN_ENV
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    summary_file: Path | None = None
-    # "aggregator" (normal) or "discard" (benchmarks: receivers and queue only, the
-    # counterpart of rotel's blackhole exporter).
-    sink: str = "aggregator"
+    otlp_grpc_address: str = setting("127.0.0.1:4317", "OTLP/gRPC listen address", flag="--otlp-grpc",
+                                     metavar="HOST:PORT")
+    otlp_http_address: str = setting("127.0.0.1:4318", "OTLP/HTTP listen address (/v1/traces, /v1/metrics; "
+                                                       "protobuf and JSON)", flag="--otlp-http", metavar="HOST:PORT")
+    zipkin_address: str = setting("127.0.0.1:9411", "Zipkin v2 listen address (/api/v2/spans)", flag="--zipkin",
+                                  metavar="HOST:PORT")
+    http_address: str = setting("127.0.0.1:8889", "query port: /metrics, /healthz, /readyz, /api/v1/",
+                                flag="--http", metavar="HOST:PORT")
+    max_request_bytes: int = setting(8 * MiB, "largest request body on the wire", lo=1024, hi=1024 * MiB)
+    max_decompressed_bytes: int = setting(16 * MiB, "largest body after gzip/deflate, and largest gRPC "
+                                                    "message", lo=1024, hi=4096 * MiB)
+    max_decompression_ratio: int = setting(200, "a compressed body may inflate to at most this many times its "
+                                                "size", lo=2, hi=1_000_000)
+    max_resources_per_request: int = setting(4_096, "resources in one export request, empty ones included, "
+                                                    "counted before it is parsed; more -> 413", lo=1, hi=1 << 30)
+    max_scopes_per_request: int = setting(16_384, "scopes and metrics in one export request, same effect",
+                                          lo=1, hi=1 << 30)
+    max_items_per_request: int = setting(32_768, "spans or data points in one export request, same effect",
+                                         lo=1, hi=1 << 30)
+    max_values_per_request: int = setting(524_288, "attributes, events, links and exemplars in one export "
+                                                   "request, same effect", lo=1, hi=1 << 30)
+    max_buckets_per_request: int = setting(2_097_152, "histogram bucket counts in one export request, same "
+                                                      "effect", lo=1, hi=1 << 30)
+    max_json_values: int = setting(65_536, "objects, arrays and elements in one OTLP/JSON or Zipkin body, "
+                                           "counted before it is parsed; more -> 413", lo=1, hi=1 << 30)
+    queue_max_items: int = setting(100_000, "spans+data points waiting for the aggregator before "
+                                            "429/RESOURCE_EXHAUSTED", lo=1, hi=100_000_000)
+    queue_max_bytes: int = setting(128 * MiB, "bytes of parsed requests waiting (estimated), same effect",
+                                   lo=1024, hi=64 * 1024 * MiB)
+    workers: int = setting(1, "aggregator worker threads", lo=1, hi=64)
+    max_inflight_requests: int = setting(64, "export requests read/parsed at once per listener before "
+                                             "429/RESOURCE_EXHAUSTED", lo=1, hi=100_000)
+    request_timeout_s: float = setting(30.0, "a request body must arrive within this many seconds (else 408)",
+                                       lo=0.1, hi=3600.0)
+    max_connections: int = setting(1024, "open connections per HTTP listener before 503 (lowered to fit the "
+                                         "file-descriptor limit)", lo=8, hi=1_000_000)
+    header_timeout_s: float = setting(10.0, "a new connection must send its request headers within this many "
+                                            "seconds (else 408)", lo=0.1, hi=3600.0)
+    dedupe_window_spans: int = setting(262_144, "remember the ids of about this many recent spans; a span sent "
+                                                "again is acknowledged, not counted twice (0 = off; 8 bytes per "
+                                                "span)", lo=0, hi=100_000_000)
+    max_json_depth: int = setting(64, "OTLP/JSON and Zipkin bodies nested deeper are refused with 400",
+                                  lo=2, hi=512)
+    retry_after_s: int = setting(1, "retry hint sent with 429/RESOURCE_EXHAUSTED", lo=1, hi=3600)
+    shutdown_timeout_s: float = setting(30.0, "how long the drain on SIGTERM may take", lo=0.0, hi=3600.0)
+    scrape_deadline_s: float = setting(30.0, "a /metrics response not read within this many seconds is cut",
+                                       lo=0.1, hi=3600.0)
+    auth_token_file: Path | None = setting(None, "file holding the ingest bearer token")
+    auth_token_env: str = setting(DEFAULT_TOKEN_ENV, "environment variable holding the ingest bearer token "
+                                                     "(if set)")
+    query_auth: bool = setting(False, "require a bearer token on the query API (/api/v1/): the read token if "
+                                      "one is set, else the ingest token; /metrics, /healthz, /readyz stay open")
+    query_token_file: Path | None = setting(None, "file holding the query API's read token (turns query auth "
+                                                  "on)")
+    query_token_env: str = setting(DEFAULT_READ_TOKEN_ENV, "environment variable holding the query API's read "
+                                                           "token (if set, query auth is on)")
+    tls_cert_file: Path | None = setting(None, "PEM certificate for the ingest listeners")
+    tls_key_file: Path | None = setting(None, "PEM private key for the ingest listeners")
+    summary_file: Path | None = setting(None, "write acknowledged-vs-aggregated totals as JSON here on exit")
+    # the counterpart of rotel's blackhole exporter, for benchmarks of receivers and queue
+    sink: Literal["aggregator", "discard"] = setting("aggregator", "'discard' skips aggregation (ingest "
+                                                                   "benchmarks only)")
 
     def __post_init__(self) -> None:
         for name in ("otlp_grpc_address", "otlp_http_address", "zipkin_address", "http_address"):
             parse_address(getattr(self, name), what=name)
-        _check_range("max_request_bytes", self.max_request_bytes, 1024, 1024 * MiB)
-        _check_range("max_decompressed_bytes", self.max_decompressed_bytes, 1024, 4096 * MiB)
-        if self.max_decompressed_bytes < self.max_request_bytes:
-            raise ValueError(
-                f"max_decompressed_bytes={self.max_decompressed_bytes} is below "
-                f"max_request_bytes={self.max_request_bytes}; it must be >= it"
-            )
-        _check_range("queue_max_items", self.queue_max_items, 1, 100_000_000)
-        _check_range("queue_max_bytes", self.queue_max_bytes, 1024, 64 * 1024 * MiB)
-        _check_range("workers", self.workers, 1, 64)
-        _check_range("max_inflight_requests", self.max_inflight_requests, 1, 100_000)
-        _check_range("request_timeout_s", self.request_timeout_s, 0.1, 3600.0)
-        _check_range("max_connections", self.max_connections, 8, 1_000_000)
-        _check_range("header_timeout_s", self.header_timeout_s, 0.1, 3600.0)
-        _check_range("dedupe_window_spans", self.dedupe_window_spans, 0, 100_000_000)
-        _check_range("max_json_depth", self.max_json_depth, 2, 512)
-        _check_range("retry_after_s", self.retry_after_s, 1, 3600)
-        _check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        check_settings(self)
+        check_range("max_decompressed_bytes", self.max_decompressed_bytes, self.max_request_bytes, 4096 * MiB,
+                    integer=True, hint="(at least max_request_bytes)")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError(
                 f"tls_cert_file={self.tls_cert_file!r} and tls_key_file={self.tls_key_file!r}: "
@@ -155,10 +181,16 @@ class CollectorConfig:
             value = getattr(self, name)
             if not value or not value.replace("_", "").isalnum():
                 raise ValueError(f"{name}={value!r} is not an environment variable name")
-        if self.sink not in ("aggregator", "discard"):
-            raise ValueError(f"sink={self.sink!r} is not one of 'aggregator', 'discard'")
 
     # -- derived ---------------------------------------------------------------------
+    def request_limits(self):
+        """The caps on one request's messages, as the decoders take them."""
+        from .request_shape import RequestLimits  # numpy and numba: not at this module's import
+
+        return RequestLimits(self.max_resources_per_request, self.max_scopes_per_request,
+                             self.max_items_per_request, self.max_values_per_request,
+                             self.max_buckets_per_request, self.max_json_values)
+
     def address(self, name: str) -> tuple[str, int]:
         """(host, port) of ``otlp_grpc`` | ``otlp_http`` | ``zipkin`` | ``http``."""
         return parse_address(getattr(self, f"{name}_address"), what=f"{name}_address")

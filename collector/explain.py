@@ -1,14 +1,14 @@
-"""Why was a request slow: phase breakdown, the steps it rode, their kernels and SMs.
+"""Why was a request slow: its cause, phase breakdown, the steps it rode, kernels and SMs.
 
 ``explain_trace(sources, trace_id)`` explains one request (say, a Prometheus exemplar's
 trace id); ``explain_slowest(sources, quantile, limit)`` explains every request at or above
 the exact ``quantile`` of the end-to-end latencies in the trace store, slowest first.
-``sources`` is anything with a trace store and per-SM data (:class:`~.query.Sources`).
-An explanation holds the request's phases (``queue``, ``prefill``, ``decode``, the rest of
-e2e as ``other_s``), the ``engine.step`` spans it rode (found through span links in both
-directions) with their slowest kernel spans and, under tensor parallelism, per-rank waits
-and straggler (:mod:`.stragglers`; the request's: the rank most of its steps named), and
-its slowest SM.
+``sources``: a trace store, per-SM data and an engine timeline (:class:`~.query.Sources`).
+An explanation holds the request's phases, how much of its prompt the engine's prefix cache
+served and how long computing the rest took, the ``engine.step`` spans it rode (span links in
+both directions) with their slowest kernel spans and, under tensor parallelism, per-rank
+waits and straggler (:mod:`.stragglers`), its slowest SM, and the cause class
+:mod:`.causes` names from the evidence of its lifetime (:func:`evidence_sm`, the timeline).
 Guarantee: explanations only cover what the bounded store still holds: a step evicted
 (or never received, e.g. kernel spans that were not sampled) is absent, never invented.
 Cost: O(spans of the selected requests and their steps) plus one pass over the
@@ -20,16 +20,20 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from ..instrumentation import semconv as sc
 from .aggregation_config import StragglerConfig
-from .hotspot import hotspots
+from .causes import Cause, CauseEvidence, classify
+from .contention import hotspots
 from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery, Sources
+from .sm_store import SmKey
 from .stragglers import straggler
 from .trace_store import StoredSpan, TraceStore
 
-__all__ = ["Explanation", "KernelSummary", "Phases", "RequestExplanation", "StepSummary",
-           "explain_slowest", "explain_trace", "trace_spans"]
+__all__ = ["Explanation", "KernelSummary", "Phases", "PromptCache", "RequestExplanation", "StepSummary",
+           "evidence_sm", "explain_slowest", "explain_trace", "trace_spans"]
 
 
 @dataclass
@@ -55,11 +59,25 @@ class StepSummary:
     decode_tokens: int | None
     kernels: list[KernelSummary] = field(default_factory=list)
     kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
+    prefill_cached_tokens: int | None = None  # prompt tokens it took from the prefix cache
     # tensor parallelism: per rank (index = rank), seconds computing and waiting in
     # collectives, and the rank the others waited for (None: they kept pace)
     rank_compute_s: list[float] | None = None
     rank_collective_wait_s: list[float] | None = None
     straggler_rank: int | None = None
+
+
+@dataclass
+class PromptCache:
+    """The request's prompt and the engine's prefix cache: tokens served from the cache, the
+    rest computed by its prefill phase(s) in ``prefill_s`` (for a miss, the whole prompt)."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    computed_tokens: int
+    cached_ratio: float | None  # None for an empty prompt
+    hit: bool                   # some prompt tokens were served from the cache
+    prefill_s: float
 
 
 @dataclass
@@ -95,10 +113,13 @@ class RequestExplanation:
     tpot_s: float | None
     finish_reason: str | None
     phases: Phases
+    prompt_cache: PromptCache | None  # None: the engine reported no prefix cache figures
     steps_total: int
     steps: list[StepSummary]
     slowest_kernel: KernelSummary | None
     slowest_sm: SlowestSm | None
+    cause: Cause | None = None
+    instance: str = "unknown"
     # tensor parallelism: the rank named by the most of its steps that named one, and how
     # many of its steps did (0 and None without tensor parallelism)
     straggler_rank: int | None = None
@@ -154,42 +175,56 @@ def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
         trace = store.get(trace_id)
         if trace is None or trace.request_root is None:
             return None
-        return _explain_one(store, trace.request_root, max_steps, max_kernels, _stragglers(sources))
+        sources.timeline.refresh(store)
+        return _explain_one(store, trace.request_root, max_steps, max_kernels, sources.timeline,
+                            _stragglers(sources))
 
     found = sources.store.read(read)
     if found is None:
         return None
-    req, step_ids = found
+    req, step_ids, evidence = found
     if req.slowest_sm is None:
         req.slowest_sm = _slowest_sm_from_sm_data(sources.sm, req, step_ids)
+    _name_cause(sources.sm, req, evidence, {})
     return req
 
 
 def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
-                    max_steps: int = 5, max_kernels: int = 3) -> Explanation:
+                    max_steps: int = 5, max_kernels: int = 3,
+                    within_s: tuple[float, float] | None = None) -> Explanation:
     """The requests at or above ``quantile`` of e2e latency, explained, slowest first: the
     threshold is the exact value at rank ``ceil(quantile * n)`` of the request root spans'
-    latencies (the store holds every one of them, no sketch)."""
+    latencies (the store holds every one of them, no sketch). ``within_s``: only the
+    requests whose life (root span) overlaps ``[start, end]`` (Unix seconds) count."""
     if not 0.0 <= quantile <= 1.0:
         raise ValueError(f"quantile={quantile} is outside [0, 1]")
     if not 1 <= limit <= 1000:
         raise ValueError(f"limit={limit} is outside [1, 1000]")
+    if within_s is not None and not within_s[0] < within_s[1]:
+        raise ValueError(f"within_s={within_s}: the start must come before the end")
 
     def read(store: TraceStore):
         roots = store.request_roots()
+        if within_s is not None:
+            lo, hi = int(within_s[0] * 1e9), int(within_s[1] * 1e9)
+            roots = [r for r in roots if r.start_time_unix_nano < hi and r.end_time_unix_nano > lo]
         if not roots:
             return Explanation(quantile, None, 0, []), []
         ranked = sorted(roots, key=e2e_of)
         threshold = e2e_of(ranked[max(1, math.ceil(quantile * len(ranked))) - 1])
         chosen = [r for r in reversed(ranked) if e2e_of(r) >= threshold][:limit]
+        sources.timeline.refresh(store)
         config = _stragglers(sources)
-        out = [_explain_one(store, root, max_steps, max_kernels, config) for root in chosen]
-        return Explanation(quantile, threshold, len(roots), [r for r, _ in out]), out
+        out = [_explain_one(store, root, max_steps, max_kernels, sources.timeline, config)
+               for root in chosen]
+        return Explanation(quantile, threshold, len(roots), [r for r, _, _ in out]), out
 
     explanation, requests = sources.store.read(read)
-    for req, step_ids in requests:  # per-SM fallbacks read the aggregator, outside the store lock
+    slots: dict = {}  # per-SM tests per kernel, shared by the requests
+    for req, step_ids, evidence in requests:  # per-SM data is read outside the store lock
         if req.slowest_sm is None:
             req.slowest_sm = _slowest_sm_from_sm_data(sources.sm, req, step_ids)
+        _name_cause(sources.sm, req, evidence, slots)
     return explanation
 
 
@@ -212,8 +247,29 @@ def _rank_figures(attrs: dict, config: StragglerConfig) -> tuple[list | None, li
     return known(compute), known(wait), rank
 
 
+def explain_requests(sources: Sources, roots_of, max_steps: int = 5,
+                     max_kernels: int = 3) -> list[RequestExplanation]:
+    """Explains the request roots ``roots_of(store)`` picks (called under the store's lock)."""
+    def read(store: TraceStore):
+        chosen = roots_of(store)
+        if not chosen:
+            return []
+        sources.timeline.refresh(store)
+        config = _stragglers(sources)
+        return [_explain_one(store, root, max_steps, max_kernels, sources.timeline, config) for root in chosen]
+
+    slots: dict = {}
+    out = []
+    for req, step_ids, evidence in sources.store.read(read):
+        if req.slowest_sm is None:
+            req.slowest_sm = _slowest_sm_from_sm_data(sources.sm, req, step_ids)
+        _name_cause(sources.sm, req, evidence, slots)
+        out.append(req)
+    return out
+
+
 def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernels: int,
-                 stragglers: StragglerConfig) -> tuple[RequestExplanation, set[bytes]]:
+                 timeline, stragglers: StragglerConfig) -> tuple[RequestExplanation, set[bytes], CauseEvidence]:
     trace = store.get(root.trace_id)
     spans = trace.spans if trace else [root]
     totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
@@ -244,7 +300,8 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernel
                                      step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels,
-                                     a.get(sc.STEP_TRACE_REASON), *_rank_figures(a, stragglers)))
+                                     a.get(sc.STEP_TRACE_REASON), _i(a.get(sc.STEP_PREFILL_CACHED_TOKENS)),
+                                     *_rank_figures(a, stragglers)))
     named: dict[int, int] = {}
     for summary in summaries:
         if summary.straggler_rank is not None:
@@ -275,6 +332,7 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernel
     if isinstance(reasons, list):
         reasons = reasons[0] if reasons else None
     model = attrs.get(sc.GEN_AI_REQUEST_MODEL, attrs.get(sc.GEN_AI_RESPONSE_MODEL, "unknown"))
+    evidence = _evidence(root, spans, steps, phases, e2e, str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), timeline)
     return RequestExplanation(
         trace_id=root.trace_id.hex(), span_id=root.span_id.hex(), name=root.name,
         start_time_unix_nano=root.start_time_unix_nano, end_time_unix_nano=root.end_time_unix_nano,
@@ -282,9 +340,91 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernel
         priority=str(attrs.get(sc.REQUEST_PRIORITY, "unknown")), e2e_s=e2e,
         ttft_s=_f(attrs.get(sc.REQUEST_TTFT_S)), tpot_s=_f(attrs.get(sc.REQUEST_TPOT_S)),
         finish_reason=None if reasons is None else str(reasons), phases=phases,
-        steps_total=len(summaries), steps=shown, slowest_kernel=slowest_kernel,
-        slowest_sm=slowest_sm, straggler_rank=request_straggler,
-        straggler_steps=named.get(request_straggler, 0)), {step.span_id for step in steps}
+        prompt_cache=_prompt_cache(attrs, phases.prefill_s), steps_total=len(summaries), steps=shown,
+        slowest_kernel=slowest_kernel,
+        slowest_sm=slowest_sm, instance=root.instance, straggler_rank=request_straggler,
+        straggler_steps=named.get(request_straggler, 0)), {step.span_id for step in steps}, evidence
+
+
+def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan], phases: Phases, e2e: float,
+              priority: str, timeline) -> CauseEvidence:
+    """What the store shows of the request's lifetime (the per-SM part is added later)."""
+    queue = min((s for s in spans if s.name == sc.SPAN_QUEUE), key=lambda s: s.start_time_unix_nano, default=None)
+    start, end = root.start_time_unix_nano, root.end_time_unix_nano
+    arrival = queue.start_time_unix_nano if queue is not None else start
+    left = queue.end_time_unix_nano if queue is not None else arrival + int(phases.queue_s * 1e9)
+    decode = [s.start_time_unix_nano for s in spans if s.name == sc.SPAN_DECODE]
+    decode_from = min(decode) if decode else None
+    usual = timeline.usual(root.instance)
+    interference = 0.0
+    if decode_from is not None:
+        for step in steps:  # its decode steps that also carried prefill tokens
+            record = step.record()
+            prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
+            if record.start_time_unix_nano >= decode_from and prefill > 0:
+                interference += max(0.0, step.duration_s - usual.get("duration", 0.0))
+    window = timeline.window(arrival, end, root.instance)
+    try:
+        rank = float(priority)
+    except ValueError:
+        rank = math.nan
+    return CauseEvidence(
+        e2e_s=e2e, queue_s=phases.queue_s, decode_s=phases.decode_s, priority=priority,
+        queue=timeline.queue_at(root.trace_id, arrival, left, rank, root.instance), steps=window.steps,
+        engine_slowdown=window.slowdown, idle_excess_s=window.idle_excess_s, traced_steps=window.traced,
+        gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
+        interference_s=interference, usual=usual)
+
+
+def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
+                cache: dict) -> tuple[list[dict], float | None, float | None]:
+    """Per-SM evidence of ``[start_s, end_s]``: the SMs the contention tests flagged in the
+    slots overlapping it (attention kernels of ``instance``, when it has any), the median
+    SM's CTA P90 then over its median across the window's slots (median over kernels), and
+    the slowest SM's P90 over the median SM's then. ``cache`` keeps each kernel's tests."""
+    slot_s = sm.window.slot_s
+    keys = [e for e in sm.gpus() if e["instance"] == instance] or sm.gpus()
+    flagged, slowdowns, spreads = [], [], []
+    for e in keys:
+        key = (e["instance"], e["gpu"], e["kernel"])
+        if key not in cache:
+            cache[key] = sm.contention(SmKey(*key), sm.now(), sm.window.horizon_s)
+        levels, mine = [], []
+        for epoch, slot in cache[key]:
+            p90 = slot.p90_s[np.isfinite(slot.p90_s)] if len(slot.p90_s) else slot.p90_s
+            if not p90.size:
+                continue
+            level = float(np.median(p90))
+            levels.append(level)
+            if epoch * slot_s < end_s and (epoch + 1) * slot_s > start_s:
+                mine.append(level)
+                if level > 0:
+                    spreads.append(float(p90.max()) / level)
+                for i in np.flatnonzero(slot.flagged).tolist():
+                    score = float(slot.score[i])
+                    flagged.append({"gpu": e["gpu"], "kernel": e["kernel"], "sm": slot.sms[i],
+                                    "score": score if math.isfinite(score) else None,
+                                    "reasons": slot.reasons(i), "slot_start_unix_s": epoch * slot_s})
+        usual = float(np.median(levels)) if levels else 0.0
+        if mine and usual > 0:
+            slowdowns.append(float(np.median(mine)) / usual)
+    return (flagged, float(np.median(slowdowns)) if slowdowns else None,
+            float(np.median(spreads)) if spreads else None)
+
+
+def _name_cause(sm: SmQuery, req: RequestExplanation, evidence: CauseEvidence, cache: dict) -> None:
+    evidence.contended_sms, evidence.cta_slowdown, evidence.cta_spread = evidence_sm(
+        sm, req.start_time_unix_nano / 1e9, req.end_time_unix_nano / 1e9, req.instance, cache)
+    req.cause = classify(evidence)
+
+
+def _prompt_cache(attrs, prefill_s: float) -> PromptCache | None:
+    """From the server span's input and cache-read token counts; None without both."""
+    prompt, cached = _i(attrs.get(sc.GEN_AI_USAGE_INPUT_TOKENS)), _i(attrs.get(sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS))
+    if prompt is None or cached is None:
+        return None
+    return PromptCache(prompt, cached, prompt - cached, cached / prompt if prompt else None, cached > 0,
+                       prefill_s)
 
 
 def _steps_of(store: TraceStore, trace_id: bytes, spans: list[StoredSpan]) -> list[StoredSpan]:

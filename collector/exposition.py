@@ -5,7 +5,7 @@
 (:mod:`.sm_exposition`), in the format the scraper's Accept header prefers, with one
 OpenMetrics ``# EOF`` at the very end. :class:`AggregatorCollector`: span-derived series as
 classic histograms (re-binned as :class:`~.windows.ClassicHistogram` states), requests seen,
-overflow and refusal counters. Per-SM data, by default: one P99 gauge per (gpu, SM, kernel)
+overflow, eviction and refusal counters, slow requests by the cause explain named. Per-SM data, by default: one P99 gauge per (gpu, SM, kernel)
 and per (gpu, kernel) a hotspot ratio, the hottest SM and a histogram over all SMs; per-SM
 histograms are opt-in (``expose_sm_histograms``). Exemplars appear in OpenMetrics only.
 A scrape reads a snapshot taken block by block (:meth:`.sm_store.SmStore.snapshot`), so
@@ -25,6 +25,7 @@ from prometheus_client.samples import Exemplar as PromExemplar
 
 from ..instrumentation import semconv
 from .gzip_pieces import gzip_join
+from .point_check import POINT_REFUSALS
 from .windows import ClassicHistogram
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class ExpositionSnapshot:
     steps: dict[str, ClassicHistogram]
     overflow: dict[str, int]
     dropped: dict[str, int]
+    evicted: dict[str, int]
     stragglers: dict[str, dict] | None = None   # StragglerSeries.snapshot: per producer
 
 
@@ -125,9 +127,15 @@ class AggregatorCollector:
         overflow = CounterMetricFamily(L.COLLECTOR_SERIES_OVERFLOW_TOTAL,
                                        "Observations folded into an overflow series (cardinality limit).",
                                        labels=[L.LABEL_FAMILY])
+        evicted = CounterMetricFamily(L.COLLECTOR_SERIES_EVICTED_TOTAL,
+                                      "Series let go from a full table after idling past the window horizon.",
+                                      labels=[L.LABEL_FAMILY])
         dropped = CounterMetricFamily(L.COLLECTOR_AGGREGATOR_DROPPED_TOTAL,
                                       "Data points or spans the aggregator refused, by reason.",
                                       labels=[L.LABEL_REASON])
+        causes = CounterMetricFamily(L.COLLECTOR_SLOW_REQUESTS_EXPLAINED,
+                                     "Slow requests the collector explained, by the cause it named.",
+                                     labels=[L.LABEL_CAUSE])
         if snap is not None:
             for (model, priority), series in snap.requests.items():
                 for key in ("ttft", "tpot", "e2e", "queue"):
@@ -144,10 +152,17 @@ class AggregatorCollector:
             # pipeline dashboard) see the first overflow or refusal.
             for family, n in sorted({**dict.fromkeys(OVERFLOW_FAMILIES, 0), **snap.overflow}.items()):
                 overflow.add_metric([family], n)
+            for family, n in sorted({**dict.fromkeys(EVICTED_FAMILIES, 0), **snap.evicted}.items()):
+                evicted.add_metric([family], n)
             for reason, n in sorted({**dict.fromkeys(DROP_REASONS, 0), **snap.dropped}.items()):
                 dropped.add_metric([reason], n)
+            counted = self._aggregator.slow_request_causes()
+            for cause, n in (counted or {}).items():
+                causes.add_metric([cause], n)
         yield from fams.values()
-        yield from (requests_total, kernel, step, overflow, dropped)
+        yield from (requests_total, kernel, step, overflow, evicted, dropped)
+        if snap is None or counted is not None:
+            yield causes
         yield from _straggler_families(snap.stragglers if snap is not None else None)
 
 
@@ -189,8 +204,12 @@ def _straggler_families(producers: dict | None):
     yield from (steps, named, compute, wait, verdict, share)
 
 
+
 OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta", "tp")
-DROP_REASONS = ("malformed_span", "partial_tp_step", "malformed_point", "explicit_bucket_histogram",
-                "unsupported_metric_type", "missing_attributes", "bad_scale", "too_many_buckets",
-                "inconsistent_count", "out_of_range", "late", "sm_series_limit", "cumulative_streams_full",
-                "cumulative_baseline")
+EVICTED_FAMILIES = ("request", "kernel", "sm_cta")
+# Every reason the aggregator refuses a span or point for: each is on /metrics at 0 from the
+# start (tests/collector/test_counting.py checks the list against every reason in the code).
+DROP_REASONS = ("malformed_span", "span_out_of_range", "partial_tp_step", "malformed_point",
+                "explicit_bucket_histogram", "unsupported_metric_type", "unknown_metric", "missing_attributes",
+                "late", "sm_series_limit", "cumulative_streams_full", "cumulative_baseline",
+                "wide_launches_unmatched") + POINT_REFUSALS

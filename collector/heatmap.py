@@ -4,15 +4,15 @@ Two views per (instance, GPU, kernel), read through :class:`~.query.SmQuery`:
 
 * ``time_sm``: rows are SMs, columns are window slots (``slot_s`` each); a cell is the
   P99 CTA duration of that SM in that slot (``None`` when it ran nothing), within the
-  exponential histogram's relative error (``relative_error`` field, 0.54 % at scale 6).
+  exponential histogram's relative error (0.54 % at scale 6), and the contention tests'
+  answer (:mod:`.contention`); an SM flagged starved has a row even if it ran no CTA.
 * ``sm_latency``: rows are SMs, columns are latency buckets; a cell is the exact number
   of CTAs whose duration fell in the bucket. The columns are the SMs' own exponential
   buckets coarsened by whole powers of two until at most ``max_bins`` remain, so every
   count is exact (no interpolation) and bucket ``j`` covers ``(edges[j], edges[j + 1]]``.
 
-Both carry the hotspot summary (:mod:`.hotspot`) over the full-resolution window, and the
-GPU's admission refusal when the collector's limits left some of its series out.
-Cost: one vectorised P99 per slot over the block's SMs.
+Both carry the hotspot summary and the GPU's admission refusal (limits left series out).
+Cost: one vectorised P99 and one contention pass per slot over the block's SMs.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 
 from ..instrumentation import ExpHistogram, relative_error
-from .hotspot import HotspotSummary, hotspots
+from .contention import HotspotSummary, contended_sms, hotspots
 from .query import SmQuery
 from .sm_store import GpuKey, SmKey
 
@@ -52,6 +52,13 @@ class TimeSmHeatmap:
     # per column: slowest SM's P99 / median SM's P99 in that slot (None: no CTAs)
     hotspot_ratio_by_time: list[float | None] = field(default_factory=list)
     refusal: dict | None = None  # the limit that left some of this GPU's series out
+    # per cell: the contention score (None: no test) and what flagged it: "slow", "starved",
+    # "slow+starved" or None (collector/contention.py)
+    contention_score: list[list[float | None]] = field(default_factory=list)  # [sm][time]
+    contention: list[list[str | None]] = field(default_factory=list)  # [sm][time]
+    # SMs flagged in any slot: sm -> {score, reasons, slots_flagged, slots}
+    contended: dict[str, dict] = field(default_factory=dict)
+    num_sms: int = 0  # the GPU's SM count as its data shows it (the share test's S)
     kind: str = "time_sm"
 
     def to_dict(self) -> dict:
@@ -124,22 +131,31 @@ def time_sm(sm: SmQuery, key: SmKey, now_s: float | None = None,
     now_s = sm.now() if now_s is None else now_s
     window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)
     names, scale, cells = sm.slot_cells(key, now_s, window_s)
+    tests = dict(sm.contention(key, now_s, window_s))
+    num_sms = sm.num_sms(GpuKey(key.instance, key.gpu))
     newest = wc.epoch(now_s)
     n = max(1, int(math.ceil(window_s / wc.slot_s)))
     epochs = list(range(newest - n + 1, newest + 1))
     column = {e: i for i, e in enumerate(epochs)}
-    rows = [r for r in sorted(range(len(names)), key=lambda r: _sm_sort_key(names[r]))
-            if any(count[r] for _, _, count, _ in cells)]
-    p99: list[list[float | None]] = [[None] * n for _ in rows]
-    counts = [[0] * n for _ in rows]
-    exemplars: list[list[dict | None]] = [[None] * n for _ in rows]
+    flagged = contended_sms([t for e, t in tests.items() if e in column])
+    # SMs with CTAs in the window, and those flagged starved there (which may have run none)
+    shown = {names[r] for r in range(len(names)) if any(cell[2][r] for cell in cells)} | set(flagged)
+    order = sorted(shown, key=_sm_sort_key)
+    row_of = {sm: i for i, sm in enumerate(order)}
+    block_row = {sm: r for r, sm in enumerate(names)}
+    p99: list[list[float | None]] = [[None] * n for _ in order]
+    counts = [[0] * n for _ in order]
+    exemplars: list[list[dict | None]] = [[None] * n for _ in order]
+    scores: list[list[float | None]] = [[None] * n for _ in order]
+    marks: list[list[str | None]] = [[None] * n for _ in order]
     by_time: list[float | None] = [None] * n
-    for epoch, slot_p99, slot_count, slot_ex in cells:
+    for epoch, slot_p99, slot_count, slot_ex, _ in cells:
         c = column.get(epoch)
         if c is None:
             continue
-        for i, r in enumerate(rows):
-            if slot_count[r]:
+        for i, sm_name in enumerate(order):
+            r = block_row.get(sm_name)
+            if r is not None and slot_count[r]:
                 p99[i][c] = float(slot_p99[r])
                 counts[i][c] = int(slot_count[r])
                 ex = slot_ex[r]
@@ -147,13 +163,23 @@ def time_sm(sm: SmQuery, key: SmKey, now_s: float | None = None,
                     exemplars[i][c] = {"trace_id": bytes(ex["trace_id"]).ljust(16, b"\0").hex(),
                                        "span_id": bytes(ex["span_id"]).ljust(8, b"\0").hex(),
                                        "value_s": float(ex["value"])}
-        by_time[c] = hotspots({names[r]: p99[i][c] for i, r in enumerate(rows) if p99[i][c] is not None}).ratio
+        by_time[c] = hotspots({order[i]: p99[i][c] for i in range(len(order)) if p99[i][c] is not None}).ratio
+        test = tests.get(epoch)
+        for j, sm_name in enumerate(test.sms if test is not None else ()):
+            i = row_of.get(sm_name)
+            if i is None:
+                continue
+            score = float(test.score[j])
+            scores[i][c] = score if math.isfinite(score) else None
+            marks[i][c] = "+".join(test.reasons(j)) or None
     return TimeSmHeatmap(instance=key.instance, gpu=key.gpu, kernel=key.kernel, slot_s=wc.slot_s,
-                         times_unix_s=[e * wc.slot_s for e in epochs], sms=[names[r] for r in rows], p99_s=p99,
+                         times_unix_s=[e * wc.slot_s for e in epochs], sms=order, p99_s=p99,
                          counts=counts, exemplars=exemplars,
                          hotspot=_window_hotspots(sm.histograms(key, now_s, window_s)),
-                         relative_error=relative_error(scale) if rows else 0.0,
-                         hotspot_ratio_by_time=by_time, refusal=_refusal(sm, key))
+                         relative_error=relative_error(scale) if order else 0.0,
+                         hotspot_ratio_by_time=by_time, refusal=_refusal(sm, key),
+                         contention_score=scores, contention=marks,
+                         contended={k: asdict(v) for k, v in flagged.items()}, num_sms=num_sms)
 
 
 def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
@@ -206,6 +232,7 @@ def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
 _VIRIDIS = np.array([(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 37)],
                     dtype=np.float64)
 _EMPTY = (235, 235, 235)
+_SLOW, _STARVED = (214, 39, 40), (31, 119, 180)  # outlines of contended cells, as the page draws them
 
 
 def colour(t: float) -> tuple[int, int, int]:
@@ -257,12 +284,16 @@ def render_png(heatmap: TimeSmHeatmap | SmLatencyHeatmap) -> bytes:
     draw = ImageDraw.Draw(image)
     words = _font(12)  # text with spaces in it; row and scale labels keep the 10 px default
     draw.text((4, 6), title, fill=(0, 0, 0), font=words)
+    marks = heatmap.contention if isinstance(heatmap, TimeSmHeatmap) else []
     for r, row in enumerate(grid):
         y = top + r * cell_h
         for c, v in enumerate(row):
             x = left + c * cell_w
             fill = _EMPTY if v is None else colour((transform(v) - vmin) / span)
-            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=fill)
+            # a contended cell: outlined red (slow) or blue (starved, also when it ran nothing)
+            mark = marks[r][c] if r < len(marks) and c < len(marks[r]) else None
+            outline = None if not mark else _SLOW if "slow" in mark else _STARVED
+            draw.rectangle([x, y, x + cell_w - 1, y + cell_h - 1], fill=fill, outline=outline)
         if rows <= 40 or r % max(1, rows // 20) == 0:
             draw.text((4, y), f"SM {heatmap.sms[r]}", fill=(0, 0, 0))
     bar_x = left + cell_w * max(cols, 1) + 12

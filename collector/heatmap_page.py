@@ -5,7 +5,8 @@
 draws an SVG grid of ``rect.cell`` elements (one per SM x column), a GPU, kernel and
 view selector, and a hover tooltip with the SM, the column (time or latency bucket) and
 the value; a click on a cell opens the trace of the step whose CTA was slowest there
-(``/api/v1/traces/{id}``). The page works opened from disk (``sightline heatmap --out``) or served by
+(``/api/v1/traces/{id}``); cells the contention tests flagged are outlined (slow red, starved
+dashed blue) and the flagged SMs listed. The page works opened from disk (``sightline heatmap --out``) or served by
 ``/api/v1/heatmap.html``. Size: about 40 bytes per cell of JSON; the SVG holds one
 element per cell (132 SMs x 18 slots = 2,376).
 """
@@ -25,6 +26,9 @@ select { font: inherit; }
 #tip { position: fixed; pointer-events: none; background: #222; color: #fff; padding: 4px 6px;
        border-radius: 3px; font-size: 12px; display: none; white-space: pre; }
 rect.cell:hover { stroke: #000; stroke-width: 1; }
+rect.slow { stroke: #d62728; stroke-width: 2; }
+rect.starved { stroke: #1f77b4; stroke-width: 2; stroke-dasharray: 3 2; }
+#contended { margin: 4px 0 8px; color: #444; }
 .axis { font-size: 10px; fill: #333; }
 """
 
@@ -100,6 +104,14 @@ function draw() {
       }
       const score = hs.scores ? hs.scores[d.sms[r]] : undefined;
       if (score !== undefined) e.dataset.value += '\nhotspot score ' + score.toFixed(3);
+      const mark = time && d.contention && d.contention[r] ? d.contention[r][c] : null;
+      if (mark) {
+        // slow: red outline; starved (also when it ran no CTA): dashed blue
+        e.classList.add(...mark.split('+'));
+        const cs = d.contention_score[r][c];
+        e.dataset.value += '\ncontention: ' + mark.replace('+', ' and ') +
+          (cs !== null && cs !== undefined ? ', score ' + cs.toFixed(2) : '');
+      }
       svg.appendChild(e);
     });
     if (rows <= 40 || r % Math.ceil(rows / 20) === 0) {
@@ -145,6 +157,11 @@ function draw() {
   $('summary').textContent = `GPU ${d.gpu} · ${d.kernel} · ${rows} SMs · hotspot ratio ` +
     (hs.ratio ? hs.ratio.toFixed(3) + ' (SM ' + hs.hottest_sm + ')' : '-') +
     ` · quantile error <= ${(100 * d.relative_error).toFixed(2)} %`;
+  const found = Object.values(d.contended || {});
+  $('contended').textContent = !time ? '' : found.length === 0 ? 'contended SMs: none flagged' :
+    'contended SMs (red: slow, dashed blue: starved): ' + found.map(c =>
+      `SM ${c.sm} ${c.reasons.join('+')} in ${c.slots_flagged}/${c.slots} slots` +
+      (c.score !== null ? ` (score ${c.score.toFixed(2)})` : '')).join(', ');
 }
 const tip = $('tip');
 $('grid').addEventListener('mousemove', (ev) => {
@@ -181,6 +198,7 @@ def render_page(heatmaps: list[dict], title: str = "Sightline per-SM heatmaps", 
 <label>kernel <select id="kernel"></select></label>
 <label>view <select id="kind"></select></label></header>
 <div id="summary"></div>
+<div id="contended"></div>
 <svg id="grid" xmlns="http://www.w3.org/2000/svg"></svg>
 <div id="tip"></div>
 <script id="heatmap-data" type="application/json">{payload}</script>

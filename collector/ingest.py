@@ -1,7 +1,8 @@
 """What every ingest receiver shares: limits, refusals, body reading, decompression, JSON.
 
 Guarantees: a body is refused before it costs more than ``max_request_bytes`` on the wire
-and ``max_decompressed_bytes`` once inflated (413); a body that has not arrived within
+and, once inflated, ``max_decompressed_bytes`` or ``max_decompression_ratio`` times its
+wire size (whichever is less, never below ``MIN_INFLATED_BYTES``) (413); a body that has not arrived within
 ``request_timeout_s`` is refused (408) and one whose client went away is counted
 (``client_disconnected``), never logged as an error. Decompression is linear in the body
 (many gzip members included: input is fed in bounded chunks, so no member copies the rest
@@ -23,10 +24,13 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["IngestError", "IngestLimits", "InflightLimit", "content_encoding", "decode_body",
-           "decompress_bounded", "json_depth", "load_json", "read_body", "read_raw"]
+from ..instrumentation import check_range
+
+__all__ = ["MIN_INFLATED_BYTES", "IngestError", "IngestLimits", "InflightLimit", "content_encoding",
+           "decode_body", "decompress_bounded", "inflate", "json_depth", "load_json", "read_body", "read_raw"]
 
 _CHUNK_BYTES = 64 * 1024  # compressed input handed to zlib at a time (bounds unused_data copies)
+MIN_INFLATED_BYTES = 1024 * 1024  # the ratio never refuses a body that inflates to less
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,16 @@ class IngestLimits:
     max_inflight_requests: int = 64
     request_timeout_s: float = 30.0
     max_json_depth: int = 64
+    max_decompression_ratio: int = 200
 
     def __post_init__(self) -> None:
-        if not 2 <= self.max_json_depth <= 512:
-            raise ValueError(f"max_json_depth={self.max_json_depth!r} is outside the allowed range 2..512")
+        check_range("max_json_depth", self.max_json_depth, 2, 512, integer=True)
+        check_range("max_decompression_ratio", self.max_decompression_ratio, 2, 1_000_000, integer=True)
+
+    def inflated_limit(self, raw_bytes: int) -> int:
+        """How large a body of ``raw_bytes`` on the wire may inflate (see the module docstring)."""
+        return min(self.max_decompressed_bytes,
+                   max(MIN_INFLATED_BYTES, raw_bytes * self.max_decompression_ratio))
 
 
 class IngestError(Exception):
@@ -121,13 +131,20 @@ async def decode_body(raw: bytes, encoding: str, limits: IngestLimits, executor)
         return raw
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(executor, decompress_bounded, raw, encoding,
-                                      limits.max_decompressed_bytes)
+                                      limits.inflated_limit(len(raw)))
 
 
 async def read_body(request: web.Request, limits: IngestLimits, executor=None) -> bytes:
     """The request body, decompressed, within both size limits (see the module docstring)."""
     encoding = content_encoding(request)
     return await decode_body(await read_raw(request, limits), encoding, limits, executor)
+
+
+def inflate(raw: bytes, encoding: str, limits: IngestLimits) -> bytes:
+    """``raw`` inflated within ``limits`` (identity: as is); IngestError 413 or 400."""
+    if encoding == "identity":
+        return raw
+    return decompress_bounded(raw, encoding, limits.inflated_limit(len(raw)))
 
 
 def decompress_bounded(raw: bytes, encoding: str, limit: int) -> bytes:
@@ -163,7 +180,8 @@ def _inflate(raw: bytes, wbits: int, limit: int, encoding: str) -> bytes:
         out = decoder.decompress(pending, limit - produced + 1)
         produced += len(out)
         if produced > limit:
-            raise IngestError(413, "too_large", f"decompressed body exceeds the {limit}-byte limit")
+            raise IngestError(413, "too_large", f"decompressed body exceeds the {limit}-byte limit for a "
+                              f"{len(raw)}-byte body")
         parts.append(out)
         if not decoder.eof:
             pending = decoder.unconsumed_tail  # empty: the output limit was not reached

@@ -8,8 +8,9 @@ shutting down (retryable); INTERNAL for a bug, logged rate-limited. Every refusa
 counted in ``sightline_collector_rejected_total`` with its reason; admission, span checks
 and duplicates as for every receiver (:mod:`.admission`).
 
-Cost: the request is parsed exactly once, by us (the methods receive raw bytes), plus one
-pass over the resource/scope lists to count its items.
+Cost: the request is parsed exactly once, by us (the methods receive raw bytes), after a
+compiled walk that counts its messages against the caps (:mod:`.decoding`), plus one pass
+over the resource/scope lists to count its items.
 """
 
 from __future__ import annotations
@@ -17,23 +18,15 @@ from __future__ import annotations
 import logging
 
 import grpc
-from google.protobuf.message import DecodeError
 from google.rpc import code_pb2, error_details_pb2, status_pb2
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-    ExportMetricsServiceResponse,
-)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceResponse
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
 from ..instrumentation import semconv as sc
 from .admission import Intake
 from .auth import TokenAuth
 from .connection_guard import RateLimitedLog
 from .ingest import IngestError
-from .otlp_http import count_data_points, count_spans
 
 __all__ = ["OtlpGrpcReceiver", "TRACE_SERVICE", "METRICS_SERVICE"]
 
@@ -127,17 +120,9 @@ class OtlpGrpcReceiver:
                 raise IngestError(401, "unauthenticated", "missing or wrong bearer token")
             body = await self._one_message(messages, context)
             self._intake.check_room(len(body))  # overloaded: refuse before parsing
-            try:
-                if signal == "traces":
-                    message = ExportTraceServiceRequest.FromString(body)
-                    items = count_spans(message)
-                else:
-                    message = ExportMetricsServiceRequest.FromString(body)
-                    items = count_data_points(message)
-            except (DecodeError, ValueError) as exc:
-                raise IngestError(400, "malformed", f"undecodable {signal} export request: {exc}") from None
-            self._intake.accept(self.receiver, signal, message, items, len(body),
-                                body if signal == "traces" else None)
+            decoded = await self._intake.decode(body, signal)  # capped before it is parsed, off the loop
+            self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
+                                decoded.encoded)
             return
         except IngestError as error:
             refusal = error

@@ -4,18 +4,20 @@ Behaviour (OTLP/HTTP specification 1.x): protobuf (``application/x-protobuf`` or
 ``application/protobuf``) or ``application/json``, ``gzip``, ``deflate`` or identity, else
 415; the response uses the request's encoding (``Export*ServiceResponse``, or a
 ``google.rpc.Status`` on failure). Body limits, timeouts and decompression: :mod:`.ingest`;
-admission, span checks and duplicates: :mod:`.admission`. Undecodable body, JSON nested
-too deep or a bad span id: 400; queue over capacity or too many bodies being decoded: 429
-with ``Retry-After``; shutting down: 503 with ``Retry-After``; bad token: 401; a bug: 500
-INTERNAL, counted ``internal_error`` and logged rate-limited. OTLP/JSON ids are hex strings
-(not base64 as in protobuf's canonical JSON mapping): ``parse_otlp_json`` converts them.
+caps on a request's messages, checked before it is parsed: :mod:`.decoding`; admission,
+span checks and duplicates: :mod:`.admission`. Undecodable body, JSON nested too deep or a
+bad span id: 400; past a size or message cap: 413; queue over capacity or too many bodies
+being decoded: 429 with ``Retry-After``; shutting down: 503 with ``Retry-After``; bad token:
+401; a bug: 500 INTERNAL, counted and logged rate-limited. OTLP/JSON ids are hex strings
+(not base64 as in protobuf's JSON mapping): ``parse_otlp_json`` converts them.
 
-Cost of the hot path (protobuf): one upb parse plus one pass over the resource/scope lists
-to count spans (no span is touched); nothing else reads the message before the aggregator.
+Cost (protobuf): one compiled walk, one upb parse, one pass over the resource/scope lists;
+bodies over ``INLINE_BYTES``, compressed or JSON are decoded on the receiver's decoder threads.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -25,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 from google.protobuf import json_format
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
@@ -41,8 +43,10 @@ from ..instrumentation import semconv as sc
 from .admission import Intake, admit
 from .auth import TokenAuth
 from .connection_guard import RateLimitedLog
-from .ingest import (IngestError, IngestLimits, InflightLimit, content_encoding, decode_body,
-                     decompress_bounded, load_json, read_body, read_raw)
+from .decoding import INLINE_BYTES, Decoded, count_data_points, count_spans, decode_protobuf
+from .ingest import (IngestError, IngestLimits, InflightLimit, content_encoding, decompress_bounded, inflate,
+                     load_json, read_body, read_raw)
+from .request_shape import RequestLimits
 
 __all__ = [
     "Handler",
@@ -66,24 +70,6 @@ PROTOBUF_TYPES = frozenset({"application/x-protobuf", "application/protobuf"})
 JSON_TYPE = "application/json"
 # OTLP/JSON carries these as hex; protobuf's JSON mapping expects base64 for bytes.
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-# -- counting ---------------------------------------------------------------------------
-def count_spans(request: ExportTraceServiceRequest) -> int:
-    """Spans in an export request: lengths of the repeated fields, no span is decoded."""
-    return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
-
-
-def count_data_points(request: ExportMetricsServiceRequest) -> int:
-    """Data points in an export request (all five metric kinds)."""
-    total = 0
-    for rm in request.resource_metrics:
-        for scope in rm.scope_metrics:
-            for metric in scope.metrics:
-                kind = metric.WhichOneof("data")
-                if kind is not None:
-                    total += len(getattr(metric, kind).data_points)
-    return total
 
 
 # -- OTLP/JSON --------------------------------------------------------------------------
@@ -165,7 +151,8 @@ class HttpIngestReceiver:
     ``routes()`` entry, bodies capped at ``max_request_bytes`` by aiohttp itself.
 
     ``_ingest`` is the one request flow both receivers run; a subclass supplies
-    ``_check_content_type``, ``_decode``, ``_ok`` and ``_refusal``."""
+    ``_check_content_type``, ``_decode`` (bounded by ``self._request_limits`` before it
+    parses: it may run on a decoder thread), ``_ok`` and ``_refusal``."""
 
     receiver: str  # the self-metric label, from semconv
 
@@ -176,10 +163,11 @@ class HttpIngestReceiver:
         self._metrics = intake.metrics
         self._auth = auth
         self._limits = limits
+        self._request_limits: RequestLimits = intake.limits
         self._inflight = InflightLimit(limits.max_inflight_requests)
         self._errors = errors or RateLimitedLog(log)
-        # Decompression off the event loop; two threads: one bomb does not hold up the rest.
-        self._inflater = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"sightline-{self.receiver}-inflate")
+        # Decompression and parsing off the event loop; two threads: one bomb does not hold up the rest.
+        self._decoder = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"sightline-{self.receiver}-decode")
 
     def routes(self) -> list[tuple[str, Handler]]:
         """(path, handler) pairs to serve with POST."""
@@ -192,7 +180,7 @@ class HttpIngestReceiver:
         return app
 
     def close(self) -> None:
-        self._inflater.shutdown(wait=False, cancel_futures=True)
+        self._decoder.shutdown(wait=False, cancel_futures=True)
 
     async def _ingest(self, request: web.Request, signal: str, as_json: bool) -> web.Response:
         try:
@@ -208,9 +196,13 @@ class HttpIngestReceiver:
             if not self._inflight.try_enter():
                 raise IngestError(429, "over_capacity", "too many export requests being decoded")
             try:
-                body = await decode_body(raw, encoding, self._limits, self._inflater)
-                message, items, encoded = self._decode(body, signal, as_json)
-                self._intake.accept(self.receiver, signal, message, items, len(body), encoded)
+                if encoding == "identity" and not as_json and len(raw) <= INLINE_BYTES:
+                    decoded = self._decode(raw, signal, as_json)  # cheaper than a thread hop
+                else:
+                    decoded = await asyncio.get_running_loop().run_in_executor(
+                        self._decoder, self._inflate_and_decode, raw, encoding, signal, as_json)
+                self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
+                                    decoded.encoded, decoded.variants)
             finally:
                 self._inflight.leave()
         except IngestError as error:
@@ -227,8 +219,11 @@ class HttpIngestReceiver:
     def _check_content_type(self, request: web.Request) -> None:
         raise NotImplementedError
 
-    def _decode(self, body: bytes, signal: str, as_json: bool) -> tuple[Any, int, bytes | None]:
-        """(request message, spans or data points in it, its protobuf encoding or None)."""
+    def _inflate_and_decode(self, raw: bytes, encoding: str, signal: str, as_json: bool) -> Decoded:
+        return self._decode(inflate(raw, encoding, self._limits), signal, as_json)
+
+    def _decode(self, body: bytes, signal: str, as_json: bool) -> Decoded:
+        """The request ``body`` (decompressed) decoded, or IngestError (thread-safe)."""
         raise NotImplementedError
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
@@ -259,20 +254,19 @@ class OtlpHttpReceiver(HttpIngestReceiver):
                               f"Content-Type {content_type!r} is not application/x-protobuf "
                               "or application/json")
 
-    def _decode(self, body: bytes, signal: str, as_json: bool) -> tuple[Any, int, bytes | None]:
+    def _decode(self, body: bytes, signal: str, as_json: bool) -> Decoded:
+        limits = self._request_limits
+        if not as_json:
+            return decode_protobuf(body, signal, limits)
+        values = limits.check_json(body)
         if signal == "traces":
-            message = self._parse(body, ExportTraceServiceRequest, as_json)
-            return message, count_spans(message), None if as_json else body
-        message = self._parse(body, ExportMetricsServiceRequest, as_json)
-        return message, count_data_points(message), None
-
-    def _parse(self, body: bytes, message_cls: type[Message], as_json: bool) -> Message:
-        if as_json:
-            return parse_otlp_json(body, message_cls, self._limits.max_json_depth)
-        try:
-            return message_cls.FromString(body)
-        except (DecodeError, ValueError) as exc:
-            raise IngestError(400, "malformed", f"body is not a protobuf {message_cls.__name__}: {exc}") from None
+            message = parse_otlp_json(body, ExportTraceServiceRequest, self._limits.max_json_depth)
+            items = count_spans(message)
+        else:
+            message = parse_otlp_json(body, ExportMetricsServiceRequest, self._limits.max_json_depth)
+            items = count_data_points(message)
+        limits.check_items(items, signal)
+        return Decoded(message, items, limits.json_parsed_bytes(len(body), values))
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
         response: Message = ExportTraceServiceResponse() if signal == "traces" else ExportMetricsServiceResponse()

@@ -183,7 +183,7 @@ _F = descriptor_pb2.FieldDescriptorProto
 # bytes object, and a reader decodes (``decode_attribute``) only the ones it wants.
 LeanTraceRequest = lean_trace_request_class("sightline.collector.lean", [
     ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None),
-    ("name", 5, _F.TYPE_STRING, False, None),
+    ("name", 5, _F.TYPE_STRING, False, None), ("kind", 6, _F.TYPE_INT32, False, None),
     ("start_time_unix_nano", 7, _F.TYPE_FIXED64, False, None),
     ("end_time_unix_nano", 8, _F.TYPE_FIXED64, False, None),
     ("attributes", 9, _F.TYPE_BYTES, True, None),  # each an encoded KeyValue

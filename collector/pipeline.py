@@ -3,8 +3,10 @@
 Guarantees:
 - A receiver acknowledges a request only after ``Pipeline.offer`` returned ACCEPTED; from
   then on the batch is either aggregated or counted in ``sightline_collector_dropped_total``
-  (aggregator raised, or the shutdown drain ran past its timeout): nothing acknowledged
-  disappears silently. ``close`` drains everything queued and returns a ``PipelineSummary``.
+  (aggregator raised, or the shutdown drain ran past its timeout, the batch a worker was
+  still aggregating included): nothing acknowledged disappears silently. ``close`` drains
+  everything queued and returns a ``PipelineSummary`` whose acknowledged counts are /metrics'
+  received counts: acknowledged = processed + duplicate + dropped, exactly.
 - Memory: at most ``max_items`` spans+data points and ``max_bytes`` decoded payload bytes
   queued (a single larger batch is admitted into an empty queue, see ``offer``).
 - ``offer`` never blocks: over capacity it answers FULL at once and the receiver turns
@@ -59,7 +61,9 @@ class Batch:
     ``items`` its span or data-point count (counted once, by the receiver);
     ``size_bytes`` the decoded payload size, the queue's memory accounting unit;
     ``encoded`` the protobuf bytes ``request`` was parsed from (None for JSON and Zipkin),
-    handed to the sink so the trace store keeps them instead of encoding the request again.
+    handed to the sink so the trace store keeps them instead of encoding the request again;
+    ``repeats`` the spans acknowledged with it as repeats of spans already admitted (removed
+    from ``request``: a batch of nothing but repeats is counted, never queued).
     """
 
     signal: Signal
@@ -68,6 +72,7 @@ class Batch:
     size_bytes: int
     receiver: str
     encoded: bytes | None = None
+    repeats: int = 0
 
 
 class Admission(enum.Enum):
@@ -80,12 +85,15 @@ class Admission(enum.Enum):
 class PipelineSummary:
     """Totals since start; written as JSON on exit (``--summary-file``) for checking."""
 
+    # acknowledged: what the clients were told was taken, repeats included (the receivers'
+    # *_received_total on /metrics) = processed + duplicate + dropped
     spans_acknowledged: int = 0
     data_points_acknowledged: int = 0
     spans_processed: int = 0  # in batches the aggregator finished without raising
     data_points_processed: int = 0
     spans_aggregated: int = 0  # what the aggregator's consume_* returned
     data_points_aggregated: int = 0
+    spans_duplicate: int = 0  # repeats of spans already admitted (an exporter's retry): kept once
     dropped: int = 0  # acknowledged, then lost (aggregator error / drain timeout)
     acknowledged_by_receiver: dict[str, int] = field(default_factory=dict)
     drained_cleanly: bool = True
@@ -108,6 +116,7 @@ class Pipeline:
         self._bytes = 0
         self._closed = False
         self._busy = 0  # batches taken by workers and not yet finished
+        self._aggregating_items: dict[int, int] = {}  # those batches (by id) and their items: see close
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
         self._idle = threading.Condition(self._lock)
@@ -127,20 +136,23 @@ class Pipeline:
                 return Admission.CLOSED
             # an empty queue admits even a batch larger than max_items, so progress stays
             # possible (request bodies are capped separately: its bytes are still bounded)
-            if self._queue and (self._items + batch.items > self._max_items
-                                or self._bytes + batch.size_bytes > self._max_bytes):
+            if batch.items and self._queue and (self._items + batch.items > self._max_items
+                                                or self._bytes + batch.size_bytes > self._max_bytes):
                 return Admission.FULL
-            self._queue.append(batch)
-            self._items += batch.items
-            self._bytes += batch.size_bytes
+            if batch.items:
+                self._queue.append(batch)
+                self._items += batch.items
+                self._bytes += batch.size_bytes
+                self._not_empty.notify()
             s = self.summary
+            acknowledged = batch.items + batch.repeats
             if batch.signal == "traces":
-                s.spans_acknowledged += batch.items
+                s.spans_acknowledged += acknowledged
+                s.spans_duplicate += batch.repeats
             else:
-                s.data_points_acknowledged += batch.items
+                s.data_points_acknowledged += acknowledged
             by = s.acknowledged_by_receiver
-            by[batch.receiver] = by.get(batch.receiver, 0) + batch.items
-            self._not_empty.notify()
+            by[batch.receiver] = by.get(batch.receiver, 0) + acknowledged
             depth = self._items
         self._metrics.queue_depth.set(depth)
         return Admission.ACCEPTED
@@ -184,8 +196,10 @@ class Pipeline:
     def close(self, timeout_s: float) -> PipelineSummary:
         """Stops admission, drains the queue into the sink, joins the workers.
 
-        Whatever is still queued after ``timeout_s`` is counted as dropped
-        (``shutdown_timeout``) and ``summary.drained_cleanly`` becomes False.
+        Whatever is still queued after ``timeout_s``, and every batch a worker is still
+        aggregating, is counted as dropped (``shutdown_timeout``) and
+        ``summary.drained_cleanly`` becomes False: the summary is final when this returns (a
+        worker that finishes such a batch later counts nothing).
         """
         with self._lock:
             self._closed = True
@@ -197,6 +211,8 @@ class Pipeline:
             left = sum(b.items for b in self._queue)
             self._queue.clear()
             self._items = self._bytes = 0
+            left += sum(self._aggregating_items.values())
+            self._aggregating_items.clear()  # abandoned: their workers will count nothing
             if left or any(t.is_alive() for t in self._threads):
                 self.summary.drained_cleanly = False
             self.summary.dropped += left
@@ -219,6 +235,7 @@ class Pipeline:
                 self._items -= batch.items
                 self._bytes -= batch.size_bytes
                 self._busy += 1
+                self._aggregating_items[id(batch)] = batch.items
                 depth = self._items
             self._metrics.queue_depth.set(depth)
             self._process(batch)
@@ -239,12 +256,16 @@ class Pipeline:
                 counted = self._sink.consume_metrics(batch.request)
         except Exception:  # the aggregator's bug must not kill the worker
             log.exception("aggregator failed on a %s batch of %d items", batch.signal, batch.items)
-            self._metrics.dropped("aggregator_error", batch.items)
             with self._lock:
+                if self._aggregating_items.pop(id(batch), None) is None:
+                    return  # counted by close(): the drain gave up on it
                 self.summary.dropped += batch.items
+            self._metrics.dropped("aggregator_error", batch.items)
             return
         self._metrics.processed(batch.signal, time.perf_counter() - started)
         with self._lock:
+            if self._aggregating_items.pop(id(batch), None) is None:
+                return  # counted by close() as dropped: the summary was final already
             s = self.summary
             if batch.signal == "traces":
                 s.spans_processed += batch.items

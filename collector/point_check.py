@@ -20,12 +20,16 @@ import numpy as np
 
 from ..instrumentation import MAX_SCALE, MIN_SCALE
 
-__all__ = ["MAX_POINT_BUCKETS", "MAX_POINT_COUNT", "PointRefused", "check_exp_point", "exact_total"]
+__all__ = ["MAX_POINT_BUCKETS", "MAX_POINT_COUNT", "POINT_REFUSALS", "PointRefused", "check_exp_point",
+           "exact_total"]
 
 MAX_POINT_BUCKETS = 16_384
 # 2**40 CTAs (~1.1e12) in one point is far past any real export interval, and leaves 2**23
 # such points of headroom before an int64 merged count could wrap.
 MAX_POINT_COUNT = 2 ** 40
+# every PointRefused reason (out_of_range: raised by otlp_points for durations past any real one)
+POINT_REFUSALS = ("bad_scale", "too_many_buckets", "count_overflow", "inconsistent_count", "bad_sum",
+                  "bad_exemplar", "out_of_range")
 _LOW32 = np.uint64(0xFFFFFFFF)
 _SHIFT32 = np.uint64(32)
 

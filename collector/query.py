@@ -2,7 +2,8 @@
 
 :class:`SmQuery` is the per-SM data (implemented by :class:`~.sm_store.SmStore`);
 :class:`TraceQuery` the recent-trace store (:class:`~.trace_store.TraceStore`);
-:class:`Sources` is anything holding both (the :class:`~.aggregator.Aggregator`).
+:class:`Sources` is anything holding both and an engine timeline (the
+:class:`~.aggregator.Aggregator`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 if TYPE_CHECKING:
     from ..instrumentation import ExpHistogram
     from .aggregation_config import WindowConfig
+    from .contention import SlotContention
+    from .engine_timeline import EngineTimeline
     from .sm_store import GpuKey, Refusal, SmKey
     from .trace_store import TraceStore
     from .windows import Exemplar
@@ -35,6 +38,8 @@ class SmQuery(Protocol):
 
     def refusals(self) -> dict[GpuKey, Refusal]: ...
 
+    def refusals_of(self, gpu: str, instance: str | None = None, limit: int = 8) -> list[tuple[GpuKey, Refusal]]: ...
+
     def histograms(self, key: SmKey, now_s: float, last_s: float) -> dict[str, ExpHistogram]: ...
 
     def histograms_between(self, start_s: float, end_s: float) -> dict[SmKey, dict[str, ExpHistogram]]: ...
@@ -42,6 +47,10 @@ class SmQuery(Protocol):
     def slot_cells(self, key: SmKey, now_s: float, last_s: float) -> tuple: ...
 
     def exemplar_for_spans(self, span_ids: set[bytes]) -> tuple[SmKey, str, Exemplar] | None: ...
+
+    def num_sms(self, key: GpuKey) -> int: ...
+
+    def contention(self, key: SmKey, now_s: float, last_s: float) -> list[tuple[int, SlotContention]]: ...
 
 
 class TraceQuery(Protocol):
@@ -51,3 +60,4 @@ class TraceQuery(Protocol):
 class Sources(Protocol):
     store: TraceQuery
     sm: SmQuery
+    timeline: EngineTimeline  # read and refreshed only inside ``store.read``

@@ -6,7 +6,7 @@ and never imports numpy or protobuf); each handler imports what it needs.
 * ``sightline heatmap --url http://127.0.0.1:8889 --out DIR``: every (gpu, kernel) with
   per-SM data, both views, as JSON and PNG, plus one interactive ``index.html``.
 * ``sightline explain --url ... --quantile 0.99 --limit 5``: the slowest requests, with
-  their phases, steps, kernels and slowest SM (``--json`` for the raw answer).
+  their cause, phases, steps, kernels and slowest SM (``--json`` for the raw answer).
 * ``sightline replay FILE [--collector http://127.0.0.1:4318] [--speed 1]``: feeds a
   capture to a running collector's OTLP/HTTP port, or (without ``--collector``) to an
   in-process aggregator and prints what it found (``--out DIR`` writes its heatmaps).
@@ -46,6 +46,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     explain.add_argument("--limit", type=int, default=5, help="at most this many requests (default %(default)s)")
     explain.add_argument("--trace-id", default=None, help="explain this one request (32 hex digits), "
                                                           "e.g. from a Prometheus exemplar")
+    explain.add_argument("--between", default=None, metavar="START,END",
+                         help="only requests that lived between these Unix times (seconds)")
     explain.add_argument("--json", action="store_true", help="print the API's JSON instead of text")
     explain.set_defaults(handler=_explain)
 
@@ -122,17 +124,26 @@ def format_explanation(result: dict) -> str:
     for r in result["requests"]:
         p = r["phases"]
         lines.append(f"\ntrace {r['trace_id']}  {r['name']}  model={r['model']} priority={r['priority']}")
+        cause = r.get("cause")
+        if cause:
+            lines.append(f"  cause: {cause['name']}: {cause['summary']}")
+            lines.append(f"    compared with: {cause['compared_with']}")
         lines.append(f"  e2e {ms(r['e2e_s'])}  ttft {ms(r['ttft_s'])}  tpot {ms(r['tpot_s'])}  "
                      f"finish={r['finish_reason']}")
         lines.append(f"  phases: queue {ms(p['queue_s'])}  prefill {ms(p['prefill_s'])}  "
                      f"decode {ms(p['decode_s'])}  other {ms(p['other_s'])}")
+        cache = r.get("prompt_cache")
+        if cache:
+            lines.append(_prompt_cache_line(cache, ms))
         lines.append(f"  steps ridden: {r['steps_total']} (slowest shown)")
         for s in r["steps"]:
             note = ""
             if s.get("kernel_trace_reason"):
                 note += f"  [kernels traced: {s['kernel_trace_reason']}]"
+            cached = s.get("prefill_cached_tokens")
+            cached = f" prefill_cached_tokens={cached}" if cached else ""
             lines.append(f"    step {s['step_id']}  {ms(s['duration_s'])}  batch={s['batch_size']}  "
-                         f"prefill_tokens={s['prefill_tokens']} decode_tokens={s['decode_tokens']}{note}")
+                         f"prefill_tokens={s['prefill_tokens']}{cached} decode_tokens={s['decode_tokens']}{note}")
             for k in s["kernels"]:
                 sm = f"  slowest SM {k['slowest_sm']}" if k["slowest_sm"] is not None else ""
                 lines.append(f"      {k['name'][:70]}  gpu {k['gpu']}  {k['duration_s'] * 1e6:.1f} us{sm}")
@@ -145,6 +156,15 @@ def format_explanation(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _prompt_cache_line(cache: dict, ms) -> str:
+    """The prompt's prefix cache outcome and what computing its uncached part took."""
+    computed = f"{cache['computed_tokens']} computed in prefill {ms(cache['prefill_s'])}"
+    if not cache["hit"]:
+        return f"  prompt: {cache['prompt_tokens']} tokens, prefix cache miss: {computed}"
+    return (f"  prompt: {cache['prompt_tokens']} tokens, {cache['cached_tokens']} from the prefix cache "
+            f"({cache['cached_ratio']:.0%}), {computed}")
+
+
 def _explain(args: argparse.Namespace) -> int:
     if args.trace_id:
         query = urllib.parse.urlencode({"trace_id": args.trace_id})
@@ -152,8 +172,11 @@ def _explain(args: argparse.Namespace) -> int:
         result = {"quantile": None, "threshold_s": None, "requests_considered": 1, "requests": [one]}
         print(json.dumps(one, indent=2) if args.json else format_explanation(result))
         return 0
-    query = urllib.parse.urlencode({"quantile": args.quantile, "limit": args.limit})
-    result = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{query}"))
+    params = {"quantile": args.quantile, "limit": args.limit}
+    if args.between:
+        start, _, end = args.between.partition(",")
+        params.update(start_unix_s=start, end_unix_s=end)
+    result = json.loads(_get(f"{args.url.rstrip('/')}/api/v1/explain?{urllib.parse.urlencode(params)}"))
     print(json.dumps(result, indent=2) if args.json else format_explanation(result))
     return 0
 

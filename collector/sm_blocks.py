@@ -8,8 +8,8 @@ Accuracy: a quantile is the value at rank ``ceil(q * count)`` within
 ``relative_error(scale)`` (0.54 % at scale 6); a slot whose SMs span more than
 ``max_buckets`` buckets halves the block's resolution, and ``scale`` says so.
 Memory per SM: ``detail_slots * width * 4`` bytes of counts (``width``: buckets the
-block's SMs span in a slot) plus ``num_slots * 64`` bytes of per-slot summaries (P99,
-count, slowest exemplar), which is all that older slots keep.
+block's SMs span in a slot) plus ``num_slots * 80`` bytes of per-slot summaries (P99,
+count, slowest exemplar, the contention tests' evidence), which is all that older slots keep.
 Not thread-safe: the owner (:class:`~.sm_store.SmStore`) holds its lock around each call.
 """
 
@@ -18,11 +18,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..instrumentation import ExpHistogram
+from .contention import REFERENCE_QUANTILE, SlotEvidence, slot_evidence
 from .windows import ClassicHistogram, Exemplar
 
 __all__ = ["SmBlock", "quantiles"]
 
-_ROW_STEP = 16  # SM rows added at a time
+_ROW_STEP = 16  # SM rows added at least at a time
 _EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
 
 
@@ -55,7 +56,7 @@ def _rebin(counts: np.ndarray, offset: int, shift: int) -> tuple[np.ndarray, int
 class _Detail:
     """One slot's full-resolution buckets of every SM row."""
 
-    __slots__ = ("epoch", "offset", "counts", "zeros", "sums", "minimum", "maximum")
+    __slots__ = ("epoch", "offset", "counts", "zeros", "sums", "minimum", "maximum", "evidence")
 
     def __init__(self, epoch: int, rows: int) -> None:
         self.epoch = epoch
@@ -65,6 +66,7 @@ class _Detail:
         self.sums = np.zeros(rows)
         self.minimum = np.full(rows, np.inf)
         self.maximum = np.full(rows, -np.inf)
+        self.evidence: SlotEvidence | None = None  # kept until the slot is written again
 
 
 class SmBlock:
@@ -86,6 +88,11 @@ class SmBlock:
         self.s_p99 = np.zeros((num_slots, 0))
         self.s_count = np.zeros((num_slots, 0), dtype=np.int64)
         self.s_ex = np.zeros((num_slots, 0), dtype=_EX_DTYPE)
+        # what collector/contention.py tests, kept when a slot's buckets are let go
+        self.s_exceed = np.zeros((num_slots, 0), dtype=np.int64)
+        self.s_q = np.zeros((num_slots, 0))  # own reference quantile
+        self.s_others_q = np.zeros((num_slots, 0))
+        self.s_wide = np.full(num_slots, -1, dtype=np.int64)  # CTAs of wide launches (-1: not told)
         self.total = np.zeros(0, dtype=np.int64)  # CTAs per SM since the block began
         self.classic = ClassicHistogram(bounds)  # all SMs together
         self.classic_sm: list[ClassicHistogram] | None = [] if per_sm_classic else None
@@ -100,8 +107,9 @@ class SmBlock:
             r = self.rows[sm] = len(self.sms)
             self.sms.append(sm)
             if r >= self._cap:
-                # linear steps: a GPU's SM count is small and fixed, doubling would waste up to half
-                self._grow(self._cap + _ROW_STEP)
+                # half as many again (at least _ROW_STEP): each row's arrays are copied O(1)
+                # times amortised however many SM ids arrive; at most a third of them unused
+                self._grow(self._cap + max(_ROW_STEP, self._cap // 2))
             if self.classic_sm is not None:
                 self.classic_sm.append(ClassicHistogram(self._bounds))
         return r
@@ -123,6 +131,8 @@ class SmBlock:
         self.s_count = wider(self.s_count, 0, 1)
         self.s_ex = np.concatenate([self.s_ex, np.zeros((self.num_slots, extra), dtype=_EX_DTYPE)], axis=1)
         self.s_ex["value"][:, self._cap:] = np.nan
+        self.s_exceed = wider(self.s_exceed, 0, 1)
+        self.s_q, self.s_others_q = wider(self.s_q, np.nan, 1), wider(self.s_others_q, np.nan, 1)
         self.total = wider(self.total, 0, 0)
         self._cap = cap
 
@@ -139,6 +149,7 @@ class SmBlock:
         if finest < self.scale:
             self._downscale(self.scale - finest)
         detail = self._slot(epoch)
+        detail.evidence = None
         added = self._add_buckets(detail, rows, hists)
         rows_a = np.asarray(rows, dtype=np.int64)
         count = np.array([h.count for h in hists], dtype=np.int64)
@@ -166,39 +177,51 @@ class SmBlock:
                                           zero_count=int(zeros.sum()), count=int(count.sum()),
                                           sum=float(sums.sum())), slowest)
 
+    def add_wide(self, epoch: int, ctas: int) -> bool:
+        """Adds CTAs of wide launches (semconv.METRIC_CTA_WIDE) to slot ``epoch``; False
+        when the block holds no such slot (its CTAs never arrived, or it was let go)."""
+        s = epoch % self.num_slots
+        if self.s_epoch[s] != epoch:
+            return False
+        self.version += 1
+        self.s_wide[s] = max(0, self.s_wide[s]) + ctas
+        return True
+
     def _add_buckets(self, detail: _Detail, rows: list[int],
                      hists: list[ExpHistogram]) -> tuple[int, np.ndarray] | None:
-        """Adds the points' buckets to ``detail`` with one bincount; returns the batch
-        summed over SMs as ``(offset, counts)`` at the block's scale (None: no buckets)."""
+        """Adds the points' buckets to ``detail``; returns the batch summed over SMs as
+        ``(offset, counts)`` at the block's scale (None: no buckets). Cost: O(buckets in the
+        batch + rows it touches x width), whatever the block's size."""
+        with_buckets = [(r, h) for r, h in zip(rows, hists) if h.counts.size]
+        if not with_buckets:
+            return None
+        sizes = np.array([h.counts.size for _, h in with_buckets])
+        starts = np.cumsum(sizes) - sizes
+        # every bucket's index at its point's scale, then (a right shift) at the block's
+        index = (np.repeat([h.offset for _, h in with_buckets], sizes) + np.arange(int(sizes.sum()))
+                 - np.repeat(starts, sizes))
+        point_scales = np.repeat([h.scale for _, h in with_buckets], sizes)
+        values = np.concatenate([h.counts for _, h in with_buckets]).astype(np.float64)
+        point_rows = np.repeat([r for r, _ in with_buckets], sizes)
         while True:
-            at_scale = []  # (row, offset, counts) at the block's scale
-            for r, h in zip(rows, hists):
-                if h.counts.size:
-                    counts, offset = _rebin(h.counts[None, :], h.offset, h.scale - self.scale)
-                    at_scale.append((r, offset, counts[0]))
-            if not at_scale:
-                return None
-            lo = min(o for _, o, _ in at_scale)
-            hi = max(o + c.size for _, o, c in at_scale)
+            at_scale = index >> (point_scales - self.scale)
+            lo, hi = int(at_scale.min()), int(at_scale.max()) + 1
             if detail.counts.shape[1]:
                 lo, hi = min(lo, detail.offset), max(hi, detail.offset + detail.counts.shape[1])
             if hi - lo <= self.max_buckets:
                 break
             self._downscale(1)
-        n, width = self._cap, hi - lo
+        width = hi - lo
         if (lo, width) != (detail.offset, detail.counts.shape[1]):
-            grown = np.zeros((n, width), dtype=np.uint32)
+            grown = np.zeros((self._cap, width), dtype=np.uint32)
             if detail.counts.shape[1]:
                 start = detail.offset - lo
                 grown[:, start:start + detail.counts.shape[1]] = detail.counts
             detail.counts, detail.offset = grown, lo
-        sizes = np.array([c.size for _, _, c in at_scale])
-        firsts = np.array([r * width + o - lo for r, o, _ in at_scale])
-        # flat index of every bucket: its point's first index + its place in the point
-        idx = np.repeat(firsts, sizes) + np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        values = np.concatenate([c for _, _, c in at_scale]).astype(np.float64)
-        added = np.bincount(idx, weights=values, minlength=n * width).reshape(n, width)
-        detail.counts += added.astype(np.uint32)
+        touched, local = np.unique(point_rows, return_inverse=True)
+        added = np.bincount(local * width + (at_scale - lo), weights=values,
+                            minlength=touched.size * width).reshape(touched.size, width)
+        detail.counts[touched] += added.astype(np.uint32)
         return lo, added.sum(axis=0).astype(np.int64)
 
     def _slot(self, epoch: int) -> _Detail:
@@ -216,15 +239,28 @@ class SmBlock:
                 self.s_count[s] = 0
                 self.s_ex[s] = np.zeros(self._cap, dtype=_EX_DTYPE)
                 self.s_ex["value"][s] = np.nan
+                self.s_exceed[s], self.s_q[s], self.s_others_q[s] = 0, np.nan, np.nan
+                self.s_wide[s] = -1
         if epoch > self.newest_epoch:
             self.newest_epoch = epoch
         return d
 
     def _summarise(self, d: _Detail) -> None:
-        """Keeps only a leaving detail slot's per-SM P99 (its count and exemplar are kept)."""
+        """Keeps only a leaving detail slot's per-SM P99 and contention evidence (its count
+        and exemplar are kept)."""
         s = d.epoch % self.num_slots
         if self.s_epoch[s] == d.epoch:
             self.s_p99[s] = self._p99(d)
+            e = self._evidence(d)
+            self.s_exceed[s], self.s_q[s], self.s_others_q[s] = e.exceed, e.own_q, e.others_q
+
+    def _evidence(self, d: _Detail) -> SlotEvidence:
+        """The slot's contention evidence, kept until it is written again (a scrape then
+        computes it only for the slots written since the last one)."""
+        if d.evidence is None or len(d.evidence.ctas) != d.counts.shape[0]:
+            own_q = quantiles(self.scale, d.offset, d.counts, d.zeros, d.minimum, d.maximum, REFERENCE_QUANTILE)
+            d.evidence = slot_evidence(self.scale, d.offset, d.counts, d.zeros, d.minimum, d.maximum, own_q)
+        return d.evidence
 
     def _p99(self, d: _Detail) -> np.ndarray:
         return quantiles(self.scale, d.offset, d.counts, d.zeros, d.minimum, d.maximum, 0.99)
@@ -233,6 +269,7 @@ class SmBlock:
         for d in self._detail:
             if d is not None:
                 d.counts, d.offset = _rebin(d.counts, d.offset, shift)
+                d.evidence = None
         self.scale -= shift
 
     # -- reading --------------------------------------------------------------------
@@ -290,21 +327,34 @@ class SmBlock:
                                        max=float(merged.maximum[r]))
         return out
 
-    def slot_cells(self, first_epoch: int, last_epoch: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """``(epoch, p99 per SM, count per SM, exemplar per SM)`` of each slot in the range
-        with CTAs, oldest first (full-resolution slots answer their exact P99)."""
-        out = []
+    def _slots(self, first_epoch: int, last_epoch: int) -> list[tuple[int, int, _Detail | None]]:
+        """``(epoch, ring position, detail slot or None)`` of each slot in the range, oldest first."""
         details = {d.epoch: d for d in self._details(first_epoch, last_epoch)}
+        return [(int(self.s_epoch[s]), int(s), details.get(int(self.s_epoch[s])))
+                for s in np.argsort(self.s_epoch) if first_epoch <= self.s_epoch[s] <= last_epoch]
+
+    def _slot_evidence(self, s: int, d: _Detail | None) -> SlotEvidence:
         n = len(self.sms)
-        for s in np.argsort(self.s_epoch):
-            epoch = int(self.s_epoch[s])
-            if not first_epoch <= epoch <= last_epoch:
-                continue
-            d = details.get(epoch)
-            p99 = self._p99(d)[:n] if d is not None else self.s_p99[s, :n]
-            out.append((epoch, p99, self.s_count[s, :n], self.s_ex[s, :n]))
-        return out
+        wide = int(self.s_wide[s]) if self.s_wide[s] >= 0 else None
+        if d is not None:
+            e = self._evidence(d)
+            return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide)
+        return SlotEvidence(self.s_count[s, :n].copy(), self.s_exceed[s, :n].copy(), self.s_q[s, :n].copy(),
+                            self.s_others_q[s, :n].copy(), wide)
+
+    def slot_evidence(self, first_epoch: int, last_epoch: int) -> list[tuple[int, SlotEvidence]]:
+        """``(epoch, contention evidence)`` of each slot in the range with CTAs, oldest first."""
+        return [(epoch, self._slot_evidence(s, d)) for epoch, s, d in self._slots(first_epoch, last_epoch)]
+
+    def slot_cells(self, first_epoch: int, last_epoch: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray,
+                                                                          SlotEvidence]]:
+        """``(epoch, p99 per SM, count per SM, exemplar per SM, contention evidence)`` of each
+        slot in the range with CTAs, oldest first (full-resolution slots answer their exact P99)."""
+        n = len(self.sms)
+        return [(epoch, self._p99(d)[:n] if d is not None else self.s_p99[s, :n], self.s_count[s, :n],
+                 self.s_ex[s, :n], self._slot_evidence(s, d)) for epoch, s, d in self._slots(first_epoch, last_epoch)]
 
     def nbytes(self) -> int:
         total = sum(d.counts.nbytes + 24 * d.zeros.size for d in self._detail if d is not None)
-        return total + self.s_p99.nbytes + self.s_count.nbytes + self.s_ex.nbytes + self.total.nbytes
+        return (total + self.s_p99.nbytes + self.s_count.nbytes + self.s_ex.nbytes + self.total.nbytes
+                + self.s_exceed.nbytes + self.s_q.nbytes + self.s_others_q.nbytes + self.s_wide.nbytes)

@@ -2,8 +2,9 @@
 
 :class:`SmPage` writes what grows with the fleet, from :class:`~.sm_store.BlockSnapshot`s:
 per (gpu, SM, kernel) the P99 gauge and, opt-in, the CTA-duration histogram; per (gpu,
-kernel) the hotspot ratio, the hottest SM and the histogram over all SMs; the GPU and kernel
-info gauges. Labels are escaped once per block and values formatted in one pass over its
+kernel) the hotspot ratio, the hottest SM, the SMs the contention tests flagged (by reason)
+and the histogram over all SMs; per flagged SM only, its contention score; the GPU and
+kernel info gauges. Labels are escaped once per block and values formatted in one pass over its
 numpy row; each block's lines are kept until its data or its gauge window changes.
 Guarantee: the Prometheus text format 0.0.4, or OpenMetrics 1.0 (exemplars on histogram
 buckets, no ``# EOF``: the caller ends the page), as ``prometheus_client``'s parsers read
@@ -21,7 +22,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from ..instrumentation import semconv as sc
-from .hotspot import hottest_sm
+from .contention import hottest_sm
 from .gzip_pieces import deflate_piece
 from .sm_store import BlockSnapshot, SmKey, SmStore, gpu_label, kernel_label
 from .windows import ClassicHistogram
@@ -71,6 +72,8 @@ class _Lines(NamedTuple):
     p99: bytes
     hot_ratio: bytes
     hot_sm: bytes
+    contended: bytes
+    contention_score: bytes
     gpu_histogram: bytes
     sm_histogram: bytes | None
 
@@ -91,6 +94,13 @@ def _block_lines(snap: BlockSnapshot, gpu: str, kernel: str, openmetrics: bool) 
         hot_ratio = f"{sc.COLLECTOR_SM_HOTSPOT_RATIO}{{{per_gpu}}} {_number(ratio)}\n"
         if hottest.isdigit():
             hot_sm = f"{sc.COLLECTOR_SM_HOTTEST}{{{per_gpu}}} {float(int(hottest))!r}\n"
+    found = snap.contended or {}
+    contended = "".join(f'{sc.COLLECTOR_SM_CONTENDED}{{{per_gpu},{sc.LABEL_REASON}="{reason}"}} '
+                        f"{float(sum(reason in c.reasons for c in found.values()))!r}\n"
+                        for reason in sc.CONTENTION_REASONS)
+    score_prefix = f'{sc.COLLECTOR_SM_CONTENTION_SCORE}{{{per_gpu},{sc.LABEL_SM}="'
+    scores = "".join(f'{score_prefix}{escape_label_value(sm)}"}} {c.score:.6g}\n'
+                     for sm, c in sorted(found.items(), key=lambda kv: _sm_order(kv[0])) if c.score is not None)
     h = snap.classic
     les = [repr(float(x)) for x in h.bounds] + ["+Inf"]
     gpu_hist = "".join(_histogram_lines(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, per_gpu, h, les, openmetrics))
@@ -102,7 +112,12 @@ def _block_lines(snap: BlockSnapshot, gpu: str, kernel: str, openmetrics: bool) 
             les = les or [repr(float(x)) for x in h.bounds] + ["+Inf"]
             parts.extend(_histogram_lines(name, f'{per_gpu},{sc.LABEL_SM}="{sm}"', h, les, openmetrics))
         sm_hist = "".join(parts).encode()
-    return _Lines(snap.stamp, p99.encode(), hot_ratio.encode(), hot_sm.encode(), gpu_hist.encode(), sm_hist)
+    return _Lines(snap.stamp, p99.encode(), hot_ratio.encode(), hot_sm.encode(), contended.encode(),
+                  scores.encode(), gpu_hist.encode(), sm_hist)
+
+
+def _sm_order(sm: str) -> tuple:
+    return (0, int(sm), sm) if sm.isdigit() else (1, 0, sm)
 
 
 _P99, _GPU_HISTOGRAM, _SM_HISTOGRAM = _Lines._fields.index("p99"), _Lines._fields.index("gpu_histogram"), \
@@ -170,6 +185,13 @@ class SmPage:
                *small(b.hot_ratio for b in blocks),
                (_header(sc.COLLECTOR_SM_HOTTEST, "gauge", "The SM with the largest P99 CTA duration (its number)."), None),
                *small(b.hot_sm for b in blocks),
+               (_header(sc.COLLECTOR_SM_CONTENDED, "gauge",
+                        "SMs flagged slow or starved against the kernel's other SMs in a slot of the gauge window."),
+                None),
+               *small(b.contended for b in blocks),
+               (_header(sc.COLLECTOR_SM_CONTENTION_SCORE, "gauge",
+                        "Per flagged SM: max(its P90 / the other SMs' P90, expected CTAs / its CTAs)."), None),
+               *small(b.contention_score for b in blocks),
                (_header(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, "histogram",
                         "Duration of each attention CTA, all SMs of a GPU together."), None),
                *big(_GPU_HISTOGRAM),

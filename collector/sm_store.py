@@ -7,9 +7,9 @@ One :class:`~.sm_blocks.SmBlock` holds the SMs of one (instance, gpu, kernel).
 
 Admission is fair per GPU: at most ``max_gpus`` GPUs; ``max_sm_series`` is shared equally
 among the GPUs present, a kernel is admitted whole or not at all, and when a new GPU
-arrives, GPUs over their new share give back their latest kernels. Every refused series is
-counted once in ``overflow["sm_cta"]``, its points in ``dropped``; :meth:`refusal` names
-the limit. CUMULATIVE points become deltas against the stream's previous point; a stream
+arrives, GPUs over their new share give back their latest kernels. Every refused point is
+counted in ``overflow["sm_cta"]`` and in ``dropped``; :meth:`refusal` names the limit
+(:mod:`.sm_refusals`: a bounded table that ages out). CUMULATIVE points become deltas against the stream's previous point; a stream
 whose state was let go (idle past the horizon) restarts as a baseline, never re-counted.
 A lock not held while an export's points are read, and taken per block for the merges;
 queries copy out.
@@ -30,21 +30,17 @@ import numpy as np
 from ..instrumentation import semconv as sc
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig
+from .contention import ContendedSm, SlotContention, assess, contended_sms
 from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
                           resource_instance)
 from .sm_blocks import SmBlock
+from .sm_refusals import GpuKey, Refusal, RefusedGpus
 from .windows import ClassicHistogram, Exemplar, subtract_cumulative
 
 __all__ = ["BlockSnapshot", "GpuKey", "Refusal", "SmKey", "SmStore", "gpu_label", "kernel_label"]
 
 _CUMULATIVE = 2  # AggregationTemporality.AGGREGATION_TEMPORALITY_CUMULATIVE
 _YIELD_BLOCKS = 32  # a snapshot lets waiting queries in after this many blocks
-_MAX_REFUSED_TRACKED = 100_000  # distinct refused series remembered (for counting in series)
-
-
-class GpuKey(NamedTuple):
-    instance: str
-    gpu: str
 
 
 def _count(counts: dict[str, int], reason: str, n: int = 1) -> None:
@@ -70,14 +66,6 @@ class SmKey(NamedTuple):
     kernel: str
 
 
-class Refusal(NamedTuple):
-    """Why per-SM data of a GPU is (partly) missing: the limit, its value, what it refused."""
-
-    limit: str
-    value: int
-    refused_series: int
-
-
 class BlockSnapshot(NamedTuple):
     """What the exposition reads of one block (copies). ``stamp`` is equal for two snapshots
     of a block exactly when the rest is; a snapshot of a block the reader already holds
@@ -90,6 +78,8 @@ class BlockSnapshot(NamedTuple):
     p99_s: np.ndarray | None  # per SM over the gauge window (NaN: no CTAs)
     classic: ClassicHistogram | None  # all SMs together, since the start
     classic_sm: list[ClassicHistogram] | None  # per SM (opt-in)
+    # SMs the contention tests flagged in any slot of the gauge window (collector/contention.py)
+    contended: dict[str, ContendedSm] | None = None
 
     @property
     def current(self) -> bool:
@@ -106,31 +96,32 @@ def _exemplar(cell) -> Exemplar | None:
 
 
 class _Gpu:
-    __slots__ = ("index", "blocks", "series")
+    __slots__ = ("index", "blocks", "series", "sm_count")
 
     def __init__(self, index: str) -> None:
         self.index = index  # gpu.id
         self.blocks: OrderedDict[str, SmBlock] = OrderedDict()  # kernel -> block, in admission order
         self.series = 0
+        self.sm_count = 0  # as its producer declares it (METRIC_CTA_WIDE), 0 when not
 
 
 class SmStore:
     """See the module docstring. ``overflow`` and ``dropped`` are the owner's counters."""
 
     def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], evicted: dict[str, int] | None = None) -> None:
         self.config = config
         self.now = clock
         wc = self.window = self._wc = config.window
         self._expired_epoch = wc.epoch(clock())
         self.detail_slots = min(wc.num_slots, math.ceil(config.gauge_window_s / wc.slot_s) + 1)
         self.overflow, self.dropped = overflow, dropped
+        self.evicted = evicted if evicted is not None else {}  # "sm_cta": SM series let go idle
         self._lock = threading.Lock()  # the store's state: every read and write
         self._ingest_lock = threading.Lock()  # writers (consume, expire), one at a time
         self._gpus: dict[GpuKey, _Gpu] = {}
         self._series = 0
-        self._refused: dict[GpuKey, tuple[str, int, set]] = {}
-        self._refused_total = 0
+        self._refused = RefusedGpus()
         self._blocks_made = 0
         self._streams: OrderedDict[tuple, tuple[int, ExpHistogram, float]] = OrderedDict()
         self._baseline_before_ns = 0  # streams started before this may have been let go
@@ -148,10 +139,14 @@ class SmStore:
             self.expire(now)
         drops: dict[str, int] = {}
         streams = []
+        wide = []  # (instance, gpu, kernel, SM count, CTAs, time) of wide-launch sums
         for rm in request.resource_metrics:
             instance = resource_instance(rm.resource)
             for scope in rm.scope_metrics:
                 for metric in scope.metrics:
+                    if metric.name == sc.METRIC_CTA_WIDE:
+                        wide += self._read_wide(instance, metric, now, drops)
+                        continue
                     if metric.name != sc.METRIC_CTA_DURATION:
                         _count(drops, "unknown_metric", points_in(metric))
                         continue
@@ -166,7 +161,9 @@ class SmStore:
                         continue
                     data = metric.exponential_histogram
                     cumulative = data.aggregation_temporality == _CUMULATIVE
-                    resource_key = rm.resource.SerializeToString(deterministic=True) if cumulative else None
+                    # a digest: the key must not grow with whatever a resource carries
+                    resource_key = hashlib.blake2b(rm.resource.SerializeToString(deterministic=True),
+                                                   digest_size=16).digest() if cumulative else None
                     points = []
                     for point in data.data_points:
                         try:
@@ -197,7 +194,33 @@ class SmStore:
                     time.sleep(0)  # as in snapshot: Python's lock is not fair to a waiting query
                 with self._lock:
                     block.merge(self._wc.epoch(hists[0][1]), rows, [h for h, _ in hists], exemplars)
+            if wide:  # after the merges: a sum belongs to the slot its export's CTAs opened
+                with self._lock:
+                    for instance, gpu, kernel, sm_count, ctas, t in wide:
+                        g = self._gpus.get(GpuKey(instance, gpu))
+                        block = g.blocks.get(kernel) if g is not None else None
+                        if block is None or not block.add_wide(self._wc.epoch(t), ctas):
+                            self._drop("wide_launches_unmatched")
+                            continue
+                        g.sm_count = max(g.sm_count, sm_count)
         return taken
+
+    def _read_wide(self, instance: str, metric, now: float, drops: dict[str, int]) -> list[tuple]:
+        """The points of a ``METRIC_CTA_WIDE`` sum (delta only: each point a slot's share)."""
+        if metric.WhichOneof("data") != "sum" or metric.sum.aggregation_temporality == _CUMULATIVE:
+            _count(drops, "unsupported_metric_type", points_in(metric))
+            return []
+        out = []
+        for point in metric.sum.data_points:
+            attrs = {kv.key: label(kv.value) for kv in point.attributes}
+            kernel, sm_count = attrs.get(sc.ATTR_KERNEL_NAME), attrs.get(sc.ATTR_GPU_SM_COUNT, "")
+            value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+            if kernel is None or not sm_count.isdigit() or not 0 <= value < 2**53 or value != int(value):
+                _count(drops, "malformed_point")
+                continue
+            gpu = attrs.get(sc.ATTR_GPU_UUID) or attrs.get(sc.ATTR_GPU_ID) or "0"
+            out.append((instance, gpu, kernel, int(sm_count), int(value), clamped_time_s(point.time_unix_nano, now)))
+        return out
 
     def _read(self, point, now: float, drops: dict[str, int]) -> tuple | None:
         """The point's identity, histogram, time and slowest exemplar (None: refused, counted
@@ -236,9 +259,10 @@ class SmStore:
     def _point(self, read: tuple, instance: str, cumulative: bool, resource_key, now: float, batches) -> int:
         """Admits one read point and adds it to its (block, slot) batch (under the lock)."""
         gpu_id, gpu, sm, kernel, hist, t, start_ns, exemplar = read
-        block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm)
+        block = self._admit(GpuKey(instance, gpu), gpu_id, kernel, sm, now)
         if block is None:
             self._drop("sm_series_limit")
+            _count(self.overflow, "sm_cta")
             return 0
         if cumulative:
             hist = self._delta((resource_key, gpu, sm, kernel), start_ns, hist, now)
@@ -287,7 +311,7 @@ class SmStore:
         return hist if delta is None else delta  # None: reset without a new start time
 
     # -- admission ----------------------------------------------------------------------
-    def _admit(self, key: GpuKey, gpu_id: str, kernel: str, sm: str) -> SmBlock | None:
+    def _admit(self, key: GpuKey, gpu_id: str, kernel: str, sm: str, now: float) -> SmBlock | None:
         gpu = self._gpus.get(key)
         if gpu is not None:
             block = gpu.blocks.get(kernel)
@@ -296,29 +320,29 @@ class SmStore:
         cfg = self.config
         if gpu is None:
             if len(self._gpus) >= cfg.max_gpus:
-                return self._refuse(key, "max_gpus", cfg.max_gpus, (kernel, sm))
+                return self._refuse(key, "max_gpus", cfg.max_gpus, (kernel, sm), now)
             gpu = self._gpus[key] = _Gpu(gpu_id)
-            self._refused.pop(key, None)
-            self._rebalance()
+            self._refused.forget(key)
+            self._rebalance(now)
         share = cfg.max_sm_series // len(self._gpus)
         block = gpu.blocks.get(kernel)
         if block is None:
             # a kernel whole or not at all: room for as many SMs as its GPU's biggest kernel
             need = max((len(b.sms) for b in gpu.blocks.values()), default=1)
             if gpu.series + need > share or self._series + need > cfg.max_sm_series:
-                return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+                return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm), now)
             self._blocks_made += 1
             block = gpu.blocks[kernel] = SmBlock(
                 self._wc.num_slots, self.detail_slots, self._wc.initial_scale, self._wc.max_buckets,
                 sc.CTA_BUCKETS_S, cfg.expose_sm_histograms, serial=self._blocks_made)
         elif self._series >= cfg.max_sm_series:
-            return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm))
+            return self._refuse(key, "max_sm_series", cfg.max_sm_series, (kernel, sm), now)
         gpu.series += 1
         self._series += 1
         block.row(sm)
         return block
 
-    def _rebalance(self) -> None:
+    def _rebalance(self, now: float) -> None:
         """GPUs over their share (a GPU just arrived) give back their latest kernels."""
         share = self.config.max_sm_series // len(self._gpus)
         if self._series <= self.config.max_sm_series - share:
@@ -329,16 +353,10 @@ class SmStore:
                 gpu.series -= len(block.sms)
                 self._series -= len(block.sms)
                 for sm in block.sms:
-                    self._refuse(key, "max_sm_series", self.config.max_sm_series, (kernel, sm))
+                    self._refuse(key, "max_sm_series", self.config.max_sm_series, (kernel, sm), now)
 
-    def _refuse(self, key: GpuKey, limit: str, value: int, series: tuple[str, str]) -> None:
-        entry = self._refused.get(key)
-        if entry is None:
-            entry = self._refused[key] = (limit, value, set())
-        if series not in entry[2] and self._refused_total < _MAX_REFUSED_TRACKED:
-            entry[2].add(series)
-            self._refused_total += 1
-            self.overflow["sm_cta"] = self.overflow.get("sm_cta", 0) + 1
+    def _refuse(self, key: GpuKey, limit: str, value: int, series: tuple[str, str], now: float) -> None:
+        self._refused.refuse(key, limit, value, series, now)
         return None
 
     def expire(self, now: float) -> None:
@@ -351,8 +369,10 @@ class SmStore:
                     block = gpu.blocks.pop(kernel)
                     gpu.series -= len(block.sms)
                     self._series -= len(block.sms)
+                    _count(self.evicted, "sm_cta", len(block.sms))
                 if not gpu.blocks:
                     del self._gpus[key]
+            self._refused.expire(now - self._wc.horizon_s)
 
     def _drop(self, reason: str, n: int = 1) -> None:
         _count(self.dropped, reason, n)
@@ -382,8 +402,7 @@ class SmStore:
         with self._lock:
             found = sorted({k.instance for k, g in self._gpus.items()
                             if (k.gpu == gpu or g.index == gpu) and (instance is None or k.instance == instance)
-                            and kernel in g.blocks} | {k.instance for k in self._refused
-                                                       if k.gpu == gpu and instance in (None, k.instance)})
+                            and kernel in g.blocks} | {k.instance for k, _ in self._refused.of_gpu(gpu, instance)})
             if len(found) > 1:
                 raise ValueError(f"gpu={gpu!r} kernel={kernel!r} is on {len(found)} instances "
                                  f"({', '.join(found[:5])}): give instance_id=")
@@ -398,12 +417,18 @@ class SmStore:
             return self._refusal(key)
 
     def _refusal(self, key: GpuKey) -> Refusal | None:
-        entry = self._refused.get(key)
-        return Refusal(entry[0], entry[1], len(entry[2])) if entry else None
+        return self._refused.get(key)
 
     def refusals(self) -> dict[GpuKey, Refusal]:
+        """Every refusal held (a bounded table: see :mod:`.sm_refusals`)."""
         with self._lock:
-            return {key: self._refusal(key) for key in self._refused}
+            return self._refused.all()
+
+    def refusals_of(self, gpu: str, instance: str | None = None, limit: int = 8) -> list[tuple[GpuKey, Refusal]]:
+        """At most ``limit`` refusals of ``gpu`` (UUID or index, as sent), of ``instance`` or
+        of any: an index lookup, no scan or copy of the table."""
+        with self._lock:
+            return self._refused.of_gpu(gpu, instance, limit)
 
     def _block(self, key: SmKey) -> SmBlock | None:
         gpu = self._gpus.get(GpuKey(key.instance, key.gpu))
@@ -428,13 +453,45 @@ class SmStore:
         return out
 
     def slot_cells(self, key: SmKey, now_s: float, last_s: float):
-        """``(sms, scale, [(epoch, p99, count, exemplars)])`` per slot (see ``SmBlock.slot_cells``)."""
+        """``(sms, scale, [(epoch, p99, count, exemplars, evidence)])`` per slot (see
+        ``SmBlock.slot_cells``)."""
         with self._lock:
             block = self._block(key)
             if block is None:
                 return [], self._wc.initial_scale, []
-            cells = [(e, p.copy(), c.copy(), x.copy()) for e, p, c, x in block.slot_cells(*self._epochs(now_s, last_s))]
+            cells = [(e, p.copy(), c.copy(), x.copy(), ev)
+                     for e, p, c, x, ev in block.slot_cells(*self._epochs(now_s, last_s))]
             return list(block.sms), block.scale, cells
+
+    def num_sms(self, key: GpuKey) -> int:
+        """The GPU's SM count: as its producer declares it, else as its data shows it (one
+        more than the largest numeric SM id any of its kernels ran on, at least the SMs
+        seen); 0 when none is known."""
+        with self._lock:
+            return self._num_sms(key)
+
+    def _num_sms(self, key: GpuKey) -> int:
+        gpu = self._gpus.get(key)
+        if gpu is None:
+            return 0
+        found = gpu.sm_count
+        for block in gpu.blocks.values():
+            ids = [int(sm) for sm in block.sms if sm.isdigit()]
+            found = max(found, len(block.sms), (max(ids) + 1) if ids else 0)
+        return found
+
+    def contention(self, key: SmKey, now_s: float, last_s: float) -> list[tuple[int, SlotContention]]:
+        """The contention tests of each slot of the last ``last_s`` with CTAs of ``key``,
+        oldest first (collector/contention.py)."""
+        with self._lock:
+            block = self._block(key)
+            if block is None:
+                return []
+            num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
+            slots = block.slot_evidence(*self._epochs(now_s, last_s))
+            sms = list(block.sms)
+        config = self.config.contention
+        return [(epoch, assess(sms, evidence, num_sms, config)) for epoch, evidence in slots]
 
     def slot_histograms(self, key: SmKey, now_s: float, last_s: float) -> dict[str, list[tuple]]:
         """Per SM: ``(epoch, histogram, slowest exemplar)`` of each full-resolution slot."""
@@ -486,10 +543,18 @@ class SmStore:
                 if known.get(key) == stamp:
                     out.append(BlockSnapshot(key, index, stamp, None, None, None, None))
                     continue
+                num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
+                evidence = [ev for _, ev in block.slot_evidence(first, last)]
                 out.append(BlockSnapshot(key, index, stamp, list(block.sms), block.p99(first, last),
                                          block.classic.copy(),
-                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None))
-        return out
+                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None,
+                                         (num_sms, evidence)))
+        config = self.config.contention
+        # the tests run outside the lock, on what was read under it (evidence is never changed
+        # in place: a write replaces it)
+        return [snap._replace(contended=contended_sms([assess(snap.sms, ev, snap.contended[0], config)
+                                                       for ev in snap.contended[1]]))
+                if snap.current else snap for snap in out]
 
     def counts(self) -> dict[str, int]:
         with self._lock:

@@ -24,16 +24,18 @@ import numba
 import numpy as np
 from numba import types
 
+from ..instrumentation import check_range
 from .ingest import IngestError
+from .protowire import BAD_FIELD, NONE_LEFT, le64, message, next_message, skip, varint
 
-__all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys"]
+__all__ = ["Lookup", "SpanWindow", "fingerprints", "remove_spans", "span_fingerprints", "span_keys",
+           "with_variants"]
 
 _ZERO_TRACE, _ZERO_SPAN = bytes(16), bytes(8)
 _NO_KEYS = np.zeros((0, 24), dtype=np.uint8)
 _WAYS = 4  # fingerprints per bucket, the newest first
 _NOT_UNDERSTOOD = -(1 << 40)  # the walk's answer for what it does not read (groups, bad framing)
 _MIN_SPAN_BYTES = 30  # a span with both ids: 0a 10 <16> 12 08 <8>, and its own tag and length
-_NONE_LEFT, _BAD_FIELD = -2, -1  # the field finder's "no more such fields", "unreadable"
 
 
 def _compiled(signature):
@@ -45,72 +47,6 @@ _BYTES = types.Array(types.uint8, 1, "C", readonly=True)
 _WORDS = types.Array(types.uint64, 2, "C")
 
 
-@numba.njit(cache=True, inline="always")
-def _varint(buf, at, end):
-    """(value, next position); value -1 for a truncated or over-long varint."""
-    value = 0
-    shift = 0
-    while at < end and shift < 63:
-        byte = buf[at]
-        at += 1
-        value |= (np.int64(byte) & 0x7F) << shift
-        if byte < 0x80:
-            return value, at
-        shift += 7
-    return -1, at
-
-
-@numba.njit(cache=True, inline="always")
-def _message(buf, at, end):
-    """(content start, content end) of a length-delimited value at ``at``; end -1 if bad."""
-    size, at = _varint(buf, at, end)
-    if size < 0 or size > end - at:
-        return at, -1
-    return at, at + size
-
-
-@numba.njit(cache=True, inline="always")
-def _skip(buf, at, end, wire):
-    """The position after a field of wire type ``wire`` whose value starts at ``at``; -1 when
-    it cannot be skipped here (a group, or a length past ``end``)."""
-    if wire == 0:
-        value, at = _varint(buf, at, end)
-        return at if value >= 0 else -1
-    if wire == 1:
-        at += 8
-    elif wire == 5:
-        at += 4
-    elif wire == 2:
-        return _message(buf, at, end)[1]
-    else:
-        return -1
-    return at if at <= end else -1
-
-
-@numba.njit(cache=True, inline="always")
-def _le64(buf, at):
-    value = np.uint64(0)
-    for k in range(8):
-        value |= np.uint64(buf[at + k]) << np.uint64(8 * k)
-    return value
-
-
-@numba.njit(cache=True, inline="always")
-def _next_message(buf, at, end, tag):
-    """(content start, content end, next position) of the next field encoded as ``tag``
-    (length-delimited) between ``at`` and ``end``, the other fields skipped; content end
-    ``_NONE_LEFT`` past the last one, ``_BAD_FIELD`` for what cannot be read."""
-    while at < end:
-        found, at = _varint(buf, at, end)
-        if found == tag:
-            start, stop = _message(buf, at, end)
-            return start, stop, stop
-        at = _skip(buf, at, end, found & 7) if found >= 0 else -1
-        if at < 0:
-            return 0, _BAD_FIELD, end
-    return 0, _NONE_LEFT, end
-
-
 @_compiled(types.int64(_BYTES, _WORDS))
 def _walk_ids(buf, out):
     """Reads every span's ids of an encoded ExportTraceServiceRequest into ``out`` (a row of
@@ -119,27 +55,27 @@ def _walk_ids(buf, out):
     n = 0
     at = 0
     while True:  # request.resource_spans (1) / .scope_spans (2) / .spans (2)
-        resource_at, resource_end, at = _next_message(buf, at, len(buf), 0x0A)
+        resource_at, resource_end, at = next_message(buf, at, len(buf), 0x0A)
         if resource_end < 0:
-            return n if resource_end == _NONE_LEFT else _NOT_UNDERSTOOD
+            return n if resource_end == NONE_LEFT else _NOT_UNDERSTOOD
         while True:
-            scope_at, scope_end, resource_at = _next_message(buf, resource_at, resource_end, 0x12)
-            if scope_end == _BAD_FIELD:
+            scope_at, scope_end, resource_at = next_message(buf, resource_at, resource_end, 0x12)
+            if scope_end == BAD_FIELD:
                 return _NOT_UNDERSTOOD
-            if scope_end == _NONE_LEFT:
+            if scope_end == NONE_LEFT:
                 break
             while True:
-                span_at, span_end, scope_at = _next_message(buf, scope_at, scope_end, 0x12)
-                if span_end == _NONE_LEFT:
+                span_at, span_end, scope_at = next_message(buf, scope_at, scope_end, 0x12)
+                if span_end == NONE_LEFT:
                     break
-                if span_end == _BAD_FIELD or n >= out.shape[0]:
+                if span_end == BAD_FIELD or n >= out.shape[0]:
                     return _NOT_UNDERSTOOD
                 trace_len = span_len = -1
                 trace_at = span_id_at = 0
                 while span_at < span_end:  # Span: trace_id = 1, span_id = 2 (the last of each wins)
-                    tag, span_at = _varint(buf, span_at, span_end)
+                    tag, span_at = varint(buf, span_at, span_end)
                     if tag == 0x0A or tag == 0x12:
-                        value_at, value_end = _message(buf, span_at, span_end)
+                        value_at, value_end = message(buf, span_at, span_end)
                         if value_end < 0:
                             return _NOT_UNDERSTOOD
                         if tag == 0x0A:
@@ -150,13 +86,13 @@ def _walk_ids(buf, out):
                     elif tag < 0:
                         return _NOT_UNDERSTOOD
                     else:
-                        span_at = _skip(buf, span_at, span_end, tag & 7)
+                        span_at = skip(buf, span_at, span_end, tag & 7)
                         if span_at < 0:
                             return _NOT_UNDERSTOOD
                 if trace_len != 16 or span_len != 8:
                     return -(n + 1)
-                hi, lo = _le64(buf, trace_at), _le64(buf, trace_at + 8)
-                span = _le64(buf, span_id_at)
+                hi, lo = le64(buf, trace_at), le64(buf, trace_at + 8)
+                span = le64(buf, span_id_at)
                 if (hi == 0 and lo == 0) or span == 0:
                     return -(n + 1)
                 out[n, 0] = hi
@@ -246,6 +182,23 @@ def span_fingerprints(request, encoded: bytes | None = None) -> np.ndarray:
     return fingerprints(_exact_keys(request))
 
 
+def with_variants(fp: np.ndarray, variants: np.ndarray | None) -> np.ndarray:
+    """``fp`` with each nonzero ``variants[i]`` mixed into ``fp[i]``: spans that share ids but
+    differ in what the variant says (Zipkin: kind and ``shared``) get distinct fingerprints;
+    variant 0 leaves a fingerprint as it is. Per variant the mix is a bijection (an XOR, then
+    splitmix64's shift-XORs and products), so distinct ids stay distinct."""
+    if variants is None or not variants.any():
+        return fp
+    out = fp.copy()
+    mixed = variants != 0
+    x = fp[mixed] ^ (variants[mixed] * np.uint64(0x9E3779B97F4A7C15))
+    x ^= x >> np.uint64(31)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(29)
+    out[mixed] = x | np.uint64(1)
+    return out
+
+
 def _walked(encoded: bytes) -> np.ndarray | None:
     """``uint64[spans, 3]`` read by the compiled walk, or None: a bad id (the exact path
     then names it) or an encoding the walk does not read (the exact path decides)."""
@@ -321,8 +274,7 @@ class SpanWindow:
     it off (every span is new)."""
 
     def __init__(self, capacity: int) -> None:
-        if not 0 <= capacity <= 100_000_000:
-            raise ValueError(f"capacity={capacity!r} is outside the allowed range 0..100000000")
+        check_range("capacity", capacity, 0, 100_000_000, integer=True)
         self.capacity = capacity
         bits = max(1, (max(capacity, 1) // _WAYS - 1).bit_length())
         self._shift = np.uint64(64 - bits)

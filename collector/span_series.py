@@ -2,19 +2,19 @@
 kernel spans, and the per-series batches they feed.
 
 Spans are dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
-queue time by (model, priority); ``engine.step`` spans give step durations by phase;
-``kernel ...`` spans give kernel durations by (gpu, kernel); ``engine.step.rank`` spans give
-each tensor-parallel step's straggler (:mod:`.stragglers`), per producing instance. Memory is bounded whatever
-arrives: at most ``max_{request,kernel,step}_series + 1`` series each (the extra one is the
-overflow series that absorbs every new key past the limit, counted in ``overflow``).
-Timestamps ahead of the collector's clock are clamped to it; late spans still count in the
-cumulative Prometheus histograms. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`)
-holds its lock around :meth:`SpanSeries.consume` and around every read of the series.
+queue time by (model, priority: clamped to semconv's documented range); ``engine.step``
+spans give step durations by phase; ``kernel ...`` spans give kernel durations by (gpu,
+kernel); ``engine.step.rank`` spans give each tensor-parallel step's straggler
+(:mod:`.stragglers`), per producing instance. Memory is bounded whatever arrives: at most
+``max_{request,kernel,step}_series + 1`` series each (the extra one absorbs every new key past
+the limit, counted in ``overflow``); a full table first lets go of its series idle past the
+window horizon (counted in ``evicted``). Future timestamps are clamped to the collector's
+clock. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
+every call and read.
 
 Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
 read of the few attributes they need, folded in once per export request (:class:`_LatencySeries`).
 """
-
 from __future__ import annotations
 
 import enum
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
 
 _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
+# Caches keyed by what a client sends hold keys of at most this many bytes (characters for
+# span names): a longer name or attribute is read each time it comes, never remembered, so
+# the caches stay under ~4,096 x 512 bytes each whatever arrives.
+_MAX_CACHED_KEY_BYTES = 512
 
 
 class SpanKind(enum.IntEnum):
@@ -71,6 +75,14 @@ def _kernel_spans_estimate(encoded: bytes) -> float:
     step = size // 4
     hits = sum(encoded.count(_KERNEL_NAME_BYTES, i * step, i * step + 4096) for i in range(4))
     return hits * size / (4 * 4096)
+
+
+def _priority_label(value) -> str:
+    """A request priority's label: an integer clamped to the documented range, else "other"."""
+    number = _num(value)
+    if number is None or not math.isfinite(number) or number != int(number):
+        return sc.PRIORITY_LABEL_OTHER
+    return str(int(min(max(number, sc.REQUEST_PRIORITY_MIN), sc.REQUEST_PRIORITY_MAX)))
 
 
 def _phase(prefill_tokens, decode_tokens) -> str:
@@ -146,7 +158,15 @@ _LABEL_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.R
                          sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
-_REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S))
+_REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S),
+                     ("e2e", sc.REQUEST_E2E_S))
+# Physical bounds: a span that feeds a distribution ends between 2000 and 2100 and lasts at
+# most a day, and a latency attribute is within 0..1 day; anything else is refused and
+# counted (dropped reason "span_out_of_range"): one absurd value would poison a sum for good.
+_MIN_END_NS, _MAX_END_NS = 946_684_800 * 10**9, 4_102_444_800 * 10**9  # 2000-01-01, 2100-01-01 UTC
+_MAX_SPAN_NS = 86_400 * 10**9
+_MAX_LATENCY_S = 86_400.0
+_CLIENT = 3  # Span.SPAN_KIND_CLIENT: a caller's view of a request (Zipkin's other half), not the request
 # A marked step's attribute as encoders write it (key, then value): found in a lean span's
 # encoded attributes by one list membership test, nothing decoded.
 
@@ -154,15 +174,19 @@ _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), (
 class SpanSeries:
     """The span-derived series (``requests``, ``requests_total``, ``kernels``, ``steps``) and
     the handlers that fill them. ``overflow`` and ``dropped`` are the owner's counters, passed
-    in and added to here (families ``request``/``kernel``/``step``, reason ``malformed_span``).
+    in and added to here (families ``request``/``kernel``/``step``; reasons ``malformed_span``, ``span_out_of_range``).
     """
 
-    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int]) -> None:
+    def __init__(self, config: AggregationConfig, overflow: dict[str, int], dropped: dict[str, int],
+                 evicted: dict[str, int] | None = None) -> None:
         self.config = config
         wc = config.window
         self._wc = wc
         self.overflow = overflow
         self.dropped = dropped
+        self.evicted = evicted if evicted is not None else {}
+        # per family: before this data time no series of its full table can be idle (no scan)
+        self._no_idle_before: dict[str, float] = {}
         self.kernels: dict[tuple[str, str], _LatencySeries] = {}
         self.requests: dict[tuple[str, str], dict[str, _LatencySeries]] = {}
         self.requests_total: dict[tuple[str, str, str], int] = {}
@@ -285,6 +309,9 @@ class SpanSeries:
                                     continue
                             end_ns = span.end_time_unix_nano
                             duration = end_ns - span.start_time_unix_nano
+                            if not _MIN_END_NS <= end_ns <= _MAX_END_NS or duration > _MAX_SPAN_NS:
+                                self._drop("span_out_of_range")
+                                continue
                             t = end_ns / 1e9
                             if t > now or t <= 0:
                                 t = now
@@ -338,10 +365,39 @@ class SpanSeries:
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n
 
+    def _evict_idle(self, family: str, now: float) -> bool:
+        """Lets go of every series of the full ``family`` table ("request" or "kernel") with no
+        data within the window horizon (the overflow series stays); True if one went. One
+        scan of the table at most until the next series could have become idle."""
+        horizon = self._wc.horizon_s
+        if now < self._no_idle_before.get(family, 0.0):
+            return False
+        table = self.requests if family == "request" else self.kernels
+        touched = self._touched  # series with values pending in this request stay
+        newest = {key: (max(s.epoch for s in series.values()) if family == "request" else series.epoch)
+                  for key, series in table.items() if key != (OVERFLOW, OVERFLOW)
+                  and not any(s in touched for s in (series.values() if family == "request" else (series,)))}
+        idle_from = int((now - horizon) // self._slot_s)  # a series whose newest slot is before this is idle
+        idle = [key for key, epoch in newest.items() if epoch < idle_from]
+        for key in idle:
+            del table[key]
+        if idle and family == "request":
+            gone = set(idle)
+            for total_key in [k for k in self.requests_total if k[:2] in gone]:
+                del self.requests_total[total_key]
+        if idle:
+            self.evicted[family] = self.evicted.get(family, 0) + len(idle)
+            return True
+        oldest = min(newest.values(), default=None)
+        self._no_idle_before[family] = (now + horizon if oldest is None
+                                        else (oldest + 1) * self._slot_s + horizon)
+        return False
+
     # -- spans ----------------------------------------------------------------------
     def _learn_name(self, name: str) -> int:
         handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanKind.NONE
-        if len(self._dispatch) < _MAX_DISPATCH_NAMES:  # past it, names are tested each time
+        # past the count (or for a long name), names are tested each time
+        if len(self._dispatch) < _MAX_DISPATCH_NAMES and len(name) <= _MAX_CACHED_KEY_BYTES:
             self._dispatch[name] = handler
         return handler
 
@@ -352,6 +408,8 @@ class SpanSeries:
         return t
 
     def _on_request_full(self, span, now: float) -> None:
+        if span.kind == _CLIENT:
+            return
         got: dict[str, object] = {}
         for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
             key = kv.key
@@ -360,6 +418,8 @@ class SpanSeries:
         self._on_request_attributes(span, now, got)
 
     def _on_request(self, span, now: float) -> None:
+        if span.kind == _CLIENT:
+            return
         got: dict[str, object] = {}
         cache = self._label_cache
         for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
@@ -372,22 +432,38 @@ class SpanSeries:
             key, value = decode_attribute(raw)
             if key in _REQUEST_KEYS:
                 got[key] = value
-                if key in _LABEL_KEYS:  # model, priority: every request repeats them
+                if key in _LABEL_KEYS and len(raw) <= _MAX_CACHED_KEY_BYTES:  # model, priority: repeated
                     if len(cache) >= _MAX_ATTRIBUTE_CACHE:
                         cache.clear()
                     cache[raw] = (key, value)
         self._on_request_attributes(span, now, got)
 
     def _on_request_attributes(self, span, now: float, got: dict[str, object]) -> None:
+        end_ns, start_ns = span.end_time_unix_nano, span.start_time_unix_nano
+        if not _MIN_END_NS <= end_ns <= _MAX_END_NS or end_ns - start_ns > _MAX_SPAN_NS:
+            self._drop("span_out_of_range")
+            return
+        latencies: dict[str, float] = {}
+        for family, attr in _REQUEST_FAMILIES:
+            if attr in got:
+                value = _num(got[attr])
+                if value is None:
+                    continue  # not a number: as if absent
+                if not 0 <= value <= _MAX_LATENCY_S:  # NaN too
+                    self._drop("span_out_of_range")
+                    return
+                latencies[family] = value
+        if "e2e" not in latencies:
+            latencies["e2e"] = max(0, end_ns - start_ns) / 1e9
         value = got.get(_MODEL)
         if value is None:
             value = got.get(_RESPONSE_MODEL)
         model = _label(value) if value is not None else "unknown"
         value = got.get(_PRIORITY)
-        key = (model, _label(value) if value is not None else "unknown")
+        key = (model, _priority_label(value) if value is not None else "unknown")
         series = self.requests.get(key)
         if series is None:
-            if len(self.requests) >= self.config.max_request_series:
+            if len(self.requests) >= self.config.max_request_series and not self._evict_idle("request", now):
                 key = (OVERFLOW, OVERFLOW)
                 self.overflow["request"] = self.overflow.get("request", 0) + 1
                 series = self.requests.get(key)
@@ -399,19 +475,9 @@ class SpanSeries:
                     "e2e": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
                     "queue": _LatencySeries(wc, sc.COLLECTOR_LATENCY_BUCKETS_S),
                 }
-        end_ns = span.end_time_unix_nano
-        t = self._time(end_ns, now)
-        e2e = _num(got[sc.REQUEST_E2E_S]) if sc.REQUEST_E2E_S in got else None
-        if e2e is None:
-            e2e = max(0, end_ns - span.start_time_unix_nano) / 1e9
-        epoch = int(t // self._slot_s)
-        for family, attr in _REQUEST_FAMILIES:
-            if attr in got:
-                value = _num(got[attr])
-                if value is not None and value >= 0 and math.isfinite(value):
-                    self._pend(series[family], value, epoch, span)
-        if e2e >= 0 and math.isfinite(e2e):
-            self._pend(series["e2e"], e2e, epoch, span)
+        epoch = int(self._time(end_ns, now) // self._slot_s)
+        for family, value in latencies.items():
+            self._pend(series[family], value, epoch, span)
         error = _label(got[sc.ERROR_TYPE]) if sc.ERROR_TYPE in got else None
         if error == sc.ERROR_TYPE_CLIENT_DISCONNECTED:
             reason = "abort"  # as the engine counts it
@@ -496,7 +562,7 @@ class SpanSeries:
         key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
         series = self.kernels.get(key)
         if series is None:
-            if len(self.kernels) >= self.config.max_kernel_series:
+            if len(self.kernels) >= self.config.max_kernel_series and not self._evict_idle("kernel", now):
                 key = (OVERFLOW, OVERFLOW)
                 self.overflow["kernel"] = self.overflow.get("kernel", 0) + 1
                 series = self.kernels.get(key)
@@ -548,6 +614,8 @@ class SpanSeries:
             if read is None:
                 return key, None
             hit = (key, read(value))
+            if len(raw) > _MAX_CACHED_KEY_BYTES:
+                return hit
             if len(self._attr_cache) >= _MAX_ATTRIBUTE_CACHE:
                 self._attr_cache.clear()
             self._attr_cache[raw] = hit
@@ -555,7 +623,11 @@ class SpanSeries:
 
     def _record_duration(self, series: _LatencySeries, span, now: float) -> None:
         end_ns = span.end_time_unix_nano
-        duration = max(0, end_ns - span.start_time_unix_nano) / 1e9
+        duration = end_ns - span.start_time_unix_nano
+        if not _MIN_END_NS <= end_ns <= _MAX_END_NS or duration > _MAX_SPAN_NS:
+            self._drop("span_out_of_range")
+            return
+        duration = max(0, duration) / 1e9
         t = end_ns / 1e9  # self._time inlined: most recorded spans pass here
         if t > now or t <= 0:
             t = now

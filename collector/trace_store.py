@@ -207,6 +207,10 @@ class TraceStore:
                 return None
         return self._traces.get(trace_id)
 
+    def traces(self) -> list[Trace]:
+        """Every indexed trace, oldest first (a copy of the list; the traces are the store's)."""
+        return list(self._traces.values())
+
     def request_roots(self) -> list[StoredSpan]:
         return [t.request_root for t in self._traces.values() if t.request_root is not None]
 
@@ -265,7 +269,7 @@ class TraceStore:
         self._num_spans += 1
         self.held_bytes += len(stored.raw)
         name = stored.name
-        if name in REQUEST_SPAN_NAMES:
+        if name in REQUEST_SPAN_NAMES and span.kind != Span.SPAN_KIND_CLIENT:  # a caller's half is not the root
             trace.request_root = stored
         elif name == semconv.SPAN_ENGINE_STEP:
             trace.step_spans.append(stored)

@@ -8,10 +8,11 @@ Answers (Zipkin's own): 202 empty on success; 400 with a plain-text reason when 
 body is not a JSON list of valid v2 spans (the whole request is refused: Zipkin has no
 partial success); 413/415/429/401/503 as the OTLP/HTTP receiver. Valid means: ids of
 exactly 16 or 32 (trace) and 16 (span, parent) hex digits; times and durations finite,
-non-negative microseconds before 2262 (int64 nanoseconds); ports integers in 0..65535
-(0 or absent: unknown); names, tag and annotation values strings (numbers and booleans
-are written as JSON), none holding a lone UTF-16 surrogate; JSON nested at most
-``max_json_depth`` deep. Cost: one Python pass over the spans after ``json.loads``.
+non-negative µs before 2262 (int64 ns); ports integers in 0..65535 (0 or absent: unknown);
+names, tag and annotation values strings (numbers and booleans are written as JSON), none
+holding a lone UTF-16 surrogate; JSON nested at most ``max_json_depth`` deep. A span's
+identity (for duplicates) is its ids, kind and ``shared``: both halves of an RPC are kept.
+Cost: one Python pass over the spans after ``json.loads``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import math
 import re
 from typing import Any
 
+import numpy as np
+
 from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ..instrumentation import semconv as sc
+from .decoding import Decoded
 from .ingest import IngestError, load_json
 from .otlp_http import Handler, HttpIngestReceiver
 
@@ -134,10 +138,18 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
 
     Raises IngestError(400) naming the first bad span and field.
     """
+    return _convert(document)[0]
+
+
+def _convert(document: Any) -> tuple[ExportTraceServiceRequest, np.ndarray]:
+    """``zipkin_to_otlp``, and per span of the request (in its order) what tells apart spans
+    sharing an id: ``kind | shared << 3`` (the two halves of an RPC that Zipkin tracers report
+    with one id: the CLIENT span, and the SERVER span marked ``shared``)."""
     if not isinstance(document, list):
         raise IngestError(400, "malformed", "Zipkin v2 body must be a JSON list of spans")
     request = ExportTraceServiceRequest()
     scopes: dict[str, Any] = {}
+    variants: dict[str, list[int]] = {}  # per service, in span order
     for index, span in enumerate(document):
         if not isinstance(span, dict):
             raise IngestError(400, "malformed", f"span {index} is not a JSON object")
@@ -156,6 +168,7 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
             scope = rs.scope_spans.add()
             scope.scope.name = sc.ZIPKIN_SCOPE_NAME
             scopes[service] = scope
+            variants[service] = []
         out = scope.spans.add()
         out.trace_id = trace_id.rjust(16, b"\0")
         out.span_id = span_id
@@ -182,10 +195,12 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
             _add_str(attributes, sc.PEER_SERVICE, remote["serviceName"], index)
         _endpoint(attributes, remote, address_key=sc.NETWORK_PEER_ADDRESS,
                   port_key=sc.NETWORK_PEER_PORT, index=index)
-        if span.get("shared") is True:
+        shared = span.get("shared") is True
+        if shared:
             kv = attributes.add()
             kv.key = sc.ZIPKIN_SHARED
             kv.value.bool_value = True
+        variants[service].append(out.kind | shared << 3)
         tags = span.get("tags") or {}
         if not isinstance(tags, dict):
             raise IngestError(400, "malformed", f"span {index}: tags must be an object of strings")
@@ -211,7 +226,8 @@ def zipkin_to_otlp(document: Any) -> ExportTraceServiceRequest:
             event = out.events.add()
             event.time_unix_nano = _micros(annotation, "timestamp", index) * 1000
             event.name = _text(annotation["value"], "annotation value", index)
-    return request
+    return request, np.fromiter((v for kinds in variants.values() for v in kinds), dtype=np.uint64,
+                                count=len(document))
 
 
 class ZipkinReceiver(HttpIngestReceiver):
@@ -231,9 +247,14 @@ class ZipkinReceiver(HttpIngestReceiver):
                               f"Content-Type {request.content_type!r} is not application/json "
                               "(Zipkin v2 JSON; proto3 is not supported)")
 
-    def _decode(self, body: bytes, signal: str, as_json: bool) -> tuple[Any, int, bytes | None]:
+    def _decode(self, body: bytes, signal: str, as_json: bool) -> Decoded:
+        limits = self._request_limits
+        values = limits.check_json(body)
         document = load_json(body, self._limits.max_json_depth)
-        return zipkin_to_otlp(document), len(document), None
+        if isinstance(document, list):
+            limits.check_items(len(document), signal)
+        request, variants = _convert(document)
+        return Decoded(request, len(document), limits.json_parsed_bytes(len(body), values), variants=variants)
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
         return web.Response(status=202)

@@ -5,9 +5,10 @@ the collector: ``sightline_sm_cta_p99_seconds`` (each SM's CTA-duration P99 over
 last window) drawn as a time x SM heatmap with one row per SM, and the per-SM CTA
 duration buckets drawn as an SM x latency matrix (fraction of that SM's CTAs that
 finished within each bound, so a slow SM is the row whose colors lag). Kernel views
-come from CUPTI kernel spans; memory and CUDA contexts from NVML. Tensor-parallel ranks:
-each rank's compute and collective wait per step, and the rank the others waited for (the
-straggler: the collector's verdict per step and per window slot).
+come from CUPTI kernel spans, kernel compiles while serving and start-up phases from the
+engine; memory and CUDA contexts from NVML. Tensor-parallel ranks: each rank's compute and
+collective wait per step, and the rank the others waited for (the straggler: the collector's
+verdict per step and per window slot).
 
 One panel per GPU (Grafana repeats on ``$gpu``) so SM rows of different devices never
 mix.
@@ -92,6 +93,17 @@ def spec() -> DashboardSpec:
                                fmt="table", instant=True),),
             ),
             PanelSpec(
+                title="Contended SMs",
+                unit="short",
+                description="SMs the collector's contention tests flagged in the gauge window: slow (more CTAs "
+                "above the other SMs' P90 than chance allows) or starved (fewer CTAs than their share).",
+                queries=(
+                    Query(q.sum_by(_GPU_KERNEL + (sc.LABEL_REASON,),
+                                   q.selector(sc.COLLECTOR_SM_CONTENDED, regex=_GPU_KERNEL)),
+                          "{{reason}} gpu{{gpu}} {{kernel}}"),
+                ),
+            ),
+            PanelSpec(
                 title="SM hotspot ratio",
                 unit="short",
                 description="Slowest SM's CTA P99 over the median SM's, per kernel (1 = balanced).",
@@ -152,6 +164,26 @@ def spec() -> DashboardSpec:
             _step_quantiles("Engine step duration (engine)", sc.ENGINE_STEP_SECONDS, sc.LABEL_MODEL,
                             "Every step, from Sightline's engine's own histogram (vLLM has no such series).",
                             exemplar=False),
+            PanelSpec(
+                title="Kernel variants met while serving",
+                unit="short",
+                description=("Kernel variants compiled, loaded from the disk cache or autotuned after the "
+                             "engine said ready: each one is a defect of the warm-up, and the step that met "
+                             "it carries sightline.step.jit_compiles (explain names the cause). Should "
+                             "stay empty."),
+                queries=(Query(q.sum_by(("instance", sc.LABEL_KERNEL, sc.LABEL_COMPILE_KIND),
+                                        f"increase({q.counter(sc.ENGINE_JIT_COMPILES_TOTAL)}[$__rate_interval])"),
+                               "{{instance}} {{kernel}} {{kind}}"),),
+            ),
+            PanelSpec(
+                title="Engine start-up by phase",
+                unit="s",
+                description=("Seconds of each start-up phase of the running engines (loading weights, the "
+                             "KV cache, each warm-up family, graph capture), and process start to ready."),
+                queries=(Query(q.sum_by(("instance", sc.LABEL_PHASE), q.selector(sc.ENGINE_STARTUP_SECONDS)),
+                               "{{instance}} {{phase}}"),
+                         Query(q.selector(sc.ENGINE_STARTUP_TOTAL_SECONDS), "{{instance}} total")),
+            ),
         ),
     )
     ranks = Row("Tensor-parallel ranks", (

@@ -3,7 +3,8 @@
 Request rate, errors and finish reasons; TTFT, inter-token latency, time per output
 token, end-to-end and queue latency at P50 and P99 (with exemplars that open the slow
 request's trace in Tempo); running and waiting requests, KV-cache usage, preemptions and
-token throughput. Reads the engine-agnostic ``llm:`` series that the adapter rules copy
+token throughput; the prefix cache's hit rate, cached and evicted blocks and TTFT by hit /
+miss (blocks, evictions and TTFT by outcome are Sightline's only: empty on vLLM). Reads the engine-agnostic ``llm:`` series that the adapter rules copy
 from the engine's own ``/metrics`` (Sightline's or vLLM's: the SLI source, independent
 of the telemetry pipeline's health), plus the SLO recording rules.
 """
@@ -153,5 +154,46 @@ def spec() -> DashboardSpec:
         title="Sightline / Overview",
         description="Request rate, latency percentiles, queue and KV cache of the engine (Sightline's or vLLM's).",
         variables=(Variable(sc.LABEL_MODEL, q.counter(sc.LLM_REQUESTS_TOTAL), sc.LABEL_MODEL),),
-        rows=(traffic, latency, scheduler),
+        rows=(traffic, latency, scheduler, _prefix_cache()),
+    )
+
+
+def _prefix_cache() -> Row:
+    by_outcome = (sc.LABEL_PREFIX_CACHE,)
+
+    def ttft(quantile: float) -> Query:
+        expr = q.histogram_quantile(quantile, sc.LLM_PREFIX_CACHE_TTFT_SECONDS, by_outcome, regex=_MODEL)
+        return Query(q.with_exemplars_of(expr, sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS, regex=_MODEL),
+                     legend=f"P{round(quantile * 100)} {{{{{sc.LABEL_PREFIX_CACHE}}}}}", exemplar=True)
+
+    return Row(
+        "Prefix cache",
+        (
+            PanelSpec(
+                title="Prefix cache hit rate",
+                unit="percentunit",
+                width=6,
+                description="Prompt tokens whose KV the prefix cache held, over the prompt tokens looked "
+                            "up when their requests were admitted.",
+                queries=(Query(f"{_counter_rate(sc.LLM_PREFIX_CACHE_HITS_TOTAL, _MODEL)}\n  / "
+                               f"{_counter_rate(sc.LLM_PREFIX_CACHE_QUERIES_TOTAL, _MODEL)}", "{{model}}"),),
+            ),
+            PanelSpec(
+                title="Prefix cache blocks",
+                width=6,
+                description="KV blocks cached (held by requests or evictable), and cached blocks evicted "
+                            "per second because an allocation found no never-cached free block.",
+                queries=(
+                    Query(q.sum_by(_MODEL, q.selector(sc.LLM_PREFIX_CACHE_BLOCKS, regex=_MODEL)), "cached {{model}}"),
+                    Query(_counter_rate(sc.LLM_PREFIX_CACHE_EVICTIONS_TOTAL, _MODEL), "evicted/s {{model}}"),
+                ),
+            ),
+            PanelSpec(
+                title="TTFT by prefix cache hit / miss",
+                unit="s",
+                description="Time to first token of requests with some prompt tokens served from the "
+                            "prefix cache (hit) and of the others (miss). Exemplars link to the trace.",
+                queries=(ttft(0.5), ttft(0.99)),
+            ),
+        ),
     )

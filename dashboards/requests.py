@@ -4,7 +4,7 @@ Built from the adapter's sampled ``llm:sampled_*`` series: the collector's span-
 histograms (labels model and priority) where Sightline's traces arrive, so it shows what
 the traces saw, or vLLM's own histograms (no priority). Latency heatmaps per priority
 (one panel per priority value, with exemplars linking a cell to a trace in Tempo) and
-the phase breakdown queue / prefill / decode. Trace-derived counts cover sampled
+the phase breakdown queue / prefill / decode; slow requests by the cause the collector named. Trace-derived counts cover sampled
 requests only (a ``traceparent`` with flags ``-00`` is counted by the engine, not here):
 the Overview's rates, from the engine's own counters, count every request.
 
@@ -151,6 +151,23 @@ def spec() -> DashboardSpec:
             ),
         ),
     )
+    causes = Row(
+        "Why slow requests were slow",
+        (
+            PanelSpec(
+                title="Slow requests by cause",
+                unit="short",
+                width=24,
+                stacked=True,
+                description="Slow requests (e2e at or above the collector's quantile of the stored requests') "
+                "explained in each 5 minutes, by the cause the collector named (sightline explain shows each "
+                "one's evidence).",
+                queries=(Query(q.sum_by((sc.LABEL_CAUSE,),
+                                        f"increase({q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED)}[5m])"),
+                               "{{cause}}"),),
+            ),
+        ),
+    )
     series = q.counter(sc.LLM_SAMPLED_REQUESTS_TOTAL)
     return DashboardSpec(
         uid=UID,
@@ -161,5 +178,5 @@ def spec() -> DashboardSpec:
             Variable(sc.LABEL_MODEL, series, sc.LABEL_MODEL),
             Variable(sc.LABEL_PRIORITY, series, sc.LABEL_PRIORITY, depends=(sc.LABEL_MODEL,)),
         ),
-        rows=(heatmaps, phases, volume),
+        rows=(heatmaps, phases, causes, volume),
     )

@@ -30,7 +30,7 @@ from typing import IO, Any, Literal
 
 from ..collector.aggregation_config import WindowConfig
 from ..instrumentation import check_range, read_capture_meta
-from .demo_incident import (SM_HOTSPOT_ALERT, demo_rules, format_incident, incident_record,
+from .demo_incident import (SM_CONTENTION_ALERT, demo_rules, format_incident, incident_record,
                             screenshot_heatmap, story_kernel, wait_for_alert)
 from .incident import Finding, Incident, find
 from .load import LoadConfig, LoadResult, format_summary, run_load_sync
@@ -60,22 +60,22 @@ class DemoConfig:
     stream: bool = True
     capture: Path | None = None  # None: find_capture()
     slowest: int = 3
+    incident_slowest: int = 10  # the replayed capture's slowest requests explained (with their cause)
     telemetry_settle_s: float = 20.0  # how long to wait for spans to reach the collector
     # 0: the capture lands at once, shifted to end now with its spacing kept (its minutes
     # fill the heatmap's columns); N: replayed live at N x, time compressed.
     replay_speed: float = 0.0
-    hot_sm_threshold: float = 1.5  # an SM is hot at this P99 over the median SM's P99
     # The SM-hotspot alert waits 15 min in production; the demo's Prometheus waits this.
     alert_for_s: int = 5
     alert_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_range("DemoConfig.slowest", self.slowest, 0, 50, integer=True)
+        check_range("DemoConfig.incident_slowest", self.incident_slowest, 0, 50, integer=True)
         check_range("DemoConfig.telemetry_settle_s", self.telemetry_settle_s, 0, 600, lo_open=True)
         if self.max_num_seqs is not None:
             check_range("DemoConfig.max_num_seqs", self.max_num_seqs, 1, 4096, integer=True)
         check_range("DemoConfig.replay_speed", self.replay_speed, 0, 1000)
-        check_range("DemoConfig.hot_sm_threshold", self.hot_sm_threshold, 1.0, 100, lo_open=True)
         check_range("DemoConfig.alert_for_s", self.alert_for_s, 0, 3600)
         check_range("DemoConfig.alert_timeout_s", self.alert_timeout_s, 1, 3600)
         if self.capture is not None and not Path(self.capture).is_file():
@@ -298,13 +298,17 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         shutil.rmtree(out / stale, ignore_errors=True)
     engine_args = (("--max-num-seqs", str(config.max_num_seqs))
                    if config.max_num_seqs is not None else ())
-    # The per-SM gauges and hotspot ratios cover the whole window (the collector's horizon),
-    # so a replayed incident counts wherever it lies in the capture.
-    horizon_s = WindowConfig().horizon_s
+    # The per-SM gauges and contention flags cover a recorded capture's length (the default
+    # horizon), so a replayed incident counts wherever it lies in the capture; the collector
+    # keeps twice that, so the capture's first minute is still there when the demo explains
+    # its requests after replaying its spans (the per-SM evidence of their causes).
+    capture_s = WindowConfig().horizon_s
+    window = WindowConfig(num_slots=2 * WindowConfig().num_slots)
     stack_config = StackConfig(run_dir=out, device=config.device, model=config.model,
                                trace_level=config.trace_level, prefer_default_ports=False,
                                engine_args=engine_args, fresh_data=True,
-                               collector_args=("--gauge-window-s", f"{horizon_s:g}"),
+                               collector_args=("--gauge-window-s", f"{capture_s:g}",
+                                               "--window-slots", str(window.num_slots)),
                                rules_files=demo_rules(out / "prometheus", config.alert_for_s))
     stack = Stack(stack_config)
     device, model = stack_config.resolved_device, stack_config.resolved_model
@@ -368,11 +372,11 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         if replayed is not None:
             capture, label, time_map = replayed
             if report.incident is not None:
-                report.findings = find(report.incident, time_sm, time_map, config.hot_sm_threshold)
+                report.findings = find(report.incident, time_sm, time_map)
             summary, _ = _replay_capture(capture, f"http://{p.host}:{p.collector_http}",
                                          config.replay_speed, ("traces",), time_map)
             say(f"  replayed spans: {summary}")
-            gpu = _explained(p.collector_url, lambda t: t not in ours, config.slowest)
+            gpu = _explained(p.collector_url, lambda t: t not in ours, config.incident_slowest)
             report.explanations.append({"source": f"{label} {capture.name}", **gpu})
             (explain_dir / "capture.json").write_text(json.dumps(gpu, indent=2))
             (explain_dir / "capture.txt").write_text(_format_explanation(gpu) + "\n")
@@ -388,8 +392,8 @@ def demo(config: DemoConfig, *, stream: IO[str] = sys.stdout,
         else:
             report.notes.append("no per-SM data reached the collector, so no heatmaps")
         if report.incident is not None:
-            say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_HOTSPOT_ALERT} in Alertmanager")
-            report.alerts = wait_for_alert(p.alertmanager_url, SM_HOTSPOT_ALERT, config.alert_timeout_s)
+            say(f"waiting up to {config.alert_timeout_s:.0f}s for {SM_CONTENTION_ALERT} in Alertmanager")
+            report.alerts = wait_for_alert(p.alertmanager_url, SM_CONTENTION_ALERT, config.alert_timeout_s)
             (out / "incident.json").write_text(json.dumps(incident_record(report), indent=2) + "\n")
             report.files["planted vs found (JSON)"] = out / "incident.json"
         dashboards = _build_dashboards(out / "dashboards")

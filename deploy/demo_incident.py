@@ -1,16 +1,17 @@
 """The demo's incident chapter: what the replayed capture planted against what Sightline found.
 
-* :func:`demo_rules`: the project's alert rules with ``SightlineSMHotspot``'s ``for`` cut to
+* :func:`demo_rules`: the project's alert rules with ``SightlineSMContention``'s ``for`` cut to
   seconds, so that the alert can fire within the demo (production waits 15 minutes); the
   summary says so.
 * :func:`wait_for_alert`: that alert as the demo's real Alertmanager lists it.
-* :func:`story_kernel`: the attention kernel the story follows, the one whose per-SM view
-  stands out most (highest hotspot ratio): what a user looking at the heatmaps would pick.
+* :func:`story_kernel`: the attention kernel the story follows, the one with the most SMs
+  flagged contended (then the highest hotspot ratio): what the heatmaps point a user at.
 * :func:`screenshot_heatmap`: that kernel's time x SM heatmap page in headless Chromium,
   saved next to the heatmap PNGs.
 * :func:`format_incident` / :func:`incident_record`: the summary's lines and JSON: each
-  interval's planted SMs, the SMs flagged hot then (deploy/incident.py), precision and
-  recall, where the slowest requests ran, and the alert.
+  interval's planted SMs, the SMs the contention tests flagged then (deploy/incident.py),
+  precision and recall, what each SM was compared with, where the slowest requests ran and
+  the cause explain named for each (with its baseline), and the alert.
 """
 
 from __future__ import annotations
@@ -25,21 +26,22 @@ from typing import Any
 import yaml
 
 from .screenshot import screenshot
+from . import prometheus_rules
 from .stack import default_rules_files
 
-__all__ = ["SM_HOTSPOT_ALERT", "demo_rules", "format_incident", "incident_record",
+__all__ = ["SM_CONTENTION_ALERT", "demo_rules", "format_incident", "incident_record",
            "screenshot_heatmap", "story_kernel", "wait_for_alert"]
 
-SM_HOTSPOT_ALERT = "SightlineSMHotspot"
+SM_CONTENTION_ALERT = prometheus_rules.SM_CONTENTION_ALERT
 
 
 def story_kernel(time_sm: list[dict[str, Any]]) -> str | None:
-    """The kernel of the time x SM heatmap with the highest hotspot ratio (hottest SM's
-    P99 over the median SM's); None without one. Chosen from the data alone: no planted
-    SM is looked at."""
-    rated = [(h["hotspot"]["ratio"], h["kernel"]) for h in time_sm
+    """The kernel of the time x SM heatmap with the most SMs the contention tests flagged,
+    then the highest hotspot ratio (hottest SM's P99 over the median SM's); None without
+    one. Chosen from the data alone: no planted SM is looked at."""
+    rated = [(len(h.get("contended") or {}), h["hotspot"]["ratio"], h["kernel"]) for h in time_sm
              if (h.get("hotspot") or {}).get("ratio") is not None]
-    return max(rated, key=lambda r: (r[0], r[1]))[1] if rated else None
+    return max(rated)[2] if rated else None
 
 
 def demo_rules(folder: Path, for_s: int) -> tuple[Path, ...] | None:
@@ -51,11 +53,11 @@ def demo_rules(folder: Path, for_s: int) -> tuple[Path, ...] | None:
     data = yaml.safe_load(sources[0].read_text())
     for group in data.get("groups", []):
         for rule in group.get("rules", []):
-            if rule.get("alert") == SM_HOTSPOT_ALERT:
+            if rule.get("alert") == SM_CONTENTION_ALERT:
                 rule["for"] = f"{for_s}s"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "demo-rules.yml"
-    path.write_text(f"# {sources[0].name} with {SM_HOTSPOT_ALERT} waiting {for_s}s instead of its "
+    path.write_text(f"# {sources[0].name} with {SM_CONTENTION_ALERT} waiting {for_s}s instead of its "
                     "production duration, so that it can fire within the demo\n"
                     + yaml.safe_dump(data, sort_keys=False))
     return (path, *sources[1:])
@@ -107,9 +109,14 @@ def _slowest_requests(report) -> list[dict[str, Any]]:
         sm = r.get("slowest_sm") or {}
         planted = [i for i in during if sm.get("sm") is not None
                    and int(sm["sm"]) in report.incident.intervals[i].sms]
+        cause = r.get("cause") or {}
+        expected = {report.incident.intervals[i].expected_cause for i in during}
         rows.append({"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "intervals": [i + 1 for i in during],
                      "slowest_sm": sm.get("sm"), "slowest_sm_kernel": sm.get("kernel"),
-                     "slowest_sm_source": sm.get("source"), "slowest_sm_planted": bool(planted)})
+                     "slowest_sm_source": sm.get("source"), "slowest_sm_planted": bool(planted),
+                     "cause": cause.get("name"), "cause_summary": cause.get("summary"),
+                     "cause_compared_with": cause.get("compared_with"),
+                     "cause_is_planted": bool(during) and cause.get("name") in expected})
     return rows
 
 
@@ -135,7 +142,7 @@ def format_incident(report) -> list[str]:
     lines = [f"The incident in the replayed capture, {kind}:", f"  {incident.description}"]
     if report.story_kernel:
         lines.append(f"  The story follows {report.story_kernel}: its per-SM view stands out most "
-                     "(highest hotspot ratio of the attention kernels).")
+                     "(the most SMs flagged contended of the attention kernels).")
     replayed = _by_interval(report)
     for n, interval in enumerate(incident.intervals):
         when = (f"{_clock(replayed[n][0])}..{_clock(replayed[n][1])} UTC as replayed"
@@ -147,26 +154,37 @@ def format_incident(report) -> list[str]:
                 continue
             missed = sorted(set(f.planted) - set(f.flagged))
             extra = sorted(set(f.flagged) - set(f.planted))
-            lines.append(f"    {f.kernel}: Sightline flags {len(f.flagged)} SMs hot over {f.slots} slots "
-                         f"(P99 >= {f.threshold:g}x the median SM's), {f.true_positives} planted: "
+            lines.append(f"    {f.kernel}: Sightline flags {len(f.flagged)} SMs contended over {f.slots} slots "
+                         f"(in at least half of them: slow or starved against the kernel's other SMs in the same "
+                         f"slot), {f.true_positives} planted: "
                          f"precision {_ratio(f.precision)}, recall {_ratio(f.recall)}"
                          + (f"; missed {missed}" if missed else "") + (f"; not planted {extra}" if extra else ""))
+    lines.append("  How: each SM is compared with the kernel's other SMs in the same 10 s slot: slow when more "
+                 "of its CTAs ran longer than their P90 than chance allows, starved when it ran fewer CTAs than "
+                 "its share of the launches that cover every SM (collector/contention.py).")
     rows = _slowest_requests(report)
     if rows:
         inside = sum(bool(r["intervals"]) for r in rows)
-        lines.append(f"  The {len(rows)} slowest replayed requests: {inside} ran during an interval.")
+        named = sum(r["cause_is_planted"] for r in rows if r["intervals"])
+        lines.append(f"  The {len(rows)} slowest replayed requests: {inside} ran during an interval, "
+                     f"{named} of those explained by the planted cause.")
         for r in rows:
             where = f"interval {', '.join(map(str, r['intervals']))}" if r["intervals"] else "no interval"
             sm = ("no SM known" if r["slowest_sm"] is None else
                   f"slowest SM {r['slowest_sm']} ({r['slowest_sm_kernel']}, from {r['slowest_sm_source']}; "
                   + ("a planted SM)" if r["slowest_sm_planted"] else "not planted)"))
             lines.append(f"    {r['trace_id']}: {r['e2e_s'] * 1e3:.0f} ms, {where}, {sm}")
+            if r["cause"]:
+                lines.append(f"      cause: {r['cause']}: {r['cause_summary']}")
+        compared = next((r["cause_compared_with"] for r in rows if r["cause_compared_with"]), None)
+        if compared:
+            lines.append(f"    (causes compared with: {compared})")
     if report.alerts:
         for a in report.alerts:
             labels = a["labels"]
-            lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} {a['state'] or 'received'} for GPU "
+            lines.append(f"  Alertmanager: {SM_CONTENTION_ALERT} {a['state'] or 'received'} for GPU "
                          f"{labels.get('gpu', '?')} {labels.get('kernel', '?')} since {a['startsAt']} "
                          "(the demo's rule waits seconds; production waits 15 minutes)")
     else:
-        lines.append(f"  Alertmanager: {SM_HOTSPOT_ALERT} did not arrive in time")
+        lines.append(f"  Alertmanager: {SM_CONTENTION_ALERT} did not arrive in time")
     return lines

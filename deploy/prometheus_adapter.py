@@ -5,8 +5,9 @@ unchanged on a Prometheus that scrapes Sightline's engine and collector, vLLM, o
 Each rule copies one source series under its ``llm:`` name, renaming vLLM's labels
 (``model_name`` -> ``model``, ``finished_reason`` -> ``finish_reason``); counters and
 histogram buckets stay raw counters, so ``rate()`` and ``histogram_quantile()`` work on
-the copies as on the originals. vLLM has no per-request error counter: its HTTP
-middleware's ``http_requests_total{status="5xx"}`` on ``/v1/*`` handlers becomes
+the copies as on the originals; prefix cache blocks, evictions and TTFT by hit / miss
+have no vLLM source. vLLM has no per-request error counter: its HTTP middleware's
+``http_requests_total{status="5xx"}`` on ``/v1/*`` handlers becomes
 ``llm:request_errors_total{code="5xx"}``, given the model of the same target.
 
 Cost: one stored series per source series (the copy), evaluated at the rule interval.
@@ -63,6 +64,13 @@ SERVING: tuple[Mapping, ...] = (
     Mapping(sc.LLM_RUNNING, "gauge", sc.ENGINE_RUNNING, sc.VLLM_RUNNING),
     Mapping(sc.LLM_WAITING, "gauge", sc.ENGINE_WAITING, sc.VLLM_WAITING),
     Mapping(sc.LLM_KV_USAGE, "gauge", sc.ENGINE_KV_USAGE, sc.VLLM_KV_USAGE),
+    Mapping(sc.LLM_PREFIX_CACHE_QUERIES_TOTAL, "counter", sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL,
+            sc.VLLM_PREFIX_CACHE_QUERIES_TOTAL),
+    Mapping(sc.LLM_PREFIX_CACHE_HITS_TOTAL, "counter", sc.ENGINE_PREFIX_CACHE_HITS_TOTAL,
+            sc.VLLM_PREFIX_CACHE_HITS_TOTAL),
+    Mapping(sc.LLM_PREFIX_CACHE_BLOCKS, "gauge", sc.ENGINE_PREFIX_CACHE_BLOCKS, None),
+    Mapping(sc.LLM_PREFIX_CACHE_EVICTIONS_TOTAL, "counter", sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL, None),
+    Mapping(sc.LLM_PREFIX_CACHE_TTFT_SECONDS, "histogram", sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS, None),
 )
 
 # Per-request latencies labelled by priority: from Sightline's request traces (the

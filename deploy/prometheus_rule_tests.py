@@ -167,6 +167,9 @@ def engine_cases() -> list[Case]:
     waiting = series(sc.ENGINE_WAITING, {**ENGINE, **MODEL})
     up_engine = series("up", ENGINE)
     up_other = series("up", {"job": "node", "instance": "host:9100"})
+    compiles = series(q.counter(sc.ENGINE_JIT_COMPILES_TOTAL),
+                      {**ENGINE, **MODEL, sc.LABEL_KERNEL: "sightline_paged_decode",
+                       sc.LABEL_COMPILE_KIND: "compiled"})
     return [
         Case(
             "kv cache at 97% for 20 minutes",
@@ -198,6 +201,18 @@ def engine_cases() -> list[Case]:
             ((up_engine, "1x10"),),
             (AlertCheck("8m", "SightlineTargetDown"),),
         ),
+        Case(
+            "a kernel variant compiled while serving, ten minutes ago",
+            ((compiles, "0x10 1x20"),),
+            (AlertCheck("20m", "SightlineKernelCompiledWhileServing",
+                        ({**ENGINE, sc.LABEL_KERNEL: "sightline_paged_decode",
+                          sc.LABEL_COMPILE_KIND: "compiled"},)),),
+        ),
+        Case(
+            "compiles counted long ago only",
+            ((compiles, "1x40"),),
+            (AlertCheck("30m", "SightlineKernelCompiledWhileServing"),),
+        ),
     ]
 
 
@@ -207,11 +222,19 @@ def engine_cases() -> list[Case]:
 GPU_KERNEL = {sc.LABEL_GPU: "0", sc.LABEL_KERNEL: "fa2_decode"}
 
 
-def _sm_p99(values_per_sm: list[str]) -> tuple[tuple[str, str], ...]:
+def _contended(values_per_sm: dict[int, str], gpu: str = "0") -> tuple[tuple[str, str], ...]:
+    """Contention-score series of flagged SMs (``_`` where an SM is not flagged: no sample)."""
     return tuple(
-        (series(sc.COLLECTOR_SM_CTA_P99_SECONDS, {**COLLECTOR, **GPU_KERNEL, sc.LABEL_SM: str(sm)}), values)
-        for sm, values in enumerate(values_per_sm)
+        (series(sc.COLLECTOR_SM_CONTENTION_SCORE, {**COLLECTOR, **GPU_KERNEL, sc.LABEL_GPU: gpu, sc.LABEL_SM: str(sm)}),
+         values)
+        for sm, values in values_per_sm.items()
     )
+
+
+def _causes(per_minute: dict[str, int], minutes: int = 30) -> tuple[tuple[str, str], ...]:
+    """Slow requests explained, per cause, growing by ``per_minute[cause]`` a minute."""
+    return tuple((series(q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED), {**COLLECTOR, sc.LABEL_CAUSE: cause}),
+                  f"0+{n}x{minutes}") for cause, n in per_minute.items())
 
 
 def _kernel_hist(le_1ms: str, le_10ms: str, total: str) -> tuple[tuple[str, str], ...]:
@@ -232,16 +255,34 @@ def gpu_cases() -> list[Case]:
     day = 24 * 60
     return [
         Case(
-            "one SM at 5x the median CTA P99 for 20 minutes",
-            _sm_p99(["0.0001x25", "0.0001x25", "0.0001x25", "0.0005x25"]),
-            (AlertCheck("20m", "SightlineSMHotspot", (GPU_KERNEL,)),),
+            "two SMs flagged contended for 20 minutes, one of them on and off",
+            _contended({3: "4x25", 7: "9.5x5 _x2 9.5x18"}),
+            (AlertCheck("20m", rules.SM_CONTENTION_ALERT, (GPU_KERNEL,)),),
         ),
         Case(
-            "SMs within 1.4x of each other; a 10-minute hotspot",
-            _sm_p99(["0.0001x25", "0.00012x25", "0.0001x25", "0.00014x25"])
-            + tuple((s.replace('gpu="0"', 'gpu="1"'), v) for s, v in
-                    _sm_p99(["0.0001x25", "0.0001x25", "0.0001x25", "0.0005x10 0.0001x14"])),
-            (AlertCheck("20m", "SightlineSMHotspot"),),
+            "an SM flagged for 10 minutes; another GPU never",
+            _contended({3: "4x10 _x15"}) + _contended({5: "_x25"}, gpu="1"),
+            (AlertCheck("20m", rules.SM_CONTENTION_ALERT),),
+        ),
+        Case(
+            "slow requests mostly explained by device contention, then by a host stall",
+            _causes({sc.CAUSE_DEVICE_CONTENTION: 2, sc.CAUSE_UNKNOWN: 1}, 20)
+            + _causes({sc.CAUSE_HOST_STALL: 0}, 20),
+            (AlertCheck("18m", "SightlineDeviceContention", ({"job": rules.JOB_COLLECTOR},)),
+             AlertCheck("18m", "SightlineHostStall")),
+        ),
+        Case(
+            "a host stall explains most slow requests",
+            _causes({sc.CAUSE_HOST_STALL: 3, sc.CAUSE_QUEUEING: 1, sc.CAUSE_DEVICE_CONTENTION: 0}, 20),
+            (AlertCheck("18m", "SightlineHostStall", ({"job": rules.JOB_COLLECTOR},)),
+             AlertCheck("18m", "SightlineDeviceContention")),
+        ),
+        Case(
+            "device contention a minority of the causes; a host stall too rare to count",
+            _causes({sc.CAUSE_DEVICE_CONTENTION: 1, sc.CAUSE_QUEUEING: 3}, 20)
+            + ((series(q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED), {**COLLECTOR, sc.LABEL_CAUSE: sc.CAUSE_HOST_STALL}),
+                "0x15 1x5"),),
+            (AlertCheck("18m", "SightlineDeviceContention"), AlertCheck("18m", "SightlineHostStall")),
         ),
         Case(
             "GPU memory growing 100 MiB a minute",

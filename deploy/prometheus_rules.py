@@ -38,6 +38,7 @@ __all__ = [
     "PROMETHEUS_RULE_PATH",
     "JOB_ENGINE",
     "JOB_COLLECTOR",
+    "SM_CONTENTION_ALERT",
     "rule_groups",
     "alert_rules",
     "render_rules_yaml",
@@ -80,7 +81,11 @@ class SloConfig:
     availability_objective: float = 0.999  # fraction of requests without a server error
     kv_usage_threshold: float = 0.95
     waiting_threshold: int = 16
-    sm_hotspot_ratio: float = 2.0
+    # slow requests explained by one cause (collector/causes.py) over cause_window: at least
+    # this many, and at least this share of all explained then, for its alert
+    cause_min_requests: int = 3
+    cause_min_share: float = 0.5
+    cause_window: str = "10m"
     kernel_regression_factor: float = 1.5
     memory_growth_factor: float = 1.5  # predicted in 6h over now
     context_growth: int = 2  # contexts above the last hour's minimum
@@ -96,7 +101,11 @@ class SloConfig:
             check_range(name, getattr(self, name), 0.5, 1, hi_open=True)
         check_range("kv_usage_threshold", self.kv_usage_threshold, 0, 1, lo_open=True)
         check_range("waiting_threshold", self.waiting_threshold, 1, 1_000_000, integer=True)
-        for name in ("sm_hotspot_ratio", "kernel_regression_factor", "memory_growth_factor"):
+        check_range("cause_min_requests", self.cause_min_requests, 1, 1_000_000, integer=True)
+        check_range("cause_min_share", self.cause_min_share, 0, 1, lo_open=True)
+        if not re.fullmatch(r"\d+[smh]", self.cause_window):
+            raise ValueError(f"cause_window={self.cause_window!r} is not a Prometheus duration such as 10m")
+        for name in ("kernel_regression_factor", "memory_growth_factor"):
             check_range(name, getattr(self, name), 1, 100, lo_open=True)
         check_range("context_growth", self.context_growth, 1, 1000, integer=True)
         check_range("tp_straggler_share", self.tp_straggler_share, 0, 1, lo_open=True)
@@ -261,6 +270,29 @@ def _burn_alerts(slo_name: str, prefix: str, budget: float, what: str, runbook: 
     return alerts
 
 
+SM_CONTENTION_ALERT = "SightlineSMContention"
+
+
+def _cause_alert(slo: SloConfig, alert: str, cause: str, what: str, why: str, runbook: str) -> AlertRule:
+    """Fires when ``cause`` explained at least ``cause_min_requests`` slow requests, and at
+    least ``cause_min_share`` of those explained, over ``cause_window``."""
+    counter = q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED)
+    window = slo.cause_window
+    named = f'sum by (job) (increase({counter}{{{sc.LABEL_CAUSE}="{cause}"}}[{window}]))'
+    every = f"sum by (job) (increase({counter}[{window}]))"
+    return AlertRule(
+        alert=alert,
+        expr=f"{named} >= {slo.cause_min_requests}\n and\n{named} / {every} >= {_g(slo.cause_min_share)}",
+        for_="5m",
+        severity="ticket",
+        summary=f"{what[0].upper()}{what[1:]}",
+        description=f"Over {window}, at least {slo.cause_min_requests} slow requests and at least "
+        f"{_g(slo.cause_min_share * 100)}% of those the collector explained were named {cause}. {why} "
+        "`sightline explain` shows each request's evidence.",
+        runbook=runbook,
+    )
+
+
 def alert_rules(slo: SloConfig) -> list[RuleGroup]:
     """The alerts.
 
@@ -270,10 +302,12 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
       requests whose TTFT exceeded the threshold, read from the histogram bucket whose
       ``le`` is the threshold, so the threshold must be a bucket bound) and server errors
       (5xx and 429 over all requests).
-    - Saturation: KV cache near full; waiting queue long and growing.
-    - GPU: one SM's CTA P99 far above the median SM's (sustained); a kernel's P99 up against
-      the same hour a day earlier; device memory or CUDA contexts growing (leak); one
-      tensor-parallel rank named the straggler of most steps (sustained).
+    - Saturation: KV cache near full; waiting queue long and growing. A kernel variant met
+      while serving (a warm-up defect: a request waited on a compile).
+    - GPU: SMs flagged slow or starved by the contention tests (sustained); slow requests
+      explained by device contention or a host stall; a kernel's P99 up against the same hour
+      a day earlier; device memory or CUDA contexts growing (leak); one tensor-parallel rank
+      named the straggler of most steps (sustained).
     - Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
       spans; a scrape target down.
     """
@@ -316,6 +350,19 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                 runbook="waiting-queue-growing",
             ),
             AlertRule(
+                alert="SightlineKernelCompiledWhileServing",
+                expr=f"sum by (job, instance, {sc.LABEL_KERNEL}, {sc.LABEL_COMPILE_KIND}) "
+                f"(increase({q.counter(sc.ENGINE_JIT_COMPILES_TOTAL)}[15m])) > 0",
+                for_="0m",
+                severity="ticket",
+                summary="Engine {{ $labels.instance }} met kernel variants of {{ $labels.kernel }} "
+                "while serving ({{ $labels.kind }})",
+                description="A request's step compiled (or loaded, or autotuned) a kernel variant the "
+                "warm-up did not run, so it waited for it: seconds on a GPU. The step span carries "
+                "sightline.step.jit_compiles; explain names the requests it held up.",
+                runbook="kernel-compiled-while-serving",
+            ),
+            AlertRule(
                 alert="SightlineTargetDown",
                 expr=f'up{{job=~"{JOB_ENGINE}|{JOB_COLLECTOR}"}} == 0',
                 for_="5m",
@@ -327,23 +374,32 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
             ),
         ),
     )
-    sm_p99_threshold = f"{sc.RULE_SM_HOTSPOT} > {_g(slo.sm_hotspot_ratio)}"
+    contended = f"count by ({sc.LABEL_GPU}, {sc.LABEL_KERNEL}) ({sc.COLLECTOR_SM_CONTENTION_SCORE}) > 0"
     memory = sc.GPU_MEMORY_USED_BYTES
     contexts = sc.GPU_CUDA_CONTEXTS
     gpu = RuleGroup(
         "sightline-gpu-alerts",
         (
             AlertRule(
-                alert="SightlineSMHotspot",
-                expr=sm_p99_threshold,
+                alert=SM_CONTENTION_ALERT,
+                expr=contended,
                 for_="15m",
                 severity="ticket",
-                summary="GPU {{ $labels.gpu }}: one SM's CTA P99 far above the median SM's "
+                summary="GPU {{ $labels.gpu }}: SMs running slow or starved against the kernel's other SMs "
                 "({{ $labels.kernel }})",
-                description=f"The slowest SM's CTA-duration P99 has stayed above {_g(slo.sm_hotspot_ratio)}x "
-                "the median SM's for 15 minutes. See the per-SM heatmap on the GPU dashboard.",
-                runbook="sm-hotspot",
+                description="For 15 minutes the collector's contention tests have flagged SMs of this kernel: "
+                "more of their CTAs above the other SMs' P90, or fewer CTAs than their share, than chance "
+                "allows. Another tenant on those SMs is the usual cause. See the per-SM heatmap.",
+                runbook="sm-contention",
             ),
+            _cause_alert(slo, "SightlineDeviceContention", sc.CAUSE_DEVICE_CONTENTION,
+                         "slow requests explained by every SM running slower alike",
+                         "GPU work took longer on every SM, with no SM standing out: memory-bandwidth "
+                         "contention from another process, clocks or power.", "device-contention"),
+            _cause_alert(slo, "SightlineHostStall", sc.CAUSE_HOST_STALL,
+                         "slow requests explained by the engine's host side stalling",
+                         "Engine steps took longer than usual (or none ran) while the GPU's work did not: "
+                         "CPU contention on the engine's cores, a thread holding the GIL, paging.", "host-stall"),
             AlertRule(
                 alert="SightlineKernelP99Regression",
                 expr=f"{sc.RULE_KERNEL_P99} > {_g(slo.kernel_regression_factor)} * ({sc.RULE_KERNEL_P99} offset 1d)",

@@ -1,18 +1,19 @@
 """The OpenAI-compatible HTTP server (aiohttp): one API server, in front of an engine core.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models[/{id}]``,
-``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/steps``, ``/debug/kv``, ``/metrics``
+``/health``, ``/live``, ``/ping``, ``/version``, ``/debug/{steps,kv,startup}``, ``/metrics``
 (OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
 token even when its text is empty, the chat role on the first, usage at the end
 (``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
 It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
-handshake and per-step stats. Tokenization runs on a thread pool.
+handshake, its start-up ``Phase`` records and per-step stats. Tokenization runs on a thread pool.
 
 Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
 (starting, draining, engine core gone), 500 (engine failure); the process serves on.
-``/health`` is 503 ``{"status": "starting", "phase": ...}`` until the core is ready, ``/live``
-200 once HTTP is served. A client that disconnects has its request aborted. SIGTERM: new
-requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
+HTTP is served from the start: ``/live`` is 200 at once, ``/health`` 503
+``{"status": "starting", "phase", "elapsed_s", "phases_done"}`` until the core is warm and
+ready, ``/metrics`` answers meanwhile. A client that disconnects has its request aborted.
+SIGTERM: new requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..instrumentation import TelemetryPipeline
 from ..instrumentation import semconv as sc
 from .config import EngineConfig, resolve_model_config
 from .core_client import REFUSALS, EngineDeadError, InProcessClient, MPClient
+from .http_limits import LimitedSite, track_requests
 from .engine_core import EngineStoppedError, QueueFullError
 from .llm_engine import LLMEngine
 from .metrics import EngineMetrics
@@ -47,6 +49,7 @@ from .openai_protocol import (
     parse_completion_request, parse_json, sse, usage, usage_chunk)
 from .request import SamplingParams
 from .request_output import RequestOutput
+from .startup import StartupProgress
 from .tokenizer import Tokenizer, apply_chat_template, load_tokenizer
 
 __all__ = ["EngineServer", "RunningServer", "run_api_server", "serve_in_thread"]
@@ -81,7 +84,8 @@ class EngineServer:
         self.draining = False
         self.started = False   # the core is ready and this server's telemetry joined it
         self._tokenize_pool = ThreadPoolExecutor(tokenize_threads, "sightline-tokenize")
-        self.app = web.Application(middlewares=[self._errors_middleware], client_max_size=16 * 2**20)
+        self.app = web.Application(middlewares=[self._errors_middleware, track_requests],
+                                   client_max_size=16 * 2**20)
         self.app.add_routes([
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
@@ -95,8 +99,20 @@ class EngineServer:
             web.get("/metrics", self.scrape),
             web.get("/debug/steps", self.debug_steps),
             web.get("/debug/kv", self.debug_kv),
+            web.get("/debug/startup", self.debug_startup),
         ])
         self._live_ids: set[str] = set()  # response ids of requests in flight (X-Request-Id reuse)
+        self._drops_reported: dict[str, int] = {}
+
+    def _report_drops(self) -> None:
+        """A joined telemetry's drops, to the core's series when they changed (split only)."""
+        dropped_events = getattr(self.telemetry, "dropped_events", None)
+        if dropped_events is None or not isinstance(self.client, MPClient):
+            return
+        dropped = dropped_events()
+        if dropped != self._drops_reported:
+            self.client.report_drops(dropped)
+            self._drops_reported = dropped
 
     # ---- plumbing -----------------------------------------------------------------------------
     @web.middleware
@@ -125,22 +141,27 @@ class EngineServer:
                                              "server_error", None, "internal_error"), 500)
 
     async def health(self, request: web.Request) -> web.Response:
+        """Readiness: 200 once the core is warm and ready; 503 naming the start-up phase
+        before, while draining, and once the core is gone."""
         client = self.client
         if client.dead is not None:
             return _json_response({"status": "engine_dead", "error": client.dead}, 503)
         if self.draining:
             return _json_response({"status": "draining"}, 503)
         if not self.started:
-            return _json_response({"status": "starting", "phase": client.phase}, 503)
-        stats = client.stats
+            return _json_response({"status": "starting", **client.progress()}, 503)
+        stats, ready = client.stats, client.ready
         body = {"status": "ok", "running": stats.running if stats else 0,
                 "waiting": stats.waiting if stats else 0,
-                "api_server": self.index, "pid": os.getpid(), "core_pid": client.ready.core_pid}
-        if client.ready.tp_worker_pids:
-            body["tp_worker_pids"] = client.ready.tp_worker_pids
+                "api_server": self.index, "pid": os.getpid(),
+                "core_pid": ready.core_pid, "startup_s": ready.startup_s,
+                "startup_trace_id": ready.startup_trace_id}
+        if ready.tp_worker_pids:
+            body["tp_worker_pids"] = ready.tp_worker_pids
         return _json_response(body)
 
     async def live(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves HTTP, starting and draining included."""
         return _json_response({"status": "alive"})
 
     async def ping(self, request: web.Request) -> web.Response:
@@ -152,13 +173,20 @@ class EngineServer:
 
     async def scrape(self, request: web.Request) -> web.Response:
         accept = request.headers.get("Accept", "")
-        core_series = []
-        if isinstance(self.client, MPClient) and self.client.dead is None:
-            # the core's telemetry series (drops, restarts, spans exported): asked per scrape
-            with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
-                core_series.append((await self.client.call("telemetry_metrics", accept))["body"].encode())
-        body, content_type = self.metrics.exposition(
-            [getattr(self.telemetry, "registry", None)], accept=accept, encoded=core_series)
+        client, core_series, extra = self.client, [], [getattr(self.telemetry, "registry", None)]
+        if isinstance(client, MPClient):
+            # the core's series (start-up, compiles while serving, every producer's telemetry
+            # drops, held and orphaned events, restarts, spans exported), asked per scrape so
+            # that each is counted once however many API servers there are; this server's
+            # drops are reported to the core first and counted there
+            extra = []
+            if client.ready is not None and client.dead is None:
+                with contextlib.suppress(EngineDeadError, asyncio.TimeoutError):
+                    self._report_drops()
+                    core_series.append((await client.call("core_metrics", accept))["body"].encode())
+        elif client.engine is not None:   # in this process: the core's registry as it is
+            extra.append(client.engine.core.series.registry)
+        body, content_type = self.metrics.exposition(extra, accept=accept, encoded=core_series)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     def _model_card(self) -> dict:
@@ -176,11 +204,18 @@ class EngineServer:
         return _json_response(await self._call("kv_blocks"))
 
     async def _call(self, method: str) -> dict:
+        if not self.started:
+            raise _starting(self.client.phase)
         try:
             return await self.client.call(method)
         except (EngineDeadError, asyncio.TimeoutError) as exc:
             raise ProtocolError(f"the engine core did not answer: {exc}", status=503,
                                 type="service_unavailable", code="engine_unavailable") from None
+
+    async def debug_startup(self, request: web.Request) -> web.Response:
+        """The start-up report: each phase's time and the kernel variants it compiled or
+        took from the cache (``StartupReport.to_dict``)."""
+        return _json_response(await self._call("startup_report"))
 
     async def models(self, request: web.Request) -> web.Response:
         return _json_response({"object": "list", "data": [self._model_card()]})
@@ -206,8 +241,7 @@ class EngineServer:
         if self.client.dead is not None:
             raise _engine_gone(self.client.dead)
         if not self.started:
-            raise ProtocolError(f"the engine is starting ({self.client.phase})", status=503,
-                                type="service_unavailable", code="starting")
+            raise _starting(self.client.phase)
         body = parse_json(await http.read())
         params: ChatCompletionRequest | CompletionRequest = (
             parse_chat_request(body) if chat else parse_completion_request(body))
@@ -282,7 +316,8 @@ class EngineServer:
                                   sc.GEN_AI_REQUEST_TOP_P: params.top_p, sc.REQUEST_STREAM: params.stream,
                                   **({sc.GEN_AI_REQUEST_TOP_K: params.top_k} if params.top_k else {})})
         try:
-            stream = client.add_request(response_id, prompt_ids, sampling, params.priority, trace)
+            stream = client.add_request(response_id, prompt_ids, sampling, params.priority, trace,
+                                        params.cache_salt)
         except Exception as exc:
             raise _refusal(exc) from None
         created = now_s()
@@ -306,7 +341,7 @@ class EngineServer:
                     finished = out
                 if response is None or out.error or not (out.token_ids or out.finished):
                     continue
-                usage_now = (usage(out.num_prompt_tokens, out.num_output_tokens)
+                usage_now = (usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
                              if params.continuous_usage else None)
                 if chat:
                     delta = {"role": "assistant", "content": out.text} if first else {"content": out.text}
@@ -334,12 +369,14 @@ class EngineServer:
                 build = chat_response if chat else completion_response
                 self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
                 reply = _json_response(build(response_id, self.model, created, text, finished.finish_reason,
-                                             finished.num_prompt_tokens, finished.num_output_tokens))
+                                             finished.num_prompt_tokens, finished.num_output_tokens,
+                                             finished.num_cached_tokens))
                 reply.headers[REQUEST_ID_HEADER] = request_id
                 return reply
             if params.include_usage:
                 await response.write(sse(usage_chunk(response_id, self.model, created, chat,
-                                                     finished.num_prompt_tokens, finished.num_output_tokens)))
+                                                     finished.num_prompt_tokens, finished.num_output_tokens,
+                                                     finished.num_cached_tokens)))
             await response.write(SSE_DONE)
             await response.write_eof()
             self._finish_trace(trace, finished, 200, pieces, prompt_text, None)
@@ -360,6 +397,9 @@ class EngineServer:
         """(prompt text or None, prompt token ids); a token id outside the vocabulary (in the
         prompt or in allowed_token_ids) is a 400. Runs on the tokenizer pool."""
         vocab = self.client.ready.vocab_size
+        if len(params.allowed_token_ids or ()) > vocab:  # so a mask row per request bounds them
+            raise ProtocolError(f"allowed_token_ids holds {len(params.allowed_token_ids):,} ids, more than the "
+                                f"vocabulary's {vocab:,}", param="allowed_token_ids", code="invalid_value")
         bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
         if bad is not None:
             raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",
@@ -386,7 +426,7 @@ class EngineServer:
         trace.finish(status_code=status, finish_reason=out.finish_reason, input_tokens=out.num_prompt_tokens,
                      output_tokens=out.num_output_tokens, ttft_s=out.ttft_s, tpot_s=out.tpot_s,
                      queue_s=out.queue_s, e2e_s=out.e2e_s, preemptions=out.num_preemptions,
-                     error_type=error_type)
+                     error_type=error_type, cached_tokens=out.num_cached_tokens)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def drain(self, timeout_s: float, force: asyncio.Event | None = None) -> None:
@@ -400,9 +440,8 @@ class EngineServer:
             await asyncio.sleep(0.02)
         if client.num_live:
             log.warning("shutdown: aborting %d live requests", client.num_live)
-        flush = getattr(self.telemetry, "flush", None)
-        if flush is not None:   # forwarded telemetry: its last events, before the socket closes
-            flush()
+        if client.dead is None:
+            self._report_drops()   # the last figures, before the socket closes
         await client.shutdown()
         self._tokenize_pool.shutdown(wait=False)
 
@@ -413,6 +452,12 @@ _ERROR_SHAPES = {None: (500, "server_error", "engine_error"),
                  "queue_full": (429, "rate_limit_error", "queue_full"),
                  "shutting_down": (503, "service_unavailable", "shutting_down"),
                  "invalid_request": (400, "invalid_request_error", "context_length_exceeded")}
+
+
+def _starting(phase: str) -> ProtocolError:
+    return ProtocolError(f"the engine is starting (phase {phase}); retry once /health answers 200",
+                         status=503, type="service_unavailable", code="starting",
+                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _engine_gone(reason: str) -> ProtocolError:
@@ -480,11 +525,14 @@ def _watch_gpu(metrics: EngineMetrics, device: str) -> None:
         log.warning("GPU memory/context metrics unavailable: %s", reason)
 
 
-async def _start_http(server: EngineServer, host: str, port: int,
+async def _start_http(server: EngineServer, config: EngineConfig,
                       sock: socket.socket | None = None) -> tuple[web.AppRunner, int]:
+    """Serves the app on ``config``'s address (or the shared listening ``sock``) with the
+    connection limits of ``config.http`` (header and idle deadlines, a capped share per peer)."""
+    host, port = config.host, config.port
     runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+    site = LimitedSite(runner, host, port, config.http, server.metrics.connection_closed, sock=sock)
     await site.start()
     return runner, runner.addresses[0][1] if runner.addresses else port
 
@@ -499,22 +547,34 @@ def _signals(loop: asyncio.AbstractEventLoop, stop: asyncio.Event, force: asynci
 
 
 async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None] | None = None,
-                 telemetry=None) -> int:
-    """One process: the API server and an in-process engine (loop thread)."""
+                 telemetry=None, startup: StartupProgress | None = None) -> int:
+    """One process: the API server and an in-process engine (loop thread). HTTP is served
+    first (``/live``; ``/health`` 503 naming the phase), then the engine is built and warmed
+    up on a thread."""
     telemetry = _pipeline(config, telemetry)
+    startup = startup if startup is not None else StartupProgress()
     metrics = EngineMetrics(config.model_name)
+    loop = asyncio.get_running_loop()
+    client = InProcessClient(loop, startup)
+    model_config = resolve_model_config(config.model)
+    tokenizer = load_tokenizer(model_config.path, model_config.bos_token_id, model_config.eos_token_id)
+    server = EngineServer(client, telemetry, metrics, tokenizer, config.model_name)
+    runner = None
     try:
-        engine = await asyncio.to_thread(LLMEngine, config, telemetry, metrics)
-    except BaseException:
+        runner, port = await _start_http(server, config)
+        log.info("starting on http://%s:%d: /live answers, /health is 503 until warm",
+                 config.host, port)
+        engine = await asyncio.to_thread(LLMEngine, config, telemetry, metrics, startup)
+    except BaseException as exc:
+        startup.fail(exc)
+        if runner is not None:
+            await runner.cleanup()
         if telemetry is not None:
             telemetry.shutdown()
         raise
-    loop = asyncio.get_running_loop()
-    client = InProcessClient(engine, loop)
+    client.attach(engine)
     _watch_gpu(metrics, client.ready.device)
-    server = EngineServer(client, telemetry, metrics, engine.tokenizer, engine.model_name)
     server.started = True
-    runner, port = await _start_http(server, config.host, config.port)
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, client.ready.device, client.ready.num_kv_blocks,
              client.ready.max_model_len,
@@ -551,11 +611,13 @@ def _pipeline(config: EngineConfig, telemetry) -> TelemetryPipeline | None:
     return TelemetryPipeline.around(telemetry)
 
 
-def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None) -> RunningServer:
+def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=None,
+                    on_phase=None) -> RunningServer:
     """Starts the server and an in-process engine on a daemon thread with its own event loop;
-    returns once it listens. ``telemetry``: a started Telemetry to use instead of one built
-    from ``config.telemetry`` (the server shuts it down when it stops). Raises whatever
-    start-up raised (bad model path, port in use, ...)."""
+    returns once it is ready (warm). ``telemetry``: a started Telemetry to use instead of one
+    built from ``config.telemetry`` (the server shuts it down when it stops). ``on_phase(name,
+    report)``: called at each start-up phase's start (report None) and end, on the thread
+    that builds the engine. Raises whatever start-up raised (bad model path, port in use, ...)."""
     ready: list[RunningServer] = []
     failed: list[BaseException] = []
     event = threading.Event()
@@ -566,7 +628,7 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
 
     def main() -> None:
         try:
-            asyncio.run(_serve(config, on_ready, telemetry))
+            asyncio.run(_serve(config, on_ready, telemetry, StartupProgress(on_phase)))
         except BaseException as exc:  # reported to the caller below
             failed.append(exc)
             event.set()
@@ -593,7 +655,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     client = MPClient(address, index, tokenizer, metrics, record_steps=index == 0,
                       core_lifeline=core_lifeline)
     server = EngineServer(client, None, metrics, tokenizer, config.model_name, index)
-    runner, _ = await _start_http(server, config.host, config.port, sock)
+    runner, _ = await _start_http(server, config, sock)
     await client.start()
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
@@ -622,28 +684,28 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
 
 
 async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
-    """Once the core is ready: this server's telemetry joins the core's, then /health is 200."""
-    from .telemetry_link import ForwardedTelemetry, join_pipeline
+    """Once the core is ready: this server's telemetry joins the core's telemetry process
+    (producer id ``index + 1``; the core is 0), then /health is 200."""
+    from .telemetry_link import join_pipeline
 
     ready = await client.wait_ready()
-    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1,
-                                        client.forward_telemetry)
+    telemetry = await asyncio.to_thread(join_pipeline, config, ready.telemetry_endpoint, index + 1)
     server.telemetry = telemetry
+    # Detokenized events come from here: the core records none for this server's requests
     client.processor.recorder = telemetry.recorder if telemetry is not None else None
-    if isinstance(telemetry, ForwardedTelemetry):
-        client.flush_telemetry = telemetry.flush
-        asyncio.create_task(_forward_every(telemetry, 0.05))
+    if telemetry is not None:
+        asyncio.create_task(_report_drops_every(server, 1.0))
     _watch_gpu(server.metrics, ready.device)
     server.started = True
     log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
              os.getpid())
 
 
-async def _forward_every(telemetry, interval_s: float) -> None:
-    """Request ends and detokenize phases go to the core's telemetry on a timer."""
-    while True:
+async def _report_drops_every(server: EngineServer, interval_s: float) -> None:
+    """This server's telemetry drops reach the core's series within ``interval_s``."""
+    while server.client.dead is None:
         await asyncio.sleep(interval_s)
-        telemetry.flush()
+        server._report_drops()
 
 
 async def _watch_parent(stop: asyncio.Event) -> None:

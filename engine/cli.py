@@ -19,7 +19,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve = engine_sub.add_parser(
         "serve", help="serve the OpenAI-compatible API",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
-                    "SIGTERM drains in-flight requests, then exits.")
+                    "/live answers as soon as HTTP is up; /health is 503 (naming the start-up "
+                    "phase) until the engine is warm. SIGTERM drains in-flight requests, then exits.")
     serve.add_argument("--model", default="tiny",
                        help="preset (tiny, llama-1b, llama-8b: random weights) or a local HF-style "
                             "directory with config.json and *.safetensors (default: tiny)")
@@ -43,6 +44,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="run every step eagerly: no CUDA graphs for decode steps "
                             "(by default they are captured at start-up on CUDA)")
+    serve.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                       help="before /health answers 200, run every kernel variant the "
+                            "configuration can reach, then capture the CUDA graphs (default: on)")
+    serve.add_argument("--warmup-limit", type=float, default=600.0, metavar="SECONDS",
+                       help="the warm-up stops past this; the cases left are logged (default: 600)")
+    serve.add_argument("--compile-cache-dir", default=None, metavar="DIR",
+                       help="where compiled kernels are kept across restarts (Triton's cache, "
+                            "FA2 tuning): default SIGHTLINE_COMPILE_CACHE_DIR, else "
+                            "~/.cache/sightline/compile")
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch the next step while the device runs this one "
                             "(default: on with CUDA, off on the CPU)")
@@ -50,10 +60,24 @@ def register(subcommands: argparse._SubParsersAction) -> None:
                        help="split the model's heads and MLP columns over N ranks: the engine "
                             "core and N - 1 worker processes, one GPU each (NCCL), or gloo on "
                             "the CPU (default: 1, the model in the engine core alone)")
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                       help="reuse the KV cache of prompt prefixes seen before, block by block "
+                            "(default: on with CUDA, off on the CPU)")
     serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads per process on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM")
+    serve.add_argument("--http-header-timeout", type=float, default=10.0,
+                       help="seconds a connection's request headers may take (else 408)")
+    serve.add_argument("--http-body-timeout", type=float, default=30.0,
+                       help="seconds a request body may take once its headers are in (else 408)")
+    serve.add_argument("--http-keepalive-timeout", type=float, default=10.0,
+                       help="seconds an idle connection is kept between requests")
+    serve.add_argument("--http-max-connections", type=int, default=4096,
+                       help="open connections at most (lowered to fit the file-descriptor limit)")
+    serve.add_argument("--http-peer-share", type=float, default=0.5,
+                       help="fraction of the connections one client address may hold (behind a "
+                            "single gateway or load balancer: 1.0)")
     serve.add_argument("--trace-level", choices=("off", "requests", "steps", "kernels"), default=None,
                        help="tracing depth (default: SIGHTLINE_TRACE_LEVEL, else requests)")
     serve.add_argument("--otlp-endpoint", default=None,
@@ -95,8 +119,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
 def _serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .compile_cache import resolve_compile_cache
+    resolve_compile_cache(args.compile_cache_dir).apply()   # before any kernel is imported
     from ..instrumentation import TelemetryConfig
     from .config import EngineConfig
+    from .http_limits import HttpLimits
     from .launcher import serve
     from .scheduler import SchedulerConfig
 
@@ -123,8 +150,14 @@ def _serve(args: argparse.Namespace) -> int:
                                   max_num_batched_tokens=batched_tokens,
                                   max_waiting=args.max_waiting, aging_s=args.aging_s),
         attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size,
+        warmup=args.warmup, warmup_limit_s=args.warmup_limit,
+        compile_cache_dir=args.compile_cache_dir,
+        async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
+        http=HttpLimits(header_timeout_s=args.http_header_timeout, body_timeout_s=args.http_body_timeout,
+                        keepalive_timeout_s=args.http_keepalive_timeout,
+                        max_connections=args.http_max_connections, peer_share=args.http_peer_share),
         telemetry_mode=args.telemetry_mode)
     return serve(config, args.api_server_count, args.log_level, budget_from_device)

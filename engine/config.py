@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..instrumentation import TelemetryConfig, check_range
+from .http_limits import HttpLimits
 from .scheduler import SchedulerConfig
 
 __all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
@@ -138,12 +139,18 @@ class ModelConfig:
 
 
 # Random-weight presets. ``tiny`` is the CPU demo model (byte-level vocabulary fits in 512);
-# the other two have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those
-# of the real architectures without downloading anything.
+# ``tiny-256k`` is smaller still but has the widest vocabulary in use (Gemma 3's 262,144 ids), so
+# that per-vocabulary costs (sampling, masks) are those of real models on the CPU; the other two
+# have the shapes of Llama-3.2-1B and Llama-3.1-8B, so that GPU timings are those of the real
+# architectures without downloading anything.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", vocab_size=512, hidden_size=256, intermediate_size=688,
                         num_layers=4, num_heads=8, num_kv_heads=2, head_dim=32,
                         max_position_embeddings=2048, rope_theta=10000.0, init_std=0.08),
+    "tiny-256k": ModelConfig(name="tiny-256k", vocab_size=262144, hidden_size=64, intermediate_size=176,
+                             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                             max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=True,
+                             init_std=0.08),
     "llama-1b": ModelConfig(name="llama-1b", vocab_size=128256, hidden_size=2048,
                             intermediate_size=8192, num_layers=16, num_heads=32, num_kv_heads=8,
                             head_dim=64, max_position_embeddings=8192, rope_theta=500000.0,
@@ -189,6 +196,13 @@ class EngineConfig:
     # only); True runs every step eagerly (vLLM's --enforce-eager).
     enforce_eager: bool = False
     cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
+    # Before ready, run every kernel variant the configuration can reach (engine/warmup.py),
+    # for at most warmup_limit_s (the cases left are logged and reported).
+    warmup: bool = True
+    warmup_limit_s: float = 600.0
+    # Triton's (and inductor's) compile cache; None: SIGHTLINE_COMPILE_CACHE_DIR, else
+    # ~/.cache/sightline/compile (engine/compile_cache.py)
+    compile_cache_dir: str | None = None
     # Overlapped scheduling: the next step is planned and launched while the device runs this
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
@@ -197,11 +211,17 @@ class EngineConfig:
     # engine core alone; N > 1 splits its heads and MLP columns over the core (rank 0) and
     # N - 1 worker processes, one GPU each on CUDA (cuda:0..N-1), gloo on the CPU.
     tensor_parallel_size: int = 1
+    # Automatic prefix caching: full KV blocks found again by their tokens and reused across
+    # requests (vLLM's --enable-prefix-caching). None: on with CUDA; off on the CPU, where the
+    # engine serves tests and demos whose step counts and timings should not depend on what
+    # ran before them (turn it on there with True).
+    enable_prefix_caching: bool | None = None
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
     cpu_threads: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
+    http: HttpLimits = field(default_factory=HttpLimits)  # connection deadlines and caps
     shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
     telemetry: TelemetryConfig | None = None  # None: tracing off
     # where spans are built: a telemetry process the engine supervises, or a thread here
@@ -227,15 +247,26 @@ class EngineConfig:
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
         check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
+        if not isinstance(self.warmup, bool):
+            raise ValueError(f"warmup={self.warmup!r} must be a bool")
+        check_range("warmup_limit_s", self.warmup_limit_s, 0.0, 86400.0, lo_open=True)
+        if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
+                                                   or not self.compile_cache_dir):
+            raise ValueError(f"compile_cache_dir={self.compile_cache_dir!r} must be a non-empty "
+                             "path or None")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
         check_range("tensor_parallel_size", self.tensor_parallel_size, 1, 64, integer=True)
         if self.tensor_parallel_size > 1:
             resolve_model_config(self.model).check_shardable(self.tensor_parallel_size)
+        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool or None")
         if self.cpu_threads is not None:
             check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
         check_range("port", self.port, 0, 65535, integer=True)
         check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
+        if not isinstance(self.http, HttpLimits):
+            raise ValueError(f"http={self.http!r} must be an HttpLimits")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):
@@ -249,6 +280,12 @@ class EngineConfig:
         if self.served_model_name:
             return self.served_model_name
         return self.model if self.model in PRESETS else Path(self.model).name
+
+    def prefix_caching_on(self, device_type: str) -> bool:
+        """``enable_prefix_caching``, its default resolved for a device of ``device_type``."""
+        if self.enable_prefix_caching is None:
+            return device_type == "cuda"
+        return self.enable_prefix_caching
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return replace(self, **changes)

@@ -1,12 +1,14 @@
 """What an API server talks to: the engine core in this process, or in another one over ZMQ.
 
 Both clients have one interface: ``ready`` (the core's ``Ready`` handshake, None until it
-came), ``phase``, ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
+came), ``phase`` and ``progress()`` (start-up: the phase running, the time so far, the phases
+done), ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
 ``num_live``, ``add_request(...) -> RequestStream`` (raises ``QueueFullError``,
 ``EngineStoppedError``, ``EngineDeadError`` or ``ValueError``), ``abort``, ``call`` (a
 utility record), ``stop_accepting`` and ``shutdown``.
 
-* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use).
+* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use); made
+  before the engine (``attach`` it once built), so that HTTP is served while it starts.
 * ``MPClient``: a DEALER socket to the core process's ROUTER (msgpack records, asyncio).
   Text, stop strings and request metrics run here (``OutputProcessor``, on the event loop).
   A full queue is refused here, without a round trip: the core's queue bound comes in
@@ -21,10 +23,11 @@ import asyncio
 import itertools
 import logging
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 
 from .core_records import (ERROR_ENGINE, ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort,
-                           AddRequest, Hello, OutputBatch, Phase, Ready, StepStats, TelemetryEvents,
+                           AddRequest, Hello, OutputBatch, Phase, Ready, StepStats, TelemetryDrops,
                            UtilityCall, UtilityResult, client_decoder, encode)
 from .engine_core import EngineStoppedError
 from .llm_engine import LLMEngine, trace_context
@@ -33,6 +36,7 @@ from .output_processor import OutputProcessor
 from .request import SamplingParams
 from .request_output import RequestStream
 from .scheduler import QueueFullError
+from .startup import StartupProgress
 from .tokenizer import Tokenizer
 
 __all__ = ["EngineDeadError", "InProcessClient", "MPClient", "REFUSALS"]
@@ -50,28 +54,42 @@ REFUSALS = {ERROR_QUEUE_FULL: QueueFullError, ERROR_STOPPED: EngineStoppedError,
 
 
 class InProcessClient:
-    """An ``LLMEngine`` in this process, its loop thread started here."""
+    """An ``LLMEngine`` in this process, its loop thread started here (see module doc)."""
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
-        self.engine = engine
+    def __init__(self, loop: asyncio.AbstractEventLoop, startup: StartupProgress) -> None:
+        self.engine: LLMEngine | None = None
+        self.startup = startup   # the engine being built reports its phases here
         self._loop = loop
-        self.ready: Ready | None = engine.core.ready(os.getpid())
-        self.phase = "ready"
+        self.ready: Ready | None = None
         self.dead: str | None = None
+
+    def attach(self, engine: LLMEngine) -> None:
+        """The engine is built (and warm): start its loop thread; ``ready`` from now on."""
+        self.engine = engine
         engine.start()
+        self.ready = engine.core.ready(os.getpid())
+
+    @property
+    def phase(self) -> str:
+        return "ready" if self.ready is not None else self.startup.state()["phase"]
+
+    def progress(self) -> dict:
+        state = self.startup.state()
+        return {"phase": state["phase"], "elapsed_s": state["elapsed_s"],
+                "phases_done": state["phases_done"]}
 
     @property
     def stats(self) -> StepStats | None:
-        return self.engine.processor.stats
+        return self.engine.processor.stats if self.engine is not None else None
 
     @property
     def num_live(self) -> int:
-        return self.engine.num_live
+        return self.engine.num_live if self.engine is not None else 0
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int, trace) -> RequestStream:
+                    priority: int, trace, cache_salt: str | None = None) -> RequestStream:
         return self.engine.add_request(request_id, prompt_token_ids, sampling, priority=priority,
-                                       trace=trace, loop=self._loop)
+                                       trace=trace, loop=self._loop, cache_salt=cache_salt)
 
     def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -80,10 +98,12 @@ class InProcessClient:
         return self.engine.core.utility(method, argument)
 
     def stop_accepting(self) -> None:
-        self.engine.stop_accepting()
+        if self.engine is not None:
+            self.engine.stop_accepting()
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.engine.shutdown)
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
 
 
 class MPClient:
@@ -97,6 +117,7 @@ class MPClient:
         self.index = index
         self.ready: Ready | None = None
         self.phase = "connecting"
+        self._phase_record = Phase("connecting")   # the core's latest start-up progress
         self.dead: str | None = None
         self.processor = OutputProcessor(tokenizer, metrics, self._send_stop, recorder, record_steps)
         self._ctx = zmq.asyncio.Context()
@@ -115,8 +136,6 @@ class MPClient:
         self._ready_event = asyncio.Event()
         self.dead_event = asyncio.Event()
         self._reader: asyncio.Task | None = None
-        # sends this server's recorded telemetry before a request that needs it (forwarding)
-        self.flush_telemetry: Callable[[], None] | None = None
 
     @property
     def stats(self) -> StepStats | None:
@@ -134,13 +153,20 @@ class MPClient:
         self._reader = asyncio.create_task(self._read())
         await self._sock.send(encode(Hello(self.index, os.getpid())))
 
+    def progress(self) -> dict:
+        """The core's start-up as its last ``Phase`` record told it."""
+        record = self._phase_record
+        return {"phase": self.phase, "elapsed_s": round(
+                    (time.time_ns() - record.start_ns) / 1e9, 3) if record.start_ns else None,
+                "phases_done": list(record.phases_done)}
+
     async def wait_ready(self, timeout_s: float | None = None) -> Ready:
         await asyncio.wait_for(self._ready_event.wait(), timeout_s)
         return self.ready
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    priority: int, trace) -> RequestStream:
+                    priority: int, trace, cache_salt: str | None = None) -> RequestStream:
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         if not self._accepting:
@@ -158,21 +184,19 @@ class MPClient:
             raise QueueFullError(f"{waiting} requests waiting, the bound is {ready.max_waiting}")
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self.processor.add(request_id, len(prompt), sampling, stream, trace)
-        if self.flush_telemetry is not None and trace is not None:
-            self.flush_telemetry()   # its start goes before the core's events for it
         self._sent += 1
         self._sock.send(encode(AddRequest(request_id, prompt, sampling, priority, self.index,
-                                          trace_context(trace))))
+                                          trace_context(trace), cache_salt)))
         return stream
 
     def abort(self, request_id: str) -> None:
         if request_id in self.processor.live and self.dead is None:
             self._sock.send(encode(Abort(request_id, self.index)))
 
-    def forward_telemetry(self, payload: bytes) -> None:
-        """Recorded lifecycle events for the core's telemetry (``telemetry_link``)."""
+    def report_drops(self, dropped: dict[str, int]) -> None:
+        """This server's telemetry drops so far, for the core's series (``telemetry_link``)."""
         if self.dead is None:
-            self._sock.send(encode(TelemetryEvents(self.index, payload)))
+            self._sock.send(encode(TelemetryDrops(self.index, dropped)))
 
     def _send_stop(self, request_id: str, stop_at: int) -> None:
         """A stop string ended the request: the core finishes it (its final comes later)."""
@@ -223,7 +247,7 @@ class MPClient:
                     self.ready, self.phase = record, "ready"
                     self._ready_event.set()
                 elif type(record) is Phase:
-                    self.phase = record.name
+                    self.phase, self._phase_record = record.name, record
                 elif type(record) is UtilityResult:
                     future = self._calls.get(record.call_id)
                     if future is not None and not future.done():

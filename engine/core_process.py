@@ -1,8 +1,9 @@
 """The engine-core process: one ROUTER socket, the step loop, one send per step and API server.
 
-``run_core`` binds a ZMQ ROUTER (API servers connect DEALERs named ``api-<i>``), starts the
-core's telemetry pipeline, builds the ``EngineCore`` (``Phase`` records go to the API servers
-that said hello meanwhile) and answers each ``Hello`` with ``Ready``. Then it loops on one
+``run_core`` points the kernel compilers at the compile cache, binds a ZMQ ROUTER (API
+servers connect DEALERs named ``api-<i>``), starts the core's telemetry pipeline, builds and
+warms up the ``EngineCore`` (a ``Phase`` record at each start-up phase goes to the API
+servers that said hello meanwhile) and answers each ``Hello`` with ``Ready``. Then it loops on one
 thread: take every record waiting (add, abort, stop, utility), run one step, and send each
 API server ONE ``OutputBatch``: its requests' tokens and ends, the step's stats (every API
 server gets every step's stats: its queue check and gauges read them). The loop blocks only
@@ -24,13 +25,14 @@ import signal
 import threading
 import time
 
+from .compile_cache import resolve_compile_cache
 from .config import EngineConfig
 from .core_records import (ERROR_INVALID, ERROR_QUEUE_FULL, ERROR_STOPPED, Abort, AddRequest,
-                           FinalOutput, Hello, OutputBatch, Phase, TelemetryEvents, UtilityCall,
+                           FinalOutput, Hello, OutputBatch, Phase, TelemetryDrops, UtilityCall,
                            UtilityResult, core_decoder, encode)
-from .telemetry_link import record_forwarded
 from .engine_core import EngineCore, EngineStoppedError
 from .scheduler import QueueFullError
+from .startup import StartupProgress
 
 __all__ = ["CoreLoop", "run_core"]
 
@@ -82,7 +84,10 @@ class CoreLoop:
                 timeout = _IDLE_POLL_MS
                 continue
             batch = step()
-            if batch.request_ids or batch.finished or batch.stats.duration_s is not None:
+            stats = batch.stats
+            # a step that only launched (overlapped) still reports what its planning counted
+            if (batch.request_ids or batch.finished or stats.duration_s is not None or stats.num_preemptions
+                    or stats.prefix_cache_queries or stats.prefix_cache_evictions):
                 self._send(batch)
             # work exists but nothing fits yet (all blocks held): wait a little, don't spin
             idle = not (batch.request_ids or batch.finished or core.last_plan_nonempty
@@ -138,8 +143,9 @@ class CoreLoop:
                 if final is not None:
                     del self.client_of[record.request_id]
                     self.pending.setdefault(record.client_index, []).append(final)
-        elif kind is TelemetryEvents:
-            record_forwarded(core.telemetry, record.payload)
+        elif kind is TelemetryDrops:
+            if core.telemetry is not None:   # the API server's producer id is its index + 1
+                core.telemetry.count_producer_drops(record.client_index + 1, record.dropped)
         elif kind is Hello:
             self.clients[record.client_index] = identity
             self.received.setdefault(record.client_index, 0)
@@ -213,12 +219,17 @@ class CoreLoop:
 
 
 def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], core_lifeline,
-             log_level: str = "INFO", budget_from_device: bool = False) -> None:
+             log_level: str = "INFO", budget_from_device: bool = False,
+             start_ns: int | None = None) -> None:
     """The process's entry point (multiprocessing, spawn). ``core_lifeline``: the write end
     of the pipe the API servers watch (held open, never written, until this process exits);
-    ``budget_from_device``: the step's token budget is the device's default."""
+    ``budget_from_device``: the step's token budget is the device's default; ``start_ns``:
+    when ``engine serve`` started (start-up is reported from then)."""
     import zmq
 
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    resolve_compile_cache(config.compile_cache_dir).apply()   # before any kernel is imported
     if budget_from_device:
         from .model_runner import default_max_num_batched_tokens, resolve_device
         scheduler = config.scheduler
@@ -227,8 +238,6 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
         config = config.replace(scheduler=dataclasses.replace(scheduler,
                                                               max_num_batched_tokens=budget))
 
-    logging.basicConfig(level=log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
@@ -251,8 +260,10 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
     try:
         clients: dict[int, bytes] = {}
 
-        def on_phase(name: str) -> None:
-            """Start-up progress to the API servers that said hello so far."""
+        def on_phase(name: str, report) -> None:
+            """A phase starts (``report`` None): say so to the API servers that said hello."""
+            if report is not None:
+                return
             while True:
                 try:
                     identity, payload = sock.recv_multipart(zmq.NOBLOCK)
@@ -261,18 +272,21 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
                 record = core_decoder().decode(payload)
                 if type(record) is Hello:
                     clients[record.client_index] = identity
+            phase = encode(Phase(name, tuple(p.name for p in progress.phases), progress.start_ns))
             for identity in clients.values():
-                sock.send_multipart((identity, encode(Phase(name))), zmq.NOBLOCK)
+                sock.send_multipart((identity, phase), zmq.NOBLOCK)
 
-        core = EngineCore(config, pipeline, on_phase)
+        progress = StartupProgress(on_phase, from_process_start=True, start_ns=start_ns)
+        core = EngineCore(config, pipeline, progress)
         if core.tp is not None:
             core.tp.on_failure = _exit_soon
         loop = CoreLoop(core, sock, lifelines, endpoint)
         for index, identity in clients.items():   # hellos taken during start-up
             loop._handle(identity, Hello(index, 0))
         loop.stopping = stop["now"]
-        log.info("engine core ready: %s on %s, %d KV blocks, max_model_len %d", core.model_name,
-                 core.runner.device, core.runner.num_blocks, core.max_model_len)
+        log.info("engine core ready in %.1f s: %s on %s, %d KV blocks, max_model_len %d",
+                 core.startup_report.total_s, core.model_name, core.runner.device,
+                 core.runner.num_blocks, core.max_model_len)
         loop.run()
         if loop.failed:
             raise SystemExit(1)

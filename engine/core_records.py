@@ -2,7 +2,7 @@
 
 API server -> core: ``Hello`` (once, then ``Ready`` comes back), ``AddRequest``, ``Abort``
 (a client gone, or a stop string found: then the core finishes the request with reason
-``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``, ``TelemetryEvents``. Core -> API server:
+``stop``, keeping ``stop_at`` output tokens), ``UtilityCall``, ``TelemetryDrops``. Core -> API server:
 ``Phase`` (start-up progress), ``Ready``, ``OutputBatch`` (ONE per engine step and API
 server: its requests' new tokens in two columns, ended ones with their figures, the
 step's stats),
@@ -19,7 +19,7 @@ import msgspec
 
 from .request import SamplingParams
 
-__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "TelemetryEvents", "Phase", "Ready",
+__all__ = ["TraceContext", "Hello", "AddRequest", "Abort", "UtilityCall", "TelemetryDrops", "Phase", "Ready",
            "FinalOutput", "StepStats", "OutputBatch", "UtilityResult", "ToCore", "FromCore",
            "encode", "core_decoder", "client_decoder", "ERROR_QUEUE_FULL", "ERROR_INVALID",
            "ERROR_STOPPED", "ERROR_ENGINE"]
@@ -54,6 +54,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, frozen=True):
     priority: int = 0
     client_index: int = 0
     trace: TraceContext | None = None
+    cache_salt: str | None = None   # only requests with the same salt share prefix-cache blocks
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
@@ -66,29 +67,34 @@ class Abort(msgspec.Struct, tag="abort", array_like=True, frozen=True):
 
 
 class UtilityCall(msgspec.Struct, tag="call", array_like=True, frozen=True):
-    """A question for the core, answered between steps: its step times, its KV blocks, or
-    its telemetry's Prometheus series (``argument``: the scraper's Accept header)."""
+    """A question for the core, answered between steps: its step times, its KV blocks, its
+    start-up report, or its own Prometheus series (start-up, compiles while serving, its
+    telemetry's; ``argument``: the scraper's Accept header)."""
 
     call_id: int
     client_index: int
-    method: Literal["debug_steps", "kv_blocks", "telemetry_metrics"]
+    method: Literal["debug_steps", "kv_blocks", "startup_report", "core_metrics"]
     argument: str = ""
 
 
-class TelemetryEvents(msgspec.Struct, tag="events", array_like=True, frozen=True):
-    """An API server's lifecycle events for the core's telemetry (``telemetry_link``)."""
+class TelemetryDrops(msgspec.Struct, tag="drops", array_like=True, frozen=True):
+    """An API server's telemetry drops so far, by reason (``telemetry_link``): the core's
+    telemetry series count them beside its own, once for all API servers."""
 
     client_index: int
-    payload: bytes
+    dropped: dict[str, int]
 
 
-ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryEvents]
+ToCore = Union[Hello, AddRequest, Abort, UtilityCall, TelemetryDrops]
 
 
 class Phase(msgspec.Struct, tag="phase", array_like=True, frozen=True):
-    """Start-up progress before ``Ready`` (``/health`` reports it)."""
+    """Start-up progress before ``Ready`` (``/health`` reports it): the phase starting, the
+    phases done, and when start-up began (Unix ns; 0: unknown)."""
 
     name: str
+    phases_done: tuple[str, ...] = ()
+    start_ns: int = 0
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
@@ -107,6 +113,8 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     async_scheduling: bool
     core_pid: int
     telemetry_endpoint: str | None = None   # where API servers join the core's telemetry
+    startup_s: float = 0.0                  # from process start to ready (the warm-up included)
+    startup_trace_id: str | None = None     # the start-up trace (32 hex digits), when traced
     tp_worker_pids: list[int] = []          # tensor-parallel ranks 1..N-1 (empty: N = 1)
 
 
@@ -127,6 +135,7 @@ class FinalOutput(msgspec.Struct, array_like=True):
     prefill_s: float | None = None
     decode_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0         # prompt tokens whose KV the prefix cache held
 
 
 class StepStats(msgspec.Struct, array_like=True):
@@ -143,6 +152,12 @@ class StepStats(msgspec.Struct, array_like=True):
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    # the prefix cache since the last batch: prompt tokens looked up, of them found, and
+    # cached blocks evicted; cached blocks now (held or evictable)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_blocks: int = 0
 
 
 class OutputBatch(msgspec.Struct, tag="out", array_like=True):

@@ -92,6 +92,13 @@ class DecodeGraphs:
         return self.model(self.input_ids[:b], self.positions[:b], self._meta(b), self.kv_cache)
 
     @torch.inference_mode()
+    def warm(self, b: int) -> torch.Tensor:
+        """One eager forward of bucket ``b`` on the static inputs as they stand (all padding
+        before capture: only the scratch slot is written); the warm-up runs it so that
+        ``capture_all`` meets no kernel variant for the first time."""
+        return self._forward(b)
+
+    @torch.inference_mode()
     def capture_all(self, limit_s: float, agree=None) -> GraphCapture:
         """Captures every bucket, largest first, until ``limit_s`` has passed (the buckets
         left are skipped: their steps replay the next larger graph). The static inputs are

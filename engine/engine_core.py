@@ -1,15 +1,15 @@
 """The engine core: schedule, launch, complete, and one ``OutputBatch`` per step. No text.
 
 ``EngineCore`` owns the scheduler and KV block manager (plain Python), the model runner
-(device, CUDA graphs) and the GPU telemetry. Its step turns the scheduler's plan into
-device work and the sampled tokens into an ``OutputBatch``: each request's new token, or its
-final figures when it ended (eos, max_tokens, abort, failure). Detokenization and stop
-strings belong to the caller, which ends a request on a stop string with ``finish_stop``.
-With overlapped scheduling (``EngineConfig.async_scheduling``, on with CUDA) the next step is
-planned and launched before the one on the device is waited for (stand-in tokens,
-``Scheduler.update_pending`` then ``resolve``). Telemetry: Queued and Step events, O(1)
-appends per step (a null recorder when tracing is off). ``add_request`` and ``abort`` may
-be called from any thread; stepping and ``finish_stop`` from one; the scheduler's lock is
+(device, CUDA graphs) and the GPU telemetry; built, it is warm (``engine/warmup.py``). A
+step turns the scheduler's plan into device work and the sampled tokens into an
+``OutputBatch`` (new tokens, or final figures on eos, max_tokens, abort, failure); text and
+stop strings belong to the caller (``finish_stop``). Overlapped scheduling
+(``async_scheduling``, on with CUDA) plans and launches the next step before the one on the
+device is waited for. Telemetry: Queued and Step events for the keys in ``AddRequest``, O(1)
+appends per step (a null recorder when off); a kernel variant a launch meets after start-up
+is counted (``CoreMetrics``) and set on its step span. ``add_request`` and ``abort`` may be
+called from any thread; stepping and ``finish_stop`` from one. The scheduler's lock is
 never held around the model. Tensor parallelism: the core is rank 0 (``tp_workers``); a
 worker's death or a failed step fails the group for good (``failed``): live requests end
 with that error, new ones are refused, the caller stops the core.
@@ -22,16 +22,19 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..instrumentation import OpenStep, Queued, Step, TelemetryPipeline
+from .compile_cache import resolve_compile_cache
+from .compile_watch import compile_watch, step_compile_attributes
 from .config import EngineConfig, resolve_model_config
 from .core_records import (ERROR_ENGINE, AddRequest, FinalOutput, OutputBatch, Ready,
                            StepStats)
 from .kv_cache import KVCacheConfig, KVCacheManager
+from .metrics import CoreMetrics
 from .request import FinishReason, Request
 from .scheduler import QueueFullError, Scheduler, StepPlan
+from .startup import StartupProgress
 from .tokenizer import load_tokenizer
 
 if TYPE_CHECKING:   # torch comes with the engine, not with this module
@@ -126,44 +129,52 @@ def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end
     return Step(step.step_id, step.start_ns, end_ns, step.trace_id, step.span_id, keys,
                 len(scheduled), preempted, tuple([k for k in prefill_done if k is not None]),
                 plan.num_prefill_tokens, num_decode, len(scheduled) - num_decode, num_decode,
-                plan.kv_blocks_used, plan.kv_blocks_total, error_type, attributes)
+                plan.kv_blocks_used, plan.kv_blocks_total, error_type, attributes,
+                plan.num_cached_prefill_tokens if plan.prefix_caching else None)
 
 
 class EngineCore:
     """One model, one device; stepped by one thread (``step`` / ``step_overlapped``)."""
 
     def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None,
-                 on_phase: Callable[[str], None] | None = None) -> None:
+                 startup: StartupProgress | None = None) -> None:
+        """Loads the model, sizes the KV cache and warms up (``engine/warmup.py``): once
+        constructed, the core is ready. ``startup``: where the phases are reported (its
+        ``on_phase`` tells the API servers)."""
         from .model_runner import ModelRunner  # torch, loaded with the engine
+        from .warmup import warm_up
 
-        phase = on_phase or (lambda name: None)
         self.config = config
+        self.startup = startup if startup is not None else StartupProgress()
+        # before the first kernel module is imported (ModelRunner): Triton reads it then
+        self.compile_cache = self.startup.use_cache(resolve_compile_cache(config.compile_cache_dir))
+        self._compiles = compile_watch()
         self.model_config = resolve_model_config(config.model)
         self.model_name = config.model_name
+        self.series = CoreMetrics(self.model_name)
         self.telemetry = telemetry
         self.recorder = telemetry.recorder if telemetry is not None else _NULL_RECORDER
-        phase("loading_model")
         self._gpu = _NO_GPU
         self.gpu_telemetry = self._start_gpu_telemetry()
         self.tp = None        # TpWorkers: ranks 1..N-1, with tensor parallelism
         if config.tensor_parallel_size > 1:
             from .tp_workers import TpWorkers
             self.tp = TpWorkers.start(config, self._record_all if telemetry is not None else None)
+        # kernel tracing (CUPTI) starts in the warm-up, after the eager variants and graphs
         try:
             self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry,
-                                      None if self.tp is None else self.tp.group)
+                                      None if self.tp is None else self.tp.group, self.startup)
         except BaseException:
             self.close()
             raise
-        if self.gpu_telemetry is not None:
-            self.gpu_telemetry.start_kernel_tracing()
         eos = self.model_config.eos_token_id
         if eos is None:   # the tokenizer's, when the model's config names none
             eos = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
                                  None).eos_token_id
         self.eos_token_id = eos
         self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(KVCacheConfig(config.block_size, self.runner.num_blocks))
+        self.kv_cache = KVCacheManager(KVCacheConfig(
+            config.block_size, self.runner.num_blocks, config.prefix_caching_on(self.runner.device.type)))
         self.scheduler = Scheduler(config.scheduler, self.kv_cache)
         self._lock = threading.Lock()   # guards the scheduler and the inbox of aborts
         self._aborts: list[str] = []
@@ -171,6 +182,7 @@ class EngineCore:
         self._accepting = True
         self._last_plan_nonempty = False
         self._preempted = 0               # preemptions not reported in a batch yet
+        self._prefix_counts = [0, 0, 0]   # prefix cache queries, hits, evictions not reported yet
         self._completed: tuple[StepPlan, float, int] | None = None   # (plan, s, tokens sampled)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
@@ -187,7 +199,10 @@ class EngineCore:
         # begin/end_step count theirs in gpu_telemetry.stats.engine_thread_s)
         self.loop_s = 0.0
         self.telemetry_thread_s = 0.0
-        phase("ready")
+        self.startup_report = warm_up(self.runner, config, self.startup,
+                                      telemetry.recorder if telemetry is not None else None,
+                                      self.compile_cache)
+        self.series.record_startup(self.startup_report)
 
     def _record_all(self, items: list) -> None:
         """A tensor-parallel worker's records, into this core's telemetry (its watch thread)."""
@@ -235,12 +250,13 @@ class EngineCore:
 
     def ready(self, core_pid: int, telemetry_endpoint: str | None = None) -> Ready:
         """The handshake an API server waits for."""
-        runner = self.runner
+        runner, report = self.runner, self.startup_report
         return Ready(self.model_name, self.max_model_len, self.model_config.vocab_size,
                      self.eos_token_id, runner.num_blocks, self.config.block_size,
                      self.config.scheduler.max_waiting, self.config.scheduler.max_num_seqs,
                      str(runner.device), str(runner.dtype).removeprefix("torch."),
                      self.async_scheduling, core_pid, telemetry_endpoint,
+                     round(report.total_s, 3), report.trace_id,
                      self.tp.pids if self.tp is not None else [])
 
     # ---- requests (any thread) -----------------------------------------------------------------
@@ -269,7 +285,7 @@ class EngineCore:
                              f"{self.max_model_len}")
         key = add.trace.key if add.trace is not None else None
         request = Request(add.request_id, add.prompt_token_ids, sampling, priority=add.priority,
-                          eos_token_id=self.eos_token_id, telemetry=key)
+                          eos_token_id=self.eos_token_id, telemetry=key, cache_salt=add.cache_salt)
         if key is not None:
             self.recorder.record(Queued(key, time.time_ns()))
         with self._lock:
@@ -364,9 +380,11 @@ class EngineCore:
     def queue_stats(self) -> StepStats:
         """The queue and the cache now, and the preemptions not reported yet (no step)."""
         preempted, self._preempted = self._preempted, 0
+        (queries, hits, evictions), self._prefix_counts = self._prefix_counts, [0, 0, 0]
         scheduler, kv = self.scheduler, self.kv_cache
         return StepStats(None, None, 0, 0, 0, 0, preempted, scheduler.num_running,
-                         scheduler.num_waiting, kv.num_used_blocks, kv.num_blocks)
+                         scheduler.num_waiting, kv.num_used_blocks, kv.num_blocks, queries, hits,
+                         evictions, kv.prefix_cache_stats().cached_blocks)
 
     def _schedule(self) -> tuple[_Outputs, StepPlan | None]:
         """Applies aborts and plans the next step (None when there is nothing to run)."""
@@ -387,6 +405,9 @@ class EngineCore:
         if plan.is_empty:
             return out, None
         self._preempted += len(plan.preempted)
+        self._prefix_counts[0] += plan.prefix_cache_queries
+        self._prefix_counts[1] += plan.num_cached_prefill_tokens
+        self._prefix_counts[2] += plan.prefix_cache_evictions
         return out, plan
 
     def _launch(self, plan: StepPlan, previous: _Launched | None, out: _Outputs) -> _Launched | None:
@@ -396,8 +417,11 @@ class EngineCore:
         step = OpenStep(plan.step_id, 0, 0, time.time_ns())   # ids drawn off this thread
         self.telemetry_thread_s += time.perf_counter() - t0
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
+        compiles = self._compiles.thread_count()
         try:
             run = self.runner.launch(plan, step, previous.run.tokens if previous else None)
+            if self._compiles.thread_count() != compiles:
+                self._served_compiles(plan, step, compiles)
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             self._close_step(plan, step, None, [], type(exc).__name__)
@@ -407,6 +431,16 @@ class EngineCore:
             finished = self.scheduler.update_pending(
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
         return _Launched(plan, step, run, finished, t0)
+
+    def _served_compiles(self, plan: StepPlan, step: OpenStep, since: int) -> None:
+        """Kernel variants this step met for the first time: counted (a defect of the
+        warm-up), logged, and on its span for explain's ``compile`` cause."""
+        events = self._compiles.since(since)
+        self.series.jit_compiled(events)
+        log.warning("step %d met %d kernel variants for the first time while serving: %s",
+                    plan.step_id, len(events), ", ".join(f"{e} ({e.source})" for e in events))
+        for key, value in step_compile_attributes(events).items():
+            step.set_attribute(key, value)
 
     def _complete(self, launched: _Launched, out: _Outputs) -> None:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs
@@ -469,7 +503,8 @@ class EngineCore:
         first_token, scheduled = request.first_token_time_s, request.first_scheduled_time_s
         out = FinalOutput(request_id, tokens, reason, error, ERROR_ENGINE if error else None,
                           request.num_prompt_tokens, request.num_output_tokens_read,
-                          e2e_s=end - arrival, num_preemptions=request.num_preemptions)
+                          e2e_s=end - arrival, num_preemptions=request.num_preemptions,
+                          num_cached_tokens=request.num_cached_tokens)
         if scheduled is not None:
             out.queue_s = scheduled - arrival
         if first_token is not None:
@@ -526,18 +561,23 @@ class EngineCore:
                 stats.worker_phases_cpu_s() if stats is not None else {}}
 
     def utility(self, method: str, argument: str = "") -> dict:
-        """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks`` or ``telemetry_metrics``
-        (this process's telemetry series, in the format the Accept header ``argument`` asks)."""
+        """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks``, ``startup_report`` or
+        ``core_metrics`` (this process's series: start-up, compiles while serving and its
+        telemetry's, in the format the Accept header ``argument`` asks for)."""
         if method == "debug_steps":
             return self.debug_steps()
         if method == "kv_blocks":
             return self.kv_blocks()
-        if method == "telemetry_metrics":
-            registry = getattr(self.telemetry, "registry", None)
-            if registry is None:
-                return {"body": ""}
+        if method == "startup_report":
+            return self.startup_report.to_dict()
+        if method == "core_metrics":
             from prometheus_client.exposition import choose_encoder
-            return {"body": choose_encoder(argument)[0](registry).decode()}
+            encode = choose_encoder(argument)[0]
+            registry = getattr(self.telemetry, "registry", None)
+            parts = [encode(r).decode() for r in (self.series.registry, registry) if r is not None]
+            # one body: an OpenMetrics "# EOF" only at its end (the API server's exposition
+            # keeps one, at the end of the page)
+            return {"body": "".join(p.removesuffix("# EOF\n") for p in parts[:-1]) + parts[-1]}
         raise ValueError(f"unknown utility method {method!r}")
 
     def kv_blocks(self) -> dict:

@@ -46,6 +46,9 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
     from .api_server import run_api_server
     from .core_process import run_core
 
+    from .startup import process_start_ns
+
+    started = process_start_ns()   # start-up is reported from this process's start
     ctx = multiprocessing.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="sightline-engine-")
     address = f"ipc://{workdir}/core"
@@ -55,7 +58,7 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
     server_pipes = [ctx.Pipe(duplex=False) for _ in range(api_server_count)]
     core = ctx.Process(target=run_core, name="sightline-engine-core", args=(
         config, address, {i: watch for i, (watch, _) in enumerate(server_pipes)}, core_alive,
-        log_level, budget_from_device))
+        log_level, budget_from_device, started))
     core.start()
     core_alive.close()
     for watch, _ in server_pipes:

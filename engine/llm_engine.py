@@ -28,6 +28,7 @@ from .output_processor import LiveRequest, OutputProcessor
 from .request import FinishReason, Request, SamplingParams
 from .request_output import RequestOutput, RequestStream, deliver
 from .scheduler import QueueFullError
+from .startup import StartupProgress
 from .tokenizer import load_tokenizer
 
 __all__ = ["LLMEngine", "RequestOutput", "RequestStream", "EngineStoppedError", "QueueFullError",
@@ -47,8 +48,11 @@ class LLMEngine:
     """One model, one device, one loop thread (or ``step()`` driven by the caller, offline)."""
 
     def __init__(self, config: EngineConfig, telemetry: TelemetryPipeline | None = None,
-                 metrics: EngineMetrics | None = None) -> None:
-        self.core = core = EngineCore(config, telemetry)
+                 metrics: EngineMetrics | None = None,
+                 startup: StartupProgress | None = None) -> None:
+        """Builds the core, which warms up before it returns (``startup``: where the
+        phases are reported); once constructed, the engine is ready."""
+        self.core = core = EngineCore(config, telemetry, startup)
         self.config = config
         self.model_config = core.model_config
         self.model_name = core.model_name
@@ -72,6 +76,8 @@ class LLMEngine:
     max_model_len = property(lambda self: self.core.max_model_len)
     _in_flight = property(lambda self: self.core._in_flight)
     step_durations_s = property(lambda self: self.core.step_durations_s)
+    startup_report = property(lambda self: self.core.startup_report)
+    compile_cache = property(lambda self: self.core.compile_cache)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -117,23 +123,24 @@ class LLMEngine:
             return f"{prefix}-{self._next_id}"
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                    *, priority: int = 0, trace=None,
-                    loop: asyncio.AbstractEventLoop | None = None) -> RequestStream | None:
+                    *, priority: int = 0, trace=None, loop: asyncio.AbstractEventLoop | None = None,
+                    cache_salt: str | None = None) -> RequestStream | None:
         """Queues a request. Returns its output stream (None when ``loop`` is None: offline).
 
         Raises EngineStoppedError (draining), QueueFullError (queue full) or ValueError (a prompt
         with max_tokens past ``max_model_len`` or the KV cache). O(1) plus the scheduler's add.
         """
         stream = RequestStream(request_id, loop) if loop is not None else None
-        self._add(request_id, prompt_token_ids, sampling, priority, trace, stream)
+        self._add(request_id, prompt_token_ids, sampling, priority, trace, stream, cache_salt)
         return stream
 
-    def _add(self, request_id, prompt_token_ids, sampling, priority, trace, stream) -> Request:
+    def _add(self, request_id, prompt_token_ids, sampling, priority, trace, stream,
+             cache_salt: str | None = None) -> Request:
         prompt = list(prompt_token_ids)
         self.processor.add(request_id, len(prompt), sampling, stream, trace)
         try:
             request = self.core.add_request(AddRequest(request_id, prompt, sampling, priority,
-                                                       trace=trace_context(trace)))
+                                                       trace=trace_context(trace), cache_salt=cache_salt))
         except BaseException:
             self.processor.live.pop(request_id, None)
             raise

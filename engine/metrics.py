@@ -20,8 +20,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 
 from ..instrumentation import semconv as sc
+from .http_limits import CLOSE_REASONS
 
-__all__ = ["EngineMetrics", "trace_exemplar"]
+__all__ = ["CoreMetrics", "EngineMetrics", "trace_exemplar"]
 
 _OPENMETRICS_EOF = b"# EOF\n"
 
@@ -94,6 +95,23 @@ class EngineMetrics:
                                  sc.REQUEST_DURATION_BUCKETS_S)
         self.decode = histogram(sc.ENGINE_DECODE_SECONDS, "Time from the first token to the last.",
                                 sc.REQUEST_DURATION_BUCKETS_S)
+        self.prefix_cache_queries = counter(sc.ENGINE_PREFIX_CACHE_QUERIES_TOTAL,
+                                            "Tokens of admitted requests looked up in the prefix cache.")
+        self.prefix_cache_hits = counter(sc.ENGINE_PREFIX_CACHE_HITS_TOTAL,
+                                         "Of the looked-up tokens, those whose KV the prefix cache held.")
+        self.prefix_cache_evictions = counter(sc.ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL,
+                                              "Cached KV blocks taken for other content.")
+        self.prefix_cache_blocks = gauge(sc.ENGINE_PREFIX_CACHE_BLOCKS,
+                                         "KV blocks in the prefix cache, held or evictable.")
+        ttft_by_cache = Histogram(sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS,
+                                  "Time to first token by prefix cache outcome (hit: some prompt "
+                                  "tokens were served from the cache).", m + [sc.LABEL_PREFIX_CACHE],
+                                  buckets=sc.TTFT_BUCKETS_S, registry=r)
+        self.ttft_cache_hit = ttft_by_cache.labels(model, sc.PREFIX_CACHE_HIT)
+        self.ttft_cache_miss = ttft_by_cache.labels(model, sc.PREFIX_CACHE_MISS)
+        closed = Counter(sc.ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL, "Connections the HTTP server closed, by reason.",
+                         m + [sc.LABEL_REASON], registry=r)
+        self._closed = {reason: closed.labels(model, reason) for reason in CLOSE_REASONS}
         self._requests = {}
         self._errors = {}
         for reason in ("stop", "length", "abort"):  # present at 0 from the start: rate() works
@@ -101,6 +119,7 @@ class EngineMetrics:
         self.running.set(0)
         self.waiting.set(0)
         self.kv_usage.set(0)
+        self.prefix_cache_blocks.set(0)
 
     def finished(self, reason: str):
         child = self._requests.get(reason)
@@ -113,6 +132,10 @@ class EngineMetrics:
         if child is None:
             child = self._errors[code] = self._errors_by_code.labels(self.model, str(code))
         child.inc()
+
+    def connection_closed(self, reason: str) -> None:
+        """For ``LimitedSite(on_closed=...)``: one connection closed by the server."""
+        self._closed[reason].inc()
 
     def watch_gpu(self, device_index: int) -> str | None:
         """Adds GPU memory and CUDA-context gauges (NVML) for ``device_index`` to this
@@ -127,9 +150,10 @@ class EngineMetrics:
 
     def request_finished(self, reason: str, *, e2e_s: float, queue_s: float | None, ttft_s: float | None,
                          tpot_s: float | None, prefill_s: float | None, decode_s: float | None,
-                         prompt_tokens: int, generation_tokens: int,
+                         prompt_tokens: int, generation_tokens: int, cached_tokens: int = 0,
                          exemplar: dict[str, str] | None = None) -> None:
-        """Every per-request series of one finished request (None: the phase never happened)."""
+        """Every per-request series of one finished request (None: the phase never happened);
+        ``cached_tokens``: its prompt tokens served from the prefix cache."""
         self.finished(reason).inc()
         self.e2e.observe(e2e_s, exemplar)
         self.request_prompt_tokens.observe(prompt_tokens)
@@ -140,6 +164,17 @@ class EngineMetrics:
                 series.observe(value)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, exemplar)
+            (self.ttft_cache_hit if cached_tokens else self.ttft_cache_miss).observe(ttft_s, exemplar)
+
+    def prefix_cache_step(self, stats) -> None:
+        """The prefix cache's counts from one batch's ``StepStats``."""
+        if stats.prefix_cache_queries:
+            self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        if stats.prefix_cache_hits:
+            self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.prefix_cache_evictions:
+            self.prefix_cache_evictions.inc(stats.prefix_cache_evictions)
+        self.prefix_cache_blocks.set(stats.prefix_cache_blocks)
 
     def exposition(self, extra: Iterable[CollectorRegistry | None] = (), accept: str = "",
                    encoded: Iterable[bytes] = ()) -> tuple[bytes, str]:
@@ -153,6 +188,40 @@ class EngineMetrics:
         if content_type.startswith("application/openmetrics-text"):  # one "# EOF", at the very end
             parts = [p.removesuffix(_OPENMETRICS_EOF) for p in parts] + [_OPENMETRICS_EOF]
         return b"".join(parts), content_type
+
+
+class CoreMetrics:
+    """The engine core's own series: start-up by phase, and kernel variants met while
+    serving. One core per engine, so the API servers serve these as the core encodes them
+    (a utility call per scrape): each compile is counted once, however many API servers."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        m = [sc.LABEL_MODEL]
+        self._jit_compiles = Counter(
+            sc.ENGINE_JIT_COMPILES_TOTAL, "Kernel variants met for the first time while serving "
+            "(compiled, loaded from the disk cache, or autotuned): each is a defect of the warm-up.",
+            m + [sc.LABEL_KERNEL, sc.LABEL_COMPILE_KIND], registry=r)
+        self._startup_phases = Gauge(sc.ENGINE_STARTUP_SECONDS, "Seconds each start-up phase took.",
+                                     m + [sc.LABEL_PHASE], registry=r)
+        self._startup_total = Gauge(sc.ENGINE_STARTUP_TOTAL_SECONDS, "Seconds from process start "
+                                    "(or the engine's construction) to ready.", m, registry=r)
+
+    def record_startup(self, report) -> None:
+        """The start-up's phase durations and total (a ``StartupReport``)."""
+        for phase in report.phases:
+            self._startup_phases.labels(self.model, phase.name).set(phase.duration_s)
+        self._startup_total.labels(self.model).set(report.total_s)
+
+    def jit_compiled(self, events) -> None:
+        """Kernel variants met while serving (``CompileEvent``s), by kernel and kind."""
+        for event in events:
+            self._jit_compiles.labels(self.model, event.kernel, event.source).inc()
+
+    def encode(self, accept: str = "") -> str:
+        """The series in the format the Accept header ``accept`` asks for."""
+        return choose_encoder(accept)[0](self.registry).decode()
 
 
 def _series(registry: CollectorRegistry) -> CollectorRegistry:

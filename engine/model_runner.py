@@ -8,15 +8,17 @@ parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each
 the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
 non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
-awaited by ``LaunchedStep.wait``: meanwhile the engine can launch the next step, whose
-unknown inputs are gathered on the device. KV budget: on CUDA, ``gpu_memory_utilization``
-of the device minus what the weights and a full-size step (``_warmup``) use; on the CPU,
-``kv_cache_gib``; capped at what ``max_num_seqs`` sequences of ``max_model_len`` can use,
-at 2**31 elements per layer's K or V, and under tensor parallelism at the smallest rank's.
+issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
+the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
+``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
+step (``_profile_step``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
+sequences of ``max_model_len`` tokens can use, at 2**31 elements per layer's K or V, and
+under tensor parallelism at the smallest rank's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -32,6 +34,7 @@ from .kv_cache import kv_bytes_per_block
 from .model import AttentionMetadata, Shard, build_model
 from .sampling import SampledTokens, Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, StepPlan
+from .startup import StartupProgress
 
 if TYPE_CHECKING:
     from .tensor_parallel import TpGroup
@@ -126,6 +129,11 @@ class StepExecution:
 _EAGER = StepExecution(cuda_graph=False)
 
 
+def _untimed(name: str) -> contextlib.AbstractContextManager:
+    """Where no start-up progress is kept: phases run untimed."""
+    return contextlib.nullcontext()
+
+
 @dataclass
 class LaunchedStep:
     """A step enqueued on the device: ``wait()`` -> request_id -> sampled token."""
@@ -142,7 +150,11 @@ class ModelRunner:
     """Model + KV cache + sampler on one device. Not thread-safe: the engine loop calls it."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, gpu_telemetry=None,
-                 tp: TpGroup | None = None) -> None:
+                 tp: TpGroup | None = None, startup: StartupProgress | None = None) -> None:
+        """``startup``: times the phases (load weights, size and allocate the KV cache) and
+        leaves the CUDA graphs to the warm-up (``engine/warmup.py``), which captures them
+        after the eager variants; without it they are captured here. ``tp``: this rank's
+        tensor-parallel group (None: the whole model here)."""
         self.config = config
         self.model_config = model_config
         self.tp = tp
@@ -157,19 +169,25 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // ranks))
         start = time.monotonic()
         shard = Shard() if tp is None else Shard(tp.rank, tp.size, tp.all_reduce, tp.rank == 0)
-        self.model = build_model(model_config, self.device, self.dtype, seed=config.seed,
-                                 shard=shard)
+        phase = startup.phase if startup is not None else _untimed
+        with phase(sc.STARTUP_LOAD_WEIGHTS):
+            self.model = build_model(model_config, self.device, self.dtype, seed=config.seed,
+                                     shard=shard)
         self.sampler = Sampler(self.device, config.seed)
         self.num_kv_heads = model_config.num_kv_heads // shard.size   # this rank's
         self.bytes_per_block = kv_bytes_per_block(
             num_layers=model_config.num_layers, num_kv_heads=self.num_kv_heads,
             head_dim=model_config.head_dim, block_size=self.block_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
-        self.num_blocks = self._kv_blocks()
-        # One block more than the scheduler manages: padded rows of graph replays write there.
-        self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv/ranks, D]; block N: padding's scratch
-            model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
-            self.num_kv_heads, model_config.head_dim, dtype=self.dtype, device=self.device)
+        with phase(sc.STARTUP_PROFILE_MEMORY) if self.device.type == "cuda" else _untimed(""):
+            self.num_blocks = self._kv_blocks()
+        with phase(sc.STARTUP_ALLOCATE_KV):
+            # One block more than the scheduler manages: padded rows of graph replays and
+            # the warm-up's synthetic steps write there.
+            self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv/ranks, D]; block N: scratch
+                model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
+                self.num_kv_heads, model_config.head_dim, dtype=self.dtype,
+                device=self.device)
         # tensor parallelism on rank 0: where this rank's RankStep events go (set by the core
         # when they are recorded: the CPU's host clock), the KV copies the next step sends
         self.record_rank = None
@@ -180,8 +198,8 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: GraphCapture | None = None
         self.last_execution: StepExecution = _EAGER
-        if self.device.type == "cuda" and not config.enforce_eager:
-            self._capture_graphs()
+        if startup is None and self.uses_graphs:
+            self.capture_graphs()
         log.info("model %s on %s (%s): %d blocks of %d tokens (%.2f GiB KV), max_model_len %d, "
                  "ready in %.1f s", model_config.name, self.device, self.dtype, self.num_blocks,
                  self.block_size, self.num_blocks * self.bytes_per_block / 2**30,
@@ -198,16 +216,30 @@ class ModelRunner:
             self.backend, probe, capture=capture)
         return self.graphs
 
-    def _capture_graphs(self) -> None:
-        graphs = self.static_decode(capture=True)
+    @property
+    def uses_graphs(self) -> bool:
+        """Decode-only steps replay CUDA graphs (on CUDA, unless ``enforce_eager``)."""
+        return self.device.type == "cuda" and not self.config.enforce_eager
+
+    @property
+    def scratch_slot(self) -> int:
+        """The first KV slot of the block no request owns (padding and warm-up write there)."""
+        return self.num_blocks * self.block_size
+
+    def capture_graphs(self, limit_s: float | None = None) -> GraphCapture:
+        """Captures the decode graphs (on the static path ``static_decode`` made, or a new
+        one), for at most ``limit_s`` (default: the config's capture limit)."""
+        graphs = self.graphs if self.graphs is not None and self.graphs.capture else \
+            self.static_decode(capture=True)
+        if limit_s is None:
+            limit_s = self.config.cuda_graph_capture_limit_s
         # every rank captures the same buckets in the same order (their warm-up runs meet
         # in all-reduces): rank 0 decides when the time limit has passed
-        self.graph_capture = graphs.capture_all(self.config.cuda_graph_capture_limit_s,
-                                                None if self.tp is None else self.tp.agree)
-        cap = self.graph_capture
+        self.graph_capture = cap = graphs.capture_all(limit_s, None if self.tp is None else self.tp.agree)
         log.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)%s",
                  ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
+        return cap
 
     @property
     def last_step_graph_bucket(self) -> int | None:
@@ -221,7 +253,7 @@ class ModelRunner:
         else:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._warmup()
+            self._profile_step()
             free, total = torch.cuda.mem_get_info(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
             current = torch.cuda.memory_allocated(self.device)
@@ -245,7 +277,7 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def _warmup(self) -> None:
+    def _profile_step(self) -> None:
         """One cache-less prefill at the step token budget, sampled at max_num_seqs rows: its
         peak memory is what activations need (and Triton kernels get compiled here)."""
         sched = self.config.scheduler

@@ -189,7 +189,7 @@ class OutputProcessor:
             self.recorder.record(Detokenized(live.key, detok_start, time.time_ns()))
         output.finished, output.finish_reason = True, reason
         output.error, output.error_code = final.error, final.error_code
-        output.num_preemptions = final.num_preemptions
+        output.num_preemptions, output.num_cached_tokens = final.num_preemptions, final.num_cached_tokens
         output.e2e_s, output.queue_s = final.e2e_s, final.queue_s
         output.ttft_s, output.tpot_s = final.ttft_s, final.tpot_s
         if final.error_code not in _REFUSED:
@@ -197,7 +197,7 @@ class OutputProcessor:
                 reason, e2e_s=final.e2e_s or 0.0, queue_s=final.queue_s, ttft_s=final.ttft_s,
                 tpot_s=final.tpot_s, prefill_s=final.prefill_s, decode_s=final.decode_s,
                 prompt_tokens=final.num_prompt_tokens, generation_tokens=num_output,
-                exemplar=live.exemplar)
+                cached_tokens=final.num_cached_tokens, exemplar=live.exemplar)
         return live, output
 
     def _record_step(self, stats: StepStats) -> None:
@@ -208,6 +208,7 @@ class OutputProcessor:
             m.generation_tokens.inc(stats.num_generated)
         if stats.num_preemptions:
             m.preemptions.inc(stats.num_preemptions)
+        m.prefix_cache_step(stats)
         m.running.set(stats.running)
         m.waiting.set(stats.waiting)
         m.kv_usage.set(stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0)

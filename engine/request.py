@@ -2,9 +2,9 @@
 
 A ``Request`` is created by the server, owned by the scheduler from ``Scheduler.add`` until it
 finishes, and read by the model runner. Only the scheduler changes ``status``,
-``num_computed_tokens``, ``output_token_ids`` and the timing fields; only the KV cache manager
-changes ``block_ids``. Plain Python, no torch: every property is O(1) except ``all_token_ids``,
-which builds a new list (O(prompt + output)).
+``num_computed_tokens``, ``num_cached_tokens``, ``output_token_ids`` and the timing fields; only
+the KV cache manager changes ``block_ids`` and ``prefix_ids``. Plain Python, no torch: every
+property is O(1) except ``all_token_ids``, which builds a new list (O(prompt + output)).
 """
 
 from __future__ import annotations
@@ -15,8 +15,16 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from ..instrumentation import check_range
+from ..instrumentation import semconv as sc
 
 __all__ = ["FinishReason", "RequestStatus", "SamplingParams", "Request", "pending_token"]
+
+# Temperatures below this sample as greedy, as in vLLM: softmax(logits / T) tends to argmax as
+# T -> 0, and T = 1e-40 is not even a normal float32.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+# repetition_penalty divides logits: below the smallest normal float32 it is no number the
+# sampler can divide by.
+MIN_REPETITION_PENALTY = 2.0 ** -126
 
 
 def pending_token(row: int) -> int:
@@ -43,7 +51,8 @@ class RequestStatus(Enum):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. Validated on construction; errors name the bad value and the range."""
+    """How to pick tokens. Validated on construction; errors name the bad value and the range.
+    A temperature below ``GREEDY_BELOW_TEMPERATURE`` is stored as 0 (greedy)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -61,6 +70,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         check_range("max_tokens", self.max_tokens, 1, integer=True)
         check_range("temperature", self.temperature, 0, 100)
+        if self.temperature < GREEDY_BELOW_TEMPERATURE:
+            self.temperature = 0.0
         check_range("top_p", self.top_p, 0, 1, lo_open=True)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
@@ -77,8 +88,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if not _is_real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:.6g}, 10], got "
+                             f"{self.repetition_penalty!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:
@@ -125,6 +137,10 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     block_ids: list[int] = field(default_factory=list)
+    # prefix_ids[i]: the prefix cache's id of the tokens through full block i (engine/prefix_cache.py)
+    prefix_ids: list[int] = field(default_factory=list)
+    # prompt tokens whose KV the prefix cache held when the request was first scheduled
+    num_cached_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -132,6 +148,7 @@ class Request:
     first_token_time_s: float | None = None
     telemetry: int | None = None  # the request's key in the telemetry's lifecycle events; None: untraced
     finish_time_s: float | None = None  # scheduler clock when it finished (extension)
+    cache_salt: str | None = None  # the prefix cache shares blocks only among requests of one salt
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -139,8 +156,8 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: prompt_token_ids must hold at least 1 token, got 0")
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+        check_range("priority", self.priority, sc.REQUEST_PRIORITY_MIN, sc.REQUEST_PRIORITY_MAX, integer=True,
+                    hint="(lower is more urgent)")
         if not _is_real(self.arrival_time_s):
             raise ValueError(f"arrival_time_s must be a finite number, got {self.arrival_time_s!r}")
 

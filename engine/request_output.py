@@ -31,6 +31,7 @@ class RequestOutput:
     queue_s: float | None = None
     e2e_s: float | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (final output)
 
 
 class RequestStream:

@@ -5,14 +5,14 @@ Each ``schedule()`` call builds one engine step (a ``StepPlan``) of at most
 then split prefills, then waiting requests, each group most urgent first (``Scheduler``
 states the policy). Lower ``priority`` is more urgent, and waiting ages a request's priority,
 so no request starves. When blocks run out the least urgent running request is preempted by
-recompute.
+recompute. With prefix caching, an admitted request starts after its cached leading blocks.
 
 Guarantees (checked by tests/engine/test_scheduler.py): the budget and ``max_num_seqs`` are
 never exceeded; outputs with preemption equal outputs without; every finished or aborted
 request leaves no blocks behind; the most urgent running request always makes progress.
 Costs per step: O(R log R) for R running requests plus O(C + k log C) to admit k waiting
-requests from C priority classes. Deterministic for a given clock; not thread-safe: call it
-from one thread (the engine loop), or under one lock with add() and abort().
+requests from C priority classes. Deterministic for a given clock; not thread-safe: one
+thread (the engine loop), or one lock around it and add() and abort().
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ from dataclasses import dataclass, field
 
 from ..instrumentation import check_range
 from .kv_cache import KVCacheManager
+from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
 
 __all__ = ["SchedulerConfig", "QueueFullError", "ScheduledRequest", "StepPlan", "Scheduler"]
+
+_NO_CACHE = PrefixCacheStats()   # a plan's prefix cache counts when the cache is off
 
 
 class QueueFullError(RuntimeError):
@@ -93,6 +96,15 @@ class StepPlan:
     kv_blocks_total: int
     num_running: int = 0  # after scheduling (extension, for step telemetry)
     num_waiting: int = 0
+    # Prefix cache (``prefix_caching``: on), while this plan was made: prompt tokens of the
+    # requests it admitted whose KV came from the cache (its cached prefill tokens;
+    # num_prefill_tokens are the computed ones) and the tokens looked up; parked blocks
+    # evicted; blocks cached after it.
+    prefix_caching: bool = False
+    num_cached_prefill_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_evictions: int = 0
+    prefix_cache_blocks: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -112,7 +124,10 @@ class Scheduler:
     2. running requests whose prefill was split (chunked prefill), most urgent first;
     3. waiting requests, most urgent first, each getting ``min(tokens left, budget left)``
        tokens; admission stops at the first waiting request whose chunk does not fit in the
-       free blocks, so a less urgent request never jumps ahead of a more urgent one.
+       free blocks, so a less urgent request never jumps ahead of a more urgent one. With
+       prefix caching, "tokens left" starts after the cached blocks of its leading tokens
+       (``KVCacheManager.find_cached_prefix``), which it takes on admission; a preempted
+       request finds the blocks it released again unless they were evicted meanwhile.
 
     Urgency: a request's effective priority is ``priority - floor(seconds since arrival /
     aging_s)``; ties go to the earlier arrival (FIFO within a class). Everyone ages alike, so
@@ -207,6 +222,8 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Build the next step. Allocates the blocks it schedules; may preempt (see module doc)."""
         now = self.clock()
+        caching = self.kv_cache.prefix_cache is not None
+        cache_before = self.kv_cache.prefix_cache_stats() if caching else None
         step = _StepBuilder(self.config.max_num_batched_tokens)
         key = {id(r): self.urgency_key(r, now) for r in self._running}
         self._running.sort(key=lambda r: key[id(r)])
@@ -229,6 +246,7 @@ class Scheduler:
         if step.budget > 0 and self._waiting and len(self._running) < self.config.max_num_seqs:
             self._admit_waiting(step, now)
 
+        cache = self.kv_cache.prefix_cache_stats().minus(cache_before) if caching else _NO_CACHE
         plan = StepPlan(
             step_id=self._next_step_id,
             scheduled=step.scheduled,
@@ -239,6 +257,11 @@ class Scheduler:
             kv_blocks_total=self.kv_cache.num_blocks,
             num_running=len(self._running),
             num_waiting=len(self._waiting),
+            prefix_caching=caching,
+            num_cached_prefill_tokens=cache.hits,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_evictions=cache.evictions,
+            prefix_cache_blocks=cache.cached_blocks,
         )
         self._next_step_id += 1
         return plan
@@ -252,12 +275,16 @@ class Scheduler:
                 break
             if id(request) in just_preempted:
                 break  # it just gave its blocks up: re-admitting it would thrash, passing it would invert priority
-            num_new = min(request.num_tokens, step.budget)
-            if not self.kv_cache.can_allocate(request, num_new):
+            hit = self.kv_cache.find_cached_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, step.budget)
+            if not self.kv_cache.can_allocate(request, num_new, hit):
                 break  # keep priority order: nobody less urgent may pass it
+            self.kv_cache.take_prefix(request, hit)
+            request.num_computed_tokens = hit.num_tokens
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time_s is None:
                 request.first_scheduled_time_s = now
+                request.num_cached_tokens = hit.num_tokens
             self._running.append(request)
             admitted.append(request)
             step.add(self._schedule_chunk(request, num_new, True))
@@ -279,6 +306,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING or request.num_computed_tokens != entry.computed_before:
                 continue  # aborted/finished since schedule(), or a stale plan
             request.num_computed_tokens = entry.end
+            # Cached as soon as the step that writes them is applied (with overlapped scheduling,
+            # launched): a later step reads them in stream order. A step that fails at launch is
+            # never applied; one that fails on the device leaves the CUDA context unusable.
+            self.kv_cache.cache_full_blocks(request)
             if not entry.samples_token:
                 continue
             try:
@@ -319,6 +350,7 @@ class Scheduler:
             if token is None or index >= len(outputs) or outputs[index] >= 0:
                 continue
             outputs[index] = token
+            self.kv_cache.cache_full_blocks(request)   # a block of known tokens may be full now
             if index == 0:
                 request.first_token_time_s = now
             eos = (not request.sampling.ignore_eos and request.eos_token_id is not None

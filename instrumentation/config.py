@@ -147,6 +147,12 @@ class TelemetryConfig:
     # The telemetry process's nice value (0..19): it yields the CPU to the engine it shares
     # CPUs with and catches up in idle time; falling behind drops records, counted.
     process_nice: int = 10
+    # With several producer processes (API servers and the engine core), a request's events
+    # that reach the telemetry process before its start are held this long (at most this
+    # many of them) before they count as orphans; a request's end waits as long at most for
+    # the other producers' earlier events (at most as many again).
+    hold_unstarted_s: float = 2.0
+    max_held_events: int = 65536
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", TraceLevel.parse(self.level))
@@ -185,6 +191,8 @@ class TelemetryConfig:
         check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
         check_range("sm_probe_every", self.sm_probe_every, 1, 1_000_000, integer=True)
         check_range("process_nice", self.process_nice, 0, 19, integer=True)
+        check_range("hold_unstarted_s", self.hold_unstarted_s, 0.0, 600.0)
+        check_range("max_held_events", self.max_held_events, 1, 1 << 24, integer=True)
         if self.kernel_span_detail not in ("attention", "all"):
             raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
                              "attention|all")

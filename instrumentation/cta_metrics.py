@@ -2,7 +2,8 @@
 
 ``build_cta_metrics`` turns the worker's per-(gpu, SM, kernel) histograms into SDK
 ``MetricsData`` (one delta exponential-histogram point per key, with the slowest-CTA
-exemplar and the GPU's NVML UUID beside its index); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
+exemplar and the GPU's NVML UUID beside its index; and per (gpu, kernel) the CTAs of wide
+launches, ``semconv.METRIC_CTA_WIDE``, when the producer counted them); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
 config, and its capture file). Used by :mod:`.gpu_telemetry`'s worker thread, never on
 the request path; the OTel SDK is imported only when called.
 """
@@ -20,15 +21,30 @@ __all__ = ["build_cta_metrics", "metric_exporters_from", "resource_of"]
 logger = logging.getLogger("sightline.instrumentation.gpu_telemetry")
 
 
-def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource,
-                      gpu_ranks: dict | None = None):
+def _gpu_attributes(gpu, gpu_ranks: dict | None) -> dict:
+    attributes = {semconv.ATTR_GPU_ID: gpu}
+    rank, uuid = (gpu_ranks or {}).get(gpu, (None, None))
+    if uuid is None:
+        uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
+    if uuid:  # the GPU's identity across hosts (gpu.id is only its index on this one)
+        attributes[semconv.ATTR_GPU_UUID] = uuid
+    if rank is not None:
+        attributes[semconv.TP_RANK] = rank
+    return attributes
+
+
+def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, launch_mix=None,
+                      num_sms: int | None = None, gpu_ranks: dict | None = None):
     """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
-    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step).
-    ``gpu_ranks``: gpu id -> (tensor-parallel rank, UUID) as the ranks reported them."""
+    (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step); with
+    ``launch_mix`` ((gpu, kernel) -> (wide CTAs, all CTAs)) and ``num_sms``, one delta sum
+    point of wide-launch CTAs per (gpu, kernel) too. ``gpu_ranks``: gpu id ->
+    (tensor-parallel rank, UUID) as the ranks reported them."""
     from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
                                                   ExponentialHistogram,
                                                   ExponentialHistogramDataPoint, Metric,
-                                                  MetricsData, ResourceMetrics, ScopeMetrics)
+                                                  MetricsData, NumberDataPoint, ResourceMetrics,
+                                                  ScopeMetrics, Sum)
     from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     try:
         from opentelemetry.sdk.metrics import Exemplar
@@ -41,14 +57,7 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource,
         if ex is not None and ex.trace_id and ex.span_id:
             ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
                                     ex.trace_id))
-        attributes = {semconv.ATTR_GPU_ID: gpu, semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
-        rank, uuid = (gpu_ranks or {}).get(gpu, (None, None))
-        if uuid is None:
-            uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
-        if uuid:  # the GPU's identity across hosts (gpu.id is only its index on this one)
-            attributes[semconv.ATTR_GPU_UUID] = uuid
-        if rank is not None:
-            attributes[semconv.TP_RANK] = rank
+        attributes = {**_gpu_attributes(gpu, gpu_ranks), semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
         points.append(ExponentialHistogramDataPoint(
             attributes=attributes,
             start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,
@@ -61,8 +70,20 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource,
                     unit=semconv.METRIC_CTA_DURATION_UNIT,
                     data=ExponentialHistogram(data_points=points,
                                               aggregation_temporality=AggregationTemporality.DELTA))
+    metrics = [metric]
+    if launch_mix and num_sms:
+        wide = [NumberDataPoint(attributes={**_gpu_attributes(gpu, gpu_ranks), semconv.ATTR_KERNEL_NAME: kernel,
+                                            semconv.ATTR_GPU_SM_COUNT: int(num_sms)},
+                                start_time_unix_nano=start_ns, time_unix_nano=now_ns, value=int(w))
+                for (gpu, kernel), (w, _) in sorted(launch_mix.items())]
+        metrics.append(Metric(name=semconv.METRIC_CTA_WIDE,
+                              description=f"CTAs of launches with at least {semconv.WIDE_LAUNCH_WAVES}x as many "
+                                          "CTAs as the GPU has SMs",
+                              unit=semconv.METRIC_CTA_WIDE_UNIT,
+                              data=Sum(data_points=wide, aggregation_temporality=AggregationTemporality.DELTA,
+                                       is_monotonic=True)))
     scope = ScopeMetrics(scope=InstrumentationScope(semconv.INSTRUMENTATION_SCOPE),
-                         metrics=[metric], schema_url="")
+                         metrics=metrics, schema_url="")
     return MetricsData(resource_metrics=[ResourceMetrics(resource=resource,
                                                          scope_metrics=[scope], schema_url="")])
 

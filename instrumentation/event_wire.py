@@ -1,8 +1,9 @@
-"""The pipe's form of recorded items: lifecycle events as plain tuples, tagged by type.
+"""The wire form of recorded items (the engine's pipe, other producers' socket): lifecycle
+events as plain tuples, tagged by type.
 
 Pickling a named tuple calls back into Python for every event (``__reduce_ex__`` and
-``__getnewargs__``), and the engine process pickles on a thread that shares the engine's
-GIL; a plain tuple is pickled in C. ``to_wire`` turns each lifecycle event into
+``__getnewargs__``), and a producer pickles on a thread that shares its main thread's GIL;
+a plain tuple is pickled in C. ``to_wire`` turns each lifecycle event into
 ``(code, *fields)`` and any other item (GPU records: few, and large) into ``(-1, item)``;
 ``from_wire`` undoes it in the telemetry process. Guarantee:
 ``from_wire(to_wire(items)) == items``, types included. Cost: one tuple per event.
@@ -10,14 +11,14 @@ GIL; a plain tuple is pickled in C. ``to_wire`` turns each lifecycle event into
 
 from __future__ import annotations
 
-from .lifecycle import (Detokenized, Queued, RankStep, RequestAttributes, RequestEnd, RequestStart,
+from .lifecycle import (Detokenized, Queued, RankStep, RequestAttributes, RequestEnd, RequestStart, Startup,
                         Step, Tokenized)
 
 __all__ = ["from_wire", "to_wire"]
 
 # append only: a code names its type on both ends of one pipe (one version, one host)
 _TYPES = (RequestStart, Tokenized, RequestAttributes, Queued, Step, Detokenized, RequestEnd,
-          RankStep)
+          Startup, RankStep)
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 
 

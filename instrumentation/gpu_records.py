@@ -56,6 +56,10 @@ class CtaHistograms(NamedTuple):
     start_ns: int
     end_ns: int
     rank: int = 0
+    # per (gpu, kernel): (CTAs of launches wide enough to cover every SM, all CTAs), and the
+    # GPU's SM count (semconv.METRIC_CTA_WIDE); None from producers that do not count them
+    launch_mix: dict[tuple[int, str], tuple[int, int]] | None = None
+    num_sms: int | None = None
 
 
 class GpuIdentity(NamedTuple):

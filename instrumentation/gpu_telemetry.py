@@ -304,6 +304,27 @@ class GpuTelemetry:
                            self.tracer.unavailable_reason)
         return self.tracer.available
 
+    def warm_up_tracing(self, run) -> bool:
+        """Runs ``run`` (a step's work) once with CUPTI recording, as a traced step would,
+        then flushes CUPTI and idles it: the first traced step while serving then pays no
+        first-use cost. Its kernels are recorded outside any step (``UNTRACED_EXTERNAL_ID``:
+        counted as untraced, no span). Before serving only. False without CUPTI."""
+        tracer = self.tracer
+        if tracer is None or not tracer.available:
+            return False
+        import torch
+        with self._cuda_lock:
+            tracer.enable()
+        tracer.push(UNTRACED_EXTERNAL_ID)
+        try:
+            run()
+            torch.cuda.synchronize(self.device_index)
+        finally:
+            tracer.pop()
+            tracer.flush()
+            self._idle_tracer()
+        return True
+
     @property
     def kernel_spans_available(self) -> bool:
         return self.tracer is not None and self.tracer.available
@@ -657,10 +678,11 @@ class GpuTelemetry:
         import torch
         with torch.cuda.stream(self._side):
             hists, exemplars = self.histograms.take()
+        mix = self.histograms.take_launch_mix()
         now = time.time_ns()
         start, self._interval_start_ns = self._interval_start_ns, now
         if hists:
-            self.recorder.record(CtaHistograms(hists, exemplars, start, now))
+            self.recorder.record(CtaHistograms(hists, exemplars, start, now, mix, self.histograms.num_sms))
             self.stats.histogram_exports += 1
 
 

@@ -2,9 +2,10 @@
 
 The engine and its HTTP server call :class:`LifecycleRecorder` and :class:`RequestHandle`;
 each call builds one small named tuple and appends it to a bounded deque (thread-safe
-in CPython without a lock). Spans, metrics and OTLP are made from these events by a
-:class:`~.span_assembler.SpanAssembler` elsewhere: in the telemetry process, or in a
-thread for tests and embedded use (:mod:`.telemetry_sink`).
+in CPython without a lock). A :class:`~.span_assembler.SpanAssembler` makes spans from these
+events elsewhere: in the telemetry process, or on a thread (:mod:`.telemetry_pipeline`).
+Request keys carry their recorder's ``producer_id`` in the bits from ``PRODUCER_KEY_SHIFT``
+up, so the keys of several processes feeding one telemetry process never collide.
 
 Guarantee: never blocks, never raises into the caller; a full buffer drops the event and
 counts it (``dropped``). Cost: O(1) Python operations per request event and per step,
@@ -26,10 +27,17 @@ from opentelemetry import trace
 
 from . import semconv
 from .config import TelemetryConfig, TraceLevel
+from .config_checks import check_range
 from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
-           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep", "RankStep"]
+           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep", "RankStep",
+           "Startup", "StartupPhase", "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID"]
+
+# A request key is (producer_id << PRODUCER_KEY_SHIFT) + n, n < 2**48 (from a random start
+# below 2**40): every key fits an int64 (msgpack, the engine's own records).
+PRODUCER_KEY_SHIFT = 48
+MAX_PRODUCER_ID = (1 << 15) - 1
 
 
 class RemoteParent(NamedTuple):
@@ -94,6 +102,8 @@ class Step(NamedTuple):
     kv_blocks_total: int
     error_type: str | None = None
     attributes: Mapping[str, Any] | None = None   # e.g. CUDA graph bucket, kernel trace reason
+    # prompt tokens of the requests it admitted served from a prefix cache (None: no cache)
+    prefill_cached_tokens: int | None = None
 
 
 class RankStep(NamedTuple):
@@ -133,6 +143,27 @@ class RequestEnd(NamedTuple):
     e2e_s: float | None
     preemptions: int | None
     error_type: str | None
+    cached_tokens: int | None = None   # prompt tokens served from a prefix cache (None: unknown)
+
+
+class StartupPhase(NamedTuple):
+    """One phase of the engine's start-up (loading weights, a warm-up family, ...)."""
+
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any] | None
+
+
+class Startup(NamedTuple):
+    """The engine's start-up, recorded once when it is ready: one trace, a span per phase."""
+
+    trace_id: int
+    span_id: int
+    start_ns: int
+    end_ns: int
+    phases: tuple[StartupPhase, ...]
+    attributes: Mapping[str, Any] | None
 
 
 class RequestHandle:
@@ -177,20 +208,21 @@ class RequestHandle:
                output_tokens: int, ttft_s: float | None = None, tpot_s: float | None = None,
                queue_s: float | None = None, e2e_s: float | None = None,
                preemptions: int | None = None, error_type: str | None = None,
-               end_time_ns: int | None = None) -> None:
-        """The request's outcome; ends its server span. Once: later calls are ignored."""
+               end_time_ns: int | None = None, cached_tokens: int | None = None) -> None:
+        """The request's outcome; ends its server span. Once: later calls are ignored.
+        ``cached_tokens``: of the input tokens, those a prefix cache served."""
         if self._ended:
             return
         self._ended = True
         self._recorder.record(RequestEnd(
             self.key, end_time_ns if end_time_ns is not None else time.time_ns(), status_code,
             finish_reason, input_tokens, output_tokens, ttft_s, tpot_s, queue_s, e2e_s,
-            preemptions, error_type))
+            preemptions, error_type, cached_tokens))
 
 
 class Deferred(NamedTuple):
-    """An event built on the sink's thread, ``build(*args)``, so that the engine thread only
-    appends references. ``args`` must not change after recording."""
+    """An event built by ``drain`` on the shipping thread, ``build(*args)``, so that the engine
+    thread only appends references. ``args`` must not change after recording."""
 
     build: Callable[..., tuple]
     args: tuple
@@ -200,16 +232,18 @@ _new_tuple = tuple.__new__   # a named tuple's own constructor is a Python funct
 
 
 class LifecycleRecorder:
-    """Appends lifecycle events to a bounded buffer that a sink drains (see module doc).
+    """Appends lifecycle events to a bounded buffer that a pipeline's shipper drains (see module doc).
 
     ``requests_on`` / ``steps_on`` / ``kernels_on`` mirror the configured level; the
     engine records the same events at every level above OFF (the assembler decides which
-    spans they become). ``capacity`` bounds the events waiting for the sink.
+    spans they become). ``capacity`` bounds the events waiting for the shipper;
+    ``producer_id`` (0 to ``MAX_PRODUCER_ID``) is the high part of this recorder's keys.
     """
 
-    def __init__(self, config: TelemetryConfig, capacity: int = 1 << 16) -> None:
-        if not 1 <= capacity <= 1 << 24:
-            raise ValueError(f"capacity={capacity} not in [1, 2**24]")
+    def __init__(self, config: TelemetryConfig, capacity: int = 1 << 16,
+                 producer_id: int = 0) -> None:
+        check_range("capacity", capacity, 1, 1 << 24, integer=True)
+        check_range("producer_id", producer_id, 0, MAX_PRODUCER_ID, integer=True)
         self.config = config
         level = config.level
         self.requests_on = level >= TraceLevel.REQUESTS
@@ -220,8 +254,12 @@ class LifecycleRecorder:
         self.dropped = 0          # events refused because the buffer was full
         self.recorded = 0
         self.build_errors = 0     # deferred events whose builder raised (event lost)
-        self._keys = itertools.count(1)
+        self.producer_id = producer_id
         self._ids = random.Random()
+        # from a random point: a producer restarted under the same id does not reuse the keys
+        # of its predecessor's requests, which the assembler still remembers for a while
+        self._keys = itertools.count((producer_id << PRODUCER_KEY_SHIFT) + 1
+                                     + self._ids.getrandbits(40))
         self._propagator = HeaderPropagator(config.propagators)
 
     def record(self, event: tuple) -> None:
@@ -233,7 +271,7 @@ class LifecycleRecorder:
             self.dropped += 1
 
     def record_later(self, build: Callable[..., tuple], *args) -> None:
-        """Like ``record(build(*args))``, with ``build`` run by ``drain`` on the sink's thread:
+        """Like ``record(build(*args))``, with ``build`` run by ``drain`` on the shipping thread:
         O(1) here whatever the event's size. Any thread."""
         # record()'s body, and the tuple made in C: the engine calls this on every step
         if len(self.events) < self.capacity:
@@ -243,7 +281,7 @@ class LifecycleRecorder:
             self.dropped += 1
 
     def drain(self, limit: int = 1 << 20) -> list:
-        """Takes up to ``limit`` events, oldest first, deferred ones built (the sink's thread)."""
+        """Takes up to ``limit`` events, oldest first, deferred ones built (the shipping thread)."""
         events, pop = [], self.events.popleft
         try:
             for _ in range(min(limit, len(self.events))):
@@ -251,7 +289,7 @@ class LifecycleRecorder:
                 if type(event) is Deferred:
                     try:
                         event = event.build(*event.args)
-                    except Exception:   # a builder's bug loses its event, never the sink
+                    except Exception:   # a builder's bug loses its event, never the shipper
                         self.build_errors += 1
                         continue
                 events.append(event)

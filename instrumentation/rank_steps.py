@@ -38,6 +38,7 @@ class _Held:
     end_ns: int
     end_attributes: dict | None
     since: float
+    ready: object = None         # () -> bool: may the span go out when it ends (links to come)
     ranks: dict[int, RankStep] = field(default_factory=dict)
 
 
@@ -54,9 +55,10 @@ class RankJoin:
         self._early: OrderedDict[tuple[int, int], RankStep] = OrderedDict()
 
     def hold(self, step_id: int, step, size: int, end_ns: int,
-             end_attributes: dict | None = None) -> None:
-        """Keeps the step open until its ``size`` ranks reported (or the wait ran out)."""
-        held = _Held(step, size, end_ns, end_attributes, time.monotonic())
+             end_attributes: dict | None = None, ready=None) -> None:
+        """Keeps the step open until its ``size`` ranks reported (or the wait ran out);
+        ``ready()`` False when it ends: the span waits for links still to come."""
+        held = _Held(step, size, end_ns, end_attributes, time.monotonic(), ready)
         for rank in range(size):
             early = self._early.pop((step_id, rank), None)
             if early is not None:
@@ -119,4 +121,4 @@ class RankJoin:
         attributes = dict(held.end_attributes or {})
         attributes[sc.STEP_RANK_COMPUTE_S] = tuple(compute)   # attribute values: immutable
         attributes[sc.STEP_RANK_COLLECTIVE_WAIT_S] = tuple(wait)
-        step.end(attributes, end_time_ns=held.end_ns)
+        step.end(attributes, end_time_ns=held.end_ns, emit=held.ready is None or held.ready())

@@ -7,8 +7,8 @@ Guarantees and costs:
 
 - Every public method catches, logs once per call site (:func:`report_error`) and carries
   on: a broken trace is lost, the request is not.
-- Thread-safe: a :class:`RequestTrace` is guarded by its own lock (the asyncio thread and
-  the engine thread both touch it); a :class:`StepTrace` is touched by the engine thread.
+- The span assembler drives both from one thread at a time; a :class:`RequestTrace` keeps
+  a lock for callers of the public ``Telemetry`` facade that share one across threads.
 - ``link_step`` only appends a shared ``Link`` to a list; phase spans are made, links and
   all, when they close (see :class:`_Phase`). Phase and step spans are built finished
   (:mod:`.finished_spans`): the live SDK span's per-link validation was the largest part
@@ -63,11 +63,12 @@ class _Phase:
     are open.
     """
 
-    __slots__ = ("name", "start_ns", "links", "links_dropped", "events", "open")
+    __slots__ = ("name", "start_ns", "attributes", "links", "links_dropped", "events", "open")
 
-    def __init__(self, name: str, start_ns: int) -> None:
+    def __init__(self, name: str, start_ns: int, attributes: Mapping[str, Any] | None) -> None:
         self.name = name
         self.start_ns = start_ns
+        self.attributes = attributes
         self.links: list[Link] = []
         self.links_dropped = 0
         self.events: list[tuple[str, dict | None, int]] | None = None
@@ -83,7 +84,7 @@ class StepTrace:
     """
 
     __slots__ = ("_spans", "step_id", "span_context", "start_time_ns", "end_time_ns",
-                 "link", "_attributes", "_links")
+                 "link", "_attributes", "_links", "_emitted")
 
     def __init__(self, spans, span_context: SpanContext, step_id: int, start_time_ns: int,
                  attributes: dict[str, Any], links: list[Link]) -> None:
@@ -95,6 +96,7 @@ class StepTrace:
         self.end_time_ns: int | None = None
         self._attributes = attributes
         self._links = links
+        self._emitted = False
 
     @property
     def span(self):
@@ -118,19 +120,43 @@ class StepTrace:
         except Exception:
             report_error("StepTrace.set_attributes")
 
-    def end(self, attributes: Mapping[str, Any] | None = None, end_time_ns: int | None = None) -> None:
-        """Ends the step span (idempotent)."""
+    def end(self, attributes: Mapping[str, Any] | None = None, end_time_ns: int | None = None,
+            emit: bool = True) -> None:
+        """Ends the step span (idempotent); ``emit=False`` keeps it for links still to come
+        (:meth:`add_link`) until :meth:`emit`."""
         try:
             if self.end_time_ns is not None:
                 return
             self.end_time_ns = end_time_ns if end_time_ns is not None else time.time_ns()
             if attributes:
                 self._attributes.update(attributes)
+            if emit:
+                self.emit()
+        except Exception:
+            report_error("StepTrace.end")
+
+    def add_link(self, link: Link, cap: int) -> None:
+        """Links a request found after the step began (its start arrived later); at most
+        ``cap`` links in all, the rest counted in ``sightline.span.links_dropped``."""
+        if self._emitted:
+            return
+        if len(self._links) < cap:
+            self._links.append(link)
+        else:
+            attrs = self._attributes
+            attrs[semconv.SPAN_LINKS_DROPPED] = attrs.get(semconv.SPAN_LINKS_DROPPED, 0) + 1
+
+    def emit(self) -> None:
+        """Hands the ended span to the exporters (once)."""
+        try:
+            if self._emitted or self.end_time_ns is None:
+                return
+            self._emitted = True
             self._spans.emit(semconv.SPAN_ENGINE_STEP, self.span_context, None,
                              self.start_time_ns, self.end_time_ns, self._attributes,
                              self._links)
         except Exception:
-            report_error("StepTrace.end")
+            report_error("StepTrace.emit")
 
 
 class RequestTrace:
@@ -193,8 +219,10 @@ class RequestTrace:
             return {} if headers is None else headers
 
     # -- phases ---------------------------------------------------------------------
-    def start_phase(self, name: str, start_time_ns: int | None = None) -> None:
-        """Opens child span ``name`` (no-op if one of that name is open or the request finished).
+    def start_phase(self, name: str, start_time_ns: int | None = None,
+                    attributes: Mapping[str, Any] | None = None) -> None:
+        """Opens child span ``name`` (no-op if one of that name is open or the request finished);
+        ``attributes`` (not copied: not changed later) go on its span.
 
         A phase may be opened again after it ended (a preempted request is re-queued and
         recomputed): that makes a second span of the same name.
@@ -204,7 +232,8 @@ class RequestTrace:
                 if self._finished or name in self._open:
                     return
                 self._open[name] = _Phase(
-                    name, start_time_ns if start_time_ns is not None else time.time_ns())
+                    name, start_time_ns if start_time_ns is not None else time.time_ns(),
+                    attributes)
         except Exception:
             report_error("RequestTrace.start_phase")
 
@@ -227,7 +256,9 @@ class RequestTrace:
                end_time_ns: int | None) -> None:
         """Emits the phase span (caller holds the lock)."""
         phase.open = False
-        attrs = dict(attributes) if attributes else None
+        attrs = dict(phase.attributes) if phase.attributes else None
+        if attributes:
+            attrs = {**attrs, **attributes} if attrs else dict(attributes)
         if phase.links_dropped:
             attrs = attrs or {}
             attrs[semconv.SPAN_LINKS_DROPPED] = phase.links_dropped
@@ -340,8 +371,10 @@ class RequestTrace:
         preemptions: int | None = None,
         error_type: str | None = None,
         end_time_ns: int | None = None,
+        cached_tokens: int | None = None,
     ) -> None:
-        """Ends every open phase and the server span with the request's outcome (once)."""
+        """Ends every open phase and the server span with the request's outcome (once);
+        ``cached_tokens``: of the input tokens, those a prefix cache served (None: unknown)."""
         try:
             with self._lock:
                 if self._finished:
@@ -359,6 +392,8 @@ class RequestTrace:
                         self._preemptions if preemptions is None else preemptions
                     ),
                 }
+                if cached_tokens is not None:
+                    attrs[semconv.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS] = int(cached_tokens)
                 if finish_reason is not None:
                     attrs[semconv.GEN_AI_RESPONSE_FINISH_REASONS] = (str(finish_reason),)
                 if ttft_s is not None:

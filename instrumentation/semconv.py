@@ -64,6 +64,8 @@ GEN_AI_REQUEST_TOP_P = "gen_ai.request.top_p"
 GEN_AI_REQUEST_TOP_K = "gen_ai.request.top_k"
 GEN_AI_USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+# of the input tokens, those whose KV the engine's prefix cache held (OTel GenAI, experimental)
+GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS = "gen_ai.usage.cache_read.input_tokens"
 GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
 # Opt-in only (SIGHTLINE_CAPTURE_CONTENT / --capture-content).
 GEN_AI_PROMPT = "gen_ai.prompt"
@@ -72,6 +74,9 @@ GEN_AI_COMPLETION = "gen_ai.completion"
 GEN_AI_SYSTEM_VALUE = "sightline"
 
 HW_GPU_ID = "gpu.id"  # attribute of per-SM metrics and kernel spans
+# The process that recorded a span's events (request, phase and step spans): with an
+# API-server process and an engine-core process, one request's trace has spans of both.
+PROCESS_PID = "process.pid"
 
 # ---------------------------------------------------------------------------------
 # Span attributes: Sightline's own
@@ -79,6 +84,11 @@ HW_GPU_ID = "gpu.id"  # attribute of per-SM metrics and kernel spans
 # request
 REQUEST_ID = "sightline.request.id"
 REQUEST_PRIORITY = "sightline.request.priority"
+# The documented range of a request's priority (an integer, lower is more urgent): the engine
+# refuses a value outside it (400) and the collector clamps one to the nearest end (a
+# non-integer to "other"), so that client-chosen values cannot multiply the per-priority series.
+REQUEST_PRIORITY_MIN, REQUEST_PRIORITY_MAX = -100, 100
+PRIORITY_LABEL_OTHER = "other"
 REQUEST_STREAM = "sightline.request.stream"
 REQUEST_TTFT_S = "sightline.request.time_to_first_token_s"
 REQUEST_TPOT_S = "sightline.request.time_per_output_token_s"
@@ -89,10 +99,18 @@ REQUEST_PREFILL_CHUNKS = "sightline.request.prefill_chunks"
 EVENT_PREEMPTED = "sightline.preempted"
 EVENT_FIRST_TOKEN = "sightline.first_token"
 
+# which kind of process recorded a span's events (with PROCESS_PID)
+PROCESS_ROLE = "sightline.process.role"
+PROCESS_ROLE_API_SERVER = "api_server"      # HTTP, tokenize, detokenize: the server span
+PROCESS_ROLE_ENGINE_CORE = "engine_core"    # scheduler and GPU: queue, prefill, decode, steps
+
 # step
 STEP_ID = "sightline.step.id"
 STEP_BATCH_SIZE = "sightline.step.batch_size"
-STEP_PREFILL_TOKENS = "sightline.step.prefill_tokens"
+STEP_PREFILL_TOKENS = "sightline.step.prefill_tokens"  # computed (the prefix cache's are not)
+# prompt tokens of the requests this step admitted whose KV came from the prefix cache
+# (on every step of an engine with a prefix cache, 0 included; absent without one)
+STEP_PREFILL_CACHED_TOKENS = "sightline.step.prefill_cached_tokens"
 STEP_DECODE_TOKENS = "sightline.step.decode_tokens"
 STEP_NUM_PREFILL_SEQS = "sightline.step.prefill_seqs"
 STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
@@ -102,7 +120,46 @@ STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
+# kernels compiled (Triton JIT, graph captures) while the step ran: a compile while serving
+STEP_JIT_COMPILES = "sightline.step.jit_compiles"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
+# on a step whose launches met kernel variants for the first time in the process (a compile,
+# a load from the on-disk cache or an autotuning while serving: each one a defect of the
+# warm-up): how many, which kernels (one name per variant) and the seconds they took
+STEP_JIT_COMPILES = "sightline.step.jit_compiles"
+STEP_JIT_COMPILE_KERNELS = "sightline.step.jit_compile_kernels"
+STEP_JIT_COMPILE_S = "sightline.step.jit_compile_s"
+
+# start-up: one trace per engine start, a root span and one child span per phase
+SPAN_ENGINE_STARTUP = "engine.startup"
+SPAN_STARTUP_PHASE_PREFIX = "engine.startup."   # + the phase name
+STARTUP_PHASE = "sightline.startup.phase"
+STARTUP_STATUS = "sightline.startup.status"     # compiled | cached | warm | timed_out
+STARTUP_VARIANTS_RUN = "sightline.startup.variants_run"
+STARTUP_VARIANTS_SKIPPED = "sightline.startup.variants_skipped"   # past the time limit
+STARTUP_VARIANTS_COMPILED = "sightline.startup.variants_compiled"
+STARTUP_VARIANTS_CACHED = "sightline.startup.variants_cached"     # from the on-disk cache
+STARTUP_AUTOTUNED = "sightline.startup.autotuned"
+STARTUP_KERNELS_COMPILED = "sightline.startup.kernels_compiled"   # kernel[constexprs] per variant
+STARTUP_COMPILE_S = "sightline.startup.compile_s"
+STARTUP_COMPILE_CACHE_DIR = "sightline.startup.compile_cache_dir"
+STARTUP_DURATION_S = "sightline.startup.duration_s"   # root: process start to ready
+# Phase names (span suffixes and the phase label of ENGINE_STARTUP_SECONDS), in order.
+STARTUP_IMPORTS = "imports"                 # process start to the engine's construction
+STARTUP_LOAD_WEIGHTS = "load_weights"
+STARTUP_PROFILE_MEMORY = "profile_memory"   # CUDA: a full-size step sizes the KV cache
+STARTUP_ALLOCATE_KV = "allocate_kv"
+STARTUP_WARMUP_FUSED = "warmup_fused_kernels"   # RMSNorm, SwiGLU, RoPE
+STARTUP_WARMUP_PREFILL = "warmup_prefill"
+STARTUP_WARMUP_DECODE = "warmup_decode"
+STARTUP_WARMUP_MIXED = "warmup_mixed"
+STARTUP_WARMUP_SAMPLER = "warmup_sampler"
+STARTUP_WARMUP_TELEMETRY = "warmup_telemetry"   # SM probe and CUPTI (trace level kernels)
+STARTUP_CUDA_GRAPHS = "cuda_graph_capture"
+STARTUP_PHASES = (STARTUP_IMPORTS, STARTUP_LOAD_WEIGHTS, STARTUP_PROFILE_MEMORY,
+                  STARTUP_ALLOCATE_KV, STARTUP_WARMUP_FUSED, STARTUP_WARMUP_PREFILL,
+                  STARTUP_WARMUP_DECODE, STARTUP_WARMUP_MIXED, STARTUP_WARMUP_SAMPLER,
+                  STARTUP_CUDA_GRAPHS, STARTUP_WARMUP_TELEMETRY)
 
 # tensor parallelism. On a step whose ranks reported their part: the group's size, and per
 # rank (index = rank) the seconds of its forward pass spent computing and waiting inside
@@ -149,6 +206,13 @@ ATTR_GPU_ID = "gpu.id"  # the GPU's index on its host (every host's first GPU is
 ATTR_GPU_UUID = "gpu.uuid"  # NVML's UUID: the GPU's identity across hosts
 ATTR_SM_ID = "gpu.sm.id"
 ATTR_KERNEL_NAME = "cuda.kernel.name"
+# Sum (delta, per gpu and kernel): CTAs of the launches with at least WIDE_LAUNCH_WAVES times
+# as many CTAs as the GPU has SMs. The block scheduler spreads those over every SM; smaller
+# launches may leave SMs out by its own choice, so only these say what share an SM should get.
+METRIC_CTA_WIDE = "gpu.kernel.cta.wide_launches"
+METRIC_CTA_WIDE_UNIT = "{cta}"
+ATTR_GPU_SM_COUNT = "gpu.sm.count"  # on METRIC_CTA_WIDE points: the GPU's SMs
+WIDE_LAUNCH_WAVES = 2
 
 # ---------------------------------------------------------------------------------
 # Prometheus metrics: the engine's /metrics
@@ -176,6 +240,25 @@ ENGINE_REQUEST_PROMPT_TOKENS = "sightline_engine_request_prompt_tokens"
 ENGINE_REQUEST_GENERATION_TOKENS = "sightline_engine_request_generation_tokens"
 ENGINE_PREFILL_SECONDS = "sightline_engine_request_prefill_time_seconds"
 ENGINE_DECODE_SECONDS = "sightline_engine_request_decode_time_seconds"
+# Prefix cache. Queries and hits count tokens, as vLLM's: a request's tokens when it is
+# admitted and, of those, the ones whose KV the cache held (a preempted request admitted
+# again is counted again). Blocks: cached now, held or evictable; evictions: cached blocks
+# taken for other content. TTFT by outcome: label prefix_cache, hit when any prompt token
+# was served from the cache.
+ENGINE_PREFIX_CACHE_QUERIES_TOTAL = "sightline_engine_prefix_cache_queries"
+ENGINE_PREFIX_CACHE_HITS_TOTAL = "sightline_engine_prefix_cache_hits"
+ENGINE_PREFIX_CACHE_BLOCKS = "sightline_engine_prefix_cache_blocks"
+ENGINE_PREFIX_CACHE_EVICTIONS_TOTAL = "sightline_engine_prefix_cache_evictions"
+ENGINE_PREFIX_CACHE_TTFT_SECONDS = "sightline_engine_prefix_cache_time_to_first_token_seconds"
+# Connections the HTTP server closed, by reason (a deadline, a slot given to a newer one, or
+# refused with 503): engine/http_limits.py's CLOSE_REASONS
+ENGINE_HTTP_CONNECTIONS_CLOSED_TOTAL = "sightline_engine_http_connections_closed"  # labels model, reason
+# start-up (gauges, set once ready): seconds per phase (label phase), and process start to ready
+ENGINE_STARTUP_SECONDS = "sightline_engine_startup_seconds"
+ENGINE_STARTUP_TOTAL_SECONDS = "sightline_engine_startup_total_seconds"
+# counter -> _total; labels model, kernel, kind (compiled | disk_cache | autotune): kernel
+# variants met for the first time while serving. Any increase is a defect of the warm-up.
+ENGINE_JIT_COMPILES_TOTAL = "sightline_engine_jit_compiles"
 # GPU health (NVML)
 GPU_MEMORY_USED_BYTES = "sightline_gpu_memory_used_bytes"  # labels gpu
 GPU_PROCESS_MEMORY_BYTES = "sightline_gpu_process_memory_used_bytes"  # labels gpu, pid
@@ -189,6 +272,10 @@ TELEMETRY_SPANS_EXPORTED_TOTAL = "sightline_telemetry_spans_exported"
 TELEMETRY_EVENTS_DROPPED_TOTAL = "sightline_telemetry_events_dropped"
 TELEMETRY_PROCESS_RESTARTS_TOTAL = "sightline_telemetry_process_restarts"  # counter -> _total
 TELEMETRY_PROCESS_UP = "sightline_telemetry_process_up"  # gauge: 1 while it runs
+# counters -> _total, in the telemetry process: a request's events that arrived before its
+# start (from another producer process) and waited for it; events never matched to a request
+TELEMETRY_EVENTS_HELD_TOTAL = "sightline_telemetry_events_held"
+TELEMETRY_EVENTS_ORPHANED_TOTAL = "sightline_telemetry_events_orphaned"
 
 LABEL_MODEL = "model"
 LABEL_PRIORITY = "priority"
@@ -210,6 +297,22 @@ LABEL_SIGNAL = "signal"
 LABEL_PHASE = "phase"
 LABEL_PID = "pid"
 LABEL_RANK = "rank"
+LABEL_PREFIX_CACHE = "prefix_cache"  # a request's prefix cache outcome: hit | miss
+PREFIX_CACHE_HIT = "hit"
+PREFIX_CACHE_MISS = "miss"
+LABEL_COMPILE_KIND = "kind"   # compiled | disk_cache | autotune
+LABEL_CAUSE = "cause"
+
+# The cause classes explain names for a slow request (collector/causes.py)
+CAUSE_SM_CONTENTION = "sm_contention"  # another tenant on some SMs
+CAUSE_DEVICE_CONTENTION = "device_contention"  # every SM slower alike (memory bandwidth, clocks)
+CAUSE_HOST_STALL = "host_stall"  # the GPU idle between kernels: the engine's host side was held up
+CAUSE_QUEUEING = "queueing"  # waiting behind other (more urgent) requests
+CAUSE_COMPILE = "compile"  # a kernel compiled while serving
+CAUSE_PREFILL_INTERFERENCE = "prefill_interference"  # its decode steps carried other requests' prefill
+CAUSE_UNKNOWN = "unknown"
+CAUSES = (CAUSE_SM_CONTENTION, CAUSE_DEVICE_CONTENTION, CAUSE_HOST_STALL, CAUSE_QUEUEING, CAUSE_COMPILE,
+          CAUSE_PREFILL_INTERFERENCE, CAUSE_UNKNOWN)
 
 # Buckets after the OpenTelemetry GenAI semantic conventions' recommendations.
 TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -237,6 +340,15 @@ COLLECTOR_SM_CTA_DURATION_SECONDS = "sightline_sm_cta_duration_seconds"  # gpu, 
 COLLECTOR_SM_CTA_P99_SECONDS = "sightline_sm_cta_p99_seconds"  # gauge over the last window
 COLLECTOR_SM_HOTSPOT_RATIO = "sightline_sm_hotspot_ratio"  # gpu, kernel: max SM P99 / median SM P99
 COLLECTOR_SM_HOTTEST = "sightline_sm_hottest"  # gpu, kernel: the SM with the largest P99
+# gpu, kernel, reason (CONTENTION_REASONS): SMs the contention tests (collector/contention.py)
+# flagged in any slot of the gauge window; 0 when none
+COLLECTOR_SM_CONTENDED = "sightline_sm_contended_sms"
+# gpu, kernel, sm: only SMs flagged then (sparse): the largest contention score of their
+# flagged slots, max(own P90 / other SMs' P90, expected CTAs / own CTAs)
+COLLECTOR_SM_CONTENTION_SCORE = "sightline_sm_contention_score"
+CONTENTION_SLOW = "slow"  # more of its CTAs than chance allows above the other SMs' P90
+CONTENTION_STARVED = "starved"  # fewer CTAs than chance allows against its share of the slot's
+CONTENTION_REASONS = (CONTENTION_SLOW, CONTENTION_STARVED)
 # gpu, kernel: CTA durations of all SMs of one GPU (classic buckets)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
 COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
@@ -252,6 +364,9 @@ COLLECTOR_TP_COMPUTE_SECONDS_TOTAL = "sightline_tp_rank_compute_seconds"
 COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL = "sightline_tp_rank_collective_wait_seconds"
 COLLECTOR_TP_STRAGGLER_RANK = "sightline_tp_straggler_rank"
 COLLECTOR_TP_STRAGGLER_SHARE = "sightline_tp_straggler_share"
+# counter -> _total, label cause (CAUSES): slow requests the collector explained, by the cause
+# it named (collector/causes.py); each request counted once, when it is first classified
+COLLECTOR_SLOW_REQUESTS_EXPLAINED = "sightline_slow_requests_explained"
 # self-metrics
 COLLECTOR_SPANS_RECEIVED_TOTAL = "sightline_collector_spans_received"  # receiver
 COLLECTOR_DATAPOINTS_RECEIVED_TOTAL = "sightline_collector_data_points_received"  # receiver
@@ -260,6 +375,9 @@ COLLECTOR_DROPPED_TOTAL = "sightline_collector_dropped"  # reason
 COLLECTOR_QUEUE_DEPTH = "sightline_collector_queue_depth"
 COLLECTOR_PROCESSING_SECONDS = "sightline_collector_processing_seconds"
 COLLECTOR_SERIES_OVERFLOW_TOTAL = "sightline_collector_series_overflow"
+# counter -> _total, label family: series let go from a full table after idling past the
+# window horizon (their counters restart at 0 if they come back)
+COLLECTOR_SERIES_EVICTED_TOTAL = "sightline_collector_series_evicted"
 
 # Histogram buckets for the collector's exposition of span-derived latencies and
 # per-SM CTA durations (seconds). CTA durations of attention blocks span ~1 us..100 ms.
@@ -327,6 +445,12 @@ LLM_PREEMPTIONS_TOTAL = "llm:preemptions"
 LLM_RUNNING = "llm:requests_running"
 LLM_WAITING = "llm:requests_waiting"
 LLM_KV_USAGE = "llm:kv_cache_usage_ratio"
+LLM_PREFIX_CACHE_QUERIES_TOTAL = "llm:prefix_cache_queries"  # counter -> _total; tokens
+LLM_PREFIX_CACHE_HITS_TOTAL = "llm:prefix_cache_hits"
+# Sightline only (vLLM exposes no such series):
+LLM_PREFIX_CACHE_BLOCKS = "llm:prefix_cache_blocks"
+LLM_PREFIX_CACHE_EVICTIONS_TOTAL = "llm:prefix_cache_evictions"
+LLM_PREFIX_CACHE_TTFT_SECONDS = "llm:prefix_cache_time_to_first_token_seconds"  # prefix_cache
 # The sampled set: per-request latencies with a priority label, from request traces where
 # a Sightline collector receives them (sampled requests only: counts undercount at
 # sampling < 1), else from the engine's own histograms (vLLM: every request, no priority).
@@ -359,6 +483,8 @@ VLLM_PREEMPTIONS_TOTAL = "vllm:num_preemptions"
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"  # a fraction 0..1 despite its name
+VLLM_PREFIX_CACHE_QUERIES_TOTAL = "vllm:prefix_cache_queries"  # counter -> _total; tokens
+VLLM_PREFIX_CACHE_HITS_TOTAL = "vllm:prefix_cache_hits"
 # vLLM's HTTP server counts responses through prometheus-fastapi-instrumentator
 VLLM_HTTP_REQUESTS_TOTAL = "http_requests"  # counter -> _total; handler, method, status ("2xx".."5xx")
 VLLM_LABEL_MODEL = "model_name"

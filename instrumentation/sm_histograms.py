@@ -8,11 +8,11 @@ steps by an event); the host touches the dense table once per export interval.
 
 Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry exponential
 buckets at one ``scale`` (default 6: quantiles within 0.54 %) over ``[2**min_exp, 2**max_exp)``
-seconds; values outside clamp to the edge buckets and are counted in ``clamped``; the last
-row takes idle CTAs and is never exported. Per row: zero count, sum, min, max and the
-slowest CTA as exemplar. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
+seconds (outside: clamped to the edges, counted in ``clamped``); the last row takes idle
+CTAs and is never exported. Per row: zero count, sum, min, max, slowest CTA. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
 on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
-when nothing clamped (tests check this against the numpy reduction).
+when nothing clamped (tests check this against the numpy reduction); ``take_launch_mix()``
+says how many of each kernel's CTAs came from launches wide enough to cover every SM.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from .config_checks import check_range
 from .exphist import ExpHistogram
+from .semconv import WIDE_LAUNCH_WAVES
 from .sm_probe import RECORD_WORDS, SmExemplar
 
 __all__ = ["DeviceCtaHistograms"]
@@ -76,6 +77,8 @@ class DeviceCtaHistograms:
         self._steps: dict[int, tuple[int, int, int]] = {}   # seq -> (trace, span, time)
         self._seq = 0
         self._lock = threading.Lock()
+        # per kernel index, host-side: (CTAs of launches of >= WIDE_LAUNCH_WAVES x num_sms CTAs, all CTAs)
+        self._mix: dict[int, list[int]] = {}
         self.kernels_dropped = 0                      # launches of kernels past max_kernels
         self.clamped_total = 0                        # durations outside the bucket range
 
@@ -110,9 +113,14 @@ class DeviceCtaHistograms:
                 self._steps[self._seq] = (trace_id, span_id, t_ns)
                 parts.append(records[: n * RECORD_WORDS])
                 for name, c in launches:
-                    kidx.append(self._kernel_index(name))
+                    k = self._kernel_index(name)
+                    kidx.append(k)
                     counts.append(c)
                     step_local.append(self._seq - base)
+                    if k >= 0:
+                        mix = self._mix.setdefault(k, [0, 0])
+                        mix[0] += c if c >= WIDE_LAUNCH_WAVES * self.num_sms else 0
+                        mix[1] += c
         if not parts:
             return
         n = sum(counts)
@@ -153,6 +161,14 @@ class DeviceCtaHistograms:
         self.best = torch.where(better, top_s, self.best)
         self.best_seq = torch.where(better, base + _STEP_MASK - (top & _STEP_MASK), self.best_seq)
         self.clamped += out_of_range.sum()
+
+    def take_launch_mix(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """Per (gpu, kernel) since the last call: (CTAs of wide launches, all CTAs), wide
+        meaning at least ``WIDE_LAUNCH_WAVES`` times as many CTAs as the GPU has SMs."""
+        with self._lock:
+            mix, self._mix = self._mix, {}
+            names = list(self._name_list)
+        return {(self.gpu_id, names[k]): (wide, total) for k, (wide, total) in sorted(mix.items())}
 
     def take(self) -> tuple[dict[tuple[int, int, str], ExpHistogram],
                             dict[tuple[int, int, str], SmExemplar]]:

@@ -1,16 +1,17 @@
 """An engine's telemetry: a recorder the engine writes to, and where its records go.
 
-``TelemetryPipeline.start(config)`` gives the engine a :class:`~.lifecycle.LifecycleRecorder`
+``TelemetryPipeline.start(config)`` gives the engine core a :class:`~.lifecycle.LifecycleRecorder`
 and ships what it records, every ``ship_interval_s``, to the telemetry process
-(:mod:`.telemetry_process`, ``mode="process"``, the default for ``engine serve``) or to a
-:class:`~.telemetry_worker.TelemetryWorker` on a thread of this process (``mode="thread"``;
-tests and embedded use, and whenever span exporters are passed in as objects).
+(:mod:`.telemetry_process`, ``mode="process"``, the default) or to a worker on a thread
+(``mode="thread"``: tests, embedded use, span exporters passed in as objects). Other
+processes (API servers) feed the same spans: ``TelemetryPipeline.join(config,
+pipeline.producer_endpoint, producer_id)`` (:mod:`.joined_pipeline`).
 
 Guarantees: the engine never waits for telemetry. A full recorder buffer, a full hand-off
 queue or a dead telemetry process drops items and counts them by reason
-(``sightline_telemetry_events_dropped_total``); a dead process is restarted
-(``sightline_telemetry_process_restarts_total``) and the engine serves on. The span
-counters of the telemetry process are mirrored on this process's registry.
+(``sightline_telemetry_events_dropped_total``); a dead process is restarted on the same
+producer endpoint (``sightline_telemetry_process_restarts_total``) and the engine serves on.
+Span counters and joined producers' drops (``count_producer_drops``) are on ``registry``.
 Cost to the engine thread: the recorder's appends; shipping and pickling run on a thread.
 """
 
@@ -32,12 +33,14 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import semconv
 from .config import TelemetryConfig, TraceLevel
+from .config_checks import check_range
 from .counting_export import TelemetryCounters
-from .event_wire import to_wire
+from .event_wire import from_wire, to_wire
 from .gpu_records import KernelNames
 from .lifecycle import LifecycleRecorder
+from .producer_link import ProducerIdentity, ProducerInbox, private_endpoint, remove_endpoint
 
-__all__ = ["TelemetryPipeline"]
+__all__ = ["TelemetryPipeline", "ProducerSide"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +50,59 @@ DROP_PROCESS_DOWN = "process_down"     # the telemetry process was not running
 DROP_BUILD_ERROR = "build_error"       # a deferred event's builder raised
 
 
-class TelemetryPipeline:
+class ProducerSide:
+    """What every pipeline's producing process holds: the recorder and its switches, the
+    shipping thread (``_ship_locked`` per tick, under ``_ship_lock``), drop counts by reason
+    and the registry they appear on."""
+
+    def __init__(self, config: TelemetryConfig, identity: ProducerIdentity,
+                 ship_interval_s: float, recorder_capacity: int) -> None:
+        check_range("ship_interval_s", ship_interval_s, 0.001, 10.0)
+        self.config = config
+        self.identity = identity
+        self.recorder = LifecycleRecorder(config, recorder_capacity,
+                                          producer_id=identity.producer_id)
+        self.requests_on = self.recorder.requests_on
+        self.steps_on = self.recorder.steps_on
+        self.kernels_on = self.recorder.kernels_on
+        self.ship_interval_s = ship_interval_s
+        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
+        self._stopping = False
+        self._ship_lock = threading.Lock()     # one shipper at a time (force_flush ships too)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(PipelineMetrics(self))
+
+    def _start_shipping(self) -> None:
+        self._shipper = threading.Thread(target=self._ship_loop, name="sightline-telemetry-ship",
+                                         daemon=True)
+        self._shipper.start()
+
+    def start_request(self, **kwargs):
+        return self.recorder.start_request(**kwargs)
+
+    def _ship_loop(self) -> None:
+        while not self._stopping:
+            time.sleep(self.ship_interval_s)
+            try:
+                self._ship_once()
+            except Exception:
+                logger.exception("telemetry shipping failed; continuing")
+
+    def _ship_once(self) -> None:
+        with self._ship_lock:
+            self._ship_locked()
+
+    def _ship_locked(self) -> None:
+        raise NotImplementedError
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = dict(self.dropped)
+        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
+        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
+        return dropped
+
+
+class TelemetryPipeline(ProducerSide):
     """See the module docstring. ``recorder`` is what the engine and server write to."""
 
     def __init__(self, config: TelemetryConfig, mode: Literal["process", "thread"] = "process",
@@ -55,30 +110,24 @@ class TelemetryPipeline:
                  recorder_capacity: int = 1 << 16) -> None:
         if mode not in ("process", "thread"):
             raise ValueError(f"mode={mode!r} is not one of process|thread")
-        if not 0.001 <= ship_interval_s <= 10.0:
-            raise ValueError(f"ship_interval_s={ship_interval_s} not in [0.001, 10]")
-        self.config = config
+        super().__init__(config, ProducerIdentity.here(0, semconv.PROCESS_ROLE_ENGINE_CORE),
+                         ship_interval_s, recorder_capacity)
         self.mode = mode
-        self.recorder = LifecycleRecorder(config, recorder_capacity)
-        self.requests_on = self.recorder.requests_on
-        self.steps_on = self.recorder.steps_on
-        self.kernels_on = self.recorder.kernels_on
-        self.ship_interval_s = ship_interval_s
         self.gpu = None                        # GpuTelemetry, answers kernel-name questions
-        self.dropped: dict[str, int] = {DROP_QUEUE_FULL: 0, DROP_PROCESS_DOWN: 0}
         self.restarts = 0
         self._child_stats: dict = {}
         self._child_base: dict = {}            # sums of earlier (dead) children's counters
-        self._stopping = False
         self._lock = threading.Lock()
-        self._ship_lock = threading.Lock()     # one shipper at a time (force_flush ships too)
-        self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_PipelineMetrics(self))
         self._telemetry = telemetry            # thread mode: the span builder in this process
         self._worker = None
         self._process: subprocess.Popen | None = None
         self._next_poll = 0.0
         self._outbox: queue.Queue = queue.Queue(maxsize=max_queued_batches)
+        # process mode: every telemetry process (restarts too) binds this path; thread mode:
+        # bound here on first use of ``producer_endpoint``
+        self._endpoint: str | None = private_endpoint() if mode == "process" else None
+        self._inbox: ProducerInbox | None = None
+        self._producer_drops: dict[int, dict[str, int]] = {}   # joined producers' reports
         if mode == "thread":
             from .telemetry_worker import TelemetryWorker
             if self._telemetry is None:
@@ -87,9 +136,7 @@ class TelemetryPipeline:
             self._worker = TelemetryWorker(self._telemetry, self._resolve_names_inline)
         else:
             self._spawn()
-        self._shipper = threading.Thread(target=self._ship_loop, name="sightline-telemetry-ship",
-                                         daemon=True)
-        self._shipper.start()
+        self._start_shipping()
 
     # -- construction ----------------------------------------------------------------
     @classmethod
@@ -119,10 +166,51 @@ class TelemetryPipeline:
             return None
         return cls(telemetry.config, "thread", telemetry, **kwargs)
 
-    # -- the engine's side ---------------------------------------------------------------
-    def start_request(self, **kwargs):
-        return self.recorder.start_request(**kwargs)
+    @classmethod
+    def join(cls, config: TelemetryConfig | None, endpoint: str, producer_id: int, **kwargs):
+        """A pipeline for another process (an API server) that feeds the telemetry process of
+        the pipeline whose ``producer_endpoint`` is ``endpoint``; ``producer_id`` (1 to
+        ``lifecycle.MAX_PRODUCER_ID``, one per process) keeps its request keys apart. None
+        at level OFF. See :class:`~.joined_pipeline.JoinedPipeline`."""
+        if config is None:
+            config = TelemetryConfig.from_env()
+        if config.level == TraceLevel.OFF:
+            return None
+        from .joined_pipeline import JoinedPipeline
+        return JoinedPipeline(config, endpoint, producer_id, **kwargs)
 
+    @property
+    def producer_endpoint(self) -> str:
+        """Where other processes join this pipeline's telemetry (``ipc://`` in a private
+        directory; the same path across telemetry process restarts)."""
+        with self._lock:
+            if self._endpoint is None:
+                self._endpoint = private_endpoint()
+            if self.mode == "thread" and self._inbox is None and not self._stopping:
+                self._inbox = ProducerInbox(self._endpoint, self._deliver_joined)
+        return self._endpoint
+
+    def _deliver_joined(self, identity: ProducerIdentity, watermark_ns: int,
+                        wire_items: list) -> None:
+        """Thread mode: a joined producer's batch, given to the worker (inbox thread)."""
+        items = from_wire(wire_items)
+        with self._ship_lock:
+            self._worker.handle(items, identity, watermark_ns)
+
+    def count_producer_drops(self, producer_id: int, dropped: dict[str, int]) -> None:
+        """A joined producer's drops so far, by reason (its ``dropped_events()``, reported
+        over the caller's own channel): counted on this registry beside this process's, so
+        that the series count every producer once. A later report replaces an earlier one."""
+        self._producer_drops[producer_id] = {str(k): int(v) for k, v in dropped.items()}
+
+    def dropped_events(self) -> dict[str, int]:
+        dropped = super().dropped_events()
+        for counts in list(self._producer_drops.values()):
+            for reason, count in counts.items():
+                dropped[reason] = dropped.get(reason, 0) + count
+        return dropped
+
+    # -- the engine's side ---------------------------------------------------------------
     @property
     def pid(self) -> int | None:
         """The telemetry process's pid (process mode, while it runs)."""
@@ -133,23 +221,14 @@ class TelemetryPipeline:
         self.gpu = gpu
 
     # -- shipping (its own thread) ----------------------------------------------------------
-    def _ship_loop(self) -> None:
-        while not self._stopping:
-            time.sleep(self.ship_interval_s)
-            try:
-                self._ship_once()
-            except Exception:
-                logger.exception("telemetry shipping failed; continuing")
-
-    def _ship_once(self) -> None:
-        with self._ship_lock:
-            self._ship_locked()
-
     def _ship_locked(self) -> None:
+        # taken before the drain: everything recorded earlier is in this batch or an earlier
+        # one. Sent with every tick, empty or not, so that other producers' events wait for
+        # this one's no longer than a tick (span_assembler)
+        watermark_ns = time.time_ns()
         items = self.recorder.drain()
         if self._worker is not None:
-            if items:
-                self._worker.handle(items)
+            self._worker.handle(items, self.identity, watermark_ns)
             self._worker.poll()
             return
         # a dead process shows as a broken pipe in the writer at once; the poll that restarts
@@ -160,13 +239,11 @@ class TelemetryPipeline:
             self._next_poll = time.monotonic() + 1.0
             if self._process.poll() is not None:
                 self._restart()
-        if not items:
-            return
         if self._process is None:
             self.dropped[DROP_PROCESS_DOWN] += len(items)
             return
         try:
-            self._outbox.put_nowait(items)
+            self._outbox.put_nowait((watermark_ns, items))
         except queue.Full:
             self.dropped[DROP_QUEUE_FULL] += len(items)
 
@@ -183,7 +260,8 @@ class TelemetryPipeline:
             [sys.executable, "-m", "sightline.instrumentation.telemetry_process"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         _lower_priority(process.pid, self.config.process_nice)
-        pickle.dump(self.config, process.stdin, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.dump((self.config, tuple(self.identity), self._endpoint), process.stdin,
+                    protocol=pickle.HIGHEST_PROTOCOL)
         process.stdin.flush()
         self._process = process
         self._outbox = queue.Queue(maxsize=self._outbox.maxsize)
@@ -206,7 +284,7 @@ class TelemetryPipeline:
             lost = 0
             while True:
                 try:
-                    lost += len(self._outbox.get_nowait())
+                    lost += len(self._outbox.get_nowait()[1])
                 except queue.Empty:
                     break
             self.dropped[DROP_PROCESS_DOWN] += lost
@@ -220,16 +298,16 @@ class TelemetryPipeline:
     def _write_loop(self, process: subprocess.Popen, outbox: queue.Queue) -> None:
         pipe = process.stdin
         while True:
-            items = outbox.get()
+            batch = outbox.get()       # (watermark_ns, items), or None: stop
             try:
-                pickle.dump(to_wire(items) if items is not None else None, pipe,
+                pickle.dump((batch[0], to_wire(batch[1])) if batch is not None else None, pipe,
                             protocol=pickle.HIGHEST_PROTOCOL)
                 pipe.flush()
             except (BrokenPipeError, OSError, ValueError):
-                if items is not None:
-                    self.dropped[DROP_PROCESS_DOWN] += len(items)
+                if batch is not None:
+                    self.dropped[DROP_PROCESS_DOWN] += len(batch[1])
                 return
-            if items is None:
+            if batch is None:
                 return
 
     def _read_loop(self, process: subprocess.Popen) -> None:
@@ -255,13 +333,10 @@ class TelemetryPipeline:
                 stats = _add(self._child_base, self._child_stats)
         return stats
 
-    def dropped_events(self) -> dict[str, int]:
-        dropped = dict(self.dropped)
-        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
-        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
-        return dropped
+    def process_up(self) -> bool:
+        """Whether the telemetry process (or thread) runs."""
+        return self._worker is not None or self.pid is not None
 
-    # -- lifecycle ------------------------------------------------------------------------
     def force_flush(self, timeout_s: float = 5.0) -> bool:
         """Ships what is recorded now and, in thread mode, exports it (tests, benchmarks)."""
         self._ship_once()
@@ -281,37 +356,46 @@ class TelemetryPipeline:
                 self.gpu.shutdown()
             except Exception:
                 logger.exception("GPU telemetry shutdown failed")
-        self._stopping = True
+        with self._lock:
+            self._stopping = True
         self._shipper.join(timeout=1.0)
         try:
             self._ship_final()
         except Exception:
             logger.exception("telemetry shutdown: the last items could not be shipped")
-        if self._worker is not None:
-            self._worker.poll(force=True)
-            self._telemetry.shutdown()
-            return
-        process = self._process
-        if process is None:
-            return
+        if self._inbox is not None:
+            self._inbox.close()
         try:
-            self._outbox.put(None, timeout=1.0)
-            process.wait(timeout=max(1.0, timeout_s + 2.0))
-        except (queue.Full, subprocess.TimeoutExpired):
-            logger.warning("telemetry process did not stop in time; killing it")
-            process.kill()
+            if self._worker is not None:
+                with self._ship_lock:
+                    self._worker.close()
+                self._telemetry.shutdown()
+                return
+            process = self._process
+            if process is None:
+                return
+            try:
+                self._outbox.put(None, timeout=1.0)
+                process.wait(timeout=max(1.0, timeout_s + 2.0))
+            except (queue.Full, subprocess.TimeoutExpired):
+                logger.warning("telemetry process did not stop in time; killing it")
+                process.kill()
+        finally:
+            if self._endpoint is not None:
+                remove_endpoint(self._endpoint)
 
     def _ship_final(self) -> None:
         """Like one shipping tick, twice: GPU records answering name questions come late."""
         for _ in range(2):
+            watermark_ns = time.time_ns()
             items = self.recorder.drain()
             if self._worker is not None:
                 with self._ship_lock:
-                    self._worker.handle(items)
+                    self._worker.handle(items, self.identity, watermark_ns)
                     self._worker.poll(force=True)
-            elif self._process is not None and items:
+            elif self._process is not None:
                 try:
-                    self._outbox.put(items, timeout=1.0)
+                    self._outbox.put((watermark_ns, items), timeout=1.0)
                 except queue.Full:
                     self.dropped[DROP_QUEUE_FULL] += len(items)
             time.sleep(0.05)
@@ -339,10 +423,11 @@ def _add(a: dict, b: dict) -> dict:
     return out
 
 
-class _PipelineMetrics:
-    """prometheus_client collector: drops and restarts here, span counters of the worker."""
+class PipelineMetrics:
+    """prometheus_client collector: drops and restarts here, span counters of the worker
+    (``pipeline``: a TelemetryPipeline or a JoinedPipeline)."""
 
-    def __init__(self, pipeline: TelemetryPipeline) -> None:
+    def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
 
     def describe(self):
@@ -360,10 +445,18 @@ class _PipelineMetrics:
         yield CounterMetricFamily(semconv.TELEMETRY_PROCESS_RESTARTS_TOTAL,
                                   "Times the telemetry process died and was restarted.",
                                   value=p.restarts)
-        up = 1 if (p._worker is not None or p.pid is not None) else 0
         yield GaugeMetricFamily(semconv.TELEMETRY_PROCESS_UP,
-                                "1 while the telemetry process (or thread) runs.", value=up)
+                                "1 while the telemetry process (or thread) runs.",
+                                value=1 if p.process_up() else 0)
         stats = p.counters()
+        if stats is None:      # a joined producer: the span counters are the starting side's
+            return
+        yield CounterMetricFamily(semconv.TELEMETRY_EVENTS_HELD_TOTAL,
+                                  "Request events that waited for their request's start.",
+                                  value=stats.get("held_events", 0))
+        yield CounterMetricFamily(semconv.TELEMETRY_EVENTS_ORPHANED_TOTAL,
+                                  "Request events never matched to a started request.",
+                                  value=stats.get("orphan_events", 0))
         yield from TelemetryCounters._families(dict(stats.get("spans_dropped", {})),
                                                dict(stats.get("export_failures", {})),
                                                stats.get("spans_exported", 0))

@@ -1,11 +1,11 @@
 """Everything telemetry does after the engine recorded it: spans, kernel spans, SM metrics.
 
 A :class:`TelemetryWorker` takes batches of recorded items (lifecycle events and GPU
-records, in recording order) and drives a started :class:`~.tracing.Telemetry`: request,
-phase and step spans (:mod:`.span_assembler`), kernel spans of traced steps
-(:mod:`.kernel_spans`) and the per-SM CTA histograms as OTLP metrics (:mod:`.cta_metrics`).
-It runs in the telemetry process (:mod:`.telemetry_process`), or on a thread of the
-engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
+records, in recording order), each from one producer process, and drives a started
+:class:`~.tracing.Telemetry`: request, phase and step spans (:mod:`.span_assembler`), kernel
+spans of traced steps (:mod:`.kernel_spans`) and the per-SM CTA histograms as OTLP metrics
+(:mod:`.cta_metrics`). It runs in the telemetry process (:mod:`.telemetry_process`), or on a
+thread of the engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
 
 Tensor parallelism: GPU records carry the rank whose process recorded them; each rank has
 its own kernel span builder (CUPTI ids and name pointers are per process), and a traced
@@ -25,6 +25,7 @@ from .cta_metrics import build_cta_metrics, metric_exporters_from, resource_of
 from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
 from .kernel_spans import KernelSpanBuilder, KernelSpanConfig
 from .lifecycle import Step
+from .producer_link import ProducerIdentity
 from .sm_probe import CtaBatch
 from .span_assembler import SpanAssembler
 
@@ -42,10 +43,11 @@ class TelemetryWorker:
     def __init__(self, telemetry, request_names: Callable[[list[int]], None],
                  kernel_config: KernelSpanConfig | None = None) -> None:
         self.telemetry = telemetry
-        self.assembler = SpanAssembler(telemetry)
+        config = telemetry.config
+        self.assembler = SpanAssembler(telemetry, hold_s=config.hold_unstarted_s,
+                                       max_held_events=config.max_held_events)
         if kernel_config is None:
-            detail = getattr(getattr(telemetry, "config", None), "kernel_span_detail", "attention")
-            kernel_config = KernelSpanConfig(detail=detail)
+            kernel_config = KernelSpanConfig(detail=config.kernel_span_detail)
         self._kernel_config = kernel_config
         self.kernels = KernelSpanBuilder(telemetry, self._step_span, request_names,
                                          config=kernel_config, on_rank=self.assembler.ranks.add)
@@ -64,7 +66,9 @@ class TelemetryWorker:
             GpuIdentity: self._identity,
         }
 
-    def handle(self, items) -> None:
+    def handle(self, items, producer: ProducerIdentity | None = None,
+               watermark_ns: int | None = None) -> None:
+        """``items`` recorded by ``producer`` (default: this process) before ``watermark_ns``."""
         lifecycle = []
         for item in items:
             handler = self._gpu.get(type(item))
@@ -76,7 +80,7 @@ class TelemetryWorker:
                         builder.expect_step(item.step_id, item.attributes.get(semconv.COLLECTIVE_BYTES))
                 continue
             if lifecycle:
-                self.assembler.handle(lifecycle)
+                self.assembler.handle(lifecycle, producer)
                 lifecycle = []
             try:
                 handler(item)
@@ -86,11 +90,14 @@ class TelemetryWorker:
                     self._reported.add(type(item))
                     logger.exception("telemetry item %s could not be processed",
                                      type(item).__name__)
-        if lifecycle:
-            self.assembler.handle(lifecycle)
+        if lifecycle or watermark_ns is not None:
+            self.assembler.handle(lifecycle, producer, watermark_ns)
 
     def poll(self, force: bool = False) -> None:
+        """Emits what is due: held events past their time, kernel spans that settled
+        (``force``: every kernel span now)."""
         try:
+            self.assembler.poll()
             for builder in self._ranks.values():
                 builder.poll(force)
             self.assembler.ranks.poll(force)
@@ -109,6 +116,15 @@ class TelemetryWorker:
             for step_id, collective_bytes in self.kernels.expected_steps():
                 builder.expect_step(step_id, collective_bytes)
         return builder
+
+    def close(self) -> None:
+        """At shutdown: applies or orphans every held event, emits every kernel span."""
+        try:
+            self.assembler.flush()
+        except Exception:
+            self.errors += 1
+            logger.exception("held lifecycle events could not be flushed")
+        self.poll(force=True)
 
     def _step_span(self, step_id: int):
         step = self.assembler.steps.get(step_id)
@@ -133,7 +149,7 @@ class TelemetryWorker:
         if not self._metric_exporters or not item.histograms:
             return
         data = build_cta_metrics(item.histograms, item.exemplars, item.start_ns, item.end_ns,
-                                 resource_of(self.telemetry), self._gpu_ranks)
+                                 resource_of(self.telemetry), item.launch_mix, item.num_sms, self._gpu_ranks)
         for exporter in self._metric_exporters:
             try:
                 result = exporter.export(data)
@@ -156,7 +172,8 @@ class TelemetryWorker:
                "kernels_untraced": sum(st.kernels_untraced for st in stats),
                "steps_traced": self.kernels.stats.steps_traced,
                "tp_steps_joined": joined.steps_joined, "tp_steps_partial": joined.steps_partial,
-               "orphan_events": self.assembler.orphan_events, "errors": self.errors,
+               "orphan_events": self.assembler.orphan_events,
+               "held_events": self.assembler.held_events, "errors": self.errors,
                "metric_exports": self.metric_exports}
         if counters is not None:
             with counters._lock:

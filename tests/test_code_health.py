@@ -147,3 +147,16 @@ def test_the_declared_surface_resolves():
     missing = [name for name in surface.__all__ if not hasattr(surface, name)]
     assert not missing, missing
     assert sorted(dir(surface)) == sorted(set(dir(surface)) | set(surface.__all__))
+
+
+def test_no_test_module_imports_another():
+    """Shared fixtures and builders live in conftest.py or a support module, so that each
+    test module can be read, run and changed alone."""
+    offenders = []
+    for path in _modules("tests"):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                leaf = node.module.rsplit(".", 1)[-1]
+                if leaf.startswith("test_") and leaf != path.stem:
+                    offenders.append(f"{_name(path)}: from {node.module}")
+    assert offenders == []

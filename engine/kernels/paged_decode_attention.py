@@ -21,7 +21,8 @@ import triton.language as tl
 
 from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
 
-__all__ = ["KERNEL_NAME", "choose_num_splits", "paged_decode_attention_triton"]
+__all__ = ["KERNEL_NAME", "choose_num_splits", "launch_config", "num_sms",
+           "paged_decode_attention_triton", "split_plan"]
 
 KERNEL_NAME = "sightline_paged_decode"  # the jit function name: CUPTI reports it
 _LOG2E = 1.4426950408889634
@@ -36,7 +37,10 @@ _LOG2E = 1.4426950408889634
 #   heuristic picks one split and pass 1 writes the output directly.
 # * Pages are gathered per token through the block table (BLOCK_N tokens per tile, 16-byte
 #   loads along the head dim); offsets are int64 (caches exceed 2**31 elements).
-@triton.jit
+# Arguments that follow the step's shape (the block table's width, the split count, the
+# probe slot) are not specialized: each value class (1, a multiple of 16, other) would be
+# another compiled variant, met for the first time while serving (engine/warmup.py).
+@triton.jit(do_not_specialize=["stride_tb", "num_splits", "probe_base"])
 def sightline_paged_decode(
     Q, K, V, O, TABLES, LENS, PART_O, PART_LSE,
     stride_qb, stride_qh, stride_kn, stride_ks, stride_kh, stride_vn, stride_vs, stride_vh,
@@ -102,7 +106,7 @@ def sightline_paged_decode(
         probe_end(probe_ptr, probe_base + probe_cta_index(), t0, PROBE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def sightline_paged_decode_reduce(O, PART_O, PART_LSE, stride_ob, stride_oh, num_splits,
                                   HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr):
     head = tl.program_id(0)
@@ -134,10 +138,30 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return int(max(1, min(want, cap, 64)))
 
 
+def launch_config(interpret: bool | None = None) -> dict:
+    """Pass 1's {BLOCK_N, num_warps, num_stages} when the caller gives none."""
+    if interpret is None:
+        interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 1} if interpret else
+            {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
+
+
+def split_plan(batch: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, tokens per split) of a launch: ``choose_num_splits`` (or ``num_splits``),
+    each split a whole number of ``block_n`` tiles, empty trailing splits dropped. The
+    compiled variants follow it: one split or several (and pass 2 per power of two)."""
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, num_sms)
+    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
+    return max(1, triton.cdiv(max(max_context, 1), split_len)), split_len
+
+
 _num_sms_cache: dict[int, int] = {}
 
 
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
+    """SMs of the device (132, an H200's, for the CPU interpreter)."""
     if device.type != "cuda":
         return 132
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -176,15 +200,11 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
         return o
     group = hq // hkv
     max_context = block_tables.shape[1] * page
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, hkv, max_context, _num_sms(q.device))
     if config is None:
-        config = ({"BLOCK_N": 16, "num_warps": 4, "num_stages": 1} if interpret else
-                  {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3})
+        config = launch_config()
     block_n = config["BLOCK_N"]
-    split_len = triton.cdiv(triton.cdiv(max(max_context, 1), num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max(max_context, 1), split_len))
+    num_splits, split_len = split_plan(batch, hkv, max_context, num_sms(q.device), block_n,
+                                       num_splits)
     if num_splits > 1:
         part_o = torch.empty((batch, hq, num_splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, hq, num_splits), dtype=torch.float32, device=q.device)

@@ -4,7 +4,9 @@ One CTA computes a ``BLOCK_M`` tile of query rows of one (sequence, query head) 
 streams that sequence's keys/values in ``BLOCK_N`` tiles with the online softmax (FA2:
 the running max and sum stay in registers, the output is normalized once at the end).
 Block shapes, warps and pipeline depth are autotuned per head dim and sequence-length
-bucket on first use (about a second per new key); the interpreter runs one small shape.
+bucket on first use (about a second per new key, recorded as an ``autotune`` compile event;
+the engine's warm-up tunes every reachable key and keeps the choices in its compile cache);
+the interpreter runs one small shape.
 
 Guarantees: every output row of every sequence is written; a row that sees no key (only
 when ``q_len > k_len``) is zero; accumulation in float32. The launcher checks layouts
@@ -14,14 +16,17 @@ and dtypes; the math is checked against ``reference.prefill_attention_ref``.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 import triton
 import triton.language as tl
 
 from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
+from ..compile_watch import compile_watch
 
-__all__ = ["KERNEL_NAME", "prefill_attention_triton", "tuned_configs"]
+__all__ = ["KERNEL_NAME", "prefill_attention_triton", "restore_tuned", "tuned_configs",
+           "tuned_entries", "tuning_bucket"]
 
 KERNEL_NAME = "sightline_fa2_prefill"  # the jit function name: CUPTI reports it
 _LOG2E = 1.4426950408889634
@@ -44,7 +49,8 @@ def _probe_idle(probe_ptr, slot, PROBE: tl.constexpr):
 # * The softmax scale is folded into one multiply by scale * log2(e) and exp2.
 # * Query tiles are visited last-first inside each head: the longest causal tiles start first
 #   and the short ones fill the tail of the grid; consecutive CTAs share a head's K/V in L2.
-@triton.jit
+# Arguments that follow the step's shape are not specialized (see paged_decode_attention).
+@triton.jit(do_not_specialize=["num_m_blocks", "seq_bucket", "probe_base"])
 def sightline_fa2_prefill(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -162,9 +168,39 @@ def _fixed_config() -> dict | None:
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
 
 
+def tuning_bucket(max_seqlen_q: int) -> int:
+    """The sequence-length bucket a launch is tuned for: the next power of two, 64..16384."""
+    return min(1 << max(6, (max_seqlen_q - 1).bit_length()), 16384)
+
+
 def tuned_configs() -> dict[tuple, dict]:
     """The configs chosen so far (for benchmark reports)."""
     return dict(_tuned)
+
+
+def tuned_entries() -> list[dict]:
+    """The configs chosen so far as JSON-ready records (kept across restarts)."""
+    return [{"seq_bucket": b, "head_dim": d, "group": g, "dtype": str(dt).removeprefix("torch."),
+             "config": dict(cfg)} for (b, d, g, dt), cfg in sorted(_tuned.items(), key=str)]
+
+
+def restore_tuned(entries: list[dict]) -> int:
+    """Takes configs chosen by an earlier process (``tuned_entries``) for keys not tuned
+    yet; malformed records are skipped. Returns how many were taken."""
+    taken = 0
+    for entry in entries:
+        try:
+            dtype = getattr(torch, entry["dtype"])
+            key = (int(entry["seq_bucket"]), int(entry["head_dim"]), int(entry["group"]), dtype)
+            config = {name: int(entry["config"][name])
+                      for name in ("BLOCK_M", "BLOCK_N", "num_warps", "num_stages")}
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+        if not isinstance(dtype, torch.dtype) or key in _tuned:
+            continue
+        _tuned[key] = config
+        taken += 1
+    return taken
 
 
 def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -199,7 +235,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o = torch.empty_like(q) if out is None else out
     if tq == 0 or batch == 0 or max_seqlen_q == 0:
         return o
-    seq_bucket = min(1 << max(6, (max_seqlen_q - 1).bit_length()), 16384)
+    seq_bucket = tuning_bucket(max_seqlen_q)
     group = hq // hkv
     qk_scale = softmax_scale * _LOG2E
 
@@ -226,8 +262,11 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             key = (seq_bucket, d, group, q.dtype)
             config = _tuned.get(key)
             if config is None:
+                started = time.perf_counter()
                 config = _tune(launch)
                 _tuned[key] = config
+                compile_watch().record(KERNEL_NAME, "autotune", time.perf_counter() - started,
+                                       f"{KERNEL_NAME} tuned for {key}: {config}")
     launch(config, probe)
     return o
 

@@ -1,6 +1,4 @@
-"""The aggregator against exact answers: per-SM quantiles, span-derived series, limits.
-
-Also the OTLP builders the other collector tests of this room import (``otlp_*``)."""
+"""The aggregator against exact answers: per-SM quantiles, span-derived series, limits."""
 
 from __future__ import annotations
 
@@ -10,10 +8,6 @@ import threading
 import numpy as np
 import pytest
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
-from opentelemetry.proto.metrics.v1 import metrics_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.openmetrics.parser import text_string_to_metric_families
 
@@ -23,84 +17,10 @@ from sightline.collector.sm_store import GpuKey, Refusal
 from sightline.collector.windows import WindowConfig
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
+from tests.collector.otlp_builders import (OPENMETRICS, T0_S, exact_quantile, make_aggregator, otlp_attrs,
+                                           otlp_cta_point, otlp_metrics, otlp_span, otlp_traces, request_span,
+                                           resource_metrics)
 
-T0_S = 1_800_000_000.0  # a fixed "now" (2027) the tests pin the clock to
-OPENMETRICS = "application/openmetrics-text; version=1.0.0"  # an Accept header asking for it
-
-
-# -- OTLP builders (shared with test_heatmap*, test_explain, test_replay) --------------------
-def otlp_value(value) -> AnyValue:
-    if isinstance(value, bool):
-        return AnyValue(bool_value=value)
-    if isinstance(value, int):
-        return AnyValue(int_value=value)
-    if isinstance(value, float):
-        return AnyValue(double_value=value)
-    if isinstance(value, (list, tuple)):
-        return AnyValue(array_value=ArrayValue(values=[otlp_value(v) for v in value]))
-    return AnyValue(string_value=str(value))
-
-
-def otlp_attrs(attrs: dict) -> list[KeyValue]:
-    return [KeyValue(key=k, value=otlp_value(v)) for k, v in attrs.items()]
-
-
-def otlp_span(name: str, trace_id: bytes, span_id: bytes, start_s: float, end_s: float,
-              attrs: dict | None = None, parent: bytes = b"", links=(), kind: int = 1) -> trace_pb2.Span:
-    return trace_pb2.Span(
-        name=name, trace_id=trace_id, span_id=span_id, parent_span_id=parent, kind=kind,
-        start_time_unix_nano=int(round(start_s * 1e9)), end_time_unix_nano=int(round(end_s * 1e9)),
-        attributes=otlp_attrs(attrs or {}),
-        links=[trace_pb2.Span.Link(trace_id=t, span_id=s) for t, s in links])
-
-
-def otlp_traces(spans, service: str = sc.SERVICE_NAME_ENGINE) -> ExportTraceServiceRequest:
-    req = ExportTraceServiceRequest()
-    rs = req.resource_spans.add()
-    rs.resource.attributes.extend(otlp_attrs({"service.name": service}))
-    rs.scope_spans.add().spans.extend(spans)
-    return req
-
-
-def otlp_cta_point(gpu, sm, kernel: str, values, t_s: float, scale: int = 8, exemplar=None,
-                   start_s: float | None = None) -> metrics_pb2.ExponentialHistogramDataPoint:
-    """A point holding exactly ``values`` (via ExpHistogram, as the SM probe reduces them)."""
-    h = ExpHistogram(scale=scale)
-    h.record(np.asarray(values, dtype=np.float64))
-    p = metrics_pb2.ExponentialHistogramDataPoint(
-        attributes=otlp_attrs({sc.ATTR_GPU_ID: gpu, sc.ATTR_SM_ID: sm, sc.ATTR_KERNEL_NAME: kernel}),
-        start_time_unix_nano=int((start_s if start_s is not None else t_s - 1) * 1e9),
-        time_unix_nano=int(t_s * 1e9), count=h.count, sum=h.sum, scale=h.scale,
-        zero_count=h.zero_count, min=h.min, max=h.max)
-    p.positive.offset = h.offset
-    p.positive.bucket_counts.extend(int(c) for c in h.counts)
-    if exemplar is not None:
-        value, trace_id, span_id = exemplar
-        p.exemplars.add(as_double=value, trace_id=trace_id, span_id=span_id, time_unix_nano=int(t_s * 1e9))
-    return p
-
-
-def otlp_metrics(points, cumulative: bool = False) -> ExportMetricsServiceRequest:
-    req = ExportMetricsServiceRequest()
-    rm = req.resource_metrics.add()
-    rm.resource.attributes.extend(otlp_attrs({"service.name": sc.SERVICE_NAME_ENGINE}))
-    metric = rm.scope_metrics.add().metrics.add()
-    metric.name, metric.unit = sc.METRIC_CTA_DURATION, sc.METRIC_CTA_DURATION_UNIT
-    metric.exponential_histogram.aggregation_temporality = 2 if cumulative else 1
-    metric.exponential_histogram.data_points.extend(points)
-    return req
-
-
-def exact_quantile(values, q: float) -> float:
-    s = np.sort(np.asarray(values))
-    return float(s[max(1, math.ceil(q * s.size)) - 1])
-
-
-def make_aggregator(**kw) -> Aggregator:
-    return Aggregator(AggregationConfig(**kw), clock=lambda: T0_S)
-
-
-# -- tests ------------------------------------------------------------------------------------
 def test_per_sm_p99_within_stated_error_of_exact():
     rng = np.random.default_rng(1)
     agg = make_aggregator()
@@ -165,25 +85,21 @@ def test_sm_series_limit_refuses_counts_series_and_bounds_memory():
     wc = WindowConfig(slot_s=1.0, num_slots=4, max_buckets=64)
     agg = make_aggregator(window=wc, gauge_window_s=3.0, max_sm_series=10)
     rng = np.random.default_rng(2)
-    for round_ in range(2):  # the same 40 series twice: refused series are counted once each
+    for round_ in range(2):  # the same 40 series twice: every refused point counts, like the drops
         for i in range(40):
             # wide ranges (1 ns .. 1 s) to push each histogram to its bucket limit
             values = np.exp(rng.uniform(math.log(1e-9), 0.0, size=200))
             agg.consume_metrics(otlp_metrics([otlp_cta_point(0, i, "k", values, T0_S - (i % 4))]))
     assert agg.series_counts()["sm"] == 10
-    assert agg.overflow == {"sm_cta": 30} and agg.dropped == {"sm_series_limit": 60}
+    assert agg.overflow == {"sm_cta": 60} and agg.dropped == {"sm_series_limit": 60}
     assert sorted(agg.sm_windows("0", "k", last_s=4.0), key=int) == [str(i) for i in range(10)]
     assert agg.sm.refusal(GpuKey("unknown", "0")) == Refusal("max_sm_series", 10, 30)
     # bucket memory: per SM row (capacity 16), full-resolution slots x max_buckets x 4 bytes plus
-    # 4 per-row arrays, and per slot a 56-byte summary (P99, count, exemplar)
+    # 4 per-row arrays, and per slot an 80-byte summary (P99, count, exemplar, contention
+    # evidence) and the slot's wide-launch CTAs
     rows, detail = 16, agg.sm.detail_slots  # 10 rows, in steps of 16
-    assert agg.memory_bytes() <= rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 56 + rows * 8
-
-
-def _resource_metrics(points, **resource) -> ExportMetricsServiceRequest:
-    req = otlp_metrics(points)
-    req.resource_metrics[0].resource.attributes.extend(otlp_attrs(resource))
-    return req
+    assert agg.memory_bytes() <= (rows * detail * (64 * 4 + 32) + rows * wc.num_slots * 80 + rows * 8
+                                  + wc.num_slots * 8)
 
 
 def test_two_engines_sending_gpu_0_are_two_series():
@@ -191,12 +107,12 @@ def test_two_engines_sending_gpu_0_are_two_series():
     rng = np.random.default_rng(3)
     a, b = rng.lognormal(math.log(25e-6), 0.1, 2000), rng.lognormal(math.log(50e-6), 0.1, 2000)
     agg = make_aggregator()
-    agg.consume_metrics(_resource_metrics([otlp_cta_point(0, 5, "fa2", a, T0_S - 1)],
+    agg.consume_metrics(resource_metrics([otlp_cta_point(0, 5, "fa2", a, T0_S - 1)],
                                           **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
-    agg.consume_metrics(_resource_metrics([otlp_cta_point(0, 5, "fa2", b, T0_S - 1)], **{sc.RESOURCE_HOST_NAME: "node-b"}))
+    agg.consume_metrics(resource_metrics([otlp_cta_point(0, 5, "fa2", b, T0_S - 1)], **{sc.RESOURCE_HOST_NAME: "node-b"}))
     with_uuid = otlp_cta_point(0, 5, "fa2", b, T0_S - 1)
     with_uuid.attributes.extend(otlp_attrs({sc.ATTR_GPU_UUID: "GPU-c0ffee"}))
-    agg.consume_metrics(_resource_metrics([with_uuid], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
+    agg.consume_metrics(resource_metrics([with_uuid], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
     entries = {(e["instance"], e["gpu"], e["gpu_index"]): e["ctas"] for e in agg.kernels() if e["source"] == "sm_probe"}
     assert entries == {("node-a", "0", "0"): 2000, ("node-a", "GPU-c0ffee", "0"): 2000, ("node-b", "0", "0"): 2000}
     for instance, gpu, values in (("node-a", "0", a), ("node-b", "0", b), ("node-a", "GPU-c0ffee", b)):
@@ -224,7 +140,8 @@ def test_eight_gpus_share_the_sm_series_limit_fairly():
         kernels = {e["kernel"]: e["sms"] for e in agg.kernels() if e.get("gpu") == str(gpu) and e["source"] == "sm_probe"}
         assert kernels == {"k0": 132, "k1": 132}, gpu
     assert agg.series_counts()["sm"] == 8 * 132 * 2
-    assert agg.overflow["sm_cta"] == 8 * 132 * 2  # series, each counted once
+    # every refused point (a kernel given back had its points taken while it was admitted)
+    assert agg.overflow["sm_cta"] == agg.dropped["sm_series_limit"] > 0
     assert {key.gpu: r.refused_series for key, r in agg.sm.refusals().items()} == {str(g): 264 for g in range(8)}
 
 
@@ -250,16 +167,9 @@ def test_cumulative_streams_past_capacity_are_never_counted_twice():
     assert agg.sm_windows("0", "k", last_s=60)["9"].count == 50
 
 
-def _request_span(trace_id, span_id, e2e, ttft, model="m", priority=0, reason="stop"):
-    return otlp_span(sc.SPAN_HTTP_COMPLETIONS, trace_id, span_id, T0_S - 1 - e2e, T0_S - 1, {
-        sc.GEN_AI_REQUEST_MODEL: model, sc.REQUEST_PRIORITY: priority, sc.REQUEST_E2E_S: e2e,
-        sc.REQUEST_TTFT_S: ttft, sc.REQUEST_TPOT_S: 0.02, sc.REQUEST_QUEUE_S: 0.001,
-        sc.GEN_AI_RESPONSE_FINISH_REASONS: [reason]}, kind=2)
-
-
 def test_span_series_and_prometheus_exposition():
     agg = make_aggregator()
-    spans = [_request_span(bytes([i + 1]) * 16, bytes([i + 1]) * 8, e2e=0.1 * (i + 1), ttft=0.03,
+    spans = [request_span(bytes([i + 1]) * 16, bytes([i + 1]) * 8, e2e=0.1 * (i + 1), ttft=0.03,
                            priority=i % 2) for i in range(6)]
     step = otlp_span(sc.SPAN_ENGINE_STEP, b"\xaa" * 16, b"\xab" * 8, T0_S - 2, T0_S - 1.996,
                      {sc.STEP_PREFILL_TOKENS: 0, sc.STEP_DECODE_TOKENS: 8})
@@ -300,7 +210,7 @@ def test_concurrent_ingest_counts_everything():
     def work(k):
         for i in range(50):
             agg.consume_metrics(otlp_metrics([otlp_cta_point(0, k, "k", [1e-5] * 10, T0_S - 1)]))
-            agg.consume_traces(otlp_traces([_request_span(bytes([k + 1, i + 1]) * 8, b"\x01" * 8, 0.1, 0.01)]))
+            agg.consume_traces(otlp_traces([request_span(bytes([k + 1, i + 1]) * 8, b"\x01" * 8, 0.1, 0.01)]))
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
@@ -311,7 +221,7 @@ def test_concurrent_ingest_counts_everything():
 
 
 def test_points_built_by_the_gpu_telemetry_exporter_are_taken_exactly():
-    """The producer's own code path (instrumentation/gpu_telemetry.build_cta_metrics, SDK
+    """The producer's own code path (``build_cta_metrics`` of instrumentation/gpu_telemetry.py, SDK
     data points encoded by the OTLP exporter's encoder) into the aggregator."""
     from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
     from opentelemetry.sdk.resources import Resource
@@ -345,7 +255,7 @@ def test_span_series_cardinality_limits():
     agg = make_aggregator(max_kernel_series=2, max_request_series=1, expose_sm_histograms=False)
     spans = [otlp_span(sc.SPAN_KERNEL_PREFIX + f"k{i}", b"\x01" * 16, bytes([i + 1]) * 8, T0_S - 2, T0_S - 1.5,
                        {sc.HW_GPU_ID: 0}) for i in range(5)]
-    spans += [_request_span(bytes([i + 1]) * 16, b"\x02" * 8, 0.1, 0.01, model=f"m{i}") for i in range(3)]
+    spans += [request_span(bytes([i + 1]) * 16, b"\x02" * 8, 0.1, 0.01, model=f"m{i}") for i in range(3)]
     agg.consume_traces(otlp_traces(spans))
     assert agg.series_counts()["kernel"] == 3 and agg.series_counts()["request"] == 2
     assert agg.overflow == {"kernel": 3, "request": 2}
@@ -417,8 +327,8 @@ def test_sliding_window_ring_selection_and_late_values():
 def test_label_values_are_bounded():
     agg = make_aggregator()
     long_kernel = "void flash_fwd<" + "x" * 1000 + ">"
-    spans = [_request_span(b"\x01" * 16, b"\x01" * 8, 0.1, 0.01, reason="made-up-reason"),
-             _request_span(b"\x02" * 16, b"\x02" * 8, 0.1, 0.01, reason="length"),
+    spans = [request_span(b"\x01" * 16, b"\x01" * 8, 0.1, 0.01, reason="made-up-reason"),
+             request_span(b"\x02" * 16, b"\x02" * 8, 0.1, 0.01, reason="length"),
              otlp_span(sc.SPAN_KERNEL_PREFIX + long_kernel, b"\x03" * 16, b"\x03" * 8, T0_S - 2, T0_S - 1.9,
                        {sc.HW_GPU_ID: 1, sc.CUDA_KERNEL_NAME: long_kernel})]
     agg.consume_traces(otlp_traces(spans))

@@ -16,8 +16,8 @@ from sightline.collector.aggregation_config import AggregationConfig, TraceStore
 from sightline.collector.cli import aggregation_config
 from sightline.deploy.cli import build_parser, main
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import otlp_cta_point, otlp_metrics
-from tests.collector.test_receivers import scrape
+from tests.collector.otlp_builders import otlp_cta_point, otlp_metrics
+from tests.collector.servers import scrape
 from tests.support import free_port, wait_for_http
 
 
@@ -38,18 +38,18 @@ def test_flags_map_onto_the_config():
     assert got == AggregationConfig(
         window=WindowConfig(slot_s=2.5, num_slots=40), gauge_window_s=30.0, max_sm_series=100,
         max_kernel_series=7, max_request_series=8, max_step_series=3, expose_sm_histograms=False,
-        trace_store=TraceStoreConfig(max_traces=50, max_spans=500, max_bytes=65536, defer_index=False))
+        trace_store=TraceStoreConfig(max_traces=50, max_spans=500, max_bytes=65536, mode="eager"))
     assert aggregation_config(_args("--trace-store", "off")).store_traces is False
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--window-slots", "0"), "num_slots=0 is outside [1, 1440]"),
-    (("--window-slot-s", "0.001"), "slot_s=0.001 is outside [0.01, 3600]"),
-    (("--gauge-window-s", "500"), "gauge_window_s=500.0 is outside (0, 180.0]"),
-    (("--window-slot-s", "1", "--window-slots", "30", "--gauge-window-s", "31"), "gauge_window_s=31.0 is outside (0, 30.0]"),
-    (("--max-sm-series", "0"), "max_sm_series=0 is outside [1, 1000000]"),
-    (("--max-request-series", "2000000"), "max_request_series=2000000 is outside [1, 1000000]"),
-    (("--trace-store-max-bytes", "10"), "max_bytes=10 is outside [1024, 2**40]"),
+    (("--window-slots", "0"), "num_slots=0 is not an integer in [1, 1440]"),
+    (("--window-slot-s", "0.001"), "slot_s=0.001 is not a number in [0.01, 3600.0]"),
+    (("--gauge-window-s", "500"), "gauge_window_s=500.0 is not a number in (0.0, 180.0] (the window horizon)"),
+    (("--window-slot-s", "1", "--window-slots", "30", "--gauge-window-s", "31"), "gauge_window_s=31.0 is not a number in (0.0, 30.0] (the window horizon)"),
+    (("--max-sm-series", "0"), "max_sm_series=0 is not an integer in [1, 1000000]"),
+    (("--max-request-series", "2000000"), "max_request_series=2000000 is not an integer in [1, 1000000]"),
+    (("--trace-store-max-bytes", "10"), "max_bytes=10 is not an integer in [1024, 1099511627776]"),
 ])
 def test_out_of_range_values_are_refused_by_name(flags, message, capsys):
     assert main(["collector", "run", "--http", f"127.0.0.1:{free_port()}", *flags]) == 2

@@ -12,9 +12,9 @@ import pytest
 from sightline.collector.explain import explain_slowest, trace_spans
 from sightline.collector.trace_store import TraceStoreConfig
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import (T0_S, make_aggregator, otlp_cta_point, otlp_metrics,
-                                             otlp_span, otlp_traces)
-from tests.collector.test_heatmap import _Server
+from tests.collector.otlp_builders import (T0_S, make_aggregator, otlp_attrs, otlp_cta_point, otlp_metrics,
+                                           otlp_span, otlp_traces)
+from tests.collector.servers import ApiServer
 
 SERVER = 2
 
@@ -96,7 +96,6 @@ def test_steps_say_when_their_kernels_were_traced():
     """A traced step carries the engine's reason into the explanation and its text; a step
     without one says nothing."""
     from sightline.collector.query_cli import format_explanation
-    from tests.collector.test_aggregator import otlp_attrs
 
     agg = make_aggregator()
     spans = build(1)
@@ -114,6 +113,36 @@ def test_steps_say_when_their_kernels_were_traced():
     plain = make_aggregator()
     plain.consume_traces(otlp_traces(build(1)))
     assert "traced" not in format_explanation(explain_slowest(plain, 1.0, 1).to_dict())
+
+def test_prompt_cache_hit_and_miss_are_explained():
+    """A request whose prompt the prefix cache mostly served, one it missed (the prefill of
+    its whole prompt), one from an engine that reports no cache figures."""
+    from sightline.collector.explain import PromptCache
+    from sightline.collector.query_cli import format_explanation
+    from tests.collector.otlp_builders import otlp_attrs
+
+    agg = make_aggregator()
+    spans = build(3)
+    extra = {sid(1, 3): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: 1920},
+             sid(1, 2): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000, sc.GEN_AI_USAGE_CACHE_READ_INPUT_TOKENS: 0},
+             sid(1, 1): {sc.GEN_AI_USAGE_INPUT_TOKENS: 2000},
+             sid(2, 3): {sc.STEP_PREFILL_CACHED_TOKENS: 1920}}
+    for span in spans:
+        if span.span_id in extra:
+            span.attributes.extend(otlp_attrs(extra[span.span_id]))
+    agg.consume_traces(otlp_traces(spans))
+    result = explain_slowest(agg, quantile=0.0, limit=3)
+    hit, miss, unknown = result.requests
+    assert hit.prompt_cache == PromptCache(2000, 1920, 80, 0.96, True, pytest.approx(0.3 / 8, abs=1e-6))
+    assert miss.prompt_cache == PromptCache(2000, 0, 2000, 0.0, False, pytest.approx(0.2 / 8, abs=1e-6))
+    assert unknown.prompt_cache is None
+    assert {s.step_id: s.prefill_cached_tokens for s in hit.steps} == {3: 1920, 103: None}
+    text = format_explanation(result.to_dict())
+    assert "  prompt: 2000 tokens, 1920 from the prefix cache (96%), 80 computed in prefill 37.5 ms" in text
+    assert "  prompt: 2000 tokens, prefix cache miss: 2000 computed in prefill 25.0 ms" in text
+    assert text.count("  prompt: ") == 2
+    assert "prefill_tokens=32 prefill_cached_tokens=1920 decode_tokens=0" in text
+
 
 def test_slowest_sm_falls_back_to_per_sm_exemplars():
     agg = make_aggregator()
@@ -138,7 +167,7 @@ def test_trace_by_id_and_api(tmp_path):
     assert [s["name"] for s in got["spans"]] == [sc.SPAN_HTTP_COMPLETIONS, sc.SPAN_QUEUE, sc.SPAN_PREFILL,
                                                  sc.SPAN_DECODE]
     assert got["linked_traces"] == sorted([tid(2, 2).hex(), tid(3, 2).hex()])
-    server = _Server(agg)
+    server = ApiServer(agg)
     try:
         with urllib.request.urlopen(server.url(f"/api/v1/traces/{tid(2, 3).hex()}"), timeout=10) as resp:
             step = json.loads(resp.read())
@@ -148,6 +177,13 @@ def test_trace_by_id_and_api(tmp_path):
             answer = json.loads(resp.read())
         assert answer["threshold_s"] == pytest.approx(0.2)
         assert [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        # the requests that lived in a range: all start at T0 - 5 s; only the 0.3 s one reaches +0.25 s
+        start = T0_S - 5 + 0.25
+        query = f"quantile=0&limit=5&start_unix_s={start}&end_unix_s={start + 0.1}"
+        with urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10) as resp:
+            answer = json.loads(resp.read())
+        assert answer["requests_considered"] == 1 and [r["trace_id"] for r in answer["requests"]] == [tid(1, 3).hex()]
+        assert answer["requests"][0]["cause"]["name"] in sc.CAUSES
         with urllib.request.urlopen(server.url(f"/api/v1/explain?trace_id={tid(1, 2).hex()}"), timeout=10) as resp:
             one = json.loads(resp.read())
         assert one["trace_id"] == tid(1, 2).hex() and one["e2e_s"] == pytest.approx(0.2)
@@ -160,6 +196,11 @@ def test_trace_by_id_and_api(tmp_path):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
             assert err.value.code == 400 and "error" in json.loads(err.value.read())
+        for query, param in (("start_unix_s=5", "end_unix_s"), ("end_unix_s=5", "start_unix_s"),
+                             ("start_unix_s=9&end_unix_s=5", "end_unix_s")):
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(server.url("/api/v1/explain?" + query), timeout=10)
+            assert err.value.code == 400 and json.loads(err.value.read())["error"]["param"] == param
     finally:
         server.close()
 
@@ -271,7 +312,7 @@ def test_trace_store_deferred_indexing_byte_bound_and_chunks():
     one = otlp_traces(build(1))  # one request tree + its two steps: ~1.5 KB encoded
     size = one.ByteSize()
     agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 3 * size), index_chunk_spans=5,
-                                                       defer_index=True))
+                                                       mode="deferred"))
     for i in range(10):
         spans = [otlp_span(s.name, bytes([i]) + s.trace_id[1:], s.span_id, T0_S - 5, T0_S - 4,
                            parent=s.parent_span_id,
@@ -295,7 +336,7 @@ def test_trace_store_deferred_indexing_byte_bound_and_chunks():
 
 def test_trace_store_byte_bound_when_indexing_eagerly():
     size = otlp_traces(build(1)).ByteSize()
-    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size), defer_index=False))
+    agg = make_aggregator(trace_store=TraceStoreConfig(max_bytes=max(1024, 2 * size), mode="eager"))
     for i in range(6):
         agg.consume_traces(otlp_traces(build(1)))
         store = agg.store

@@ -30,7 +30,7 @@ import grpc
 import pytest
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import fresh_copies, post, running_collector, scrape, trace_request
+from tests.collector.servers import fresh_copies, post, running_collector, scrape, trace_request
 from tests.support import free_port, wait_for_http
 
 PB = {"Content-Type": "application/x-protobuf"}

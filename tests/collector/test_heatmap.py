@@ -3,29 +3,25 @@ and the interactive page rendered by headless Chromium."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import re
 import shutil
 import subprocess
 import tempfile
-import threading
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-from aiohttp import web
 from PIL import Image
 
 from sightline.collector import heatmap as hm
-from sightline.collector.api import add_api_routes
 from sightline.collector.heatmap_page import render_page
 from sightline.collector.sm_store import SmKey
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
-from tests.support import free_port
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_cta_point, otlp_metrics
+from tests.collector.servers import ApiServer
 
 US = 1e-6
 # SM -> (value in slot T0-15 s, value in slot T0-5 s); None = the SM ran nothing then.
@@ -69,6 +65,21 @@ def test_time_sm_values_are_exact(aggregator):
     assert d["hotspot_ratio_by_time"] == [pytest.approx(40 / 10.5, rel=1e-12), pytest.approx(44 / 12, rel=1e-12), None]
 
 
+def test_time_sm_contention_cells_and_contended_sms(aggregator):
+    """SM 3's CTAs (40-44 us) all lie above the other SMs' P90 (10-12 us): slow in both slots;
+    SM 1 ran none of the second slot's 150 CTAs where 37.5 were its share: starved there."""
+    d = hm.time_sm(aggregator.sm, KEY, window_s=30).to_dict()
+    assert d["num_sms"] == 4
+    assert d["contention"] == [[None, None, None], [None, "starved", None], [None, None, None], ["slow", "slow", None]]
+    # scores: own P90 over the others' (exact here: one value per cell), or expected over own CTAs
+    scores = d["contention_score"]
+    assert scores[3][0] == pytest.approx(40 / 11, rel=0.011) and scores[3][1] == pytest.approx(44 / 12, rel=0.011)
+    assert scores[1][1] == 37.5 and scores[0][2] is None
+    assert list(d["contended"]) == ["1", "3"]  # the larger score first
+    assert d["contended"]["1"] == {"sm": "1", "score": 37.5, "reasons": ["starved"], "slots_flagged": 1, "slots": 2}
+    assert d["contended"]["3"]["reasons"] == ["slow"] and d["contended"]["3"]["slots_flagged"] == 2
+
+
 def test_sm_latency_counts_are_exact(aggregator):
     h = hm.sm_latency(aggregator.sm, KEY, window_s=30, max_bins=16)
     edges = np.asarray(h.edges_s)
@@ -92,41 +103,14 @@ def test_png_decodes(aggregator):
         # some pixels carry the viridis extremes (the hottest/coolest cells)
         colours = {c for _, c in image.getcolors(maxcolors=1 << 16)}
         assert hm.colour(1.0) in colours and hm.colour(0.0) in colours
-
-
-class _Server:
-    """The API on a real aiohttp server on a free loopback port (own thread and loop)."""
-
-    def __init__(self, aggregator) -> None:
-        self.port = free_port()
-        self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self.thread = threading.Thread(target=self._run, args=(aggregator,), daemon=True)
-        self.thread.start()
-        assert self._ready.wait(10)
-
-    def _run(self, aggregator) -> None:
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        add_api_routes(app, aggregator)
-        self.runner = web.AppRunner(app)
-        self.loop.run_until_complete(self.runner.setup())
-        self.loop.run_until_complete(web.TCPSite(self.runner, "127.0.0.1", self.port).start())
-        self._ready.set()
-        self.loop.run_forever()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        # the time x SM view outlines SM 3's slow cells red and SM 1's starved (empty) one blue
+        outlines = {hm._SLOW, hm._STARVED} & colours
+        assert outlines == ({hm._SLOW, hm._STARVED} if fn is hm.time_sm else set())
 
 
 @pytest.fixture
 def server(aggregator):
-    s = _Server(aggregator)
+    s = ApiServer(aggregator)
     yield s
     s.close()
 
@@ -191,10 +175,16 @@ def test_page_renders_in_headless_chromium(server):
              server.url("/api/v1/heatmap.html?window_s=30")],
             capture_output=True, text=True, timeout=120).stdout
     # the first (gpu 0, fa2_fwd, time_sm) view is drawn: 4 SMs x 3 slots
-    cells = re.findall(r'<rect class="cell"[^>]*>', dom)
+    cells = re.findall(r'<rect class="cell[^"]*"[^>]*>', dom)
     assert len(cells) == 12, dom[-2000:]
     assert sum('data-value="no CTAs' in c for c in cells) == 5  # 4 x 3 minus 7 cells with CTAs
     assert 'data-sm="3"' in dom and "hotspot ratio" in dom
+    # contended cells outlined: SM 3 slow in both slots, SM 1 starved (no CTAs) in the second
+    assert sorted(re.search(r'data-sm="(\d+)"', c).group(1) for c in cells if 'class="cell slow"' in c) == ["3", "3"]
+    [starved] = [c for c in cells if 'class="cell starved"' in c]
+    assert 'data-sm="1"' in starved and "no CTAs" in starved and "contention: starved" in starved
+    assert re.search(r"contended SMs \(red: slow, dashed blue: starved\): SM 1 starved in 1/2 slots "
+                     r"\(score 37.50\), SM 3 slow in 2/2 slots \(score 3.\d\d\)", dom)
     assert '<g id="legend">' in dom and "10.00 us" in dom and "44.00 us" in dom  # legend ends: min, max P99
     ticks = re.findall(r'<text class="axis tick"[^>]*>([^<]*)</text>', dom)  # one per slot: 3 columns
     assert len(ticks) == 3 and all(re.fullmatch(r"\d\d:\d\d:\d\d", t) for t in ticks), ticks

@@ -18,8 +18,7 @@ from prometheus_client import CollectorRegistry
 from sightline.collector.exposition import metrics_page
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import (OPENMETRICS, T0_S, _request_span, otlp_cta_point, otlp_metrics,
-                                             otlp_traces)
+from tests.collector.otlp_builders import OPENMETRICS, otlp_cta_point, otlp_metrics, otlp_traces, request_span
 from tests.support import free_port, wait_for_http
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (scripts/setup.sh)")
@@ -58,7 +57,7 @@ def test_real_prometheus_scrapes_quantiles_and_exemplars(tmp_path):
     agg = Aggregator(AggregationConfig())
     e2e = [0.05, 0.15, 0.3, 0.3, 0.7, 1.5, 3.0, 6.0]
     agg.consume_traces(otlp_traces([
-        _request_span(bytes([i + 1]) * 16, bytes([i + 1]) * 8, v, v / 4) for i, v in enumerate(e2e)]))
+        request_span(bytes([i + 1]) * 16, bytes([i + 1]) * 8, v, v / 4) for i, v in enumerate(e2e)]))
     slow_trace = bytes([0xEE]) * 16
     agg.consume_metrics(otlp_metrics([
         otlp_cta_point(0, 3, "fa2", [20e-6] * 90 + [80e-6] * 10, now - 1, exemplar=(80e-6, slow_trace, b"\x0e" * 8)),

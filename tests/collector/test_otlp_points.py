@@ -10,7 +10,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from sightline.collector.otlp_points import (MAX_LABEL_CHARS, PointRefused, any_value, clamped_time_s,
                                              cta_point_histogram, label, num, resource_instance)
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, otlp_attrs, otlp_cta_point
+from tests.collector.otlp_builders import T0_S, otlp_attrs, otlp_cta_point
 
 
 def test_any_value_num_and_label():

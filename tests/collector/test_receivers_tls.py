@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import emit_spans, running_collector, sdk_tracer, trace_request
+from tests.collector.servers import emit_spans, running_collector, sdk_tracer, trace_request
 
 TOKEN_ENV = "SIGHTLINE_TEST_TLS_TOKEN"
 TOKEN = "tls-token-from-env"

@@ -4,9 +4,9 @@ real collector process over OTLP/HTTP; then the heatmap and explain CLIs against
 from __future__ import annotations
 
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -14,6 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.metrics.view import ExponentialBucketHistogramAggregation, View
@@ -22,15 +23,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.trace import Link, SpanKind, set_span_in_context
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
 from sightline.collector.aggregator import Aggregator
 from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.capture import (CaptureMetricExporter, CaptureSpanExporter, read_capture_meta,
-                                               CaptureWriter)
+from sightline.instrumentation.capture import (CaptureMetricExporter, CaptureSpanExporter, CaptureWriter,
+                                               read_capture_meta)
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import exact_quantile, otlp_cta_point, otlp_metrics
+from tests.collector.otlp_builders import exact_quantile, otlp_cta_point, otlp_metrics
 from tests.support import free_port, wait_for_http
 
 KERNEL = "_fwd_kernel_sm_probe"

@@ -34,7 +34,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_aggregator import exact_quantile, otlp_attrs, otlp_cta_point
+from tests.collector.otlp_builders import exact_quantile, otlp_attrs, otlp_cta_point
 from tests.support import free_port, wait_for_http
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (scripts/setup.sh)")

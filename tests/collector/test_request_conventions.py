@@ -14,8 +14,8 @@ import urllib.request
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_attrs, otlp_span, otlp_traces
-from tests.collector.test_heatmap import _Server
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_attrs, otlp_span, otlp_traces
+from tests.collector.servers import ApiServer
 
 
 def _request(trace_id: bytes, reason: str, error: str | None) -> trace_pb2.Span:
@@ -49,7 +49,7 @@ def test_trace_api_returns_events_and_status_and_takes_64_bit_ids():
     span.events.add(name=sc.EVENT_PREEMPTED, time_unix_nano=int((T0_S - 1.05) * 1e9),
                     attributes=otlp_attrs({sc.PHASE_NAME: sc.SPAN_DECODE}))
     agg.consume_traces(otlp_traces([span]))
-    server = _Server(agg)
+    server = ApiServer(agg)
     try:
         for asked in ("463ac35c9f6413ad", "463AC35C9F6413AD", trace_id.hex()):
             with urllib.request.urlopen(server.url(f"/api/v1/traces/{asked}"), timeout=10) as response:

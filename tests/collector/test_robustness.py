@@ -15,11 +15,8 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import zlib
@@ -29,32 +26,14 @@ import pytest
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import (RunningCollector, emit_spans, fresh_copies, post, running_collector,
-                                            scrape, sdk_tracer, trace_request)
-from tests.support import free_port, wait_for_http
+from tests.collector.servers import (GatedAggregator, RunningCollector, collector_process, emit_spans,
+                                     fresh_copies, post, running_collector, scrape, sdk_tracer, trace_request)
 
 TOKEN = "s3cret-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 PB = {"Content-Type": "application/x-protobuf", **AUTH}
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
 KiB, MiB = 1024, 1024 * 1024
-
-
-class GatedAggregator:
-    """The real aggregator behind a gate: closing it stalls the pipeline's worker."""
-
-    def __init__(self) -> None:
-        self.inner = None
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def consume_traces(self, request, encoded=None) -> int:
-        self.gate.wait(30)
-        return self.inner.consume_traces(request, encoded)
-
-    def consume_metrics(self, request) -> int:
-        self.gate.wait(30)
-        return self.inner.consume_metrics(request)
 
 
 @pytest.fixture(scope="module")
@@ -271,22 +250,6 @@ def urllib_open(url):
 # -- as a process ------------------------------------------------------------------------
 
 
-def _start_process(tmp_path, *extra):
-    ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
-    summary = tmp_path / "summary.json"
-    # torch and triton made unimportable: the collector must run on a machine without them.
-    command = [sys.executable, "-c", "import sys; sys.modules['torch'] = sys.modules['triton'] = None; "
-               "from sightline.deploy.cli import main; sys.exit(main())",
-               "collector", "run", "--otlp-grpc", f"127.0.0.1:{ports['grpc']}",
-               "--otlp-http", f"127.0.0.1:{ports['http']}", "--zipkin", f"127.0.0.1:{ports['zipkin']}",
-               "--http", f"127.0.0.1:{ports['query']}", "--summary-file", str(summary),
-               "--log-level", "WARNING", *extra]
-    env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for_http(f"http://127.0.0.1:{ports['query']}/readyz", 30, process)
-    return process, ports, summary
-
-
 def _load(port_http: int, grpc_port: int, stop: threading.Event, acked: list, errors: list,
           n_spans: int, use_grpc: bool, seed: int) -> None:
     """Sends until the collector refuses; ``acked`` gets the spans it acknowledged."""
@@ -328,7 +291,7 @@ def _load(port_http: int, grpc_port: int, stop: threading.Event, acked: list, er
 
 
 def test_sigterm_under_load_loses_nothing_acknowledged(tmp_path):
-    process, ports, summary_path = _start_process(tmp_path)
+    process, ports, summary_path = collector_process(tmp_path)
     stop = threading.Event()
     acked: list[int] = []
     errors: list[str] = []
@@ -378,7 +341,7 @@ def test_memory_bounded_under_sustained_overload(tmp_path):
     # Overloaded on purpose, whatever the aggregator's speed: the queue holds one 5,000-span
     # request (a batch is admitted only into an empty queue), so of 4 senders that each
     # parse-and-send faster than the aggregator takes 5,000 spans, most are refused.
-    process, ports, summary_path = _start_process(
+    process, ports, summary_path = collector_process(
         tmp_path, "--queue-max-bytes", str(4 * MiB), "--queue-max-items", "5000")
     try:
         baseline_mib = _process_status_kib(process.pid, "VmRSS") / 1024

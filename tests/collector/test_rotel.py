@@ -18,7 +18,7 @@ import pytest
 import rotel as rotel_pkg
 
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_receivers import emit_spans, running_collector, sdk_tracer
+from tests.collector.servers import emit_spans, running_collector, sdk_tracer
 from tests.support import free_port
 
 TOKEN = "rotel-test-token"

@@ -9,7 +9,7 @@ import numpy as np
 from sightline.collector.sm_blocks import SmBlock, quantiles
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import relative_error
-from tests.collector.test_windows import exp_hist
+from tests.collector.otlp_builders import exp_hist
 
 
 def test_block_quantiles_equal_one_histogram_per_sm():

@@ -17,13 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families as parse_tex
 
 from sightline.collector.exposition import metrics_page
 from sightline.collector.gzip_pieces import deflate_piece, gzip_join
-from sightline.collector.hotspot import hotspots, hottest_sm
+from sightline.collector.contention import hotspots, hottest_sm
 from sightline.collector.sm_exposition import SmPage
 from sightline.collector.sm_store import kernel_label
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import (OPENMETRICS, T0_S, _resource_metrics, make_aggregator,
-                                             otlp_attrs, otlp_cta_point, otlp_metrics)
-from tests.collector.test_receivers import post, running_collector
+from tests.collector.otlp_builders import (OPENMETRICS, T0_S, make_aggregator, otlp_attrs, otlp_cta_point,
+                                           otlp_metrics, resource_metrics)
+from tests.collector.servers import post, running_collector
 
 # powers of two: every sum below is exact; 2**-15 s lies in (2e-5, 5e-5], 2**-13 s in (1e-4, 2e-4]
 FAST, SLOW = 2.0 ** -15, 2.0 ** -13
@@ -32,6 +32,7 @@ TRICKY = 'node "b"\\ 7\nx'  # a quote, a backslash and a newline: all three esca
 LONG = 'void flash_fwd_kernel<Flash_fwd_kernel_traits<128, 64, "bf16">, true>'
 TRACE, SPAN = bytes(range(16)), bytes(range(8, 16))
 PER_SM = (sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.COLLECTOR_SM_HOTSPOT_RATIO, sc.COLLECTOR_SM_HOTTEST,
+          sc.COLLECTOR_SM_CONTENDED, sc.COLLECTOR_SM_CONTENTION_SCORE,
           sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, sc.COLLECTOR_GPU_INFO, sc.COLLECTOR_SM_KERNEL_INFO)
 
 
@@ -48,7 +49,7 @@ def _fleet(**config):
                 if uuid:
                     p.attributes.extend(otlp_attrs({sc.ATTR_GPU_UUID: uuid}))
                 points.append(p)
-        agg.consume_metrics(_resource_metrics(points, **{sc.RESOURCE_SERVICE_INSTANCE_ID: instance}))
+        agg.consume_metrics(resource_metrics(points, **{sc.RESOURCE_SERVICE_INSTANCE_ID: instance}))
     return agg
 
 
@@ -82,6 +83,13 @@ def _check_page(text: str, families: list) -> None:
     assert _samples(families, sc.COLLECTOR_SM_HOTSPOT_RATIO) == {
         (sc.COLLECTOR_SM_HOTSPOT_RATIO, b): SLOW / FAST for b in by_block}
     assert _samples(families, sc.COLLECTOR_SM_HOTTEST) == {(sc.COLLECTOR_SM_HOTTEST, b): 3.0 for b in by_block}
+    # SM 3's 8 CTAs all above the others' P90: slow (the bound 0.1**8 is under 1e-3 / 4 SMs);
+    # its score is its P90 over theirs (exact: one value each); no SM ran short of its share
+    assert _samples(families, sc.COLLECTOR_SM_CONTENDED) == {
+        (sc.COLLECTOR_SM_CONTENDED, b + (("reason", r),)): float(r == "slow") for b in by_block
+        for r in sc.CONTENTION_REASONS}
+    assert _samples(families, sc.COLLECTOR_SM_CONTENTION_SCORE) == {
+        (sc.COLLECTOR_SM_CONTENTION_SCORE, b + (("sm", "3"),)): SLOW / FAST for b in by_block}
     hist = _samples(families, sc.COLLECTOR_GPU_CTA_DURATION_SECONDS)
     name = sc.COLLECTOR_GPU_CTA_DURATION_SECONDS
     for b in by_block:
@@ -158,7 +166,7 @@ def test_kept_lines_are_what_formatting_again_gives_after_writes_and_as_the_wind
         first = kept.render(clock[0], openmetrics)
         assert kept.render(clock[0], openmetrics) == first == SmPage(agg.sm).render(clock[0], openmetrics)
         # one block written (SM 1 of fa2 on node-a turns slow), the others kept
-        agg.consume_metrics(_resource_metrics(
+        agg.consume_metrics(resource_metrics(
             [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1, exemplar=(SLOW, TRACE, SPAN)),
              otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)],
             **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
@@ -179,7 +187,7 @@ def test_kept_deflate_pieces_decompress_to_the_page_formatted_again():
         pages = []
         for write in (False, True, False):
             if write:  # one block written, the others' kept pieces reused
-                agg.consume_metrics(_resource_metrics(
+                agg.consume_metrics(resource_metrics(
                     [otlp_cta_point(0, 1, "fa2", [SLOW] * CTAS, clock[0] - 1)], **{sc.RESOURCE_SERVICE_INSTANCE_ID: "node-a"}))
             zipped = gzip.decompress(gzip_join(kept.pieces(clock[0], openmetrics, deflate=True)))
             assert zipped == SmPage(agg.sm).render(clock[0], openmetrics)

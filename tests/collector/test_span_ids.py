@@ -106,7 +106,7 @@ def test_each_bucket_forgets_its_oldest_fingerprint_first_over_many_writes():
 
 
 def test_window_capacity_is_checked():
-    with pytest.raises(ValueError, match="capacity=-1 is outside the allowed range 0..100000000"):
+    with pytest.raises(ValueError, match=r"capacity=-1 is not an integer in \[0, 100000000\]"):
         SpanWindow(-1)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from sightline.collector.aggregation_config import AggregationConfig
 from sightline.collector.span_series import SpanKind, SpanSeries
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, otlp_span, otlp_traces
+from tests.collector.otlp_builders import T0_S, otlp_span, otlp_traces
 
 
 def _spans():

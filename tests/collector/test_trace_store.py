@@ -5,7 +5,7 @@ from __future__ import annotations
 from sightline.collector.aggregation_config import TraceStoreConfig
 from sightline.collector.trace_store import TraceStore
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, otlp_attrs, otlp_span, otlp_traces
+from tests.collector.otlp_builders import T0_S, otlp_attrs, otlp_span, otlp_traces
 
 REQ, STEP = b"\x01" * 16, b"\x02" * 16
 
@@ -29,7 +29,7 @@ def _index(store: TraceStore):
 def test_deferred_and_eager_indexing_agree():
     got = []
     for defer in (True, False):
-        store = TraceStore(TraceStoreConfig(defer_index=defer))
+        store = TraceStore(TraceStoreConfig(mode="deferred" if defer else "eager"))
         for request in _requests():
             store.add_request(request)
         got.append(_index(store))
@@ -37,7 +37,7 @@ def test_deferred_and_eager_indexing_agree():
 
 
 def test_oldest_trace_evicted_first():
-    store = TraceStore(TraceStoreConfig(max_traces=2, defer_index=False))
+    store = TraceStore(TraceStoreConfig(max_traces=2, mode="eager"))
     for i in range(3):
         store.add_request(otlp_traces([otlp_span("decode", bytes([i + 1]) * 16, b"\x01" * 8, T0_S - 1, T0_S)]))
     assert store.evicted_traces == 1 and store.get(b"\x01" * 16) is None and len(store) == 2

@@ -6,16 +6,9 @@ import math
 
 import numpy as np
 
-from sightline.collector.windows import (ClassicHistogram, Exemplar, SlidingHistogram, WindowConfig, merge_all,
-                                         subtract_cumulative)
-from sightline.instrumentation.exphist import ExpHistogram
-
-
-def exp_hist(values, scale: int = 6) -> ExpHistogram:
-    """A histogram holding exactly ``values`` (shared with test_sm_blocks)."""
-    h = ExpHistogram(scale=scale)
-    h.record(np.asarray(values, dtype=np.float64))
-    return h
+from sightline.collector.windows import (ClassicHistogram, Exemplar, SlidingHistogram, WindowConfig,
+                                         merge_all, subtract_cumulative)
+from tests.collector.otlp_builders import exp_hist
 
 
 def test_merge_all_equals_one_histogram_fed_everything():

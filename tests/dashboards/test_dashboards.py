@@ -133,9 +133,10 @@ def test_queries_use_only_semconv_names_and_labels():
     assert len(used) >= 30
 
 
-# Histograms whose observations carry trace-id exemplars: the engine's TTFT, ITL and e2e,
-# and every span-derived histogram of the collector.
-_WITH_EXEMPLARS = (sc.ENGINE_TTFT_SECONDS, sc.ENGINE_ITL_SECONDS, sc.ENGINE_E2E_SECONDS, "sightline_request_",
+# Histograms whose observations carry trace-id exemplars: the engine's TTFT (also by prefix
+# cache outcome), ITL and e2e, and every span-derived histogram of the collector.
+_WITH_EXEMPLARS = (sc.ENGINE_TTFT_SECONDS, sc.ENGINE_PREFIX_CACHE_TTFT_SECONDS, sc.ENGINE_ITL_SECONDS,
+                   sc.ENGINE_E2E_SECONDS, "sightline_request_",
                    "sightline_kernel_", "sightline_step_", "sightline_sm_")
 
 

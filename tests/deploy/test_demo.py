@@ -123,10 +123,17 @@ def test_the_planted_incident_is_found_and_alerted(demo_run):
     columns = [c for c in range(len(heatmap["times_unix_s"])) if any(row[c] is not None for row in heatmap["p99_s"])]
     assert len(columns) >= 12
     alerts = record["alerts"]
-    assert alerts and {a["labels"]["alertname"] for a in alerts} == {"SightlineSMHotspot"}
+    assert alerts and {a["labels"]["alertname"] for a in alerts} == {"SightlineSMContention"}
     assert kernel in {a["labels"]["kernel"] for a in alerts}
     shot = page.with_name(page.stem + "-chromium.png")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    # the slowest replayed requests of the intervals are explained by the planted cause, and
+    # the story says what every comparison was made against
+    inside = [r for r in record["slowest_requests"] if r["intervals"]]
+    assert len(record["slowest_requests"]) == 10 and inside
+    assert sum(r["cause_is_planted"] for r in inside) >= 0.9 * len(inside), inside
+    assert "cause: sm_contention: steps" in stdout and "(causes compared with: the usual step" in stdout
+    assert "How: each SM is compared with the kernel's other SMs in the same 10 s slot" in stdout
     if incident.synthetic:
         assert "SYNTHETIC" in stdout and "not measured" in stdout
     assert f"precision {story[0]['precision']:.2f}, recall {story[0]['recall']:.2f}" in stdout

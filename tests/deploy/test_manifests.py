@@ -94,6 +94,9 @@ def test_references_resolve():
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), name
         for volume in _pod_spec(deployment).get("volumes", []):
+            if "hostPath" in volume:   # only the engine's compile cache lives on the node
+                assert (name, volume["name"]) == ("sightline-engine", "compile-cache")
+                continue
             assert volume["configMap"]["name"] in configmaps, (name, volume)
     for name, service in services.items():
         matching = [d for d in deployments.values()
@@ -105,6 +108,33 @@ def test_references_resolve():
     engine = _pod_spec(deployments["sightline-engine"])
     assert [c["name"] for c in engine["containers"]] == ["engine", "otelcol"]  # the sidecar
     assert services["sightline-collector-otlp"]["spec"]["clusterIP"] == "None"  # headless, for the DNS resolver
+
+
+def test_engine_probes_fit_the_start_up_and_the_compile_cache_is_a_volume():
+    """Readiness is /health (503 until warm), liveness /live (200 once HTTP is served); the
+    start-up probe waits on /health at least as long as the warm-up and graph capture may
+    take (their limits, from the container's own flags); the compile cache directory the
+    engine is given is the mounted volume."""
+    from sightline.deploy.cli import build_parser
+    from sightline.engine.config import EngineConfig
+
+    pod = _pod_spec(_by_kind("Deployment")["sightline-engine"])
+    engine = pod["containers"][0]
+    assert engine["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert engine["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    startup = engine["startupProbe"]
+    assert startup["httpGet"] == {"path": "/health", "port": "http"}
+    args = build_parser().parse_args(engine["args"][1:])
+    allowed_s = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
+    assert args.warmup and allowed_s >= args.warmup_limit + EngineConfig().cuda_graph_capture_limit_s + 60
+    [mount] = [m for m in engine["volumeMounts"] if m["name"] == "compile-cache"]
+    assert mount["mountPath"] == args.compile_cache_dir and not mount.get("readOnly")
+    [volume] = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
+    assert volume["hostPath"] == {"path": args.compile_cache_dir, "type": "DirectoryOrCreate"}
+    compose = yaml.safe_load(COMPOSE.read_text())
+    service = compose["services"]["engine"]
+    cache_dir = build_parser().parse_args(service["command"][1:]).compile_cache_dir
+    assert f"compile-cache:{cache_dir}" in service["volumes"] and "compile-cache" in compose["volumes"]
 
 
 def test_hpa_scales_the_engine_on_queue_depth():

@@ -48,7 +48,7 @@ def test_committed_files_are_fresh():
 
 def test_every_alert_is_unit_tested_firing_and_silent():
     coverage = prometheus_rule_tests.coverage()
-    assert len(coverage) == 17
+    assert len(coverage) == 20
     missing = {name: state for name, state in coverage.items() if state != (True, True)}
     assert not missing, f"alerts without a firing and a silent unit test: {missing}"
 
@@ -56,7 +56,7 @@ def test_every_alert_is_unit_tested_firing_and_silent():
 def test_every_alert_has_severity_annotations_and_runbook():
     document = yaml.safe_load(RULES.read_text())
     alerts = [rule for group in document["groups"] for rule in group["rules"] if "alert" in rule]
-    assert len(alerts) == 17
+    assert len(alerts) == 20
     for rule in alerts:
         assert rule["labels"]["severity"] in ("page", "ticket"), rule["alert"]
         annotations = rule["annotations"]
@@ -90,7 +90,7 @@ def test_series_name_extraction():
 def test_promtool_check_rules():
     result = _run(PROMTOOL, "check", "rules", str(RULES))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 137 rules found" in result.stdout
+    assert "SUCCESS: 149 rules found" in result.stdout
 
 
 @needs_promtool
@@ -172,7 +172,7 @@ def test_alertmanager_routes_by_severity(tmp_path):
         return result.stdout.strip()
 
     assert route("severity=page", "alertname=SightlineTargetDown") == alertmanager_config.PAGE_RECEIVER
-    assert route("severity=ticket", "alertname=SightlineSMHotspot") == alertmanager_config.TICKET_RECEIVER
+    assert route("severity=ticket", "alertname=SightlineSMContention") == alertmanager_config.TICKET_RECEIVER
     assert route("alertname=Unlabelled") == alertmanager_config.TICKET_RECEIVER
 
 
@@ -226,7 +226,7 @@ def test_real_alertmanager_routes_and_inhibits(tmp_path):
         alerts = [
             {"alertname": "SightlineTTFTBudgetBurnFast", "severity": "page", "slo": "ttft", **common},
             {"alertname": "SightlineTTFTBudgetBurnSlow", "severity": "ticket", "slo": "ttft", **common},
-            {"alertname": "SightlineSMHotspot", "severity": "ticket", "gpu": "0", "kernel": "fa2"},
+            {"alertname": "SightlineSMContention", "severity": "ticket", "gpu": "0", "kernel": "fa2"},
         ]
         payload = json.dumps([{"labels": labels, "annotations": {"summary": "test"}} for labels in alerts]).encode()
         request = urllib.request.Request(f"http://127.0.0.1:{port}/api/v2/alerts", data=payload,
@@ -241,4 +241,4 @@ def test_real_alertmanager_routes_and_inhibits(tmp_path):
         process.wait(timeout=20)
         hook.shutdown()
     delivered = {(path, alert["labels"]["alertname"]) for path, body in received for alert in body["alerts"]}
-    assert delivered == {("/page", "SightlineTTFTBudgetBurnFast"), ("/ticket", "SightlineSMHotspot")}
+    assert delivered == {("/page", "SightlineTTFTBudgetBurnFast"), ("/ticket", "SightlineSMContention")}

@@ -11,6 +11,8 @@ from sightline.instrumentation import semconv as sc
 
 # attributes whose values are measured times: present, but their values vary per run
 VOLATILE = frozenset({sc.REQUEST_TTFT_S, sc.REQUEST_TPOT_S, sc.REQUEST_QUEUE_S, sc.REQUEST_E2E_S})
+# which process recorded a span: a fact of the deployment, asserted by tests of their own
+PROCESS_IDENTITY = frozenset({sc.PROCESS_ROLE, sc.PROCESS_PID})
 
 
 def _value(value):
@@ -18,7 +20,8 @@ def _value(value):
 
 
 def _attributes(attributes) -> dict:
-    return {k: ("<volatile>" if k in VOLATILE else _value(v)) for k, v in sorted(attributes.items())}
+    return {k: ("<volatile>" if k in VOLATILE else _value(v)) for k, v in sorted(attributes.items())
+            if k not in PROCESS_IDENTITY}
 
 
 def canonical_tree(spans) -> list[dict]:

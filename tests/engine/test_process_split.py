@@ -46,9 +46,11 @@ def test_every_record_round_trips():
                cr.AddRequest("cmpl-2", [1], SamplingParams()), cr.Abort("cmpl-1", 1),
                cr.Abort("cmpl-1", 1, stop_at=4), cr.UtilityCall(9, 1, "kv_blocks")]
     stats = cr.StepStats(12, 0.0042, 128, 2, 3, 2, 1, 2, 5, 40, 327)
-    from_core = [cr.Phase("loading_model"),
+    from_core = [cr.Phase("connecting"), cr.Phase("warmup_decode", ("imports", "load_weights"), 17),
                  cr.Ready("tiny", 2048, 512, 257, 327, 16, 1024, 64, "cpu", "float32", False, 99, None),
                  cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, "ipc:///x"),
+                 cr.Ready("m", 8, 9, None, 1, 8, 1, 1, "cuda:0", "bfloat16", True, 1, None, 42.5,
+                          "4bf92f3577b34da6a3ce929d0e0e4736"),
                  cr.OutputBatch(["a", "b"], [5, 6], [cr.FinalOutput(
                      "c", [7], "length", None, None, 3, 4, 0.01, 0.02, 0.003, 0.05, 0.01, 0.03, 1)],
                      stats, 3),
@@ -208,24 +210,32 @@ def test_health_is_starting_with_the_cores_phase_until_ready():
             wait_for_http(url + "/live", timeout_s=60)
             served = Served.__new__(Served)
             served.url = url
-            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting"})
+            assert served.get("/health") == (503, {"status": "starting", "phase": "connecting",
+                                                   "elapsed_s": None, "phases_done": []})
             assert router.poll(30_000)
             identity, payload = router.recv_multipart()
             hello = cr.core_decoder().decode(payload)
             assert hello == cr.Hello(0, process.pid) and identity == b"api-0"
-            router.send_multipart([identity, cr.encode(cr.Phase("loading_model"))])
+            started = time.time_ns() - 5 * 10**9
+            router.send_multipart([identity, cr.encode(cr.Phase("warmup_prefill", (
+                "imports", "load_weights"), started))])
             deadline = time.monotonic() + 10
-            while served.get("/health")[1].get("phase") != "loading_model":
+            while served.get("/health")[1].get("phase") != "warmup_prefill":
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            assert served.get("/health") == (503, {"status": "starting", "phase": "loading_model"})
+            status, health = served.get("/health")
+            assert status == 503 and health.pop("elapsed_s") >= 5
+            assert health == {"status": "starting", "phase": "warmup_prefill",
+                              "phases_done": ["imports", "load_weights"]}
             router.send_multipart([identity, cr.encode(cr.Ready(
-                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid()))])
+                "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid(),
+                None, 7.25, "ab" * 16))])
             wait_for_http(url + "/health", timeout_s=10)
             status, health = served.get("/health")
             assert status == 200 and health == {"status": "ok", "running": 0, "waiting": 0,
                                                 "api_server": 0, "pid": process.pid,
-                                                "core_pid": os.getpid()}
+                                                "core_pid": os.getpid(), "startup_s": 7.25,
+                                                "startup_trace_id": "ab" * 16}
             core_alive.close()   # the core's death, as the API server sees it
             deadline = time.monotonic() + 10
             while served.get("/health")[0] != 503:
@@ -307,6 +317,22 @@ def test_both_api_servers_serve_one_port(served):
     assert health["core_pid"] not in seen.values()
     status, live = served.get("/live")
     assert (status, live) == (200, {"status": "alive"})
+    # the core's start-up, the same through every API server: its report (a utility call),
+    # and its series on /metrics once per phase, whichever server answers the scrape
+    status, report = served.get("/debug/startup")
+    assert status == 200 and health["startup_s"] == round(report["total_s"], 3) > 0
+    phases = [p["name"] for p in report["phases"]]
+    assert phases[0] == sc.STARTUP_IMPORTS and sc.STARTUP_WARMUP_SAMPLER in phases
+    assert health["startup_trace_id"] is None   # tracing off
+    for _ in range(4):
+        with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+            lines = response.read().decode().splitlines()
+        by_phase = {line.split('phase="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                    for line in lines if line.startswith(sc.ENGINE_STARTUP_SECONDS + "{")}
+        assert by_phase == {p["name"]: pytest.approx(p["duration_s"], abs=1e-6)   # rounded there
+                            for p in report["phases"]}
+        assert sum(line.startswith(sc.ENGINE_STARTUP_SECONDS + "{") for line in lines) == len(phases)
+        assert [line for line in lines if line.startswith(sc.ENGINE_JIT_COMPILES_TOTAL + "_total")] == []
 
 
 def test_a_client_that_disconnects_is_aborted_in_the_core(served):
@@ -347,8 +373,128 @@ def test_a_full_queue_is_429_with_retry_after_from_the_front_end():
         assert served.close() == 0
 
 
+def _trace(query: int, trace_id: str, names: set[str], timeout_s: float = 30.0) -> list[dict]:
+    """The collector's spans of ``trace_id`` once they include ``names`` (or the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
+                                        timeout=5) as response:
+                spans = json.loads(response.read()).get("spans", [])
+        except urllib.error.HTTPError as exc:   # 404 until its first span arrives
+            if exc.code != 404:
+                raise
+            spans = []
+        if names <= {s["name"] for s in spans} or time.monotonic() > deadline:
+            return spans
+        time.sleep(0.2)
+
+
+def _families(exposition: str) -> list[str]:
+    return [line.split()[2] for line in exposition.splitlines() if line.startswith("# TYPE ")]
+
+
+def _value(exposition: str, name: str) -> float:
+    """The sum of the series of ``name`` (every label set)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in exposition.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+
+
+@pytest.fixture(scope="module")
+def collector():
+    """A real ``sightline collector run``: (its OTLP gRPC port, its query port)."""
+    grpc, http, zipkin, query = free_ports(4)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc",
+         f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
+         "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"])
+    try:
+        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=process)
+        yield grpc, query
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+
+
 @pytest.mark.slow
-def test_one_trace_across_the_processes():
+@pytest.mark.parametrize("api_servers", [1, 2])
+def test_one_trace_per_request_across_the_processes(collector, api_servers):
+    """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
+    decode and the steps by the core; every API server joins the core's telemetry process,
+    which builds one trace per request, continuing the caller's context (read back from a
+    real collector). A normal load orphans nothing, and the telemetry series are on /metrics
+    once, whichever API server answers."""
+    grpc, query = collector
+    served = Served(api_servers, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
+                    OTEL_BSP_SCHEDULE_DELAY="50")
+    try:
+        core_pid = served.get("/health")[1]["core_pid"]
+        parent = "00f067aa0ba902b7"
+        trace_ids = [f"{api_servers:02x}{i:02x}2f3577b34da6a3ce929d0e0e4736" for i in range(8)]
+        chunks: dict[str, int] = {}
+
+        def run(trace_id: str) -> None:
+            client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0,
+                                   default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+            chunks[trace_id] = len(list(client.completions.create(
+                model=MODEL, prompt=f"trace {trace_id[:4]}", max_tokens=4, stream=True, temperature=0,
+                extra_body={"ignore_eos": True})))
+
+        threads = [threading.Thread(target=run, args=(t,)) for t in trace_ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert chunks == dict.fromkeys(trace_ids, 4)
+        api_pids = set()
+        for trace_id in trace_ids:
+            spans = _trace(query, trace_id, {"POST /v1/completions", "detokenize", "decode"})
+            [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
+            assert server["parent_span_id"] == parent   # the caller's context, continued
+            phases = {s["name"]: s for s in spans if s["parent_span_id"] == server["span_id"]}
+            assert len(spans) == 6 and set(phases) == {"tokenize", "queue", "prefill", "decode",
+                                                       "detokenize"}
+            order = [phases[n] for n in ("tokenize", "queue", "prefill", "decode", "detokenize")]
+            for before, after in zip(order, order[1:]):
+                assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
+            # who recorded what: the API server its spans, the core its own
+            api_pid = server["attributes"][sc.PROCESS_PID]
+            for span in (server, phases["tokenize"], phases["detokenize"]):
+                assert span["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_API_SERVER
+                assert span["attributes"][sc.PROCESS_PID] == api_pid
+            for name in ("queue", "prefill", "decode"):
+                assert phases[name]["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_ENGINE_CORE
+                assert phases[name]["attributes"][sc.PROCESS_PID] == core_pid
+            assert api_pid != core_pid
+            api_pids.add(api_pid)
+            # the core's step spans: linked from prefill and decode, and back to the request
+            links = phases["prefill"]["links"] + phases["decode"]["links"]
+            assert len(links) == 4   # the prefill step and three decode steps
+            for link in links:
+                step = next(s for s in _trace(query, link["trace_id"], {"engine.step"})
+                            if s["span_id"] == link["span_id"])
+                assert step["name"] == "engine.step"
+                assert step["attributes"][sc.PROCESS_ROLE] == sc.PROCESS_ROLE_ENGINE_CORE
+                assert step["attributes"][sc.PROCESS_PID] == core_pid
+                assert (trace_id, server["span_id"]) in {(k["trace_id"], k["span_id"]) for k in step["links"]}
+        assert len(api_pids) <= api_servers
+        # the telemetry series: once per scrape, whichever API server answers; nothing orphaned
+        for _ in range(2 * api_servers):
+            with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
+                exposition = response.read().decode()
+            telemetry = [f for f in _families(exposition) if f.startswith("sightline_telemetry_")]
+            assert len(telemetry) == len(set(telemetry)) and {
+                sc.TELEMETRY_EVENTS_DROPPED_TOTAL + "_total", sc.TELEMETRY_EVENTS_HELD_TOTAL + "_total",
+                sc.TELEMETRY_EVENTS_ORPHANED_TOTAL + "_total", sc.TELEMETRY_PROCESS_UP} <= set(telemetry)
+            assert _value(exposition, sc.TELEMETRY_EVENTS_ORPHANED_TOTAL + "_total") == 0
+            assert _value(exposition, sc.TELEMETRY_EVENTS_DROPPED_TOTAL + "_total") == 0
+            assert _value(exposition, sc.TELEMETRY_PROCESS_UP) == 1
+    finally:
+        assert served.close() == 0
+
+
+@pytest.mark.slow
+def test_the_startup_trace_and_core_series_across_the_processes():
     """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
     decode and the steps by the core: one trace, joined in the core's telemetry and read
     back from a real collector, continuing the caller's context."""
@@ -372,6 +518,9 @@ def test_one_trace_across_the_processes():
         with urllib.request.urlopen(served.url + "/metrics", timeout=10) as response:
             exposed = response.read().decode()
         assert f"{sc.TELEMETRY_PROCESS_UP} 1.0" in exposed
+        _, health = served.get("/health")
+        _, report = served.get("/debug/startup")
+        assert health["startup_trace_id"] == report["trace_id"] and len(report["trace_id"]) == 32
         assert served.close() == 0   # flushes every process's telemetry
         deadline = time.monotonic() + 30
         while True:
@@ -391,6 +540,16 @@ def test_one_trace_across_the_processes():
             assert before["end_time_unix_nano"] <= after["start_time_unix_nano"]
         step_links = [link["span_id"] for link in phases["prefill"]["links"] + phases["decode"]["links"]]
         assert len(step_links) == 4   # the prefill step and three decode steps
+        # the core's start-up: one trace, a root and a span per phase, recorded by the core
+        with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{report['trace_id']}",
+                                    timeout=5) as response:
+            startup = json.loads(response.read())["spans"]
+        [root] = [s for s in startup if s["name"] == sc.SPAN_ENGINE_STARTUP]
+        assert sorted(s["name"] for s in startup if s is not root) == sorted(
+            sc.SPAN_STARTUP_PHASE_PREFIX + p["name"] for p in report["phases"])
+        assert all(s["parent_span_id"] == root["span_id"] for s in startup if s is not root)
+        assert root["end_time_unix_nano"] == report["ready_ns"]
+        assert {s["attributes"][sc.PROCESS_ROLE] for s in startup} == {sc.PROCESS_ROLE_ENGINE_CORE}
     finally:
         if served is not None:
             served.close()

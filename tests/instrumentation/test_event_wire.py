@@ -10,7 +10,7 @@ from sightline.instrumentation.event_wire import from_wire, to_wire
 from sightline.instrumentation.gpu_records import KernelActivity, StepCtas
 from sightline.instrumentation.lifecycle import (Detokenized, Queued, RemoteParent,
                                                  RequestAttributes, RequestEnd, RequestStart,
-                                                 Step, Tokenized)
+                                                 Startup, StartupPhase, Step, Tokenized)
 
 
 def test_every_item_comes_back_equal_and_of_its_type_through_pickle():
@@ -26,6 +26,8 @@ def test_every_item_comes_back_equal_and_of_its_type_through_pickle():
         Detokenized(1, 16, 17),
         RequestEnd(1, 18, 200, "length", 5, 8, 0.1, 0.01, 0.0, 0.2, 0, None),
         (0, "a plain tuple item"),     # not a lifecycle event, whatever it looks like
+        Startup(1 << 90, 11, 1, 9, (StartupPhase("load_weights", 1, 4, {"a": 1}),
+                                    StartupPhase("warmup_prefill", 4, 9, None)), {"b": 2.5}),
     ]
     wire = to_wire(items)
     assert all(type(item) is tuple for item in wire)
@@ -37,3 +39,4 @@ def test_every_item_comes_back_equal_and_of_its_type_through_pickle():
         else:
             assert got == want
     assert type(back[0].parent) is RemoteParent
+    assert [type(p) for p in back[-1].phases] == [StartupPhase, StartupPhase]

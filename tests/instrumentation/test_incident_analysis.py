@@ -110,9 +110,10 @@ def test_steps_and_launches_inside_and_outside(report):
     assert outside["steps"] == 3 and outside["attention_launch_spans_sms_used"]["sightline_fa2_prefill"]["max"] == 4
 
 
-def test_the_finding_flags_the_planted_sm_hot_and_starved(report):
+def test_the_finding_flags_the_planted_sm_slow_and_starved(report):
     [f] = report["finding"]["findings"]
     assert f["slots"] == 2 and f["planted"] == [1]
-    assert f["flagged"] == {"1": pytest.approx(3.0, rel=0.02)} and (f["precision"], f["recall"]) == (1.0, 1.0)
-    # SM 1: 20 CTAs in the interval's slots, the median SM 200
-    assert f["starved"] == {"1": 0.1} and (f["starved_precision"], f["starved_recall"]) == (1.0, 1.0)
+    # SM 1 in each interval slot: 10 CTAs at 3x the others' duration, where 310 / 4 = 77.5 were
+    # its share: its score is the larger factor, 77.5 / 10
+    assert f["flagged"] == {"1": pytest.approx(7.75)} and (f["precision"], f["recall"]) == (1.0, 1.0)
+    assert f["reasons"] == {"1": "slow+starved"} and f["slots_flagged"] == {"1": 2}

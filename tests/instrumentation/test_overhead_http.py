@@ -1,18 +1,24 @@
-"""bench/overhead_http.py's arithmetic: CPU sets for pinning, paired ratios and stall counts."""
+"""bench/overhead_http.py's arithmetic: CPU sets for pinning, paired ratios, stall counts and
+telemetry counters between two scrapes."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.overhead_http import _per_step_us, cpu_plan, summarize
+from bench.overhead_http import _per_step_us, api_server_count, cpu_plan, summarize
 
 
-def test_cpu_plan_gives_every_engine_its_own_cpus_and_the_load_the_rest():
-    levels = ["off", "off-b", "steps", "kernels", "kernels-detached", "kernels@0.05"]
+def test_cpu_plan_gives_every_level_its_own_cpus_a_shared_telemetry_pool_and_the_load_the_rest():
+    levels = ["off", "off-b", "requests", "steps", "kernels"]   # the split server on 16 CPUs
     plan = cpu_plan(levels, list(range(16)))
-    assert [sorted(plan[level]) for level in levels] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
-    assert sorted(plan["load"]) == [12, 13, 14, 15]
-    assert cpu_plan(["off", "kernels"], [0, 1, 2, 3, 4]) is None     # under two CPUs a set
+    assert [sorted(plan[level]) for level in levels] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    assert sorted(plan["telemetry"]) == [10, 11] and sorted(plan["load"]) == [12, 13, 14, 15]
+    six = cpu_plan(levels + ["kernels@0.05"], list(range(16)))
+    assert sorted(six["telemetry"]) == [12, 13] and sorted(six["load"]) == [14, 15]
+    # two API servers per level: a core and two servers each, 17 CPUs before the load
+    assert api_server_count(["--api-server-count", "2"]) == 2 and api_server_count([]) == 1
+    assert cpu_plan(levels, list(range(16)), 1 + api_server_count(["--api-server-count=2"])) is None
+    assert cpu_plan(["off", "kernels"], [0, 1, 2, 3, 4]) is None     # under two CPUs for the load
 
 
 def test_summary_pairs_bursts_by_round_and_counts_steps_over_twice_offs_median():
@@ -21,7 +27,10 @@ def test_summary_pairs_bursts_by_round_and_counts_steps_over_twice_offs_median()
               for r, walls in enumerate([(1.0, 1.25), (1.0, 1.0), (2.0, 2.5)])
               for level, wall in zip(("off", "kernels"), walls)]
     steps = {"off": [0.010, 0.010, 0.030], "kernels": [0.010, 0.021, 0.019]}
-    summary = summarize(["off", "kernels"], bursts, steps, {"off": "", "kernels": ""})
+    held = "sightline_telemetry_events_held_total {}\nsightline_telemetry_events_orphaned_total 0.0\n"
+    summary = summarize(["off", "kernels"], bursts, steps, {"off": "", "kernels": held.format(9.0)},
+                        {"off": "", "kernels": held.format(4.0)})
+    assert summary["kernels"]["telemetry_held"] == 5 and summary["kernels"]["telemetry_orphaned"] == 0
     assert summary["kernels"]["ratio_vs_off_paired_median"] == 0.8
     assert summary["kernels"]["ratio_vs_off_paired_range"] == [0.8, 1.0]
     assert summary["off"]["steps_over_2x_off_median"] == 1       # 0.030 > 2 x 0.010

@@ -146,6 +146,17 @@ def test_cta_metrics_encode_to_otlp_with_exemplars():
     assert len(p4.exemplars) == 1 and p4.exemplars[0].as_double == pytest.approx(3e-6)
     assert p4.exemplars[0].trace_id == (0xAB).to_bytes(16, "big")
     assert p4.exemplars[0].span_id == (0xCD).to_bytes(8, "big")
+    assert len(req.resource_metrics[0].scope_metrics[0].metrics) == 1  # no launch mix: no wide sum
+    req = encode_metrics(build_cta_metrics(h, ex, 10, 20, Resource.create({"a": "b"}),
+                                           {(0, "k"): (0, 3), (0, "j"): (512, 640)}, 132))
+    wide = req.resource_metrics[0].scope_metrics[0].metrics[1]
+    assert wide.name == semconv.METRIC_CTA_WIDE and wide.sum.aggregation_temporality == 1
+    got = {}
+    for p in wide.sum.data_points:
+        attrs = {kv.key: kv.value for kv in p.attributes}
+        assert attrs[semconv.ATTR_GPU_SM_COUNT].int_value == 132 and p.time_unix_nano == 20
+        got[attrs[semconv.ATTR_KERNEL_NAME].string_value] = p.as_int
+    assert got == {"j": 512, "k": 0}
 
 
 def test_tail_policy_flags_every_step_above_recent_p99():
@@ -250,6 +261,18 @@ def test_device_histograms_equal_the_numpy_reduction(seed, batched):
         assert g.sum == pytest.approx(h.sum) and g.min == h.min and g.max == h.max
         assert got_ex[key] == want_ex[key]
     assert dev.take() == ({}, {})                   # delta: nothing since the last take
+    # per kernel, 3 steps: k1's launches of 3000 and 1200 CTAs are both >= 2 x 16 SMs (wide), so
+    # is k2's of 500; the counts are of launched CTAs, idle ones included
+    assert dev.take_launch_mix() == {(2, "k1"): (3 * 4200, 3 * 4200), (2, "k2"): (3 * 500, 3 * 500)}
+    assert dev.take_launch_mix() == {}
+    narrow = DeviceCtaHistograms("cpu", gpu_id=0, num_sms=132, scale=6)
+    records, _ = steps[0]
+    narrow.add(torch.from_numpy(records.reshape(-1).copy()), launches, 1, 1, 1)
+    # on 132 SMs: 3000 >= 264 is wide, 500 and 1200 too; a 128-CTA launch would not be
+    assert narrow.take_launch_mix() == {(0, "k1"): (4200, 4200), (0, "k2"): (500, 500)}
+    small = [("k1", 128), ("k1", 300)]
+    narrow.add(torch.from_numpy(_synthetic(7, small, num_sms=132).reshape(-1).copy()), small, 1, 1, 1)
+    assert narrow.take_launch_mix() == {(0, "k1"): (300, 428)}
 
 
 def test_tail_policy_refreshing_its_quantile_every_k_steps_still_flags_outliers():

@@ -1,0 +1,149 @@
+"""Why a request was slow, as one cause class with the evidence that named it.
+
+:func:`classify` reads a :class:`CauseEvidence` (built by ``explain`` from the spans and
+per-SM data of the request's lifetime) and applies these rules, first match wins:
+1. ``compile``: a step in its life compiled kernels and took >= ``compile_share`` of e2e.
+2. The engine was slow (its steps >= ``engine_slow`` x the usual for their kind and tokens,
+   or idle beyond the usual gaps for >= ``idle_share`` of e2e); what slowed it:
+   ``sm_contention`` when the contention tests flagged SMs of an attention kernel then;
+   ``device_contention`` when GPU time per step, or every SM's CTA durations, were
+   >= ``gpu_slow`` x the usual with no SM flagged; ``host_stall`` when the host side was
+   (idle time, host time per traced step >= ``host_slow`` x, or GPU time known usual); else
+   ``unknown``.
+3. Else ``queueing`` when waiting took >= ``queue_share`` of e2e; ``prefill_interference``
+   when steps with other requests' prefill tokens cost its decode >= ``interference_share``.
+4. Else ``unknown``. Each cause comes with its evidence and its baseline; O(1) per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..instrumentation import check_range
+from ..instrumentation import semconv as sc
+
+__all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
+
+
+@dataclass(frozen=True)
+class CauseConfig:
+    """The rules' thresholds (module docstring); errors name the bad value."""
+
+    engine_slow: float = 1.2
+    gpu_slow: float = 1.2
+    host_slow: float = 1.5
+    idle_share: float = 0.3
+    compile_share: float = 0.2
+    queue_share: float = 0.5
+    interference_share: float = 0.3
+
+    def __post_init__(self) -> None:
+        for name in ("engine_slow", "gpu_slow", "host_slow"):
+            check_range(f"CauseConfig.{name}", getattr(self, name), 1.0, 100.0, lo_open=True)
+        for name in ("idle_share", "compile_share", "queue_share", "interference_share"):
+            check_range(f"CauseConfig.{name}", getattr(self, name), 0.0, 1.0, lo_open=True)
+
+
+@dataclass
+class CauseEvidence:
+    """What the spans and per-SM data show about one request's lifetime (arrival to end)."""
+
+    e2e_s: float
+    queue_s: float
+    decode_s: float
+    priority: str
+    queue: dict[str, int] | None = None  # at arrival: depth, ahead_more_urgent, overtaken_by
+    steps: int = 0  # steps of its engine that ran while it lived
+    engine_slowdown: float | None = None  # their median duration over the usual for their kind
+    idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
+    traced_steps: int = 0
+    gpu_slowdown: float | None = None  # traced steps: GPU time over the usual
+    host_slowdown: float | None = None  # traced steps: host time (step minus GPU) over the usual
+    compiles: list[dict] = field(default_factory=list)  # steps that compiled kernels
+    contended_sms: list[dict] = field(default_factory=list)  # gpu, kernel, sm, score, reasons
+    cta_slowdown: float | None = None  # the median SM's CTA P90 over its usual, attention kernels
+    cta_spread: float | None = None  # the slowest SM's CTA P90 over the median SM's, then
+    interference_s: float = 0.0  # its decode time in steps with prefill tokens, beyond decode-only
+    usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
+
+
+@dataclass
+class Cause:
+    """The cause named, in a sentence, with the figures behind it and what they were compared with."""
+
+    name: str  # one of semconv.CAUSES
+    summary: str
+    evidence: dict[str, Any]
+    compared_with: str
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
+    """The cause of one slow request (module docstring)."""
+    c = config or CauseConfig()
+    e2e = max(e.e2e_s, 1e-12)
+    usual = (f"the usual step of its engine in the collector's store (where most steps lie): decode-only "
+             f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms plus {e.usual.get('duration_per_token', 0.0) * 1e6:.2f} "
+             "us per prefill token")
+    compile_s = sum(s["duration_s"] for s in e.compiles)
+    if e.compiles and compile_s >= c.compile_share * e2e:
+        n = sum(s["jit_compiles"] for s in e.compiles)
+        return Cause(sc.CAUSE_COMPILE, f"{n} kernel compile(s) while serving: step(s) "
+                     f"{', '.join(str(s['step_id']) for s in e.compiles)} took {compile_s * 1e3:.0f} ms "
+                     f"of its {e2e * 1e3:.0f} ms", {"compile_steps": e.compiles, "compile_s": compile_s},
+                     "its end-to-end latency")
+    engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s}
+    slow = (e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
+    if slow:
+        if e.contended_sms:
+            sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
+                                                                                     if g[1].isdigit() else 0))
+            top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)
+            return Cause(sc.CAUSE_SM_CONTENTION,
+                         f"steps {_x(e.engine_slowdown)} the usual while {len(sms)} SM(s) ran slow or starved "
+                         f"against the kernel's other SMs (SM {top['sm']} of {top['kernel']}, score "
+                         f"{(top['score'] or 0.0):.2f})",
+                         {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms]},
+                         f"{usual}; each SM against the kernel's other SMs in the same slots")
+        gpu = max((v for v in (e.gpu_slowdown, e.cta_slowdown) if v is not None), default=None)
+        if gpu is not None and gpu >= c.gpu_slow:
+            return Cause(sc.CAUSE_DEVICE_CONTENTION,
+                         f"steps {_x(e.engine_slowdown)} the usual with GPU work slower on every SM "
+                         f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
+                         f"per-SM spread {_x(e.cta_spread)}, no SM flagged)",
+                         {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
+                          "cta_spread": e.cta_spread, "traced_steps": e.traced_steps},
+                         f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
+        host_evidence = (e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
+                         or gpu is not None)
+        if host_evidence:
+            return Cause(sc.CAUSE_HOST_STALL,
+                         f"steps {_x(e.engine_slowdown)} the usual while the GPU's work was not "
+                         f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time per "
+                         f"kernel-timed step {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms with no step running "
+                         "beyond the usual gaps",
+                         {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
+                          "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps},
+                         f"{usual}; a kernel-timed step's median host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
+                         f"and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")
+        return Cause(sc.CAUSE_UNKNOWN, "the engine was slower but neither the GPU's nor the host's evidence says why",
+                     {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
+    if e.queue_s >= c.queue_share * e2e:
+        q = e.queue or {}
+        return Cause(sc.CAUSE_QUEUEING,
+                     f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
+                     f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
+                     f"{q.get('overtaken_by', '?')} more urgent arrived later and went first)",
+                     {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
+                     "its end-to-end latency; the requests in the collector's store")
+    if e.interference_s >= c.interference_share * e2e:
+        return Cause(sc.CAUSE_PREFILL_INTERFERENCE,
+                     f"its decode steps carried other requests' prefill tokens: {e.interference_s * 1e3:.0f} ms of "
+                     f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
+                     {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
+    return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",
+                 {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)

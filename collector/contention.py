@@ -1,0 +1,250 @@
+"""Per-SM contention: which SMs of one kernel ran slower, or fewer CTAs, than their peers.
+
+Two tests per (kernel, slot), each SM against the kernel's other SMs in that slot:
+* slow: its CTAs longer than the others' P90 (leave-one-out, from the shared buckets) number
+  at most Binomial(n, 0.1) when nothing is wrong; flagged when that tail's bound is under
+  ``alpha / SMs`` and at least ``slow_share`` of its CTAs exceeded (an effect floor).
+* starved: its CTAs against 1/S (S SMs) of the slot's CTAs from launches of >= 2 S CTAs
+  (semconv.METRIC_CTA_WIDE; all, when the producer does not count them): the scheduler
+  spreads those over every SM, a narrower launch may leave SMs out. Flagged when the lower
+  tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that share.
+  The slow test also needs 90 % wide CTAs (narrow launches put the same work on the same SMs).
+Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
+slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
+expected / own CTAs, at most 100). Also the P99 hotspot ratio. Cost: a cumulative sum over the slot's
+[SMs, buckets] counts, then O(SMs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .aggregation_config import REFERENCE_QUANTILE, ContentionConfig
+
+# a score says at most "ran 1/100 of its share": beyond that the number means nothing more
+MAX_STARVE_FACTOR = 100.0
+# the slow test runs on slots whose CTAs came at least this much from wide launches
+WIDE_SHARE_FOR_SLOW = 0.9
+
+__all__ = ["REFERENCE_QUANTILE", "ContentionConfig", "HotspotSummary", "SlotContention", "SlotEvidence",
+           "ContendedSm", "assess", "binomial_tail_bound", "contended_sms", "hotspots", "hottest_sm",
+           "slot_evidence"]
+
+
+def _kl(a: np.ndarray, p: float | np.ndarray) -> np.ndarray:
+    """KL(Bernoulli(a) || Bernoulli(p)) elementwise, with 0 log 0 = 0."""
+    a = np.clip(a, 0.0, 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        left = np.where(a > 0, a * np.log(a / p), 0.0)
+        right = np.where(a < 1, (1 - a) * np.log((1 - a) / (1 - p)), 0.0)
+    return left + right
+
+
+def binomial_tail_bound(k, n, p: float, upper: bool) -> np.ndarray:
+    """Upper bound on P(X >= k) (``upper``) or P(X <= k) of X ~ Binomial(n, p): the
+    Chernoff-Hoeffding bound exp(-n KL(k/n || p)) beyond the mean, 1 on the mean's side."""
+    k = np.asarray(k, dtype=np.float64)
+    n = np.asarray(n, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a = np.where(n > 0, k / np.maximum(n, 1), p)
+    beyond = a > p if upper else a < p
+    return np.where(beyond & (n > 0), np.exp(-n * _kl(a, p)), 1.0)
+
+
+@dataclass
+class SlotEvidence:
+    """What the tests read of one slot, per SM row: kept for slots whose buckets are let go."""
+
+    ctas: np.ndarray  # int64
+    exceed: np.ndarray  # int64: CTAs above the other SMs' reference quantile
+    own_q: np.ndarray  # its own reference quantile (NaN: no CTAs)
+    others_q: np.ndarray  # the other SMs' (NaN: they ran none)
+    # the slot's CTAs from launches wide enough to cover every SM (semconv.METRIC_CTA_WIDE);
+    # None: the producer did not say, and every launch is taken to be wide
+    wide_ctas: int | None = None
+
+
+def _bucket_value(scale: int, index: np.ndarray) -> np.ndarray:
+    """The estimate ``quantiles`` answers for bucket ``index`` (its midpoint in log space)."""
+    base = 2.0 ** (2.0 ** -scale)
+    return 2.0 * 2.0 ** ((index + 1) * 2.0 ** -scale) / (base + 1.0)
+
+
+def _leave_one_out(values: np.ndarray, reduce) -> np.ndarray:
+    """Per row: ``reduce`` (np.minimum or np.maximum) over every other row's value."""
+    n = values.size
+    if n < 2:
+        return np.full(n, np.inf if reduce is np.minimum else -np.inf)
+    before = reduce.accumulate(values)
+    after = reduce.accumulate(values[::-1])[::-1]
+    out = np.empty(n)
+    out[0], out[-1] = after[1], before[-2]
+    out[1:-1] = reduce(before[:-2], after[2:])
+    return out
+
+
+def slot_evidence(scale: int, offset: int, counts: np.ndarray, zeros: np.ndarray, minimum: np.ndarray,
+                  maximum: np.ndarray, own_q: np.ndarray, q: float = REFERENCE_QUANTILE) -> SlotEvidence:
+    """Per row of ``counts`` [SMs, buckets] (bucket ``offset + j`` at ``scale``; ``zeros``:
+    CTAs of duration 0; ``minimum``/``maximum``: each row's extremes): the CTAs above the other
+    rows' ``q``-quantile bucket (ties, CTAs in that bucket, count as not above: the test stays
+    conservative), and that quantile as ``quantiles`` would estimate it (kept within the other
+    rows' extremes). ``own_q``: each row's own quantile, as the caller estimates it."""
+    counts = counts.astype(np.int64, copy=False)
+    zeros = zeros.astype(np.int64, copy=False)
+    own = counts.sum(axis=1) + zeros
+    rows, width = counts.shape
+    others_q = np.full(rows, np.nan)
+    exceed = np.zeros(rows, dtype=np.int64)
+    if width and rows:
+        others = counts.sum(axis=0)[None, :] - counts  # [SMs, buckets]: every other SM's CTAs
+        others_zero = zeros.sum() - zeros
+        others_n = own.sum() - own
+        cumulative = np.cumsum(others, axis=1) + others_zero[:, None]
+        rank = np.maximum(1, np.ceil(q * others_n)).astype(np.int64)
+        at = np.minimum(np.argmax(cumulative >= rank[:, None], axis=1), width - 1)
+        in_zero = rank <= others_zero  # the reference is a zero duration: every non-zero CTA exceeds it
+        above = np.cumsum(counts[:, ::-1], axis=1)[:, ::-1]  # CTAs in bucket j or above
+        exceed = np.where(at + 1 < width, above[np.arange(rows), np.minimum(at + 1, width - 1)], 0)
+        exceed = np.where(in_zero, own - zeros, exceed)
+        estimate = np.clip(_bucket_value(scale, offset + at), _leave_one_out(np.asarray(minimum, float), np.minimum),
+                           _leave_one_out(np.asarray(maximum, float), np.maximum))
+        others_q = np.where(others_n > 0, np.where(in_zero, 0.0, estimate), np.nan)
+    return SlotEvidence(own, exceed.astype(np.int64), np.asarray(own_q, dtype=np.float64), others_q)
+
+
+@dataclass
+class SlotContention:
+    """The tests' answers for one (kernel, slot), per SM (``sms``, in the evidence's order
+    plus the GPU's SMs that ran none, appended)."""
+
+    sms: list[str]
+    ctas: np.ndarray
+    expected_ctas: float | None  # per SM: the slot's wide-launch CTAs over the SM count (None: not tested)
+    exceed_share: np.ndarray  # share of its CTAs above the others' P90 (NaN: none)
+    slow_bound: np.ndarray  # bound on the chance of so many exceeding with nothing wrong
+    starve_bound: np.ndarray
+    slow: np.ndarray  # bool
+    starved: np.ndarray  # bool
+    score: np.ndarray  # max(own P90 / others' P90, expected / own CTAs <= 100); NaN when neither is known
+    p90_s: np.ndarray  # its own CTA P90 (NaN: no CTAs)
+
+    @property
+    def flagged(self) -> np.ndarray:
+        return self.slow | self.starved
+
+    def reasons(self, i: int) -> list[str]:
+        return [name for name, hit in (("slow", self.slow[i]), ("starved", self.starved[i])) if hit]
+
+
+def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: ContentionConfig) -> SlotContention:
+    """Both tests over one slot's ``evidence`` (rows named ``sms``). SMs ``0..num_sms-1``
+    missing from ``sms`` ran no CTA: they are appended with zero counts."""
+    names = list(sms)
+    known = set(names)
+    missing = [str(i) for i in range(num_sms) if str(i) not in known]
+    pad = len(missing)
+    ctas = np.concatenate([evidence.ctas, np.zeros(pad, dtype=np.int64)])
+    exceed = np.concatenate([evidence.exceed, np.zeros(pad, dtype=np.int64)])
+    own_q = np.concatenate([evidence.own_q, np.full(pad, np.nan)])
+    others_q = np.concatenate([evidence.others_q, np.full(pad, np.nan)])
+    names += missing
+    level = config.alpha / max(len(names), 1)
+    total = int(ctas.sum())
+    # CTAs the block scheduler had to spread over every SM: only these give an SM a share
+    # it should get (launches narrower than the GPU leave SMs out by the scheduler's choice)
+    wide = total if evidence.wide_ctas is None else min(total, evidence.wide_ctas)
+    null_share = 1.0 - REFERENCE_QUANTILE
+    with np.errstate(divide="ignore", invalid="ignore"):
+        exceed_share = np.where(ctas > 0, exceed / np.maximum(ctas, 1), np.nan)
+        slow_bound = binomial_tail_bound(exceed, ctas, null_share, upper=True)
+        # narrow launches place the same CTA (a long sequence's, say) on the same SMs launch
+        # after launch: their durations say nothing of the SM, so the test needs wide ones
+        slow = ((slow_bound <= level) & (exceed_share >= config.slow_share) & ~np.isnan(others_q)
+                & (wide >= WIDE_SHARE_FOR_SLOW * total))
+        slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
+    expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
+    if expected is not None:
+        # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, 1/S) <= k)
+        starve_bound = binomial_tail_bound(ctas, wide, 1.0 / num_sms, upper=False)
+        starved = (starve_bound <= level) & (ctas < config.starve_ratio * expected)
+        starve_factor = np.minimum(expected / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
+    else:
+        starve_bound = np.ones(len(names))
+        starved = np.zeros(len(names), dtype=bool)
+        starve_factor = np.full(len(names), np.nan)
+    score = np.fmax(slow_factor, starve_factor)
+    return SlotContention(names, ctas, expected, exceed_share, slow_bound, starve_bound, slow, starved, score, own_q)
+
+
+@dataclass
+class ContendedSm:
+    """An SM flagged in at least one slot of a window."""
+
+    sm: str
+    score: float | None  # the largest score of the slots it was flagged in
+    reasons: tuple[str, ...]  # "slow" and/or "starved", over those slots
+    slots_flagged: int
+    slots: int  # slots of the window with CTAs of the kernel
+
+
+def contended_sms(slots: list[SlotContention]) -> dict[str, ContendedSm]:
+    """Per SM flagged in any of ``slots``: its largest score, reasons and how many slots
+    flagged it. Each slot keeps its own bound (alpha), so over k slots at most k * alpha."""
+    out: dict[str, ContendedSm] = {}
+    for slot in slots:
+        for i in np.flatnonzero(slot.flagged).tolist():
+            sm, score = slot.sms[i], float(slot.score[i])
+            score = score if math.isfinite(score) else None
+            found = out.get(sm)
+            if found is None:
+                out[sm] = ContendedSm(sm, score, tuple(slot.reasons(i)), 1, len(slots))
+            else:
+                found.slots_flagged += 1
+                found.reasons = tuple(r for r in ("slow", "starved") if r in found.reasons or r in slot.reasons(i))
+                if score is not None and (found.score is None or score > found.score):
+                    found.score = score
+    return dict(sorted(out.items(), key=lambda kv: (-(kv[1].score or 0.0), kv[0])))
+
+
+# -- the P99 hotspot ratio ------------------------------------------------------------------
+@dataclass
+class HotspotSummary:
+    """An SM's hotspot score is its P99 CTA duration over the median of all SMs' P99s; the
+    ratio is the largest score, the hottest SM the one with it (ties: the larger label)."""
+
+    scores: dict[str, float]
+    p99_s: dict[str, float]
+    median_p99_s: float | None
+    ratio: float | None
+    hottest_sm: str | None
+
+
+def hotspots(p99_s: dict[str, float]) -> HotspotSummary:
+    """Scores of the SMs in ``p99_s`` (NaN P99s, SMs that ran nothing, are left out)."""
+    p99 = {sm: float(v) for sm, v in p99_s.items() if not math.isnan(v)}
+    median, ratio, hottest = hottest_sm(list(p99), np.fromiter(p99.values(), float, len(p99)))
+    if median is None:
+        return HotspotSummary({}, {}, None, None, None)
+    if median <= 0:
+        return HotspotSummary({sm: math.nan for sm in p99}, p99, median, None, None)
+    return HotspotSummary({sm: v / median for sm, v in p99.items()}, p99, median, ratio, hottest)
+
+
+def hottest_sm(sms: list[str], p99_s: np.ndarray) -> tuple[float | None, float | None, str | None]:
+    """(median SM P99, hotspot ratio, hottest SM) of ``p99_s`` [SMs] (NaN: left out), in one
+    pass over the array: what :func:`hotspots` answers, without a score per SM."""
+    valid = ~np.isnan(p99_s)
+    if not valid.any():
+        return None, None, None
+    p99 = p99_s[valid]
+    median = float(np.median(p99))
+    if median <= 0:
+        return median, None, None
+    scores = p99 / median
+    ratio = float(scores.max())
+    ties = np.flatnonzero(valid)[scores == ratio]
+    return median, ratio, max(sms[i] for i in ties.tolist())

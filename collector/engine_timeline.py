@@ -1,0 +1,257 @@
+"""The engine's recent steps and queue, as facts decoded once from the trace store.
+
+:class:`EngineTimeline` turns the store's ``engine.step`` spans (kind, tokens, compiles, and
+for a traced step the GPU time of its kernels) and its request roots (arrival, time in the
+queue, priority) into arrays that ``explain`` queries by time: which steps ran while a
+request lived, how long they took against what a step of that kind and size usually takes
+on that engine in the store (where most of its steps lie: the median of their densest half),
+the time with no step running, and how many requests waited when one arrived.
+Guarantee: only what the store holds is counted; a span is decoded once, again only when
+its trace grew. Cost: one protobuf decode per new step, kernel and queue span per
+:meth:`refresh` (under the store's lock), then O(steps) numpy per query.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..instrumentation import semconv as sc
+
+__all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", "usual_value"]
+
+KINDS = ("decode", "prefill", "mixed")  # a step's tokens: decode only, prefill only, both
+_KERNEL, _SUMMARY = sc.SPAN_KERNEL_PREFIX, sc.SPAN_KERNEL_SUMMARY_PREFIX
+_MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a token's cost
+
+
+def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
+    """Where most of ``values`` lie: the median of their shortest half (the densest half of
+    the sorted values). A slowdown in fewer than half of the steps leaves it where the
+    others are, where a plain median would move toward the slow ones."""
+    x = np.sort(values[np.isfinite(values)])
+    if not x.size:
+        return default
+    half = (x.size + 1) // 2
+    widths = x[half - 1:] - x[:x.size - half + 1]
+    i = int(np.argmin(widths))
+    return float(np.median(x[i:i + half]))
+
+
+def _number(value, default=0.0) -> float:
+    try:
+        return float(value) if value is not None else default
+    except (TypeError, ValueError):
+        return default
+
+
+@dataclass(slots=True)
+class StepFacts:
+    """One ``engine.step`` span, decoded."""
+
+    start_ns: int
+    end_ns: int
+    kind: int  # index into KINDS
+    prefill_tokens: int
+    decode_tokens: int
+    jit_compiles: int
+    busy_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced)
+    step_id: int | None
+    instance: str
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    """A stored request's wait: when it arrived, when the scheduler took it, its priority."""
+
+    trace_id: bytes
+    arrival_ns: int
+    left_ns: int
+    priority: float  # lower is more urgent (NaN: not known)
+    instance: str
+
+
+def _step_facts(trace, step) -> StepFacts:
+    record = step.record()
+    a = record.attributes
+    prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
+    kind = 0 if prefill == 0 else (1 if decode == 0 else 2)
+    busy, traced = 0.0, False
+    own = bytes.fromhex(record.span_id)
+    for span in trace.spans:
+        name = span.name
+        if not (name.startswith(_KERNEL) or name.startswith(_SUMMARY)) or span.parent_span_id != own:
+            continue
+        traced = True
+        if name.startswith(_SUMMARY):  # many launches: their summed time, not the span's extent
+            busy += _number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
+        else:
+            busy += span.duration_s
+    step_id = a.get(sc.STEP_ID)
+    return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
+                     int(_number(a.get(sc.STEP_JIT_COMPILES))), busy if traced else float("nan"),
+                     int(_number(step_id)) if step_id is not None else None, step.instance)
+
+
+def _queue_entry(trace) -> QueueEntry:
+    root = trace.request_root
+    record = root.record()
+    queue = next((s for s in trace.spans if s.name == sc.SPAN_QUEUE), None)
+    if queue is not None:
+        arrival, left = queue.start_time_unix_nano, queue.end_time_unix_nano
+    else:
+        arrival = record.start_time_unix_nano
+        left = arrival + int(_number(record.attributes.get(sc.REQUEST_QUEUE_S)) * 1e9)
+    priority = _number(record.attributes.get(sc.REQUEST_PRIORITY), float("nan"))
+    return QueueEntry(trace.trace_id, arrival, left, priority, root.instance)
+
+
+@dataclass
+class WindowSteps:
+    """The steps that overlapped a window, against the usual (see :meth:`EngineTimeline.window`)."""
+
+    steps: int
+    slowdown: float | None  # median of each step's duration over the usual for its kind and tokens
+    traced: int
+    gpu_slowdown: float | None  # traced steps: median GPU time over the usual
+    host_slowdown: float | None  # traced steps: median (step - GPU time) over the usual
+    idle_excess_s: float  # time in the window with no step running, beyond the usual gaps
+    compiles: list[dict]  # steps that compiled kernels: step_id, jit_compiles, duration_s
+
+
+class EngineTimeline:
+    """See the module docstring. Not thread-safe: its owner calls it from one query at a time
+    (``refresh`` inside ``TraceStore.read``)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[bytes, tuple[int, list[StepFacts]]] = {}  # trace id -> (its spans, facts)
+        self._queues: dict[bytes, tuple[int, QueueEntry]] = {}
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._usual: dict[str | None, dict[str, float]] = {}  # per instance (None: all of them)
+
+    # -- building -------------------------------------------------------------------------
+    def refresh(self, store) -> None:
+        """Decodes what the store gained since the last call and forgets what it evicted."""
+        steps, queues, changed = {}, {}, False
+        for trace in store.traces():
+            n = len(trace.spans)
+            if trace.step_spans:
+                known = self._steps.get(trace.trace_id)
+                if known is None or known[0] != n:
+                    known = (n, [_step_facts(trace, s) for s in trace.step_spans])
+                    changed = True
+                steps[trace.trace_id] = known
+            if trace.request_root is not None:
+                known = self._queues.get(trace.trace_id)
+                if known is None or known[0] != n:
+                    known = (n, _queue_entry(trace))
+                queues[trace.trace_id] = known
+        changed = changed or len(steps) != len(self._steps)
+        self._steps, self._queues = steps, queues
+        if changed or self._arrays is None:
+            self._build()
+
+    def _build(self) -> None:
+        facts = sorted((f for _, fs in self._steps.values() for f in fs), key=lambda f: f.start_ns)
+        a = {"start": np.array([f.start_ns for f in facts], dtype=np.int64),
+             "end": np.array([f.end_ns for f in facts], dtype=np.int64),
+             "kind": np.array([f.kind for f in facts], dtype=np.int64),
+             "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
+             "busy": np.array([f.busy_s for f in facts], dtype=np.float64),
+             "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
+             "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
+             "instance": np.array([f.instance for f in facts], dtype=object)}
+        a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
+        self._arrays = a
+        # each engine against its own usual: engines of other models or devices share the store
+        self._usual = {None: self._fit(a)}
+        for instance in set(a["instance"].tolist()):
+            mine = a["instance"] == instance
+            self._usual[instance] = self._fit({k: v[mine] for k, v in a.items()})
+
+    @staticmethod
+    def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
+        """The usual step: a decode-only step's duration, plus a cost per prefill token; the
+        same for GPU time (traced steps), a traced step's host time and the gap between steps.
+        Each is the median of the shortest half of the values (:func:`usual_value`)."""
+        decode = a["kind"] == 0
+        prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
+        base = usual_value(a["duration"][decode], 0.0)
+        per_token = usual_value((a["duration"][prefilled] - base) / a["prefill"][prefilled], 0.0)
+        traced = np.isfinite(a["busy"])
+        busy_base = usual_value(a["busy"][decode & traced], 0.0)
+        busy_token = usual_value((a["busy"][prefilled & traced] - busy_base) / a["prefill"][prefilled & traced], 0.0)
+        return {"duration": base, "duration_per_token": max(0.0, per_token),
+                "busy": busy_base, "busy_per_token": max(0.0, busy_token),
+                "host": usual_value(a["duration"][traced] - a["busy"][traced]),
+                "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
+
+    # -- queries ----------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        return 0 if self._arrays is None else len(self._arrays["start"])
+
+    def usual(self, instance: str | None = None) -> dict[str, float]:
+        """The usual step of ``instance``'s engine (all steps when it has none): durations in
+        seconds, per-token costs."""
+        return dict(self._usual.get(instance) or self._usual.get(None) or {})
+
+    def window(self, start_ns: int, end_ns: int, instance: str | None = None) -> WindowSteps:
+        """The steps that overlapped ``[start_ns, end_ns]`` (of ``instance``, when it has steps)."""
+        a = self._arrays
+        if a is None or not len(a["start"]):
+            return WindowSteps(0, None, 0, None, None, 0.0, [])
+        inside = (a["start"] < end_ns) & (a["end"] > start_ns)
+        if instance is not None and (a["instance"] == instance).any():
+            inside &= a["instance"] == instance
+        u = self.usual(instance)
+        idx = np.flatnonzero(inside)
+        if not idx.size:
+            return WindowSteps(0, None, 0, None, None, (end_ns - start_ns) / 1e9, [])
+        prefill = a["prefill"][idx]
+        expected = u["duration"] + u["duration_per_token"] * prefill
+        duration = a["duration"][idx]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            slowdown = float(np.median(duration / expected)) if (expected > 0).all() else None
+            busy = a["busy"][idx]
+            traced = np.isfinite(busy)
+            gpu = host = None
+            if traced.any():
+                want = u["busy"] + u["busy_per_token"] * prefill[traced]
+                if (want > 0).all():
+                    gpu = float(np.median(busy[traced] / want))
+                if np.isfinite(u["host"]) and u["host"] > 0:
+                    host = float(np.median((duration[traced] - busy[traced]) / u["host"]))
+        # time in the window with no step running, beyond a usual gap before each step
+        lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
+        covered, reach = 0, start_ns
+        for s, e in zip(lo.tolist(), hi.tolist()):
+            if e > reach:
+                covered += e - max(s, reach)
+                reach = e
+        idle = (end_ns - start_ns - covered) / 1e9
+        # steps of an engine that schedules ahead overlap: a negative usual gap counts as none
+        usual_gap = max(0.0, u["gap"]) if np.isfinite(u["gap"]) else 0.0
+        compiles = [{"step_id": int(a["step_id"][i]) if a["step_id"][i] >= 0 else None,
+                     "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
+                    for i in idx[a["compiles"][idx] > 0].tolist()]
+        return WindowSteps(int(idx.size), slowdown, int(traced.sum()), gpu, host,
+                           max(0.0, idle - usual_gap * idx.size), compiles)
+
+    def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
+                 instance: str | None = None) -> dict:
+        """When a request arrived: how many stored requests waited (``depth``), how many of
+        them more urgent (``ahead_more_urgent``), and how many more urgent ones arrived while
+        it waited and left the queue before it (``overtaken_by``)."""
+        depth = ahead = overtaken = 0
+        for tid, (_, q) in self._queues.items():
+            if tid == trace_id or (instance is not None and q.instance != instance):
+                continue
+            urgent = q.priority < priority  # NaN compares False: unknown is not more urgent
+            if q.arrival_ns <= arrival_ns < q.left_ns:
+                depth += 1
+                ahead += urgent
+            elif arrival_ns < q.arrival_ns < left_ns and q.left_ns <= left_ns and urgent:
+                overtaken += 1
+        return {"depth": depth, "ahead_more_urgent": ahead, "overtaken_by": overtaken}

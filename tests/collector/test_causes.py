@@ -1,0 +1,271 @@
+"""The cause ``explain`` names for a slow request: one hand-built trace per cause class.
+
+Each scenario is a minute of an engine's life sent to a real aggregator as OTLP: decode
+steps back to back (18 ms, every tenth traced with its kernels' GPU time), a prefill step
+now and then, background requests, per-SM CTA points every 10 s slot; then one target
+request and what was planted around it. The answer is known by construction.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sightline.collector.causes import CauseConfig, CauseEvidence, classify
+from sightline.collector.explain import explain_slowest, explain_trace
+from sightline.collector.query_cli import format_explanation
+from sightline.instrumentation import semconv as sc
+from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics, otlp_span, otlp_traces
+
+T = T0_S - 100  # a multiple of the 10 s slot: slots start at T, T + 10, ...
+STEP_S, GAP_S, GPU_S = 0.018, 0.002, 0.015  # a usual decode step: its time, the gap after, its GPU time
+PREFILL_TOKENS, PREFILL_S, PREFILL_GPU_S = 512, 0.040, 0.036
+SMS, CTAS, CTA_S = 16, 200, 20e-6
+TARGET = (9, 9)  # the target request's trace id kind and index
+SERVER = 2
+
+
+def tid(kind: int, i: int) -> bytes:
+    return bytes([kind, i % 256, i // 256, 0]) * 4
+
+
+def sid(kind: int, i: int, j: int = 0) -> bytes:
+    return bytes([kind, i % 256, i // 256, j])
+
+
+class Scenario:
+    """The engine's minute: ``steps`` [(start, duration, prefill tokens, gpu time or None,
+    jit compiles)], requests, and per-slot CTA durations per SM."""
+
+    def __init__(self, until_s: float = 60.0) -> None:
+        self.steps = []
+        t, n = T, 0
+        while t < T + until_s:
+            prefill = PREFILL_TOKENS if n % 25 == 12 else 0
+            duration, gpu = (PREFILL_S, PREFILL_GPU_S) if prefill else (STEP_S, GPU_S)
+            self.steps.append([t, duration, prefill, gpu if n % 10 == 0 else None, 0])
+            t += duration + GAP_S
+            n += 1
+        # slot start -> SM -> (CTAs, duration of each)
+        self.ctas = {T + 10 * k: {sm: (CTAS, CTA_S) for sm in range(SMS)} for k in range(int(until_s // 10))}
+        self.requests = []  # (trace kind, index, start, queue end, prefill end, end, priority)
+        for i in range(int(until_s * 2)):
+            start = T + 0.5 * i + 0.25
+            self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
+
+    def between(self, a: float, b: float):
+        return [s for s in self.steps if s[0] < T + b and s[0] + s[1] > T + a]
+
+    def target(self, start: float, queue_s: float, e2e: float, priority: int = 1) -> None:
+        s = T + start
+        self.requests.append((*TARGET, s, s + queue_s, s + queue_s + 0.05, s + e2e, priority))
+
+    def send(self, agg) -> None:
+        spans = []
+        for n, (start, duration, prefill, gpu, compiles) in enumerate(self.steps):
+            end = start + duration
+            links = [(tid(kind, i), sid(kind, i)) for kind, i, a, q, _, b, _ in self.requests if q < end and b > start]
+            attrs = {sc.STEP_ID: n, sc.STEP_BATCH_SIZE: len(links) or 1, sc.STEP_PREFILL_TOKENS: prefill,
+                     sc.STEP_DECODE_TOKENS: len(links)}
+            if compiles:
+                attrs[sc.STEP_JIT_COMPILES] = compiles
+            spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
+            if gpu is not None:  # a traced step: one summary span of its kernels' GPU time
+                spans.append(otlp_span(sc.SPAN_KERNEL_SUMMARY_PREFIX + "gemm", tid(3, n), sid(3, n, 1), start,
+                                       start + gpu, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: "gemm",
+                                                     sc.KERNEL_TOTAL_DURATION_S: gpu, sc.KERNEL_LAUNCHES: 40},
+                                       parent=sid(3, n)))
+        for kind, i, start, queue_end, prefill_end, end, priority in self.requests:
+            root = (tid(kind, i), sid(kind, i))
+            spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, *root, start, end, {
+                sc.GEN_AI_REQUEST_MODEL: "tiny", sc.REQUEST_PRIORITY: priority, sc.REQUEST_E2E_S: end - start},
+                kind=SERVER))
+            spans.append(otlp_span(sc.SPAN_QUEUE, root[0], sid(kind, i, 1), start, queue_end, parent=root[1]))
+            spans.append(otlp_span(sc.SPAN_PREFILL, root[0], sid(kind, i, 2), queue_end, prefill_end, parent=root[1]))
+            spans.append(otlp_span(sc.SPAN_DECODE, root[0], sid(kind, i, 3), prefill_end, end, parent=root[1]))
+        agg.consume_traces(otlp_traces(spans))
+        for slot, per_sm in sorted(self.ctas.items()):
+            points = [otlp_cta_point(0, sm, "sightline_paged_decode", np.full(n, d), slot + 9.9)
+                      for sm, (n, d) in per_sm.items() if n]
+            agg.consume_metrics(otlp_metrics(points))
+
+
+def explained(scenario: Scenario):
+    agg = make_aggregator()
+    scenario.send(agg)
+    one = explain_trace(agg, tid(*TARGET).hex())
+    return agg, one
+
+
+def slow_steps(scenario: Scenario, a: float, b: float, factor: float, gpu_factor: float) -> None:
+    """Steps in [a, b) take ``factor`` x their time, traced ones ``gpu_factor`` x their GPU time."""
+    for s in scenario.between(a, b):
+        s[1] *= factor
+        if s[3] is not None:
+            s[3] *= gpu_factor
+
+
+def test_sm_contention_names_the_starved_sms_and_their_scores():
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.5)
+    for sm in (0, 1, 2, 3):  # a neighbour on 4 of 16 SMs in the slot T+40..50: a tenth of their share
+        sc_.ctas[T + 40][sm] = (20, CTA_S)
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_SM_CONTENTION, cause
+    assert cause.evidence["sms"] == ["0", "1", "2", "3"]
+    assert {s["reasons"][0] for s in cause.evidence["contended_sms"]} == {"starved"}
+    # (16 * 200 - 4 * 180) / 16 CTAs were each SM's share; they ran 20
+    assert cause.evidence["contended_sms"][0]["score"] == pytest.approx((12 * 200 + 4 * 20) / 16 / 20)
+    assert cause.evidence["engine_slowdown"] == pytest.approx(1.5, rel=0.01)
+    assert "other SMs in the same slots" in cause.compared_with
+
+
+def test_device_contention_every_sm_and_the_gpu_time_slower_alike():
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.5)
+    sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.6) for sm in range(SMS)}
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_DEVICE_CONTENTION, cause
+    assert cause.evidence["gpu_slowdown"] == pytest.approx(1.5, rel=0.01)
+    # the slot's median SM P90 over the median of the six slots' (five at 20 us, one at 32)
+    assert cause.evidence["cta_slowdown"] == pytest.approx(1.6, rel=0.02)
+    assert cause.evidence["cta_spread"] == pytest.approx(1.0)  # flat: every SM alike
+
+
+def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.6, 1.0)  # host time per step 3 -> 13.8 ms, GPU time 15 ms as ever
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_HOST_STALL, cause
+    assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
+    assert cause.evidence["host_slowdown"] == pytest.approx((STEP_S * 1.6 - GPU_S) / (STEP_S - GPU_S), rel=0.01)
+
+
+def test_host_stall_from_time_with_no_step_running():
+    sc_ = Scenario()
+    # the engine loop stopped stepping for 0.9 s (a GIL held elsewhere); the steps themselves usual
+    sc_.steps = [s for s in sc_.steps if not T + 40.5 <= s[0] < T + 41.4]
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_HOST_STALL, cause
+    assert cause.evidence["idle_excess_s"] == pytest.approx(0.9, abs=0.03)
+
+
+def test_queueing_with_the_priority_and_the_queue_it_found():
+    sc_ = Scenario()
+    # 5 urgent requests wait when it arrives (priority 0); 3 more arrive while it waits and go first
+    for k in range(5):
+        sc_.requests.append((4, k, T + 39.9, T + 40.6 + 0.1 * k, T + 40.7 + 0.1 * k, T + 41.5, 0))
+    for k in range(3):
+        sc_.requests.append((5, k, T + 40.3 + 0.1 * k, T + 41.2, T + 41.25, T + 42.0, 0))
+    sc_.target(40.0, 1.5, 2.0, priority=2)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_QUEUEING, cause
+    ev = cause.evidence
+    assert (ev["queue_s"], ev["priority"]) == (pytest.approx(1.5), "2")
+    # overtaken: those 3, and the 3 background requests (priority 1) that arrived at +0.25, +0.75
+    # and +1.25 s and were taken within 5 ms
+    assert (ev["depth"], ev["ahead_more_urgent"], ev["overtaken_by"]) == (5, 5, 6)
+    assert "waited 1500 ms of 2000 ms in the queue (priority 2; 5 waiting when it arrived" in cause.summary
+
+
+def test_compile_names_the_step_that_compiled():
+    sc_ = Scenario()
+    [step] = [s for s in sc_.steps if s[0] >= T + 40.5][:1]
+    step[1], step[4] = 0.8, 3  # a step that compiled three kernels while serving
+    sc_.steps = [s for s in sc_.steps if not step[0] < s[0] < step[0] + 0.8]
+    sc_.target(40.2, 0.01, 1.6)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_COMPILE, cause
+    [c] = cause.evidence["compile_steps"]
+    assert c["jit_compiles"] == 3 and c["duration_s"] == pytest.approx(0.8)
+    assert c["step_id"] == sc_.steps.index(step)
+
+
+def test_prefill_interference_in_its_decode_steps():
+    sc_ = Scenario()
+    # from its first token on, every step it rides also carries another request's 512-token
+    # prefill: each takes the usual 40 ms for that, where a decode-only step takes 18
+    for s in sc_.between(40.3, 41.5):
+        s[1], s[2], s[3] = PREFILL_S, PREFILL_TOKENS, None
+    sc_.target(40.2, 0.01, 1.3)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_PREFILL_INTERFERENCE, cause
+    assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
+    assert cause.evidence["interference_s"] == pytest.approx(
+        sum(PREFILL_S - STEP_S for s in sc_.between(40.26, 41.5) if s[0] >= T + 40.26), rel=0.05)
+
+
+def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
+    sc_ = Scenario()
+    sc_.target(40.2, 0.01, 1.2)
+    agg, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_UNKNOWN and one.cause.evidence["engine_slowdown"] == pytest.approx(1.0)
+    result = explain_slowest(agg, quantile=0.0, limit=200)
+    mine = next(r for r in result.requests if r.trace_id == tid(*TARGET).hex())
+    assert mine.cause == one.cause
+    as_json = json.loads(json.dumps(result.to_dict()))
+    assert {r["cause"]["name"] for r in as_json["requests"]} <= set(sc.CAUSES)
+    text = format_explanation(as_json)
+    assert f"  cause: unknown: {one.cause.summary}" in text and "compared with: the usual step" in text
+
+
+def test_the_rules_order_and_config_checks():
+    base = CauseEvidence(e2e_s=1.0, queue_s=0.6, decode_s=0.3, priority="2", engine_slowdown=1.5,
+                         gpu_slowdown=1.0, traced_steps=3)
+    assert classify(base).name == sc.CAUSE_HOST_STALL  # a slow engine explains the wait too
+    assert classify(CauseEvidence(**{**base.__dict__, "engine_slowdown": 1.0})).name == sc.CAUSE_QUEUEING
+    assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
+    with pytest.raises(ValueError, match="engine_slow=1.0"):
+        CauseConfig(engine_slow=1.0)
+    with pytest.raises(ValueError, match="queue_share=0"):
+        CauseConfig(queue_share=0)
+
+
+def test_slow_requests_are_counted_once_by_cause_on_metrics():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from sightline.collector.exposition import metrics_page
+
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.6, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    agg = make_aggregator(slow_request_quantile=1.0)  # the slowest request only: the target
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+
+    def counted() -> dict[str, float]:
+        text = metrics_page(registry, agg)[0].decode()
+        return {s.labels[sc.LABEL_CAUSE]: s.value for f in text_string_to_metric_families(text)
+                if f.name == sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED for s in f.samples if s.name.endswith("_total")}
+
+    assert counted() == dict.fromkeys(sc.CAUSES, 0.0)  # present before any request
+    sc_.send(agg)
+    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}
+    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}  # once
+    assert make_aggregator(slow_request_quantile=None).slow_request_causes() is None
+
+
+def test_the_usual_is_where_most_values_lie_not_pulled_by_a_slow_minority():
+    from sightline.collector.engine_timeline import usual_value
+
+    assert usual_value(np.array([1.0, 2.0, 3.0, 100.0, 101.0])) == 2.0  # the densest 3 of 5: 1, 2, 3
+    # 40 % of the steps 1.5x slower: the median moves up into the normal ones' tail (10.83), the
+    # usual stays at the middle of the normal ones (10 .. 11)
+    values = np.concatenate([np.linspace(10, 11, 60), np.linspace(14, 16, 40)])
+    assert np.median(values) > 10.8 and 10.4 <= usual_value(values) <= 10.5
+    assert usual_value(np.array([10.0] * 51 + [20.0] * 49)) == 10.0
+    assert np.isnan(usual_value(np.array([np.nan]))) and usual_value(np.array([]), 0.0) == 0.0

@@ -1,0 +1,98 @@
+"""bench/scenario_analysis.py on a run recorded by hand: scrapes whose alert conditions are
+known second by second, findings and explanations of planted intervals, the runs pooled."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.scenario_analysis import (ALERT_OF, AlertClock, AlertRules, format_summary, pool, score_interval,
+                                     summarize)
+from sightline.deploy.prometheus_rules import SM_CONTENTION_ALERT
+from sightline.instrumentation import semconv as sc
+
+HOST, DEVICE = "SightlineHostStall", "SightlineDeviceContention"
+
+
+def scrape(t: float) -> str:
+    """SMs 3 and 7 flagged from t = 60 to 100; host-stall explanations counted at one per 2 s
+    from t = 120 to 160; two queueing ones at t = 10."""
+    lines = [f"# HELP {sc.COLLECTOR_SM_CONTENTION_SCORE} x", f"# TYPE {sc.COLLECTOR_SM_CONTENTION_SCORE} gauge"]
+    if 60 <= t < 100:
+        lines += [f'{sc.COLLECTOR_SM_CONTENTION_SCORE}{{gpu="0",kernel="k",sm="{sm}"}} 4.0' for sm in (3, 7)]
+    host = 0 if t < 120 else min(20, (t - 120) // 2)
+    counts = {**dict.fromkeys(sc.CAUSES, 0), sc.CAUSE_HOST_STALL: host, sc.CAUSE_QUEUEING: 2 if t >= 10 else 0}
+    counter = sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED + "_total"  # as prometheus_client's text format names it
+    lines += [f"# HELP {counter} x", f"# TYPE {counter} counter"]
+    lines += [f'{sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED}_total{{cause="{c}"}} {n}' for c, n in counts.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def episodes():
+    clock = AlertClock(AlertRules(for_s=5.0, cause_window_s=60.0))
+    for t in range(0, 202, 2):
+        clock.observe(float(t), scrape(t))
+    return clock.episodes()
+
+
+def test_alerts_fire_after_their_condition_held_for_the_wait(episodes):
+    # contention from 60: pending at 60, held 6 s at 66 (the first scrape past 5 s); gone at 100
+    assert episodes[SM_CONTENTION_ALERT] == [[66.0, 100.0]]
+    # host stalls: 3 within the last 60 s at t = 126 (and 3 of 3 explained then): firing from 132,
+    # still at 200 (20 - 10 = 10 counted since t = 140)
+    assert episodes[HOST] == [[132.0, None]]
+    assert episodes[DEVICE] == []
+
+
+def test_an_interval_scored_against_what_was_planted(episodes):
+    findings = [{"kernel": "k", "planted": [3, 7, 11], "flagged": {"3": 4.0, "7": 4.0}, "slots": 3,
+                 "precision": 1.0, "recall": 2 / 3},
+                {"kernel": "j", "planted": [3, 7, 11], "flagged": {}, "slots": 3, "precision": None, "recall": 0.0}]
+    slowest = [{"cause": {"name": sc.CAUSE_SM_CONTENTION}}] * 9 + [{"cause": {"name": sc.CAUSE_QUEUEING}}]
+    row = score_interval({"kind": "sm_neighbour", "start_unix_s": 60.0, "end_unix_s": 95.0, "sms": [3, 7, 11]},
+                         findings, slowest, episodes)
+    assert row["kernels"]["k"] == {"planted": 3, "flagged": 2, "true_positives": 2, "precision": 1.0,
+                                   "recall": 2 / 3, "slots": 3}
+    assert row["causes"] == {sc.CAUSE_SM_CONTENTION: 9, sc.CAUSE_QUEUEING: 1} and row["cause_share"] == 0.9
+    assert (row["alert"], row["onset_to_alert_s"], row["alert_how"]) == (SM_CONTENTION_ALERT, 6.0, "fired")
+    assert row["alerts_fired"] == [SM_CONTENTION_ALERT]
+    # a control interval while the host-stall alert still fires: it counts against the control
+    control = score_interval({"kind": "control", "start_unix_s": 170.0, "end_unix_s": 200.0},
+                             [dict(findings[1], planted=[], recall=None)], [], episodes)
+    assert control["alerts_fired"] == [HOST] and control["alert"] is None and control["cause_share"] is None
+    # an alert already firing when the interval starts counts 0 s, and says so
+    again = score_interval({"kind": "host_stall", "start_unix_s": 150.0, "end_unix_s": 180.0}, [], [], episodes)
+    assert (again["onset_to_alert_s"], again["alert_how"]) == (0.0, "already firing at the onset")
+    late = score_interval({"kind": "hbm_hog", "start_unix_s": 0.0, "end_unix_s": 30.0}, [], [], episodes)
+    assert (late["onset_to_alert_s"], late["alert_how"]) == (None, "did not fire")
+    assert set(ALERT_OF) == {"sm_neighbour", "hbm_hog", "host_stall", "priority_burst", "control"}
+
+
+def test_runs_pooled_per_scenario_with_the_bounds_checked(episodes):
+    def neighbour(precision: float, recall: float, onset: float) -> dict:
+        findings = [{"kernel": "k", "planted": list(range(10)), "flagged": dict.fromkeys(map(str, range(9)), 2.0),
+                     "slots": 3, "precision": precision, "recall": recall}]
+        row = score_interval({"kind": "sm_neighbour", "start_unix_s": onset, "end_unix_s": onset + 30,
+                              "sms": list(range(10))}, findings,
+                             [{"cause": {"name": sc.CAUSE_SM_CONTENTION}}] * 10, episodes)
+        return dict(row, scenario="sm_quarter")
+
+    runs = [neighbour(1.0, 0.9, 60.0), neighbour(0.95, 1.0, 58.0), neighbour(1.0, 0.8, 60.0)]
+    control = dict(score_interval({"kind": "control", "start_unix_s": 0.0, "end_unix_s": 50.0},
+                                  [{"kernel": "k", "planted": [], "flagged": {}, "slots": 5, "precision": None,
+                                    "recall": None}], [], episodes), scenario="control")
+    summary = summarize(runs + [control])
+    quarter = summary["sm_quarter"]
+    assert quarter["runs"] == 3 and quarter["kernels"]["k"]["recall"] == {"min": 0.8, "median": 0.9, "max": 1.0,
+                                                                          "runs": 3}
+    assert quarter["onset_to_alert_s"] == {"min": 6.0, "median": 6.0, "max": 8.0, "runs": 3}
+    # one run's recall 0.8 breaks "every interval of every run"
+    assert quarter["checks"] == {"sms_found": {"k": False}, "cause": True, "onset_to_alert": True}
+    assert summary["control"]["checks"] == {"no_sm_flagged": True, "no_alert": True}
+    table = format_summary(summary)
+    assert "| sm_quarter | 3 | k | 1.00 [0.95, 1.00] | 0.90 [0.80, 1.00] | 9 | 1.00 | 6.0 [6.0, 8.0] |" in table
+    assert "sms_found {'k': False}" in table
+    # result files of separate calls pooled: their runs numbered on
+    pooled = pool([{"scored": [dict(runs[0], run=1), dict(control, run=1)]},
+                   {"scored": [dict(runs[1], run=1), dict(runs[2], run=2)]}])
+    assert pooled == summary
