@@ -12,8 +12,7 @@ every sampling option, reading ``sightline_engine_jit_compiles_total`` before an
 Then the server restarts on the same cache: start-up and first TTFT again. The issue's
 bounds are checked: first TTFT <= 2x the warm median, the first burst's longest step <=
 1.5x the warm burst's, no compile while serving; start-up by phase, cold and warm.
-JSON and markdown go to ``--out`` (default bench/results/). ``--model tiny --device cpu``
-with small sizes is a dry run of the whole flow (tests/engine/test_cold_start_bench.py).
+JSON and markdown go to ``--out``; ``--model tiny --device cpu`` is a dry run of the flow.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Scores a scenario-suite run (bench/scenarios.py): what was planted against what Sightline said.
 
-Per planted interval: the SMs the live collector's contention tests flagged (deploy/incident.py,
+Per planted interval: the SMs the live collector's contention tests flagged (sightline.deploy.incident,
 per attention kernel: precision and recall against the planted SMs, or for kinds that plant
 none, the SMs flagged at all); the cause explain named for the 10 slowest requests that lived
 in it, and the share naming the planted one; onset to alert: :class:`AlertClock` evaluates the
@@ -131,7 +131,7 @@ def _onset_to_alert(episodes: list[list[float | None]], onset: float, until: flo
 def score_interval(interval: dict[str, Any], findings: list[dict[str, Any]], slowest: list[dict[str, Any]],
                    episodes: dict[str, list[list[float | None]]], grace_s: float = 30.0) -> dict[str, Any]:
     """One planted interval: ``interval`` has ``kind``, ``start_unix_s``, ``end_unix_s`` and
-    ``sms``; ``findings`` are deploy/incident Findings' dicts (one per kernel) of it; ``slowest``
+    ``sms``; ``findings`` are deploy/incident.py Findings' dicts (one per kernel) of it; ``slowest``
     the explanations (``cause`` with ``name``) of its 10 slowest requests; ``episodes`` from
     :meth:`AlertClock.episodes`. An alert counts when it fires by the interval's end + ``grace_s``."""
     kind, start, end = interval["kind"], interval["start_unix_s"], interval["end_unix_s"]

@@ -9,8 +9,7 @@ Guarantees:
   received counts: acknowledged = processed + duplicate + dropped, exactly.
 - Memory: at most ``max_items`` spans+data points and ``max_bytes`` decoded payload bytes
   queued (a single larger batch is admitted into an empty queue, see ``offer``).
-- ``offer`` never blocks: over capacity it answers FULL at once and the receiver turns
-  that into 429 / RESOURCE_EXHAUSTED, pushing back on the sender instead of buffering.
+- ``offer`` never blocks: over capacity it answers FULL at once (429 / RESOURCE_EXHAUSTED).
 
 Cost: ``offer`` is one lock acquisition and a deque append; the aggregator runs on
 ``workers`` threads (1 is right under the GIL; more only helps a sink that releases it).

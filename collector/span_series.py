@@ -10,10 +10,8 @@ kernel); ``engine.step.rank`` spans give each tensor-parallel step's straggler
 the limit, counted in ``overflow``); a full table first lets go of its series idle past the
 window horizon (counted in ``evicted``). Future timestamps are clamped to the collector's
 clock. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
-every call and read.
-
-Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
-read of the few attributes they need, folded in once per export request (:class:`_LatencySeries`).
+every call and read. Cost per span: one dict lookup on the name, and for the spans that feed
+a distribution a read of their few attributes, folded in once per export request.
 """
 from __future__ import annotations
 

@@ -9,11 +9,10 @@ It reads nothing of the engine but its client (``core_client``): the core's ``Re
 handshake, its start-up ``Phase`` records and per-step stats. Tokenization runs on a thread pool.
 
 Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
-(starting, draining, engine core gone), 500 (engine failure); the process serves on.
-HTTP is served from the start: ``/live`` is 200 at once, ``/health`` 503
+(starting, draining, core gone), 500; the process serves on. ``/live`` is 200 at once, ``/health`` 503
 ``{"status": "starting", "phase", "elapsed_s", "phases_done"}`` until the core is warm and
-ready, ``/metrics`` answers meanwhile. A client that disconnects has its request aborted.
-SIGTERM: new requests get 503, in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
+ready. A client that disconnects has its request aborted. SIGTERM: new requests get 503,
+in-flight ones ``shutdown_timeout_s`` (a second signal cuts it short).
 """
 
 from __future__ import annotations

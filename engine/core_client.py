@@ -7,13 +7,11 @@ done), ``stats`` (the latest step's), ``dead`` (why the core is gone, or None),
 ``EngineStoppedError``, ``EngineDeadError`` or ``ValueError``), ``abort``, ``call`` (a
 utility record), ``stop_accepting`` and ``shutdown``.
 
-* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use); made
-  before the engine (``attach`` it once built), so that HTTP is served while it starts.
+* ``InProcessClient``: an ``LLMEngine`` with its loop thread (tests, embedded use).
 * ``MPClient``: a DEALER socket to the core process's ROUTER (msgpack records, asyncio).
   Text, stop strings and request metrics run here (``OutputProcessor``, on the event loop).
-  A full queue is refused here, without a round trip: the core's queue bound comes in
-  ``Ready``, its waiting count with every step, and requests sent but not yet taken are
-  counted here. The core's death shows as EOF on a pipe only the core holds open: every live
+  A full queue is refused here, without a round trip (the bound in ``Ready``, the waiting
+  count with every step, plus the requests sent and not yet taken). The core's death shows as EOF on a pipe only the core holds open: every live
   stream ends with an error at once, later requests get ``EngineDeadError``.
 """
 

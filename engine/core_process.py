@@ -10,10 +10,9 @@ server gets every step's stats: its queue check and gauges read them). The loop 
 while the core has no work. An API server's death shows as EOF on a pipe only that server
 holds open: its requests are aborted and their KV blocks freed before the next step.
 SIGTERM: the live requests are aborted, telemetry is flushed, exit 0. SIGINT is left to the
-parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). With
-tensor parallelism, a failed group (a worker died, a step raised) ends every live request
-with its error and the core exits 1; if the loop is stuck in a collective that never
-returns, the process exits 1 a few seconds after the failure all the same.
+parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). A failed
+tensor-parallel group ends every live request with its error; the core exits 1 (within seconds,
+even when stuck in a collective that never returns).
 """
 
 from __future__ import annotations

@@ -8,12 +8,11 @@ parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each
 the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
 non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
-issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
-the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
-``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
-step (``_profile_step``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
-sequences of ``max_model_len`` tokens can use, at 2**31 elements per layer's K or V, and
-under tensor parallelism at the smallest rank's.
+issued by ``launch``, awaited by ``LaunchedStep.wait`` (meanwhile the next step launches,
+its unknown inputs gathered on the device). KV budget: on CUDA, ``gpu_memory_utilization *
+total`` minus what is in use after the weights and a full-size step (``_profile_step``); on
+the CPU, ``kv_cache_gib``; capped at what ``max_num_seqs`` sequences of ``max_model_len``
+can use, at 2**31 elements per layer's K or V, and at the smallest tensor-parallel rank's.
 """
 
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """Builds request, phase and step spans from lifecycle events (:mod:`.lifecycle`).
 
-The engine's start-up becomes one trace (a root and a span per phase). The phase machine
-of requests lives here, not in the engine: a request's ``queue`` opens when it is
-queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
-when a step finishes its prompt, ``detokenize`` around the final flush of its text. Step
-spans link to the requests they served; prefill/decode spans link back (capped, counted); a
-tensor-parallel step's span ends when its ranks' parts came (:mod:`.rank_steps`). Spans carry
-the recording process (``sightline.process.role``, ``process.pid``). With several producers
-(:mod:`.event_order`), an event whose request has not started is held up to ``hold_s`` and
-applied in order when the start arrives (a step span is built at once, its links to such
-requests added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
-
-Guarantee: an event unmatched after ``hold_s``, or once its request's producer has shipped
-past it (the start was dropped, or the telemetry process restarted), counts in
-``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond it
-are dropped, counted). Cost: O(1) per event plus O(batch) per step event.
+The engine's start-up becomes one trace (a root and a span per phase). Requests' phases:
+``queue`` opens when queued (and again when preempted), ``prefill`` when a step first
+schedules it, ``decode`` when a step finishes its prompt, ``detokenize`` around the final
+flush of its text. Step spans link to the requests they served, prefill/decode spans link
+back (capped, counted); a tensor-parallel step's span ends when its ranks' parts came
+(:mod:`.rank_steps`). Spans carry the recording process (``sightline.process.role``,
+``process.pid``). With several producers (:mod:`.event_order`), an event whose request has
+not started is held up to ``hold_s`` and applied when the start arrives (a step span is built
+at once, its links added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
+Guarantee: an event unmatched after ``hold_s``, or once its producer shipped past it, counts
+in ``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond
+dropped, counted). Cost: O(1) per event plus O(batch) per step event.
 """
 
 from __future__ import annotations

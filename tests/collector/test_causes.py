@@ -17,7 +17,7 @@ from sightline.collector.causes import CauseConfig, CauseEvidence, classify
 from sightline.collector.explain import explain_slowest, explain_trace
 from sightline.collector.query_cli import format_explanation
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_cta_point, otlp_metrics, otlp_span, otlp_traces
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_cta_point, otlp_metrics, otlp_span, otlp_traces
 
 T = T0_S - 100  # a multiple of the 10 s slot: slots start at T, T + 10, ...
 STEP_S, GAP_S, GPU_S = 0.018, 0.002, 0.015  # a usual decode step: its time, the gap after, its GPU time

@@ -15,7 +15,7 @@ from sightline.collector.sm_blocks import quantiles
 from sightline.collector.sm_store import GpuKey, SmKey
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_attrs, otlp_cta_point, otlp_metrics
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_attrs, otlp_cta_point, otlp_metrics
 
 SCALE = 6
 

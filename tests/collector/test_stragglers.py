@@ -22,8 +22,8 @@ from sightline.collector.exposition import AggregatorCollector
 from sightline.collector.span_series import SpanSeries
 from sightline.collector.stragglers import slot_straggler, straggler
 from sightline.instrumentation import semconv as sc
-from tests.collector.test_aggregator import T0_S, make_aggregator, otlp_attrs, otlp_span
-from tests.collector.test_heatmap import _Server
+from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_attrs, otlp_span
+from tests.collector.servers import ApiServer
 
 CONFIG = StragglerConfig()   # spread >= 0.2 of the slowest window and >= 100 us; slot share 0.5
 # (compute, wait) per rank of the three kinds of step
@@ -160,7 +160,7 @@ def test_metrics_api_and_explain_name_the_straggler():
     by_id = {s.step_id: s for s in explained.steps}
     assert by_id[7].straggler_rank == 0 and by_id[0].straggler_rank == 1
     assert by_id[0].rank_collective_wait_s == [0.003, 0.0005]
-    server = _Server(agg)
+    server = ApiServer(agg)
     try:
         with urllib.request.urlopen(server.url("/api/v1/stragglers?instance_id=engine-a"), timeout=10) as r:
             body = json.loads(r.read())

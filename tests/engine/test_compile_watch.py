@@ -20,22 +20,7 @@ from sightline.engine.compile_cache import (ENV_COMPILE_CACHE_DIR, default_compi
 from sightline.engine.compile_watch import CompileWatch
 
 triton = pytest.importorskip("triton")
-tl = pytest.importorskip("triton.language")
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-
-@triton.jit
-def doubler(X, N, BLOCK: tl.constexpr):
-    offs = tl.arange(0, BLOCK)
-    tl.store(X + offs, tl.load(X + offs, mask=offs < N) * 2, mask=offs < N)
-
-
-def _compile(block: int) -> None:
-    """One variant of ``doubler`` (its BLOCK), built for an H100/H200."""
-    source = ASTSource(doubler, signature={"X": "*fp32", "N": "i32", "BLOCK": "constexpr"},
-                       constexprs={"BLOCK": block})
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+from tests.engine.triton_variants import compile_variant  # noqa: E402
 
 
 @pytest.fixture
@@ -60,12 +45,12 @@ def watch(tmp_path, monkeypatch):
 
 def test_a_new_variant_is_compiled_then_comes_from_the_disk_cache(watch):
     assert watch.thread_count() == 0
-    _compile(64)
+    compile_variant(64)
     [event] = watch.thread_events()
     assert (event.kernel, event.source) == ("doubler", "compiled") and event.duration_s > 0
     assert str(event) == event.variant == "doubler[BLOCK=64] w4 s3"
-    _compile(64)          # a new process-level miss of the same variant: Triton's disk cache
-    _compile(128)         # another constexpr: another variant, compiled
+    compile_variant(64)          # a new process-level miss of the same variant: Triton's disk cache
+    compile_variant(128)         # another constexpr: another variant, compiled
     assert [(e.kernel, e.source) for e in watch.since(1)] == [("doubler", "disk_cache"),
                                                             ("doubler", "compiled")]
     assert watch.total == 3 and watch.heard == [False, True, False]
@@ -75,7 +60,7 @@ def test_events_belong_to_the_thread_that_met_them(watch):
     counts: dict[str, int] = {}
 
     def other() -> None:
-        _compile(256)
+        compile_variant(256)
         counts["other"] = watch.thread_count()
 
     thread = threading.Thread(target=other)
@@ -122,7 +107,7 @@ def test_compiled_kernels_land_in_the_applied_cache(tmp_path, monkeypatch, watch
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"):   # apply() sets them
         monkeypatch.setenv(name, "")                                 # restored after the test
     cache.apply()
-    _compile(32)
+    compile_variant(32)
     assert cache.triton_entries() >= 1 and [e.source for e in watch.thread_events()] == ["compiled"]
 
 
@@ -154,7 +139,7 @@ def test_a_variant_met_while_serving_is_counted_and_named_on_its_step(tmp_path, 
     def sample_meeting_new_variants(logits, batch):
         if batch.top_ks is not None and "top_k" not in met:   # the JIT's cache: once
             met.add("top_k")
-            _compile(512)
+            compile_variant(512)
         return sample(logits, batch)
 
     sampler.sample = sample_meeting_new_variants
@@ -176,7 +161,7 @@ def test_a_variant_met_while_serving_is_counted_and_named_on_its_step(tmp_path, 
         assert counted() == {}
         complete(temperature=0.5, top_k=5)          # its first step compiles
         complete(temperature=0.5, top_k=5)          # the variant is known now
-        _compile(1024)                              # another thread's compile: not the engine's
+        compile_variant(1024)                              # another thread's compile: not the engine's
         assert counted() == {f'{sc.ENGINE_JIT_COMPILES_TOTAL}_total{{kernel="doubler",kind="compiled",'
                              f'model="tiny"}}': 1.0}
     finally:

@@ -30,7 +30,7 @@ from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 from sightline.engine.tokenizer import ByteTokenizer
 from sightline.instrumentation import semconv as sc
-from tests.engine.test_process_split import MODEL, Served, Streams
+from tests.engine.served_engine import MODEL, Served, Streams
 from tests.support import wait_for_http
 
 PROMPTS = ["héllo ✓ wörld", "Sightline", "a", "the engine core sends each step to the other rank",

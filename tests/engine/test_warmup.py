@@ -23,7 +23,7 @@ from sightline.engine.startup import StartupProgress
 from sightline.engine.warmup import _decode_layouts, plan_warmup
 from sightline.instrumentation import semconv as sc
 
-from .test_compile_watch import _compile
+from tests.engine.triton_variants import compile_variant
 
 
 def _variant(rows: int, context: int, kv_heads: int, block_n: int) -> int:
@@ -81,10 +81,10 @@ def test_phases_report_compiled_then_cached_then_warm(watch):
     progress = StartupProgress(lambda name, report: calls.append((name, report)), watch)
     with progress.phase("first") as run:
         assert progress.state()["phase"] == "first"
-        _compile(64)
+        compile_variant(64)
         run.variants_run = 1
     with progress.phase("second"):
-        _compile(64)   # the same variant in a new miss: the binary comes from the disk cache
+        compile_variant(64)   # the same variant in a new miss: the binary comes from the disk cache
     with progress.phase("third"):
         pass
     report = progress.ready()

@@ -23,7 +23,7 @@ from sightline.instrumentation.lifecycle import Step
 from sightline.instrumentation.rank_recorder import RankRecorder
 from sightline.instrumentation.telemetry_worker import TelemetryWorker
 from sightline.instrumentation.tracing import Telemetry
-from tests.instrumentation.test_cupti import correlation_record, kernel_record
+from tests.instrumentation.cupti_buffers import correlation_record, kernel_record
 
 ALL_REDUCE = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
 _NAMES = {name: ctypes.create_string_buffer(name.encode()) for name in (ALL_REDUCE, "gemm_bf16")}
