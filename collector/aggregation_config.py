@@ -15,7 +15,7 @@ from typing import Literal
 
 from ..instrumentation import check_range, check_settings, setting
 
-__all__ = ["AggregationConfig", "ContentionConfig", "TraceStoreConfig", "WindowConfig"]
+__all__ = ["AggregationConfig", "ContentionConfig", "StragglerConfig", "TraceStoreConfig", "WindowConfig"]
 
 # what collector/contention.py compares a CTA's duration with: the other SMs' P90
 REFERENCE_QUANTILE = 0.9
@@ -99,6 +99,31 @@ class TraceStoreConfig:
 
 
 @dataclass(frozen=True)
+class StragglerConfig:
+    """When a tensor-parallel rank is named the straggler (see :mod:`.stragglers`).
+
+    A step names one when its ranks' collective waits spread by at least
+    ``min_spread_ratio`` of its slowest rank's window and by ``min_spread_s``; a window
+    slot names the rank that at least ``min_slot_share`` of its steps named."""
+
+    min_spread_ratio: float = setting(0.2, "a tensor-parallel step names a straggler rank when its ranks' "
+                                           "collective waits spread by at least this share of the slowest "
+                                           "rank's window", lo=0.0, hi=10.0)
+    min_spread_s: float = setting(100e-6, "... and by at least this many seconds", lo=0.0, hi=60.0,
+                                  metavar="SECONDS")
+    min_slot_share: float = setting(0.5, "a window slot names the rank that at least this share of its "
+                                         "tensor-parallel steps named", lo=0.0, hi=1.0, lo_open=True)
+    max_instances: int = setting(1_024, "producers with tensor-parallel steps (more: overflow)",
+                                 lo=1, hi=1_000_000, metavar="N")
+    max_ranks: int = setting(64, "tensor-parallel ranks per producer", lo=1, hi=4096, metavar="N")
+    max_pending_steps: int = setting(4_096, "tensor-parallel steps whose rank spans have not all come yet",
+                                     lo=1, hi=10_000_000, metavar="N")
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
+@dataclass(frozen=True)
 class AggregationConfig:
     """Limits and windows of the aggregator; every bound is checked on construction."""
 
@@ -124,6 +149,7 @@ class AggregationConfig:
                                                 "summaries")
     trace_store: TraceStoreConfig = setting(factory=TraceStoreConfig)
     contention: ContentionConfig = setting(factory=ContentionConfig)
+    stragglers: StragglerConfig = setting(factory=StragglerConfig)
     # Slow requests (e2e at or above this quantile of the stored ones) are explained when
     # /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
     slow_request_quantile: float | None = setting(0.9, "requests at or above this quantile of end-to-end "

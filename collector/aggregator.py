@@ -84,7 +84,7 @@ class Aggregator:
             encoded = request.SerializeToString()  # the trace store would encode it anyway
         source, lean = self._spans.source(request, encoded)
         with self._lock:
-            n = self._spans.consume(source, lean, self.clock())
+            n = self._spans.consume(source, lean, self.clock(), request)
             self.spans_seen += n
         if self.config.store_traces:
             self.store.add_request(request, encoded)  # O(1) when deferred; its own lock
@@ -137,6 +137,11 @@ class Aggregator:
                 series = self._spans.requests.get(key, {}).get(family)
             return series.window.window(now_s, last_s) if series else ExpHistogram()
 
+    def stragglers(self, instance: str | None = None) -> dict:
+        """Per producer with tensor-parallel steps: each window slot's straggler verdict."""
+        with self._lock:
+            return self._spans.stragglers.slots(instance)
+
     def slow_request_causes(self) -> dict[str, int] | None:
         """The slow requests explained so far, by cause (classifying those newly slow); None
         when the collector does not classify them."""
@@ -153,7 +158,8 @@ class Aggregator:
                 requests={k: {f: s.classic.copy() for f, s in v.items()} for k, v in self._spans.requests.items()},
                 requests_total=dict(self._spans.requests_total),
                 kernels={k: s.classic.copy() for k, s in self._spans.kernels.items()},
-                steps={k: s.classic.copy() for k, s in self._spans.steps.items()})
+                steps={k: s.classic.copy() for k, s in self._spans.steps.items()},
+                stragglers=self._spans.stragglers.snapshot(self.clock()))
         return ExpositionSnapshot(**spans, overflow=dict(self.overflow), dropped=dict(self.dropped),
                                   evicted=dict(self.evicted))
 

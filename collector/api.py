@@ -3,7 +3,8 @@
 ``/kernels`` lists what has per-SM data and kernel spans; ``/heatmap`` renders one heatmap
 (:mod:`.heatmap`) as JSON, PNG or HTML and ``/heatmap.html`` the page with all of them;
 ``/explain`` explains the slowest requests or one trace (:mod:`.explain`); ``/traces/{id}``
-returns a trace's stored spans. Each handler below documents its parameters.
+returns a trace's stored spans; ``/stragglers`` the tensor-parallel straggler verdict of
+each window slot per producer (:mod:`.stragglers`). Each handler below documents its parameters.
 
 Bad parameters answer 400 with ``{"error": {"code": 400, "param": ..., "message": ...}}``;
 an unknown trace or kernel answers 404 in the same shape. Cost: heatmaps and explanations
@@ -211,7 +212,15 @@ def add_api_routes(app: web.Application, aggregator) -> None:
                           "trace_id")
         return _json(result)
 
+    async def stragglers(request: web.Request) -> web.Response:
+        # ?instance_id=...: one producer; each slot's steps, named counts and verdict
+        instance = request.query.get("instance_id")
+        found = await run(aggregator.stragglers, instance)
+        return _json({"slot_s": aggregator.config.window.slot_s, "instances": {
+            name: [dataclasses.asdict(v) for v in verdicts] for name, verdicts in found.items()}})
+
     app.router.add_get("/api/v1/kernels", kernels)
+    app.router.add_get("/api/v1/stragglers", stragglers)
     app.router.add_get("/api/v1/heatmap", heatmap)
     app.router.add_get("/api/v1/heatmap.html", heatmap_page)
     app.router.add_get("/api/v1/explain", explain)
@@ -219,6 +228,7 @@ def add_api_routes(app: web.Application, aggregator) -> None:
 
     async def unknown(request: web.Request) -> web.Response:
         return _error(404, f"no route {request.path}; see /api/v1/kernels, /api/v1/heatmap, "
-                           "/api/v1/heatmap.html, /api/v1/explain, /api/v1/traces/{trace_id}")
+                           "/api/v1/heatmap.html, /api/v1/explain, /api/v1/traces/{trace_id}, "
+                           "/api/v1/stragglers")
 
     app.router.add_get("/api/v1/{tail:.*}", unknown)

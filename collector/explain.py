@@ -6,9 +6,9 @@ the exact ``quantile`` of the end-to-end latencies in the trace store, slowest f
 ``sources``: a trace store, per-SM data and an engine timeline (:class:`~.query.Sources`).
 An explanation holds the request's phases, how much of its prompt the engine's prefix cache
 served and how long computing the rest took, the ``engine.step`` spans it rode (span links in
-both directions) with their slowest kernel spans, its slowest SM, and the cause class
+both directions) with their slowest kernel spans and, under tensor parallelism, per-rank
+waits and straggler (:mod:`.stragglers`), its slowest SM, and the cause class
 :mod:`.causes` names from the evidence of its lifetime (:func:`evidence_sm`, the timeline).
-
 Guarantee: explanations only cover what the bounded store still holds: a step evicted
 (or never received, e.g. kernel spans that were not sampled) is absent, never invented.
 Cost: O(spans of the selected requests and their steps) plus one pass over the
@@ -23,11 +23,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from ..instrumentation import semconv as sc
+from .aggregation_config import StragglerConfig
 from .causes import Cause, CauseEvidence, classify
 from .contention import hotspots
 from .otlp_points import MAX_LABEL_CHARS
 from .query import SmQuery, Sources
 from .sm_store import SmKey
+from .stragglers import straggler
 from .trace_store import StoredSpan, TraceStore
 
 __all__ = ["Explanation", "KernelSummary", "Phases", "PromptCache", "RequestExplanation", "StepSummary",
@@ -58,6 +60,11 @@ class StepSummary:
     kernels: list[KernelSummary] = field(default_factory=list)
     kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
     prefill_cached_tokens: int | None = None  # prompt tokens it took from the prefix cache
+    # tensor parallelism: per rank (index = rank), seconds computing and waiting in
+    # collectives, and the rank the others waited for (None: they kept pace)
+    rank_compute_s: list[float] | None = None
+    rank_collective_wait_s: list[float] | None = None
+    straggler_rank: int | None = None
 
 
 @dataclass
@@ -113,6 +120,10 @@ class RequestExplanation:
     slowest_sm: SlowestSm | None
     cause: Cause | None = None
     instance: str = "unknown"
+    # tensor parallelism: the rank named by the most of its steps that named one, and how
+    # many of its steps did (0 and None without tensor parallelism)
+    straggler_rank: int | None = None
+    straggler_steps: int = 0
 
 
 @dataclass
@@ -165,7 +176,8 @@ def explain_trace(sources: Sources, trace_id: str, max_steps: int = 5,
         if trace is None or trace.request_root is None:
             return None
         sources.timeline.refresh(store)
-        return _explain_one(store, trace.request_root, max_steps, max_kernels, sources.timeline)
+        return _explain_one(store, trace.request_root, max_steps, max_kernels, sources.timeline,
+                            _stragglers(sources))
 
     found = sources.store.read(read)
     if found is None:
@@ -202,7 +214,9 @@ def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
         threshold = e2e_of(ranked[max(1, math.ceil(quantile * len(ranked))) - 1])
         chosen = [r for r in reversed(ranked) if e2e_of(r) >= threshold][:limit]
         sources.timeline.refresh(store)
-        out = [_explain_one(store, root, max_steps, max_kernels, sources.timeline) for root in chosen]
+        config = _stragglers(sources)
+        out = [_explain_one(store, root, max_steps, max_kernels, sources.timeline, config)
+               for root in chosen]
         return Explanation(quantile, threshold, len(roots), [r for r, _, _ in out]), out
 
     explanation, requests = sources.store.read(read)
@@ -214,6 +228,25 @@ def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
     return explanation
 
 
+def _stragglers(sources) -> StragglerConfig:
+    config = getattr(sources, "config", None)
+    return getattr(config, "stragglers", None) or StragglerConfig()
+
+
+def _rank_figures(attrs: dict, config: StragglerConfig) -> tuple[list | None, list | None, int | None]:
+    """A step span's per-rank compute and collective-wait seconds and its straggler."""
+    compute, wait = attrs.get(sc.STEP_RANK_COMPUTE_S), attrs.get(sc.STEP_RANK_COLLECTIVE_WAIT_S)
+    if not isinstance(wait, list) or not isinstance(compute, list) or len(wait) != len(compute):
+        return None, None, None
+    compute, wait = [float(c) for c in compute], [float(w) for w in wait]
+    rank = straggler(wait, [c + w for c, w in zip(compute, wait)], config)
+
+    def known(values: list[float]) -> list:   # a rank that never reported: None, not NaN
+        return [v if math.isfinite(v) else None for v in values]
+
+    return known(compute), known(wait), rank
+
+
 def explain_requests(sources: Sources, roots_of, max_steps: int = 5,
                      max_kernels: int = 3) -> list[RequestExplanation]:
     """Explains the request roots ``roots_of(store)`` picks (called under the store's lock)."""
@@ -222,7 +255,8 @@ def explain_requests(sources: Sources, roots_of, max_steps: int = 5,
         if not chosen:
             return []
         sources.timeline.refresh(store)
-        return [_explain_one(store, root, max_steps, max_kernels, sources.timeline) for root in chosen]
+        config = _stragglers(sources)
+        return [_explain_one(store, root, max_steps, max_kernels, sources.timeline, config) for root in chosen]
 
     slots: dict = {}
     out = []
@@ -235,7 +269,7 @@ def explain_requests(sources: Sources, roots_of, max_steps: int = 5,
 
 
 def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernels: int,
-                 timeline) -> tuple[RequestExplanation, set[bytes], CauseEvidence]:
+                 timeline, stragglers: StragglerConfig) -> tuple[RequestExplanation, set[bytes], CauseEvidence]:
     trace = store.get(root.trace_id)
     spans = trace.spans if trace else [root]
     totals = {sc.SPAN_QUEUE: 0.0, sc.SPAN_PREFILL: 0.0, sc.SPAN_DECODE: 0.0}
@@ -266,7 +300,13 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernel
                                      step.duration_s,
                                      _i(a.get(sc.STEP_BATCH_SIZE)), _i(a.get(sc.STEP_PREFILL_TOKENS)),
                                      _i(a.get(sc.STEP_DECODE_TOKENS)), kernels,
-                                     a.get(sc.STEP_TRACE_REASON), _i(a.get(sc.STEP_PREFILL_CACHED_TOKENS))))
+                                     a.get(sc.STEP_TRACE_REASON), _i(a.get(sc.STEP_PREFILL_CACHED_TOKENS)),
+                                     *_rank_figures(a, stragglers)))
+    named: dict[int, int] = {}
+    for summary in summaries:
+        if summary.straggler_rank is not None:
+            named[summary.straggler_rank] = named.get(summary.straggler_rank, 0) + 1
+    request_straggler = min(named, key=lambda r: (-named[r], r)) if named else None
     all_kernels = sorted((k for s in summaries for k in s.kernels), key=lambda k: -k.duration_s)
     slowest_kernel = all_kernels[0] if all_kernels else None
     slowest_sm = None
@@ -302,7 +342,8 @@ def _explain_one(store: TraceStore, root: StoredSpan, max_steps: int, max_kernel
         finish_reason=None if reasons is None else str(reasons), phases=phases,
         prompt_cache=_prompt_cache(attrs, phases.prefill_s), steps_total=len(summaries), steps=shown,
         slowest_kernel=slowest_kernel,
-        slowest_sm=slowest_sm, instance=root.instance), {step.span_id for step in steps}, evidence
+        slowest_sm=slowest_sm, instance=root.instance, straggler_rank=request_straggler,
+        straggler_steps=named.get(request_straggler, 0)), {step.span_id for step in steps}, evidence
 
 
 def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan], phases: Phases, e2e: float,

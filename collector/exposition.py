@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.samples import Exemplar as PromExemplar
 
@@ -63,6 +63,7 @@ class ExpositionSnapshot:
     overflow: dict[str, int]
     dropped: dict[str, int]
     evicted: dict[str, int]
+    stragglers: dict[str, dict] | None = None   # StragglerSeries.snapshot: per producer
 
 
 def metrics_page(registry, aggregator: Aggregator | None, accept: str = "",
@@ -162,12 +163,53 @@ class AggregatorCollector:
         yield from (requests_total, kernel, step, overflow, evicted, dropped)
         if snap is None or counted is not None:
             yield causes
+        yield from _straggler_families(snap.stragglers if snap is not None else None)
 
 
-OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta")
+def _straggler_families(producers: dict | None):
+    """Tensor-parallel families: counters per (instance, rank), the newest complete slot's
+    straggler (-1: none named) and share per instance."""
+    L = semconv
+    inst, rank = L.LABEL_INSTANCE_ID, L.LABEL_RANK
+    steps = CounterMetricFamily(L.COLLECTOR_TP_STEPS_TOTAL,
+                                "Tensor-parallel steps whose every rank reported its part.",
+                                labels=[inst])
+    named = CounterMetricFamily(L.COLLECTOR_TP_STRAGGLER_STEPS_TOTAL,
+                                "Tensor-parallel steps that named this rank the straggler "
+                                "(the rank the others waited for in collectives).",
+                                labels=[inst, rank])
+    compute = CounterMetricFamily(L.COLLECTOR_TP_COMPUTE_SECONDS_TOTAL,
+                                  "Seconds each rank's forward passes spent outside collectives.",
+                                  labels=[inst, rank])
+    wait = CounterMetricFamily(L.COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL,
+                               "Seconds each rank's forward passes spent in collectives "
+                               "(waiting for the other ranks, and the transfer).",
+                               labels=[inst, rank])
+    verdict = GaugeMetricFamily(L.COLLECTOR_TP_STRAGGLER_RANK,
+                                "The rank named the straggler by the newest complete window slot "
+                                "with tensor-parallel steps; -1: the ranks kept pace.", labels=[inst])
+    share = GaugeMetricFamily(L.COLLECTOR_TP_STRAGGLER_SHARE,
+                              "Share of that slot's steps that named its most named rank.",
+                              labels=[inst])
+    for name, p in sorted((producers or {}).items()):
+        steps.add_metric([name], p["steps"])
+        for r in sorted(p["compute_s"]):
+            named.add_metric([name, str(r)], p["named"].get(r, 0))
+            compute.add_metric([name, str(r)], p["compute_s"][r])
+            wait.add_metric([name, str(r)], p["wait_s"][r])
+        if p["last_slot"] is not None:
+            who, fraction = p["last_slot"]
+            verdict.add_metric([name], -1 if who is None else who)
+            share.add_metric([name], fraction)
+    yield from (steps, named, compute, wait, verdict, share)
+
+
+
+OVERFLOW_FAMILIES = ("request", "step", "kernel", "sm_cta", "tp")
 EVICTED_FAMILIES = ("request", "kernel", "sm_cta")
 # Every reason the aggregator refuses a span or point for: each is on /metrics at 0 from the
 # start (tests/collector/test_counting.py checks the list against every reason in the code).
-DROP_REASONS = ("malformed_span", "span_out_of_range", "malformed_point", "explicit_bucket_histogram", "unsupported_metric_type",
-                "unknown_metric", "missing_attributes", "late", "sm_series_limit", "cumulative_streams_full",
-                "cumulative_baseline", "wide_launches_unmatched") + POINT_REFUSALS
+DROP_REASONS = ("malformed_span", "span_out_of_range", "partial_tp_step", "malformed_point",
+                "explicit_bucket_histogram", "unsupported_metric_type", "unknown_metric", "missing_attributes",
+                "late", "sm_series_limit", "cumulative_streams_full", "cumulative_baseline",
+                "wide_launches_unmatched") + POINT_REFUSALS

@@ -4,14 +4,14 @@ kernel spans, and the per-series batches they feed.
 Spans are dispatched on their name alone: request SERVER spans give TTFT, TPOT, e2e and
 queue time by (model, priority: clamped to semconv's documented range); ``engine.step``
 spans give step durations by phase; ``kernel ...`` spans give kernel durations by (gpu,
-kernel). Memory is bounded whatever arrives: at most ``max_{request,kernel,step}_series + 1``
-series each (the extra one absorbs every new key past the limit, counted in ``overflow``);
-a full table first lets go of its series idle past the window horizon (counted in
-``evicted``). Future timestamps are clamped to the collector's clock. Not thread-safe: the
-owner (:class:`~.aggregator.Aggregator`) holds its lock around every call and read.
-
-Cost per span: one dict lookup on the name, and for the spans that feed a distribution a
-read of the few attributes they need, folded in once per export request (:class:`_LatencySeries`).
+kernel); ``engine.step.rank`` spans give each tensor-parallel step's straggler
+(:mod:`.stragglers`), per producing instance. Memory is bounded whatever arrives: at most
+``max_{request,kernel,step}_series + 1`` series each (the extra one absorbs every new key past
+the limit, counted in ``overflow``); a full table first lets go of its series idle past the
+window horizon (counted in ``evicted``). Future timestamps are clamped to the collector's
+clock. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
+every call and read. Cost per span: one dict lookup on the name, and for the spans that feed
+a distribution a read of their few attributes, folded in once per export request.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from collections.abc import Callable
 from ..instrumentation import semconv as sc
 from .aggregation_config import AggregationConfig, WindowConfig
 from .otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, clamped_time_s, decode_attribute,
-                          label as _label, num as _num)
+                          label as _label, num as _num, resource_instance)
+from .stragglers import StragglerSeries
 from .trace_store import REQUEST_SPAN_NAMES
 from .windows import ClassicHistogram, Exemplar, SlidingHistogram
 
@@ -49,9 +50,12 @@ class SpanKind(enum.IntEnum):
     REQUEST = 1
     STEP = 2
     KERNEL = 3
+    RANK = 4
 
 
-_REQUEST, _STEP, _KERNEL = SpanKind.REQUEST, SpanKind.STEP, SpanKind.KERNEL
+_REQUEST, _STEP, _KERNEL, _RANK = SpanKind.REQUEST, SpanKind.STEP, SpanKind.KERNEL, SpanKind.RANK
+_RANK_KEYS = {sc.TP_RANK: "rank", sc.TP_SIZE: "size", sc.RANK_COMPUTE_S: "compute",
+              sc.RANK_COLLECTIVE_WAIT_S: "wait"}
 _KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
 _LEAN_MIN_KERNEL_SHARE_INV = 5  # lean parse when >= 1/5 of the spans look like kernel spans
 # Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
@@ -191,9 +195,17 @@ class SpanSeries:
         # Zipkin-born spans arrive with; kernel names are learnt as they come (bounded).
         self._dispatch: dict[str, int] = {name: _REQUEST for name in REQUEST_SPAN_NAMES}
         self._dispatch[sc.SPAN_ENGINE_STEP] = _STEP
+        self._dispatch[sc.SPAN_RANK_STEP] = _RANK
+        self.stragglers = StragglerSeries(config.stragglers, config.window, dropped, overflow)
         # Handlers by kind, for spans read from the lean parse and from the full request.
-        self._lean_handlers = (None, self._on_request, self._on_step, self._on_kernel)
-        self._full_handlers = (None, self._on_request_full, self._on_step_full, self._on_kernel_full)
+        self._lean_handlers = (None, self._on_request, self._on_step, self._on_kernel, self._on_rank)
+        self._full_handlers = (None, self._on_request_full, self._on_step_full, self._on_kernel_full,
+                               self._on_rank)
+        # the export request being consumed (its full form: resources) and the index of the
+        # resource whose spans are read now, for the handlers that need the producer
+        self._request = None
+        self._resource_index = 0
+        self._instances: dict[int, str] = {}
         self._slot_s = wc.slot_s
         self._touched: dict[_LatencySeries, None] = {}  # series with pending values (this request)
         # Where the attributes read on hot spans were last found: producers write them in
@@ -219,9 +231,10 @@ class SpanSeries:
                 log.debug("encoding refused by the lean parse", exc_info=True)
         return request, False
 
-    def consume(self, source, lean: bool, now: float) -> int:
+    def consume(self, source, lean: bool, now: float, request=None) -> int:
         """Takes every span of ``source`` (from :meth:`source`); returns the number of spans
-        seen. Pending values are flushed before returning, even when an error escapes."""
+        seen. Pending values are flushed before returning, even when an error escapes.
+        ``request``: the full form of a lean ``source`` (its resources name the producers)."""
         handlers = self._lean_handlers if lean else self._full_handlers
         cache = self._attr_cache
         n = 0
@@ -231,8 +244,11 @@ class SpanSeries:
         slot_s = self._slot_s
         touched = self._touched = {}
         newest = self.newest_data_s
+        self._request = request if lean else source
+        self._instances = {}
         try:
-            for rs in source.resource_spans:
+            for ri, rs in enumerate(source.resource_spans):
+                self._resource_index = ri
                 for ss in rs.scope_spans:
                     spans = ss.spans
                     n += len(spans)
@@ -273,6 +289,9 @@ class SpanSeries:
                                     on_kernel(span, now)
                                     continue
                             else:
+                                if kind == _RANK:
+                                    self._on_rank(span, now)
+                                    continue
                                 i, j = self._prefill_pos, self._decode_pos
                                 if i >= k or j >= k:
                                     on_step(span, now)
@@ -315,6 +334,31 @@ class SpanSeries:
                 series.flush()
             self._touched = {}
         return n
+
+    def _on_rank(self, span, now: float) -> None:
+        """A tensor-parallel rank's part of a step (lean or full form): to the stragglers."""
+        got = {}
+        for raw in span.attributes:
+            key, value = decode_attribute(raw) if isinstance(raw, bytes) else (raw.key, raw.value)
+            name = _RANK_KEYS.get(key)
+            if name is not None:
+                got[name] = _num(value)
+        if any(got.get(name) is None for name in _RANK_KEYS.values()):
+            self._drop("malformed_span")
+            return
+        self.stragglers.add_rank(self._instance(), bytes(span.trace_id), int(got["rank"]),
+                                 int(got["size"]), got["compute"], got["wait"],
+                                 self._time(span.end_time_unix_nano, now))
+
+    def _instance(self) -> str:
+        """The producer of the resource being read (service.instance.id, else host.name)."""
+        ri = self._resource_index
+        instance = self._instances.get(ri)
+        if instance is None:
+            request = self._request
+            instance = self._instances[ri] = (resource_instance(request.resource_spans[ri].resource)
+                                              if request is not None else "unknown")
+        return instance
 
     def _drop(self, reason: str, n: int = 1) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + n

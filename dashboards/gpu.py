@@ -6,7 +6,9 @@ last window) drawn as a time x SM heatmap with one row per SM, and the per-SM CT
 duration buckets drawn as an SM x latency matrix (fraction of that SM's CTAs that
 finished within each bound, so a slow SM is the row whose colors lag). Kernel views
 come from CUPTI kernel spans, kernel compiles while serving and start-up phases from the
-engine; memory and CUDA contexts from NVML.
+engine; memory and CUDA contexts from NVML. Tensor-parallel ranks: each rank's compute and
+collective wait per step, and the rank the others waited for (the straggler: the collector's
+verdict per step and per window slot).
 
 One panel per GPU (Grafana repeats on ``$gpu``) so SM rows of different devices never
 mix.
@@ -36,6 +38,19 @@ def _step_quantiles(title: str, histogram: str, by: str, description: str, exemp
             for quantile in (0.5, 0.99)
         ),
     )
+
+
+def _per_step(counter: str) -> str:
+    """A rank's seconds per tensor-parallel step: its counter's rate over the steps' rate."""
+    per_rank = q.sum_by((sc.LABEL_INSTANCE_ID, sc.LABEL_RANK), q.rate(q.counter(counter)))
+    steps = q.sum_by((sc.LABEL_INSTANCE_ID,), q.rate(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL)))
+    return f"{per_rank}\n/ ignoring({sc.LABEL_RANK}) group_left\n{steps}"
+
+
+def _tp_panel(title: str, unit: str, expr: str, description: str,
+              legend: str = "{{instance_id}} rank {{rank}}") -> PanelSpec:
+    return PanelSpec(title=title, unit=unit, width=6, description=description,
+                     queries=(Query(expr, legend),))
 
 
 def spec() -> DashboardSpec:
@@ -171,6 +186,20 @@ def spec() -> DashboardSpec:
             ),
         ),
     )
+    ranks = Row("Tensor-parallel ranks", (
+        _tp_panel("Collective wait per step, by rank", "s",
+                  _per_step(sc.COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL),
+                  "Seconds each rank's forward pass spends inside all-reduces per step (after the "
+                  "step's first). A rank that keeps the others waiting waits least: the lowest line."),
+        _tp_panel("Compute per step, by rank", "s", _per_step(sc.COLLECTOR_TP_COMPUTE_SECONDS_TOTAL),
+                  "Seconds each rank's forward pass spends outside collectives per step."),
+        _tp_panel("Straggler share, by rank", "percentunit", q.selector(sc.RULE_TP_STRAGGLER_SHARE),
+                  "Share of the tensor-parallel steps over 5 minutes that named each rank the "
+                  "straggler (the rank the others waited for). The alert fires past half."),
+        _tp_panel("Straggler of the last window slot", "short", q.selector(sc.COLLECTOR_TP_STRAGGLER_RANK),
+                  "The rank the newest complete collector window slot with steps named (-1: the ranks "
+                  "kept pace); per slot: the collector's /api/v1/stragglers.", legend="{{instance_id}}"),
+    ))
     memory = Row(
         "Memory and contexts",
         (
@@ -198,12 +227,13 @@ def spec() -> DashboardSpec:
     return DashboardSpec(
         uid=UID,
         title="Sightline / GPU",
-        description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, GPU memory and contexts.",
+        description="Per-SM CTA timing heatmaps, kernel durations, SM hotspots, tensor-parallel "
+        "stragglers, GPU memory and contexts.",
         variables=(
             Variable(sc.LABEL_GPU, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_GPU,
                      also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS), sc.GPU_MEMORY_USED_BYTES)),
             Variable(sc.LABEL_KERNEL, sc.COLLECTOR_SM_CTA_P99_SECONDS, sc.LABEL_KERNEL, depends=(sc.LABEL_GPU,),
                      also=(q.count(sc.COLLECTOR_KERNEL_DURATION_SECONDS),)),
         ),
-        rows=(per_sm, kernels, memory),
+        rows=(per_sm, kernels, ranks, memory),
     )

@@ -308,6 +308,38 @@ def gpu_cases() -> list[Case]:
     ]
 
 
+def _tp(instance: str, steps: str, named: str, rank: str = "1") -> tuple[tuple[str, str], ...]:
+    """A collector's tensor-parallel counters for one producer: its steps, and the steps
+    that named ``rank`` (rank 0 never named)."""
+    producer = {**COLLECTOR, sc.LABEL_INSTANCE_ID: instance}
+    return (
+        (series(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL), producer), steps),
+        (series(q.counter(sc.COLLECTOR_TP_STRAGGLER_STEPS_TOTAL), {**producer, sc.LABEL_RANK: rank}), named),
+        (series(q.counter(sc.COLLECTOR_TP_STRAGGLER_STEPS_TOTAL), {**producer, sc.LABEL_RANK: "0"}), "0+0x30"),
+    )
+
+
+def tp_cases() -> list[Case]:
+    straggler = {sc.LABEL_INSTANCE_ID: "engine-a", sc.LABEL_RANK: "1"}
+    share = sc.RULE_TP_STRAGGLER_SHARE
+    return [
+        Case(
+            "rank 1 named in 80% of the steps for 30 minutes",
+            _tp("engine-a", "0+6000x30", "0+4800x30"),
+            (AlertCheck("25m", "SightlineTensorParallelStraggler", (straggler,)),),
+            exprs=(ExprCheck("25m", share, (
+                (series(share, {sc.LABEL_INSTANCE_ID: "engine-a", sc.LABEL_RANK: "0"}), 0.0),
+                (series(share, straggler), 0.8))),),
+        ),
+        Case(
+            "rank 1 named in 30% of the steps; elsewhere in 80% for 10 minutes only",
+            _tp("engine-a", "0+6000x30", "0+1800x30")
+            + _tp("engine-b", "0+6000x30", "0+4800x10 48000+0x20"),
+            (AlertCheck("25m", "SightlineTensorParallelStraggler"),),
+        ),
+    ]
+
+
 def kernel_cases() -> list[Case]:
     """Day-over-day comparisons need a day of samples: evaluated every 10 minutes to
     keep promtool fast (the alert's ``for`` of 30m still spans three evaluations)."""
@@ -466,6 +498,7 @@ def case_files() -> dict[str, tuple[str, list[Case]]]:
         "slo.yml": ("5m", slo_cases()),
         "engine.yml": ("1m", engine_cases()),
         "gpu.yml": ("1m", gpu_cases()),
+        "tensor_parallel.yml": ("1m", tp_cases()),
         "kernels.yml": ("10m", kernel_cases()),
         "pipeline.yml": ("1m", pipeline_cases()),
         "vllm.yml": ("1m", vllm_cases()),

@@ -89,6 +89,7 @@ class SloConfig:
     kernel_regression_factor: float = 1.5
     memory_growth_factor: float = 1.5  # predicted in 6h over now
     context_growth: int = 2  # contexts above the last hour's minimum
+    tp_straggler_share: float = 0.5  # of a producer's tensor-parallel steps naming one rank
 
     def __post_init__(self) -> None:
         if self.ttft_threshold_s not in sc.TTFT_BUCKETS_S:
@@ -107,6 +108,7 @@ class SloConfig:
         for name in ("kernel_regression_factor", "memory_growth_factor"):
             check_range(name, getattr(self, name), 1, 100, lo_open=True)
         check_range("context_growth", self.context_growth, 1, 1000, integer=True)
+        check_range("tp_straggler_share", self.tp_straggler_share, 0, 1, lo_open=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +196,16 @@ def _error_ratio(window: str) -> str:
     return f"{errors_rate} / ({finished_rate} + {errors_rate})"
 
 
+def _tp_straggler_share(window: str) -> str:
+    """Per (producer, rank): the share of its tensor-parallel steps that named the rank the
+    straggler over ``window`` (the collector's counters)."""
+    producer = (sc.LABEL_INSTANCE_ID,)
+    named = q.sum_by((*producer, sc.LABEL_RANK),
+                     q.rate(q.counter(sc.COLLECTOR_TP_STRAGGLER_STEPS_TOTAL), window))
+    steps = q.sum_by(producer, q.rate(q.counter(sc.COLLECTOR_TP_STEPS_TOTAL), window))
+    return f"{named}\n/ ignoring({sc.LABEL_RANK}) group_left\n{steps}"
+
+
 def adapter_groups() -> list[RuleGroup]:
     """Sightline's and vLLM's series copied into the engine-agnostic ``llm:`` set."""
     return [RuleGroup(name, tuple(RecordingRule(record, expr, tuple(SOURCE_LABELS[name].items()))
@@ -213,6 +225,7 @@ def recording_groups(slo: SloConfig) -> list[RuleGroup]:
                           q.histogram_quantile(0.99, sc.COLLECTOR_KERNEL_DURATION_SECONDS, gpu_kernel, window="5m")),
             RecordingRule(sc.RULE_SM_HOTSPOT,
                           f"{q.aggregate('max', gpu_kernel, sm_p99)} / {q.aggregate('quantile', gpu_kernel, sm_p99, 0.5)}"),
+            RecordingRule(sc.RULE_TP_STRAGGLER_SHARE, _tp_straggler_share("5m")),
         ),
     )
     slo_ratios = RuleGroup(
@@ -293,7 +306,8 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
       while serving (a warm-up defect: a request waited on a compile).
     - GPU: SMs flagged slow or starved by the contention tests (sustained); slow requests
       explained by device contention or a host stall; a kernel's P99 up against the same hour
-      a day earlier; device memory or CUDA contexts growing (leak).
+      a day earlier; device memory or CUDA contexts growing (leak); one tensor-parallel rank
+      named the straggler of most steps (sustained).
     - Pipeline: collector rejecting or dropping data; engine exporters failing or dropping
       spans; a scrape target down.
     """
@@ -395,6 +409,18 @@ def alert_rules(slo: SloConfig) -> list[RuleGroup]:
                 description=f"The kernel's duration P99 has been above {_g(slo.kernel_regression_factor)}x its "
                 "value at the same time yesterday for 30 minutes (deploy, driver, clocks, input shapes?).",
                 runbook="kernel-p99-regression",
+            ),
+            AlertRule(
+                alert="SightlineTensorParallelStraggler",
+                expr=f"{sc.RULE_TP_STRAGGLER_SHARE} > {_g(slo.tp_straggler_share)}",
+                for_="15m",
+                severity="ticket",
+                summary="Tensor-parallel rank {{ $labels.rank }} of {{ $labels.instance_id }} holds "
+                "up the other ranks",
+                description=f"For 15 minutes more than {_g(slo.tp_straggler_share * 100)}% of the engine's "
+                "tensor-parallel steps named this rank the straggler: the others waited for it in "
+                "their all-reduces, so every step (and request) runs at its pace.",
+                runbook="tp-straggler",
             ),
             AlertRule(
                 alert="SightlineGPUMemoryGrowing",

@@ -150,11 +150,14 @@ class EngineServer:
         if not self.started:
             return _json_response({"status": "starting", **client.progress()}, 503)
         stats, ready = client.stats, client.ready
-        return _json_response({"status": "ok", "running": stats.running if stats else 0,
-                               "waiting": stats.waiting if stats else 0,
-                               "api_server": self.index, "pid": os.getpid(),
-                               "core_pid": ready.core_pid, "startup_s": ready.startup_s,
-                               "startup_trace_id": ready.startup_trace_id})
+        body = {"status": "ok", "running": stats.running if stats else 0,
+                "waiting": stats.waiting if stats else 0,
+                "api_server": self.index, "pid": os.getpid(),
+                "core_pid": ready.core_pid, "startup_s": ready.startup_s,
+                "startup_trace_id": ready.startup_trace_id}
+        if ready.tp_worker_pids:
+            body["tp_worker_pids"] = ready.tp_worker_pids
+        return _json_response(body)
 
     async def live(self, request: web.Request) -> web.Response:
         """Liveness: 200 while the process serves HTTP, starting and draining included."""

@@ -56,10 +56,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     serve.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                        help="plan and launch the next step while the device runs this one "
                             "(default: on with CUDA, off on the CPU)")
+    serve.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                       help="split the model's heads and MLP columns over N ranks: the engine "
+                            "core and N - 1 worker processes, one GPU each (NCCL), or gloo on "
+                            "the CPU (default: 1, the model in the engine core alone)")
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                        help="reuse the KV cache of prompt prefixes seen before, block by block "
                             "(default: on with CUDA, off on the CPU)")
-    serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads on the CPU")
+    serve.add_argument("--cpu-threads", type=int, default=None, help="torch threads per process on the CPU")
     serve.add_argument("--seed", type=int, default=0, help="random weights and unseeded sampling")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may finish after SIGTERM")
@@ -149,6 +153,7 @@ def _serve(args: argparse.Namespace) -> int:
         warmup=args.warmup, warmup_limit_s=args.warmup_limit,
         compile_cache_dir=args.compile_cache_dir,
         async_scheduling=args.async_scheduling, enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
         cpu_threads=args.cpu_threads, host=args.host,
         port=args.port, shutdown_timeout_s=args.shutdown_timeout, telemetry=telemetry,
         http=HttpLimits(header_timeout_s=args.http_header_timeout, body_timeout_s=args.http_body_timeout,

@@ -66,6 +66,15 @@ class ModelConfig:
         check_range("rope_theta", self.rope_theta, 0.0, 1e12, lo_open=True)
         check_range("rms_norm_eps", self.rms_norm_eps, 0.0, 1.0, lo_open=True)
 
+    def check_shardable(self, size: int) -> None:
+        """Raises ValueError naming the count that ``size`` tensor-parallel ranks cannot
+        split evenly (each rank holds an equal share of the KV heads and MLP columns)."""
+        for name in ("num_kv_heads", "intermediate_size"):
+            value = getattr(self, name)
+            if value % size:
+                raise ValueError(f"tensor_parallel_size={size} does not divide {name}={value} of "
+                                 f"model {self.name!r} (each rank holds an equal part)")
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token over all layers, per byte of element size."""
@@ -198,6 +207,10 @@ class EngineConfig:
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
     async_scheduling: bool | None = None
+    # Ranks of tensor parallelism (vLLM's --tensor-parallel-size): 1 runs the model in the
+    # engine core alone; N > 1 splits its heads and MLP columns over the core (rank 0) and
+    # N - 1 worker processes, one GPU each on CUDA (cuda:0..N-1), gloo on the CPU.
+    tensor_parallel_size: int = 1
     # Automatic prefix caching: full KV blocks found again by their tokens and reused across
     # requests (vLLM's --enable-prefix-caching). None: on with CUDA; off on the CPU, where the
     # engine serves tests and demos whose step counts and timings should not depend on what
@@ -243,6 +256,9 @@ class EngineConfig:
                              "path or None")
         if self.async_scheduling not in (None, True, False):
             raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
+        check_range("tensor_parallel_size", self.tensor_parallel_size, 1, 64, integer=True)
+        if self.tensor_parallel_size > 1:
+            resolve_model_config(self.model).check_shardable(self.tensor_parallel_size)
         if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool or None")
         if self.cpu_threads is not None:

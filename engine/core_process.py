@@ -10,7 +10,9 @@ server gets every step's stats: its queue check and gauges read them). The loop 
 while the core has no work. An API server's death shows as EOF on a pipe only that server
 holds open: its requests are aborted and their KV blocks freed before the next step.
 SIGTERM: the live requests are aborted, telemetry is flushed, exit 0. SIGINT is left to the
-parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first).
+parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). A failed
+tensor-parallel group ends every live request with its error; the core exits 1 (within seconds,
+even when stuck in a collective that never returns).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import dataclasses
 import logging
 import os
 import signal
+import threading
 import time
 
 from .compile_cache import resolve_compile_cache
@@ -35,6 +38,7 @@ __all__ = ["CoreLoop", "run_core"]
 log = logging.getLogger(__name__)
 
 _IDLE_POLL_MS = 500      # how often an idle core looks at its parent and its stop flag
+_TP_FAILED_EXIT_S = 5.0  # a failed tensor-parallel group: the latest the core exits
 
 
 class CoreLoop:
@@ -54,6 +58,7 @@ class CoreLoop:
         self.client_of: dict[str, int] = {}      # live request id -> its API server
         self.pending: dict[int, list[FinalOutput]] = {}   # ends to send before the next step
         self.stopping = False
+        self.failed = False                      # the tensor-parallel group failed
         self._decode = core_decoder().decode
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
@@ -67,6 +72,10 @@ class CoreLoop:
         step = core.step_overlapped if core.async_scheduling else core.step
         timeout = _IDLE_POLL_MS
         while not self.stopping:
+            if core.failed is not None and not core.has_work:   # its requests were ended
+                log.error("engine core: %s; stopping", core.failed)
+                self.failed = True
+                break
             self._receive(0 if core.has_work else timeout)
             if self.pending:
                 self._send(OutputBatch([], [], [], core.queue_stats()))
@@ -205,6 +214,7 @@ class CoreLoop:
         deadline = time.monotonic() + 10
         while core.has_work and time.monotonic() < deadline:
             step()
+        core.close()
 
 
 def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], core_lifeline,
@@ -267,6 +277,8 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
 
         progress = StartupProgress(on_phase, from_process_start=True, start_ns=start_ns)
         core = EngineCore(config, pipeline, progress)
+        if core.tp is not None:
+            core.tp.on_failure = _exit_soon
         loop = CoreLoop(core, sock, lifelines, endpoint)
         for index, identity in clients.items():   # hellos taken during start-up
             loop._handle(identity, Hello(index, 0))
@@ -275,9 +287,23 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
                  core.startup_report.total_s, core.model_name, core.runner.device,
                  core.runner.num_blocks, core.max_model_len)
         loop.run()
+        if loop.failed:
+            raise SystemExit(1)
     finally:
         if pipeline is not None:
             pipeline.shutdown()
         sock.close()
         ctx.term()
         core_lifeline.close()
+
+
+def _exit_soon(reason: str) -> None:
+    """The group failed: the loop ends the requests and exits 1; should it be stuck in a
+    collective that never returns (NCCL waits for a dead peer), this exits anyway."""
+    def exit_now() -> None:
+        log.error("engine core: exiting (%s)", reason)
+        os._exit(1)
+
+    timer = threading.Timer(_TP_FAILED_EXIT_S, exit_now)
+    timer.daemon = True
+    timer.start()

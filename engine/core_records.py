@@ -115,6 +115,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, frozen=True):
     telemetry_endpoint: str | None = None   # where API servers join the core's telemetry
     startup_s: float = 0.0                  # from process start to ready (the warm-up included)
     startup_trace_id: str | None = None     # the start-up trace (32 hex digits), when traced
+    tp_worker_pids: list[int] = []          # tensor-parallel ranks 1..N-1 (empty: N = 1)
 
 
 class FinalOutput(msgspec.Struct, array_like=True):

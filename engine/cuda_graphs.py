@@ -99,10 +99,12 @@ class DecodeGraphs:
         return self._forward(b)
 
     @torch.inference_mode()
-    def capture_all(self, limit_s: float) -> GraphCapture:
+    def capture_all(self, limit_s: float, agree=None) -> GraphCapture:
         """Captures every bucket, largest first, until ``limit_s`` has passed (the buckets
         left are skipped: their steps replay the next larger graph). The static inputs are
-        all padding meanwhile, so capture writes only the scratch slot."""
+        all padding meanwhile, so capture writes only the scratch slot. ``agree``: under
+        tensor parallelism, turns this rank's "go on" into rank 0's, so that every rank
+        captures the same buckets (their warm-up runs meet in all-reduces)."""
         start = time.monotonic()
         device = self.kv_cache.device
         torch.cuda.synchronize(device)
@@ -110,7 +112,10 @@ class DecodeGraphs:
         pool = None
         captured, skipped = [], []
         for b in sorted(self.all_buckets, reverse=True):
-            if captured and time.monotonic() - start > limit_s:
+            stop = bool(captured) and time.monotonic() - start > limit_s
+            if agree is not None:
+                stop = not agree(not stop)
+            if stop:
                 skipped.append(b)
                 continue
             # One eager run first, on a side stream: Triton compiles and loads its kernels and

@@ -10,7 +10,9 @@ device is waited for. Telemetry: Queued and Step events for the keys in ``AddReq
 appends per step (a null recorder when off); a kernel variant a launch meets after start-up
 is counted (``CoreMetrics``) and set on its step span. ``add_request`` and ``abort`` may be
 called from any thread; stepping and ``finish_stop`` from one. The scheduler's lock is
-never held around the model.
+never held around the model. Tensor parallelism: the core is rank 0 (``tp_workers``); a
+worker's death or a failed step fails the group for good (``failed``): live requests end
+with that error, new ones are refused, the caller stops the core.
 """
 
 from __future__ import annotations
@@ -154,8 +156,17 @@ class EngineCore:
         self.recorder = telemetry.recorder if telemetry is not None else _NULL_RECORDER
         self._gpu = _NO_GPU
         self.gpu_telemetry = self._start_gpu_telemetry()
+        self.tp = None        # TpWorkers: ranks 1..N-1, with tensor parallelism
+        if config.tensor_parallel_size > 1:
+            from .tp_workers import TpWorkers
+            self.tp = TpWorkers.start(config, self._record_all if telemetry is not None else None)
         # kernel tracing (CUPTI) starts in the warm-up, after the eager variants and graphs
-        self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry, self.startup)
+        try:
+            self.runner = ModelRunner(config, self.model_config, self.gpu_telemetry,
+                                      None if self.tp is None else self.tp.group, self.startup)
+        except BaseException:
+            self.close()
+            raise
         eos = self.model_config.eos_token_id
         if eos is None:   # the tokenizer's, when the model's config names none
             eos = load_tokenizer(self.model_config.path, self.model_config.bos_token_id,
@@ -175,6 +186,12 @@ class EngineCore:
         self._completed: tuple[StepPlan, float, int] | None = None   # (plan, s, tokens sampled)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.runner.device.type == "cuda")
+        if self.tp is not None:
+            self.runner.async_ids = self.async_scheduling
+            # each rank's part of each step, timed on the host (the CPU: gloo returns when the
+            # sum is done); on CUDA the kernel records of traced steps tell it
+            if telemetry is not None and telemetry.steps_on and self.runner.device.type == "cpu":
+                self.runner.record_rank = self.recorder.record
         self._in_flight: _Launched | None = None   # the step launched, not completed (overlapped)
         self._last_step_done = 0.0
         self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
@@ -186,6 +203,23 @@ class EngineCore:
                                       telemetry.recorder if telemetry is not None else None,
                                       self.compile_cache)
         self.series.record_startup(self.startup_report)
+
+    def _record_all(self, items: list) -> None:
+        """A tensor-parallel worker's records, into this core's telemetry (its watch thread)."""
+        record = self.recorder.record
+        for item in items:
+            record(item)
+
+    @property
+    def failed(self) -> str | None:
+        """Why the tensor-parallel group failed (None: it stands, or there is none)."""
+        return self.tp.failed if self.tp is not None else None
+
+    def close(self) -> None:
+        """Stops the tensor-parallel workers (nothing without them). Idempotent; the
+        stepping thread calls it once it stopped stepping."""
+        if self.tp is not None:
+            self.tp.stop()
 
     @property
     def gpu_telemetry(self):
@@ -222,7 +256,8 @@ class EngineCore:
                      self.config.scheduler.max_waiting, self.config.scheduler.max_num_seqs,
                      str(runner.device), str(runner.dtype).removeprefix("torch."),
                      self.async_scheduling, core_pid, telemetry_endpoint,
-                     round(report.total_s, 3), report.trace_id)
+                     round(report.total_s, 3), report.trace_id,
+                     self.tp.pids if self.tp is not None else [])
 
     # ---- requests (any thread) -----------------------------------------------------------------
     @property
@@ -256,6 +291,8 @@ class EngineCore:
         with self._lock:
             if not self._accepting:
                 raise EngineStoppedError("the engine is shutting down")
+            if self.failed is not None:
+                raise EngineStoppedError(self.failed)
             if add.request_id in self._live:
                 raise ValueError(f"request id {add.request_id!r} is still in flight")
             self.scheduler.add(request)  # QueueFullError / ValueError propagate
@@ -306,6 +343,8 @@ class EngineCore:
         and leaves the new one in flight. A plan with penalized sampling needs the host's
         tokens, so it waits for the step in flight first."""
         previous, self._in_flight = self._in_flight, None
+        if previous is not None and self.failed is not None:
+            previous = None   # its ids may never come: its requests end with the group's error
         out, plan = self._schedule()
         if plan is not None and previous is not None and any(
                 e.request.sampling.penalized for e in plan.scheduled):
@@ -350,11 +389,17 @@ class EngineCore:
     def _schedule(self) -> tuple[_Outputs, StepPlan | None]:
         """Applies aborts and plans the next step (None when there is nothing to run)."""
         out = _Outputs()
+        failed = self.failed
         with self._lock:
             aborts, self._aborts = self._aborts, []
+            if failed is not None:   # the group cannot step again: every live request ends
+                aborts += self._live
             for request_id in aborts:
                 if self.scheduler.abort(request_id) is not None:
-                    out.finished.append(self._final(request_id, []))
+                    out.finished.append(self._final(request_id, [], failed))
+            if failed is not None:
+                self._last_plan_nonempty = False
+                return out, None
             plan = self.scheduler.schedule()
         self._last_plan_nonempty = not plan.is_empty
         if plan.is_empty:
@@ -380,7 +425,7 @@ class EngineCore:
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             self._close_step(plan, step, None, [], type(exc).__name__)
-            self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}", out)
+            self._fail_plan(plan, self._step_failure(plan, exc), out)
             return None
         with self._lock:
             finished = self.scheduler.update_pending(
@@ -406,8 +451,7 @@ class EngineCore:
         except Exception as exc:
             log.exception("model step %d failed", plan.step_id)
             self._close_step(plan, step, launched.run.execution, [], type(exc).__name__)
-            self._fail_plan(plan, f"engine step failed: {type(exc).__name__}: {exc}", out,
-                            launched.finished)
+            self._fail_plan(plan, self._step_failure(plan, exc), out, launched.finished)
             return
         with self._lock:
             finished = launched.finished + self.scheduler.resolve(plan, sampled)
@@ -472,6 +516,13 @@ class EngineCore:
                 out.prefill_s = first_token - scheduled
         self.runner.release(request_id)
         return out
+
+    def _step_failure(self, plan: StepPlan, exc: Exception) -> str:
+        """What the failed step's requests are told. Under tensor parallelism the ranks are
+        out of step for good: the group fails, and a rank that died is named."""
+        if self.tp is None:
+            return f"engine step failed: {type(exc).__name__}: {exc}"
+        return self.tp.fail_step(plan.step_id, exc)
 
     def _fail_plan(self, plan: StepPlan, message: str, out: _Outputs,
                    finished: list[Request] | tuple = ()) -> None:

@@ -183,6 +183,7 @@ class LLMEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self.core.close()
 
     # ---- the loop -----------------------------------------------------------------------------
     def _run(self) -> None:

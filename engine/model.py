@@ -3,21 +3,22 @@
 One forward pass serves one engine step: the new tokens of every scheduled sequence are packed
 into a single ``[T]`` batch, prefill chunks first, then one token per decoding sequence. Each
 layer writes its new K/V into the paged cache ``[layers, 2, num_blocks, block_size, Hkv, D]``
-at the slots the runner computed, then attends through ``engine/kernels/attention.py``:
-packed-varlen causal attention for the prefill part, paged attention for the decode part.
-Only the positions that yield a token go through the vocabulary projection. The residual
-stream is carried beside each layer's output so that its add fuses into the next RMSNorm;
+at the slots the runner computed, then attends through ``engine/kernels/attention.py``
+(packed-varlen causal for prefill, paged for decode). Only the positions that yield a token
+go through the vocabulary projection; each layer's residual add fuses into the next RMSNorm;
 RMSNorm, RoPE and SwiGLU run as Triton kernels wherever attention does (``engine/kernels``).
-
-Weights are either random (seeded, created directly on the target device: no host copy of
-the 16 GB of ``llama-8b``) or read from a local HF-style directory's ``*.safetensors``.
-Costs: the forward allocates activations ``O(T * hidden)``; no host-device sync happens inside
-(a decode forward can be captured in a CUDA graph: ``engine/cuda_graphs.py``).
+Weights are random (seeded, made on the target device: no host copy of ``llama-8b``'s 16 GB)
+or read from a local HF-style directory's ``*.safetensors``. Tensor parallelism (``Shard``):
+a rank holds its query/KV heads and MLP columns (Megatron column / row splits) and sums the
+attention and MLP outputs over the ranks; its random weights are slices of the unsharded
+model's. Costs: activations ``O(T * hidden)``; no host-device sync inside (a decode forward
+can be captured in a CUDA graph: ``engine/cuda_graphs.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,40 @@ from .kernels.rmsnorm import rms_norm
 from .kernels.rope import KvStore, rope_
 from .kernels.swiglu import swiglu
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "build_model", "rope_cos_sin"]
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "Shard", "build_model", "rope_cos_sin"]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The part of the model one tensor-parallel rank holds (``size`` 1: all of it).
+
+    ``all_reduce`` sums a tensor over the ranks in place (the process group's, timed by the
+    caller); ``head``: this rank computes the final norm and the vocabulary projection (the
+    rank that samples)."""
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], object] | None = None
+    head: bool = True
+
+
+_WHOLE = Shard()
+
+
+# Megatron splits of the fused weights, by name suffix: (dim, segments of the unsharded
+# weight [out, in] along dim). Each segment is cut in ``size`` equal parts and each rank keeps
+# its part of every segment: q, k and v heads (and gate and up columns) stay aligned.
+def _splits(config: ModelConfig) -> dict[str, tuple[int, tuple[int, ...]]]:
+    q, kv, i = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim, \
+        config.intermediate_size
+    return {"attn.qkv_proj.weight": (0, (q, kv, kv)), "attn.o_proj.weight": (1, (q,)),
+            "mlp.gate_up_proj.weight": (0, (i, i)), "mlp.down_proj.weight": (1, (i,))}
+
+
+def _shard_of(full: torch.Tensor, dim: int, segments: tuple[int, ...], shard: Shard) -> torch.Tensor:
+    """Rank ``shard.rank``'s part of ``full`` (a view when one segment, else a copy)."""
+    parts = [segment.chunk(shard.size, dim)[shard.rank] for segment in full.split(segments, dim)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 @dataclass
@@ -118,15 +152,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, dev: dict) -> None:
+    def __init__(self, config: ModelConfig, dev: dict, shard: Shard = _WHOLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_heads // shard.size, config.num_kv_heads // shard.size
+        self.head_dim = config.head_dim
+        self.all_reduce = shard.all_reduce
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # q, k, v as one matmul: rows [q | k | v] (HF's three matrices are concatenated at load).
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, dev)
-        self.o_proj = Linear(self.q_size, config.hidden_size, dev)
+        self.o_proj = Linear(self.q_size, config.hidden_size, dev)  # [hidden, local q] (row split)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
@@ -149,7 +185,10 @@ class Attention(nn.Module):
         else:
             o = torch.cat((self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache, v_cache),
                            self._decode(q[n_pre:], meta, k_cache, v_cache)), dim=0)
-        return self.o_proj(o.reshape(t, self.q_size))
+        out = self.o_proj(o.reshape(t, self.q_size))  # [T, hidden]: this rank's heads' part
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
     def _prefill(self, q, k, v, meta: AttentionMetadata, k_cache, v_cache) -> torch.Tensor:
         if meta.prefill_kv_slots is not None:  # some chunk continues a cached prefix
@@ -165,23 +204,27 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, dev: dict) -> None:
+    def __init__(self, config: ModelConfig, dev: dict, shard: Shard = _WHOLE) -> None:
         super().__init__()
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, dev)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, dev)
+        self.intermediate = config.intermediate_size // shard.size
+        self.all_reduce = shard.all_reduce
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, dev)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, dev)
 
     def forward(self, x: torch.Tensor, backend: str = "auto") -> torch.Tensor:  # [T, hidden]
-        return self.down_proj(swiglu(self.gate_up_proj(x), backend))  # gate_up [T, 2I]
+        out = self.down_proj(swiglu(self.gate_up_proj(x), backend))  # gate_up [T, 2I/N]
+        if self.all_reduce is not None:
+            self.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dev: dict) -> None:
+    def __init__(self, config: ModelConfig, dev: dict, shard: Shard = _WHOLE) -> None:
         super().__init__()
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
-        self.attn = Attention(config, dev)
+        self.attn = Attention(config, dev, shard)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
-        self.mlp = MLP(config, dev)
+        self.mlp = MLP(config, dev, shard)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin,
                 meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,17 +237,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Token ids in, next-token logits (in the model's dtype) out, for the positions that sample."""
+    """Token ids in, next-token logits (in the model's dtype) out, for the positions that sample.
+    A shard without the head (``Shard.head``) returns None: its rank's work ends with the
+    last layer's all-reduce."""
 
     def __init__(self, config: ModelConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, shard: Shard = _WHOLE) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard
         dev = {"device": device, "dtype": dtype}
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dev)
-        self.layers = nn.ModuleList(DecoderLayer(config, dev) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dev, shard) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dev)
-        self.lm_head = None if config.tie_word_embeddings else Linear(
+        self.lm_head = None if config.tie_word_embeddings or not shard.head else Linear(
             config.hidden_size, config.vocab_size, dev)
         # RoPE tables: plain attributes set by ``build_model``, float32 whatever the weights'
         # dtype (bf16 angles would lose position precision past a few hundred tokens).
@@ -213,14 +259,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: torch.Tensor | None = None,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids/positions [T]; kv_cache [L, 2, N, bs, Hkv, D] or None (prefill without a
-        cache: keys are the new tokens); logits_indices [S] (None: every position) -> [S, V]."""
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor | None:
+        """input_ids/positions [T]; kv_cache [L, 2, N, bs, Hkv/ranks, D] or None (prefill
+        without a cache: keys are the new tokens); logits_indices [S] (None: every position)
+        -> [S, V]."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D/2]
         x = self.embed_tokens(input_ids)  # [T, hidden]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta, None if kv_cache is None else kv_cache[i])
+        if not self.shard.head:
+            return None
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]  # [S, hidden]
         x, _ = self.norm(x, residual, meta.backend)
@@ -234,11 +283,25 @@ class LlamaForCausalLM(nn.Module):
 def _init_random(model: LlamaForCausalLM, std: float, seed: int, device: torch.device) -> None:
     gen = torch.Generator(device=device)
     gen.manual_seed(seed)
+    shard = model.shard
+    splits = _splits(model.config) if shard.size > 1 else {}
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-        else:
+            continue
+        split = splits.get(name.split(".", 2)[-1]) if name.startswith("layers.") else None
+        if split is None:
             param.normal_(0.0, std, generator=gen)
+            continue
+        # the unsharded weight, drawn as the unsharded model draws it (the same [in, out]
+        # storage, the same generator state), then this rank's slice of it: one layer's
+        # weight at a time on the device
+        dim, segments = split
+        rows, cols = param.shape
+        full_shape = (sum(segments), cols) if dim == 0 else (rows, sum(segments))
+        full = torch.empty(full_shape[1], full_shape[0], device=device, dtype=param.dtype).t()
+        full.normal_(0.0, std, generator=gen)
+        param.copy_(_shard_of(full, dim, segments, shard))
 
 
 _HF_PREFIX = "model."
@@ -258,35 +321,41 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, device: torch.dev
     cfg = model.config
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     params = dict(model.named_parameters())
-    # HF name suffix -> (our name suffix, first row, rows)
+    # HF name suffix -> (our name suffix, first row, rows, the dim a tensor-parallel rank
+    # takes its part along: 0 for column splits, 1 for row splits, None when replicated)
     fused = {
-        "self_attn.q_proj.weight": ("attn.qkv_proj.weight", 0, q_size),
-        "self_attn.k_proj.weight": ("attn.qkv_proj.weight", q_size, kv_size),
-        "self_attn.v_proj.weight": ("attn.qkv_proj.weight", q_size + kv_size, kv_size),
-        "self_attn.o_proj.weight": ("attn.o_proj.weight", 0, None),
-        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, cfg.intermediate_size),
-        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", cfg.intermediate_size, cfg.intermediate_size),
-        "mlp.down_proj.weight": ("mlp.down_proj.weight", 0, None),
-        "input_layernorm.weight": ("input_norm.weight", 0, None),
-        "post_attention_layernorm.weight": ("post_attn_norm.weight", 0, None),
+        "self_attn.q_proj.weight": ("attn.qkv_proj.weight", 0, q_size, 0),
+        "self_attn.k_proj.weight": ("attn.qkv_proj.weight", q_size, kv_size, 0),
+        "self_attn.v_proj.weight": ("attn.qkv_proj.weight", q_size + kv_size, kv_size, 0),
+        "self_attn.o_proj.weight": ("attn.o_proj.weight", 0, None, 1),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, cfg.intermediate_size, 0),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", cfg.intermediate_size, cfg.intermediate_size, 0),
+        "mlp.down_proj.weight": ("mlp.down_proj.weight", 0, None, 1),
+        "input_layernorm.weight": ("input_norm.weight", 0, None, None),
+        "post_attention_layernorm.weight": ("post_attn_norm.weight", 0, None, None),
     }
+    shard = model.shard
     rows_filled: dict[str, int] = {name: 0 for name in params}
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as handle:
             for key in handle.keys():
                 name = key[len(_HF_PREFIX):] if key.startswith(_HF_PREFIX) else key
-                start, rows = 0, None
+                start, rows, dim = 0, None, None
                 if name.startswith("layers."):
                     _, index, suffix = name.split(".", 2)
                     if suffix not in fused:
                         continue  # e.g. rotary_emb.inv_freq in old checkpoints
-                    ours, start, rows = fused[suffix]
+                    ours, start, rows, dim = fused[suffix]
                     name = f"layers.{index}.{ours}"
                 elif name == "lm_head.weight" and model.lm_head is None:
-                    continue  # tied: the embedding is the head
+                    continue  # tied, or a rank without the head
                 if name not in params:
                     continue
                 tensor = handle.get_tensor(key)
+                if shard.size > 1 and dim is not None:   # this rank's heads / columns
+                    tensor = tensor.chunk(shard.size, dim)[shard.rank]
+                    if rows is not None:
+                        start, rows = start // shard.size, rows // shard.size
                 target = params[name]
                 target = target if rows is None else target[start:start + rows]
                 if tuple(tensor.shape) != tuple(target.shape):
@@ -301,11 +370,14 @@ def _load_hf_weights(model: LlamaForCausalLM, directory: Path, device: torch.dev
 
 
 def build_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype,
-                seed: int = 0) -> LlamaForCausalLM:
+                seed: int = 0, shard: Shard = _WHOLE) -> LlamaForCausalLM:
     """Creates the model straight on ``device`` (meta first: no CPU copy), then fills weights:
-    from ``config.path`` when set, else random normal(0, init_std) from ``seed``."""
+    from ``config.path`` when set, else random normal(0, init_std) from ``seed``; with a
+    ``shard``, this rank's part of them."""
     device = torch.device(device)
-    model = LlamaForCausalLM(config, device, dtype)  # uninitialized memory, filled below
+    if shard.size > 1:
+        config.check_shardable(shard.size)
+    model = LlamaForCausalLM(config, device, dtype, shard)  # uninitialized memory, filled below
     if config.path:
         _load_hf_weights(model, Path(config.path), device)
     else:

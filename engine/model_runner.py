@@ -1,18 +1,18 @@
 """Runs one ``StepPlan`` on the model: batch tensors in, one sampled token per finished chunk out.
 
 The runner owns the device state: the model, the paged KV cache tensor
-``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides ``num_blocks`` for the
-scheduler's block manager) and the sampler's generators. On CUDA, decode-only steps replay
-CUDA graphs captured at start-up (``engine/cuda_graphs.py``; ``EngineConfig.enforce_eager``
-turns them off); the others, and every step on the CPU, run eagerly.
-
+``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides the scheduler's
+``num_blocks``) and the sampler's generators. On CUDA, decode-only steps replay CUDA graphs
+captured at start-up (``engine/cuda_graphs.py``; not with ``enforce_eager``). Tensor
+parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each step to
+the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
 non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
-issued by ``launch`` and awaited by ``LaunchedStep.wait``: in between the engine can launch
-the next step, whose unknown inputs are gathered on the device. KV budget: on CUDA,
-``gpu_memory_utilization * total`` minus what is in use after the weights and a full-size
-step (``_profile_step``); on the CPU, ``kv_cache_gib``; either capped at what ``max_num_seqs``
-sequences of ``max_model_len`` tokens can use and at 2**31 elements per layer's K or V.
+issued by ``launch``, awaited by ``LaunchedStep.wait`` (meanwhile the next step launches,
+its unknown inputs gathered on the device). KV budget: on CUDA, ``gpu_memory_utilization *
+total`` minus what is in use after the weights and a full-size step (``_profile_step``); on
+the CPU, ``kv_cache_gib``; capped at what ``max_num_seqs`` sequences of ``max_model_len``
+can use, at 2**31 elements per layer's K or V, and at the smallest tensor-parallel rank's.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,12 +30,16 @@ from ..instrumentation import semconv as sc
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, GraphCapture
 from .kv_cache import kv_bytes_per_block
-from .model import AttentionMetadata, build_model
+from .model import AttentionMetadata, Shard, build_model
 from .sampling import SampledTokens, Sampler, SamplingBatch
 from .scheduler import ScheduledRequest, StepPlan
 from .startup import StartupProgress
 
-__all__ = ["LaunchedStep", "ModelRunner", "StepBatch", "StepExecution", "resolve_device", "resolve_dtype"]
+if TYPE_CHECKING:
+    from .tensor_parallel import TpGroup
+
+__all__ = ["HostStep", "LaunchedStep", "ModelRunner", "StepBatch", "StepExecution", "resolve_device",
+           "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +77,25 @@ def resolve_dtype(dtype: str, device: torch.device, model: ModelConfig) -> torch
     return torch.float16 if model.torch_dtype == "float16" else torch.bfloat16
 
 
+@dataclass(slots=True)
+class HostStep:
+    """One step's batch on the host: its lists in one int64 tensor (``lengths`` each: input
+    ids, positions, slots, cu_seqlens_q, cu_seqlens_k, prefill KV slots, block tables,
+    context lengths, logits indices, stand-in positions, their rows in the previous step's
+    ids; then, under tensor parallelism, the KV block copies' sources and destinations) and
+    the sizes that shape the device batch."""
+
+    flat: torch.Tensor | None   # None: not received yet (a rank's StepMessage header)
+    lengths: tuple[int, ...]
+    num_prefill_tokens: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    max_blocks: int
+    gather: bool
+
+
 @dataclass
 class StepBatch:
     """Device tensors of one step plus the host-side map from sampled rows to requests."""
@@ -84,6 +108,7 @@ class StepBatch:
     sampled_request_ids: list[str]  # [S]
     num_prefill_seqs: int
     num_decode_seqs: int
+    host: HostStep | None = None
 
 
 @dataclass(frozen=True)
@@ -124,27 +149,33 @@ class ModelRunner:
     """Model + KV cache + sampler on one device. Not thread-safe: the engine loop calls it."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, gpu_telemetry=None,
-                 startup: StartupProgress | None = None) -> None:
+                 tp: TpGroup | None = None, startup: StartupProgress | None = None) -> None:
         """``startup``: times the phases (load weights, size and allocate the KV cache) and
         leaves the CUDA graphs to the warm-up (``engine/warmup.py``), which captures them
-        after the eager variants; without it they are captured here."""
+        after the eager variants; without it they are captured here. ``tp``: this rank's
+        tensor-parallel group (None: the whole model here)."""
         self.config = config
         self.model_config = model_config
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        self.device = resolve_device(config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         self.block_size = config.block_size
         self.gpu_telemetry = gpu_telemetry
         self.backend = config.attention_backend
         self._pin = self.device.type == "cuda"
         if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            ranks = tp.size if tp is not None else 1   # the ranks share the cores
+            torch.set_num_threads(config.cpu_threads or max(1, ((os.cpu_count() or 2) - 1) // ranks))
         start = time.monotonic()
+        shard = Shard() if tp is None else Shard(tp.rank, tp.size, tp.all_reduce, tp.rank == 0)
         phase = startup.phase if startup is not None else _untimed
         with phase(sc.STARTUP_LOAD_WEIGHTS):
-            self.model = build_model(model_config, self.device, self.dtype, seed=config.seed)
+            self.model = build_model(model_config, self.device, self.dtype, seed=config.seed,
+                                     shard=shard)
         self.sampler = Sampler(self.device, config.seed)
+        self.num_kv_heads = model_config.num_kv_heads // shard.size   # this rank's
         self.bytes_per_block = kv_bytes_per_block(
-            num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+            num_layers=model_config.num_layers, num_kv_heads=self.num_kv_heads,
             head_dim=model_config.head_dim, block_size=self.block_size,
             dtype_bytes=torch.empty((), dtype=self.dtype).element_size())
         with phase(sc.STARTUP_PROFILE_MEMORY) if self.device.type == "cuda" else _untimed(""):
@@ -152,10 +183,14 @@ class ModelRunner:
         with phase(sc.STARTUP_ALLOCATE_KV):
             # One block more than the scheduler manages: padded rows of graph replays and
             # the warm-up's synthetic steps write there.
-            self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv, D]; block N: scratch
+            self.kv_cache = torch.zeros(  # [L, 2, N + 1, bs, Hkv/ranks, D]; block N: scratch
                 model_config.num_layers, 2, self.num_blocks + 1, self.block_size,
-                model_config.num_kv_heads, model_config.head_dim, dtype=self.dtype,
+                self.num_kv_heads, model_config.head_dim, dtype=self.dtype,
                 device=self.device)
+        # tensor parallelism on rank 0: where this rank's RankStep events go (set by the core
+        # when they are recorded: the CPU's host clock), the KV copies the next step sends
+        self.record_rank = None
+        self._copies: list[tuple[int, int]] = []
         limit = config.max_model_len or model_config.max_position_embeddings
         self.max_model_len = min(limit, model_config.max_position_embeddings,
                                  self.num_blocks * self.block_size)
@@ -197,7 +232,9 @@ class ModelRunner:
             self.static_decode(capture=True)
         if limit_s is None:
             limit_s = self.config.cuda_graph_capture_limit_s
-        self.graph_capture = cap = graphs.capture_all(limit_s)
+        # every rank captures the same buckets in the same order (their warm-up runs meet
+        # in all-reduces): rank 0 decides when the time limit has passed
+        self.graph_capture = cap = graphs.capture_all(limit_s, None if self.tp is None else self.tp.agree)
         log.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)%s",
                  ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
@@ -227,10 +264,12 @@ class ModelRunner:
         mc = self.model_config
         limit = min(self.config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         useful = self.config.scheduler.max_num_seqs * -(-limit // self.block_size)
-        int32_cap = (2**31 - 1) // (self.block_size * mc.num_kv_heads * mc.head_dim) - 1  # + scratch
+        int32_cap = (2**31 - 1) // (self.block_size * self.num_kv_heads * mc.head_dim) - 1  # + scratch
         if blocks > min(useful, int32_cap):
             log.info("KV cache capped at %d blocks (budget allowed %d)", min(useful, int32_cap), blocks)
             blocks = min(useful, int32_cap)
+        if self.tp is not None:   # the scheduler's blocks exist on every rank
+            blocks = self.tp.min_int(blocks)
         if blocks < 2:
             raise RuntimeError(f"the KV budget holds {blocks} blocks of {self.bytes_per_block} bytes; "
                                "raise --kv-cache-gib / --gpu-memory-utilization or pick a smaller model")
@@ -250,6 +289,9 @@ class ModelRunner:
                                  cu_seqlens_k=cu, max_seqlen_q=tokens, max_seqlen_k=tokens,
                                  backend=self.backend)
         logits = self.model(ids, positions, meta, None, torch.arange(rows, device=self.device))
+        if logits is None:   # a rank without the head
+            torch.cuda.synchronize(self.device)
+            return
         batch = SamplingBatch(torch.ones(rows, device=self.device),
                               torch.full((rows,), 0.9, device=self.device), [None] * rows, False, True,
                               top_ks=torch.full((rows,), 50, device=self.device))
@@ -257,7 +299,10 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked blocks (KVCacheManager.take_pending_copies) before a step."""
+        """Copy-on-write of forked blocks (KVCacheManager.take_pending_copies) before a step
+        (under tensor parallelism the other ranks make them with the next step)."""
+        if self.tp is not None and self.tp.rank == 0:
+            self._copies += copies
         if copies:
             src = torch.tensor([s for s, _ in copies], device=self.device)
             dst = torch.tensor([d for _, d in copies], device=self.device)
@@ -327,38 +372,50 @@ class ModelRunner:
             if entry.samples_token:
                 sample_row(entry, len(input_ids) - 1)
 
-        # One host buffer, one copy; the views below are slices of it.
         if pending_at and previous is None:
             raise RuntimeError(f"step {plan.step_id}: inputs pending without the step that samples them")
+        # One host buffer, one copy; the device views are slices of it.
         parts = (input_ids, positions, slots, cu_q, cu_k, kv_slots, tables, context_lens, logits_indices,
                  pending_at, pending_rows)
         flat = [x for part in parts for x in part]
-        host = torch.tensor(flat, dtype=torch.long, pin_memory=self._pin)
-        dev = host.to(self.device, non_blocking=True)
+        if self.tp is not None:   # the other ranks make the KV copies first
+            flat += [src for src, _ in self._copies] + [dst for _, dst in self._copies]
+        host = HostStep(torch.tensor(flat, dtype=torch.long, pin_memory=self._pin),
+                        tuple(map(len, parts)), num_prefill, max_q, max_k, len(prefills),
+                        len(decodes), max_blocks, gather)
+        ids, pos, meta, logits_indices = self.device_batch(
+            host, previous.device if previous is not None else None)
+        sampling = self.sampler.batch(sampled, self.model_config.vocab_size)
+        return StepBatch(ids, pos, meta, logits_indices, sampling, [r.request_id for r in sampled],
+                         len(prefills), len(decodes), host)
+
+    def device_batch(self, host: HostStep, previous_ids: torch.Tensor | None):
+        """The host batch on the device: (input ids [T], positions [T], attention metadata,
+        logits indices [S]); stand-in inputs gathered from ``previous_ids`` [S'] there."""
+        dev = host.flat.to(self.device, non_blocking=True)
         views = []
         offset = 0
-        for part in parts:
-            views.append(dev[offset:offset + len(part)])
-            offset += len(part)
+        for n in host.lengths:
+            views.append(dev[offset:offset + n])
+            offset += n
         d_ids, d_pos, d_slots, d_cu_q, d_cu_k, d_kv_slots, d_tables, d_ctx, d_logits, d_at, d_rows = views
-        if pending_at:
-            d_ids[d_at] = previous.device[d_rows]
+        if host.lengths[9]:
+            d_ids[d_at] = previous_ids[d_rows]
+        prefills, decodes = host.num_prefill_seqs, host.num_decode_seqs
         meta = AttentionMetadata(
-            num_prefill_tokens=num_prefill,
+            num_prefill_tokens=host.num_prefill_tokens,
             slot_mapping=d_slots,
             cu_seqlens_q=d_cu_q.int() if prefills else None,
             cu_seqlens_k=d_cu_k.int() if prefills else None,
-            max_seqlen_q=max_q,
-            max_seqlen_k=max_k,
-            prefill_kv_slots=d_kv_slots if gather else None,
-            block_tables=d_tables.int().view(len(decodes), max_blocks) if decodes else None,
+            max_seqlen_q=host.max_seqlen_q,
+            max_seqlen_k=host.max_seqlen_k,
+            prefill_kv_slots=d_kv_slots if host.gather else None,
+            block_tables=d_tables.int().view(decodes, host.max_blocks) if decodes else None,
             context_lens=d_ctx.int() if decodes else None,
             probe=None,  # set by execute() for steps whose GPU data is collected
             backend=self.backend,
         )
-        sampling = self.sampler.batch(sampled, self.model_config.vocab_size)
-        return StepBatch(d_ids, d_pos, meta, d_logits, sampling, [r.request_id for r in sampled],
-                         num_prefill_seqs=len(prefills), num_decode_seqs=len(decodes))
+        return d_ids, d_pos, meta, d_logits
 
     def execute(self, plan: StepPlan, step_trace=None) -> dict[str, int]:
         """Runs the plan and waits: request_id -> sampled token for every chunk that samples."""
@@ -387,7 +444,11 @@ class ModelRunner:
             batch.meta.probe = gpu.probe
             gpu.begin_step(step_trace)
         tokens = replayed = None
+        timed = False
         try:
+            if self.tp is not None:
+                timed = self._send_step(plan, batch, bucket, step_trace,
+                                        gpu if gpu is not None and not plain else None)
             if bucket is None:
                 execution = _EAGER
                 logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
@@ -396,8 +457,14 @@ class ModelRunner:
                 execution = StepExecution(cuda_graph=self.graphs.capture, graph_batch_size=bucket)
                 logits = self._replay(batch, bucket)
                 replayed = (self.graphs, bucket)   # its probed launches are the step's
+            if timed:
+                rows = bucket or batch.input_ids.shape[0]
+                self.record_rank(self.tp.end_timing(plan.step_id, self.collective_bytes(rows)))
             if batch.sampled_request_ids:
-                tokens = self.sampler.start_copy(self.sampler.sample(logits, batch.sampling))
+                ids = self.sampler.sample(logits, batch.sampling)
+                if self.tp is not None and self.async_ids:   # stand-ins on every rank
+                    self.tp.send_ids(ids)
+                tokens = self.sampler.start_copy(ids)
         finally:
             if gpu is not None and not plain:
                 if gpu.tracing and gpu.waits_for_traced_steps and tokens is not None:
@@ -405,6 +472,38 @@ class ModelRunner:
                 gpu.end_step(step_trace, tokens.copied if tokens is not None else None, replayed)
         self.last_execution = execution
         return LaunchedStep(batch.sampled_request_ids, tokens, execution)
+
+    # ---- tensor parallelism (rank 0) -----------------------------------------------------------
+    # With overlapped scheduling a step's inputs may be stand-ins for the previous step's ids
+    # on the device: every rank then needs those ids (the engine core sets this).
+    async_ids = False
+
+    def collective_bytes(self, rows: int) -> int:
+        """Bytes of one all-reduce of a forward pass over ``rows`` tokens: ``[T, hidden]``."""
+        return rows * self.model_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def _send_step(self, plan: StepPlan, batch: StepBatch, bucket: int | None, step, gpu) -> bool:
+        """Sends the step to the other ranks, with the telemetry decided for it here, and
+        starts this rank's timing when ranks' timings are recorded (True then)."""
+        from .tensor_parallel import StepMessage
+
+        host, tp = batch.host, self.tp
+        traced = gpu is not None and gpu.tracing
+        probed = gpu is not None and gpu.probing
+        if traced or probed:   # the other ranks' records point at the step span
+            gpu.recorder.name_step(step)
+        timed = self.record_rank is not None and step is not None
+        if timed or traced:   # the step span waits for every rank's part
+            step.set_attribute(sc.TP_SIZE, tp.size)
+        if traced:   # its collective kernels' spans carry their bytes
+            step.set_attribute(sc.COLLECTIVE_BYTES, self.collective_bytes(bucket or host.lengths[0]))
+        copies, self._copies = self._copies, []
+        tp.send_step(StepMessage(plan.step_id, host, bucket, len(copies), traced, probed,
+                                 self.async_ids, timed, step.trace_id if step is not None else 0,
+                                 step.span_id if step is not None else 0))
+        if timed:
+            tp.begin_timing()
+        return timed
 
     def _replay(self, batch: StepBatch, bucket: int) -> torch.Tensor:
         """A decode-only step through the static path; logits [S, V] of the sampled rows."""

@@ -191,7 +191,10 @@ def warm_up(runner, config, progress: StartupProgress | None = None, recorder=No
     def cases(run: PhaseRun) -> _Cases:
         return _Cases(run, deadline, runner.device)
 
-    if config.warmup:
+    # Under tensor parallelism the synthetic passes would meet the other ranks' all-reduces
+    # unannounced (they follow step plans only): there the warm-up is the graph capture.
+    warm = config.warmup and getattr(runner, "tp", None) is None
+    if warm:
         log.info("warm-up: prefill lengths %s, decode layouts %s, graph sizes %s, probe %s, "
                  "CUPTI %s (limit %.0f s)", plan.prefill_lengths, plan.decode_layouts,
                  plan.graph_sizes, plan.probe, plan.cupti, config.warmup_limit_s)
@@ -236,7 +239,7 @@ def warm_up(runner, config, progress: StartupProgress | None = None, recorder=No
     if gpu is not None:
         with progress.phase(sc.STARTUP_WARMUP_TELEMETRY) as run:
             gpu.start_kernel_tracing()
-            if config.warmup:
+            if warm:
                 case = cases(run)
                 if probe is not None:
                     for n in plan.prefill_lengths:

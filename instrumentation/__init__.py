@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from .event_wire import from_wire, to_wire
     from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
     from .gpu_telemetry import GpuTelemetry
-    from .lifecycle import (Detokenized, LifecycleRecorder, OpenStep, Queued, Startup,
+    from .lifecycle import (Detokenized, LifecycleRecorder, OpenStep, Queued, RankStep, Startup,
                             StartupPhase, Step)
     from .nvml import NvmlCollector
+    from .rank_recorder import RankRecorder
     from .otlp_json_ids import base64_to_hex, convert_ids
     from .settings import (add_flags, check_settings, env_values, flag_names, from_flags, setting,
                            undeclared)
@@ -39,8 +40,10 @@ _MODULE_OF = {
     "relative_error": "exphist",
     "GpuTelemetry": "gpu_telemetry",
     "Detokenized": "lifecycle", "LifecycleRecorder": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
+    "RankStep": "lifecycle",
     "Startup": "lifecycle", "StartupPhase": "lifecycle",
     "NvmlCollector": "nvml",
+    "RankRecorder": "rank_recorder",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
     "add_flags": "settings", "check_settings": "settings", "env_values": "settings",
     "flag_names": "settings", "from_flags": "settings", "setting": "settings", "undeclared": "settings",

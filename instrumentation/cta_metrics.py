@@ -21,20 +21,25 @@ __all__ = ["build_cta_metrics", "metric_exporters_from", "resource_of"]
 logger = logging.getLogger("sightline.instrumentation.gpu_telemetry")
 
 
-def _gpu_attributes(gpu) -> dict:
+def _gpu_attributes(gpu, gpu_ranks: dict | None) -> dict:
     attributes = {semconv.ATTR_GPU_ID: gpu}
-    uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
+    rank, uuid = (gpu_ranks or {}).get(gpu, (None, None))
+    if uuid is None:
+        uuid = gpu_uuid(gpu) if isinstance(gpu, int) or str(gpu).isdigit() else None
     if uuid:  # the GPU's identity across hosts (gpu.id is only its index on this one)
         attributes[semconv.ATTR_GPU_UUID] = uuid
+    if rank is not None:
+        attributes[semconv.TP_RANK] = rank
     return attributes
 
 
 def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, launch_mix=None,
-                      num_sms: int | None = None):
+                      num_sms: int | None = None, gpu_ranks: dict | None = None):
     """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
     (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step); with
     ``launch_mix`` ((gpu, kernel) -> (wide CTAs, all CTAs)) and ``num_sms``, one delta sum
-    point of wide-launch CTAs per (gpu, kernel) too."""
+    point of wide-launch CTAs per (gpu, kernel) too. ``gpu_ranks``: gpu id ->
+    (tensor-parallel rank, UUID) as the ranks reported them."""
     from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
                                                   ExponentialHistogram,
                                                   ExponentialHistogramDataPoint, Metric,
@@ -52,7 +57,7 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, la
         if ex is not None and ex.trace_id and ex.span_id:
             ex_list.append(Exemplar({}, ex.value_s, ex.time_unix_nano or now_ns, ex.span_id,
                                     ex.trace_id))
-        attributes = {**_gpu_attributes(gpu), semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
+        attributes = {**_gpu_attributes(gpu, gpu_ranks), semconv.ATTR_SM_ID: sm, semconv.ATTR_KERNEL_NAME: kernel}
         points.append(ExponentialHistogramDataPoint(
             attributes=attributes,
             start_time_unix_nano=start_ns, time_unix_nano=now_ns, count=h.count, sum=h.sum,
@@ -67,7 +72,7 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, la
                                               aggregation_temporality=AggregationTemporality.DELTA))
     metrics = [metric]
     if launch_mix and num_sms:
-        wide = [NumberDataPoint(attributes={**_gpu_attributes(gpu), semconv.ATTR_KERNEL_NAME: kernel,
+        wide = [NumberDataPoint(attributes={**_gpu_attributes(gpu, gpu_ranks), semconv.ATTR_KERNEL_NAME: kernel,
                                             semconv.ATTR_GPU_SM_COUNT: int(num_sms)},
                                 start_time_unix_nano=start_ns, time_unix_nano=now_ns, value=int(w))
                 for (gpu, kernel), (w, _) in sorted(launch_mix.items())]

@@ -11,14 +11,14 @@ a plain tuple is pickled in C. ``to_wire`` turns each lifecycle event into
 
 from __future__ import annotations
 
-from .lifecycle import (Detokenized, Queued, RequestAttributes, RequestEnd, RequestStart, Startup,
+from .lifecycle import (Detokenized, Queued, RankStep, RequestAttributes, RequestEnd, RequestStart, Startup,
                         Step, Tokenized)
 
 __all__ = ["from_wire", "to_wire"]
 
 # append only: a code names its type on both ends of one pipe (one version, one host)
 _TYPES = (RequestStart, Tokenized, RequestAttributes, Queued, Step, Detokenized, RequestEnd,
-          Startup)
+          Startup, RankStep)
 _CODES = {cls: code for code, cls in enumerate(_TYPES)}
 
 

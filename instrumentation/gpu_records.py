@@ -2,8 +2,10 @@
 
 The engine process only copies what the GPU and CUPTI produced (a CUPTI buffer's valid
 bytes, a traced step's per-CTA probe records, the per-SM histograms of an export
-interval); the telemetry process decodes them (:mod:`.kernel_spans`). No torch here: the
-telemetry process never imports it.
+interval); the telemetry process decodes them (:mod:`.kernel_spans`). Each carries the
+tensor-parallel rank of the process that recorded it (0 without tensor parallelism): CUPTI
+correlation ids and kernel name pointers mean something only within that process. No torch
+here: the telemetry process never imports it.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ class KernelActivity(NamedTuple):
     """One completed CUPTI activity buffer, its valid bytes as CUPTI wrote them."""
 
     buffer: bytes
+    rank: int = 0
 
 
 class KernelNames(NamedTuple):
     """Kernel names for the name pointers CUPTI records carry (valid in the engine only)."""
 
     names: dict[int, str]
+    rank: int = 0
 
 
 class StepCtas(NamedTuple):
@@ -41,6 +45,7 @@ class StepCtas(NamedTuple):
     launches: list[tuple[str, int]]
     gpu_id: int
     fake: bool
+    rank: int = 0
 
 
 class CtaHistograms(NamedTuple):
@@ -50,6 +55,7 @@ class CtaHistograms(NamedTuple):
     exemplars: dict[tuple[int, int, str], Any]
     start_ns: int
     end_ns: int
+    rank: int = 0
     # per (gpu, kernel): (CTAs of launches wide enough to cover every SM, all CTAs), and the
     # GPU's SM count (semconv.METRIC_CTA_WIDE); None from producers that do not count them
     launch_mix: dict[tuple[int, str], tuple[int, int]] | None = None
@@ -61,3 +67,4 @@ class GpuIdentity(NamedTuple):
 
     gpu_id: int
     uuid: str | None
+    rank: int = 0

@@ -335,6 +335,20 @@ class GpuTelemetry:
         return bool(self._open)
 
     @property
+    def probing(self) -> bool:
+        """The running step's probe records are read (traced, or its turn to feed the
+        per-SM histograms)."""
+        return self._probing
+
+    def follow_plan(self, sampled: bool, probed: bool) -> None:
+        """Another process decided the next step (a tensor-parallel rank follows rank 0's
+        draws: the same steps get kernel spans and probe records on every GPU); the draws
+        and the tail rule here go unused."""
+        self._planned = (sampled and self.kernel_spans_available, probed and self.probe is not None)
+        self._follow = self._owed = 0
+        self.next_step_plain = not (any(self._planned) or self._closing)
+
+    @property
     def waits_for_traced_steps(self) -> bool:
         """The engine must wait for a traced step's tokens before ``end_step``: detaching
         CUPTI needs the step's records delivered first."""

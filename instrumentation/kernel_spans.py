@@ -1,14 +1,15 @@
 """Kernel spans of traced steps, built from raw CUPTI buffers and per-CTA probe records.
 
-Runs where spans are assembled (the telemetry process), never on the engine thread. CUPTI
-buffers are decoded in bulk (:mod:`.cupti_records`); kernels join their step by the external
-id the engine pushed around its launches (``step_id + 1``). Once a traced step's records went
-quiet (``settle_s``) or ``max_wait_s`` passed, its spans go out as children of its step span:
-each attention launch (``attention_markers``: our FA2 prefill and paged decode, PyTorch's
-flash kernels) is a ``kernel <name>`` span with launch and per-SM facts; every other kernel
-is one ``kernels <name>`` span per (step, name) with launches, total and max duration, from
-the first launch's start to the last one's end; ``detail="all"`` gives every launch a span.
-
+Runs where spans are assembled (the telemetry process). CUPTI buffers are decoded in bulk
+(:mod:`.cupti_records`); kernels join their step by the external id the engine pushed
+around its launches (``step_id + 1``). Once a traced step's records went quiet
+(``settle_s``) or ``max_wait_s`` passed, its spans go out as children of its step span:
+each attention launch (``attention_markers``) and each collective (NCCL; an all-reduce of a
+tensor-parallel step with its bytes) is a ``kernel <name>`` span; every other kernel one
+``kernels <name>`` span per (step, name) with launches, total and max duration
+(``detail="all"``: a span each). A rank's part of a tensor-parallel step (``RankStep``) runs
+from its first all-reduce's end (which absorbs the ranks' start skew) to its last kernel;
+its later all-reduces are its wait.
 Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
 known step are counted. Cost: numpy per buffer, Python per emitted span (~100 a step).
 """
@@ -27,12 +28,30 @@ import numpy as np
 from . import semconv
 from .cupti_records import KERNEL_DTYPE, decode_buffer
 from .gpu_records import UNTRACED_EXTERNAL_ID
+from .lifecycle import RankStep
 from .sm_probe import CtaBatch, LaunchFacts, launch_facts
 
-__all__ = ["KernelSpanConfig", "KernelSpanBuilder", "KernelSpanStats", "kernel_span_name"]
+__all__ = ["KernelSpanConfig", "KernelSpanBuilder", "KernelSpanStats", "collective_of",
+           "kernel_span_name"]
 
 logger = logging.getLogger(__name__)
 _SPAN_NAME_MAX = 160
+_COLLECTIVE_MARKER = "nccl"
+# NCCL's kernel names say the collective: ncclDevKernel_AllReduce_Sum_bf16_RING_LL(...)
+_COLLECTIVES = (("allreduce", "all_reduce"), ("broadcast", "broadcast"),
+                ("allgather", "all_gather"), ("reducescatter", "reduce_scatter"))
+
+
+def collective_of(kernel_name: str) -> str | None:
+    """The collective an NCCL kernel runs (``all_reduce``...), or None for other kernels."""
+    lowered = kernel_name.lower()
+    if _COLLECTIVE_MARKER not in lowered:
+        return None
+    squashed = lowered.replace("_", "")
+    for marker, op in _COLLECTIVES:
+        if marker in squashed:
+            return op
+    return "other"
 
 
 def kernel_span_name(kernel_name: str, prefix: str = semconv.SPAN_KERNEL_PREFIX) -> str:
@@ -77,6 +96,7 @@ class _Traced:
     kernels: list = field(default_factory=list)   # KERNEL_DTYPE arrays
     first_seen: float = 0.0
     last_match: float = 0.0
+    collective_bytes: int | None = None   # per all-reduce: a tensor-parallel step
 
 
 class KernelSpanBuilder:
@@ -86,12 +106,16 @@ class KernelSpanBuilder:
 
     def __init__(self, telemetry, step_span: Callable[[int], object | None],
                  request_names: Callable[[list[int]], None], gpu_id: int = 0,
-                 config: KernelSpanConfig | None = None) -> None:
+                 config: KernelSpanConfig | None = None, rank: int = 0,
+                 on_rank: Callable[[RankStep], None] | None = None) -> None:
         self.telemetry = telemetry
         self.config = config or KernelSpanConfig()
         self.step_span = step_span
         self.request_names = request_names
         self.gpu_id = gpu_id
+        self.gpu_uuid: str | None = None
+        self.rank = rank                  # the tensor-parallel rank whose process recorded these
+        self.on_rank = on_rank            # where a traced tensor-parallel step's part goes
         self.stats = KernelSpanStats()
         self.names: dict[int, str] = {}
         self._asked: set[int] = set()
@@ -103,11 +127,19 @@ class KernelSpanBuilder:
         self._facts: dict[int, list[LaunchFacts]] = {}
 
     # -- inputs ---------------------------------------------------------------------
-    def expect_step(self, step_id: int) -> None:
-        """A traced step ended: wait for its kernels."""
-        if step_id not in self._traced:
+    def expect_step(self, step_id: int, collective_bytes: int | None = None) -> None:
+        """A traced step ended: wait for its kernels. ``collective_bytes``: per all-reduce,
+        when the step ran on tensor-parallel ranks."""
+        traced = self._traced.get(step_id)
+        if traced is None:
             now = time.monotonic()
-            self._traced[step_id] = _Traced(step_id, first_seen=now, last_match=now)
+            traced = self._traced[step_id] = _Traced(step_id, first_seen=now, last_match=now)
+        if collective_bytes is not None:
+            traced.collective_bytes = int(collective_bytes)
+
+    def expected_steps(self) -> list[tuple[int, int | None]]:
+        """The traced steps waited for: (step id, bytes per all-reduce)."""
+        return [(t.step_id, t.collective_bytes) for t in self._traced.values()]
 
     def add_buffer(self, buffer: bytes) -> None:
         decoded = decode_buffer(buffer)
@@ -207,13 +239,13 @@ class KernelSpanBuilder:
                 continue                               # names are on their way
             done.append(step_id)
             if len(kernels):
-                self._emit(step_id, kernels)
+                self._emit(step_id, kernels, traced.collective_bytes)
         for step_id in done:
             del self._traced[step_id]
             self._facts.pop(step_id, None)
         return len(done)
 
-    def _emit(self, step_id: int, kernels: np.ndarray) -> None:
+    def _emit(self, step_id: int, kernels: np.ndarray, collective_bytes: int | None = None) -> None:
         step = self.step_span(step_id)
         if step is None:
             self.stats.kernels_unmatched += len(kernels)
@@ -229,18 +261,28 @@ class KernelSpanBuilder:
         markers = self.config.attention_markers
         every = self.config.detail == "all"
         summaries: dict[str, list[int]] = {}
+        collectives: list[tuple[int, str]] = []   # (row, op), launch order
         for i, name in enumerate(names):
             lowered = name.lower()
-            if every or any(m in lowered for m in markers):
+            op = collective_of(name) if _COLLECTIVE_MARKER in lowered else None
+            if op is not None:
+                collectives.append((i, op))
+                extra = {semconv.COLLECTIVE_OP: op}
+                if op == "all_reduce" and collective_bytes is not None:
+                    extra[semconv.COLLECTIVE_BYTES] = collective_bytes
+                self._span(spans, parent, kernels[i], name, None, extra)
+            elif every or any(m in lowered for m in markers):
                 facts = facts_by_name.get(name)
                 self._span(spans, parent, kernels[i], name,
                            facts.popleft() if facts else None)
             else:
                 summaries.setdefault(name, []).append(i)
+        if collective_bytes is not None and self.on_rank is not None:
+            self._rank_part(step_id, kernels, collectives, collective_bytes)
         for name, rows in summaries.items():
             group = kernels[rows]
             durations = (group["end_ns"] - group["start_ns"]).astype(np.int64)
-            attrs = {semconv.CUDA_KERNEL_NAME: name, semconv.HW_GPU_ID: self.gpu_id,
+            attrs = {semconv.CUDA_KERNEL_NAME: name, **self._identity(),
                      semconv.KERNEL_LAUNCHES: len(rows),
                      semconv.KERNEL_TOTAL_DURATION_S: float(durations.sum()) * 1e-9,
                      semconv.KERNEL_MAX_DURATION_S: float(durations.max()) * 1e-9}
@@ -249,7 +291,35 @@ class KernelSpanBuilder:
                        int(group["start_ns"].min()), int(group["end_ns"].max()), attrs)
             self.stats.kernel_spans += 1
 
-    def _span(self, spans, parent, k, name: str, facts: LaunchFacts | None) -> None:
+    def _identity(self) -> dict:
+        """Where the kernels ran: the GPU's index, its UUID when known, the rank."""
+        if self.gpu_uuid:
+            return {semconv.HW_GPU_ID: self.gpu_id, semconv.ATTR_GPU_UUID: self.gpu_uuid,
+                    semconv.TP_RANK: self.rank}
+        return {semconv.HW_GPU_ID: self.gpu_id, semconv.TP_RANK: self.rank}
+
+    def _rank_part(self, step_id: int, kernels: np.ndarray,
+                   collectives: list[tuple[int, str]], collective_bytes: int) -> None:
+        """This rank's part of a traced tensor-parallel step, from its kernels: the window
+        from its first all-reduce's end to its last kernel's end (the sampled ids' broadcast
+        after the forward pass left out), and its time in the later all-reduces."""
+        # in start order: a graph replay's kernels share one correlation id
+        reduces = sorted((i for i, op in collectives if op == "all_reduce"),
+                         key=lambda i: int(kernels["start_ns"][i]))
+        if not reduces:
+            return
+        skip = {i for i, op in collectives if op != "all_reduce"}
+        rest = [i for i in range(len(kernels)) if i not in skip]
+        start = int(kernels["end_ns"][reduces[0]])
+        end = int(kernels["end_ns"][rest].max())
+        waits = (kernels["end_ns"][reduces[1:]] - kernels["start_ns"][reduces[1:]]).astype(np.int64)
+        wait = int(waits.sum())
+        window = max(end - start, 0)
+        self.on_rank(RankStep(step_id, self.rank, start, end, max(window - wait, 0), wait,
+                              len(reduces), collective_bytes))
+
+    def _span(self, spans, parent, k, name: str, facts: LaunchFacts | None,
+              extra: dict | None = None) -> None:
         attrs = {
             semconv.CUDA_KERNEL_NAME: name,
             semconv.CUDA_GRID: f"{k['grid_x']},{k['grid_y']},{k['grid_z']}",
@@ -259,8 +329,10 @@ class KernelSpanBuilder:
             + int(k["dynamic_shared_memory"]),
             semconv.CUDA_STREAM: int(k["stream_id"]),
             semconv.CUDA_CORRELATION_ID: int(k["correlation_id"]),
-            semconv.HW_GPU_ID: self.gpu_id,
+            **self._identity(),
         }
+        if extra:
+            attrs.update(extra)
         if facts is not None:
             attrs.update({semconv.KERNEL_CTAS: facts.ctas, semconv.KERNEL_SMS_USED: facts.sms_used,
                           semconv.KERNEL_WAVES: facts.waves,

@@ -31,7 +31,7 @@ from .config_checks import check_range
 from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
-           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep",
+           "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep", "RankStep",
            "Startup", "StartupPhase", "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID"]
 
 # A request key is (producer_id << PRODUCER_KEY_SHIFT) + n, n < 2**48 (from a random start
@@ -104,6 +104,22 @@ class Step(NamedTuple):
     attributes: Mapping[str, Any] | None = None   # e.g. CUDA graph bucket, kernel trace reason
     # prompt tokens of the requests it admitted served from a prefix cache (None: no cache)
     prefill_cached_tokens: int | None = None
+
+
+class RankStep(NamedTuple):
+    """One tensor-parallel rank's part of step ``step_id``: its forward pass from start to
+    end (Unix ns), of which ``collective_ns`` inside collectives (waiting for the other
+    ranks, and the transfer) and the rest computing; ``collective_calls`` calls of
+    ``collective_bytes`` bytes each."""
+
+    step_id: int
+    rank: int
+    start_ns: int
+    end_ns: int
+    compute_ns: int
+    collective_ns: int
+    collective_calls: int
+    collective_bytes: int
 
 
 class Detokenized(NamedTuple):

@@ -30,6 +30,8 @@ SPAN_PREFILL = "prefill"
 SPAN_DECODE = "decode"
 SPAN_DETOKENIZE = "detokenize"
 SPAN_ENGINE_STEP = "engine.step"
+# One tensor-parallel rank's part of a step: a child of its engine.step span per rank.
+SPAN_RANK_STEP = "engine.step.rank"
 # Kernel spans are named after the kernel itself; this prefix marks them.
 SPAN_KERNEL_PREFIX = "kernel "
 # A traced step's launches of one (non-attention) kernel summarised in one span: "kernels <name>".
@@ -159,6 +161,21 @@ STARTUP_PHASES = (STARTUP_IMPORTS, STARTUP_LOAD_WEIGHTS, STARTUP_PROFILE_MEMORY,
                   STARTUP_WARMUP_DECODE, STARTUP_WARMUP_MIXED, STARTUP_WARMUP_SAMPLER,
                   STARTUP_CUDA_GRAPHS, STARTUP_WARMUP_TELEMETRY)
 
+# tensor parallelism. On a step whose ranks reported their part: the group's size, and per
+# rank (index = rank) the seconds of its forward pass spent computing and waiting inside
+# collectives (a rank that arrives early at an all-reduce waits for the others there).
+TP_SIZE = "sightline.tp.size"
+TP_RANK = "sightline.tp.rank"  # on rank spans, kernel spans and per-SM metrics
+STEP_RANK_COMPUTE_S = "sightline.step.rank_compute_s"  # double array
+STEP_RANK_COLLECTIVE_WAIT_S = "sightline.step.rank_collective_wait_s"  # double array
+# on a rank span
+RANK_COMPUTE_S = "sightline.rank.compute_s"
+RANK_COLLECTIVE_WAIT_S = "sightline.rank.collective_wait_s"
+RANK_COLLECTIVE_CALLS = "sightline.rank.collective_calls"
+# on collective kernel spans (NCCL) and rank spans: the collective and its payload per call
+COLLECTIVE_OP = "sightline.collective.op"  # "all_reduce"
+COLLECTIVE_BYTES = "sightline.collective.bytes"
+
 # kernel (CUPTI)
 CUDA_KERNEL_NAME = "cuda.kernel.name"
 CUDA_GRID = "cuda.kernel.grid"  # "x,y,z"
@@ -279,6 +296,7 @@ LABEL_REASON = "reason"
 LABEL_SIGNAL = "signal"
 LABEL_PHASE = "phase"
 LABEL_PID = "pid"
+LABEL_RANK = "rank"
 LABEL_PREFIX_CACHE = "prefix_cache"  # a request's prefix cache outcome: hit | miss
 PREFIX_CACHE_HIT = "hit"
 PREFIX_CACHE_MISS = "miss"
@@ -335,6 +353,17 @@ CONTENTION_REASONS = (CONTENTION_SLOW, CONTENTION_STARVED)
 COLLECTOR_GPU_CTA_DURATION_SECONDS = "sightline_gpu_cta_duration_seconds"
 COLLECTOR_GPU_INFO = "sightline_gpu"  # gpu, instance_id, gpu_index: 1 per GPU with per-SM data
 COLLECTOR_SM_KERNEL_INFO = "sightline_sm_kernel"  # kernel (short), kernel_name: 1 per kernel
+# tensor parallelism, per producing instance (label instance_id) and rank (label rank):
+# steps whose ranks all reported, the steps that named each rank the straggler (the rank
+# the others waited for), and each rank's compute and collective-wait seconds (counters ->
+# _total); the straggler of the newest complete window slot with steps (-1: none) and the
+# share of that slot's steps that named it (gauges).
+COLLECTOR_TP_STEPS_TOTAL = "sightline_tp_steps"
+COLLECTOR_TP_STRAGGLER_STEPS_TOTAL = "sightline_tp_straggler_steps"
+COLLECTOR_TP_COMPUTE_SECONDS_TOTAL = "sightline_tp_rank_compute_seconds"
+COLLECTOR_TP_COLLECTIVE_WAIT_SECONDS_TOTAL = "sightline_tp_rank_collective_wait_seconds"
+COLLECTOR_TP_STRAGGLER_RANK = "sightline_tp_straggler_rank"
+COLLECTOR_TP_STRAGGLER_SHARE = "sightline_tp_straggler_share"
 # counter -> _total, label cause (CAUSES): slow requests the collector explained, by the cause
 # it named (collector/causes.py); each request counted once, when it is first classified
 COLLECTOR_SLOW_REQUESTS_EXPLAINED = "sightline_slow_requests_explained"
@@ -389,6 +418,8 @@ EXEMPLAR_TRACE_ID_LABEL = "trace_id"
 # Fraction of requests whose TTFT exceeded the SLO threshold, per window (suffix 5m, 1h...).
 RULE_TTFT_SLO_BAD_RATIO_PREFIX = "sightline:request_ttft_over_slo_ratio:rate"
 RULE_KERNEL_P99 = "sightline:kernel_duration_seconds:p99_5m"  # gpu, kernel
+# instance_id, rank: the share of tensor-parallel steps that named the rank the straggler
+RULE_TP_STRAGGLER_SHARE = "sightline:tp_straggler_share:ratio_5m"
 
 # ---------------------------------------------------------------------------------
 # Engine-agnostic series, recorded by the adapter rules (deploy/prometheus_adapter.py)

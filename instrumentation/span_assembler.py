@@ -1,18 +1,17 @@
 """Builds request, phase and step spans from lifecycle events (:mod:`.lifecycle`).
 
-The engine's start-up becomes one trace (a span per phase). The phase machine lives here,
-not in the engine: a request's ``queue`` opens when it is queued (and again when preempted), ``prefill`` when a step first schedules it, ``decode``
-when a step finishes its prompt, ``detokenize`` around the final flush of its text. Step
-spans link to the requests they served; prefill/decode spans link back (capped, counted).
-Spans carry the recording process (``sightline.process.role``, ``process.pid``). With several
-producers (:mod:`.event_order`), an event whose request has not started is held up to
-``hold_s`` and applied in order when the start arrives (a step span is built at once, its links
-to such requests added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
-
-Guarantee: an event unmatched after ``hold_s``, or once its request's producer has shipped
-past it (the start was dropped, or the telemetry process restarted), counts in
-``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond it
-are dropped, counted). Cost: O(1) per event plus O(batch) per step event.
+The engine's start-up becomes one trace (a root and a span per phase). Requests' phases:
+``queue`` opens when queued (and again when preempted), ``prefill`` when a step first
+schedules it, ``decode`` when a step finishes its prompt, ``detokenize`` around the final
+flush of its text. Step spans link to the requests they served, prefill/decode spans link
+back (capped, counted); a tensor-parallel step's span ends when its ranks' parts came
+(:mod:`.rank_steps`). Spans carry the recording process (``sightline.process.role``,
+``process.pid``). With several producers (:mod:`.event_order`), an event whose request has
+not started is held up to ``hold_s`` and applied when the start arrives (a step span is built
+at once, its links added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
+Guarantee: an event unmatched after ``hold_s``, or once its producer shipped past it, counts
+in ``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond
+dropped, counted). Cost: O(1) per event plus O(batch) per step event.
 """
 
 from __future__ import annotations
@@ -30,9 +29,10 @@ from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 from . import semconv as sc
 from .config_checks import check_range
 from .event_order import HeldEvents, Watermarks
-from .lifecycle import (PRODUCER_KEY_SHIFT, Detokenized, Queued, RequestAttributes, RequestEnd,
+from .lifecycle import (PRODUCER_KEY_SHIFT, Detokenized, Queued, RankStep, RequestAttributes, RequestEnd,
                         RequestStart, Startup, Step, Tokenized)
 from .producer_link import ProducerIdentity
+from .rank_steps import RankJoin
 from .request_trace import RequestTrace, StepTrace
 
 __all__ = ["SpanAssembler"]
@@ -91,10 +91,12 @@ class SpanAssembler:
         self._watermarks = Watermarks(hold_s)
         self._origins: dict[ProducerIdentity, dict] = {}
         self._local: ProducerIdentity | None = None
+        self.ranks = RankJoin(telemetry)
         self._handlers = {
             RequestStart: self._start, Tokenized: self._tokenized,
             RequestAttributes: self._attributes, Queued: self._queued, Step: self._step,
             Detokenized: self._detokenized, RequestEnd: self._end, Startup: self._startup,
+            RankStep: self._rank_step,
         }
 
     def handle(self, events, producer: ProducerIdentity | None = None,
@@ -281,6 +283,9 @@ class SpanAssembler:
         spans.emit(sc.SPAN_ENGINE_STARTUP, root, None, e.start_ns, e.end_ns, attributes)
 
     # -- steps ----------------------------------------------------------------------
+    def _rank_step(self, e: RankStep, origin: dict, pid: int, now: float) -> None:
+        self.ranks.add(e)
+
     def _step(self, e: Step, origin: dict, pid: int, now: float) -> None:
         requests = self._requests
         for key in e.preempted:
@@ -304,8 +309,13 @@ class SpanAssembler:
         for key in e.prefill_done:
             self._keyed(key, _prefill_done, (e.end_ns, origin), pid, now, e.end_ns)
         if step is not None:
-            step.end({sc.ERROR_TYPE: e.error_type} if e.error_type else None,
-                     end_time_ns=e.end_ns, emit=pending is None or pending.missing == 0)
+            end = {sc.ERROR_TYPE: e.error_type} if e.error_type else None
+            size = e.attributes.get(sc.TP_SIZE) if e.attributes else None
+            if size and e.error_type is None:   # its ranks' parts come from other processes
+                self.ranks.hold(e.step_id, step, int(size), e.end_ns, end,
+                                ready=None if pending is None else lambda: pending.missing == 0)
+            else:
+                step.end(end, end_time_ns=e.end_ns, emit=pending is None or pending.missing == 0)
             self.steps[e.step_id] = step
             while len(self.steps) > self.max_recent_steps:
                 self.steps.popitem(last=False)

@@ -7,6 +7,10 @@ spans of traced steps (:mod:`.kernel_spans`) and the per-SM CTA histograms as OT
 (:mod:`.cta_metrics`). It runs in the telemetry process (:mod:`.telemetry_process`), or on a
 thread of the engine's process for tests and embedded use (:mod:`.telemetry_pipeline`).
 
+Tensor parallelism: GPU records carry the rank whose process recorded them; each rank has
+its own kernel span builder (CUPTI ids and name pointers are per process), and a traced
+step's collective kernels give each rank's part of it (:mod:`.rank_steps`).
+
 Guarantee: an item that cannot be processed is logged once per type and counted
 (``errors``); processing goes on. Cost: proportional to the items, off the engine thread.
 """
@@ -44,16 +48,19 @@ class TelemetryWorker:
                                        max_held_events=config.max_held_events)
         if kernel_config is None:
             kernel_config = KernelSpanConfig(detail=config.kernel_span_detail)
+        self._kernel_config = kernel_config
         self.kernels = KernelSpanBuilder(telemetry, self._step_span, request_names,
-                                         config=kernel_config)
+                                         config=kernel_config, on_rank=self.assembler.ranks.add)
+        self._ranks: dict[int, KernelSpanBuilder] = {0: self.kernels}   # by tensor-parallel rank
         self._metric_exporters: list | None = None
+        self._gpu_ranks: dict[int, tuple[int, str | None]] = {}   # gpu id -> (rank, uuid)
         self.errors = 0
         self.metric_exports = 0
         self.metric_export_failures = 0
         self._reported: set[type] = set()
         self._gpu = {
-            KernelActivity: lambda item: self.kernels.add_buffer(item.buffer),
-            KernelNames: lambda item: self.kernels.add_names(item.names),
+            KernelActivity: lambda item: self._rank(item.rank).add_buffer(item.buffer),
+            KernelNames: lambda item: self._rank(item.rank).add_names(item.names),
             StepCtas: self._ctas,
             CtaHistograms: self._histograms,
             GpuIdentity: self._identity,
@@ -69,7 +76,8 @@ class TelemetryWorker:
                 lifecycle.append(item)
                 if type(item) is Step and item.attributes and \
                         semconv.STEP_TRACE_REASON in item.attributes:
-                    self.kernels.expect_step(item.step_id)
+                    for builder in self._ranks.values():
+                        builder.expect_step(item.step_id, item.attributes.get(semconv.COLLECTIVE_BYTES))
                 continue
             if lifecycle:
                 self.assembler.handle(lifecycle, producer)
@@ -90,10 +98,24 @@ class TelemetryWorker:
         (``force``: every kernel span now)."""
         try:
             self.assembler.poll()
-            self.kernels.poll(force)
+            for builder in self._ranks.values():
+                builder.poll(force)
+            self.assembler.ranks.poll(force)
         except Exception:
             self.errors += 1
             logger.exception("kernel spans could not be emitted")
+
+    def _rank(self, rank: int) -> KernelSpanBuilder:
+        """Rank ``rank``'s kernel span builder. A worker rank's kernel names come unasked
+        (:mod:`.rank_recorder`): its builder asks nobody."""
+        builder = self._ranks.get(rank)
+        if builder is None:
+            builder = self._ranks[rank] = KernelSpanBuilder(
+                self.telemetry, self._step_span, lambda pointers: None,
+                config=self._kernel_config, rank=rank, on_rank=self.assembler.ranks.add)
+            for step_id, collective_bytes in self.kernels.expected_steps():
+                builder.expect_step(step_id, collective_bytes)
+        return builder
 
     def close(self) -> None:
         """At shutdown: applies or orphans every held event, emits every kernel span."""
@@ -111,12 +133,15 @@ class TelemetryWorker:
         return step
 
     def _identity(self, item: GpuIdentity) -> None:
-        self.kernels.gpu_id = item.gpu_id
+        builder = self._rank(item.rank)
+        builder.gpu_id, builder.gpu_uuid = item.gpu_id, item.uuid
+        self.assembler.ranks.gpus[item.rank] = (item.gpu_id, item.uuid)
+        self._gpu_ranks[item.gpu_id] = (item.rank, item.uuid)
 
     def _ctas(self, item: StepCtas) -> None:
         batch = CtaBatch.from_records(item.records, item.launches, gpu_id=item.gpu_id,
                                       fake=item.fake)
-        self.kernels.add_ctas(item.step_id, batch)
+        self._rank(item.rank).add_ctas(item.step_id, batch)
 
     def _histograms(self, item: CtaHistograms) -> None:
         if self._metric_exporters is None:
@@ -124,7 +149,7 @@ class TelemetryWorker:
         if not self._metric_exporters or not item.histograms:
             return
         data = build_cta_metrics(item.histograms, item.exemplars, item.start_ns, item.end_ns,
-                                 resource_of(self.telemetry), item.launch_mix, item.num_sms)
+                                 resource_of(self.telemetry), item.launch_mix, item.num_sms, self._gpu_ranks)
         for exporter in self._metric_exporters:
             try:
                 result = exporter.export(data)
@@ -139,10 +164,14 @@ class TelemetryWorker:
     def stats(self) -> dict:
         """Counters for the engine's /metrics (spans exported, dropped, kernel spans)."""
         counters = getattr(getattr(self.telemetry, "providers", None), "counters", None)
-        st = self.kernels.stats
-        out = {"kernel_spans": st.kernel_spans, "kernels_seen": st.kernels_seen,
-               "kernels_unmatched": st.kernels_unmatched, "kernels_untraced": st.kernels_untraced,
-               "steps_traced": st.steps_traced,
+        stats = [b.stats for b in self._ranks.values()]
+        joined = self.assembler.ranks.stats
+        out = {"kernel_spans": sum(st.kernel_spans for st in stats),
+               "kernels_seen": sum(st.kernels_seen for st in stats),
+               "kernels_unmatched": sum(st.kernels_unmatched for st in stats),
+               "kernels_untraced": sum(st.kernels_untraced for st in stats),
+               "steps_traced": self.kernels.stats.steps_traced,
+               "tp_steps_joined": joined.steps_joined, "tp_steps_partial": joined.steps_partial,
                "orphan_events": self.assembler.orphan_events,
                "held_events": self.assembler.held_events, "errors": self.errors,
                "metric_exports": self.metric_exports}

@@ -119,6 +119,8 @@ def stack(tmp_path_factory, webhook):
     run_dir = tmp_path_factory.mktemp("stack")
     config = StackConfig(
         run_dir=run_dir, device="cpu", model="tiny", trace_level="steps",
+        # two ranks (gloo): the tensor-parallel panels have data too
+        engine_args=("--tensor-parallel-size", "2"),
         rules_files=(*default_rules_files(), _test_rules(run_dir)),
         alert_webhook_url=webhook.url, alertmanager_config=_alertmanager_yaml(webhook.url),
         scrape_interval_s=1.0, health_timeout_s=240)

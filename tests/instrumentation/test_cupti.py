@@ -5,7 +5,6 @@ CUPTI buffers, kernel spans under the step span, per-SM metrics."""
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 
@@ -15,47 +14,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.config import TelemetryConfig
-from sightline.instrumentation.cupti_records import (API_DTYPE, EXTERNAL_CORRELATION_DTYPE,
-                                                     EXTERNAL_KIND_CUSTOM2, KERNEL_DTYPE,
-                                                     KIND_CONCURRENT_KERNEL,
-                                                     KIND_EXTERNAL_CORRELATION, KIND_RUNTIME,
-                                                     decode_buffer)
+from sightline.instrumentation.cupti_records import decode_buffer
 from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
 from sightline.instrumentation.gpu_records import UNTRACED_EXTERNAL_ID
 from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
 from sightline.instrumentation.lifecycle import OpenStep, Step
 from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
 
-# kernel names live in the engine process; CUPTI records carry pointers to them
-_NAMES = {name: ctypes.create_string_buffer(name.encode())
-          for name in ("sightline_paged_decode", "gemv_bf16", "rms_norm", "orphan")}
-
-
-def _ptr(name: str) -> int:
-    return ctypes.addressof(_NAMES[name])
-
-
-def kernel_record(name: str, corr: int, start: int, duration: int = 1000) -> bytes:
-    r = np.zeros(1, KERNEL_DTYPE)
-    r["kind"], r["correlation_id"], r["name_ptr"] = KIND_CONCURRENT_KERNEL, corr, _ptr(name)
-    r["start_ns"], r["end_ns"] = start, start + duration
-    r["grid_x"], r["grid_y"], r["grid_z"], r["block_x"], r["block_y"], r["block_z"] = 4, 2, 1, 128, 1, 1
-    r["registers_per_thread"], r["static_shared_memory"], r["dynamic_shared_memory"] = 90, 1024, 2048
-    r["stream_id"], r["device_id"] = 7, 0
-    return r.tobytes()
-
-
-def correlation_record(corr: int, external_id: int, kind: int = EXTERNAL_KIND_CUSTOM2) -> bytes:
-    r = np.zeros(1, EXTERNAL_CORRELATION_DTYPE)
-    r["kind"], r["external_kind"], r["external_id"], r["correlation_id"] = (
-        KIND_EXTERNAL_CORRELATION, kind, external_id, corr)
-    return r.tobytes()
-
-
-def api_record(corr: int) -> bytes:
-    r = np.zeros(1, API_DTYPE)
-    r["kind"], r["cbid"], r["correlation_id"] = KIND_RUNTIME, 211, corr
-    return r.tobytes()
+from tests.instrumentation.cupti_buffers import api_record, correlation_record, kernel_record
+from tests.instrumentation.cupti_buffers import name_ptr as _ptr
 
 
 def test_tracer_without_cupti_says_why_and_stays_inert():
