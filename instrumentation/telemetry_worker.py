@@ -149,7 +149,8 @@ class TelemetryWorker:
         if not self._metric_exporters or not item.histograms:
             return
         data = build_cta_metrics(item.histograms, item.exemplars, item.start_ns, item.end_ns,
-                                 resource_of(self.telemetry), item.launch_mix, item.num_sms, self._gpu_ranks)
+                                 resource_of(self.telemetry), item.launch_mix, item.num_sms,
+                                 gpu_ranks=self._gpu_ranks)
         for exporter in self._metric_exporters:
             try:
                 result = exporter.export(data)

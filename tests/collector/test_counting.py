@@ -39,7 +39,7 @@ def test_every_drop_reason_is_on_metrics_at_zero_from_the_start():
     assert set(shown.values()) == {0.0}
     families = {dict(labels)["family"] for (name, labels), _ in metrics.items()
                 if name == sc.COLLECTOR_SERIES_OVERFLOW_TOTAL + "_total"}
-    assert families == {"request", "step", "kernel", "sm_cta"}
+    assert families == {"request", "step", "kernel", "sm_cta", "tp"}
     evicted = {dict(labels)["family"]: value for (name, labels), value in metrics.items()
                if name == sc.COLLECTOR_SERIES_EVICTED_TOTAL + "_total"}
     assert evicted == {"request": 0, "kernel": 0, "sm_cta": 0}

@@ -116,7 +116,8 @@ def test_per_sm_histograms_carry_the_rank_and_uuid_their_gpu_reported():
 
     h = ExpHistogram(scale=6)
     h.record(np.array([1e-5, 2e-5]))
-    data = build_cta_metrics({(1, 7, "fa2"): h}, {}, 1, 2, Resource.create({}), {1: (1, "GPU-bbb")})
+    data = build_cta_metrics({(1, 7, "fa2"): h}, {}, 1, 2, Resource.create({}),
+                             gpu_ranks={1: (1, "GPU-bbb")})
     [point] = data.resource_metrics[0].scope_metrics[0].metrics[0].data.data_points
     assert dict(point.attributes) == {sc.ATTR_GPU_ID: 1, sc.ATTR_SM_ID: 7, sc.ATTR_KERNEL_NAME: "fa2",
                                       sc.ATTR_GPU_UUID: "GPU-bbb", sc.TP_RANK: 1}
