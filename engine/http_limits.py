@@ -10,8 +10,8 @@ complete their headers within ``header_timeout_s`` (else 408), silence lasts at 
 connection takes the place of the longest-waiting one (of that peer, for the share); only
 when every slot is serving a request is it refused with 503. So half-sent headers, however
 many, cannot keep a request out, and one peer cannot hold more than its share of busy slots.
-Every server-side close is reported to ``on_closed(reason)``, ``CLOSE_REASONS``.
-Cost: per connection one wrapper call per ``data_received``, per request two timer changes.
+Every server-side close is reported to ``on_closed(reason)``, ``CLOSE_REASONS``; a client
+gone mid-response ends its request quietly. Cost: per connection one wrapper call per ``data_received``, per request two timer changes.
 """
 
 from __future__ import annotations
@@ -315,5 +315,11 @@ async def track_requests(request: web.Request, handler):
                     text=f"the request body did not arrive within {conn.site.limits.body_timeout_s} s",
                     headers={"Connection": "close"}) from None
         return await handler(request)
+    except ConnectionResetError:
+        if transport is not None and not transport.is_closing():
+            raise
+        # The client left mid-response and a write noticed before connection_lost did: end
+        # as aiohttp ends a request it cancels for that, quietly, not as a logged 500.
+        raise asyncio.CancelledError from None
     finally:
         conn.request_done()

@@ -189,6 +189,55 @@ def test_a_peer_keeps_to_its_share_and_busy_slots_are_never_taken(small):
     assert after["refused_full"] == before["refused_full"] + 1
 
 
+# ---- a client gone mid-response ----------------------------------------------------------------
+def test_a_client_gone_mid_response_ends_its_request_quietly(caplog):
+    """A write that meets the closing transport before connection_lost does raised
+    ClientConnectionResetError out of the handler: aiohttp logged a traceback and a 500 per
+    such client (an engine whose log went to an unread pipe then blocked on it)."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sightline.engine.http_limits import LimitedSite, track_requests
+
+    ended: list[str] = []
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        while (transport := request.transport) is not None and not transport.is_closing():
+            await asyncio.sleep(0.005)  # until the client has gone: the next write fails
+        try:
+            await response.write(b"data: late\n\n")
+        except ConnectionResetError:
+            ended.append("reset")
+            raise
+        return response
+
+    async def main() -> None:
+        app = web.Application(middlewares=[track_requests])
+        app.router.add_get("/stream", stream)
+        runner = web.AppRunner(app)  # handler_cancellation off: the write, not a cancel, notices
+        await runner.setup()
+        site = LimitedSite(runner, "127.0.0.1", 0, HttpLimits())
+        await site.start()
+        reader, writer = await asyncio.open_connection("127.0.0.1", site.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+        writer.close()
+        for _ in range(200):
+            if ended:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        await runner.cleanup()
+
+    with caplog.at_level("DEBUG", logger="aiohttp.server"):
+        asyncio.run(main())
+    assert ended == ["reset"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], [r.getMessage() for r in caplog.records]
+
+
 # ---- the CLI engine under its own slowloris ------------------------------------------------------
 def test_engine_serves_a_completion_while_300_half_sent_requests_are_held_under_256_fds():
     """Before: no header deadline and no cap, accept() failed with EMFILE after ~250
