@@ -269,6 +269,8 @@ def _why_no_data(expr: str, have_capture: bool) -> str | None:
         return "compares with a day earlier; a fresh Prometheus holds no day-old samples"
     if any(name in expr for name in _NVML_ONLY):
         return "NVML gauges of a live GPU's engine; a replayed capture carries no NVML"
+    if sc.ENGINE_JIT_COMPILES_TOTAL in expr:
+        return "kernel variants met while serving: a warm engine has none (the series appears with the first)"
     if not have_capture and any(name in expr for name in _GPU_DATA):
         return "GPU data: deploy/captures/h200-*.jsonl.gz is not committed yet"
     return None
@@ -297,7 +299,7 @@ def test_every_panel_query_returns_data(stack, loaded):
         time.sleep(2)
     assert not failing, "\n".join(f"{k} -> {v}" for k, v in failing.items())
     # The exemptions other than the missing capture stay few; the rest is covered.
-    assert len([w for w in exempt.values() if "captures" not in w]) <= 4, exempt
+    assert len([w for w in exempt.values() if "captures" not in w]) <= 5, exempt
     assert len(must) >= 40
 
 
