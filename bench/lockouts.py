@@ -384,8 +384,8 @@ def probe(ports: Ports, seconds: float, every_s: float = 0.25, spans: int = 20) 
         with urllib.request.urlopen(f"http://127.0.0.1:{ports.query}/healthz", timeout=10) as response:
             return response.status == 200, response.status
 
-    def zipkin_post():
-        response = zipkin.post(f"http://127.0.0.1:{ports.zipkin}/api/v2/spans", data=_zipkin_body(spans),
+    def zipkin_post(body: bytes):
+        response = zipkin.post(f"http://127.0.0.1:{ports.zipkin}/api/v2/spans", data=body,
                                headers={"Content-Type": "application/json", **auth}, timeout=10)
         return response.status_code == 202, response.status_code
 
@@ -393,12 +393,13 @@ def probe(ports: Ports, seconds: float, every_s: float = 0.25, spans: int = 20) 
     try:
         while time.monotonic() < end:
             round_start = time.monotonic()
+            batches = sdk_spans(spans), sdk_spans(spans), _zipkin_body(spans)  # made outside the timings
             timed("healthz", healthz)
             timed("otlp_grpc", lambda: (lambda r: (r == SpanExportResult.SUCCESS, r))(
-                grpc_exporter.export(sdk_spans(spans))))
+                grpc_exporter.export(batches[0])))
             timed("otlp_http", lambda: (lambda r: (r == SpanExportResult.SUCCESS, r))(
-                http_exporter.export(sdk_spans(spans))))
-            timed("zipkin", zipkin_post)
+                http_exporter.export(batches[1])))
+            timed("zipkin", lambda: zipkin_post(batches[2]))
             time.sleep(max(0.0, every_s - (time.monotonic() - round_start)))
     finally:
         grpc_exporter.shutdown()
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> None:
                                                           "results": results}, indent=1))
     lines = [f"# Lockouts: each attack held {args.hold_s:.0f} s against a collector at ulimit -n {args.nofile}",
              "", f"commit `{git_commit()}`, {utc_now()}, {os.cpu_count()} CPUs (shared with other work: the load "
-             "average is the machine's at each attack's end); attack counts x{args.scale}; normal clients every "
+             f"average is the machine's at each attack's end); attack counts x{args.scale}; normal clients every "
              f"{args.every_s} s, each export of 20 spans; latency median / p99 / max in ms.", "",
              "| attack | OTLP/gRPC export | OTLP/HTTP export | Zipkin export | /healthz | failures | "
              "collector fds | RSS MiB | load | what the collector counted (receiver/reason: n) |",
