@@ -19,7 +19,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from . import http2_frames as h2
-from .connection_table import ConnectionState, Slot
+from .connection_table import PROBATION_BYTES, PROBATION_S, ConnectionState, Slot
 from .http2_reader import CONNECTION_WINDOW, STREAM_WINDOW, Http2Reader, Http2Stream
 from .listener import has_input
 
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Http2Connection", "Http2Stream"]
 
-_PROBATION_S = 0.25  # how long a newcomer at a full listener may wait for a slot
-_PROBATION_BYTES = 64 * 1024  # what it may send meanwhile
 _LINGER_S = 1.0  # a closing connection's input is drained this long
 
 
@@ -59,7 +57,7 @@ class Http2Connection(Http2Reader):
             return
         self.server.connections.add(self)
         if self.slot is None:  # on probation: its first bytes may win it a slot
-            self._timer = asyncio.get_running_loop().call_later(_PROBATION_S, self.refuse)
+            self._timer = asyncio.get_running_loop().call_later(PROBATION_S, self.refuse)
             return
         self._start()
 
@@ -76,7 +74,7 @@ class Http2Connection(Http2Reader):
             return
         if self.slot is None:  # on probation: kept until a slot comes
             self._buf += data
-            if len(self._buf) > _PROBATION_BYTES:
+            if len(self._buf) > PROBATION_BYTES:
                 self.refuse()
             elif not self.heard:
                 self.heard = True
