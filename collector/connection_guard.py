@@ -25,13 +25,11 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from .connection_table import ConnectionState, ConnectionTable, Slot
+from .connection_table import PROBATION_BYTES, PROBATION_S, ConnectionState, ConnectionTable, Slot
 from .listener import Listener, has_input
 
 __all__ = ["ConnectionLimits", "GuardedListener", "RateLimitedLog", "effective_max_connections"]
 
-_PROBATION_S = 0.25  # how long a newcomer at a full listener may wait for a slot
-_PROBATION_BYTES = 64 * 1024  # what it may send meanwhile
 _RESERVED_FDS = 128  # descriptors left for files, outgoing sockets, connections on probation
 _EVICTION_GRACE_S = 1.0  # a connection waiting for its request longer than this may be taken back
 
@@ -78,7 +76,7 @@ class _Guarded(asyncio.Protocol):
     """One connection: aiohttp's RequestHandler behind the slot and the two deadlines.
 
     Without a slot, the connection is on probation: what it sends is kept (up to
-    ``_PROBATION_BYTES``) until the table gives it a slot, or a 503 after ``_PROBATION_S``.
+    ``PROBATION_BYTES``) until the table gives it a slot, or a 503 after ``PROBATION_S``.
     ``_reading_headers``: bytes arriving now belong to a request's headers (the connection
     is new, or was idle when they started), so the header deadline runs."""
 
@@ -109,7 +107,7 @@ class _Guarded(asyncio.Protocol):
             transport.close()
             return
         if self._slot is None:
-            self._timer = asyncio.get_running_loop().call_later(_PROBATION_S, self._refuse)
+            self._timer = asyncio.get_running_loop().call_later(PROBATION_S, self._refuse)
             return
         self._serve()
 
@@ -125,7 +123,7 @@ class _Guarded(asyncio.Protocol):
             if self._taken_back:
                 return
             self._pending += data
-            if len(self._pending) > _PROBATION_BYTES:
+            if len(self._pending) > PROBATION_BYTES:
                 self._refuse()
             elif not self._heard:
                 self._heard = True

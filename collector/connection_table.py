@@ -19,7 +19,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum
 
-__all__ = ["ConnectionState", "ConnectionTable", "Slot"]
+__all__ = ["PROBATION_BYTES", "PROBATION_S", "ConnectionState", "ConnectionTable", "Slot"]
+
+PROBATION_S = 0.25  # how long a newcomer at a full listener waits on probation for a slot
+PROBATION_BYTES = 64 * 1024  # what it may send meanwhile (kept until it gets one)
 
 _CLOSING_MARGIN = 8
 _AUTH_FAILURES = 32  # refusals of authentication per peer and second before it is blocked

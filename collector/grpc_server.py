@@ -26,7 +26,8 @@ from google.rpc import code_pb2
 
 from . import http2_frames as h2
 from .connection_table import ConnectionTable
-from .http2_connection import Http2Connection, Http2Limits, Http2Server, Http2Stream
+from .http2_connection import Http2Connection, Http2Stream
+from .http2_server import Http2Limits, Http2Server
 
 __all__ = ["GrpcAbort", "GrpcCall", "GrpcLimits", "GrpcServer"]
 
