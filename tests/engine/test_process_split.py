@@ -400,18 +400,13 @@ def test_one_trace_per_request_across_the_processes(collector, api_servers):
 
 
 @pytest.mark.slow
-def test_the_startup_trace_and_core_series_across_the_processes():
+def test_the_startup_trace_and_core_series_across_the_processes(collector):
     """The server span, tokenize and detokenize are recorded by an API server, queue, prefill,
     decode and the steps by the core: one trace, joined in the core's telemetry and read
     back from a real collector, continuing the caller's context."""
-    grpc, http, zipkin, query = free_ports(4)
-    collector = subprocess.Popen(
-        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc",
-         f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}",
-         "--http", f"127.0.0.1:{query}", "--log-level", "WARNING"])
+    grpc, query = collector
     served = None
     try:
-        wait_for_http(f"http://127.0.0.1:{query}/healthz", timeout_s=120, process=collector)
         # read while serving: a request ending within ~2 s of SIGTERM can lose its trace (the
         # stop-time flush of held events), a known gap
         served = Served(1, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
@@ -429,20 +424,7 @@ def test_the_startup_trace_and_core_series_across_the_processes():
         _, health = served.get("/health")
         _, report = served.get("/debug/startup")
         assert health["startup_trace_id"] == report["trace_id"] and len(report["trace_id"]) == 32
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{query}/api/v1/traces/{trace_id}",
-                                            timeout=5) as response:
-                    spans = json.loads(response.read()).get("spans", [])
-            except urllib.error.HTTPError as exc:   # 404 until the first span arrives
-                if exc.code != 404:
-                    raise
-                spans = []
-            names = {s["name"] for s in spans}
-            if {"detokenize", "decode"} <= names or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
+        spans = _trace(query, trace_id, {"detokenize", "decode"})
         [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
         assert server["parent_span_id"] == parent
         phases = {s["name"]: s for s in spans if s["parent_span_id"] == server["span_id"]}
@@ -466,8 +448,6 @@ def test_the_startup_trace_and_core_series_across_the_processes():
     finally:
         if served is not None:
             served.close()
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(30)
 
 
 # ---- deaths ------------------------------------------------------------------------------------
