@@ -3,16 +3,19 @@
 :func:`classify` reads a :class:`CauseEvidence` (built by ``explain`` from the spans and
 per-SM data of the request's lifetime) and applies these rules, first match wins:
 1. ``compile``: a step in its life compiled kernels and took >= ``compile_share`` of e2e.
-2. The engine was slow (its steps >= ``engine_slow`` x the usual for their kind and tokens,
+2. ``queueing`` when waiting took >= ``queue_share`` of e2e and its own part of the wait
+   (the wait over the engine's slowdown) is more than the engine's slowness added.
+3. The engine was slow (its steps >= ``engine_slow`` x the usual for their kind and tokens,
    or idle beyond the usual gaps for >= ``idle_share`` of e2e); what slowed it:
-   ``sm_contention`` when the contention tests flagged SMs of an attention kernel then;
-   ``device_contention`` when GPU time per step, or every SM's CTA durations, were
-   >= ``gpu_slow`` x the usual with no SM flagged; ``host_stall`` when the host side was
-   (idle time, host time per traced step >= ``host_slow`` x, or GPU time known usual); else
-   ``unknown``.
-3. Else ``queueing`` when waiting took >= ``queue_share`` of e2e; ``prefill_interference``
-   when steps with other requests' prefill tokens cost its decode >= ``interference_share``.
-4. Else ``unknown``. Each cause comes with its evidence and its baseline; O(1) per request.
+   ``host_stall`` when the host side was (idle time, or host time per traced step >=
+   ``host_slow`` x) and the GPU's work was not (GPU time and CTA durations known, under
+   ``gpu_slow`` x), with idle time or no SM flagged; ``sm_contention`` when the contention tests flagged SMs of an attention
+   kernel then; ``device_contention`` when GPU time per step, or every SM's CTA durations,
+   were >= ``gpu_slow`` x the usual with no SM flagged; else ``host_stall`` when any host
+   evidence (or GPU time known usual); else ``unknown``.
+4. Else ``prefill_interference`` when steps with other requests' prefill tokens cost its
+   decode >= ``interference_share`` of e2e; else ``unknown``. Each cause comes with its
+   evidence and its baseline; O(1) per request.
 """
 
 from __future__ import annotations
@@ -97,8 +100,27 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"of its {e2e * 1e3:.0f} ms", {"compile_steps": e.compiles, "compile_s": compile_s},
                      "its end-to-end latency")
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s}
+    # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
+    # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
+    slowdown = max(e.engine_slowdown or 1.0, 1.0)
+    engine_excess_s = e.idle_excess_s + max(e2e - e.idle_excess_s, 0.0) * (1.0 - 1.0 / slowdown)
+    if e.queue_s >= c.queue_share * e2e and e.queue_s / slowdown > engine_excess_s:
+        q = e.queue or {}
+        return Cause(sc.CAUSE_QUEUEING,
+                     f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
+                     f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
+                     f"{q.get('overtaken_by', '?')} more urgent arrived later and went first)",
+                     {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
+                     "its end-to-end latency; the requests in the collector's store")
     slow = (e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
+    gpu = max((v for v in (e.gpu_slowdown, e.cta_slowdown) if v is not None), default=None)
+    host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     if slow:
+        # the host's evidence wins over flagged SMs only when direct: the GPU idle between
+        # steps (a host time from a few kernel-timed steps is too thin to overrule SMs)
+        idle = e.idle_excess_s >= c.idle_share * e2e
+        if host_side and gpu is not None and gpu < c.gpu_slow and (idle or not e.contended_sms):
+            return _host_stall(e, engine, usual)
         if e.contended_sms:
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
@@ -109,7 +131,6 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{(top['score'] or 0.0):.2f})",
                          {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms]},
                          f"{usual}; each SM against the kernel's other SMs in the same slots")
-        gpu = max((v for v in (e.gpu_slowdown, e.cta_slowdown) if v is not None), default=None)
         if gpu is not None and gpu >= c.gpu_slow:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
                          f"steps {_x(e.engine_slowdown)} the usual with GPU work slower on every SM "
@@ -118,28 +139,10 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                           "cta_spread": e.cta_spread, "traced_steps": e.traced_steps},
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
-        host_evidence = (e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
-                         or gpu is not None)
-        if host_evidence:
-            return Cause(sc.CAUSE_HOST_STALL,
-                         f"steps {_x(e.engine_slowdown)} the usual while the GPU's work was not "
-                         f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time per "
-                         f"kernel-timed step {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms with no step running "
-                         "beyond the usual gaps",
-                         {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
-                          "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps},
-                         f"{usual}; a kernel-timed step's median host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
-                         f"and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")
+        if host_side or gpu is not None:
+            return _host_stall(e, engine, usual)
         return Cause(sc.CAUSE_UNKNOWN, "the engine was slower but neither the GPU's nor the host's evidence says why",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
-    if e.queue_s >= c.queue_share * e2e:
-        q = e.queue or {}
-        return Cause(sc.CAUSE_QUEUEING,
-                     f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
-                     f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
-                     f"{q.get('overtaken_by', '?')} more urgent arrived later and went first)",
-                     {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
-                     "its end-to-end latency; the requests in the collector's store")
     if e.interference_s >= c.interference_share * e2e:
         return Cause(sc.CAUSE_PREFILL_INTERFERENCE,
                      f"its decode steps carried other requests' prefill tokens: {e.interference_s * 1e3:.0f} ms of "
@@ -147,3 +150,16 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
+
+
+def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
+    """The ``host_stall`` cause, with the host's and the GPU's figures."""
+    return Cause(sc.CAUSE_HOST_STALL,
+                 f"steps {_x(e.engine_slowdown)} the usual while the GPU's work was not "
+                 f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time per "
+                 f"kernel-timed step {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms with no step running "
+                 "beyond the usual gaps",
+                 {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
+                  "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps},
+                 f"{usual}; a kernel-timed step's median host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
+                 f"and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")

@@ -7,7 +7,9 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
 * starved: its CTAs against 1/S (S SMs) of the slot's CTAs from launches of >= 2 S CTAs
   (semconv.METRIC_CTA_WIDE; all, when the producer does not count them): the scheduler
   spreads those over every SM, a narrower launch may leave SMs out. Flagged when the lower
-  tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that share.
+  tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM
+  under that line in most of the ring's other slots (some SMs get fewer CTAs on every launch)
+  is held to its own lowest share there instead.
   The slow test also needs 90 % wide CTAs (narrow launches put the same work on the same SMs).
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
@@ -65,7 +67,9 @@ class SlotEvidence:
     # the slot's CTAs from launches wide enough to cover every SM (semconv.METRIC_CTA_WIDE);
     # None: the producer did not say, and every launch is taken to be wide
     wide_ctas: int | None = None
-
+    # [3, SMs], over other quiet slots (collector/sm_blocks.py): each SM's median and lowest
+    # share of the kernel's CTAs, and its median share above the others' P90; None: not known
+    usual_shares: np.ndarray | None = None
 
 def _bucket_value(scale: int, index: np.ndarray) -> np.ndarray:
     """The estimate ``quantiles`` answers for bucket ``index`` (its midpoint in log space)."""
@@ -168,10 +172,19 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
         slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
     if expected is not None:
-        # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, 1/S) <= k)
-        starve_bound = binomial_tail_bound(ctas, wide, 1.0 / num_sms, upper=False)
-        starved = (starve_bound <= level) & (ctas < config.starve_ratio * expected)
-        starve_factor = np.minimum(expected / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
+        share = np.full(len(names), 1.0 / num_sms)
+        if evidence.usual_shares is not None:
+            # an SM the block scheduler gives fewer CTAs in most slots (its median share under
+            # the starved line; how the GPU's SMs sit in its clusters, launch after launch) is
+            # held to its own lowest share instead: what it always does is not contention
+            upper, lowest = (np.concatenate([row, np.zeros(pad)]) for row in evidence.usual_shares[:2])
+            structural = upper < config.starve_ratio / num_sms
+            share = np.where(structural, np.minimum(lowest, share), share)
+        with np.errstate(invalid="ignore"):
+            # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
+            starve_bound = np.where(np.isnan(share), 1.0, binomial_tail_bound(ctas, wide, share, upper=False))
+            starved = (starve_bound <= level) & (ctas < config.starve_ratio * wide * share)
+            starve_factor = np.minimum(wide * share / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
     else:
         starve_bound = np.ones(len(names))
         starved = np.zeros(len(names), dtype=bool)

@@ -24,6 +24,12 @@ from .windows import ClassicHistogram, Exemplar
 __all__ = ["SmBlock", "quantiles"]
 
 _ROW_STEP = 16  # SM rows added at least at a time
+# an SM's usual shares of CTAs (SmBlock._usual_shares): from this many other slots with at
+# least this many wide CTAs per SM
+USUAL_SLOTS = 4
+USUAL_SHARE_MIN_CTAS = 4
+QUIET_EXCEED = 0.3   # the slow test's effect floor (ContentionConfig.slow_share's default)
+QUIET_SLOW_SHARE = 0.05   # a quiet slot: at most this share of SMs that far above the P90
 _EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
 
 
@@ -336,11 +342,44 @@ class SmBlock:
     def _slot_evidence(self, s: int, d: _Detail | None) -> SlotEvidence:
         n = len(self.sms)
         wide = int(self.s_wide[s]) if self.s_wide[s] >= 0 else None
+        usual = self._usual_shares(s)
         if d is not None:
             e = self._evidence(d)
-            return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide)
+            return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide, usual)
         return SlotEvidence(self.s_count[s, :n].copy(), self.s_exceed[s, :n].copy(), self.s_q[s, :n].copy(),
-                            self.s_others_q[s, :n].copy(), wide)
+                            self.s_others_q[s, :n].copy(), wide, usual)
+
+    def _usual_shares(self, s: int) -> np.ndarray | None:
+        """[3, SMs]: each SM's share of the kernel's CTAs over the ring's other quiet slots
+        (at least ``USUAL_SHARE_MIN_CTAS`` wide CTAs per SM; at most ``QUIET_SLOW_SHARE`` of
+        the SMs with ``QUIET_EXCEED`` of their CTAs above the others' P90: no neighbour on a
+        group of SMs), its median and its lowest, and the median share of its CTAs above the
+        others' P90 there (collector/contention.py reads them); None
+        while fewer than ``USUAL_SLOTS`` qualify."""
+        n = len(self.sms)
+        counts = self.s_count[:, :n]
+        totals = counts.sum(axis=1)
+        wide = np.where(self.s_wide >= 0, self.s_wide, totals)
+        use = (self.s_epoch >= 0) & (wide >= USUAL_SHARE_MIN_CTAS * max(n, 1)) & (totals > 0)
+        use[s] = False
+        if int(use.sum()) < USUAL_SLOTS or not n:
+            return None
+        details = {d.epoch: d for d in self._detail if d is not None}
+        exceed_share = np.full(counts.shape, np.nan)
+        for j in np.flatnonzero(use).tolist():
+            d = details.get(int(self.s_epoch[j]))
+            exceed = self._evidence(d).exceed[:n] if d is not None else self.s_exceed[j, :n]
+            busy = counts[j] >= USUAL_SHARE_MIN_CTAS   # a few CTAs say little of their SM
+            exceed_share[j, busy] = exceed[busy] / counts[j][busy]
+            if (exceed_share[j, busy] >= QUIET_EXCEED).sum() > QUIET_SLOW_SHARE * n:
+                use[j] = False
+        if int(use.sum()) < USUAL_SLOTS:
+            return None
+        shares = counts[use] / totals[use, None]
+        with np.errstate(all="ignore"):
+            usual_exceed = np.nanmedian(exceed_share[use], axis=0) if np.isfinite(exceed_share[use]).any() \
+                else np.full(n, np.nan)
+        return np.stack([np.median(shares, axis=0), shares.min(axis=0), usual_exceed])
 
     def slot_evidence(self, first_epoch: int, last_epoch: int) -> list[tuple[int, SlotEvidence]]:
         """``(epoch, contention evidence)`` of each slot in the range with CTAs, oldest first."""

@@ -223,10 +223,22 @@ def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
 
 
 def test_the_rules_order_and_config_checks():
-    base = CauseEvidence(e2e_s=1.0, queue_s=0.6, decode_s=0.3, priority="2", engine_slowdown=1.5,
+    base = CauseEvidence(e2e_s=1.0, queue_s=0.6, decode_s=0.3, priority="2", engine_slowdown=2.0,
                          gpu_slowdown=1.0, traced_steps=3)
-    assert classify(base).name == sc.CAUSE_HOST_STALL  # a slow engine explains the wait too
+    # a 2x slower engine added 0.5 s; the queue's own part of the wait is 0.3 s
+    assert classify(base).name == sc.CAUSE_HOST_STALL
     assert classify(CauseEvidence(**{**base.__dict__, "engine_slowdown": 1.0})).name == sc.CAUSE_QUEUEING
+    # 1.25x: the engine added 0.2 s, the queue's own part is 0.48 s (a burst ahead of it)
+    assert classify(CauseEvidence(**{**base.__dict__, "engine_slowdown": 1.25})).name == sc.CAUSE_QUEUEING
+    # the host's evidence wins over flagged SMs when the GPU's work ran at its usual speed
+    stalled = CauseEvidence(e2e_s=1.0, queue_s=0.0, decode_s=0.9, priority="1", engine_slowdown=3.0,
+                            gpu_slowdown=1.0, host_slowdown=4.0, idle_excess_s=0.4, traced_steps=2,
+                            contended_sms=[{"gpu": "0", "kernel": "k", "sm": "117", "score": 4.7,
+                                            "reasons": ["starved"]}])
+    assert classify(stalled).name == sc.CAUSE_HOST_STALL
+    assert classify(CauseEvidence(**{**stalled.__dict__, "gpu_slowdown": 1.5})).name == sc.CAUSE_SM_CONTENTION
+    # host time from a few kernel-timed steps alone does not overrule flagged SMs
+    assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0})).name == sc.CAUSE_SM_CONTENTION
     assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)

@@ -193,5 +193,30 @@ def test_the_store_takes_wide_launch_counts_and_the_declared_sm_count():
     assert agg.sm.num_sms(GpuKey("unknown", "0")) == 8
     [(_, after)] = agg.sm.contention(key, T0_S, 20)
     assert after.expected_ctas == 60.0 and after.starved.tolist() == [False] * 6 + [True, True]
+    for back in (30, 40, 50, 60):   # four earlier slots where all 8 SMs ran their even share
+        agg.consume_metrics(otlp_metrics([otlp_cta_point(0, sm, "k", np.full(60, 1e-5), t - back)
+                                          for sm in range(8)]))
+        agg.consume_metrics(wide_metric(0, "k", 480, t - back))
+    [(_, after)] = agg.sm.contention(key, T0_S, 20)   # SMs 6 and 7 usually run their share
+    assert after.expected_ctas == 60.0 and after.starved.tolist() == [False] * 6 + [True, True]
     agg.consume_metrics(wide_metric(0, "other", 5, t))  # no CTAs of that kernel: nowhere to go
     assert agg.dropped == {"wide_launches_unmatched": 1}
+
+
+def test_an_sm_is_starved_against_its_own_usual_share_not_the_even_split():
+    def store(newest_low_sm_ctas: int):
+        # 8 SMs; the block scheduler gives SM 7 a fifth of the others' CTAs in every slot
+        agg = make_aggregator()
+        for back, low in ((60, 20), (50, 20), (40, 20), (30, 20), (20, 20), (1, newest_low_sm_ctas)):
+            agg.consume_metrics(otlp_metrics([otlp_cta_point(0, sm, "k", np.full(100 if sm < 7 else low, 1e-5),
+                                                             T0_S - back) for sm in range(8)]))
+            agg.consume_metrics(wide_metric(0, "k", 700 + low, T0_S - back))
+        return [c for _, c in agg.sm.contention(SmKey("unknown", "0", "k"), T0_S, 70)]
+
+    usual = store(20)
+    assert len(usual) == 6 and all(c.expected_ctas == pytest.approx(720 / 8) for c in usual)
+    # against the even split SM 7 would be starved in every slot; against its own lowest, in none
+    assert not any(c.starved.any() for c in usual)
+    newest = store(2)[-1]   # a neighbour takes SM 7: 2 CTAs where it usually runs 20
+    assert newest.starved.tolist() == [False] * 7 + [True]
+    assert newest.score[7] == pytest.approx(702 * (20 / 720) / 2)   # its lowest share's CTAs over its 2
