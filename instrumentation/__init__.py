@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
     from .event_wire import from_wire, to_wire
-    from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
+    from .exphist import (MAX_SCALE, MIN_SCALE, ExpHistogram, bucket_indices, bucket_point, fit_shift,
+                          quantiles, rebin, relative_error)
     from .gpu_telemetry import GpuTelemetry
     from .lifecycle import (Detokenized, LifecycleRecorder, OpenStep, Queued, RankStep, Startup,
                             StartupPhase, Step)
@@ -37,7 +38,8 @@ _MODULE_OF = {
     "check_range": "config_checks",
     "from_wire": "event_wire", "to_wire": "event_wire",
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
-    "relative_error": "exphist",
+    "relative_error": "exphist", "bucket_indices": "exphist", "bucket_point": "exphist",
+    "fit_shift": "exphist", "quantiles": "exphist", "rebin": "exphist",
     "GpuTelemetry": "gpu_telemetry",
     "Detokenized": "lifecycle", "LifecycleRecorder": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
     "RankStep": "lifecycle",
