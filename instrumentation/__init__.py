@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import semconv
+    from .bounded_queue import BoundedQueue, WaitingQueue, WeightedQueue
     from .capture import META_SIGNAL, read_capture, read_capture_meta
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from .tracing import Telemetry
 
 _MODULE_OF = {
+    "BoundedQueue": "bounded_queue", "WaitingQueue": "bounded_queue", "WeightedQueue": "bounded_queue",
     "read_capture": "capture", "read_capture_meta": "capture", "META_SIGNAL": "capture",
     "TelemetryConfig": "config", "TraceLevel": "config",
     "check_range": "config_checks",
