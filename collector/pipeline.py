@@ -11,8 +11,8 @@ Guarantees:
   queued (a single larger batch is admitted into an empty queue, see ``offer``).
 - ``offer`` never blocks: over capacity it answers FULL at once (429 / RESOURCE_EXHAUSTED).
 
-Cost: ``offer`` is one lock acquisition and a deque append; the aggregator runs on
-``workers`` threads (1 is right under the GIL; more only helps a sink that releases it).
+Cost: ``offer`` is a lock and an append (:mod:`sightline.instrumentation.bounded_queue`); the
+aggregator runs on ``workers`` threads (1 suits the GIL; more helps only a sink releasing it).
 """
 
 from __future__ import annotations
