@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..instrumentation import bucket_point
 from .aggregation_config import REFERENCE_QUANTILE, ContentionConfig
 
 # a score says at most "ran 1/100 of its share": beyond that the number means nothing more
@@ -71,12 +72,6 @@ class SlotEvidence:
     # share of the kernel's CTAs, and its median share above the others' P90; None: not known
     usual_shares: np.ndarray | None = None
 
-def _bucket_value(scale: int, index: np.ndarray) -> np.ndarray:
-    """The estimate ``quantiles`` answers for bucket ``index`` (its midpoint in log space)."""
-    base = 2.0 ** (2.0 ** -scale)
-    return 2.0 * 2.0 ** ((index + 1) * 2.0 ** -scale) / (base + 1.0)
-
-
 def _leave_one_out(values: np.ndarray, reduce) -> np.ndarray:
     """Per row: ``reduce`` (np.minimum or np.maximum) over every other row's value."""
     n = values.size
@@ -114,7 +109,7 @@ def slot_evidence(scale: int, offset: int, counts: np.ndarray, zeros: np.ndarray
         above = np.cumsum(counts[:, ::-1], axis=1)[:, ::-1]  # CTAs in bucket j or above
         exceed = np.where(at + 1 < width, above[np.arange(rows), np.minimum(at + 1, width - 1)], 0)
         exceed = np.where(in_zero, own - zeros, exceed)
-        estimate = np.clip(_bucket_value(scale, offset + at), _leave_one_out(np.asarray(minimum, float), np.minimum),
+        estimate = np.clip(bucket_point(scale, offset + at), _leave_one_out(np.asarray(minimum, float), np.minimum),
                            _leave_one_out(np.asarray(maximum, float), np.maximum))
         others_q = np.where(others_n > 0, np.where(in_zero, 0.0, estimate), np.nan)
     return SlotEvidence(own, exceed.astype(np.int64), np.asarray(own_q, dtype=np.float64), others_q)

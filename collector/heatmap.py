@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..instrumentation import ExpHistogram, relative_error
+from ..instrumentation import ExpHistogram, fit_shift, relative_error
 from .contention import HotspotSummary, contended_sms, hotspots
 from .query import SmQuery
 from .sm_store import GpuKey, SmKey
@@ -200,9 +200,7 @@ def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
     scale = min(h.scale for h in with_buckets)
     lo = min(((h.offset + int(np.flatnonzero(h.counts)[0])) >> (h.scale - scale)) for h in with_buckets)
     hi = max(((h.offset + int(np.flatnonzero(h.counts)[-1])) >> (h.scale - scale)) for h in with_buckets)
-    shift = 0
-    while (hi >> shift) - (lo >> shift) + 1 > max_bins:
-        shift += 1
+    shift = fit_shift(lo, hi, max_bins)
     out_scale, first, last = scale - shift, lo >> shift, hi >> shift
     counts = []
     width = last - first + 1

@@ -11,8 +11,8 @@ Guarantees:
   queued (a single larger batch is admitted into an empty queue, see ``offer``).
 - ``offer`` never blocks: over capacity it answers FULL at once (429 / RESOURCE_EXHAUSTED).
 
-Cost: ``offer`` is one lock acquisition and a deque append; the aggregator runs on
-``workers`` threads (1 is right under the GIL; more only helps a sink that releases it).
+Cost: ``offer`` is a lock and an append (:mod:`sightline.instrumentation.bounded_queue`); the
+aggregator runs on ``workers`` threads (1 suits the GIL; more helps only a sink releasing it).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol
 
+from ..instrumentation import WeightedQueue
 from .self_metrics import SelfMetrics
 
 __all__ = ["Admission", "Batch", "DiscardSink", "Pipeline", "PipelineSummary", "Sink"]
@@ -110,9 +110,8 @@ class Pipeline:
         self._metrics = metrics
         self._max_items = max_items
         self._max_bytes = max_bytes
-        self._queue: deque[Batch] = deque()
-        self._items = 0
-        self._bytes = 0
+        # weighed in spans + data points and payload bytes; its owner's lock is self._lock
+        self._queue: WeightedQueue[Batch] = WeightedQueue(max_items, max_bytes)
         self._closed = False
         self._busy = 0  # batches taken by workers and not yet finished
         self._aggregating_items: dict[int, int] = {}  # those batches (by id) and their items: see close
@@ -135,13 +134,9 @@ class Pipeline:
                 return Admission.CLOSED
             # an empty queue admits even a batch larger than max_items, so progress stays
             # possible (request bodies are capped separately: its bytes are still bounded)
-            if batch.items and self._queue and (self._items + batch.items > self._max_items
-                                                or self._bytes + batch.size_bytes > self._max_bytes):
-                return Admission.FULL
             if batch.items:
-                self._queue.append(batch)
-                self._items += batch.items
-                self._bytes += batch.size_bytes
+                if not self._queue.offer(batch, batch.items, batch.size_bytes):
+                    return Admission.FULL
                 self._not_empty.notify()
             s = self.summary
             acknowledged = batch.items + batch.repeats
@@ -152,7 +147,7 @@ class Pipeline:
                 s.data_points_acknowledged += acknowledged
             by = s.acknowledged_by_receiver
             by[batch.receiver] = by.get(batch.receiver, 0) + acknowledged
-            depth = self._items
+            depth = self._queue.weight
         self._metrics.queue_depth.set(depth)
         return Admission.ACCEPTED
 
@@ -164,14 +159,15 @@ class Pipeline:
         """
         if self._closed:
             return False
-        if self._items == 0:
+        queue = self._queue
+        if queue.weight == 0:
             return True
-        return self._items < self._max_items and self._bytes + size_bytes <= self._max_bytes
+        return queue.weight < self._max_items and queue.size_bytes + size_bytes <= self._max_bytes
 
     @property
     def depth(self) -> int:
         """Spans + data points waiting (not counting batches being aggregated now)."""
-        return self._items
+        return self._queue.weight
 
     @property
     def accepting(self) -> bool:
@@ -207,9 +203,7 @@ class Pipeline:
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         with self._lock:
-            left = sum(b.items for b in self._queue)
-            self._queue.clear()
-            self._items = self._bytes = 0
+            left = sum(b.items for b in self._queue.take())
             left += sum(self._aggregating_items.values())
             self._aggregating_items.clear()  # abandoned: their workers will count nothing
             if left or any(t.is_alive() for t in self._threads):
@@ -230,12 +224,10 @@ class Pipeline:
                 if not self._queue:  # closed and drained
                     self._idle.notify_all()
                     return
-                batch = self._queue.popleft()
-                self._items -= batch.items
-                self._bytes -= batch.size_bytes
+                batch = self._queue.take_one()
                 self._busy += 1
                 self._aggregating_items[id(batch)] = batch.items
-                depth = self._items
+                depth = self._queue.weight
             self._metrics.queue_depth.set(depth)
             self._process(batch)
             with self._lock:

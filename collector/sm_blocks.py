@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..instrumentation import ExpHistogram
+from ..instrumentation import ExpHistogram, fit_shift, quantiles, rebin
 from .contention import REFERENCE_QUANTILE, SlotEvidence, slot_evidence
 from .windows import ClassicHistogram, Exemplar
 
-__all__ = ["SmBlock", "quantiles"]
+__all__ = ["SmBlock"]
 
 _ROW_STEP = 16  # SM rows added at least at a time
 # an SM's usual shares of CTAs (SmBlock._usual_shares): from this many other slots with at
@@ -31,32 +31,6 @@ USUAL_SHARE_MIN_CTAS = 4
 QUIET_EXCEED = 0.3   # the slow test's effect floor (ContentionConfig.slow_share's default)
 QUIET_SLOW_SHARE = 0.05   # a quiet slot: at most this share of SMs that far above the P90
 _EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
-
-
-def quantiles(scale: int, offset: int, counts: np.ndarray, zeros: np.ndarray, minimum: np.ndarray,
-              maximum: np.ndarray, q: float) -> np.ndarray:
-    """Per row of ``counts`` [rows, width] (bucket ``offset + j`` at ``scale``): the value at
-    rank ``ceil(q * count)``, as ``ExpHistogram.quantile`` answers it (NaN for an empty row)."""
-    total = counts.sum(axis=1, dtype=np.int64) + zeros
-    rank = np.maximum(1, np.ceil(q * total)).astype(np.int64)
-    out = np.full(total.shape, np.nan)
-    if counts.shape[1]:
-        cumulative = np.cumsum(counts, axis=1, dtype=np.int64) + zeros[:, None]
-        i = np.minimum(np.argmax(cumulative >= rank[:, None], axis=1), counts.shape[1] - 1)
-        base = 2.0 ** (2.0 ** -scale)
-        estimate = 2.0 * 2.0 ** ((offset + i + 1) * 2.0 ** -scale) / (base + 1.0)
-        out = np.minimum(np.maximum(estimate, minimum), maximum)
-    out = np.where(rank <= zeros, 0.0, out)
-    return np.where(total > 0, out, np.nan)
-
-
-def _rebin(counts: np.ndarray, offset: int, shift: int) -> tuple[np.ndarray, int]:
-    """``counts`` [rows, width] at bucket ``offset``, re-binned ``shift`` scales coarser."""
-    if shift == 0 or counts.shape[1] == 0:
-        return counts, offset >> shift
-    idx = (offset + np.arange(counts.shape[1])) >> shift
-    starts = np.flatnonzero(np.r_[True, idx[1:] != idx[:-1]])
-    return np.add.reduceat(counts, starts, axis=1).astype(counts.dtype), int(idx[0])
 
 
 class _Detail:
@@ -209,14 +183,14 @@ class SmBlock:
         point_scales = np.repeat([h.scale for _, h in with_buckets], sizes)
         values = np.concatenate([h.counts for _, h in with_buckets]).astype(np.float64)
         point_rows = np.repeat([r for r, _ in with_buckets], sizes)
-        while True:
-            at_scale = index >> (point_scales - self.scale)
-            lo, hi = int(at_scale.min()), int(at_scale.max()) + 1
-            if detail.counts.shape[1]:
-                lo, hi = min(lo, detail.offset), max(hi, detail.offset + detail.counts.shape[1])
-            if hi - lo <= self.max_buckets:
-                break
-            self._downscale(1)
+        at_scale = index >> (point_scales - self.scale)
+        lo, hi = int(at_scale.min()), int(at_scale.max()) + 1
+        if detail.counts.shape[1]:
+            lo, hi = min(lo, detail.offset), max(hi, detail.offset + detail.counts.shape[1])
+        shift = fit_shift(lo, hi - 1, self.max_buckets)
+        if shift:
+            self._downscale(shift)
+            at_scale, lo, hi = at_scale >> shift, lo >> shift, ((hi - 1) >> shift) + 1
         width = hi - lo
         if (lo, width) != (detail.offset, detail.counts.shape[1]):
             grown = np.zeros((self._cap, width), dtype=np.uint32)
@@ -274,7 +248,7 @@ class SmBlock:
     def _downscale(self, shift: int) -> None:
         for d in self._detail:
             if d is not None:
-                d.counts, d.offset = _rebin(d.counts, d.offset, shift)
+                d.counts, d.offset = rebin(d.counts, d.offset, shift)
                 d.evidence = None
         self.scale -= shift
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..instrumentation import ExpHistogram
+from ..instrumentation import ExpHistogram, bucket_point
 from .aggregation_config import WindowConfig
 
 __all__ = ["ClassicHistogram", "Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
@@ -324,16 +324,12 @@ def _first_bucket_above(bounds: tuple[float, ...], scale: int) -> tuple[int, ...
     """Per bound ``b``: the smallest bucket index at ``scale`` whose point (the value a
     quantile answers for it, ``2 * upper / (base + 1)``) is above ``b``."""
     base = 2.0 ** (2.0 ** -scale)
-
-    def point(i: int) -> float:
-        return 2.0 * 2.0 ** ((i + 1) * 2.0 ** -scale) / (base + 1.0)
-
     out = []
     for b in bounds:
         i = math.floor(math.log2(b * (base + 1.0) / 2.0) * 2.0 ** scale) - 2
-        while point(i) <= b:  # settle float rounding with the very formula used for points
+        while bucket_point(scale, i) <= b:  # settle float rounding with the very formula used for points
             i += 1
-        while point(i - 1) > b:
+        while bucket_point(scale, i - 1) > b:
             i -= 1
         out.append(i)
     return tuple(out)

@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import semconv
+    from .bounded_queue import BoundedQueue, WaitingQueue, WeightedQueue
     from .capture import META_SIGNAL, read_capture, read_capture_meta
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
     from .event_wire import from_wire, to_wire
-    from .exphist import MAX_SCALE, MIN_SCALE, ExpHistogram, relative_error
+    from .exphist import (MAX_SCALE, MIN_SCALE, ExpHistogram, bucket_indices, bucket_point, fit_shift,
+                          quantiles, rebin, relative_error)
     from .gpu_telemetry import GpuTelemetry
     from .lifecycle import (Detokenized, LifecycleRecorder, OpenStep, Queued, RankStep, Startup,
                             StartupPhase, Step)
@@ -32,12 +34,14 @@ if TYPE_CHECKING:
     from .tracing import Telemetry
 
 _MODULE_OF = {
+    "BoundedQueue": "bounded_queue", "WaitingQueue": "bounded_queue", "WeightedQueue": "bounded_queue",
     "read_capture": "capture", "read_capture_meta": "capture", "META_SIGNAL": "capture",
     "TelemetryConfig": "config", "TraceLevel": "config",
     "check_range": "config_checks",
     "from_wire": "event_wire", "to_wire": "event_wire",
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
-    "relative_error": "exphist",
+    "relative_error": "exphist", "bucket_indices": "exphist", "bucket_point": "exphist",
+    "fit_shift": "exphist", "quantiles": "exphist", "rebin": "exphist",
     "GpuTelemetry": "gpu_telemetry",
     "Detokenized": "lifecycle", "LifecycleRecorder": "lifecycle", "OpenStep": "lifecycle", "Queued": "lifecycle", "Step": "lifecycle",
     "RankStep": "lifecycle",

@@ -1,7 +1,8 @@
-"""OpenTelemetry base-2 exponential histograms: bucket mapping, merge and quantiles.
+"""OpenTelemetry base-2 exponential histograms: bucket mapping, merge, re-binning and quantiles.
 
-Shared by the producer (the SM probe reduces CTA durations into these) and the collector
-(its per-SM sketches are these, merged over time windows and replicas). Buckets are
+The one home of this math: the producer (the SM probe reduces CTA durations into these) and
+the collector (its per-SM sketches, one :class:`ExpHistogram` or one row of a
+``[rows, buckets]`` block each, merged over time windows and replicas) both use it. Buckets are
 OpenTelemetry's: at scale ``s`` the base is ``2 ** (2 ** -s)`` and bucket ``i`` holds
 ``(base**i, base**(i+1)]``; zero and negative values go to ``zero_count``.
 
@@ -26,6 +27,10 @@ __all__ = [
     "DEFAULT_SCALE",
     "ExpHistogram",
     "bucket_indices",
+    "bucket_point",
+    "fit_shift",
+    "quantiles",
+    "rebin",
     "relative_error",
 ]
 
@@ -58,6 +63,50 @@ def bucket_indices(values: np.ndarray, scale: int) -> np.ndarray:
     # (2**(e-1), 2**e] has index e-1 at scale 0; exact powers belong one bucket lower.
     idx0 = np.where(mantissa == 0.5, exponent - 2, exponent - 1)
     return idx0 >> (-scale)
+
+
+def bucket_point(scale: int, index):
+    """The value a quantile answers for bucket ``index`` (an int, or an array of them) at
+    ``scale``: ``2 * upper / (base + 1)``, the bucket's midpoint in log space."""
+    base = 2.0 ** (2.0 ** -scale)
+    return 2.0 * 2.0 ** ((index + 1) * 2.0 ** -scale) / (base + 1.0)
+
+
+def fit_shift(lo: int, hi: int, max_buckets: int) -> int:
+    """The fewest scales down (``index >> shift``) at which buckets ``lo..hi`` fit ``max_buckets``."""
+    shift = 0
+    while (hi >> shift) - (lo >> shift) + 1 > max_buckets:
+        shift += 1
+    return shift
+
+
+def rebin(counts: np.ndarray, offset: int, shift: int) -> tuple[np.ndarray, int]:
+    """``counts`` [width] or [rows, width] (bucket ``offset + j``) re-binned ``shift`` scales
+    coarser: the new counts (same dtype) and offset. One ``reduceat`` over the last axis."""
+    if shift == 0 or counts.shape[-1] == 0:
+        return counts, offset >> shift
+    first, last = offset >> shift, (offset + counts.shape[-1] - 1) >> shift
+    # new bucket k gathers old buckets k << shift .. ((k + 1) << shift) - 1; the first one
+    # starts at column 0 (its lower old buckets lie before ``offset``)
+    starts = np.arange(first << shift, (last << shift) + 1, 1 << shift, dtype=np.int64) - offset
+    starts[0] = 0
+    return np.add.reduceat(counts, starts, axis=-1).astype(counts.dtype, copy=False), first
+
+
+def quantiles(scale: int, offset: int, counts: np.ndarray, zeros: np.ndarray, minimum: np.ndarray,
+              maximum: np.ndarray, q: float) -> np.ndarray:
+    """Per row of ``counts`` [rows, width] (bucket ``offset + j`` at ``scale``; ``zeros``,
+    ``minimum``, ``maximum`` per row): the value at rank ``ceil(q * count)``, as
+    :meth:`ExpHistogram.quantile` answers it (NaN for an empty row). Vectorised over rows."""
+    total = counts.sum(axis=1, dtype=np.int64) + zeros
+    rank = np.maximum(1, np.ceil(q * total)).astype(np.int64)
+    out = np.full(total.shape, np.nan)
+    if counts.shape[1]:
+        cumulative = np.cumsum(counts, axis=1, dtype=np.int64) + zeros[:, None]
+        i = np.minimum(np.argmax(cumulative >= rank[:, None], axis=1), counts.shape[1] - 1)
+        out = np.minimum(np.maximum(bucket_point(scale, offset + i), minimum), maximum)
+    out = np.where(rank <= zeros, 0.0, out)
+    return np.where(total > 0, out, np.nan)
 
 
 @dataclass
@@ -151,8 +200,7 @@ class ExpHistogram:
         cumulative = np.cumsum(self.counts) + self.zero_count
         i = int(np.searchsorted(cumulative, rank))
         i = min(i, self.counts.size - 1)
-        upper = 2.0 ** ((self.offset + i + 1) * 2.0 ** -self.scale)
-        estimate = 2.0 * upper / (self.base + 1.0)
+        estimate = bucket_point(self.scale, self.offset + i)
         # Never answer outside what was seen.
         return float(min(max(estimate, self.min), self.max))
 
@@ -165,9 +213,7 @@ class ExpHistogram:
             lo_all, hi_all = min(lo, self.offset), max(hi, self.offset + self.counts.size - 1)
         else:
             lo_all, hi_all = lo, hi
-        shift = 0
-        while (hi_all >> shift) - (lo_all >> shift) + 1 > self.max_buckets:
-            shift += 1
+        shift = fit_shift(lo_all, hi_all, self.max_buckets)
         if shift:
             if self.scale - shift < MIN_SCALE:
                 raise ValueError(f"value range too wide for {self.max_buckets} buckets")
@@ -189,8 +235,4 @@ class ExpHistogram:
         self.scale -= shift
         if self.counts.size == 0:
             return
-        idx = np.arange(self.offset, self.offset + self.counts.size, dtype=np.int64) >> shift
-        new_offset = int(idx[0])
-        merged = np.zeros(int(idx[-1]) - new_offset + 1, dtype=np.int64)
-        np.add.at(merged, idx - new_offset, self.counts)
-        self.offset, self.counts = new_offset, merged
+        self.counts, self.offset = rebin(np.asarray(self.counts, dtype=np.int64), self.offset, shift)

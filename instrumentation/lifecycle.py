@@ -1,14 +1,14 @@
 """What an engine records about its requests and steps: typed lifecycle events, nothing else.
 
 The engine and its HTTP server call :class:`LifecycleRecorder` and :class:`RequestHandle`;
-each call builds one small named tuple and appends it to a bounded deque (thread-safe
-in CPython without a lock). A :class:`~.span_assembler.SpanAssembler` makes spans from these
-events elsewhere: in the telemetry process, or on a thread (:mod:`.telemetry_pipeline`).
+each call builds one small named tuple and offers it to a lock-free
+:class:`~.bounded_queue.BoundedQueue`. A :class:`~.span_assembler.SpanAssembler` makes spans
+from these events elsewhere: in the telemetry process, or on a thread (:mod:`.telemetry_pipeline`).
 Request keys carry their recorder's ``producer_id`` in the bits from ``PRODUCER_KEY_SHIFT``
 up, so the keys of several processes feeding one telemetry process never collide.
 
 Guarantee: never blocks, never raises into the caller; a full buffer drops the event and
-counts it (``dropped``). Cost: O(1) Python operations per request event and per step,
+counts it (``dropped``; a deferred event whose builder raised: ``build_errors``). Cost: O(1) Python operations per request event and per step,
 independent of the trace level (above OFF, where the engine holds no recorder at all).
 Span and trace ids of server spans are drawn here (exemplars and ``X-Request-Id``
 need them in the engine); sampling is decided where the spans are built.
@@ -19,25 +19,26 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from opentelemetry import trace
 
 from . import semconv
+from .bounded_queue import BUILD_ERROR, BoundedQueue
 from .config import TelemetryConfig, TraceLevel
 from .config_checks import check_range
 from .propagation import HeaderPropagator
 
 __all__ = ["LifecycleRecorder", "RequestHandle", "RequestStart", "Tokenized", "RequestAttributes",
            "Queued", "Step", "Detokenized", "RequestEnd", "RemoteParent", "OpenStep", "RankStep",
-           "Startup", "StartupPhase", "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID"]
+           "Startup", "StartupPhase", "PRODUCER_KEY_SHIFT", "MAX_PRODUCER_ID", "DROP_BUFFER_FULL"]
 
 # A request key is (producer_id << PRODUCER_KEY_SHIFT) + n, n < 2**48 (from a random start
 # below 2**40): every key fits an int64 (msgpack, the engine's own records).
 PRODUCER_KEY_SHIFT = 48
 MAX_PRODUCER_ID = (1 << 15) - 1
+DROP_BUFFER_FULL = "buffer_full"   # the reason of an event refused by a full buffer
 
 
 class RemoteParent(NamedTuple):
@@ -220,17 +221,6 @@ class RequestHandle:
             preemptions, error_type, cached_tokens))
 
 
-class Deferred(NamedTuple):
-    """An event built by ``drain`` on the shipping thread, ``build(*args)``, so that the engine
-    thread only appends references. ``args`` must not change after recording."""
-
-    build: Callable[..., tuple]
-    args: tuple
-
-
-_new_tuple = tuple.__new__   # a named tuple's own constructor is a Python function
-
-
 class LifecycleRecorder:
     """Appends lifecycle events to a bounded buffer that a pipeline's shipper drains (see module doc).
 
@@ -250,10 +240,19 @@ class LifecycleRecorder:
         self.steps_on = level >= TraceLevel.STEPS
         self.kernels_on = level >= TraceLevel.KERNELS
         self.capacity = capacity
-        self.events: deque = deque()
-        self.dropped = 0          # events refused because the buffer was full
-        self.recorded = 0
-        self.build_errors = 0     # deferred events whose builder raised (event lost)
+        # drops by reason: DROP_BUFFER_FULL (refused), BUILD_ERROR (a deferred event's builder raised)
+        self.events: BoundedQueue = BoundedQueue(capacity, full_reason=DROP_BUFFER_FULL,
+                                                 reasons=(BUILD_ERROR,))
+        # The queue's own methods, bound here: the engine thread calls them on every step,
+        # and a method of this class around them would cost a Python call each time.
+        #: ``record(event)``: appends ``event`` unless the buffer is full (then counts it). Any thread.
+        self.record = self.events.offer
+        #: ``record_later(build, *args)``: like ``record(build(*args))``, with ``build`` run by
+        #: ``drain`` on the shipping thread: O(1) here whatever the event's size. Any thread.
+        self.record_later = self.events.offer_later
+        #: ``drain(limit)``: takes up to ``limit`` events, oldest first, deferred ones built
+        #: (the shipping thread).
+        self.drain = self.events.take
         self.producer_id = producer_id
         self._ids = random.Random()
         # from a random point: a producer restarted under the same id does not reuse the keys
@@ -262,40 +261,23 @@ class LifecycleRecorder:
                                      + self._ids.getrandbits(40))
         self._propagator = HeaderPropagator(config.propagators)
 
-    def record(self, event: tuple) -> None:
-        """Appends ``event`` unless the buffer is full (then counts it). Any thread."""
-        if len(self.events) < self.capacity:
-            self.events.append(event)
-            self.recorded += 1
-        else:
-            self.dropped += 1
+    @property
+    def dropped(self) -> int:
+        """Events refused because the buffer was full."""
+        return self.events.dropped[DROP_BUFFER_FULL]
 
-    def record_later(self, build: Callable[..., tuple], *args) -> None:
-        """Like ``record(build(*args))``, with ``build`` run by ``drain`` on the shipping thread:
-        O(1) here whatever the event's size. Any thread."""
-        # record()'s body, and the tuple made in C: the engine calls this on every step
-        if len(self.events) < self.capacity:
-            self.events.append(_new_tuple(Deferred, (build, args)))
-            self.recorded += 1
-        else:
-            self.dropped += 1
+    @dropped.setter
+    def dropped(self, count: int) -> None:
+        self.events.dropped[DROP_BUFFER_FULL] = count
 
-    def drain(self, limit: int = 1 << 20) -> list:
-        """Takes up to ``limit`` events, oldest first, deferred ones built (the shipping thread)."""
-        events, pop = [], self.events.popleft
-        try:
-            for _ in range(min(limit, len(self.events))):
-                event = pop()
-                if type(event) is Deferred:
-                    try:
-                        event = event.build(*event.args)
-                    except Exception:   # a builder's bug loses its event, never the shipper
-                        self.build_errors += 1
-                        continue
-                events.append(event)
-        except IndexError:
-            pass
-        return events
+    @property
+    def recorded(self) -> int:
+        return self.events.accepted
+
+    @property
+    def build_errors(self) -> int:
+        """Deferred events whose builder raised (the event is lost)."""
+        return self.events.dropped[BUILD_ERROR]
 
     # -- requests (server thread) ---------------------------------------------------
     def start_request(self, *, route: str, headers: Mapping[str, str] | None, model: str,

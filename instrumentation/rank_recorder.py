@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import deque
 
+from .bounded_queue import FULL, BoundedQueue
 from .config import TelemetryConfig, TraceLevel
 from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
 
@@ -36,9 +36,9 @@ class RankRecorder:
         level = config.level if config is not None else TraceLevel.OFF
         self.kernels_on = level >= TraceLevel.KERNELS
         self.capacity = capacity
-        self.dropped = 0
         self.stopped = False
-        self._items: deque = deque()
+        self._items: BoundedQueue = BoundedQueue(capacity)
+        self.drain = self._items.take   # what the worker sends the core, oldest first
         self._named: set[int] = set()
         self._ids = random.Random()
 
@@ -47,19 +47,12 @@ class RankRecorder:
             item = item._replace(rank=self.rank)
             if type(item) is KernelActivity:
                 self._name_kernels(item.buffer)
-        if len(self._items) < self.capacity:
-            self._items.append(item)
-        else:
-            self.dropped += 1
+        self._items.offer(item)
 
-    def drain(self) -> list:
-        items, pop = [], self._items.popleft
-        try:
-            for _ in range(len(self._items)):
-                items.append(pop())
-        except IndexError:
-            pass
-        return items
+    @property
+    def dropped(self) -> int:
+        """Items refused because the buffer was full."""
+        return self._items.dropped[FULL]
 
     def name_step(self, step) -> None:
         """Rank 0 names the steps whose records point at their span; a fallback here."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import queue
 import subprocess
 import sys
 import threading
@@ -32,22 +31,23 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import semconv
+from .bounded_queue import BUILD_ERROR, WaitingQueue
 from .config import TelemetryConfig, TraceLevel
 from .config_checks import check_range
 from .counting_export import TelemetryCounters
 from .event_wire import from_wire, to_wire
 from .gpu_records import KernelNames
-from .lifecycle import LifecycleRecorder
+from .lifecycle import DROP_BUFFER_FULL, LifecycleRecorder
 from .producer_link import ProducerIdentity, ProducerInbox, private_endpoint, remove_endpoint
 
 __all__ = ["TelemetryPipeline", "ProducerSide"]
 
 logger = logging.getLogger(__name__)
 
-DROP_BUFFER_FULL = "buffer_full"       # the recorder's buffer (engine side) was full
+# drop reasons, beside lifecycle.DROP_BUFFER_FULL (the recorder's buffer, engine side, was full)
 DROP_QUEUE_FULL = "queue_full"         # the hand-off to the telemetry process was full
 DROP_PROCESS_DOWN = "process_down"     # the telemetry process was not running
-DROP_BUILD_ERROR = "build_error"       # a deferred event's builder raised
+DROP_BUILD_ERROR = BUILD_ERROR         # a deferred event's builder raised
 
 
 class ProducerSide:
@@ -96,10 +96,8 @@ class ProducerSide:
         raise NotImplementedError
 
     def dropped_events(self) -> dict[str, int]:
-        dropped = dict(self.dropped)
-        dropped[DROP_BUFFER_FULL] = self.recorder.dropped
-        dropped[DROP_BUILD_ERROR] = self.recorder.build_errors
-        return dropped
+        """Events dropped so far, by reason: this side's and its recorder's."""
+        return {**self.dropped, **self.recorder.events.dropped}
 
 
 class TelemetryPipeline(ProducerSide):
@@ -122,7 +120,9 @@ class TelemetryPipeline(ProducerSide):
         self._worker = None
         self._process: subprocess.Popen | None = None
         self._next_poll = 0.0
-        self._outbox: queue.Queue = queue.Queue(maxsize=max_queued_batches)
+        check_range("max_queued_batches", max_queued_batches, 1, 1 << 20, integer=True)
+        self._max_queued_batches = max_queued_batches
+        self._outbox: WaitingQueue = self._new_outbox()
         # process mode: every telemetry process (restarts too) binds this path; thread mode:
         # bound here on first use of ``producer_endpoint``
         self._endpoint: str | None = private_endpoint() if mode == "process" else None
@@ -242,10 +242,7 @@ class TelemetryPipeline(ProducerSide):
         if self._process is None:
             self.dropped[DROP_PROCESS_DOWN] += len(items)
             return
-        try:
-            self._outbox.put_nowait((watermark_ns, items))
-        except queue.Full:
-            self.dropped[DROP_QUEUE_FULL] += len(items)
+        self._outbox.offer((watermark_ns, items), len(items))   # full: counted as queue_full
 
     def _resolve_names_inline(self, pointers: list[int]) -> None:
         if self.gpu is not None:
@@ -264,7 +261,7 @@ class TelemetryPipeline(ProducerSide):
                     protocol=pickle.HIGHEST_PROTOCOL)
         process.stdin.flush()
         self._process = process
-        self._outbox = queue.Queue(maxsize=self._outbox.maxsize)
+        self._outbox = self._new_outbox()
         threading.Thread(target=self._write_loop, args=(process, self._outbox),
                          name="sightline-telemetry-write", daemon=True).start()
         threading.Thread(target=self._read_loop, args=(process,),
@@ -281,13 +278,7 @@ class TelemetryPipeline(ProducerSide):
                 self._child_base = _add(self._child_base, self._child_stats)
                 self._child_stats = {}
             # what was queued for the dead process is lost: count it
-            lost = 0
-            while True:
-                try:
-                    lost += len(self._outbox.get_nowait()[1])
-                except queue.Empty:
-                    break
-            self.dropped[DROP_PROCESS_DOWN] += lost
+            self.dropped[DROP_PROCESS_DOWN] += sum(len(batch[1]) for batch in self._outbox.take())
             self.restarts += 1
         try:
             self._spawn()
@@ -295,10 +286,14 @@ class TelemetryPipeline(ProducerSide):
             logger.exception("telemetry process could not start; will retry")
             self._process = None
 
-    def _write_loop(self, process: subprocess.Popen, outbox: queue.Queue) -> None:
+    def _new_outbox(self) -> WaitingQueue:
+        """A hand-off queue for a new telemetry process; its drops add to ``dropped``."""
+        return WaitingQueue(self._max_queued_batches, full_reason=DROP_QUEUE_FULL, dropped=self.dropped)
+
+    def _write_loop(self, process: subprocess.Popen, outbox: WaitingQueue) -> None:
         pipe = process.stdin
         while True:
-            batch = outbox.get()       # (watermark_ns, items), or None: stop
+            batch = outbox.wait_take()   # (watermark_ns, items), or None: stop
             try:
                 pickle.dump((batch[0], to_wire(batch[1])) if batch is not None else None, pipe,
                             protocol=pickle.HIGHEST_PROTOCOL)
@@ -375,9 +370,12 @@ class TelemetryPipeline(ProducerSide):
             if process is None:
                 return
             try:
-                self._outbox.put(None, timeout=1.0)
-                process.wait(timeout=max(1.0, timeout_s + 2.0))
-            except (queue.Full, subprocess.TimeoutExpired):
+                stopped = self._outbox.offer(None, 0, timeout_s=1.0)   # None: the writer's stop
+                if stopped:
+                    process.wait(timeout=max(1.0, timeout_s + 2.0))
+            except subprocess.TimeoutExpired:
+                stopped = False
+            if not stopped:
                 logger.warning("telemetry process did not stop in time; killing it")
                 process.kill()
         finally:
@@ -394,10 +392,7 @@ class TelemetryPipeline(ProducerSide):
                     self._worker.handle(items, self.identity, watermark_ns)
                     self._worker.poll(force=True)
             elif self._process is not None:
-                try:
-                    self._outbox.put((watermark_ns, items), timeout=1.0)
-                except queue.Full:
-                    self.dropped[DROP_QUEUE_FULL] += len(items)
+                self._outbox.offer((watermark_ns, items), len(items), timeout_s=1.0)
             time.sleep(0.05)
 
 

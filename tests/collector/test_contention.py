@@ -11,10 +11,9 @@ import pytest
 from sightline.collector.aggregation_config import ContentionConfig
 from sightline.collector.contention import (SlotEvidence, assess, binomial_tail_bound, contended_sms,
                                             slot_evidence)
-from sightline.collector.sm_blocks import quantiles
 from sightline.collector.sm_store import GpuKey, SmKey
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.exphist import ExpHistogram
+from sightline.instrumentation.exphist import ExpHistogram, quantiles
 from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_attrs, otlp_cta_point, otlp_metrics
 
 SCALE = 6

@@ -6,9 +6,9 @@ import math
 
 import numpy as np
 
-from sightline.collector.sm_blocks import SmBlock, quantiles
+from sightline.collector.sm_blocks import SmBlock
 from sightline.instrumentation import semconv as sc
-from sightline.instrumentation.exphist import relative_error
+from sightline.instrumentation.exphist import quantiles, relative_error
 from tests.collector.otlp_builders import exp_hist
 
 
