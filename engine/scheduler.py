@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..instrumentation import check_settings, setting
+from ..instrumentation import check_range, check_settings, setting
 from .kv_cache import KVCacheManager
 from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
@@ -54,11 +54,9 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         check_settings(self)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise decodes alone could eat the budget and starve a split prefill forever.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
+        # Otherwise decodes alone could eat the budget and starve a split prefill forever.
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs, integer=True,
+                    hint="(at least max_num_seqs)")
 
 
 @dataclass(frozen=True)
