@@ -152,7 +152,8 @@ def test_request_rows_live_on_the_device_from_first_sample_to_release():
 
 
 def test_sampling_params_name_the_bad_value():
-    for kwargs, text in (({"top_k": 0}, "top_k=0 is not an integer in"), ({"min_p": 1.5}, "min_p=1.5 is not a number in"),
+    for kwargs, text in (({"top_k": 0}, "top_k=0 is not an integer in"),
+                         ({"min_p": 1.5}, "min_p=1.5 is not a number in"),
                          ({"repetition_penalty": 0.0}, "repetition_penalty=0.0 is not a number in"),
                          ({"presence_penalty": 3}, "presence_penalty=3 is not a number in"),
                          ({"frequency_penalty": float("nan")}, "frequency_penalty=nan is not a number in"),
