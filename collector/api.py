@@ -16,11 +16,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
 import re
 
 from aiohttp import web
 
+from ..instrumentation import check_range
 from . import explain as explain_mod
 from . import heatmap as hm
 from .heatmap_page import render_page
@@ -67,8 +67,10 @@ def _float(request: web.Request, name: str, default: float | None, lo: float, hi
         value = float(raw)
     except ValueError:
         raise _BadParam(name, f"{name}={raw!r} is not a number") from None
-    if not (math.isfinite(value) and lo <= value <= hi):
-        raise _BadParam(name, f"{name}={raw} is outside [{lo}, {hi}]")
+    try:
+        check_range(name, value, lo, hi)
+    except ValueError as exc:
+        raise _BadParam(name, str(exc)) from None
     return value
 
 

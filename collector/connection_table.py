@@ -19,6 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum
 
+from ..instrumentation import check_range
+
 __all__ = ["PROBATION_BYTES", "PROBATION_S", "ConnectionState", "ConnectionTable", "Slot"]
 
 PROBATION_S = 0.25  # how long a newcomer at a full listener waits on probation for a slot
@@ -76,8 +78,7 @@ class ConnectionTable:
 
     def __init__(self, capacity: int, grace_s: float, probation: int = 8,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity={capacity!r} is outside the allowed range 1..inf")
+        check_range("capacity", capacity, 1, integer=True)
         self.capacity = capacity
         self.grace_s = grace_s
         self.probation_capacity = probation

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from ..instrumentation import check_range
 from ..instrumentation import semconv as sc
 from .aggregation_config import StragglerConfig
 from .causes import Cause, CauseEvidence, classify
@@ -196,10 +197,8 @@ def explain_slowest(sources: Sources, quantile: float = 0.99, limit: int = 10,
     threshold is the exact value at rank ``ceil(quantile * n)`` of the request root spans'
     latencies (the store holds every one of them, no sketch). ``within_s``: only the
     requests whose life (root span) overlaps ``[start, end]`` (Unix seconds) count."""
-    if not 0.0 <= quantile <= 1.0:
-        raise ValueError(f"quantile={quantile} is outside [0, 1]")
-    if not 1 <= limit <= 1000:
-        raise ValueError(f"limit={limit} is outside [1, 1000]")
+    check_range("quantile", quantile, 0.0, 1.0)
+    check_range("limit", limit, 1, 1000, integer=True)
     if within_s is not None and not within_s[0] < within_s[1]:
         raise ValueError(f"within_s={within_s}: the start must come before the end")
 

@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from ..instrumentation import ExpHistogram, fit_shift, relative_error
+from ..instrumentation import ExpHistogram, check_range, fit_shift, relative_error
 from .contention import HotspotSummary, contended_sms, hotspots
 from .query import SmQuery
 from .sm_store import GpuKey, SmKey
@@ -185,8 +185,7 @@ def time_sm(sm: SmQuery, key: SmKey, now_s: float | None = None,
 def sm_latency(sm: SmQuery, key: SmKey, now_s: float | None = None,
                window_s: float | None = None, max_bins: int = 48) -> SmLatencyHeatmap:
     """The SM x latency-bucket count heatmap (exact counts; see the module docstring)."""
-    if not 2 <= max_bins <= 1024:
-        raise ValueError(f"max_bins={max_bins} is outside [2, 1024]")
+    check_range("max_bins", max_bins, 2, 1024, integer=True)
     wc = sm.window
     now_s = sm.now() if now_s is None else now_s
     window_s = wc.horizon_s if window_s is None else min(window_s, wc.horizon_s)

@@ -177,14 +177,16 @@ def lean_trace_request_class(package: str, span_fields: list[tuple]) -> type:
     return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Request"))
 
 
-_F = descriptor_pb2.FieldDescriptorProto
+_FieldType = descriptor_pb2.FieldDescriptorProto  # its TYPE_* constants
 # With the upb backend every nested message read from Python builds a wrapper object, so
 # reading two attributes of a full span costs several wrappers; here an attribute is one
 # bytes object, and a reader decodes (``decode_attribute``) only the ones it wants.
 LeanTraceRequest = lean_trace_request_class("sightline.collector.lean", [
-    ("trace_id", 1, _F.TYPE_BYTES, False, None), ("span_id", 2, _F.TYPE_BYTES, False, None),
-    ("name", 5, _F.TYPE_STRING, False, None), ("kind", 6, _F.TYPE_INT32, False, None),
-    ("start_time_unix_nano", 7, _F.TYPE_FIXED64, False, None),
-    ("end_time_unix_nano", 8, _F.TYPE_FIXED64, False, None),
-    ("attributes", 9, _F.TYPE_BYTES, True, None),  # each an encoded KeyValue
-    ("status", 15, _F.TYPE_MESSAGE, False, "Status")])
+    ("trace_id", 1, _FieldType.TYPE_BYTES, False, None),
+    ("span_id", 2, _FieldType.TYPE_BYTES, False, None),
+    ("name", 5, _FieldType.TYPE_STRING, False, None),
+    ("kind", 6, _FieldType.TYPE_INT32, False, None),
+    ("start_time_unix_nano", 7, _FieldType.TYPE_FIXED64, False, None),
+    ("end_time_unix_nano", 8, _FieldType.TYPE_FIXED64, False, None),
+    ("attributes", 9, _FieldType.TYPE_BYTES, True, None),  # each an encoded KeyValue
+    ("status", 15, _FieldType.TYPE_MESSAGE, False, "Status")])

@@ -23,6 +23,7 @@ import numba
 import numpy as np
 from numba import types
 
+from ..instrumentation import check_range
 from .ingest import IngestError
 from .protowire import message, skip, varint
 
@@ -63,9 +64,7 @@ class RequestLimits:
     def __post_init__(self) -> None:
         for name in ("max_resources", "max_scopes", "max_items", "max_values", "max_buckets", "max_json_values",
                      "max_points"):
-            value = getattr(self, name)
-            if not 1 <= value <= 1 << 30:
-                raise ValueError(f"{name}={value!r} is outside the allowed range 1..{1 << 30}")
+            check_range(name, getattr(self, name), 1, 1 << 30, integer=True)
 
     def check(self, shape: RequestShape, signal: str) -> None:
         """Raises IngestError(413) for the first cap ``shape`` exceeds."""

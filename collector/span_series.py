@@ -31,7 +31,7 @@ from .stragglers import StragglerSeries
 from .trace_store import REQUEST_SPAN_NAMES
 from .windows import ClassicHistogram, Exemplar, SlidingHistogram
 
-__all__ = ["SpanKind", "SpanSeries"]
+__all__ = ["SpanRole", "SpanSeries"]
 
 log = logging.getLogger(__name__)
 OVERFLOW = sc.OVERFLOW_LABEL_VALUE
@@ -43,8 +43,10 @@ _MAX_DISPATCH_NAMES = 4_096  # span names whose handler (or none) is remembered
 _MAX_CACHED_KEY_BYTES = 512
 
 
-class SpanKind(enum.IntEnum):
-    """What a span feeds, told from its name alone (an int: it indexes the handler tuples)."""
+class SpanRole(enum.IntEnum):
+    """Which of Sightline's spans a span is (request, step, kernel, rank, or none of them),
+    told from its name alone: what it feeds (an int: it indexes the handler tuples). Not
+    OTel's ``SpanKind`` (server, client, internal), which the collector does not read."""
 
     NONE = 0
     REQUEST = 1
@@ -53,7 +55,7 @@ class SpanKind(enum.IntEnum):
     RANK = 4
 
 
-_REQUEST, _STEP, _KERNEL, _RANK = SpanKind.REQUEST, SpanKind.STEP, SpanKind.KERNEL, SpanKind.RANK
+_REQUEST, _STEP, _KERNEL, _RANK = SpanRole.REQUEST, SpanRole.STEP, SpanRole.KERNEL, SpanRole.RANK
 _RANK_KEYS = {sc.TP_RANK: "rank", sc.TP_SIZE: "size", sc.RANK_COMPUTE_S: "compute",
               sc.RANK_COLLECTIVE_WAIT_S: "wait"}
 _KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
@@ -143,7 +145,8 @@ _REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc
                            sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _MODEL, _RESPONSE_MODEL, _PRIORITY = sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY
 _PREFILL_TOKENS, _DECODE_TOKENS = sc.STEP_PREFILL_TOKENS, sc.STEP_DECODE_TOKENS
-_KERNEL_NAME, _GPU_ID, _KP = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID, len(sc.SPAN_KERNEL_PREFIX)
+_KERNEL_NAME, _GPU_ID = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID
+_KERNEL_PREFIX_CHARS = len(sc.SPAN_KERNEL_PREFIX)
 # Attributes whose decoded form is cached by their encoding (values repeat: kernel names,
 # GPU ids, token counts), with what the handlers read from each.
 _HOT_ATTRIBUTES: dict[str, Callable] = {
@@ -393,7 +396,7 @@ class SpanSeries:
 
     # -- spans ----------------------------------------------------------------------
     def _learn_name(self, name: str) -> int:
-        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanKind.NONE
+        handler = _KERNEL if name.startswith(sc.SPAN_KERNEL_PREFIX) else SpanRole.NONE
         # past the count (or for a long name), names are tested each time
         if len(self._dispatch) < _MAX_DISPATCH_NAMES and len(name) <= _MAX_CACHED_KEY_BYTES:
             self._dispatch[name] = handler
@@ -557,7 +560,7 @@ class SpanSeries:
         self._on_kernel_labels(span, now, gpu, kernel)
 
     def _on_kernel_labels(self, span, now: float, gpu: str, kernel: str | None) -> None:
-        key = (gpu, kernel or span.name[_KP:_KP + _MAX_LABEL_CHARS])
+        key = (gpu, kernel or span.name[_KERNEL_PREFIX_CHARS:_KERNEL_PREFIX_CHARS + _MAX_LABEL_CHARS])
         series = self.kernels.get(key)
         if series is None:
             if len(self.kernels) >= self.config.max_kernel_series and not self._evict_idle("kernel", now):

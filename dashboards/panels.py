@@ -34,6 +34,8 @@ from grafana_foundation_sdk.models import dashboard as dashboard_model
 from grafana_foundation_sdk.models import heatmap as heatmap_model
 from grafana_foundation_sdk.models import prometheus as prometheus_model
 
+from ..instrumentation import check_range
+
 __all__ = [
     "PROMETHEUS_DATASOURCE_UID",
     "DATASOURCE_VARIABLE",
@@ -111,8 +113,7 @@ class PanelSpec:
     def __post_init__(self) -> None:
         if not self.queries:
             raise ValueError(f"panel {self.title!r} has no query")
-        if not 1 <= self.width <= _GRID_WIDTH:
-            raise ValueError(f"panel {self.title!r}: width {self.width} outside 1..{_GRID_WIDTH}")
+        check_range(f"panel {self.title!r}: width", self.width, 1, _GRID_WIDTH, integer=True)
         if self.kind == "matrix" and not (self.matrix_rows and self.matrix_columns):
             raise ValueError(f"matrix panel {self.title!r} needs matrix_rows and matrix_columns")
 

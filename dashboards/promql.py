@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-from ..instrumentation import semconv
+from ..instrumentation import check_range, semconv
 
 __all__ = [
     "BUCKET_LABEL",
@@ -117,8 +117,7 @@ def histogram_quantile(
     Accurate to the width of the bucket the quantile falls in (linear interpolation
     inside it); above the highest finite bucket it returns that bucket's bound.
     """
-    if not 0.0 < quantile < 1.0:
-        raise ValueError(f"quantile {quantile!r} is outside (0, 1)")
+    check_range("quantile", quantile, 0.0, 1.0, lo_open=True, hi_open=True)
     inner = sum_by([*by, BUCKET_LABEL], rate(selector(bucket(histogram), matchers, regex), window))
     return f"histogram_quantile({quantile:g}, {inner})"
 

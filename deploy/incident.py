@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..instrumentation import check_range
+
 __all__ = ["EXPECTED_CAUSE", "INCIDENT_FORMAT", "Finding", "Incident", "PlantedInterval", "find", "flag_contended_sms",
            "interval_columns", "interval_s"]
 
@@ -72,8 +74,7 @@ class Incident:
     details: dict[str, Any] = field(default_factory=dict)  # how it was planted (neighbour, factors)
 
     def __post_init__(self) -> None:
-        if not 1 <= self.num_sms <= 1024:
-            raise ValueError(f"Incident.num_sms={self.num_sms} must be in [1, 1024]")
+        check_range("Incident.num_sms", self.num_sms, 1, 1024, integer=True)
         if not self.intervals:
             raise ValueError("Incident.intervals is empty: nothing was planted")
         for interval in self.intervals:

@@ -1,32 +1,34 @@
 """Engine configuration: one typed dataclass per concern, composed into ``EngineConfig``.
 
 * ``ModelConfig``   — the Llama architecture's shape (a preset, or a local HF ``config.json``).
+* ``HttpLimits``    — the server's connection deadlines and caps.
 * ``EngineConfig``  — which model, where it runs (device, dtype), how much memory the paged KV
   cache may take, the scheduler's limits, the telemetry settings and the server address.
 
-Every field is checked in ``__post_init__``; an error names the field, the bad value and the
-allowed range, so a typo on the command line fails at start-up with a sentence. Nothing here
-imports torch: the CLI builds and validates a config before paying for the heavy imports.
+Each field of ``EngineConfig`` and the configs it nests is declared once (``setting``): its
+range, its flag and its help; an error names the field, the bad value and the allowed range,
+so a typo on the command line fails at start-up with a sentence. Nothing here imports torch
+or aiohttp: the CLI builds its flags from these classes before paying for heavy imports.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from ..instrumentation import TelemetryConfig, check_range
-from .http_limits import HttpLimits
+from ..instrumentation import TelemetryConfig, check_range, check_settings, setting
 from .scheduler import SchedulerConfig
 
-__all__ = ["ModelConfig", "EngineConfig", "PRESETS", "DEVICES", "DTYPES", "resolve_model_config"]
+__all__ = ["ModelConfig", "EngineConfig", "HttpLimits", "PRESETS", "DEVICES", "DTYPES",
+           "resolve_model_config"]
 
-DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 Device = Literal["auto", "cpu", "cuda"]
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+DEVICES = get_args(Device)
+DTYPES = get_args(DType)
 
 
 @dataclass(frozen=True)
@@ -171,6 +173,32 @@ def resolve_model_config(model: str) -> ModelConfig:
                      "directory with config.json")
 
 
+@dataclass(frozen=True)
+class HttpLimits:
+    """Connection deadlines in seconds and caps (engine/http_limits.py applies them);
+    ``max_connections`` is lowered to fit ``RLIMIT_NOFILE`` with the descriptors open at start
+    and ``reserved_fds`` more (files, outgoing sockets) left free."""
+
+    header_timeout_s: float = setting(10.0, "seconds a connection's request headers may take (else 408)",
+                                      lo=0.0, hi=3600.0, lo_open=True, flag="--http-header-timeout")
+    body_timeout_s: float = setting(30.0, "seconds a request body may take once its headers are in "
+                                          "(else 408)", lo=0.0, hi=3600.0, lo_open=True,
+                                    flag="--http-body-timeout")
+    # past the 5 s after which httpx (the openai SDK) stops reusing a connection, so that the
+    # client, not the server, ends an idle one and never sends into a closing socket
+    keepalive_timeout_s: float = setting(10.0, "seconds an idle connection is kept between requests",
+                                         lo=0.0, hi=3600.0, lo_open=True, flag="--http-keepalive-timeout")
+    max_connections: int = setting(4096, "open connections at most (lowered to fit the file-descriptor "
+                                         "limit)", lo=1, hi=1 << 20)
+    peer_share: float = setting(0.5, "fraction of the connections one client address may hold (behind a "
+                                     "single gateway or load balancer: 1.0)", lo=0.0, hi=1.0, lo_open=True)
+    reserved_fds: int = setting(64, "file descriptors kept free of connections (files, outgoing sockets)",
+                                lo=0, hi=1 << 20)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
+
+
 @dataclass
 class EngineConfig:
     """Everything the engine needs, composed at the top (CLI or tests build one of these).
@@ -178,101 +206,96 @@ class EngineConfig:
     KV budget: on CUDA the cache takes what is left of ``gpu_memory_utilization`` of the
     device's memory once weights and the activations of a full-size step are resident; on the
     CPU it takes ``kv_cache_gib``. ``max_model_len`` (prompt + output) defaults to the model's
-    position limit, capped by what the cache can hold.
+    position limit, capped by what the cache can hold. Each field is declared once
+    (``setting``): its range, its ``sightline engine serve`` flag and its help.
     """
 
-    model: str = "tiny"
-    served_model_name: str | None = None  # the name /v1/models reports; default: the model arg
-    device: Device = "auto"
-    dtype: DType = "auto"  # auto: float32 on the CPU, bfloat16 on CUDA
-    seed: int = 0  # random weights and requests without their own seed
-    block_size: int = 16
-    kv_cache_gib: float = 0.5  # CPU
-    gpu_memory_utilization: float = 0.90  # CUDA
-    max_model_len: int | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: Literal["auto", "triton", "torch"] = "auto"
+    model: str = setting("tiny", "preset (tiny, llama-1b, llama-8b: random weights) or a local HF-style "
+                                 "directory with config.json and *.safetensors")
+    served_model_name: str | None = setting(None, "model id reported by the API (default: the model arg)")
+    device: Device = setting("auto", "where the model runs")
+    dtype: DType = setting("auto", "weights and activations (auto: float32 on the CPU, bfloat16 on CUDA)")
+    seed: int = setting(0, "random weights and unseeded sampling", lo=0, hi=2**63 - 1)
+    block_size: int = setting(16, "tokens per KV block (8|16|32|64|128)")
+    kv_cache_gib: float = setting(0.5, "KV cache size on the CPU", lo=0.0, hi=4096.0, lo_open=True)
+    gpu_memory_utilization: float = setting(0.90, "fraction of GPU memory for weights, activations and KV "
+                                                  "cache", lo=0.0, hi=1.0, lo_open=True)
+    max_model_len: int | None = setting(None, "prompt + output limit", lo=2, hi=1 << 24)
+    scheduler: SchedulerConfig = setting(factory=SchedulerConfig)
+    attention_backend: Literal["auto", "triton", "torch"] = setting("auto", "attention kernels")
     # CUDA graphs for decode-only steps (captured at start-up per padded batch size, on CUDA
     # only); True runs every step eagerly (vLLM's --enforce-eager).
-    enforce_eager: bool = False
-    cuda_graph_capture_limit_s: float = 120.0  # start-up capture stops past this (logged)
+    enforce_eager: bool = setting(False, "run every step eagerly: no CUDA graphs for decode steps (by "
+                                         "default they are captured at start-up on CUDA)")
+    cuda_graph_capture_limit_s: float = setting(120.0, "the start-up CUDA graph capture stops past this; "
+                                                       "the sizes left are logged", lo=0.0, hi=3600.0,
+                                                flag="--cuda-graph-capture-limit", metavar="SECONDS")
     # Before ready, run every kernel variant the configuration can reach (engine/warmup.py),
     # for at most warmup_limit_s (the cases left are logged and reported).
-    warmup: bool = True
-    warmup_limit_s: float = 600.0
+    warmup: bool = setting(True, "before /health answers 200, run every kernel variant the configuration "
+                                 "can reach, then capture the CUDA graphs")
+    warmup_limit_s: float = setting(600.0, "the warm-up stops past this; the cases left are logged", lo=0.0,
+                                    hi=86400.0, lo_open=True, flag="--warmup-limit", metavar="SECONDS")
     # Triton's (and inductor's) compile cache; None: SIGHTLINE_COMPILE_CACHE_DIR, else
-    # ~/.cache/sightline/compile (engine/compile_cache.py)
-    compile_cache_dir: str | None = None
+    # ~/.cache/sightline/compile (engine/compile_cache.py, which reads the variable)
+    compile_cache_dir: str | None = setting(None, "where compiled kernels are kept across restarts (Triton's "
+                                                  "cache, FA2 tuning): default SIGHTLINE_COMPILE_CACHE_DIR, "
+                                                  "else ~/.cache/sightline/compile", metavar="DIR")
     # Overlapped scheduling: the next step is planned and launched while the device runs this
     # one (vLLM's --async-scheduling). None: on with CUDA, off on the CPU, where the model
     # runs synchronously and there is nothing to overlap.
-    async_scheduling: bool | None = None
+    async_scheduling: bool | None = setting(None, "plan and launch the next step while the device runs this "
+                                                  "one (default: on with CUDA, off on the CPU)")
     # Ranks of tensor parallelism (vLLM's --tensor-parallel-size): 1 runs the model in the
     # engine core alone; N > 1 splits its heads and MLP columns over the core (rank 0) and
     # N - 1 worker processes, one GPU each on CUDA (cuda:0..N-1), gloo on the CPU.
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = setting(1, "split the model's heads and MLP columns over N ranks: the engine "
+                                           "core and N - 1 worker processes, one GPU each (NCCL), or gloo "
+                                           "on the CPU (1: the model in the engine core alone)", lo=1, hi=64,
+                                        metavar="N")
     # Automatic prefix caching: full KV blocks found again by their tokens and reused across
     # requests (vLLM's --enable-prefix-caching). None: on with CUDA; off on the CPU, where the
     # engine serves tests and demos whose step counts and timings should not depend on what
     # ran before them (turn it on there with True).
-    enable_prefix_caching: bool | None = None
+    enable_prefix_caching: bool | None = setting(None, "reuse the KV cache of prompt prefixes seen before, "
+                                                       "block by block (default: on with CUDA, off on the CPU)")
     # CPU only: torch intra-op threads. None: all cores but one, which the server's event loop
     # keeps (oversubscribed OpenMP threads spin and stall every step).
-    cpu_threads: int | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    http: HttpLimits = field(default_factory=HttpLimits)  # connection deadlines and caps
-    shutdown_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
-    telemetry: TelemetryConfig | None = None  # None: tracing off
+    cpu_threads: int | None = setting(None, "torch threads per process on the CPU", lo=1, hi=1024)
+    host: str = setting("127.0.0.1", "listen address")
+    port: int = setting(8000, "listen port", lo=0, hi=65535)
+    http: HttpLimits = setting(factory=HttpLimits)  # connection deadlines and caps
+    shutdown_timeout_s: float = setting(30.0, "seconds in-flight requests may finish after SIGTERM", lo=0.0,
+                                        hi=3600.0, flag="--shutdown-timeout")
+    telemetry: TelemetryConfig | None = setting(None)  # None: tracing off
     # where spans are built: a telemetry process the engine supervises, or a thread here
-    telemetry_mode: str = "process"
+    telemetry_mode: Literal["process", "thread"] = setting(
+        "process", "build spans in a supervised telemetry process or on a thread of the engine's process")
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model={self.model!r} must be a preset name or a directory")
-        if self.device not in DEVICES:
-            raise ValueError(f"device={self.device!r} is not one of {'|'.join(DEVICES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {'|'.join(DTYPES)}")
-        check_range("seed", self.seed, 0, 2**63 - 1, integer=True)
+        check_settings(self)
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size={self.block_size!r} is not one of 8|16|32|64|128")
-        check_range("kv_cache_gib", self.kv_cache_gib, 0.0, 4096.0, lo_open=True)
-        check_range("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
-        if self.max_model_len is not None:
-            check_range("max_model_len", self.max_model_len, 2, 1 << 24, integer=True)
-        if self.attention_backend not in ("auto", "triton", "torch"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of "
-                             "auto|triton|torch")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager={self.enforce_eager!r} must be a bool")
-        check_range("cuda_graph_capture_limit_s", self.cuda_graph_capture_limit_s, 0.0, 3600.0)
-        if not isinstance(self.warmup, bool):
-            raise ValueError(f"warmup={self.warmup!r} must be a bool")
-        check_range("warmup_limit_s", self.warmup_limit_s, 0.0, 86400.0, lo_open=True)
+        for name in ("enforce_eager", "warmup"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.compile_cache_dir is not None and (not isinstance(self.compile_cache_dir, str)
                                                    or not self.compile_cache_dir):
             raise ValueError(f"compile_cache_dir={self.compile_cache_dir!r} must be a non-empty "
                              "path or None")
-        if self.async_scheduling not in (None, True, False):
-            raise ValueError(f"async_scheduling={self.async_scheduling!r} must be a bool or None")
-        check_range("tensor_parallel_size", self.tensor_parallel_size, 1, 64, integer=True)
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            if getattr(self, name) not in (None, True, False):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
         if self.tensor_parallel_size > 1:
             resolve_model_config(self.model).check_shardable(self.tensor_parallel_size)
-        if self.enable_prefix_caching is not None and not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching={self.enable_prefix_caching!r} must be a bool or None")
-        if self.cpu_threads is not None:
-            check_range("cpu_threads", self.cpu_threads, 1, 1024, integer=True)
-        check_range("port", self.port, 0, 65535, integer=True)
-        check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 3600.0)
         if not isinstance(self.http, HttpLimits):
             raise ValueError(f"http={self.http!r} must be an HttpLimits")
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ValueError(f"scheduler={self.scheduler!r} must be a SchedulerConfig")
         if self.telemetry is not None and not isinstance(self.telemetry, TelemetryConfig):
             raise ValueError(f"telemetry={self.telemetry!r} must be a TelemetryConfig or None")
-        if self.telemetry_mode not in ("process", "thread"):
-            raise ValueError(f"telemetry_mode={self.telemetry_mode!r} is not one of process|thread")
 
     @property
     def model_name(self) -> str:

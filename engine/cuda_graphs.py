@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..instrumentation import ProbedLaunches
+from ..instrumentation import ProbedLaunches, check_range
 from .model import AttentionMetadata, LlamaForCausalLM
 
 __all__ = ["DecodeGraphs", "GraphCapture", "graph_buckets"]
@@ -35,8 +35,7 @@ _BASE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
 
 def graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Padded batch sizes: the fixed ladder, then steps of 128, ending at ``max_num_seqs``."""
-    if max_num_seqs < 1:
-        raise ValueError(f"max_num_seqs={max_num_seqs} must be >= 1")
+    check_range("max_num_seqs", max_num_seqs, 1, integer=True)
     ladder = list(_BASE_BUCKETS)
     while ladder[-1] < max_num_seqs:
         ladder.append(ladder[-1] + 128)

@@ -21,11 +21,10 @@ import os
 import resource
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
-from ..instrumentation import check_range
+from .config import HttpLimits  # the settings; here, what they do
 
 __all__ = ["CLOSE_REASONS", "HttpLimits", "LimitedSite", "track_requests"]
 
@@ -42,37 +41,18 @@ _ACCEPTS_PER_TICK = 16
 _LISTEN_BACKLOG = 1024
 
 
-@dataclass(frozen=True)
-class HttpLimits:
-    """Deadlines in seconds; ``max_connections`` is lowered to fit ``RLIMIT_NOFILE`` with the
-    descriptors open at start and ``reserved_fds`` more (files, outgoing sockets) left free."""
-
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    # past the 5 s after which httpx (the openai SDK) stops reusing a connection, so that the
-    # client, not the server, ends an idle one and never sends into a closing socket
-    keepalive_timeout_s: float = 10.0
-    max_connections: int = 4096
-    peer_share: float = 0.5  # behind one gateway or load balancer, set 1.0
-    reserved_fds: int = 64
-
-    def __post_init__(self) -> None:
-        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
-            check_range(name, getattr(self, name), 0.0, 3600.0, lo_open=True)
-        check_range("max_connections", self.max_connections, 1, 1 << 20, integer=True)
-        check_range("peer_share", self.peer_share, 0.0, 1.0, lo_open=True)
-        check_range("reserved_fds", self.reserved_fds, 0, 1 << 20, integer=True)
-
-    def effective_max_connections(self) -> int:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:
-            return self.max_connections
-        try:
-            open_now = len(os.listdir("/proc/self/fd"))
-        except OSError:  # not Linux: the reserve alone
-            open_now = 0
-        free = soft - open_now - self.reserved_fds - 2 * _ACCEPTS_PER_TICK
-        return max(2, min(self.max_connections, free))
+def effective_max_connections(limits: HttpLimits) -> int:
+    """``limits.max_connections``, lowered to fit ``RLIMIT_NOFILE`` with the descriptors open
+    now and ``reserved_fds`` more left free."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return limits.max_connections
+    try:
+        open_now = len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: the reserve alone
+        open_now = 0
+    free = soft - open_now - limits.reserved_fds - 2 * _ACCEPTS_PER_TICK
+    return max(2, min(limits.max_connections, free))
 
 
 def _reply(status: str, text: str) -> bytes:
@@ -211,7 +191,7 @@ class LimitedSite(web.TCPSite):
         self._sock = sock   # a listening socket shared by several API server processes
         self.runner = runner
         self.limits = limits
-        self.max_connections = limits.effective_max_connections()
+        self.max_connections = effective_max_connections(limits)
         self.max_per_peer = max(1, int(self.max_connections * limits.peer_share))
         self._on_closed = on_closed
         self._open: dict[str, int] = {}  # peer -> connections holding a slot

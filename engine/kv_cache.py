@@ -117,7 +117,7 @@ class KVCacheManager:
         """Free blocks that allocate(request, num_new_tokens) would take (new ones plus copies),
         after ``take_prefix(request, hit)`` when a hit is given (its parked blocks count)."""
         if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+            check_range("num_new_tokens", num_new_tokens, 0, integer=True)
         if hit.block_ids:
             self._check_takes_prefix(request)
             end = hit.num_tokens + num_new_tokens

@@ -25,6 +25,7 @@ import socket
 import tempfile
 import time
 
+from ..instrumentation import check_range
 from .config import EngineConfig
 
 __all__ = ["serve"]
@@ -41,8 +42,7 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
           budget_from_device: bool = False) -> int:
     """Runs the processes until SIGTERM/SIGINT or a death; returns the exit code.
     ``budget_from_device``: the core sets the step's token budget from its device's memory."""
-    if not 1 <= api_server_count <= 256:
-        raise ValueError(f"api_server_count={api_server_count} is outside [1, 256]")
+    check_range("api_server_count", api_server_count, 1, 256, integer=True)
     from .api_server import run_api_server
     from .core_process import run_core
 

@@ -83,18 +83,12 @@ class SamplingParams:
                 raise ValueError(f"stop must hold non-empty strings, got {s!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 1):
-            raise ValueError(f"top_k must be an integer >= 1 or None, got {self.top_k!r}")
-        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not _is_real(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 10.0:
-            raise ValueError(f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:.6g}, 10], got "
-                             f"{self.repetition_penalty!r}")
+        if self.top_k is not None:
+            check_range("top_k", self.top_k, 1, integer=True, hint="(or None)")
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, 10.0)
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_real(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            check_range(name, getattr(self, name), -2.0, 2.0)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = tuple(self.allowed_token_ids)
             if not self.allowed_token_ids or not all(

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..instrumentation import check_range
+from ..instrumentation import check_range, check_settings, setting
 from .kv_cache import KVCacheManager
 from .prefix_cache import PrefixCacheStats
 from .request import FinishReason, Request, RequestStatus, pending_token
@@ -42,20 +42,21 @@ class QueueFullError(RuntimeError):
 class SchedulerConfig:
     """Batch limits and priority aging. Errors name the bad value and the allowed range."""
 
-    max_num_seqs: int = 64  # running requests (holding KV blocks) at once
-    max_num_batched_tokens: int = 2048  # new tokens per step, prefill and decode together
-    max_waiting: int = 1024  # waiting-queue bound; add() raises QueueFullError beyond it
-    aging_s: float = 10.0  # effective priority improves by 1 per aging_s waited (math.inf: off)
+    max_num_seqs: int = setting(64, "running requests (holding KV blocks) per step", lo=1,
+                                flag="--max-num-seqs")
+    # the flag's absence lets the engine core pick by device (engine/cli.py)
+    max_num_batched_tokens: int = setting(2048, "new tokens per step, prefill and decode together "
+                                                "(default: 8192 on a GPU of >= 70 GiB, else 2048)",
+                                          lo=1, flag="--max-num-batched-tokens", flag_default=None)
+    max_waiting: int = setting(1024, "waiting queue bound (HTTP 429 past it)", lo=1, flag="--max-waiting")
+    aging_s: float = setting(10.0, "a waiting request gains one priority level per this many seconds",
+                             lo=0, lo_open=True, hint="(math.inf disables aging)", flag="--aging-s")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting"):
-            check_range(name, getattr(self, name), 1, integer=True)
-        if self.max_num_batched_tokens < self.max_num_seqs:
-            # Otherwise decodes alone could eat the budget and starve a split prefill forever.
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs ({self.max_num_seqs})"
-            )
-        check_range("aging_s", self.aging_s, 0, lo_open=True, hint="(math.inf disables aging)")
+        check_settings(self)
+        # Otherwise decodes alone could eat the budget and starve a split prefill forever.
+        check_range("max_num_batched_tokens", self.max_num_batched_tokens, self.max_num_seqs, integer=True,
+                    hint="(at least max_num_seqs)")
 
 
 @dataclass(frozen=True)

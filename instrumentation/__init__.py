@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from .nvml import NvmlCollector
     from .rank_recorder import RankRecorder
     from .otlp_json_ids import base64_to_hex, convert_ids
-    from .settings import (add_flags, check_settings, env_values, flag_names, from_flags, setting,
-                           undeclared)
+    from .settings import (add_flags, check_settings, env_values, flag_names, from_flags, given_flags,
+                           setting, undeclared)
     from .sm_probe import (PROBE_OFF, ProbedLaunches, SmProbe, launch_facts, probe_begin,
                            probe_cta_index, probe_end)
     from .telemetry_pipeline import TelemetryPipeline
@@ -50,7 +50,8 @@ _MODULE_OF = {
     "RankRecorder": "rank_recorder",
     "base64_to_hex": "otlp_json_ids", "convert_ids": "otlp_json_ids",
     "add_flags": "settings", "check_settings": "settings", "env_values": "settings",
-    "flag_names": "settings", "from_flags": "settings", "setting": "settings", "undeclared": "settings",
+    "flag_names": "settings", "from_flags": "settings", "given_flags": "settings", "setting": "settings",
+    "undeclared": "settings",
     "PROBE_OFF": "sm_probe", "ProbedLaunches": "sm_probe", "SmProbe": "sm_probe",
     "launch_facts": "sm_probe",
     "probe_begin": "sm_probe", "probe_cta_index": "sm_probe", "probe_end": "sm_probe",

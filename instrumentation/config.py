@@ -1,10 +1,11 @@
 """Telemetry configuration: one typed dataclass, filled from arguments, ``OTEL_*`` env, defaults.
 
 Precedence is argument beats environment variable beats default, as in the OpenTelemetry
-SDK (:meth:`TelemetryConfig.from_env` lists the variables it reads). Every field is
-validated in ``__post_init__``; an error names the bad value and the allowed values or
-range (and the variable it came from), so a typo in a deployment manifest fails at
-start-up with a sentence rather than a silent default.
+SDK. Each field is declared once (``settings.setting``) with its range, its flag and its
+variable; :meth:`TelemetryConfig.from_env` reads the variables. Every field is validated
+in ``__post_init__``; an error names the bad value and the allowed values or range (and
+the variable it came from), so a typo in a deployment manifest fails at start-up with a
+sentence rather than a silent default.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ import dataclasses
 import enum
 import os
 import re
+import typing
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from . import semconv
 from .config_checks import check_range
+from .settings import check_settings, env_values, setting
 
 __all__ = [
     "TraceLevel",
@@ -29,20 +32,12 @@ __all__ = [
     "PROPAGATORS",
 ]
 
-PROTOCOLS = ("grpc", "http/protobuf")
-SAMPLERS = (
-    "always_on",
-    "always_off",
-    "traceidratio",
-    "parentbased_always_on",
-    "parentbased_always_off",
-    "parentbased_traceidratio",
-)
-PROPAGATORS = ("tracecontext", "baggage", "b3", "b3multi", "none")
-EXPORTERS = ("otlp", "none")
-TEMPORALITIES = ("delta", "cumulative")
-
 Protocol = Literal["grpc", "http/protobuf"]
+Sampler = Literal["always_on", "always_off", "traceidratio", "parentbased_always_on",
+                  "parentbased_always_off", "parentbased_traceidratio"]
+PROTOCOLS = typing.get_args(Protocol)
+SAMPLERS = typing.get_args(Sampler)
+PROPAGATORS = ("tracecontext", "baggage", "b3", "b3multi", "none")
 
 
 class TraceLevel(enum.IntEnum):
@@ -85,6 +80,32 @@ def _parse_key_values(text: str, what: str) -> dict[str, str]:
     return out
 
 
+def _headers(text: str) -> dict[str, str]:
+    return _parse_key_values(text, "headers")
+
+
+def _resource_attributes(text: str) -> dict[str, str]:
+    return _parse_key_values(text, "resource attributes")
+
+
+def _first_lower(text: str) -> str:
+    """The first of a comma-separated list (OTEL_TRACES_EXPORTER may name several)."""
+    return text.split(",")[0].strip().lower()
+
+
+def _propagators(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip().lower() for p in text.split(",") if p.strip())
+    return () if names == ("none",) else names
+
+
+def _millis(text: str) -> float:
+    """OTel's milliseconds as seconds."""
+    try:
+        return float(text) / 1000.0
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+
+
 def _default_endpoint(protocol: str) -> str:
     return "http://localhost:4317" if protocol == "grpc" else "http://localhost:4318"
 
@@ -95,81 +116,121 @@ class TelemetryConfig:
 
     Endpoints: ``otlp_endpoint`` is the base endpoint (gRPC ``host:port`` URL, or the HTTP base
     to which ``/v1/traces`` and ``/v1/metrics`` are appended); ``otlp_traces_endpoint`` and
-    ``otlp_metrics_endpoint``, when set, are used verbatim, as the OTLP spec says.
+    ``otlp_metrics_endpoint``, when set, are used verbatim, as the OTLP spec says. Each field
+    is declared once (``setting``): its range, flag and variable come from there.
     """
 
-    level: TraceLevel = TraceLevel.REQUESTS
-    exporter: Literal["otlp", "none"] = "otlp"
-    otlp_endpoint: str | None = None
-    otlp_traces_endpoint: str | None = None
-    otlp_metrics_endpoint: str | None = None
-    otlp_protocol: Protocol = "grpc"
-    otlp_headers: Mapping[str, str] = field(default_factory=dict)
-    otlp_insecure: bool = True
-    export_timeout_s: float = 10.0
-    service_name: str = semconv.SERVICE_NAME_ENGINE
-    resource_attributes: Mapping[str, str] = field(default_factory=dict)
-    sampler: str = "parentbased_always_on"
-    sampler_arg: float = 1.0
-    propagators: tuple[str, ...] = ("tracecontext", "baggage")
-    capture_content: bool = False
-    content_max_chars: int = 4096
+    level: TraceLevel = setting(TraceLevel.REQUESTS, "tracing depth", flag="--trace-level",
+                                env="SIGHTLINE_TRACE_LEVEL", parse=TraceLevel.parse,
+                                metavar="{off,requests,steps,kernels}")
+    exporter: Literal["otlp", "none"] = setting("otlp", "span and metric exporter (none: built, not sent)",
+                                                env="OTEL_TRACES_EXPORTER", parse=_first_lower)
+    otlp_endpoint: str | None = setting(None, "OTLP endpoint URL", flag="--otlp-endpoint",
+                                        env="OTEL_EXPORTER_OTLP_ENDPOINT")
+    otlp_traces_endpoint: str | None = setting(None, "OTLP traces URL, used verbatim",
+                                               flag="--otlp-traces-endpoint",
+                                               env="OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    otlp_metrics_endpoint: str | None = setting(None, "OTLP metrics URL, used verbatim",
+                                                flag="--otlp-metrics-endpoint",
+                                                env="OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
+    otlp_protocol: Protocol = setting("grpc", "OTLP transport", flag="--otlp-protocol",
+                                      env=("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"))
+    otlp_headers: Mapping[str, str] = setting(help="headers sent with every export", factory=dict,
+                                              flag="--otlp-headers", env="OTEL_EXPORTER_OTLP_HEADERS",
+                                              parse=_headers, metavar="KEY=VALUE,...")
+    otlp_insecure: bool = setting(True, "plaintext gRPC where the endpoint's scheme does not say",
+                                  flag="--otlp-insecure", env="OTEL_EXPORTER_OTLP_INSECURE")
+    export_timeout_s: float = setting(10.0, "seconds one export may take", lo=0.001, hi=600.0,
+                                      env=("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_BSP_EXPORT_TIMEOUT"),
+                                      env_parse=_millis)
+    service_name: str = setting(semconv.SERVICE_NAME_ENGINE, "service.name of the spans and metrics",
+                                env="OTEL_SERVICE_NAME")
+    resource_attributes: Mapping[str, str] = setting(help="resource attributes of the spans and metrics",
+                                                     factory=dict, env="OTEL_RESOURCE_ATTRIBUTES",
+                                                     parse=_resource_attributes, metavar="KEY=VALUE,...")
+    sampler: Sampler = setting("parentbased_always_on", "trace sampler (" + "|".join(typing.get_args(Sampler))
+                               + ")", env="OTEL_TRACES_SAMPLER", parse=str.lower, metavar="NAME")
+    sampler_arg: float = setting(1.0, "the ratio of the traceidratio samplers", lo=0.0, hi=1.0,
+                                 env="OTEL_TRACES_SAMPLER_ARG")
+    propagators: tuple[str, ...] = setting(("tracecontext", "baggage"), "context propagators, comma-"
+                                           "separated (" + "|".join(PROPAGATORS) + ")", env="OTEL_PROPAGATORS",
+                                           parse=_propagators, metavar="NAME,...")
+    capture_content: bool = setting(False, "record prompt and completion text on spans",
+                                    flag="--capture-content", env="SIGHTLINE_CAPTURE_CONTENT")
+    content_max_chars: int = setting(4096, "captured text per span, at most (characters)", lo=0, hi=10_000_000)
     # Steps whose kernels become spans (besides those after a slow step). The engine only
     # copies their raw CUPTI buffers; decoding and spans happen in the telemetry process.
-    kernel_sample_ratio: float = 0.01
+    kernel_sample_ratio: float = setting(0.01, "at --trace-level kernels: fraction of engine steps whose "
+                                               "CUDA kernels become spans, besides the step after any slow "
+                                               "one", lo=0.0, hi=1.0, flag="--kernel-sample-ratio",
+                                         env="SIGHTLINE_KERNEL_SAMPLE_RATIO")
     # Kernel spans of a traced step: "attention" (each attention launch its own span, other
     # kernels one span per name) or "all" (every launch; for debugging).
-    kernel_span_detail: str = "attention"
+    kernel_span_detail: Literal["attention", "all"] = setting(
+        "attention", "a traced step's kernel spans: each attention launch and one per other kernel "
+                     "name (attention), or every launch (all)", flag="--kernel-spans",
+        env="SIGHTLINE_KERNEL_SPANS")
     # At level kernels: the per-CTA SM probe in our attention kernels and the per-SM
     # histograms it feeds (off leaves kernel spans without per-SM facts).
-    sm_probe: bool = True
+    sm_probe: bool = setting(True, "at --trace-level kernels: per-CTA SM timing in the attention kernels "
+                                   "and per-SM histograms", flag="--sm-probe", env="SIGHTLINE_SM_PROBE")
     # Steps whose probe records feed the per-SM histograms: every Nth step (and every step
     # with kernel spans). The kernels probe every step; the records of the others are not read.
     # A probed step costs the engine thread a device copy and its bookkeeping; the CTAs a
     # second that 1 in 32 still gives the histograms are in bench/results/overhead_http.md.
-    sm_probe_every: int = 32
+    sm_probe_every: int = setting(32, "per-SM histograms take the CTAs of every Nth step and of every step "
+                                      "with kernel spans", lo=1, hi=1_000_000, flag="--sm-probe-every",
+                                  env="SIGHTLINE_SM_PROBE_EVERY", metavar="N")
     # CUPTI detached between traced steps (no cost to untraced steps' CUDA calls; a traced
     # step pays the attach), else attached with its activity kinds off (the default).
-    cupti_detach: bool = False
-    max_queue_size: int = 2048
-    max_export_batch_size: int = 512
-    schedule_delay_s: float = 1.0
-    max_links_per_span: int = 128
+    cupti_detach: bool = setting(False, "at --trace-level kernels: detach CUPTI between traced steps, so "
+                                        "that untraced steps pay nothing for it and each traced step pays "
+                                        "an attach of about 16 ms", flag="--cupti-detach",
+                                 env="SIGHTLINE_CUPTI_DETACH")
+    max_queue_size: int = setting(2048, "spans waiting for export, at most", lo=1, hi=10_000_000,
+                                  env="OTEL_BSP_MAX_QUEUE_SIZE")
+    # its upper bound is max_queue_size (checked in __post_init__)
+    max_export_batch_size: int = setting(512, "spans per export, at most (<= max_queue_size)", lo=1,
+                                         env="OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+    schedule_delay_s: float = setting(1.0, "seconds between span exports", lo=0.001, hi=3600.0,
+                                      env="OTEL_BSP_SCHEDULE_DELAY", env_parse=_millis)
+    max_links_per_span: int = setting(128, "links per span, at most", lo=0, hi=100_000)
     # A prefill/decode span links to at most this many of the steps it rode (the first
     # ones; the rest are counted). Each step span links to all of its requests, so every
     # step stays reachable from a request; the cap bounds the links a long decode costs.
-    max_phase_links: int = 16
-    metrics_enabled: bool = True
-    metric_export_interval_s: float = 10.0
-    metrics_temporality: Literal["delta", "cumulative"] = "delta"
-    shutdown_timeout_s: float = 5.0
-    capture_path: str | None = None
+    max_phase_links: int = setting(16, "step links of a prefill or decode span, at most", lo=0, hi=100_000)
+    metrics_enabled: bool = setting(True, "export metrics")
+    metric_export_interval_s: float = setting(10.0, "seconds between metric exports", lo=0.01, hi=3600.0,
+                                              env="OTEL_METRIC_EXPORT_INTERVAL", env_parse=_millis)
+    metrics_temporality: Literal["delta", "cumulative"] = setting(
+        "delta", "aggregation temporality of exported metrics",
+        env="OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", parse=str.lower)
+    shutdown_timeout_s: float = setting(5.0, "seconds the last export may take at shutdown", lo=0.0, hi=600.0)
+    capture_path: str | None = setting(None, "also write every span and metric to this capture file",
+                                       env="SIGHTLINE_CAPTURE_PATH", metavar="FILE")
     # The telemetry process's nice value (0..19): it yields the CPU to the engine it shares
     # CPUs with and catches up in idle time; falling behind drops records, counted.
-    process_nice: int = 10
+    process_nice: int = setting(10, "nice value of the telemetry process: it yields the CPU to the engine",
+                                lo=0, hi=19, flag="--telemetry-nice", env="SIGHTLINE_TELEMETRY_NICE",
+                                metavar="N")
     # With several producer processes (API servers and the engine core), a request's events
     # that reach the telemetry process before its start are held this long (at most this
     # many of them) before they count as orphans; a request's end waits as long at most for
     # the other producers' earlier events (at most as many again).
-    hold_unstarted_s: float = 2.0
-    max_held_events: int = 65536
+    hold_unstarted_s: float = setting(2.0, "seconds a request's events that arrive before its start are "
+                                           "held", lo=0.0, hi=600.0)
+    max_held_events: int = setting(65536, "events held for requests not started yet, at most", lo=1,
+                                   hi=1 << 24)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "level", TraceLevel.parse(self.level))
-        if self.exporter not in EXPORTERS:
-            raise ValueError(f"exporter {self.exporter!r} is not one of {'|'.join(EXPORTERS)}")
-        if self.otlp_protocol not in PROTOCOLS:
-            raise ValueError(
-                f"otlp_protocol {self.otlp_protocol!r} is not one of {'|'.join(PROTOCOLS)}"
-            )
-        if self.sampler not in SAMPLERS:
-            raise ValueError(f"sampler {self.sampler!r} is not one of {'|'.join(SAMPLERS)}")
-        for name in self.propagators:
-            if name not in PROPAGATORS:
-                raise ValueError(f"propagator {name!r} is not one of {'|'.join(PROPAGATORS)}")
         object.__setattr__(self, "propagators", tuple(self.propagators))
         object.__setattr__(self, "otlp_headers", dict(self.otlp_headers))
         object.__setattr__(self, "resource_attributes", dict(self.resource_attributes))
+        check_settings(self)
+        for name in self.propagators:
+            if name not in PROPAGATORS:
+                raise ValueError(f"propagator {name!r} is not one of {'|'.join(PROPAGATORS)}")
         for endpoint_name in ("otlp_endpoint", "otlp_traces_endpoint", "otlp_metrics_endpoint"):
             value = getattr(self, endpoint_name)
             if value is not None and "://" not in value:
@@ -182,29 +243,7 @@ class TelemetryConfig:
                     raise ValueError(
                         f"{endpoint_name} {value!r} is not an http:// or https:// URL with a host"
                     )
-        if self.metrics_temporality not in TEMPORALITIES:
-            raise ValueError(
-                f"metrics_temporality {self.metrics_temporality!r} is not one of "
-                f"{'|'.join(TEMPORALITIES)}"
-            )
-        check_range("sampler_arg", self.sampler_arg, 0.0, 1.0)
-        check_range("kernel_sample_ratio", self.kernel_sample_ratio, 0.0, 1.0)
-        check_range("sm_probe_every", self.sm_probe_every, 1, 1_000_000, integer=True)
-        check_range("process_nice", self.process_nice, 0, 19, integer=True)
-        check_range("hold_unstarted_s", self.hold_unstarted_s, 0.0, 600.0)
-        check_range("max_held_events", self.max_held_events, 1, 1 << 24, integer=True)
-        if self.kernel_span_detail not in ("attention", "all"):
-            raise ValueError(f"kernel_span_detail {self.kernel_span_detail!r} is not one of "
-                             "attention|all")
-        check_range("export_timeout_s", self.export_timeout_s, 0.001, 600.0)
-        check_range("schedule_delay_s", self.schedule_delay_s, 0.001, 3600.0)
-        check_range("metric_export_interval_s", self.metric_export_interval_s, 0.01, 3600.0)
-        check_range("shutdown_timeout_s", self.shutdown_timeout_s, 0.0, 600.0)
-        check_range("max_queue_size", self.max_queue_size, 1, 10_000_000, integer=True)
         check_range("max_export_batch_size", self.max_export_batch_size, 1, self.max_queue_size, integer=True)
-        check_range("max_links_per_span", self.max_links_per_span, 0, 100_000, integer=True)
-        check_range("max_phase_links", self.max_phase_links, 0, 100_000, integer=True)
-        check_range("content_max_chars", self.content_max_chars, 0, 10_000_000, integer=True)
         if not self.service_name:
             raise ValueError("service_name '' must not be empty")
 
@@ -238,84 +277,20 @@ class TelemetryConfig:
     ) -> "TelemetryConfig":
         """Builds a config: ``overrides`` (not None) beat ``env`` (default ``os.environ``) beat defaults.
 
-        Reads ``SIGHTLINE_TRACE_LEVEL`` (off|requests|steps|kernels), ``OTEL_SDK_DISABLED``,
-        ``OTEL_TRACES_EXPORTER`` (otlp|none), ``OTEL_EXPORTER_OTLP_ENDPOINT``,
-        ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``, ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT``,
-        ``OTEL_EXPORTER_OTLP_PROTOCOL`` (+ ``_TRACES_``), ``OTEL_EXPORTER_OTLP_HEADERS``,
-        ``OTEL_EXPORTER_OTLP_TIMEOUT`` (ms), ``OTEL_EXPORTER_OTLP_INSECURE``,
-        ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_TRACES_SAMPLER`` (+ ``_ARG``),
-        ``OTEL_PROPAGATORS``, ``OTEL_BSP_MAX_QUEUE_SIZE``, ``OTEL_BSP_SCHEDULE_DELAY``,
-        ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE``, ``OTEL_BSP_EXPORT_TIMEOUT``,
-        ``OTEL_METRIC_EXPORT_INTERVAL``, ``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``,
-        ``SIGHTLINE_CAPTURE_CONTENT``, ``SIGHTLINE_KERNEL_SAMPLE_RATIO``,
-        ``SIGHTLINE_KERNEL_SPANS`` (attention|all), ``SIGHTLINE_SM_PROBE``,
-        ``SIGHTLINE_SM_PROBE_EVERY``, ``SIGHTLINE_CUPTI_DETACH``, ``SIGHTLINE_CAPTURE_PATH``,
-        ``SIGHTLINE_TELEMETRY_NICE``. Raises ValueError naming the
-        variable and its bad value.
+        Reads each field's declared variable (``SIGHTLINE_TRACE_LEVEL``, the ``OTEL_*`` ones of
+        the OpenTelemetry SDK, ``SIGHTLINE_*`` for the rest; ``sightline engine serve --help``
+        lists them), and two rules across fields: ``OTEL_SDK_DISABLED=true`` turns tracing off,
+        and ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES`` counts when ``OTEL_SERVICE_NAME``
+        is absent. Raises ValueError naming the variable and its bad value.
         """
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
         sources: dict[str, str] = {}  # field -> the variable it came from, for error messages
-
-        def get(name: str) -> str | None:
-            value = env.get(name)
-            if value is None or value.strip() == "":
-                return None
-            return value.strip()
-
-        def put(key: str, var: str, convert=lambda s: s) -> None:
-            raw = get(var)
-            if raw is None:
-                return
-            try:
-                values[key] = convert(raw)
-            except ValueError as exc:
-                raise ValueError(f"{var}={raw!r}: {exc}") from None
-            sources[key] = f"{var}={raw!r}"
-
-        put("level", "SIGHTLINE_TRACE_LEVEL", TraceLevel.parse)
-        if (get("OTEL_SDK_DISABLED") or "").lower() == "true":
+        values = env_values(cls, env, sources)
+        if (env.get("OTEL_SDK_DISABLED") or "").strip().lower() == "true":
             values["level"] = TraceLevel.OFF
-        put("exporter", "OTEL_TRACES_EXPORTER", lambda s: s.split(",")[0].strip().lower())
-        put("otlp_endpoint", "OTEL_EXPORTER_OTLP_ENDPOINT")
-        put("otlp_traces_endpoint", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        put("otlp_metrics_endpoint", "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT")
-        put("otlp_protocol", "OTEL_EXPORTER_OTLP_PROTOCOL")
-        put("otlp_protocol", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-        put("otlp_headers", "OTEL_EXPORTER_OTLP_HEADERS",
-            lambda s: _parse_key_values(s, "headers"))
-        put("otlp_insecure", "OTEL_EXPORTER_OTLP_INSECURE", _parse_bool)
-        put("export_timeout_s", "OTEL_EXPORTER_OTLP_TIMEOUT", lambda s: _parse_float(s) / 1000.0)
-        put("service_name", "OTEL_SERVICE_NAME")
-        put("resource_attributes", "OTEL_RESOURCE_ATTRIBUTES",
-            lambda s: _parse_key_values(s, "resource attributes"))
-        put("sampler", "OTEL_TRACES_SAMPLER", str.lower)
-        put("sampler_arg", "OTEL_TRACES_SAMPLER_ARG", _parse_float)
-        put("propagators", "OTEL_PROPAGATORS",
-            lambda s: tuple(p.strip().lower() for p in s.split(",") if p.strip()))
-        put("max_queue_size", "OTEL_BSP_MAX_QUEUE_SIZE", _parse_int)
-        put("max_export_batch_size", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", _parse_int)
-        put("schedule_delay_s", "OTEL_BSP_SCHEDULE_DELAY", lambda s: _parse_float(s) / 1000.0)
-        put("metric_export_interval_s", "OTEL_METRIC_EXPORT_INTERVAL",
-            lambda s: _parse_float(s) / 1000.0)
-        put("metrics_temporality", "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE", str.lower)
-        put("capture_content", "SIGHTLINE_CAPTURE_CONTENT", _parse_bool)
-        put("kernel_sample_ratio", "SIGHTLINE_KERNEL_SAMPLE_RATIO", _parse_float)
-        put("kernel_span_detail", "SIGHTLINE_KERNEL_SPANS", str)
-        put("sm_probe", "SIGHTLINE_SM_PROBE", _parse_bool)
-        put("sm_probe_every", "SIGHTLINE_SM_PROBE_EVERY", _parse_int)
-        put("cupti_detach", "SIGHTLINE_CUPTI_DETACH", _parse_bool)
-        put("capture_path", "SIGHTLINE_CAPTURE_PATH")
-        put("process_nice", "SIGHTLINE_TELEMETRY_NICE", _parse_int)
-        # OTEL_BSP_EXPORT_TIMEOUT bounds one export; the exporter timeout is the closer knob.
-        if get("OTEL_EXPORTER_OTLP_TIMEOUT") is None:
-            put("export_timeout_s", "OTEL_BSP_EXPORT_TIMEOUT", lambda s: _parse_float(s) / 1000.0)
-        # The service name set in OTEL_RESOURCE_ATTRIBUTES counts when OTEL_SERVICE_NAME is absent.
         attrs = values.get("resource_attributes", {})
         if "service_name" not in values and "service.name" in attrs:
             values["service_name"] = attrs["service.name"]
-        if values.get("propagators") == ("none",):
-            values["propagators"] = ()
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -331,26 +306,3 @@ class TelemetryConfig:
             if field_name in sources:
                 raise ValueError(f"{sources[field_name]}: {exc}") from None
             raise
-
-
-def _parse_bool(text: str) -> bool:
-    low = text.lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (true|false|1|0|yes|no|on|off)")
-
-
-def _parse_int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not an integer") from None
-
-
-def _parse_float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number") from None

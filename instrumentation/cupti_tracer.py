@@ -22,6 +22,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from .config_checks import check_range
+
 __all__ = ["CuptiTracer", "cupti_available"]
 
 logger = logging.getLogger(__name__)
@@ -97,10 +99,8 @@ class CuptiTracer:
 
     def __init__(self, on_buffer: Callable[[bytes], None], buffer_bytes: int = 1 << 20,
                  flush_period_ms: int = 0, api_filter: bool = True) -> None:
-        if buffer_bytes < 1 << 16:
-            raise ValueError(f"buffer_bytes={buffer_bytes} must be >= 65536")
-        if not 0 <= flush_period_ms <= 60_000:
-            raise ValueError(f"flush_period_ms={flush_period_ms} must be in [0, 60000]")
+        check_range("buffer_bytes", buffer_bytes, 1 << 16, integer=True)
+        check_range("flush_period_ms", flush_period_ms, 0, 60_000, integer=True)
         self.on_buffer = on_buffer
         self.buffer_bytes = buffer_bytes
         self.flush_period_ms = flush_period_ms

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .config_checks import check_range
+
 __all__ = [
     "DEFAULT_MAX_BUCKETS",
     "DEFAULT_SCALE",
@@ -190,8 +192,7 @@ class ExpHistogram:
 
     def quantile(self, q: float) -> float:
         """The value at rank ``ceil(q * count)``, within ``relative_error(scale)``."""
-        if not 0.0 <= q <= 1.0:
-            raise ValueError(f"quantile q={q} is outside [0, 1]")
+        check_range("quantile q", q, 0.0, 1.0)
         if self.count == 0:
             return math.nan
         rank = max(1, math.ceil(q * self.count))

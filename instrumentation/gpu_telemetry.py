@@ -27,6 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from . import semconv
+from .config_checks import check_range
 from .cupti_tracer import CuptiTracer
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
                           KernelNames, StepCtas)
@@ -74,12 +75,10 @@ class GpuTelemetryConfig:
                   ("probe_poll_s", 0.001, 10.0),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
-            value = getattr(self, name)
-            if not low <= value <= high:
-                raise ValueError(f"{name}={value} not in [{low}, {high}]")
-        if not 1 <= self.tail_min_steps <= self.tail_window_steps:
-            raise ValueError(f"tail_min_steps={self.tail_min_steps} not in "
-                             f"[1, tail_window_steps={self.tail_window_steps}]")
+            check_range(name, getattr(self, name), low, high,
+                        integer=isinstance(low, int) and isinstance(high, int))
+        check_range("tail_min_steps", self.tail_min_steps, 1, self.tail_window_steps, integer=True,
+                    hint="(at most tail_window_steps)")
 
 
 class TailPolicy:

@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 
 from . import semconv
+from .config_checks import check_range
 from .cupti_records import KERNEL_DTYPE, decode_buffer
 from .gpu_records import UNTRACED_EXTERNAL_ID
 from .lifecycle import RankStep
@@ -71,9 +72,8 @@ class KernelSpanConfig:
     def __post_init__(self) -> None:
         if self.detail not in ("attention", "all"):
             raise ValueError(f"detail={self.detail!r} is not one of attention|all")
-        if not 0.0 <= self.settle_s <= self.max_wait_s <= 600.0:
-            raise ValueError(f"need 0 <= settle_s={self.settle_s} <= max_wait_s="
-                             f"{self.max_wait_s} <= 600")
+        check_range("max_wait_s", self.max_wait_s, 0.0, 600.0)
+        check_range("settle_s", self.settle_s, 0.0, self.max_wait_s, hint="(at most max_wait_s)")
 
 
 @dataclass

@@ -22,6 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import semconv
+from .config_checks import check_range
 
 __all__ = ["GpuMemorySample", "NvmlCollector", "gpu_uuid"]
 
@@ -64,8 +65,7 @@ class NvmlCollector(Collector):
             count = pynvml.nvmlDeviceGetCount()
             self.devices = list(range(count)) if devices is None else list(devices)
             for d in self.devices:
-                if not 0 <= d < count:
-                    raise ValueError(f"device index {d} not in [0, {count})")
+                check_range("device index", d, 0, count, integer=True, hi_open=True)
             self.available = True
         except ValueError:
             raise

@@ -4,8 +4,9 @@
 reads: ``check_settings`` range-checks a config with ``check_range`` (one error sentence
 everywhere), ``add_flags`` makes exactly one command-line flag per field (nested configs
 get their field name as a prefix), ``from_flags`` builds the config back from the parsed
-arguments, and a field's environment variable, when it has one, supplies the default that
-the flag shows. Precedence: flag > environment variable > declared default.
+arguments, and ``env_values`` reads the fields' environment variables. Precedence: flag >
+environment variable > declared default; the environment is read when the config is
+built, never when the parser is, so a bad variable fails only the command that reads it.
 Stdlib only, so that ``--help`` stays instant; O(fields) per call.
 """
 
@@ -17,13 +18,14 @@ import enum
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .config_checks import check_range
 
-__all__ = ["setting", "check_settings", "add_flags", "from_flags", "flag_names", "env_values", "undeclared"]
+__all__ = ["setting", "check_settings", "add_flags", "from_flags", "given_flags", "flag_names",
+           "env_values", "undeclared"]
 
 _KEY = "sightline.setting"
 
@@ -37,19 +39,32 @@ class _Meta:
     hi_open: bool
     hint: str
     flag: str | None
-    env: str | None
+    env: tuple[str, ...]
+    parse: Callable[[str], Any] | None
+    env_parse: Callable[[str], Any] | None
     metavar: str | None
     cli: bool
+    flag_default: Any
 
 
 def setting(default: Any = dataclasses.MISSING, help: str = "", *, lo: float | None = None,
             hi: float | None = None, lo_open: bool = False, hi_open: bool = False, hint: str = "",
-            flag: str | None = None, env: str | None = None, metavar: str | None = None,
-            factory: Any = dataclasses.MISSING, cli: bool = True) -> Any:
+            flag: str | None = None, env: str | tuple[str, ...] | None = None,
+            parse: Callable[[str], Any] | None = None, env_parse: Callable[[str], Any] | None = None,
+            metavar: str | None = None,
+            factory: Any = dataclasses.MISSING, cli: bool = True,
+            flag_default: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with its declaration. ``lo``/``hi``: the allowed range (checked by
     ``check_settings``); ``flag``: the flag's name when it is not ``--field-name``; ``env``:
-    a variable that supplies the default; ``cli=False``: set in code only (no flag)."""
-    meta = {_KEY: _Meta(help, lo, hi, lo_open, hi_open, hint, flag, env, metavar, cli)}
+    the variable (or variables, the first one set wins) that supplies the value when the flag
+    is not given; ``parse``: text (of the flag and of the variable) to value, where the
+    field's type alone does not say how; ``env_parse``: the variable's text to value where it
+    differs from the flag's (OTel's milliseconds for seconds); ``cli=False``: set in code only (no flag);
+    ``flag_default``: the flag's default when the command resolves an absent value itself
+    (e.g. None: decided at start-up)."""
+    envs = (env,) if isinstance(env, str) else tuple(env or ())
+    meta = {_KEY: _Meta(help, lo, hi, lo_open, hi_open, hint, flag, envs, parse, env_parse or parse,
+                        metavar, cli, flag_default)}
     if factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -91,7 +106,7 @@ def check_settings(config: Any) -> None:
         choices = _choices(tp)
         if choices is not None and value not in choices and not (
                 isinstance(tp, type) and issubclass(tp, enum.Enum) and isinstance(value, tp)):
-            raise ValueError(f"{f.name}={value!r} is not one of {', '.join(map(str, choices))}")
+            raise ValueError(f"{f.name}={value!r} is not one of {'|'.join(map(str, choices))}")
 
 
 def _choices(tp: Any) -> tuple | None:
@@ -102,37 +117,78 @@ def _choices(tp: Any) -> tuple | None:
     return None
 
 
-def _convert(tp: Any, raw: str) -> Any:
-    """A variable's text as the field's type."""
+def _convert(tp: Any, raw: str, parse: Callable[[str], Any] | None = None) -> Any:
+    """A variable's text as the field's type (``parse``, where the field declares one)."""
+    if parse is not None:
+        return parse(raw)
     if tp is bool:
         low = raw.strip().lower()
         if low in ("1", "true", "yes", "on"):
             return True
         if low in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{raw!r} is not a boolean (true/false)")
-    if tp in (int, float, str, Path):
+        raise ValueError(f"{raw!r} is not a boolean (true|false|1|0|yes|no|on|off)")
+    if tp is int:
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not an integer") from None
+    if tp is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number") from None
+    if tp in (str, Path):
         return tp(raw)
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return tp(raw)
     return raw
 
 
-def env_values(cls: type, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The fields of ``cls`` whose variable is set in ``env`` (default ``os.environ``), as
-    their types; ValueError names the variable and its bad value."""
+def env_values(cls: type, env: Mapping[str, str] | None = None,
+               sources: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fields of ``cls`` whose variable is set (not blank) in ``env`` (default
+    ``os.environ``), as their types; ValueError names the variable and its bad value.
+    ``sources``, when given, receives field -> ``VAR='text'`` for each value read."""
     env = os.environ if env is None else env
     hints, values = _hints(cls), {}
     for f in dataclasses.fields(cls):
         meta = _meta(f)
-        raw = env.get(meta.env) if meta is not None and meta.env else None
-        if raw is None or not raw.strip():
+        if meta is None:
             continue
+        name = next((n for n in meta.env if (env.get(n) or "").strip()), None)
+        if name is None:
+            continue
+        raw = env[name]
         try:
-            values[f.name] = _convert(_unwrap_optional(hints[f.name])[0], raw.strip())
+            values[f.name] = _convert(_unwrap_optional(hints[f.name])[0], raw.strip(), meta.env_parse)
         except ValueError as exc:
-            raise ValueError(f"{meta.env}={raw!r}: {exc}") from None
+            raise ValueError(f"{name}={raw!r}: {exc}") from None
+        if sources is not None:
+            sources[f.name] = f"{name}={raw!r}"
     return values
+
+
+def _flag_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` for argparse: its ValueError becomes the flag's error message."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return convert
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, Mapping):
+        return ",".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
 
 
 def _flag(f: dataclasses.Field, meta: _Meta, prefix: str) -> str:
@@ -140,18 +196,18 @@ def _flag(f: dataclasses.Field, meta: _Meta, prefix: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str = "",
-              env: Mapping[str, str] | None = None, defaults: Any = None) -> None:
+              defaults: Any = None) -> None:
     """One flag per declared field of ``cls`` (and of its nested configs, prefixed with the
-    field's name), each showing its default; dest is the prefixed field name.
+    field's name), each showing its default; dest is the prefixed field name. A field with
+    a variable gets the default None ("not given": ``from_flags`` reads the variable then).
     ``defaults``: an instance whose values are the flags' defaults (else the declared ones)."""
     hints = _hints(cls)
-    from_env = env_values(cls, env)
     for f in dataclasses.fields(cls):
         meta = _meta(f)
         tp, optional = _unwrap_optional(hints[f.name])
         if _is_config(tp):
             nested = getattr(defaults, f.name) if defaults is not None else None
-            add_flags(parser, tp, prefix=f"{prefix}{f.name}_", env=env, defaults=nested)
+            add_flags(parser, tp, prefix=f"{prefix}{f.name}_", defaults=nested)
             continue
         if meta is None or not meta.cli:
             continue
@@ -161,37 +217,75 @@ def add_flags(parser: argparse.ArgumentParser | Any, cls: type, *, prefix: str =
             default = f.default
         else:
             default = f.default_factory()  # type: ignore[misc]
-        default = from_env.get(f.name, default)
-        help_text = meta.help + (f" (env {meta.env})" if meta.env else "")
-        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default, "help": help_text}
-        if tp is bool:
-            kwargs["action"] = argparse.BooleanOptionalAction
-        else:
-            choices = _choices(tp)
+        help_text, shown = meta.help, ""
+        if meta.flag_default is not dataclasses.MISSING:
+            default = meta.flag_default  # the help says what happens then
+        elif meta.env:
+            otherwise = "" if default is None else f", else {_default_text(default)}"
+            shown = f" (default: {' or '.join(meta.env)}{otherwise})"
+            default = None
+        elif default is not None and not optional:
+            shown = f" (default {_default_text(default)})" if tp is bool else " (default %(default)s)"
+        kwargs: dict[str, Any] = {"dest": prefix + f.name, "default": default}
+        choices = _choices(tp)
+        if meta.parse is not None:
+            kwargs["type"] = _flag_type(meta.parse)
             if choices is not None:
-                kwargs["choices"] = choices
-                if isinstance(tp, type) and issubclass(tp, enum.Enum):
-                    kwargs["type"] = tp
-            elif tp in (int, float, Path):
+                kwargs["choices"] = choices  # checked on the parsed value
+        elif tp is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif choices is not None:
+            kwargs["choices"] = choices
+            if isinstance(tp, type) and issubclass(tp, enum.Enum):
                 kwargs["type"] = tp
-            if meta.metavar:
-                kwargs["metavar"] = meta.metavar
-            kwargs["help"] += " (default %(default)s)" if default is not None and not optional else ""
-        parser.add_argument(_flag(f, meta, prefix), **kwargs)
+        elif tp in (int, float, Path):
+            kwargs["type"] = tp
+        flag = _flag(f, meta, prefix)
+        if meta.metavar:
+            kwargs["metavar"] = meta.metavar
+        elif tp is not bool and "choices" not in kwargs:  # named after the flag, not the dest
+            kwargs["metavar"] = flag.lstrip("-").replace("-", "_").upper()
+        kwargs["help"] = (help_text + shown).replace("%", "%%").replace("%%(default)s", "%(default)s")
+        parser.add_argument(flag, **kwargs)
 
 
-def from_flags(cls: type, args: argparse.Namespace, *, prefix: str = "", **overrides: Any) -> Any:
-    """The ``cls`` that the parsed flags describe (``overrides`` win); nested configs too.
-    ValueError (from the config's own checks) names a bad value."""
+def from_flags(cls: type, args: argparse.Namespace, *, prefix: str = "",
+               env: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+    """The ``cls`` that the parsed flags describe (``overrides`` win; a flag not given falls
+    back on its variable in ``env``, default ``os.environ``); nested configs too.
+    ValueError (from the config's own checks, or naming a bad variable) names a bad value."""
     hints, values = _hints(cls), {}
+    from_env: dict[str, Any] | None = None
     for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            continue
         tp, _ = _unwrap_optional(hints[f.name])
         if _is_config(tp):
-            values[f.name] = from_flags(tp, args, prefix=f"{prefix}{f.name}_")
+            values[f.name] = from_flags(tp, args, prefix=f"{prefix}{f.name}_", env=env)
         elif (meta := _meta(f)) is not None and meta.cli and hasattr(args, prefix + f.name):
-            values[f.name] = getattr(args, prefix + f.name)
+            value = getattr(args, prefix + f.name)
+            if value is None and meta.env:
+                from_env = env_values(cls, env) if from_env is None else from_env
+                if f.name in from_env:
+                    values[f.name] = from_env[f.name]
+            else:
+                values[f.name] = value
     values.update(overrides)
     return cls(**values)
+
+
+def given_flags(cls: type, args: argparse.Namespace, *, prefix: str = "") -> dict[str, Any]:
+    """The flags of ``cls``'s own fields as field -> value, those with a variable only where
+    given (for a config that reads its environment itself, e.g. ``from_env(**given)``)."""
+    values = {}
+    for f in dataclasses.fields(cls):
+        meta = _meta(f)
+        if meta is None or not meta.cli or not hasattr(args, prefix + f.name):
+            continue
+        value = getattr(args, prefix + f.name)
+        if value is not None or not meta.env:
+            values[f.name] = value
+    return values
 
 
 def flag_names(cls: type, *, prefix: str = "") -> dict[str, str]:

@@ -17,6 +17,7 @@ says how many of each kernel's CTAs came from launches wide enough to cover ever
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -51,8 +52,8 @@ class DeviceCtaHistograms:
     def __init__(self, device, gpu_id: int, num_sms: int, scale: int = 6, min_exp: int = -30,
                  max_exp: int = 4, max_kernels: int = 8) -> None:
         check_range("scale", scale, 1, 10, integer=True)
-        if not min_exp < max_exp:
-            raise ValueError(f"min_exp={min_exp} must be < max_exp={max_exp}")
+        check_range("min_exp", min_exp, -math.inf, max_exp, integer=True, hi_open=True,
+                    hint="(below max_exp)")
         check_range("num_sms", num_sms, 1, 4096, integer=True)
         self.device = torch.device(device)
         self.gpu_id, self.num_sms, self.scale = gpu_id, num_sms, scale

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .config_checks import check_range
 from .exphist import ExpHistogram, bucket_indices
 from .probe_snapshots import SnapshotRing
 
@@ -438,8 +439,7 @@ class SmProbe:
     def __init__(self, device, capacity_ctas: int = 1 << 20, gpu_id: int = 0,
                  mode: int | None = None) -> None:
         import torch
-        if capacity_ctas <= 0:
-            raise ValueError(f"capacity_ctas={capacity_ctas} must be > 0")
+        check_range("capacity_ctas", capacity_ctas, 1, integer=True)
         self.device = torch.device(device)
         if mode is None:
             mode = PROBE_FAKE if os.environ.get("TRITON_INTERPRET") == "1" else PROBE_HW

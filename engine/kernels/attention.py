@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 
+from ...instrumentation import check_range
 from .reference import paged_decode_attention_ref, prefill_attention_ref
 
 __all__ = ["Backend", "paged_decode_attention", "prefill_attention", "triton_available",
@@ -60,8 +61,7 @@ def use_triton(device: torch.device, backend: str) -> bool:
 
 
 def _check_scale(softmax_scale: float) -> None:
-    if not softmax_scale > 0.0:
-        raise ValueError(f"softmax_scale={softmax_scale} must be > 0")
+    check_range("softmax_scale", softmax_scale, 0.0, lo_open=True)
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

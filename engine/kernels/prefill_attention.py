@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...instrumentation import PROBE_OFF, probe_begin, probe_cta_index, probe_end
+from ...instrumentation import PROBE_OFF, check_range, probe_begin, probe_cta_index, probe_end
 from ..compile_watch import compile_watch
 
 __all__ = ["KERNEL_NAME", "prefill_attention_triton", "restore_tuned", "tuned_configs",
@@ -227,8 +227,8 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_k.dtype != torch.int32:
         raise ValueError(f"cu_seqlens dtypes {cu_seqlens_q.dtype}/{cu_seqlens_k.dtype}; "
                          "need torch.int32")
-    if max_seqlen_q < 0 or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k} must be >= 0")
+    check_range("max_seqlen_q", max_seqlen_q, 0, integer=True)
+    check_range("max_seqlen_k", max_seqlen_k, 0, integer=True)
     batch = cu_seqlens_q.shape[0] - 1
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
         raise ValueError(f"out{tuple(out.shape)} {out.dtype} must match q{tuple(q.shape)} {q.dtype}")

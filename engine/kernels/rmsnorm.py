@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ...instrumentation import check_range
 from .attention import Backend, use_triton
 
 try:  # the CPU path needs only the reference
@@ -71,8 +72,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     for name, t in (("x", x), ("weight", weight), ("residual", residual)):
         if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous along the hidden dim (strides {t.stride()})")
-    if not eps > 0.0:
-        raise ValueError(f"eps={eps} must be > 0")
+    check_range("eps", eps, 0.0, lo_open=True)
     out = torch.empty_like(x)
     rows, cols = x.shape
     if rows == 0:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sightline.collector.aggregation_config import AggregationConfig
-from sightline.collector.span_series import SpanKind, SpanSeries
+from sightline.collector.span_series import SpanRole, SpanSeries
 from sightline.instrumentation import semconv as sc
 from tests.collector.otlp_builders import T0_S, otlp_span, otlp_traces
 
@@ -49,8 +49,8 @@ def test_lean_and_full_reads_leave_the_same_state():
 
 def test_span_kinds_are_an_enum_and_unknown_names_feed_nothing():
     series = SpanSeries(AggregationConfig(), {}, {})
-    assert series._learn_name("queue") is SpanKind.NONE  # noqa: SLF001 -- the dispatch rule itself
-    assert series._learn_name(sc.SPAN_KERNEL_PREFIX + "x") is SpanKind.KERNEL  # noqa: SLF001
+    assert series._learn_name("queue") is SpanRole.NONE  # noqa: SLF001 -- the dispatch rule itself
+    assert series._learn_name(sc.SPAN_KERNEL_PREFIX + "x") is SpanRole.KERNEL  # noqa: SLF001
 
 
 def test_request_labels_read_from_the_cache_leave_the_same_state(monkeypatch):

@@ -118,7 +118,7 @@ def test_the_most_likely_token_survives_any_top_p_and_no_row_is_nan():
     drawn = sampler.sample(logits.clone(), sampler.batch(reqs, vocab_size=5))
     assert set(drawn.tolist()) == {3, 4}
     assert SamplingParams(temperature=1e-40).greedy and SamplingParams(temperature=1e-5).temperature == 1e-5
-    with pytest.raises(ValueError, match="repetition_penalty must be in"):
+    with pytest.raises(ValueError, match="repetition_penalty=1e-40 is not a number in"):
         SamplingParams(repetition_penalty=1e-40)
 
 
@@ -152,10 +152,11 @@ def test_request_rows_live_on_the_device_from_first_sample_to_release():
 
 
 def test_sampling_params_name_the_bad_value():
-    for kwargs, text in (({"top_k": 0}, "top_k must be"), ({"min_p": 1.5}, "min_p must be"),
-                         ({"repetition_penalty": 0.0}, "repetition_penalty must be"),
-                         ({"presence_penalty": 3}, "presence_penalty must be"),
-                         ({"frequency_penalty": float("nan")}, "frequency_penalty must be"),
+    for kwargs, text in (({"top_k": 0}, "top_k=0 is not an integer in"),
+                         ({"min_p": 1.5}, "min_p=1.5 is not a number in"),
+                         ({"repetition_penalty": 0.0}, "repetition_penalty=0.0 is not a number in"),
+                         ({"presence_penalty": 3}, "presence_penalty=3 is not a number in"),
+                         ({"frequency_penalty": float("nan")}, "frequency_penalty=nan is not a number in"),
                          ({"allowed_token_ids": ()}, "allowed_token_ids must be"),
                          ({"allowed_token_ids": (1, -2)}, "allowed_token_ids must be")):
         with pytest.raises(ValueError, match=text):
