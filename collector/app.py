@@ -40,6 +40,7 @@ from .grpc_server import GrpcLimits
 from .exposition import metrics_page
 from .ingest import IngestLimits
 from .log_filter import limit_library_errors
+from .loop_latency import settle
 from .otlp_grpc import OtlpGrpcReceiver
 from .otlp_http import OtlpHttpReceiver
 from .pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
@@ -261,6 +262,9 @@ def run(config: CollectorConfig, aggregation: AggregationConfig | None = None) -
     async def main() -> int:
         collector = Collector(config, aggregation)
         await collector.start()
+        # what start made lives as long as the process: out of the full collections' way,
+        # and the loop gets the GIL back quickly from busy threads (see loop_latency)
+        settle()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
