@@ -103,6 +103,8 @@ class Collector:
                                  message_timeout_s=config.request_timeout_s,
                                  response_timeout_s=config.response_timeout_s,
                                  idle_timeout_s=config.keepalive_timeout_s,
+                                 max_connection_age_s=config.max_connection_age_s,
+                                 max_connection_age_grace_s=config.max_connection_age_grace_s,
                                  max_buffered_bytes=4 * config.max_request_bytes)
         self._grpc = OtlpGrpcReceiver(intake, auth, limits, grpc_limits,
                                       ConnectionTable(self._limits.max_connections, self._limits.eviction_grace_s),
