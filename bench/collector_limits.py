@@ -1,23 +1,17 @@
 """Hostile requests and clients against one collector process: CPU, RSS and /healthz for each.
 
-``sightline collector run`` runs in its own process and is brought to a steady ingest
-(``--gpus`` x 132 SMs x ``--kernels`` kernels of CTA points, 512-span trace requests, for
-``--warmup-s``): its RSS then is the *steady* RSS. Then, the load stopped, it measures each
-body of at most 8 MB below (empty messages by the million, compression bombs, JSON of empty
-containers, bodies at each cap), sent once: the collector's CPU until it is idle again, its
-peak RSS over the RSS before (every 5 ms), the slowest ``/healthz`` meanwhile (every 20 ms).
-Bounds: 0.5 s, 64 MiB, 100 ms. Then the peak RSS over the steady RSS (bound: 2x) of
-``--instances`` distinct ``service.instance.id`` values, ``--names`` 1 MB span and kernel
-names, and (with ``--expose-sm-histograms``: the fleet-sized page) ``--scrapers`` /metrics
-readers at 4 KB/s each for ``--scrape-hold-s``.
-
-``--only healthz``: /healthz's latency (p50, p99, max; asked every 20 ms by a separate process,
-so that the bench's own work does not delay its probes) while the ``--instances`` identities
-arrive and while the ``--scrapers`` read the fleet-sized page, for this checkout and, with
-``--baseline-rev REV``, for commit REV's collector in the same run (before / after).
-
-Results: bench/results/collector_limits.json and .md (with the git commit and the machine's load);
-``--only healthz``: bench/results/collector_limits-healthz-cpu-<commit>.json and .md.
+``sightline collector run`` (own process) is brought to a steady ingest (``--gpus`` x 132 SMs
+x ``--kernels`` kernels of CTA points, 512-span trace requests, for ``--warmup-s``): its RSS
+then is the *steady* RSS. The load stopped, each body of at most 8 MB below (empty messages
+by the million, compression bombs, JSON of empty containers, bodies at each cap) is sent once:
+the collector's CPU until idle, its peak RSS over the RSS before (every 5 ms), the slowest
+``/healthz`` meanwhile (every 20 ms); bounds 0.5 s, 64 MiB, 100 ms. Then the peak RSS over the
+steady RSS (bound 2x) of ``--instances`` distinct ``service.instance.id`` values, ``--names``
+1 MB names and ``--scrapers`` /metrics readers of the fleet-sized page at 4 KB/s each.
+``--only healthz``: /healthz's p50, p99 and max (asked every 20 ms by a separate process)
+while the identities arrive and while the scrapers read; ``--baseline-rev REV`` adds commit
+REV's collector in the same run. Results: bench/results/collector_limits.json and .md;
+``--only healthz``: collector_limits-healthz-cpu-<commit>.json and .md.
 Run: ``.venv/bin/python -m bench.collector_limits [--only healthz --baseline-rev REV]``
 """
 from __future__ import annotations

@@ -1,20 +1,17 @@
 """A gRPC server for unary calls, on :mod:`.http2_connection`: calls, their limits, their answers.
 
 Calls are capped per peer IP (``max_calls_per_peer``: RESOURCE_EXHAUSTED) besides the
-transport's per-connection cap; ``screen(call)`` (authentication) runs on a call's headers,
-before its message. A call's one message must arrive, with its half-close, within
-``message_timeout_s`` (else DEADLINE_EXCEEDED), and is refused from its length prefix when
-over ``max_message_bytes``. A call's own deadline (its ``grpc-timeout`` header) is honoured
-as gRPC servers do: once it passes, before the message is whole or while the handler runs,
-the handler is cancelled (nothing it had not yet queued is acknowledged) and the call ends
-with DEADLINE_EXCEEDED. A handler runs once the message is whole, so a call waiting for
-its message holds no more than its stream. Every refusal, the transport's included, reaches
-``on_refused(reason)``: no_message, malformed (a compressed flag without grpc-encoding, two
-messages, a truncated one, an unknown method), unsupported_media_type (an unknown encoding
-or content-type), too_large, timeout, deadline_exceeded, too_many_streams, cancelled, and the handlers' own.
-
-Cost per call: one HPACK decode of the request headers, one copy of the message, one task;
-the response's header blocks are constant bytes.
+transport's per-connection cap; ``screen(call)`` (authentication) runs on a call's headers.
+A call's one message must arrive, with its half-close, within ``message_timeout_s`` (else
+DEADLINE_EXCEEDED); it is refused from its length prefix when over ``max_message_bytes``.
+A call's own deadline (``grpc-timeout``) is honoured as gRPC servers do: once it passes, the
+handler (run once the message is whole) is cancelled, so nothing it had not queued is
+acknowledged, and the call ends with DEADLINE_EXCEEDED. Every refusal, the transport's
+included, reaches ``on_refused(reason)``: no_message, malformed (a compressed flag without
+grpc-encoding, two messages, a truncated one, an unknown method, a bad grpc-timeout),
+unsupported_media_type, too_large, timeout, deadline_exceeded, too_many_streams, cancelled,
+and the handlers' own. Cost per call: one HPACK decode of the request headers, one copy of
+the message, one task; the response's header blocks are constant bytes.
 """
 
 from __future__ import annotations

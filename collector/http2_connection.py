@@ -3,18 +3,15 @@
 ``Http2Connection`` (reading: :mod:`.http2_reader`) holds a slot in the listener's
 :class:`~.connection_table.ConnectionTable` (on probation without one) and tells it what the
 connection does; it must finish TLS and the preface within ``handshake_timeout_s``, is closed
-after ``idle_timeout_s`` with no stream, and aborted when the client stops reading. Answers
-go out as flow control allows; one the client does not read within ``response_timeout_s`` is
-reset. A closing connection sends GOAWAY, half-closes and drains its input for ``_LINGER_S``
-so that the client reads the GOAWAY rather than a reset. One older than ``max_connection_age_s``
-(give or take 10 %, so that a fleet's connections do not all end at once) is drained as
-grpc-go's MaxConnectionAge does it: GOAWAY(2^31-1) and a PING, then, once the PING is
-acknowledged (or after ``_ACK_WAIT_S``), GOAWAY naming the last stream taken, so that no
-call the client sent meanwhile is lost; the open calls get ``max_connection_age_grace_s``. A subclass gives the streams their
-meaning (``grpc_server``) and answers with ``answer``, ``end_with`` and ``reset``.
-
-Cost: an answer's header blocks are written as they are given; its data in frames of the
-client's largest size.
+after ``idle_timeout_s`` with no stream, and aborted when the client stops reading. Answers go
+out as flow control allows; one not read within ``response_timeout_s`` is reset. A closing
+connection sends GOAWAY, half-closes and drains its input for ``_LINGER_S`` (the client reads
+the GOAWAY, not a reset). At ``max_connection_age_s`` (+-10 %) it drains as grpc-go's
+MaxConnectionAge does: GOAWAY(2^31-1) and a PING; once that is acknowledged (or after
+``_ACK_WAIT_S``) GOAWAY naming the last stream taken, so no call sent meanwhile is lost; open
+calls get ``max_connection_age_grace_s``. A subclass gives the streams their meaning
+(``grpc_server``) and answers with ``answer``, ``end_with`` and ``reset``.
+Cost: header blocks written as given; data in frames of the client's largest size.
 """
 
 from __future__ import annotations
