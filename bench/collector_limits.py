@@ -1,18 +1,18 @@
 """Hostile requests and clients against one collector process: CPU, RSS and /healthz for each.
 
-``sightline collector run`` runs in its own process and is brought to a steady ingest
-(``--gpus`` x 132 SMs x ``--kernels`` kernels of CTA points, 512-span trace requests, for
-``--warmup-s``): its RSS then is the *steady* RSS. Then, the load stopped, it measures each
-body of at most 8 MB below (empty messages by the million, compression bombs, JSON of empty
-containers, bodies at each cap), sent once: the collector's CPU until it is idle again, its
-peak RSS over the RSS before (every 5 ms), the slowest ``/healthz`` meanwhile (every 20 ms).
-Bounds: 0.5 s, 64 MiB, 100 ms. Then the peak RSS over the steady RSS (bound: 2x) of
-``--instances`` distinct ``service.instance.id`` values, ``--names`` 1 MB span and kernel
-names, and (with ``--expose-sm-histograms``: the fleet-sized page) ``--scrapers`` /metrics
-readers at 4 KB/s each for ``--scrape-hold-s``.
-
-Results: bench/results/collector_limits.json and .md (with the git commit and the machine's load).
-Run: ``.venv/bin/python -m bench.collector_limits``
+``sightline collector run`` (own process) is brought to a steady ingest (``--gpus`` x 132 SMs
+x ``--kernels`` kernels of CTA points, 512-span trace requests, for ``--warmup-s``): its RSS
+then is the *steady* RSS. The load stopped, each body of at most 8 MB below (empty messages
+by the million, compression bombs, JSON of empty containers, bodies at each cap) is sent once:
+the collector's CPU until idle, its peak RSS over the RSS before (every 5 ms), the slowest
+``/healthz`` meanwhile (every 20 ms); bounds 0.5 s, 64 MiB, 100 ms. Then the peak RSS over the
+steady RSS (bound 2x) of ``--instances`` distinct ``service.instance.id`` values, ``--names``
+1 MB names and ``--scrapers`` /metrics readers of the fleet-sized page at 4 KB/s each.
+``--only healthz``: /healthz's p50, p99 and max (asked every 20 ms by a separate process)
+while the identities arrive and while the scrapers read; ``--baseline-rev REV`` adds commit
+REV's collector in the same run. Results: bench/results/collector_limits.json and .md;
+``--only healthz``: collector_limits-healthz-cpu-<commit>.json and .md.
+Run: ``.venv/bin/python -m bench.collector_limits [--only healthz --baseline-rev REV]``
 """
 from __future__ import annotations
 
@@ -162,12 +162,17 @@ def _now_ns(offset_s: float = 0.0) -> bytes:
 
 # -- the collector process ------------------------------------------------------------------
 class Collector:
-    def __init__(self, workdir: Path, extra: list[str]) -> None:
+    """``sightline collector run`` in its own process; ``pythonpath``: a folder whose
+    ``sightline`` package runs instead of this checkout's (``collector_ingest.baseline_tree``)."""
+
+    def __init__(self, workdir: Path, extra: list[str], pythonpath: Path | None = None) -> None:
         from sightline.deploy.processes import free_port  # below the ephemeral range: no client takes it first
 
         self.ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
         self.log = workdir / "collector.log"
         env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
+        if pythonpath is not None:
+            env["PYTHONPATH"] = str(pythonpath) + os.pathsep + env.get("PYTHONPATH", "")
         command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
                    "--otlp-grpc", f"127.0.0.1:{self.ports['grpc']}", "--otlp-http", f"127.0.0.1:{self.ports['http']}",
                    "--zipkin", f"127.0.0.1:{self.ports['zipkin']}", "--http", f"127.0.0.1:{self.ports['query']}",
@@ -271,6 +276,48 @@ class Watch:
         for thread in self._threads:
             thread.join(60)
         self.cpu_s = self.collector.cpu_s() - self.cpu0
+
+
+class HealthzProbe:
+    """While open: /healthz asked every ``every_s`` by a separate process (its latencies are
+    then the collector's, not this process's GIL's); ``latencies_s`` once closed."""
+
+    def __init__(self, collector: Collector, workdir: Path, every_s: float = 0.02) -> None:
+        self.url, self.out, self.every_s = collector.url("query", "/healthz"), workdir / "healthz.json", every_s
+        self.latencies_s: list[float] = []
+
+    def __enter__(self):
+        self.out.unlink(missing_ok=True)
+        self._process = subprocess.Popen([sys.executable, "-c", "import sys; from bench.collector_limits import "
+                                          "probe_healthz; probe_healthz(*sys.argv[1:])", self.url, str(self.out),
+                                          str(self.every_s)], cwd=ROOT)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._process.terminate()
+        self._process.wait(60)
+        self.latencies_s = json.loads(self.out.read_text())
+
+    def summary(self) -> dict:
+        ordered = sorted(self.latencies_s)
+        at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3, 1)  # noqa: E731
+        return {"probes": len(ordered), "p50_ms": at(0.5), "p99_ms": at(0.99), "max_ms": round(ordered[-1] * 1e3, 1),
+                "over_100_ms": sum(x > 0.1 for x in ordered)}
+
+
+def probe_healthz(url: str, out: str, every_s: str) -> None:
+    """The probing process: GET ``url`` every ``every_s`` until SIGTERM; latencies to ``out``."""
+    import signal
+
+    latencies: list[float] = []
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    while not stop.is_set():
+        started = time.monotonic()
+        urllib.request.urlopen(url, timeout=60).close()
+        latencies.append(time.monotonic() - started)
+        stop.wait(float(every_s))
+    Path(out).write_text(json.dumps(latencies))
 
 
 # -- load -----------------------------------------------------------------------------------
@@ -408,8 +455,14 @@ def main(argv=None) -> int:
     parser.add_argument("--names", type=int, default=1_000)
     parser.add_argument("--scrapers", type=int, default=100)
     parser.add_argument("--scrape-hold-s", type=float, default=45.0)
-    parser.add_argument("--out", type=Path, default=RESULTS / "collector_limits.json")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--only", choices=["healthz"], default=None,
+                        help="healthz: /healthz latency under the identities and the scrapers only")
+    parser.add_argument("--baseline-rev", default=None, help="with --only healthz: also measure this commit")
     args = parser.parse_args(argv)
+    if args.only == "healthz":
+        return healthz_main(args, argv)
+    args.out = args.out or RESULTS / "collector_limits.json"
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-limits-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
     result = {"bench": "collector_limits", "commit": git_commit(dirty_paths=["collector", "bench"]),
@@ -452,6 +505,57 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     write_report(args.out, "collector_limits", argv, _report(result, args))
+    return 0
+
+
+def healthz_main(args, argv) -> int:
+    """``--only healthz``: see the module docstring."""
+    from .collector_ingest import baseline_tree
+
+    workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"sightline-limits-{os.getpid()}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    commit = git_commit(dirty_paths=["collector", "bench"])
+    result = {"bench": "collector_limits-healthz", "commit": commit, "utc": utc_now(),
+              "python": platform.python_version(), "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg(),
+              "args": {k: str(v) for k, v in vars(args).items()}, "trees": {}}
+    trees = {"current": None}
+    if args.baseline_rev:
+        trees[f"baseline {args.baseline_rev}"] = baseline_tree(args.baseline_rev, workdir)
+    for name, tree in trees.items():
+        cases = result["trees"][name] = {}
+        for case, flags in (("instances", []), ("scrapers", ["--expose-sm-histograms"])):
+            collector = Collector(workdir, flags, tree)
+            try:
+                steady_load(collector, args.gpus, args.kernels, args.warmup_s)
+                started = time.monotonic()
+                with HealthzProbe(collector, workdir) as probe:
+                    if case == "instances":
+                        many_identities(collector, args.instances)
+                    else:
+                        slow_scrapers(collector, args.scrapers, args.scrape_hold_s)
+                cases[case] = {**probe.summary(), "seconds": round(time.monotonic() - started, 1)}
+                print(name, case, cases[case], flush=True)
+            finally:
+                collector.stop()
+    result["load_average_at_end"] = os.getloadavg()
+    out = args.out or RESULTS / f"collector_limits-healthz-cpu-{commit[:8]}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    labels = {"instances": f"{args.instances:,} distinct instance ids arriving",
+              "scrapers": f"{args.scrapers} /metrics readers at 4 KB/s (`--expose-sm-histograms`)"}
+    lines = ["# /healthz latency while identities arrive and slow scrapers read", "",
+             f"commit `{commit}`, {result['utc']}, {result['cpus']} CPUs (load average "
+             f"{result['load_average_at_start'][0]:.1f} at the start, {result['load_average_at_end'][0]:.1f} at the end: "
+             f"the machine is shared), Python {result['python']}; each case after {args.warmup_s:.0f} s of steady "
+             f"ingest ({args.gpus} GPUs x 132 SMs x {args.kernels} kernels of CTA points every 10 s, ten 512-span "
+             "trace requests a second), /healthz asked every 20 ms by a separate process. Bound: 100 ms.", "",
+             "| collector | case | probes | p50 ms | p99 ms | max ms | over 100 ms | seconds |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for name, cases in result["trees"].items():
+        for case, m in cases.items():
+            lines.append(f"| {name} | {labels[case]} | {m['probes']} | {m['p50_ms']} | {m['p99_ms']} | {m['max_ms']} "
+                         f"| {m['over_100_ms']} | {m['seconds']} |")
+    write_report(out, "collector_limits", argv, lines)
     return 0
 
 

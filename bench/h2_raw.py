@@ -56,10 +56,12 @@ class StreamOutcome:
 class RawH2:
     """One HTTP/2 connection to ``port`` from ``source`` (a loopback address: 127.0.0.2 is
     another peer than 127.0.0.1). ``window``: the SETTINGS_INITIAL_WINDOW_SIZE to announce;
-    ``unlimited``: ignore the server's limit on concurrent streams."""
+    ``unlimited``: ignore the server's limit on concurrent streams; ``past_goaway``: go on
+    sending and reading frames after a GOAWAY, as a client with calls in flight does (h2
+    would end the connection at the first); ``goaways`` lists (code, last stream id) of each."""
 
     def __init__(self, port: int, *, source: str = "127.0.0.1", window: int | None = None,
-                 token: str | None = None, unlimited: bool = False) -> None:
+                 token: str | None = None, unlimited: bool = False, past_goaway: bool = False) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
         self.sock.settimeout(None)
         kind = _NoStreamLimit if unlimited else h2.connection.H2Connection
@@ -71,6 +73,18 @@ class RawH2:
         self.lock = threading.Condition()
         self.streams: dict[int, StreamOutcome] = {}
         self.goaway_code: int | None = None
+        self.goaways: list[tuple[int, int]] = []
+        if past_goaway:  # h2's connection state stays open through a received GOAWAY
+            machine, process = self.conn.state_machine, self.conn.state_machine.process_input
+
+            def keep_open(event):
+                state = machine.state
+                frames = process(event)
+                if event is h2.connection.ConnectionInputs.RECV_GOAWAY:
+                    machine.state = state
+                return frames
+
+            machine.process_input = keep_open
         self.closed = False
         self._flush()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -175,7 +189,7 @@ class RawH2:
         if isinstance(event, h2.events.ResponseReceived) and stream is not None:
             stream.headers = dict(event.headers)
         elif isinstance(event, h2.events.TrailersReceived) and stream is not None:
-            stream.trailers = dict(event.trailers)
+            stream.trailers = dict(event.headers)
         elif isinstance(event, h2.events.DataReceived) and stream is not None:
             stream.data += event.data
             self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
@@ -186,6 +200,7 @@ class RawH2:
             stream.ended = True
         elif isinstance(event, h2.events.ConnectionTerminated):
             self.goaway_code = int(event.error_code)
+            self.goaways.append((int(event.error_code), int(event.last_stream_id)))
 
     def wait(self, stream_id: int, timeout_s: float = 10.0) -> StreamOutcome:
         """The stream's outcome once it ended (answered or reset), or as it is at the timeout."""

@@ -40,6 +40,7 @@ from .grpc_server import GrpcLimits
 from .exposition import metrics_page
 from .ingest import IngestLimits
 from .log_filter import limit_library_errors
+from .loop_latency import settle
 from .otlp_grpc import OtlpGrpcReceiver
 from .otlp_http import OtlpHttpReceiver
 from .pipeline import DiscardSink, Pipeline, PipelineSummary, Sink
@@ -102,6 +103,8 @@ class Collector:
                                  message_timeout_s=config.request_timeout_s,
                                  response_timeout_s=config.response_timeout_s,
                                  idle_timeout_s=config.keepalive_timeout_s,
+                                 max_connection_age_s=config.max_connection_age_s,
+                                 max_connection_age_grace_s=config.max_connection_age_grace_s,
                                  max_buffered_bytes=4 * config.max_request_bytes)
         self._grpc = OtlpGrpcReceiver(intake, auth, limits, grpc_limits,
                                       ConnectionTable(self._limits.max_connections, self._limits.eviction_grace_s),
@@ -261,6 +264,9 @@ def run(config: CollectorConfig, aggregation: AggregationConfig | None = None) -
     async def main() -> int:
         collector = Collector(config, aggregation)
         await collector.start()
+        # what start made lives as long as the process: out of the full collections' way,
+        # and the loop gets the GIL back quickly from busy threads (see loop_latency)
+        settle()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

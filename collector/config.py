@@ -156,6 +156,12 @@ class CollectorConfig:
                                            "RESOURCE_EXHAUSTED)", lo=1, hi=1_000_000)
     response_timeout_s: float = setting(10.0, "a gRPC answer the client does not read within this many seconds "
                                               "is reset", lo=0.1, hi=3600.0)
+    max_connection_age_s: float = setting(600.0, "a gRPC connection older than this (give or take 10 percent) is sent "
+                                                 "GOAWAY, so that clients reconnect and spread over replicas "
+                                                 "(0 = no limit)", lo=0.0, hi=365 * 86400.0)
+    max_connection_age_grace_s: float = setting(30.0, "after that GOAWAY, the calls open on the connection get "
+                                                      "this many seconds to finish before it is closed",
+                                                lo=0.0, hi=3600.0)
     dedupe_window_spans: int = setting(262_144, "remember the ids of about this many recent spans; a span sent "
                                                 "again is acknowledged, not counted twice (0 = off; 8 bytes per "
                                                 "span)", lo=0, hi=100_000_000)

@@ -1,17 +1,17 @@
 """A gRPC server for unary calls, on :mod:`.http2_connection`: calls, their limits, their answers.
 
 Calls are capped per peer IP (``max_calls_per_peer``: RESOURCE_EXHAUSTED) besides the
-transport's per-connection cap; ``screen(call)`` (authentication) runs on a call's headers,
-before its message. A call's one message must arrive, with its half-close, within
-``message_timeout_s`` (else DEADLINE_EXCEEDED), and is refused from its length prefix when
-over ``max_message_bytes``. A handler runs once the message is whole, so a call waiting for
-its message holds no more than its stream. Every refusal, the transport's included, reaches
-``on_refused(reason)``: no_message, malformed (a compressed flag without grpc-encoding, two
-messages, a truncated one, an unknown method), unsupported_media_type (an unknown encoding
-or content-type), too_large, timeout, too_many_streams, cancelled, and the handlers' own.
-
-Cost per call: one HPACK decode of the request headers, one copy of the message, one task;
-the response's header blocks are constant bytes.
+transport's per-connection cap; ``screen(call)`` (authentication) runs on a call's headers.
+A call's one message must arrive, with its half-close, within ``message_timeout_s`` (else
+DEADLINE_EXCEEDED); it is refused from its length prefix when over ``max_message_bytes``.
+A call's own deadline (``grpc-timeout``) is honoured as gRPC servers do: once it passes, the
+handler (run once the message is whole) is cancelled, so nothing it had not queued is
+acknowledged, and the call ends with DEADLINE_EXCEEDED. Every refusal, the transport's
+included, reaches ``on_refused(reason)``: no_message, malformed (a compressed flag without
+grpc-encoding, two messages, a truncated one, an unknown method, a bad grpc-timeout),
+unsupported_media_type, too_large, timeout, deadline_exceeded, too_many_streams, cancelled,
+and the handlers' own. Cost per call: one HPACK decode of the request headers, one copy of
+the message, one task; the response's header blocks are constant bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -29,7 +30,7 @@ from .connection_table import ConnectionTable
 from .http2_connection import Http2Connection, Http2Stream
 from .http2_server import Http2Limits, Http2Server
 
-__all__ = ["GrpcAbort", "GrpcCall", "GrpcLimits", "GrpcServer"]
+__all__ = ["GrpcAbort", "GrpcCall", "GrpcLimits", "GrpcServer", "grpc_timeout_s"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,17 @@ _ACCEPT_ENCODING = (b"grpc-accept-encoding", b"identity,deflate,gzip")
 _RESPONSE_HEADERS = h2.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc"),
                                        _ACCEPT_ENCODING])
 _OK_TRAILERS = h2.encode_headers([(b"grpc-status", b"0")])
+# grpc-timeout: at most 8 digits and a unit (the gRPC over HTTP/2 protocol)
+_TIMEOUT = re.compile(rb"\s*(\d{1,8})([HMSmun])\s*")
+_TIMEOUT_UNIT_S = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b"n": 1e-9}
+
+
+def grpc_timeout_s(value: bytes) -> float | None:
+    """A ``grpc-timeout`` header's seconds; None when malformed."""
+    match = _TIMEOUT.fullmatch(value)
+    if match is None:
+        return None
+    return int(match[1]) * _TIMEOUT_UNIT_S[match[2]]
 
 
 @dataclass(frozen=True)
@@ -83,10 +95,11 @@ def _percent_encode(text: str) -> bytes:
 
 
 class _Call(Http2Stream):
-    __slots__ = ("call", "data", "length", "task")
+    __slots__ = ("call", "data", "length", "task", "deadline")
 
     def __init__(self, stream_id: int, send_window: int) -> None:
         super().__init__(stream_id, send_window)
+        self.deadline: float | None = None  # the loop's time when the client's deadline passes
         self.call: GrpcCall | None = None
         self.data = bytearray()
         self.length: int | None = None  # the message's length, once its prefix arrived
@@ -116,7 +129,7 @@ class _GrpcConnection(Http2Connection):
                 fields[name] = value
             else:
                 metadata.append((name.decode("latin-1"), value.decode("latin-1")))
-                if name in (b"content-type", b"grpc-encoding"):
+                if name in (b"content-type", b"grpc-encoding", b"grpc-timeout"):
                     fields[name] = value
         encoding = fields.get(b"grpc-encoding", b"identity").decode("latin-1").strip().lower()
         stream.call = GrpcCall(fields.get(b":path", b"").decode("latin-1"), tuple(metadata), encoding, self.peer)
@@ -128,8 +141,11 @@ class _GrpcConnection(Http2Connection):
         elif end_stream:
             self._end_of_request(stream)
         else:
-            stream.timer = asyncio.get_running_loop().call_later(
-                self.limits.message_timeout_s, self._message_late, stream)
+            wait = self.limits.message_timeout_s
+            if stream.deadline is not None and stream.deadline - asyncio.get_running_loop().time() < wait:
+                stream.timer = asyncio.get_running_loop().call_at(stream.deadline, self._deadline_passed, stream)
+            else:
+                stream.timer = asyncio.get_running_loop().call_later(wait, self._message_late, stream)
 
     def _screen(self, stream: _Call, fields: dict[bytes, bytes]) -> GrpcAbort | None:
         """Why the call is refused from its headers alone, or None."""
@@ -146,6 +162,12 @@ class _GrpcConnection(Http2Connection):
         if call.encoding not in _ENCODINGS:
             return GrpcAbort(code_pb2.UNIMPLEMENTED, f"grpc-encoding {call.encoding[:100]!r} is not "
                              "identity, gzip or deflate", "unsupported_media_type")
+        if b"grpc-timeout" in fields:
+            timeout_s = grpc_timeout_s(fields[b"grpc-timeout"])
+            if timeout_s is None:
+                return GrpcAbort(code_pb2.INTERNAL, f"malformed grpc-timeout {fields[b'grpc-timeout'][:20]!r}",
+                                 "malformed")
+            stream.deadline = asyncio.get_running_loop().time() + timeout_s
         if server.screen is not None:
             try:
                 server.screen(call)
@@ -200,6 +222,8 @@ class _GrpcConnection(Http2Connection):
                                            "malformed"))
             return
         self._cancel_stream_timer(stream)
+        if stream.deadline is not None:  # the handler too must finish within it
+            stream.timer = asyncio.get_running_loop().call_at(stream.deadline, self._deadline_passed, stream)
         with memoryview(stream.data) as view:
             stream.call.message = bytes(view[5:])
         stream.data = bytearray()
@@ -243,6 +267,16 @@ class _GrpcConnection(Http2Connection):
         if abort.details is not None:
             fields.append((b"grpc-status-details-bin", base64.b64encode(abort.details).rstrip(b"=")))
         self.end_with(stream, h2.encode_headers(fields))
+
+    def _deadline_passed(self, stream: _Call) -> None:
+        stream.timer = None
+        if stream.answered or self.closed:
+            return
+        self.on_cancel(stream)  # a handler still running stops before it queues anything
+        message = ("the call's deadline passed before its request message arrived" if stream.task is None
+                   else "the call's deadline passed before its answer")
+        self._refuse(stream, GrpcAbort(code_pb2.DEADLINE_EXCEEDED, message, "deadline_exceeded"))
+        self.flush()
 
     def _message_late(self, stream: _Call) -> None:
         stream.timer = None

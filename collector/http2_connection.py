@@ -3,19 +3,21 @@
 ``Http2Connection`` (reading: :mod:`.http2_reader`) holds a slot in the listener's
 :class:`~.connection_table.ConnectionTable` (on probation without one) and tells it what the
 connection does; it must finish TLS and the preface within ``handshake_timeout_s``, is closed
-after ``idle_timeout_s`` with no stream, and aborted when the client stops reading. Answers
-go out as flow control allows; one the client does not read within ``response_timeout_s`` is
-reset. A closing connection sends GOAWAY, half-closes and drains its input for ``_LINGER_S``
-so that the client reads the GOAWAY rather than a reset. A subclass gives the streams their
-meaning (``grpc_server``) and answers with ``answer``, ``end_with`` and ``reset``.
-
-Cost: an answer's header blocks are written as they are given; its data in frames of the
-client's largest size.
+after ``idle_timeout_s`` with no stream, and aborted when the client stops reading. Answers go
+out as flow control allows; one not read within ``response_timeout_s`` is reset. A closing
+connection sends GOAWAY, half-closes and drains its input for ``_LINGER_S`` (the client reads
+the GOAWAY, not a reset). At ``max_connection_age_s`` (+-10 %) it drains as grpc-go's
+MaxConnectionAge does: GOAWAY(2^31-1) and a PING; once that is acknowledged (or after
+``_ACK_WAIT_S``) GOAWAY naming the last stream taken, so no call sent meanwhile is lost; open
+calls get ``max_connection_age_grace_s``. A subclass gives the streams their meaning
+(``grpc_server``) and answers with ``answer``, ``end_with`` and ``reset``.
+Cost: header blocks written as given; data in frames of the client's largest size.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import TYPE_CHECKING
 
 from . import http2_frames as h2
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
 __all__ = ["Http2Connection", "Http2Stream"]
 
 _LINGER_S = 1.0  # a closing connection's input is drained this long
+_ACK_WAIT_S = 1.0  # the max-age GOAWAY's PING: the final GOAWAY goes out after this at most
+_AGE_PING = b"max-age\0"
+_MAX_STREAM_ID = 2**31 - 1
 
 
 class Http2Connection(Http2Reader):
@@ -47,6 +52,7 @@ class Http2Connection(Http2Reader):
         self._blocked: dict[int, Http2Stream] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._age_timer: asyncio.TimerHandle | None = None  # max connection age, then its grace
         self._closing = False  # counted in the table's ``closing`` until its socket is gone
 
     # -- asyncio.Protocol ----------------------------------------------------------------
@@ -67,7 +73,11 @@ class Http2Connection(Http2Reader):
                                       h2.SETTINGS_ENABLE_PUSH: 0}))
         self._out.append(h2.window_update(0, CONNECTION_WINDOW - h2.DEFAULT_WINDOW))
         self.flush()
-        self._timer = asyncio.get_running_loop().call_later(self.limits.handshake_timeout_s, self._handshake_late)
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.limits.handshake_timeout_s, self._handshake_late)
+        if self.limits.max_connection_age_s > 0:
+            self._age_timer = loop.call_later(self.limits.max_connection_age_s * random.uniform(0.9, 1.1),
+                                              self._age_reached)
 
     def data_received(self, data: bytes) -> None:
         if self.closed:
@@ -92,7 +102,7 @@ class Http2Connection(Http2Reader):
 
     def connection_lost(self, exc) -> None:
         self.closed = True
-        for handle in (self._timer, self._write_timer, self._turn):
+        for handle in (self._timer, self._write_timer, self._turn, self._age_timer):
             if handle is not None:
                 handle.cancel()
         for stream in list(self.streams.values()):
@@ -287,6 +297,49 @@ class Http2Connection(Http2Reader):
         if not self._closing:
             self._closing = True
             self.server.table.closing += 1
+
+    # -- max connection age ---------------------------------------------------------------
+    def _age_reached(self) -> None:
+        self._age_timer = None
+        if self.closed or self.draining:
+            return
+        # GOAWAY(2^31-1): "stop opening streams"; the PING's answer marks the point after
+        # which the client has seen it, so the final GOAWAY cannot strand a call in flight
+        self._out.append(h2.goaway(_MAX_STREAM_ID, h2.NO_ERROR, b"max connection age"))
+        self._out.append(h2.frame(h2.PING, 0, 0, _AGE_PING))
+        self.flush()
+        self._age_timer = asyncio.get_running_loop().call_later(_ACK_WAIT_S, self._age_goaway)
+
+    def on_ping_ack(self, payload: bytes) -> None:
+        if payload == _AGE_PING and self._age_timer is not None and not self.draining:
+            self._age_timer.cancel()
+            self._age_goaway()
+
+    def _age_goaway(self) -> None:
+        self._age_timer = None
+        if self.closed or self.draining:
+            return
+        self.draining = True  # streams above the last one taken are refused (the client retries them)
+        self._out.append(h2.goaway(self._last_stream, h2.NO_ERROR, b"max connection age"))
+        self.flush()
+        self._age_timer = asyncio.get_running_loop().call_later(self.limits.max_connection_age_grace_s,
+                                                                self._grace_over)
+        self.close_if_drained()
+
+    def _grace_over(self) -> None:
+        """The calls still open when the grace ends are cut (counted as timeouts)."""
+        self._age_timer = None
+        if self.closed:
+            return
+        for stream in list(self.streams.values()):
+            if not stream.answered:
+                stream.answered = True
+                self.server.refused("timeout")
+                self.on_cancel(stream)
+            self._out.append(h2.rst_stream(stream.id, h2.CANCEL))
+            self.drop(stream)
+        if not self.closed:
+            self._close()
 
     def _handshake_late(self) -> None:
         self._timer = None

@@ -111,6 +111,9 @@ class Http2Reader(asyncio.Protocol):
         return False
 
     # -- what the connection supplies -----------------------------------------------------
+    def on_ping_ack(self, payload: bytes) -> None:
+        """The client acknowledged a PING of ours carrying ``payload``."""
+
     def on_settled(self) -> None:
         """The client's first SETTINGS arrived."""
 
@@ -226,6 +229,8 @@ class Http2Reader(asyncio.Protocol):
                     raise h2.Http2Error(h2.PROTOCOL_ERROR, "malformed PING")
                 if not flags & h2.ACK:
                     self._out.append(h2.frame(h2.PING, h2.ACK, 0, bytes(payload)))
+                else:
+                    self.on_ping_ack(bytes(payload))
             elif kind == h2.WINDOW_UPDATE:
                 self._on_window_update(stream_id, payload)
             elif kind == h2.GOAWAY:

@@ -5,7 +5,8 @@
 without a slot waits on probation), keeps the open connections, the streams per peer and
 the bytes of partial requests of all connections together (beyond ``max_buffered_bytes``
 no window is granted until they drain), and stops gracefully: GOAWAY, then ``grace_s`` for
-the open streams. ``Http2Limits`` holds the bounds :mod:`.http2_connection` enforces.
+the open streams. A connection older than ``max_connection_age_s`` goes the same way on its
+own (:mod:`.http2_connection`), its calls given ``max_connection_age_grace_s``. ``Http2Limits`` holds the bounds :mod:`.http2_connection` enforces.
 
 Cost: one connection object per admitted connection; a dictionary entry per peer.
 """
@@ -38,6 +39,8 @@ class Http2Limits:
     handshake_timeout_s: float = 5.0
     response_timeout_s: float = 10.0
     idle_timeout_s: float = 15.0
+    max_connection_age_s: float = 0.0  # 0: no limit
+    max_connection_age_grace_s: float = 30.0
     max_buffered_bytes: int = 64 << 20
     max_header_block_bytes: int = 16 << 10
     abandoned_burst: int = 64

@@ -27,7 +27,8 @@ RECEIVERS = (sc.RECEIVER_OTLP_GRPC, sc.RECEIVER_OTLP_HTTP, sc.RECEIVER_ZIPKIN)
 # no_message a call ended without its message, cancelled a call the client reset (or left)
 # before its answer, too_many_streams the per-connection or per-peer call cap, rapid_reset a
 # connection closed for resetting or opening refused streams too fast, protocol_error an
-# HTTP/2 violation or flood of frames that carry no request.
+# HTTP/2 violation or flood of frames that carry no request, deadline_exceeded a call whose
+# own deadline (its grpc-timeout) passed before it was answered.
 REJECT_REASONS = (
     "malformed",
     "too_large",
@@ -45,6 +46,7 @@ REJECT_REASONS = (
     "too_many_streams",
     "rapid_reset",
     "protocol_error",
+    "deadline_exceeded",
 )
 # duplicate: a span acknowledged as a repeat of one already admitted (an exporter's retry)
 DROP_REASONS = ("aggregator_error", "shutdown_timeout", "duplicate")

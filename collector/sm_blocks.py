@@ -19,6 +19,7 @@ import numpy as np
 
 from ..instrumentation import ExpHistogram, fit_shift, quantiles, rebin
 from .contention import REFERENCE_QUANTILE, SlotEvidence, slot_evidence
+from .classic_rows import EXEMPLAR_DTYPE, ClassicRows
 from .windows import ClassicHistogram, Exemplar
 
 __all__ = ["SmBlock"]
@@ -30,7 +31,7 @@ USUAL_SLOTS = 4
 USUAL_SHARE_MIN_CTAS = 4
 QUIET_EXCEED = 0.3   # the slow test's effect floor (ContentionConfig.slow_share's default)
 QUIET_SLOW_SHARE = 0.05   # a quiet slot: at most this share of SMs that far above the P90
-_EX_DTYPE = np.dtype([("value", "f8"), ("trace_id", "S16"), ("span_id", "S8"), ("time", "u8")])
+_EX_DTYPE = EXEMPLAR_DTYPE
 
 
 class _Detail:
@@ -75,8 +76,7 @@ class SmBlock:
         self.s_wide = np.full(num_slots, -1, dtype=np.int64)  # CTAs of wide launches (-1: not told)
         self.total = np.zeros(0, dtype=np.int64)  # CTAs per SM since the block began
         self.classic = ClassicHistogram(bounds)  # all SMs together
-        self.classic_sm: list[ClassicHistogram] | None = [] if per_sm_classic else None
-        self._bounds = bounds
+        self.classic_sm: ClassicRows | None = ClassicRows(bounds) if per_sm_classic else None  # a row per SM
 
     # -- rows -----------------------------------------------------------------------
     def row(self, sm: str) -> int:
@@ -90,8 +90,6 @@ class SmBlock:
                 # half as many again (at least _ROW_STEP): each row's arrays are copied O(1)
                 # times amortised however many SM ids arrive; at most a third of them unused
                 self._grow(self._cap + max(_ROW_STEP, self._cap // 2))
-            if self.classic_sm is not None:
-                self.classic_sm.append(ClassicHistogram(self._bounds))
         return r
 
     def _grow(self, cap: int) -> None:
@@ -107,6 +105,8 @@ class SmBlock:
                 d.counts = wider(d.counts, 0, 0)
                 d.zeros, d.sums = wider(d.zeros, 0, 0), wider(d.sums, 0.0, 0)
                 d.minimum, d.maximum = wider(d.minimum, np.inf, 0), wider(d.maximum, -np.inf, 0)
+        if self.classic_sm is not None:
+            self.classic_sm.resize(cap)
         self.s_p99 = wider(self.s_p99, np.nan, 1)
         self.s_count = wider(self.s_count, 0, 1)
         self.s_ex = np.concatenate([self.s_ex, np.zeros((self.num_slots, extra), dtype=_EX_DTYPE)], axis=1)
@@ -150,7 +150,7 @@ class SmBlock:
                 if slowest is None or ex.value > slowest.value:
                     slowest = ex
             if self.classic_sm is not None:
-                self.classic_sm[r].add_exp(h, ex)
+                self.classic_sm.add_exp(r, h, ex)
         # the batch over all SMs, for the per-GPU classic histogram
         offset, counts = added if added is not None else (0, np.zeros(0, dtype=np.int64))
         self.classic.add_exp(ExpHistogram(scale=self.scale, offset=offset, counts=counts,

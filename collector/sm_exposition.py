@@ -25,7 +25,7 @@ from ..instrumentation import semconv as sc
 from .contention import hottest_sm
 from .gzip_pieces import deflate_piece
 from .sm_store import BlockSnapshot, SmKey, SmStore, gpu_label, kernel_label
-from .windows import ClassicHistogram
+from .windows import Exemplar
 
 __all__ = ["SmPage", "escape_label_value"]
 
@@ -50,10 +50,12 @@ def _header(name: str, kind: str, help_text: str) -> bytes:
     return f"# HELP {name} {doc}\n# TYPE {name} {kind}\n".encode()
 
 
-def _histogram_lines(name: str, labels: str, h: ClassicHistogram, les: list[str], openmetrics: bool) -> Iterator[str]:
-    """One classic histogram's ``_bucket`` (cumulative), ``_count`` and ``_sum`` lines."""
+def _histogram_lines(name: str, labels: str, counts: list[int], exemplars: list[Exemplar | None], total: float,
+                     les: list[str], openmetrics: bool) -> Iterator[str]:
+    """One classic histogram's ``_bucket`` (cumulative), ``_count`` and ``_sum`` lines: its
+    ``counts`` per bucket (not cumulative), their ``exemplars`` and the sum ``total``."""
     cumulative = 0
-    for le, n, ex in zip(les, h.counts, h.exemplars):
+    for le, n, ex in zip(les, counts, exemplars):
         cumulative += n
         if openmetrics and ex is not None:
             stamp = f" {ex.time_unix_nano / 1e9}" if ex.time_unix_nano else ""
@@ -62,7 +64,7 @@ def _histogram_lines(name: str, labels: str, h: ClassicHistogram, les: list[str]
         else:
             yield f'{name}_bucket{{{labels},le="{le}"}} {float(cumulative)!r}\n'
     yield f"{name}_count{{{labels}}} {float(cumulative)!r}\n"
-    yield f"{name}_sum{{{labels}}} {_number(h.sum)}\n"
+    yield f"{name}_sum{{{labels}}} {_number(total)}\n"
 
 
 class _Lines(NamedTuple):
@@ -103,14 +105,17 @@ def _block_lines(snap: BlockSnapshot, gpu: str, kernel: str, openmetrics: bool) 
                      for sm, c in sorted(found.items(), key=lambda kv: _sm_order(kv[0])) if c.score is not None)
     h = snap.classic
     les = [repr(float(x)) for x in h.bounds] + ["+Inf"]
-    gpu_hist = "".join(_histogram_lines(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, per_gpu, h, les, openmetrics))
+    gpu_hist = "".join(_histogram_lines(sc.COLLECTOR_GPU_CTA_DURATION_SECONDS, per_gpu, h.counts, h.exemplars,
+                                        h.sum, les, openmetrics))
     sm_hist = None
     if snap.classic_sm is not None:
-        name, les = sc.COLLECTOR_SM_CTA_DURATION_SECONDS, None
+        name, rows, n = sc.COLLECTOR_SM_CTA_DURATION_SECONDS, snap.classic_sm, len(sms)
+        none = [None] * len(les)
+        exemplars = rows.row_exemplars(n) if openmetrics else [None] * n  # built only where there are some
         parts = []
-        for sm, h in zip(sms, snap.classic_sm):
-            les = les or [repr(float(x)) for x in h.bounds] + ["+Inf"]
-            parts.extend(_histogram_lines(name, f'{per_gpu},{sc.LABEL_SM}="{sm}"', h, les, openmetrics))
+        for sm, counts, total, ex in zip(sms, rows.counts[:n].tolist(), rows.sums[:n].tolist(), exemplars):
+            parts.extend(_histogram_lines(name, f'{per_gpu},{sc.LABEL_SM}="{sm}"', counts, ex or none, total,
+                                          les, openmetrics))
         sm_hist = "".join(parts).encode()
     return _Lines(snap.stamp, p99.encode(), hot_ratio.encode(), hot_sm.encode(), contended.encode(),
                   scores.encode(), gpu_hist.encode(), sm_hist)

@@ -30,6 +30,7 @@ import numpy as np
 from ..instrumentation import semconv as sc
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig
+from .classic_rows import ClassicRows, exemplar_at
 from .contention import ContendedSm, SlotContention, assess, contended_sms
 from .otlp_points import (PointRefused, clamped_time_s, cta_point_histogram, label, points_in,
                           resource_instance)
@@ -77,7 +78,7 @@ class BlockSnapshot(NamedTuple):
     sms: list[str] | None
     p99_s: np.ndarray | None  # per SM over the gauge window (NaN: no CTAs)
     classic: ClassicHistogram | None  # all SMs together, since the start
-    classic_sm: list[ClassicHistogram] | None  # per SM (opt-in)
+    classic_sm: ClassicRows | None  # per SM (opt-in): row i is sms[i]
     # SMs the contention tests flagged in any slot of the gauge window (collector/contention.py)
     contended: dict[str, ContendedSm] | None = None
 
@@ -87,12 +88,7 @@ class BlockSnapshot(NamedTuple):
         return self.sms is not None
 
 
-def _exemplar(cell) -> Exemplar | None:
-    """A block's exemplar cell as an Exemplar (None when empty; numpy strips trailing NULs)."""
-    if cell["value"] != cell["value"]:
-        return None
-    return Exemplar(float(cell["value"]), bytes(cell["trace_id"]).ljust(16, b"\0"),
-                    bytes(cell["span_id"]).ljust(8, b"\0"), int(cell["time"]))
+_exemplar = exemplar_at  # a block's exemplar cell as an Exemplar (None when empty)
 
 
 class _Gpu:
@@ -547,7 +543,7 @@ class SmStore:
                 evidence = [ev for _, ev in block.slot_evidence(first, last)]
                 out.append(BlockSnapshot(key, index, stamp, list(block.sms), block.p99(first, last),
                                          block.classic.copy(),
-                                         [h.copy() for h in block.classic_sm] if block.classic_sm is not None else None,
+                                         block.classic_sm.copy() if block.classic_sm is not None else None,
                                          (num_sms, evidence)))
         config = self.config.contention
         # the tests run outside the lock, on what was read under it (evidence is never changed

@@ -27,7 +27,8 @@ import numpy as np
 from ..instrumentation import ExpHistogram, bucket_point
 from .aggregation_config import WindowConfig
 
-__all__ = ["ClassicHistogram", "Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "subtract_cumulative"]
+__all__ = ["ClassicHistogram", "Exemplar", "SlidingHistogram", "WindowConfig", "merge_all", "rebinned",
+           "subtract_cumulative"]
 
 
 class Exemplar(NamedTuple):
@@ -295,20 +296,9 @@ class ClassicHistogram:
         """Re-bins an exponential histogram (see the module docstring for the error)."""
         self.count += hist.count
         self.sum += hist.sum
-        self.counts[0] += hist.zero_count
-        n = hist.counts.size
-        if n:
-            # Bucket i goes to classic bucket #{bounds < its point}: with the first bucket
-            # index past each bound (cached per scale), one cumsum and a walk over the bounds
-            # (plain ints: cheaper than numpy's per-call overhead for ~16 bounds).
-            cumulative = np.cumsum(hist.counts).tolist()
-            offset, counts, before = hist.offset, self.counts, 0
-            for j, first in enumerate(_first_bucket_above(self.bounds, hist.scale)):
-                k = min(max(first - offset, 0), n)
-                upto = cumulative[k - 1] if k else 0
-                counts[j] += upto - before
-                before = upto
-            counts[-1] += cumulative[-1] - before
+        counts = self.counts
+        for j, n in enumerate(rebinned(self.bounds, hist)):
+            counts[j] += n
         if exemplar is not None:
             self.exemplars[bisect.bisect_left(self.bounds, exemplar.value)] = exemplar
 
@@ -318,6 +308,27 @@ class ClassicHistogram:
         other.sum, other.count = self.sum, self.count
         other.exemplars = list(self.exemplars)
         return other
+
+def rebinned(bounds: tuple[float, ...], hist: ExpHistogram) -> list[int]:
+    """``hist``'s count in each classic bucket over ``bounds`` (plus +Inf; zeros in the first),
+    each of its buckets placed at its representative point (see the module docstring)."""
+    out = [0] * (len(bounds) + 1)
+    out[0] = hist.zero_count
+    n = hist.counts.size
+    if n:
+        # Bucket i goes to classic bucket #{bounds < its point}: with the first bucket index
+        # past each bound (cached per scale), one cumsum and a walk over the bounds (plain
+        # ints: cheaper than numpy's per-call overhead for ~16 bounds).
+        cumulative = np.cumsum(hist.counts).tolist()
+        offset, before = hist.offset, 0
+        for j, first in enumerate(_first_bucket_above(bounds, hist.scale)):
+            k = min(max(first - offset, 0), n)
+            upto = cumulative[k - 1] if k else 0
+            out[j] += upto - before
+            before = upto
+        out[-1] += cumulative[-1] - before
+    return out
+
 
 @functools.lru_cache(maxsize=256)
 def _first_bucket_above(bounds: tuple[float, ...], scale: int) -> tuple[int, ...]:

@@ -48,4 +48,4 @@ def test_a_slot_wider_than_max_buckets_halves_the_resolution():
                     per_sm_classic=True)
     block.merge(1, [block.row("0")], [exp_hist([1e-6, 1e-3])], [None])  # 10 octaves: 640 buckets at scale 6
     assert block.scale <= 2 and block.histograms(1, 1)["0"].count == 2
-    assert block.classic_sm[0].count == 2
+    assert block.classic_sm.histogram(0).count == 2
