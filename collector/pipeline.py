@@ -170,6 +170,11 @@ class Pipeline:
         return self._queue.weight
 
     @property
+    def queued_bytes(self) -> int:
+        """Parsed bytes of the batches queued now."""
+        return self._queue.size_bytes
+
+    @property
     def accepting(self) -> bool:
         return not self._closed
 

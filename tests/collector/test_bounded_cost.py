@@ -275,7 +275,7 @@ def test_the_queue_charges_a_request_its_parsed_size():
             while col.collector.pipeline.depth and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert post(col.http_url + "/v1/traces", next(fresh), PB)[0] == 200  # an empty queue takes any one
-            charged = col.collector.pipeline._bytes
+            charged = col.collector.pipeline.queued_bytes
             assert charged > 3 * len(body), (charged, len(body))
             status, headers, _ = post(col.http_url + "/v1/traces", next(fresh), PB)
             assert status == 429 and headers["Retry-After"] == "1"  # 2 x 0.8 MB on the wire would fit
