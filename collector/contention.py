@@ -8,8 +8,9 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
   (semconv.METRIC_CTA_WIDE; all, when the producer does not count them): the scheduler
   spreads those over every SM, a narrower launch may leave SMs out. Flagged when the lower
   tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM
-  under that line in most of the ring's other slots (some SMs get fewer CTAs on every launch)
-  is held to its own lowest share there instead.
+  under that line in most of the ring's other quiet slots (some SMs get fewer CTAs on every
+  launch) is held to its own lowest share there; until 4 such slots exist the test waits.
+  An SM whose CTAs usually exceed the others' P90 more often is held to its own usual rate.
   The slow test also needs 90 % wide CTAs (narrow launches put the same work on the same SMs).
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
@@ -159,11 +160,17 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
     null_share = 1.0 - REFERENCE_QUANTILE
     with np.errstate(divide="ignore", invalid="ignore"):
         exceed_share = np.where(ctas > 0, exceed / np.maximum(ctas, 1), np.nan)
-        slow_bound = binomial_tail_bound(exceed, ctas, null_share, upper=True)
+        # an SM whose CTAs usually run long (the same work on it launch after launch) is held
+        # to its own usual rate, and its effect floor rises with it
+        null = np.full(len(names), null_share)
+        if evidence.usual_shares is not None:
+            usual_exceed = np.concatenate([evidence.usual_shares[2], np.full(pad, np.nan)])
+            null = np.fmax(null, np.minimum(usual_exceed, 0.99))
+        slow_bound = binomial_tail_bound(exceed, ctas, null, upper=True)
         # narrow launches place the same CTA (a long sequence's, say) on the same SMs launch
         # after launch: their durations say nothing of the SM, so the test needs wide ones
-        slow = ((slow_bound <= level) & (exceed_share >= config.slow_share) & ~np.isnan(others_q)
-                & (wide >= WIDE_SHARE_FOR_SLOW * total))
+        slow = ((slow_bound <= level) & (exceed_share >= config.slow_share * null / null_share)
+                & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total))
         slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
     if expected is not None:
@@ -175,6 +182,8 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
             upper, lowest = (np.concatenate([row, np.zeros(pad)]) for row in evidence.usual_shares[:2])
             structural = upper < config.starve_ratio / num_sms
             share = np.where(structural, np.minimum(lowest, share), share)
+            if np.isnan(evidence.usual_shares[0]).all():
+                share[:] = np.nan   # the usual shares not known yet: the test waits for them
         with np.errstate(invalid="ignore"):
             # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
             starve_bound = np.where(np.isnan(share), 1.0, binomial_tail_bound(ctas, wide, share, upper=False))

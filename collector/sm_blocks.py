@@ -323,13 +323,13 @@ class SmBlock:
         return SlotEvidence(self.s_count[s, :n].copy(), self.s_exceed[s, :n].copy(), self.s_q[s, :n].copy(),
                             self.s_others_q[s, :n].copy(), wide, usual)
 
-    def _usual_shares(self, s: int) -> np.ndarray | None:
+    def _usual_shares(self, s: int) -> np.ndarray:
         """[3, SMs]: each SM's share of the kernel's CTAs over the ring's other quiet slots
         (at least ``USUAL_SHARE_MIN_CTAS`` wide CTAs per SM; at most ``QUIET_SLOW_SHARE`` of
         the SMs with ``QUIET_EXCEED`` of their CTAs above the others' P90: no neighbour on a
         group of SMs), its median and its lowest, and the median share of its CTAs above the
-        others' P90 there (collector/contention.py reads them); None
-        while fewer than ``USUAL_SLOTS`` qualify."""
+        others' P90 there (collector/contention.py reads them); NaN while fewer than
+        ``USUAL_SLOTS`` qualify (not known yet: the starved test waits)."""
         n = len(self.sms)
         counts = self.s_count[:, :n]
         totals = counts.sum(axis=1)
@@ -337,7 +337,7 @@ class SmBlock:
         use = (self.s_epoch >= 0) & (wide >= USUAL_SHARE_MIN_CTAS * max(n, 1)) & (totals > 0)
         use[s] = False
         if int(use.sum()) < USUAL_SLOTS or not n:
-            return None
+            return np.full((3, n), np.nan)
         details = {d.epoch: d for d in self._detail if d is not None}
         exceed_share = np.full(counts.shape, np.nan)
         for j in np.flatnonzero(use).tolist():
@@ -348,7 +348,7 @@ class SmBlock:
             if (exceed_share[j, busy] >= QUIET_EXCEED).sum() > QUIET_SLOW_SHARE * n:
                 use[j] = False
         if int(use.sum()) < USUAL_SLOTS:
-            return None
+            return np.full((3, n), np.nan)
         shares = counts[use] / totals[use, None]
         with np.errstate(all="ignore"):
             usual_exceed = np.nanmedian(exceed_share[use], axis=0) if np.isfinite(exceed_share[use]).any() \
