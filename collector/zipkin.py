@@ -31,7 +31,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from ..instrumentation import semconv as sc
 from .decoding import Decoded
 from .ingest import IngestError, load_json
-from .otlp_http import Handler, HttpIngestReceiver
+from .receiver_base import Handler, HttpIngestReceiver
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
 
