@@ -35,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from ..instrumentation import base64_to_hex, convert_ids
 from ..instrumentation import semconv as sc
-from .decoding import Decoded, count_data_points, count_spans, decode_protobuf
+from .decoding import Decoded, count_data_points, count_spans, decode_protobuf, decoded_traces
 from .ingest import IngestError, load_json
 from .receiver_base import JSON_TYPE, Handler, HttpIngestReceiver, error_response
 
@@ -108,9 +108,10 @@ class OtlpHttpReceiver(HttpIngestReceiver):
         if signal == "traces":
             message = parse_otlp_json(body, ExportTraceServiceRequest, self._limits.max_json_depth)
             items = count_spans(message)
-        else:
-            message = parse_otlp_json(body, ExportMetricsServiceRequest, self._limits.max_json_depth)
-            items = count_data_points(message)
+            limits.check_items(items, signal)
+            return decoded_traces(message, items, limits.json_parsed_bytes(len(body), values))
+        message = parse_otlp_json(body, ExportMetricsServiceRequest, self._limits.max_json_depth)
+        items = count_data_points(message)
         limits.check_items(items, signal)
         return Decoded(message, items, limits.json_parsed_bytes(len(body), values))
 

@@ -133,8 +133,7 @@ class HttpIngestReceiver:
                 else:
                     decoded = await asyncio.get_running_loop().run_in_executor(
                         self._decoder, self._inflate_and_decode, raw, encoding, signal, as_json)
-                self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
-                                    decoded.encoded, decoded.variants, decoded.fingerprints)
+                self._intake.accept(self.receiver, signal, decoded)
             finally:
                 self._inflight.leave()
         except IngestError as error:

@@ -29,7 +29,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ..instrumentation import semconv as sc
-from .decoding import Decoded
+from .decoding import Decoded, decoded_traces
 from .ingest import IngestError, load_json
 from .receiver_base import Handler, HttpIngestReceiver
 
@@ -254,7 +254,7 @@ class ZipkinReceiver(HttpIngestReceiver):
         if isinstance(document, list):
             limits.check_items(len(document), signal)
         request, variants = _convert(document)
-        return Decoded(request, len(document), limits.json_parsed_bytes(len(body), values), variants=variants)
+        return decoded_traces(request, len(document), limits.json_parsed_bytes(len(body), values), variants)
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
         return web.Response(status=202)
