@@ -510,8 +510,11 @@ class SpanSeries:
         if it came before the stop."""
         first = second = also = None
         first_at = second_at = -1
+        hot = self._hot_attribute
         for k, raw in enumerate(attrs):
-            key, value = self._hot_attribute(raw)
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _HOT_KEY_BYTES:
+                continue  # not a hot key, told from its bytes (as _hot_attribute would, without the call)
+            key, value = hot(raw)
             if key == first_key:
                 first, first_at = value, k
                 if second is not None:

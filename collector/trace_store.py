@@ -1,19 +1,18 @@
 """A bounded store of recent traces, indexed for request roots, steps and span links.
 
-``add_request`` takes a decoded export request (:mod:`.decoded_traces`: the one parse);
-with ``defer_index`` (the default) it only queues it, and the index (trace id -> spans,
-request roots, steps, links both ways) is built when a query first needs it
-(:meth:`TraceStore.read`). A kept span is the decoded request's own span: nothing is parsed
-or encoded again (a query decodes the attribute values of the spans it returns).
+``add_request`` takes a decoded export request (:mod:`.decoded_traces`: the one parse); with
+``defer_index`` (the default) it only queues it, and the index (trace id -> spans, request
+roots, steps, links both ways) is built when a query first needs it (:meth:`TraceStore.read`).
+A kept span is its decoded request's own span: nothing is parsed or encoded again.
 
 Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one trace,
 ``max_spans`` indexed spans, and ``max_bytes`` of requests (their encoded size) queued or
 holding a kept span (a kept span holds its whole request); when a bound is reached the
 *oldest trace* (by first indexing) is evicted whole, then the oldest queued requests; spans
 past a trace's own bound count in ``dropped_spans``. A link to a trace evicted (or never
-received) is not returned. Cost: memory: the decoded requests (~1.2x ``max_bytes``) plus
-an index object per kept span; per span a few field reads and dict operations, on the
-first query (``defer_index``; ingest: a deque append) or on ingest. Thread-safe: one lock.
+received) is not returned. Cost: memory: the decoded requests (~2.5x ``max_bytes``) plus an
+index object per kept span; per span a few field reads and dict operations, on the first
+query (``defer_index``; ingest: a deque append) or on ingest. Thread-safe: one lock.
 """
 
 from __future__ import annotations
@@ -89,16 +88,15 @@ class StoredSpan:
     itself (a message of its request, read when a query asks). Nothing read is cached (but a
     root's e2e, a float), so queries never grow the store's memory. Ids are bytes."""
 
-    __slots__ = ("trace_id", "name", "links", "span", "request", "service_name", "instance", "_e2e_s")
+    __slots__ = ("trace_id", "name", "links", "span", "held", "service_name", "instance", "_e2e_s")
 
-    def __init__(self, span, service_name: str = "", instance: str = "unknown",
-                 request: _HeldRequest | None = None) -> None:
+    def __init__(self, span, held: _HeldRequest, service_name: str = "", instance: str = "unknown") -> None:
         self.trace_id: bytes = span.trace_id
         self.name: str = span.name
         self.links: tuple[tuple[bytes, bytes], ...] = (
             tuple((link.trace_id, link.span_id) for link in span.links) if len(span.links) else ())
         self.span = span
-        self.request = request  # the store's record of the request the span came in
+        self.held = held  # the store's record of the export request the span came in
         self.service_name = service_name
         self.instance = instance  # the producer: service.instance.id, else host.name
         self._e2e_s: float | None = None
@@ -276,7 +274,7 @@ class TraceStore:
             trace.dropped_spans += 1
             self.dropped_spans += 1
             return
-        stored = StoredSpan(span, service_name, instance, held)
+        stored = StoredSpan(span, held, service_name, instance)
         trace.spans.append(stored)
         self._num_spans += 1
         if not held.kept:
@@ -319,7 +317,7 @@ class TraceStore:
         trace_id, trace = self._traces.popitem(last=False)
         self._num_spans -= len(trace.spans)
         for stored in trace.spans:
-            held = stored.request
+            held = stored.held
             held.kept -= 1
             if not held.kept:  # its request's last kept span: the request can go
                 self.held_bytes -= held.size

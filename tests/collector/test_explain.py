@@ -306,7 +306,7 @@ def test_trace_store_total_span_bound():
 def _held(store) -> int:
     """What held_bytes must be: the encoded size of the queued requests and of every request
     holding a kept span (counted once however many of its spans are kept)."""
-    holding = {id(s.request): s.request.size for t in store._traces.values() for s in t.spans}
+    holding = {id(s.held): s.held.size for t in store._traces.values() for s in t.spans}
     return sum(size for _, size in store._pending) + sum(holding.values())
 
 
