@@ -27,11 +27,11 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from .admission import Intake
 from .auth import TokenAuth
 from .connection_guard import RateLimitedLog
-from .decoding import INLINE_BYTES, Decoded, count_data_points, count_spans, with_fingerprints
+from .decoding import INLINE_BYTES, Decoded, with_fingerprints
 from .ingest import IngestError, IngestLimits, InflightLimit, content_encoding, inflate, read_raw
 from .request_shape import RequestLimits
 
-__all__ = ["JSON_TYPE", "Handler", "HttpIngestReceiver", "count_data_points", "count_spans", "error_response"]
+__all__ = ["JSON_TYPE", "Handler", "HttpIngestReceiver", "error_response", "refusal_headers"]
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +62,21 @@ _GRPC_CODE_FOR_HTTP = {
 }
 
 
+def refusal_headers(error: IngestError, retry_after_s: int) -> dict[str, str]:
+    """The headers every HTTP refusal carries: ``Retry-After`` on 429 and 503 (retry later),
+    the bearer challenge on 401."""
+    headers = {}
+    if error.status in (429, 503):
+        headers["Retry-After"] = str(retry_after_s)
+    if error.status == 401:
+        headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
+    return headers
+
+
 def error_response(error: IngestError, *, as_json: bool, retry_after_s: int) -> web.Response:
     """An OTLP error response: google.rpc.Status in the request's encoding."""
     retry = retry_after_s if error.status in (429, 503) else None
-    headers = {}
-    if retry is not None:
-        headers["Retry-After"] = str(retry)
-    if error.status == 401:
-        headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
+    headers = refusal_headers(error, retry_after_s)
     body = _status_body(_GRPC_CODE_FOR_HTTP.get(error.status, code_pb2.UNKNOWN), error.message,
                         as_json=as_json, retry_after_s=retry)
     return web.Response(status=error.status, body=body, headers=headers,

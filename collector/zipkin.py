@@ -31,7 +31,7 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from ..instrumentation import semconv as sc
 from .decoding import Decoded, decoded_traces
 from .ingest import IngestError, load_json
-from .receiver_base import Handler, HttpIngestReceiver
+from .receiver_base import Handler, HttpIngestReceiver, refusal_headers
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
 
@@ -260,9 +260,5 @@ class ZipkinReceiver(HttpIngestReceiver):
         return web.Response(status=202)
 
     def _refusal(self, error: IngestError, as_json: bool) -> web.Response:
-        headers = {}
-        if error.status in (429, 503):
-            headers["Retry-After"] = str(self._limits.retry_after_s)
-        if error.status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
-        return web.Response(status=error.status, text=error.message + "\n", headers=headers)
+        return web.Response(status=error.status, text=error.message + "\n",
+                            headers=refusal_headers(error, self._limits.retry_after_s))
