@@ -448,16 +448,9 @@ class SpanSeries:
         self.requests_total[total_key] = self.requests_total.get(total_key, 0) + 1
 
     def _on_step(self, span, now: float) -> None:
-        attrs = span.attributes
-        n = len(attrs)
-        i, j = self._prefill_pos, self._decode_pos
-        if i < n and j < n:
-            cache = self._attr_cache
-            hit, hit2 = cache.get(attrs[i]), cache.get(attrs[j])
-            if hit is not None and hit2 is not None and hit[0] == _PREFILL_TOKENS and hit2[0] == _DECODE_TOKENS:
-                self._on_step_phase(span, now, hit[1], hit2[1])
-                return
-        prefill, decode, at_prefill, at_decode, _ = self._scan_pair(attrs, _PREFILL_TOKENS, _DECODE_TOKENS)
+        # The slow path of consume's inlined one (which tried the positions already): a scan
+        # that learns where the token counts are.
+        prefill, decode, at_prefill, at_decode, _ = self._scan_pair(span.attributes, _PREFILL_TOKENS, _DECODE_TOKENS)
         if at_prefill >= 0:
             self._prefill_pos = at_prefill
         if at_decode >= 0:
