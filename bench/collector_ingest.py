@@ -395,10 +395,10 @@ def run_once(target: str, repeat: int, payloads: FreshIds, args, workdir: Path,
 
 
 def _in_process_parse_us(payload: bytes, repeats: int = 50) -> dict[str, float]:
-    """Where the receiver's protobuf time goes, without HTTP: parse, and count."""
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    from sightline.collector.otlp_http import count_spans
+    """Where the receiver's protobuf time goes, without HTTP: parse (into the decoded form the
+    receivers parse into), and count."""
+    from sightline.collector.decoded_traces import DecodedTraceRequest as ExportTraceServiceRequest
+    from sightline.collector.decoding import count_spans
 
     parse = count = float("inf")
     for _ in range(5):  # best of 5: the machine is shared, the minimum is the cost

@@ -69,24 +69,25 @@ class Intake:
         if not self.pipeline.has_room(size_bytes):
             admit(self.pipeline, None)
 
-    def accept(self, receiver: str, signal: Signal, request, items: int, size_bytes: int,
-               encoded: bytes | None = None, variants=None, fingerprints=None) -> None:
-        """Admits ``request`` (``items`` spans or data points) or raises IngestError.
-        ``variants``: per span, what else tells apart spans sharing ids (Zipkin's kind and
-        ``shared``; :func:`.span_ids.with_variants`); ``fingerprints``: the spans'
-        fingerprints, when the decoder computed them already (variants mixed in)."""
+    def accept(self, receiver: str, signal: Signal, decoded: Decoded) -> None:
+        """Admits ``decoded`` (its ``items`` spans or data points) or raises IngestError. Its
+        ``fingerprints`` are computed here when the decoder left them out (variants mixed in:
+        :func:`.span_ids.with_variants`)."""
+        request, items, encoded_bytes = decoded.message, decoded.items, decoded.encoded_bytes
         repeats = 0
         seen = None
         if signal == "traces":
+            fingerprints = decoded.fingerprints
             if fingerprints is None:
-                fingerprints = with_variants(span_fingerprints(request, encoded), variants)
+                fingerprints = with_variants(span_fingerprints(request), decoded.variants)
             seen = self.window.lookup(fingerprints)
             repeats = len(seen.repeats)
             if repeats:
                 remove_spans(request, seen.repeats)
-                encoded = None  # no longer the request's encoding
+                encoded_bytes = None  # no longer the size of the request's encoding
         # a batch of nothing but repeats is counted as acknowledged, never queued
-        admit(self.pipeline, Batch(signal, request, items - repeats, size_bytes, receiver, encoded, repeats))
+        admit(self.pipeline, Batch(signal, request, items - repeats, decoded.parsed_bytes, receiver, encoded_bytes,
+                                   repeats))
         if seen is not None:
             self.window.remember(seen.kept)
             self.metrics.accepted(receiver, items, 0)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from ..instrumentation import ExpHistogram
 from .aggregation_config import AggregationConfig, WindowConfig
 from .cause_counter import SlowRequestCauses
+from .decoded_traces import as_decoded
 from .engine_timeline import EngineTimeline
 from .exposition import AggregatorCollector, ExpositionSnapshot
 from .sm_exposition import SmPage
@@ -70,24 +71,22 @@ class Aggregator:
         return max(self.sm.newest_point_s, self._spans.newest_data_s)
 
     # -- public: ingest -------------------------------------------------------------
-    def consume_traces(self, request, encoded: bytes | None = None) -> int:
-        """Ingests an ``ExportTraceServiceRequest``; returns the number of spans taken.
+    def consume_traces(self, request, encoded_bytes: int | None = None) -> int:
+        """Ingests a :data:`~.decoded_traces.DecodedTraceRequest` (the receivers' one parse;
+        a stock ``ExportTraceServiceRequest``, as replay and tests hand in, is converted
+        first); returns the number of spans taken.
 
-        ``encoded``: the request's protobuf encoding when the caller has it (the OTLP
-        protobuf receivers pass the body they parsed), so the trace store keeps it without
-        encoding the request again. The spans are read from that encoding parsed again in
-        lean form (:class:`~.otlp_points.LeanTraceRequest`, ~0.4 us per span): reading
-        attributes of the full form costs several times that. One lock hold per export
-        request; per span one dict lookup on its name, and a handler only for request roots,
-        steps and kernels."""
-        if encoded is None and self.config.store_traces and self.config.trace_store.defer_index:
-            encoded = request.SerializeToString()  # the trace store would encode it anyway
-        source, lean = self._spans.source(request, encoded)
+        The series and the trace store both read ``request`` itself: nothing parses or
+        encodes it again. ``encoded_bytes``: the size of the encoding it was decoded from,
+        when the receiver knows it (the trace store's bound counts it; else the store asks
+        the message). One lock hold per export request; per span one dict lookup on its name,
+        and a handler only for request roots, steps and kernels."""
+        request = as_decoded(request)
         with self._lock:
-            n = self._spans.consume(source, lean, self.clock(), request)
+            n = self._spans.consume(request, self.clock())
             self.spans_seen += n
         if self.config.store_traces:
-            self.store.add_request(request, encoded)  # O(1) when deferred; its own lock
+            self.store.add_request(request, encoded_bytes)  # O(1) when deferred; its own lock
         return n
 
     def consume_metrics(self, request) -> int:

@@ -110,8 +110,7 @@ class OtlpGrpcReceiver:
                 if call.compressed:
                     body = await decode_body(body, call.encoding, self._limits, self._inflater)
                 decoded = await self._intake.decode(body, signal)  # capped before it is parsed, off the loop
-                self._intake.accept(self.receiver, signal, decoded.message, decoded.items, decoded.parsed_bytes,
-                                    decoded.encoded, fingerprints=decoded.fingerprints)
+                self._intake.accept(self.receiver, signal, decoded)
             finally:
                 self._inflight.leave()
             return

@@ -5,30 +5,24 @@ label string cut at ``MAX_LABEL_CHARS``. ``cta_point_histogram`` checks one
 ``gpu.kernel.cta.duration`` exponential-histogram point (:mod:`.point_check`) and turns it
 into an ``ExpHistogram``, or raises :class:`PointRefused` whose ``reason`` is the
 ``dropped`` label the aggregator counts; ``points_in`` is a metric's data-point count.
-``LeanTraceRequest`` parses an encoded ``ExportTraceServiceRequest`` keeping only what the
-span distributions read (ids, name, times, status code, each attribute as its raw encoded
-``KeyValue``); it is wire-compatible by construction (OTLP trace.proto's field numbers).
 
 Cost: O(buckets) numpy work per point, with no copy of a point's counts when it is at most
-``max_buckets`` wide; a lean span is a few bytes objects instead of a tree of upb wrappers.
+``max_buckets`` wide; a value read builds one upb wrapper per message it passes through.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
-
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-from opentelemetry.proto.common.v1.common_pb2 import KeyValue
 
 from ..instrumentation import semconv
 from ..instrumentation import MAX_SCALE, ExpHistogram
 from .point_check import PointRefused, check_exp_point
 
-__all__ = ["MAX_LABEL_CHARS", "LeanTraceRequest", "PointRefused", "any_value", "clamped_time_s",
-           "cta_point_histogram", "decode_attribute", "label", "lean_trace_request_class", "num",
-           "points_in", "resource_instance"]
+__all__ = ["MAX_LABEL_CHARS", "PointRefused", "any_value", "clamped_time_s", "cta_point_histogram", "label",
+           "num", "points_in", "resource_instance"]
 
 MAX_LABEL_CHARS = 256  # a label value past this is cut (C++ kernel names run long)
 _MIN_LOG2_S, _MAX_LOG2_S = -40.0, 20.0
@@ -142,51 +136,3 @@ def _point_hist(point, counts: np.ndarray, max_buckets: int, scale: int) -> ExpH
     hist.add_buckets(scale, offset, counts, zeros, int(point.count), float(point.sum),
                      float(minimum), float(maximum))
     return hist
-
-
-def decode_attribute(raw: bytes) -> tuple[str, object]:
-    """``(key, AnyValue)`` of one encoded ``KeyValue`` (a lean span's attribute)."""
-    kv = KeyValue.FromString(raw)
-    return kv.key, kv.value
-
-
-def lean_trace_request_class(package: str, span_fields: list[tuple]) -> type:
-    """A message class that reads an encoded ``ExportTraceServiceRequest`` keeping only
-    ``span_fields`` of each span: ``(name, number, FieldDescriptorProto type, repeated,
-    message type name or None)``, numbers and wire types as in OTLP's trace.proto; a
-    ``Status`` message (its ``code``) may be referred to. Everything else is unknown fields."""
-    f = descriptor_pb2.FieldDescriptorProto
-    file = descriptor_pb2.FileDescriptorProto(name=package.replace(".", "_") + ".proto",
-                                              package=package, syntax="proto3")
-
-    def message(name, fields):
-        m = file.message_type.add(name=name)
-        for field_name, number, kind, repeated, type_name in fields:
-            field = m.field.add(name=field_name, number=number, type=kind,
-                                label=f.LABEL_REPEATED if repeated else f.LABEL_OPTIONAL)
-            if type_name:
-                field.type_name = f".{package}.{type_name}"
-
-    message("Status", [("code", 3, f.TYPE_INT32, False, None)])
-    message("Span", span_fields)
-    message("ScopeSpans", [("spans", 2, f.TYPE_MESSAGE, True, "Span")])
-    message("ResourceSpans", [("scope_spans", 2, f.TYPE_MESSAGE, True, "ScopeSpans")])
-    message("Request", [("resource_spans", 1, f.TYPE_MESSAGE, True, "ResourceSpans")])
-    pool = descriptor_pool.DescriptorPool()
-    pool.Add(file)
-    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"{package}.Request"))
-
-
-_FieldType = descriptor_pb2.FieldDescriptorProto  # its TYPE_* constants
-# With the upb backend every nested message read from Python builds a wrapper object, so
-# reading two attributes of a full span costs several wrappers; here an attribute is one
-# bytes object, and a reader decodes (``decode_attribute``) only the ones it wants.
-LeanTraceRequest = lean_trace_request_class("sightline.collector.lean", [
-    ("trace_id", 1, _FieldType.TYPE_BYTES, False, None),
-    ("span_id", 2, _FieldType.TYPE_BYTES, False, None),
-    ("name", 5, _FieldType.TYPE_STRING, False, None),
-    ("kind", 6, _FieldType.TYPE_INT32, False, None),
-    ("start_time_unix_nano", 7, _FieldType.TYPE_FIXED64, False, None),
-    ("end_time_unix_nano", 8, _FieldType.TYPE_FIXED64, False, None),
-    ("attributes", 9, _FieldType.TYPE_BYTES, True, None),  # each an encoded KeyValue
-    ("status", 15, _FieldType.TYPE_MESSAGE, False, "Status")])

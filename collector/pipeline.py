@@ -37,7 +37,7 @@ Signal = Literal["traces", "metrics"]
 class Sink(Protocol):
     """What the pipeline feeds: the aggregator (or ``DiscardSink`` in benchmarks)."""
 
-    def consume_traces(self, request: Any, encoded: bytes | None = None) -> int: ...
+    def consume_traces(self, request: Any, encoded_bytes: int | None = None) -> int: ...
 
     def consume_metrics(self, request: Any) -> int: ...
 
@@ -45,7 +45,7 @@ class Sink(Protocol):
 class DiscardSink:
     """Accepts and forgets (reports 0 aggregated). The counterpart of rotel's blackhole exporter."""
 
-    def consume_traces(self, request: Any, encoded: bytes | None = None) -> int:
+    def consume_traces(self, request: Any, encoded_bytes: int | None = None) -> int:
         return 0
 
     def consume_metrics(self, request: Any) -> int:
@@ -59,8 +59,8 @@ class Batch:
     ``request`` is the parsed ExportTraceServiceRequest / ExportMetricsServiceRequest;
     ``items`` its span or data-point count (counted once, by the receiver);
     ``size_bytes`` the decoded payload size, the queue's memory accounting unit;
-    ``encoded`` the protobuf bytes ``request`` was parsed from (None for JSON and Zipkin),
-    handed to the sink so the trace store keeps them instead of encoding the request again;
+    ``encoded_bytes`` the size of the protobuf body ``request`` was decoded from (None for
+    JSON and Zipkin), handed to the sink: the trace store's bound counts it;
     ``repeats`` the spans acknowledged with it as repeats of spans already admitted (removed
     from ``request``: a batch of nothing but repeats is counted, never queued).
     """
@@ -70,7 +70,7 @@ class Batch:
     items: int
     size_bytes: int
     receiver: str
-    encoded: bytes | None = None
+    encoded_bytes: int | None = None
     repeats: int = 0
 
 
@@ -244,10 +244,10 @@ class Pipeline:
         started = time.perf_counter()
         try:
             if batch.signal == "traces":
-                if batch.encoded is None:
+                if batch.encoded_bytes is None:
                     counted = self._sink.consume_traces(batch.request)
                 else:
-                    counted = self._sink.consume_traces(batch.request, batch.encoded)
+                    counted = self._sink.consume_traces(batch.request, batch.encoded_bytes)
             else:
                 counted = self._sink.consume_metrics(batch.request)
         except Exception:  # the aggregator's bug must not kill the worker

@@ -215,7 +215,7 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     ``time_map``: that of an earlier replay of the same capture (e.g. its metrics first,
     then its spans), instead of one anchored now."""
     from ..instrumentation import read_capture
-    from .otlp_http import count_data_points, count_spans
+    from .decoding import count_data_points, count_spans
 
     config = config or ReplayConfig()
     path = Path(path)

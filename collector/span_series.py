@@ -10,8 +10,9 @@ kernel); ``engine.step.rank`` spans give each tensor-parallel step's straggler
 the limit, counted in ``overflow``); a full table first lets go of its series idle past the
 window horizon (counted in ``evicted``). Future timestamps are clamped to the collector's
 clock. Not thread-safe: the owner (:class:`~.aggregator.Aggregator`) holds its lock around
-every call and read. Cost per span: one dict lookup on the name, and for the spans that feed
-a distribution a read of their few attributes, folded in once per export request.
+every call and read. Spans are read from the decoded request (:mod:`.decoded_traces`: each
+attribute still encoded). Cost per span: one dict lookup on the name; a kernel or step span
+reads two cached attributes where they were last found; values fold in once per request.
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ from collections.abc import Callable
 
 from ..instrumentation import semconv as sc
 from .aggregation_config import AggregationConfig, WindowConfig
-from .otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, LeanTraceRequest, clamped_time_s, decode_attribute,
-                          label as _label, num as _num, resource_instance)
+from .decoded_traces import decode_attribute
+from .otlp_points import (MAX_LABEL_CHARS as _MAX_LABEL_CHARS, clamped_time_s, label as _label, num as _num,
+                          resource_instance)
 from .stragglers import StragglerSeries
 from .trace_store import REQUEST_SPAN_NAMES
 from .windows import ClassicHistogram, Exemplar, SlidingHistogram
@@ -58,23 +60,10 @@ class SpanRole(enum.IntEnum):
 _REQUEST, _STEP, _KERNEL, _RANK = SpanRole.REQUEST, SpanRole.STEP, SpanRole.KERNEL, SpanRole.RANK
 _RANK_KEYS = {sc.TP_RANK: "rank", sc.TP_SIZE: "size", sc.RANK_COMPUTE_S: "compute",
               sc.RANK_COLLECTIVE_WAIT_S: "wait"}
-_KERNEL_NAME_BYTES = sc.SPAN_KERNEL_PREFIX.encode()
-_LEAN_MIN_KERNEL_SHARE_INV = 5  # lean parse when >= 1/5 of the spans look like kernel spans
 # Exemplar(...) goes through NamedTuple's Python-level __new__ (~0.6 us); this is ~0.25 us.
 _exemplar = functools.partial(tuple.__new__, Exemplar)
 # finish_reason values the counter keeps; anything else is "other" (bounded cardinality)
 _FINISH_REASONS = frozenset({"stop", "length", "abort", "error", "unknown", "tool_calls", "content_filter"})
-
-
-def _kernel_spans_estimate(encoded: bytes) -> float:
-    """Kernel span names in ``encoded``, counted in 4 evenly spread 4 KiB samples and scaled
-    (~15 us for a 150 KB request; counting it all costs ~100 us)."""
-    size = len(encoded)
-    if size <= 4 * 4096:
-        return encoded.count(_KERNEL_NAME_BYTES)
-    step = size // 4
-    hits = sum(encoded.count(_KERNEL_NAME_BYTES, i * step, i * step + 4096) for i in range(4))
-    return hits * size / (4 * 4096)
 
 
 def _priority_label(value) -> str:
@@ -140,9 +129,15 @@ class _LatencySeries:
         self.window.record_many(values, self.epoch, slowest)
 
 
-_REQUEST_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
-                           sc.REQUEST_TTFT_S, sc.REQUEST_TPOT_S, sc.REQUEST_QUEUE_S, sc.REQUEST_E2E_S,
-                           sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
+# What a request span's series read (in _on_request_attributes), each with whether it is a
+# label: label values repeat, so their decoded form is cached by their encoding; latencies
+# are unique and decoded each time. Adding a request attribute: one line here, and its use.
+_REQUEST_ATTRIBUTES = {sc.GEN_AI_REQUEST_MODEL: True, sc.GEN_AI_RESPONSE_MODEL: True, sc.REQUEST_PRIORITY: True,
+                       sc.GEN_AI_RESPONSE_FINISH_REASONS: True, sc.ERROR_TYPE: True, sc.REQUEST_TTFT_S: False,
+                       sc.REQUEST_TPOT_S: False, sc.REQUEST_QUEUE_S: False, sc.REQUEST_E2E_S: False}
+_REQUEST_KEYS = frozenset(_REQUEST_ATTRIBUTES)
+_REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
+_LABEL_KEYS = frozenset(key for key, is_label in _REQUEST_ATTRIBUTES.items() if is_label)
 _MODEL, _RESPONSE_MODEL, _PRIORITY = sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY
 _PREFILL_TOKENS, _DECODE_TOKENS = sc.STEP_PREFILL_TOKENS, sc.STEP_DECODE_TOKENS
 _KERNEL_NAME, _GPU_ID = sc.CUDA_KERNEL_NAME, sc.HW_GPU_ID
@@ -152,11 +147,6 @@ _KERNEL_PREFIX_CHARS = len(sc.SPAN_KERNEL_PREFIX)
 _HOT_ATTRIBUTES: dict[str, Callable] = {
     sc.CUDA_KERNEL_NAME: lambda v: v.string_value[:_MAX_LABEL_CHARS], sc.HW_GPU_ID: _label,
     sc.CUDA_DEVICE: _label, _PREFILL_TOKENS: lambda v: _num(v) or 0.0, _DECODE_TOKENS: lambda v: _num(v) or 0.0}
-_REQUEST_KEY_BYTES = frozenset(key.encode() for key in _REQUEST_KEYS)
-# Request attributes read as labels: their values repeat, so the decoded form is cached by
-# the encoding (the latency values are unique and decoded each time).
-_LABEL_KEYS = frozenset({sc.GEN_AI_REQUEST_MODEL, sc.GEN_AI_RESPONSE_MODEL, sc.REQUEST_PRIORITY,
-                         sc.GEN_AI_RESPONSE_FINISH_REASONS, sc.ERROR_TYPE})
 _HOT_KEY_BYTES = frozenset(key.encode() for key in _HOT_ATTRIBUTES)
 _MAX_ATTRIBUTE_CACHE = 4_096  # entries; cleared when full (a few hundred bytes each)
 _REQUEST_FAMILIES = (("ttft", sc.REQUEST_TTFT_S), ("tpot", sc.REQUEST_TPOT_S), ("queue", sc.REQUEST_QUEUE_S),
@@ -168,8 +158,6 @@ _MIN_END_NS, _MAX_END_NS = 946_684_800 * 10**9, 4_102_444_800 * 10**9  # 2000-01
 _MAX_SPAN_NS = 86_400 * 10**9
 _MAX_LATENCY_S = 86_400.0
 _CLIENT = 3  # Span.SPAN_KIND_CLIENT: a caller's view of a request (Zipkin's other half), not the request
-# A marked step's attribute as encoders write it (key, then value): found in a lean span's
-# encoded attributes by one list membership test, nothing decoded.
 
 
 class SpanSeries:
@@ -200,12 +188,9 @@ class SpanSeries:
         self._dispatch[sc.SPAN_ENGINE_STEP] = _STEP
         self._dispatch[sc.SPAN_RANK_STEP] = _RANK
         self.stragglers = StragglerSeries(config.stragglers, config.window, dropped, overflow)
-        # Handlers by kind, for spans read from the lean parse and from the full request.
-        self._lean_handlers = (None, self._on_request, self._on_step, self._on_kernel, self._on_rank)
-        self._full_handlers = (None, self._on_request_full, self._on_step_full, self._on_kernel_full,
-                               self._on_rank)
-        # the export request being consumed (its full form: resources) and the index of the
-        # resource whose spans are read now, for the handlers that need the producer
+        self._handlers = (None, self._on_request, self._on_step, self._on_kernel, self._on_rank)  # by kind
+        # the export request being consumed and the index of the resource whose spans are
+        # read now, for the handlers that need the producer
         self._request = None
         self._resource_index = 0
         self._instances: dict[int, str] = {}
@@ -218,27 +203,11 @@ class SpanSeries:
         self._attr_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, decoded)
         self._label_cache: dict[bytes, tuple[str, object]] = {}  # encoded KeyValue -> (key, AnyValue)
 
-    def source(self, request, encoded: bytes | None) -> tuple[object, bool]:
-        """What to read the spans from: ``(lean re-parse of encoded, True)`` when enough spans
-        look like kernel spans, else ``(request, False)``. Needs no lock."""
-        # The lean parse pays off when many spans have attributes to read: kernel spans.
-        # With upb every nested message read from Python builds a wrapper object; the lean
-        # form (otlp_points.LeanTraceRequest) holds attributes as raw bytes, the hot ones
-        # decoded once and cached, kernel name and GPU id read at the positions they were
-        # last found. (A byte count: it only picks the faster path, both give the same state.)
-        total = sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
-        if encoded is not None and _kernel_spans_estimate(encoded) * _LEAN_MIN_KERNEL_SHARE_INV >= total:
-            try:
-                return LeanTraceRequest.FromString(encoded), True
-            except Exception:  # not the encoding of ``request`` (a caller's mistake): read the full form
-                log.debug("encoding refused by the lean parse", exc_info=True)
-        return request, False
-
-    def consume(self, source, lean: bool, now: float, request=None) -> int:
-        """Takes every span of ``source`` (from :meth:`source`); returns the number of spans
-        seen. Pending values are flushed before returning, even when an error escapes.
-        ``request``: the full form of a lean ``source`` (its resources name the producers)."""
-        handlers = self._lean_handlers if lean else self._full_handlers
+    def consume(self, request, now: float) -> int:
+        """Takes every span of ``request`` (a :data:`~.decoded_traces.DecodedTraceRequest`);
+        returns the number of spans seen. Pending values are flushed before returning, even
+        when an error escapes."""
+        handlers = self._handlers
         cache = self._attr_cache
         n = 0
         dispatch = self._dispatch
@@ -247,10 +216,10 @@ class SpanSeries:
         slot_s = self._slot_s
         touched = self._touched = {}
         newest = self.newest_data_s
-        self._request = request if lean else source
+        self._request = request
         self._instances = {}
         try:
-            for ri, rs in enumerate(source.resource_spans):
+            for ri, rs in enumerate(request.resource_spans):
                 self._resource_index = ri
                 for ss in rs.scope_spans:
                     spans = ss.spans
@@ -264,7 +233,7 @@ class SpanSeries:
                         if not kind:
                             continue
                         try:
-                            if kind == _REQUEST or not lean:
+                            if kind == _REQUEST:
                                 handlers[kind](span, now)
                                 continue
                             # Kernel and step spans (most of the spans that feed a series): the
@@ -339,10 +308,10 @@ class SpanSeries:
         return n
 
     def _on_rank(self, span, now: float) -> None:
-        """A tensor-parallel rank's part of a step (lean or full form): to the stragglers."""
+        """A tensor-parallel rank's part of a step: to the stragglers."""
         got = {}
         for raw in span.attributes:
-            key, value = decode_attribute(raw) if isinstance(raw, bytes) else (raw.key, raw.value)
+            key, value = decode_attribute(raw)
             name = _RANK_KEYS.get(key)
             if name is not None:
                 got[name] = _num(value)
@@ -358,9 +327,7 @@ class SpanSeries:
         ri = self._resource_index
         instance = self._instances.get(ri)
         if instance is None:
-            request = self._request
-            instance = self._instances[ri] = (resource_instance(request.resource_spans[ri].resource)
-                                              if request is not None else "unknown")
+            instance = self._instances[ri] = resource_instance(self._request.resource_spans[ri].resource)
         return instance
 
     def _drop(self, reason: str, n: int = 1) -> None:
@@ -408,22 +375,12 @@ class SpanSeries:
             self.newest_data_s = t
         return t
 
-    def _on_request_full(self, span, now: float) -> None:
-        if span.kind == _CLIENT:
-            return
-        got: dict[str, object] = {}
-        for kv in span.attributes:  # each attribute costs a wrapper object: one pass, keys once
-            key = kv.key
-            if key in _REQUEST_KEYS:
-                got[key] = kv.value
-        self._on_request_attributes(span, now, got)
-
     def _on_request(self, span, now: float) -> None:
         if span.kind == _CLIENT:
             return
         got: dict[str, object] = {}
         cache = self._label_cache
-        for raw in span.attributes:  # encoded KeyValues (lean span): decode the wanted ones
+        for raw in span.attributes:  # encoded KeyValues: decode the wanted ones
             if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _REQUEST_KEY_BYTES:
                 continue  # key first and short (the encoders' way): not wanted, told from its bytes
             hit = cache.get(raw)
@@ -493,32 +450,10 @@ class SpanSeries:
         total_key = (key[0], key[1], reason if key[0] != OVERFLOW else OVERFLOW)
         self.requests_total[total_key] = self.requests_total.get(total_key, 0) + 1
 
-    def _on_step_full(self, span, now: float) -> None:
-        prefill = decode = None
-        attrs = span.attributes
-        for kv in attrs:
-            key = kv.key
-            if key == _PREFILL_TOKENS:
-                prefill = _num(kv.value) or 0.0
-                if decode is not None:
-                    break
-            elif key == _DECODE_TOKENS:
-                decode = _num(kv.value) or 0.0
-                if prefill is not None:
-                    break
-        self._on_step_phase(span, now, prefill, decode)
-
     def _on_step(self, span, now: float) -> None:
-        attrs = span.attributes
-        n = len(attrs)
-        i, j = self._prefill_pos, self._decode_pos
-        if i < n and j < n:
-            cache = self._attr_cache
-            hit, hit2 = cache.get(attrs[i]), cache.get(attrs[j])
-            if hit is not None and hit2 is not None and hit[0] == _PREFILL_TOKENS and hit2[0] == _DECODE_TOKENS:
-                self._on_step_phase(span, now, hit[1], hit2[1])
-                return
-        prefill, decode, at_prefill, at_decode, _ = self._scan_pair(attrs, _PREFILL_TOKENS, _DECODE_TOKENS)
+        # The slow path of consume's inlined one (which tried the positions already): a scan
+        # that learns where the token counts are.
+        prefill, decode, at_prefill, at_decode, _ = self._scan_pair(span.attributes, _PREFILL_TOKENS, _DECODE_TOKENS)
         if at_prefill >= 0:
             self._prefill_pos = at_prefill
         if at_decode >= 0:
@@ -537,25 +472,9 @@ class SpanSeries:
                 series = self.steps[phase] = _LatencySeries(self._wc, sc.STEP_BUCKETS_S)
         self._record_duration(series, span, now)
 
-    def _on_kernel_full(self, span, now: float) -> None:
-        gpu = device = kernel = None
-        for kv in span.attributes:  # kernel spans carry a dozen attributes: stop at the two
-            key = kv.key
-            if key == _GPU_ID:
-                gpu = _label(kv.value)
-                if kernel is not None:
-                    break
-            elif key == _KERNEL_NAME:
-                kernel = kv.value.string_value[:_MAX_LABEL_CHARS]
-                if gpu is not None:
-                    break
-            elif key == sc.CUDA_DEVICE:
-                device = _label(kv.value)
-        self._on_kernel_labels(span, now, gpu or device or "unknown", kernel)
-
     def _on_kernel(self, span, now: float) -> None:
-        # The slow path of consume_traces's inlined one: a position missed, an odd value, or
-        # a new series. Scans (learning positions and caching attributes).
+        # The slow path of consume's inlined one: a position missed, an odd value, or a new
+        # series. Scans (learning positions and caching attributes).
         gpu, kernel = self._scan_kernel(span.attributes)
         self._on_kernel_labels(span, now, gpu, kernel)
 
@@ -587,8 +506,11 @@ class SpanSeries:
         if it came before the stop."""
         first = second = also = None
         first_at = second_at = -1
+        hot = self._hot_attribute
         for k, raw in enumerate(attrs):
-            key, value = self._hot_attribute(raw)
+            if raw[:1] == b"\n" and len(raw) > 1 and raw[1] < 0x80 and raw[2:2 + raw[1]] not in _HOT_KEY_BYTES:
+                continue  # not a hot key, told from its bytes (as _hot_attribute would, without the call)
+            key, value = hot(raw)
             if key == first_key:
                 first, first_at = value, k
                 if second is not None:

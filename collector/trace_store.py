@@ -1,18 +1,18 @@
 """A bounded store of recent traces, indexed for request roots, steps and span links.
 
-``add_request`` takes a parsed export request; with ``defer_index`` (the default) it only
-queues the request's encoding, and the index (trace id -> spans, request roots, steps,
-links both ways) is built when a query first needs it (:meth:`TraceStore.read`). Each kept
-span is held as its own protobuf encoding, decoded again only for the spans a query returns.
+``add_request`` takes a decoded export request (:mod:`.decoded_traces`: the one parse); with
+``defer_index`` (the default) it only queues it, and the index (trace id -> spans, request
+roots, steps, links both ways) is built when a query first needs it (:meth:`TraceStore.read`).
+A kept span is its decoded request's own span: nothing is parsed or encoded again.
 
-Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one
-trace, ``max_spans`` indexed spans and ``max_bytes`` encoded bytes (queued requests plus
-kept spans) in all; when a bound is reached the *oldest trace* (by first indexing) is
-evicted whole, then the oldest queued requests; spans beyond a trace's own bound are
-counted in ``dropped_spans``. A link to a trace evicted (or never received) is not returned.
-Cost: memory ``max_bytes`` plus a small index object per kept span; per span one
-``SerializeToString`` and a few dict operations, paid on the query path with ``defer_index``
-(ingest: a deque append), on ingest without. Thread-safe: one lock of its own.
+Guarantees: at most ``max_traces`` traces, ``max_spans_per_trace`` spans in any one trace,
+``max_spans`` indexed spans, and ``max_bytes`` of requests (their encoded size) queued or
+holding a kept span (a kept span holds its whole request); when a bound is reached the
+*oldest trace* (by first indexing) is evicted whole, then the oldest queued requests; spans
+past a trace's own bound count in ``dropped_spans``. A link to a trace evicted (or never
+received) is not returned. Cost: memory: the decoded requests (~2.5x ``max_bytes``) plus an
+index object per kept span; per span a few field reads and dict operations, on the first
+query (``defer_index``; ingest: a deque append) or on ingest. Thread-safe: one lock.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from ..instrumentation import semconv
 from .aggregation_config import TraceStoreConfig
-from .otlp_points import any_value, resource_instance
+from .decoded_traces import as_decoded, attributes
+from .otlp_points import resource_instance
 
 __all__ = ["SpanRecord", "StoredSpan", "Trace", "TraceStore", "TraceStoreConfig", "REQUEST_SPAN_NAMES"]
 
@@ -72,45 +72,54 @@ class SpanRecord:
         }
 
 
+class _HeldRequest:
+    """A decoded request the store holds: its encoded size (what ``max_bytes`` counts) and
+    how many of its spans are kept (a kept span holds the whole request's memory)."""
+
+    __slots__ = ("size", "kept")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.kept = 0
+
+
 class StoredSpan:
-    """A kept span: its trace id, name and links (what indexing needs) plus the span's
-    own protobuf encoding, decoded when a query reads it. Nothing decoded is cached (but a
+    """A kept span: its trace id, name and links (what indexing needs) and the decoded span
+    itself (a message of its request, read when a query asks). Nothing read is cached (but a
     root's e2e, a float), so queries never grow the store's memory. Ids are bytes."""
 
-    __slots__ = ("trace_id", "name", "links", "raw", "service_name", "instance", "_e2e_s")
+    __slots__ = ("trace_id", "name", "links", "span", "held", "service_name", "instance", "_e2e_s")
 
-    def __init__(self, span, service_name: str = "", instance: str = "unknown") -> None:
+    def __init__(self, span, held: _HeldRequest, service_name: str = "", instance: str = "unknown") -> None:
         self.trace_id: bytes = span.trace_id
         self.name: str = span.name
         self.links: tuple[tuple[bytes, bytes], ...] = (
             tuple((link.trace_id, link.span_id) for link in span.links) if len(span.links) else ())
-        self.raw: bytes = span.SerializeToString()
+        self.span = span
+        self.held = held  # the store's record of the export request the span came in
         self.service_name = service_name
         self.instance = instance  # the producer: service.instance.id, else host.name
         self._e2e_s: float | None = None
 
-    def _proto(self):
-        return Span.FromString(self.raw)
-
     @property
     def span_id(self) -> bytes:
-        return self._proto().span_id
+        return self.span.span_id
 
     @property
     def parent_span_id(self) -> bytes:
-        return self._proto().parent_span_id
+        return self.span.parent_span_id
 
     @property
     def start_time_unix_nano(self) -> int:
-        return self._proto().start_time_unix_nano
+        return self.span.start_time_unix_nano
 
     @property
     def end_time_unix_nano(self) -> int:
-        return self._proto().end_time_unix_nano
+        return self.span.end_time_unix_nano
 
     @property
     def duration_s(self) -> float:
-        span = self._proto()
+        span = self.span
         return max(0, span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
 
     @property
@@ -125,18 +134,18 @@ class StoredSpan:
         return self._e2e_s
 
     def record(self) -> SpanRecord:
-        """The decoded span."""
-        span = self._proto()
+        """The span as a record (hex ids, attributes as plain values)."""
+        span = self.span
         return SpanRecord(
             trace_id=self.trace_id.hex(), span_id=span.span_id.hex(),
             parent_span_id=span.parent_span_id.hex(), name=self.name, kind=int(span.kind),
             start_time_unix_nano=int(span.start_time_unix_nano),
             end_time_unix_nano=int(span.end_time_unix_nano), status_code=int(span.status.code),
-            attributes={kv.key: any_value(kv.value) for kv in span.attributes},
+            attributes=attributes(span.attributes),
             links=tuple((t.hex(), s.hex()) for t, s in self.links), service_name=self.service_name,
             status_message=span.status.message,
             events=tuple({"name": e.name, "time_unix_nano": int(e.time_unix_nano),
-                          "attributes": {kv.key: any_value(kv.value) for kv in e.attributes}}
+                          "attributes": attributes(e.attributes)}
                          for e in span.events))
 
     @property
@@ -162,33 +171,33 @@ class TraceStore:
     def __init__(self, config: TraceStoreConfig | None = None) -> None:
         self.config = config or TraceStoreConfig()
         self._lock = threading.Lock()
-        self._pending: deque[bytes] = deque()  # encoded requests waiting (defer_index)
+        self._pending: deque[tuple[object, int]] = deque()  # (request, encoded size) waiting (defer_index)
         self._traces: OrderedDict[bytes, Trace] = OrderedDict()
         self._linked: dict[bytes, set[bytes]] = {}
         self._num_spans = 0
-        self.held_bytes = 0  # encoded bytes: queued requests + kept spans
+        self.held_bytes = 0  # encoded size of the queued requests and of those holding a kept span
         self.evicted_traces = 0
         self.dropped_spans = 0
         self.dropped_requests = 0  # queued requests evicted (bytes bound) before indexing
 
     # -- writing --------------------------------------------------------------------
-    def add_request(self, request, encoded: bytes | None = None) -> None:
-        """Takes an ``ExportTraceServiceRequest``: indexed now, or with ``defer_index``
-        queued as its encoding, to be indexed on the next query. ``encoded`` (the bytes the
-        request was parsed from, when the caller has them) spares encoding it again."""
+    def add_request(self, request, encoded_bytes: int | None = None) -> None:
+        """Takes a :data:`~.decoded_traces.DecodedTraceRequest` (a stock message is converted):
+        indexed now, or with ``defer_index`` queued, to be indexed on the next query.
+        ``encoded_bytes``: the size of the encoding it was decoded from, when the caller knows
+        it (else the message is asked: one size pass)."""
+        request = as_decoded(request)
+        size = encoded_bytes if encoded_bytes is not None else request.ByteSize()
         if self.config.defer_index:
-            # ingest then costs a deque append, or one SerializeToString of the whole request
-            # when no encoding comes with it; read() indexes a bounded chunk per lock hold, so
-            # a long backlog never holds the lock for long
-            if encoded is None:
-                encoded = request.SerializeToString()
+            # ingest then costs a deque append; read() indexes a bounded chunk per lock hold,
+            # so a long backlog never holds the lock for long
             with self._lock:
-                self._pending.append(encoded)
-                self.held_bytes += len(encoded)
+                self._pending.append((request, size))
+                self.held_bytes += size
                 self._evict()
         else:
             with self._lock:
-                self._index_request(request)
+                self._index_request(request, size)
 
     # -- reading --------------------------------------------------------------------
     def read(self, fn: Callable[[TraceStore], T]) -> T:
@@ -234,12 +243,13 @@ class TraceStore:
     def _index_some(self, budget: int) -> bool:
         """Indexes queued requests until about ``budget`` spans are done; True when none is left."""
         while self._pending and budget > 0:
-            encoded = self._pending.popleft()
-            self.held_bytes -= len(encoded)
-            budget -= self._index_request(ExportTraceServiceRequest.FromString(encoded))
+            request, size = self._pending.popleft()
+            self.held_bytes -= size  # counted again once one of its spans is kept
+            budget -= self._index_request(request, size)
         return not self._pending
 
-    def _index_request(self, request) -> int:
+    def _index_request(self, request, size: int) -> int:
+        held = _HeldRequest(size)
         n = 0
         for rs in request.resource_spans:
             service = ""
@@ -250,11 +260,11 @@ class TraceStore:
             instance = resource_instance(rs.resource)
             for ss in rs.scope_spans:
                 for span in ss.spans:
-                    self._add(span, service, instance)
+                    self._add(span, service, instance, held)
                     n += 1
         return n
 
-    def _add(self, span, service_name: str, instance: str) -> None:
+    def _add(self, span, service_name: str, instance: str, held: _HeldRequest) -> None:
         trace_id = span.trace_id
         trace = self._traces.get(trace_id)
         if trace is None:
@@ -264,10 +274,12 @@ class TraceStore:
             trace.dropped_spans += 1
             self.dropped_spans += 1
             return
-        stored = StoredSpan(span, service_name, instance)
+        stored = StoredSpan(span, held, service_name, instance)
         trace.spans.append(stored)
         self._num_spans += 1
-        self.held_bytes += len(stored.raw)
+        if not held.kept:
+            self.held_bytes += held.size
+        held.kept += 1
         name = stored.name
         if name in REQUEST_SPAN_NAMES and span.kind != Span.SPAN_KIND_CLIENT:  # a caller's half is not the root
             trace.request_root = stored
@@ -298,13 +310,17 @@ class TraceStore:
                                 or self.held_bytes > cfg.max_bytes):
             self._evict_oldest_trace()
         while self.held_bytes > cfg.max_bytes and len(self._pending) > 1:
-            self.held_bytes -= len(self._pending.popleft())
+            self.held_bytes -= self._pending.popleft()[1]
             self.dropped_requests += 1
 
     def _evict_oldest_trace(self) -> None:
         trace_id, trace = self._traces.popitem(last=False)
         self._num_spans -= len(trace.spans)
-        self.held_bytes -= sum(len(s.raw) for s in trace.spans)
+        for stored in trace.spans:
+            held = stored.held
+            held.kept -= 1
+            if not held.kept:  # its request's last kept span: the request can go
+                self.held_bytes -= held.size
         self.evicted_traces += 1
         for peer in self._linked.pop(trace_id, ()):
             peers = self._linked.get(peer)

@@ -29,9 +29,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from ..instrumentation import semconv as sc
-from .decoding import Decoded
+from .decoding import Decoded, decoded_traces
 from .ingest import IngestError, load_json
-from .otlp_http import Handler, HttpIngestReceiver
+from .receiver_base import Handler, HttpIngestReceiver, refusal_headers
 
 __all__ = ["ZipkinReceiver", "zipkin_to_otlp"]
 
@@ -254,15 +254,11 @@ class ZipkinReceiver(HttpIngestReceiver):
         if isinstance(document, list):
             limits.check_items(len(document), signal)
         request, variants = _convert(document)
-        return Decoded(request, len(document), limits.json_parsed_bytes(len(body), values), variants=variants)
+        return decoded_traces(request, len(document), limits.json_parsed_bytes(len(body), values), variants)
 
     def _ok(self, signal: str, as_json: bool) -> web.Response:
         return web.Response(status=202)
 
     def _refusal(self, error: IngestError, as_json: bool) -> web.Response:
-        headers = {}
-        if error.status in (429, 503):
-            headers["Retry-After"] = str(self._limits.retry_after_s)
-        if error.status == 401:
-            headers["WWW-Authenticate"] = 'Bearer realm="sightline-collector"'
-        return web.Response(status=error.status, text=error.message + "\n", headers=headers)
+        return web.Response(status=error.status, text=error.message + "\n",
+                            headers=refusal_headers(error, self._limits.retry_after_s))

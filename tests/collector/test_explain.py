@@ -304,8 +304,10 @@ def test_trace_store_total_span_bound():
 
 
 def _held(store) -> int:
-    """What held_bytes must be: queued encoded requests plus every kept span's encoding."""
-    return sum(map(len, store._pending)) + sum(len(s.raw) for t in store._traces.values() for s in t.spans)
+    """What held_bytes must be: the encoded size of the queued requests and of every request
+    holding a kept span (counted once however many of its spans are kept)."""
+    holding = {id(s.held): s.held.size for t in store._traces.values() for s in t.spans}
+    return sum(size for _, size in store._pending) + sum(holding.values())
 
 
 def test_trace_store_deferred_indexing_byte_bound_and_chunks():

@@ -29,7 +29,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from sightline.collector.ingest import IngestError, decompress_bounded, json_depth, load_json
-from sightline.collector.otlp_http import count_data_points, count_spans, parse_otlp_json
+from sightline.collector.decoding import count_data_points, count_spans
+from sightline.collector.otlp_http import parse_otlp_json
 from sightline.collector.otlp_points import cta_point_histogram
 from sightline.collector.point_check import PointRefused, check_exp_point, exact_total
 from sightline.collector.span_ids import _exact_keys, _walked, span_keys

@@ -1,14 +1,19 @@
-"""Span series: the lean and the full read leave the same state; dispatch by name alone."""
+"""Span series: what the decoded request's spans leave in the series; dispatch by name alone."""
 
 from __future__ import annotations
 
 from sightline.collector.aggregation_config import AggregationConfig
+from sightline.collector.decoded_traces import as_decoded
 from sightline.collector.span_series import SpanRole, SpanSeries
 from sightline.instrumentation import semconv as sc
 from tests.collector.otlp_builders import T0_S, otlp_span, otlp_traces
 
 
 def _spans():
+    return as_decoded(otlp_traces(_stock_spans()))
+
+
+def _stock_spans():
     spans = []
     for i in range(30):
         tid = bytes([i + 1]) * 16
@@ -21,7 +26,13 @@ def _spans():
             spans.append(otlp_span(sc.SPAN_KERNEL_PREFIX + f"k{k}", tid, bytes([k + 3]) * 8, T0_S - 2,
                                    T0_S - 2 + 1e-5 * (i + k + 1), {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: f"k{k}"}))
         spans.append(otlp_span("decode", tid, b"\x09" * 8, T0_S - 2, T0_S - 1.5))
-    return otlp_traces(spans)
+    return spans
+
+
+class _ScanOnly(SpanSeries):
+    """Attribute positions that never match: every kernel and step span takes the scan."""
+
+    _kernel_pos = _gpu_pos = _prefill_pos = _decode_pos = property(lambda self: 99, lambda self, value: None)
 
 
 def _state(series: SpanSeries):
@@ -31,14 +42,12 @@ def _state(series: SpanSeries):
             dict(series.requests_total))
 
 
-def test_lean_and_full_reads_leave_the_same_state():
+def test_the_fast_path_and_the_scan_leave_the_same_state():
     request = _spans()
-    encoded = request.SerializeToString()
     states = []
-    for lean in (True, False):
-        series = SpanSeries(AggregationConfig(), {}, {})
-        source = series.source(request, encoded)[0] if lean else request
-        assert series.consume(source, lean, T0_S) == 30 * 6
+    for cls in (SpanSeries, _ScanOnly):
+        series = cls(AggregationConfig(), {}, {})
+        assert series.consume(request, T0_S) == 30 * 6
         states.append(_state(series))
     assert states[0] == states[1]
     kernels, steps, requests, totals = states[0]
@@ -54,23 +63,22 @@ def test_span_kinds_are_an_enum_and_unknown_names_feed_nothing():
 
 
 def test_request_labels_read_from_the_cache_leave_the_same_state(monkeypatch):
-    # the lean read caches each encoded model and priority; a cache of 2 entries is cleared
-    # again and again over these exports (30 requests, 2 priorities, 3 models)
-    monkeypatch.setattr("sightline.collector.span_series._MAX_ATTRIBUTE_CACHE", 2)
+    # each encoded model and priority is cached; a cache of 2 entries is cleared again and
+    # again over these exports (30 requests, 2 priorities, 3 models)
     requests = []
     for model in ("a", "b", "c"):
-        request = _spans()
+        request = otlp_traces(_stock_spans())
         for span in request.resource_spans[0].scope_spans[0].spans:
             for kv in span.attributes:
                 if kv.key == sc.GEN_AI_REQUEST_MODEL:
                     kv.value.string_value = model
-        requests.append(request)
+        requests.append(as_decoded(request))
     states = []
-    for lean in (True, False):
+    for cache_entries in (4_096, 2):
+        monkeypatch.setattr("sightline.collector.span_series._MAX_ATTRIBUTE_CACHE", cache_entries)
         series = SpanSeries(AggregationConfig(), {}, {})
         for request in requests + requests:  # the second round reads the labels from the cache
-            source = series.source(request, request.SerializeToString())[0] if lean else request
-            series.consume(source, lean, T0_S)
+            series.consume(request, T0_S)
         states.append(_state(series))
     assert states[0] == states[1]
     assert states[0][3] == {(m, p, "stop"): 30 for m in "abc" for p in "01"}

@@ -17,6 +17,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from sightline.collector.aggregation_config import AggregationConfig, StragglerConfig
+from sightline.collector.decoded_traces import as_decoded
 from sightline.collector.explain import explain_trace
 from sightline.collector.exposition import AggregatorCollector
 from sightline.collector.span_series import SpanSeries
@@ -107,15 +108,10 @@ def _state(series: SpanSeries):
     return series.stragglers.snapshot(T0_S), series.stragglers.slots(), dict(series.dropped)
 
 
-@pytest.mark.parametrize("lean", [True, False], ids=["lean", "full"])
-def test_hand_built_trace_exactly(lean):
-    request = hand_built()
+def test_hand_built_trace_exactly():
+    request = as_decoded(hand_built())  # the receivers' decoded form
     series = SpanSeries(AggregationConfig(), {}, {})
-    source = request
-    if lean:   # the lean parse, as taken when kernel spans dominate an export
-        from sightline.collector.otlp_points import LeanTraceRequest
-        source = LeanTraceRequest.FromString(request.SerializeToString())
-    series.consume(source, lean, T0_S, request)
+    series.consume(request, T0_S)
     snapshot, slots, dropped = _state(series)
     a, b = snapshot["engine-a"], snapshot["engine-b"]
     assert a["steps"] == 14 and a["named"] == {1: 8, 0: 2}
