@@ -1,21 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
 :func:`classify` reads a :class:`CauseEvidence` (built by ``explain`` from the spans and
-per-SM data of the request's lifetime) and applies these rules, first match wins:
+per-SM data of the request's lifetime); first match wins:
 1. ``compile``: a step in its life compiled kernels and took >= ``compile_share`` of e2e.
-2. ``queueing`` when waiting took >= ``queue_share`` of e2e and its own part of the wait
-   (the wait over the engine's slowdown) is more than the engine's slowness added.
-3. The engine was slow (its steps >= ``engine_slow`` x the usual for their kind and tokens,
-   or idle beyond the usual gaps for >= ``idle_share`` of e2e); what slowed it:
-   ``host_stall`` when the host side was (idle time, or host time per traced step >=
-   ``host_slow`` x) and the GPU's work was not (GPU time and CTA durations known, under
-   ``gpu_slow`` x), with idle time or no SM flagged; ``sm_contention`` when the contention tests flagged SMs of an attention
-   kernel then; ``device_contention`` when GPU time per step, or every SM's CTA durations,
-   were >= ``gpu_slow`` x the usual with no SM flagged; else ``host_stall`` when any host
-   evidence (or GPU time known usual); else ``unknown``.
-4. Else ``prefill_interference`` when steps with other requests' prefill tokens cost its
-   decode >= ``interference_share`` of e2e; else ``unknown``. Each cause comes with its
-   evidence and its baseline; O(1) per request.
+2. ``queueing``: waiting took >= ``queue_share`` of e2e, and its own part (the wait over
+   the engine's slowdown) is more than the engine's slowness added.
+3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
+   idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
+   >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x) with idle time or no SM
+   flagged; else ``sm_contention`` when SMs of an attention kernel were flagged then;
+   ``device_contention`` when GPU time or every SM's CTAs were >= ``gpu_slow`` x;
+   ``host_stall`` on any host evidence; else ``unknown``.
+4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
+   ``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline.
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Per-SM contention: which SMs of one kernel ran slower, or fewer CTAs, than their peers.
 
 Two tests per (kernel, slot), each SM against the kernel's other SMs in that slot:
-* slow: its CTAs longer than the others' P90 (leave-one-out, from the shared buckets) number
-  at most Binomial(n, 0.1) when nothing is wrong; flagged when that tail's bound is under
-  ``alpha / SMs`` and at least ``slow_share`` of its CTAs exceeded (an effect floor).
-* starved: its CTAs against 1/S (S SMs) of the slot's CTAs from launches of >= 2 S CTAs
-  (semconv.METRIC_CTA_WIDE; all, when the producer does not count them): the scheduler
-  spreads those over every SM, a narrower launch may leave SMs out. Flagged when the lower
-  tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM
-  under that line in most of the ring's other quiet slots (some SMs get fewer CTAs on every
-  launch) is held to its own lowest share there; until 4 such slots exist the test waits.
-  An SM whose CTAs usually exceed the others' P90 more often is held to its own usual rate.
-  The slow test also needs 90 % wide CTAs (narrow launches put the same work on the same SMs).
+* slow: its CTAs above the others' P90 (leave-one-out) number at most Binomial(n, p) when
+  nothing is wrong, p = 0.1 or the SM's own usual rate; flagged when the tail's bound is under
+  ``alpha / SMs``, at least ``slow_share`` (scaled by p / 0.1) exceeded and 90 % are wide CTAs.
+* starved: its CTAs against 1/S of the slot's CTAs from launches of >= 2 S CTAs (semconv.
+  METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
+  ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
+  most of the ring's quiet slots (the scheduler gives it fewer CTAs launch after launch) is
+  held to its own lowest share; the test waits for 4 such slots (collector/sm_blocks.py).
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
-expected / own CTAs, at most 100). Also the P99 hotspot ratio. Cost: a cumulative sum over the slot's
-[SMs, buckets] counts, then O(SMs).
+expected / own CTAs, at most 100); also the P99 hotspot ratio. Cost: a cumulative sum over
+the slot's [SMs, buckets] counts, then O(SMs); the usual shares O(slots x SMs).
 """
 
 from __future__ import annotations
