@@ -67,6 +67,12 @@ class ContentionConfig:
                                      "other SMs' P90", lo=round(1 - REFERENCE_QUANTILE, 6), hi=1.0, lo_open=True)
     starve_ratio: float = setting(0.7, "an SM is starved below this share of its expected CTAs",
                                   lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    # effect floors: a neighbour on an SM halves or worse what it gets; P90s within a tenth or
+    # two of each other, or an SM whose share swings with the launch mix, are not that
+    slow_factor: float = setting(1.3, "an SM is slow only when its CTA P90 is at least this many times the "
+                                      "other SMs'", lo=1.0, hi=100.0)
+    usual_starve_ratio: float = setting(0.5, "an SM that usually gets fewer CTAs is starved below this share "
+                                             "of its own lowest", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -8,9 +8,9 @@ per-SM data of the request's lifetime); first match wins:
 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
    idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
    >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x) with idle time or no SM
-   flagged; else ``sm_contention`` when SMs of an attention kernel were flagged then;
-   ``device_contention`` when GPU time or every SM's CTAs were >= ``gpu_slow`` x;
-   ``host_stall`` on any host evidence; else ``unknown``.
+   flagged; else ``sm_contention`` when attention SMs were flagged (a score >= ``sm_score``
+   if the GPU was slower); ``device_contention`` when GPU time or every SM's CTAs were
+   >= ``gpu_slow`` x; ``host_stall`` on any host evidence; else ``unknown``.
 4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
    ``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline.
 """
@@ -37,9 +37,12 @@ class CauseConfig:
     compile_share: float = 0.2
     queue_share: float = 0.5
     interference_share: float = 0.3
+    # SMs name the cause when their evidence is strong: a neighbour halves what an SM gets or
+    # doubles its CTAs' time; weaker flags beside a slower whole GPU are the GPU's
+    sm_score: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("engine_slow", "gpu_slow", "host_slow"):
+        for name in ("engine_slow", "gpu_slow", "host_slow", "sm_score"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 1.0, 100.0, lo_open=True)
         for name in ("idle_share", "compile_share", "queue_share", "interference_share"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 0.0, 1.0, lo_open=True)
@@ -118,7 +121,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         idle = e.idle_excess_s >= c.idle_share * e2e
         if host_side and gpu is not None and gpu < c.gpu_slow and (idle or not e.contended_sms):
             return _host_stall(e, engine, usual)
-        if e.contended_sms:
+        strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
+        if strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow)):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)

@@ -1,14 +1,14 @@
 """Per-SM contention: which SMs of one kernel ran slower, or fewer CTAs, than their peers.
 
 Two tests per (kernel, slot), each SM against the kernel's other SMs in that slot:
-* slow: its CTAs above the others' P90 (leave-one-out) number at most Binomial(n, p) when
-  nothing is wrong, p = 0.1 or the SM's own usual rate; flagged when the tail's bound is under
-  ``alpha / SMs``, at least ``slow_share`` (scaled by p / 0.1) exceeded and 90 % are wide CTAs.
+* slow: its CTAs above the others' P90 number at most Binomial(n, p) if nothing is wrong (p:
+  0.1 or its own usual rate); flagged when the bound is under ``alpha / SMs``, >= ``slow_share``
+  (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others' and 90 % are wide CTAs.
 * starved: its CTAs against 1/S of the slot's CTAs from launches of >= 2 S CTAs (semconv.
   METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
   ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
   most of the ring's quiet slots (the scheduler gives it fewer CTAs launch after launch) is
-  held to its own lowest share; the test waits for 4 such slots (collector/sm_blocks.py).
+  held to ``usual_starve_ratio`` of its own lowest share; the test waits for 4 such slots.
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
 expected / own CTAs, at most 100); also the P99 hotspot ratio. Cost: a cumulative sum over
@@ -166,12 +166,14 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
         slow_bound = binomial_tail_bound(exceed, ctas, null, upper=True)
         # narrow launches place the same CTA (a long sequence's, say) on the same SMs launch
         # after launch: their durations say nothing of the SM, so the test needs wide ones
-        slow = ((slow_bound <= level) & (exceed_share >= config.slow_share * null / null_share)
-                & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total))
         slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
+        slow = ((slow_bound <= level) & (exceed_share >= config.slow_share * null / null_share)
+                & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total)
+                & ~(slow_factor < config.slow_factor))
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
     if expected is not None:
         share = np.full(len(names), 1.0 / num_sms)
+        ratio = np.full(len(names), config.starve_ratio)
         if evidence.usual_shares is not None:
             # an SM the block scheduler gives fewer CTAs in most slots (its median share under
             # the starved line; how the GPU's SMs sit in its clusters, launch after launch) is
@@ -179,12 +181,13 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
             upper, lowest = (np.concatenate([row, np.zeros(pad)]) for row in evidence.usual_shares[:2])
             structural = upper < config.starve_ratio / num_sms
             share = np.where(structural, np.minimum(lowest, share), share)
+            ratio = np.where(structural, config.usual_starve_ratio, config.starve_ratio)
             if np.isnan(evidence.usual_shares[0]).all():
                 share[:] = np.nan   # the usual shares not known yet: the test waits for them
         with np.errstate(invalid="ignore"):
             # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
             starve_bound = np.where(np.isnan(share), 1.0, binomial_tail_bound(ctas, wide, share, upper=False))
-            starved = (starve_bound <= level) & (ctas < config.starve_ratio * wide * share)
+            starved = (starve_bound <= level) & (ctas < ratio * wide * share)
             starve_factor = np.minimum(wide * share / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
     else:
         starve_bound = np.ones(len(names))

@@ -239,6 +239,12 @@ def test_the_rules_order_and_config_checks():
     assert classify(CauseEvidence(**{**stalled.__dict__, "gpu_slowdown": 1.5})).name == sc.CAUSE_SM_CONTENTION
     # host time from a few kernel-timed steps alone does not overrule flagged SMs
     assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0})).name == sc.CAUSE_SM_CONTENTION
+    # weak SM flags (score under sm_score) beside a slower whole GPU: the GPU's
+    weak = [{**stalled.contended_sms[0], "score": 1.3}]
+    assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "gpu_slowdown": 1.5,
+                                     "contended_sms": weak})).name == sc.CAUSE_DEVICE_CONTENTION
+    assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "gpu_slowdown": None,
+                                     "contended_sms": weak})).name == sc.CAUSE_SM_CONTENTION
     assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)

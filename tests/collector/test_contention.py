@@ -114,6 +114,18 @@ def test_a_slow_sm_is_flagged_and_the_threshold_depends_on_its_ctas():
     assert ev.exceed[sms.index("7")] >= 4 and not slot.slow.any()
 
 
+def test_a_slow_sm_needs_its_p90_a_slow_factor_above_the_others():
+    rng = np.random.default_rng(5)
+    durations = {sm: rng.uniform(90e-6, 100e-6, 2_000) for sm in range(12)}
+    durations[7] = rng.uniform(95e-6, 106e-6, 2_000)  # most CTAs above the others' P90, P90 ~1.06x
+    sms, ev = evidence_of(durations)
+    assert ev.exceed[sms.index("7")] >= 0.3 * 2_000   # the share alone would flag it
+    assert not assess(sms, ev, 12, ContentionConfig()).slow.any()
+    assert assess(sms, ev, 12, ContentionConfig(slow_factor=1.0)).slow.tolist() == [i == 7 for i in range(12)]
+    with pytest.raises(ValueError, match="slow_factor=0.5"):
+        ContentionConfig(slow_factor=0.5)
+
+
 def test_the_chance_of_a_false_flag_per_slot_is_at_most_alpha():
     """Null slots: every SM draws CTAs from one distribution, CTAs land on SMs uniformly;
     at alpha 0.05 the slots with any flag stay within Binomial(400, 0.05)'s 99.9 % quantile."""
