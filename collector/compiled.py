@@ -63,6 +63,10 @@ class Ahead:
         compiled = self._compiled
         if compiled is not None:
             return compiled(*args)
+        return self.python(*args)
+
+    def python(self, *args):
+        """The call on the Python path, compiled or not (what runs until the compile is done)."""
         if self._pure is None:
             self._pure = _python_source(self.py_func, {})
         # numba's integers wrap silently; numpy's scalars would warn at each wrap
@@ -151,10 +155,11 @@ def _warm_logged() -> None:
     except Exception as exc:  # a numba or LLVM failure: the Python paths keep serving
         _failure = f"{type(exc).__name__}: {exc}"
         log.error("compiling the byte walks failed; ingest stays on the slower Python paths", exc_info=exc)
+        _done.set()  # no waiter waits for a compile that is not coming
         return
     log.info("byte walks compiled in %.1f s: ready", took)
 
 
 def wait(timeout_s: float | None = None) -> bool:
-    """Blocks until :func:`warm` finished (True) or ``timeout_s`` passed (False)."""
-    return _done.wait(timeout_s)
+    """Blocks until the compile finished (True) or failed or ``timeout_s`` passed (False)."""
+    return _done.wait(timeout_s) and _failure is None
