@@ -176,7 +176,8 @@ def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
         os.sched_setaffinity(collector.pid, plan["load"])
     engines: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        _wait_http(f"http://127.0.0.1:{query}/healthz", collector, 60)
+        # ready, not only live: its byte walks compiled (a cold numba cache takes tens of seconds)
+        _wait_http(f"http://127.0.0.1:{query}/readyz", collector, 180)
         for level, port in zip(levels, free_ports(len(levels))):
             engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port,
                                           plan[level] if plan else None)

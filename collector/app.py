@@ -2,9 +2,10 @@
 
 One asyncio loop serves four listeners: OTLP/gRPC (:mod:`.grpc_server`), OTLP/HTTP and
 Zipkin (aiohttp, each on its own port) and the query port (``/metrics``, ``/healthz``,
-``/readyz`` and ``/api/v1/`` from :mod:`.api`, behind an optional bearer token). Every HTTP
-listener runs behind :class:`~.connection_guard.GuardedListener`; all four share the
-descriptor budget fairly (:mod:`.connection_table`). Receivers parse and count on the
+``/readyz`` and ``/api/v1/`` from :mod:`.api`, behind an optional bearer token); ``/readyz``
+also waits for the compiled byte walks (:mod:`.compiled`; ingest is served before that).
+Every HTTP listener runs behind :class:`~.connection_guard.GuardedListener`; all four share
+the descriptor budget fairly (:mod:`.connection_table`). Receivers parse and count on the
 loop; the aggregator runs on the pipeline's worker thread(s).
 
 Guarantee: a graceful stop (SIGTERM/SIGINT or ``Collector.stop``) drains everything
@@ -31,6 +32,7 @@ from prometheus_client import disable_created_metrics
 from .admission import Intake
 from .aggregator import AggregationConfig, Aggregator
 from .api import add_api_routes
+from . import compiled
 from .auth import TokenAuth, grpc_ssl_context, http_ssl_context
 from .config import CollectorConfig
 from .connection_guard import (ConnectionLimits, GuardedListener, RateLimitedLog,
@@ -122,6 +124,9 @@ class Collector:
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> BoundPorts:
         cfg = self.config
+        # the byte walks compile on a thread (tens of seconds on an empty numba cache):
+        # liveness answers and ingest is served (on their Python paths) meanwhile
+        compiled.warm_in_background()
         ssl_context = (http_ssl_context(cfg.tls_cert_file, cfg.tls_key_file)
                        if cfg.tls_enabled else None)
         grpc_ssl = grpc_ssl_context(cfg.tls_cert_file, cfg.tls_key_file) if cfg.tls_enabled else None
@@ -226,6 +231,9 @@ class Collector:
     async def _readyz(self, request: web.Request) -> web.Response:
         if not self._ready:
             return web.json_response({"status": "not ready"}, status=503)
+        warm = compiled.state()
+        if not warm.ready:
+            return web.json_response({"status": "not ready", "reason": warm.reason}, status=503)
         return web.json_response({"status": "ready", "queue_depth": self.pipeline.depth})
 
 

@@ -24,6 +24,7 @@ import numpy as np
 from numba import types
 
 from ..instrumentation import check_range
+from .compiled import ahead
 from .ingest import IngestError
 from .protowire import message, skip, varint
 
@@ -272,7 +273,7 @@ def _point(buf, at, end, counts, caps, kind):
 
 
 # nogil: the walk runs on a decoder thread; the event loop goes on meanwhile
-@numba.njit(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), cache=True, nogil=True)
+@ahead(types.int64(_BYTES, types.int64, _COUNTS, _COUNTS), nogil=True)
 def _walk(buf, signal, counts, caps):
     """Counts into ``counts`` (see the indexes above) until one passes its cap in ``caps``:
     0, or -1 when ``buf`` is not an export request the walk can read (bad framing, groups)

@@ -7,7 +7,7 @@ per span, in span order. ``SpanWindow`` keeps 64-bit fingerprints of the last sp
 (``capacity / 4`` buckets of 4, each forgetting its oldest first), so that a span sent again
 is recognised (a false repeat only for a collision: ~capacity / 2**63 per span).
 
-Cost: compiled code (numba, cached per machine; its LLVM runtime loads with it). For a
+Cost: compiled code (numba, cached per machine, compiled off the loop: :mod:`.compiled`). For a
 protobuf body one walk over its bytes, field by field (the last occurrence of an id wins,
 as in any protobuf parser); for other bodies a Python loop over the parsed spans. The
 window: one loop per request for lookup and one for remember, a few table reads per span;
@@ -20,11 +20,11 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 from numba import types
 
 from ..instrumentation import check_range
+from .compiled import ahead
 from .ingest import IngestError
 from .protowire import BAD_FIELD, NONE_LEFT, le64, message, next_message, skip, varint
 
@@ -38,16 +38,11 @@ _NOT_UNDERSTOOD = -(1 << 40)  # the walk's answer for what it does not read (gro
 _MIN_SPAN_BYTES = 30  # a span with both ids: 0a 10 <16> 12 08 <8>, and its own tag and length
 
 
-def _compiled(signature):
-    """Compiled for ``signature`` at import (or loaded from numba's cache): no first-call pause."""
-    return numba.njit(signature, cache=True)
-
-
 _BYTES = types.Array(types.uint8, 1, "C", readonly=True)
 _WORDS = types.Array(types.uint64, 2, "C")
 
 
-@numba.njit(types.int64(_BYTES, _WORDS), cache=True, nogil=True)  # on decoder threads: the loop goes on
+@ahead(types.int64(_BYTES, _WORDS), nogil=True)  # on decoder threads: the loop goes on
 def _walk_ids(buf, out):
     """Reads every span's ids of an encoded ExportTraceServiceRequest into ``out`` (a row of
     trace id high and low word, span id; little-endian), in span order. Returns the number
@@ -106,7 +101,7 @@ def _walk_ids(buf, out):
 # alone carries low bits upward only, so big-endian counters would keep their top bits) and
 # a product; every step is a bijection, so spans of one trace with distinct span ids never
 # share a fingerprint. Structured ids (counters, in either byte order) spread like random ones.
-@_compiled(types.void(types.Array(types.uint64, 2, "A", readonly=True), types.uint64[::1]))
+@ahead(types.void(types.Array(types.uint64, 2, "A", readonly=True), types.uint64[::1]))
 def _fingerprint_rows(words, out):
     for i in range(words.shape[0]):
         fp = words[i, 0] * np.uint64(0x9E3779B97F4A7C15)
@@ -120,7 +115,7 @@ def _fingerprint_rows(words, out):
         out[i] = fp | np.uint64(1)
 
 
-@_compiled(types.int64(types.uint64[:, ::1], types.uint64, types.Array(types.uint64, 1, "A", readonly=True),
+@ahead(types.int64(types.uint64[:, ::1], types.uint64, types.Array(types.uint64, 1, "A", readonly=True),
                        types.uint64[::1], types.uint64, types.uint64, types.boolean[::1]))
 def _lookup(table, shift, fp, scratch, scratch_shift, salt, seen):
     """Marks in ``seen`` each fingerprint held by its bucket before this request, or met
@@ -148,7 +143,7 @@ def _lookup(table, shift, fp, scratch, scratch_shift, salt, seen):
     return repeats
 
 
-@_compiled(types.void(types.uint64[:, ::1], types.uint64, types.Array(types.uint64, 1, "A", readonly=True)))
+@ahead(types.void(types.uint64[:, ::1], types.uint64, types.Array(types.uint64, 1, "A", readonly=True)))
 def _remember(table, shift, fp):
     """Each fingerprint in turn into way 0 of its bucket, the bucket's others one way on."""
     for i in range(len(fp)):

@@ -147,12 +147,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
-def _http_ok(url: str) -> bool:
+def _http_refusal(url: str) -> str | None:
+    """None when ``url`` answers 2xx; else what it said instead (status and the start of the
+    body, e.g. a readiness endpoint's reason), or why it did not answer."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
-            return 200 <= response.status < 300
-    except (urllib.error.URLError, ConnectionError, OSError, ValueError):
-        return False
+            return None if 200 <= response.status < 300 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}: {error.read(300).decode(errors='replace')}"
+    except (urllib.error.URLError, ConnectionError, OSError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
 
 
 def _tcp_ok(address: tuple[str, int]) -> bool:
@@ -166,9 +170,9 @@ def _tcp_ok(address: tuple[str, int]) -> bool:
 def wait_http(url: str, timeout_s: float = 30.0) -> None:
     """Polls ``url`` until it answers 2xx; raises ``TimeoutError`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while not _http_ok(url):
+    while (said := _http_refusal(url)) is not None:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not answer 2xx within {timeout_s}s")
+            raise TimeoutError(f"{url} did not answer 2xx within {timeout_s}s; it said {said}")
         time.sleep(0.1)
 
 
@@ -238,7 +242,7 @@ class ManagedProcess:
             return 0.0
         start = time.monotonic()
         deadline = start + check.timeout_s
-        probe = ((lambda: _http_ok(check.http_url)) if check.http_url is not None
+        probe = ((lambda: _http_refusal(check.http_url) is None) if check.http_url is not None
                  else (lambda: _tcp_ok(check.tcp_address)))  # type: ignore[arg-type]
         while True:
             if not self.alive:
@@ -248,8 +252,9 @@ class ManagedProcess:
             if probe():
                 return time.monotonic() - start
             if time.monotonic() > deadline:
+                said = f" (it said {_http_refusal(check.http_url)})" if check.http_url is not None else ""
                 raise ProcessFailedError(
-                    f"{self.name} not healthy at {check.describe()} within {check.timeout_s}s; "
+                    f"{self.name} not healthy at {check.describe()} within {check.timeout_s}s{said}; "
                     f"log {self.log_path}:\n{self.log_tail()}")
             time.sleep(check.interval_s)
 

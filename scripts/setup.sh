@@ -2,7 +2,8 @@
 # Installs everything Sightline needs on a fresh machine, and nothing twice:
 # a virtual environment (.venv) with the project and its test tools, the CPU build
 # of torch when there is no CUDA, and Debian's Prometheus, Alertmanager and Chromium
-# when they are missing. Safe to run again: it skips what is already there.
+# when they are missing; then compiles the collector's byte walks into numba's cache.
+# Safe to run again: it skips what is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,5 +48,8 @@ fi
 extras="engine,dashboards,test"
 command -v nvidia-smi >/dev/null 2>&1 && extras="$extras,gpu"
 "$VENV/bin/python" -m pip install -qq --disable-pip-version-check -e ".[$extras]"
+# The collector's byte walks compiled into numba's cache now, not at the first start
+# (a collector on a cold cache serves at once but is not ready until it has compiled them).
+"$VENV/bin/sightline" collector warm || echo "setup: 'sightline collector warm' failed; the collector will compile on start" >&2
 echo "$want" > "$STAMP"
 echo "setup: done ($VENV)"

@@ -25,3 +25,30 @@ def wait_for_http(url: str, timeout_s: float = 30.0, process=None) -> None:
             last_error = exc
         time.sleep(0.1)
     raise TimeoutError(f"{url} did not answer within {timeout_s}s: {last_error}")
+
+
+# A cold numba cache (a fresh machine or checkout) means tens of seconds of compiling before
+# a collector is ready; its /readyz says so, and the wait is bounded by that, not by a guess.
+COLLECTOR_READY_TIMEOUT_S = 300.0
+
+
+def wait_for_collector(query_url: str, process=None, live_timeout_s: float = 30.0,
+                       ready_timeout_s: float = COLLECTOR_READY_TIMEOUT_S) -> None:
+    """Waits for a collector's ``/healthz`` (the process serves), then for its ``/readyz``
+    (its compiled paths are warm); a timeout names what ``/readyz`` last said."""
+    wait_for_http(f"{query_url}/healthz", live_timeout_s, process)
+    deadline = time.monotonic() + ready_timeout_s
+    said = ""
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"collector exited with {process.returncode} before it was ready: {said}")
+        try:
+            with urllib.request.urlopen(f"{query_url}/readyz", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except urllib.error.HTTPError as error:
+            said = error.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            said = repr(exc)
+        time.sleep(0.1)
+    raise TimeoutError(f"{query_url}/readyz not ready within {ready_timeout_s}s: {said}")

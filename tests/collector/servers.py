@@ -19,10 +19,11 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from sightline.collector.api import add_api_routes
+from sightline.collector import compiled
 from sightline.collector.app import Collector
 from sightline.collector.config import CollectorConfig
 from sightline.instrumentation import semconv as sc
-from tests.support import free_port, wait_for_http
+from tests.support import COLLECTOR_READY_TIMEOUT_S, free_port, wait_for_collector
 
 
 class RunningCollector:
@@ -41,6 +42,8 @@ class RunningCollector:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.summary = None
+        # what /readyz waits for: tests time and load the compiled paths, not the Python ones
+        assert compiled.wait(COLLECTOR_READY_TIMEOUT_S), compiled.state().reason
 
     @property
     def http_url(self) -> str:
@@ -235,5 +238,5 @@ def collector_process(tmp_path, *extra):
                "--log-level", "WARNING", *extra]
     env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    wait_for_http(f"http://127.0.0.1:{ports['query']}/readyz", 30, process)
+    wait_for_collector(f"http://127.0.0.1:{ports['query']}", process)
     return process, ports, summary

@@ -19,7 +19,7 @@ from sightline.deploy.cli import build_parser, main
 from sightline.instrumentation import semconv as sc
 from tests.collector.otlp_builders import otlp_cta_point, otlp_metrics
 from tests.collector.servers import scrape
-from tests.support import free_port, wait_for_http
+from tests.support import free_port, wait_for_collector
 
 
 def _args(*flags: str):
@@ -76,7 +76,7 @@ def test_settings_in_force_in_a_running_collector(tmp_path):
          "--window-slot-s", "1", "--window-slots", "30", "--gauge-window-s", "30"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        wait_for_http(f"http://127.0.0.1:{ports['query']}/readyz", 30, process)
+        wait_for_collector(f"http://127.0.0.1:{ports['query']}", process)
         now = time.time()
         body = otlp_metrics([otlp_cta_point(0, sm, "attn", [1e-5 * (sm + 1)] * 10, now) for sm in range(3)])
         request = urllib.request.Request(f"http://127.0.0.1:{ports['http']}/v1/metrics", data=body.SerializeToString(),

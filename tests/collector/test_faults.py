@@ -31,7 +31,7 @@ import pytest
 
 from sightline.instrumentation import semconv as sc
 from tests.collector.servers import fresh_copies, post, running_collector, scrape, trace_request
-from tests.support import free_port, wait_for_http
+from tests.support import free_port, wait_for_collector
 
 PB = {"Content-Type": "application/x-protobuf"}
 TRACE_EXPORT = "/opentelemetry.proto.collector.trace.v1.TraceService/Export"
@@ -138,7 +138,7 @@ def test_fd_exhaustion_under_a_low_ulimit(tmp_path):
     query = f"http://127.0.0.1:{ports['query']}"
     socks: list[socket.socket] = []
     try:
-        wait_for_http(query + "/readyz", 60, process)
+        wait_for_collector(query, process)
         # 3 x 300 sockets against 256 descriptors: the caps (32 per listener) refuse most with
         # 503; the rest wait in the kernel's backlog while accept() is at the limit.
         for port in (ports["http"], ports["zipkin"], ports["http"]):

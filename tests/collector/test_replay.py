@@ -30,7 +30,7 @@ from sightline.instrumentation.capture import (CaptureMetricExporter, CaptureSpa
                                                read_capture_meta)
 from sightline.instrumentation.exphist import relative_error
 from tests.collector.otlp_builders import exact_quantile, otlp_cta_point, otlp_metrics
-from tests.support import free_port, wait_for_http
+from tests.support import free_port, wait_for_collector
 
 KERNEL = "_fwd_kernel_sm_probe"
 N_SMS = 6
@@ -217,7 +217,7 @@ def test_replay_into_collector_process_then_heatmap_and_explain(tmp_path, captur
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     query = f"http://127.0.0.1:{ports['query']}"
     try:
-        wait_for_http(query + "/readyz", 30, process)
+        wait_for_collector(query, process)
         done = _cli("replay", str(path), "--collector", f"http://127.0.0.1:{ports['http']}")
         assert done.returncode == 0, done.stderr
         assert f"({3 * N_REQUESTS} spans" in done.stdout

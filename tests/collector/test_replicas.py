@@ -35,7 +35,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import relative_error
 from tests.collector.otlp_builders import exact_quantile, otlp_attrs, otlp_cta_point
-from tests.support import free_port, wait_for_http
+from tests.support import free_port, wait_for_collector, wait_for_http
 
 pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs prometheus (scripts/setup.sh)")
 
@@ -135,7 +135,7 @@ def test_three_replicas_routed_by_resource_equal_one(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for process, _, query in collectors:
-            wait_for_http(f"http://127.0.0.1:{query}/readyz", 60, process)
+            wait_for_collector(f"http://127.0.0.1:{query}", process)
         wait_for_http(f"http://127.0.0.1:{prom_port}/-/ready", 60, prom)
 
         rng = np.random.default_rng(7)

@@ -250,7 +250,7 @@ def test_the_kubernetes_collector_command_refuses_the_query_api_without_the_toke
     import urllib.error
     import urllib.request
 
-    from tests.support import free_port, wait_for_http
+    from tests.support import free_port, wait_for_collector
 
     args = list(_pod_spec(_by_kind("Deployment")["sightline-collector"])["containers"][0]["args"])
     for flag in ("--otlp-grpc", "--otlp-http", "--zipkin", "--http"):  # free loopback ports
@@ -261,7 +261,7 @@ def test_the_kubernetes_collector_command_refuses_the_query_api_without_the_toke
     process = subprocess.Popen([sys.executable, "-m", "sightline.deploy.cli", *args[1:]], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        wait_for_http(f"http://{query}/readyz", 60, process)
+        wait_for_collector(f"http://{query}", process)
 
         def status(path: str, token: str | None = None) -> int:
             request = urllib.request.Request(f"http://{query}{path}")
