@@ -116,7 +116,6 @@ def test_engine_probes_fit_the_start_up_and_the_compile_cache_is_a_volume():
     take (their limits, from the container's own flags); the compile cache directory the
     engine is given is the mounted volume."""
     from sightline.deploy.cli import build_parser
-    from sightline.engine.config import EngineConfig
 
     pod = _pod_spec(_by_kind("Deployment")["sightline-engine"])
     engine = pod["containers"][0]
@@ -126,7 +125,7 @@ def test_engine_probes_fit_the_start_up_and_the_compile_cache_is_a_volume():
     assert startup["httpGet"] == {"path": "/health", "port": "http"}
     args = build_parser().parse_args(engine["args"][1:])
     allowed_s = startup.get("initialDelaySeconds", 0) + startup["periodSeconds"] * startup["failureThreshold"]
-    assert args.warmup and allowed_s >= args.warmup_limit + EngineConfig().cuda_graph_capture_limit_s + 60
+    assert args.warmup and allowed_s >= args.warmup_limit_s + args.cuda_graph_capture_limit_s + 60
     [mount] = [m for m in engine["volumeMounts"] if m["name"] == "compile-cache"]
     assert mount["mountPath"] == args.compile_cache_dir and not mount.get("readOnly")
     [volume] = [v for v in pod["volumes"] if v["name"] == "compile-cache"]
