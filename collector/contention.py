@@ -8,7 +8,7 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
   METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
   ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
   most of the ring's quiet slots (the scheduler gives it fewer CTAs launch after launch) is
-  held to ``usual_starve_ratio`` of its own lowest share; the test waits for 4 such slots.
+  held to ``usual_starve_ratio`` of its own lowest share (known from 4 such slots).
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
 expected / own CTAs, at most 100); also the P99 hotspot ratio. Cost: a cumulative sum over
@@ -174,7 +174,7 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
     if expected is not None:
         share = np.full(len(names), 1.0 / num_sms)
         ratio = np.full(len(names), config.starve_ratio)
-        if evidence.usual_shares is not None:
+        if evidence.usual_shares is not None and not np.isnan(evidence.usual_shares[0]).all():
             # an SM the block scheduler gives fewer CTAs in most slots (its median share under
             # the starved line; how the GPU's SMs sit in its clusters, launch after launch) is
             # held to its own lowest share instead: what it always does is not contention
@@ -182,8 +182,6 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
             structural = upper < config.starve_ratio / num_sms
             share = np.where(structural, np.minimum(lowest, share), share)
             ratio = np.where(structural, config.usual_starve_ratio, config.starve_ratio)
-            if np.isnan(evidence.usual_shares[0]).all():
-                share[:] = np.nan   # the usual shares not known yet: the test waits for them
         with np.errstate(invalid="ignore"):
             # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
             starve_bound = np.where(np.isnan(share), 1.0, binomial_tail_bound(ctas, wide, share, upper=False))

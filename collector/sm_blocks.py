@@ -329,7 +329,7 @@ class SmBlock:
         the SMs with ``QUIET_EXCEED`` of their CTAs above the others' P90: no neighbour on a
         group of SMs), its median and its lowest, and the median share of its CTAs above the
         others' P90 there (collector/contention.py reads them); NaN while fewer than
-        ``USUAL_SLOTS`` qualify (not known yet: the starved test waits)."""
+        ``USUAL_SLOTS`` qualify (not known yet: the even split stands)."""
         n = len(self.sms)
         counts = self.s_count[:, :n]
         totals = counts.sum(axis=1)
