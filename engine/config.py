@@ -286,7 +286,7 @@ class EngineConfig:
             raise ValueError(f"compile_cache_dir={self.compile_cache_dir!r} must be a non-empty "
                              "path or None")
         for name in ("async_scheduling", "enable_prefix_caching"):
-            if getattr(self, name) not in (None, True, False):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):   # 1 == True
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool or None")
         if self.tensor_parallel_size > 1:
             resolve_model_config(self.model).check_shardable(self.tensor_parallel_size)
