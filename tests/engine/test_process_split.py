@@ -458,7 +458,10 @@ def test_a_request_answered_just_before_sigterm_keeps_its_whole_trace(collector)
     served = Served(2, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
                     OTEL_BSP_SCHEDULE_DELAY="50")
     try:
-        core_pid = served.get("/health")[1]["core_pid"]
+        deadline = time.monotonic() + 30    # the other API server may still be joining
+        while (health := served.get("/health"))[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        core_pid = health[1]["core_pid"]
         trace_id, parent = "5ca1ab1e3577b34da6a3ce929d0e0e47", "00f067aa0ba902b7"
         client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=3,
                                default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
