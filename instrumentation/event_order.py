@@ -5,7 +5,8 @@ reach the telemetry process out of their recording order: the core's ``Queued`` 
 API server's ``RequestStart``, or its last ``Step`` after the request's ``RequestEnd``.
 :class:`HeldEvents` keeps events per request key, in arrival order, until released or until
 ``hold_s`` passes (then they are handed back as expired); :class:`Watermarks` knows how far
-every producer has shipped (a frame's watermark: everything recorded before it has arrived).
+every producer has shipped (a frame's watermark: everything recorded before it has arrived;
+a producer's last frame: everything it will ever record has arrived).
 
 Guarantees: at most ``max_events`` items are held (beyond it the oldest expire early);
 each item is returned exactly once, by ``take``, ``pop_head`` or ``expire``.
@@ -21,6 +22,8 @@ from collections.abc import Iterator
 from .config_checks import check_range
 
 __all__ = ["HeldEvents", "Watermarks"]
+
+_DONE = 1 << 63      # the watermark of a producer that sent its last frame: past every time
 
 
 class HeldEvents:
@@ -99,24 +102,32 @@ class Watermarks:
     """Each producer's latest watermark (Unix ns) and when it was last heard from.
 
     A producer silent for more than ``live_s`` is left out of ``caught_up``: one that died
-    must not hold the others' events back."""
+    must not hold the others' events back. One that said it is done (its last frame) is
+    past every time at once."""
 
     def __init__(self, live_s: float) -> None:
         check_range("live_s", live_s, 0.0, 3600.0)
         self.live_s = live_s
         self._producers: dict[int, list] = {}     # producer id -> [watermark_ns, heard]
 
-    def note(self, producer_id: int, watermark_ns: int, now: float) -> bool:
-        """Records a frame; True when the watermark moved forward."""
+    def note(self, producer_id: int, watermark_ns: int, now: float, done: bool = False) -> bool:
+        """Records a frame (``done``: the producer's last); True when the watermark moved
+        forward. A frame after a last one is a producer restarted with the same id."""
+        if done:
+            watermark_ns = _DONE
         entry = self._producers.get(producer_id)
         if entry is None:
             self._producers[producer_id] = [watermark_ns, now]
             return True
         entry[1] = now
-        if watermark_ns > entry[0]:
+        if watermark_ns > entry[0] or (entry[0] == _DONE and not done):
             entry[0] = watermark_ns
             return True
         return False
+
+    def done(self, producer_id: int) -> bool:
+        entry = self._producers.get(producer_id)
+        return entry is not None and entry[0] == _DONE
 
     def passed(self, producer_id: int, time_ns: int) -> bool:
         """Whether ``producer_id`` has shipped everything it recorded before ``time_ns``."""
@@ -126,6 +137,7 @@ class Watermarks:
     def caught_up(self, producer_id: int, time_ns: int, now: float) -> bool:
         """Whether every other live producer has shipped all it recorded before ``time_ns``."""
         for other, (watermark_ns, heard) in self._producers.items():
+            # a done producer's watermark is _DONE, past every time, however long ago heard
             if other != producer_id and now - heard <= self.live_s and watermark_ns < time_ns:
                 return False
         return True

@@ -8,10 +8,11 @@ this process's events and the engine core's. It starts no process of its own.
 
 Guarantees: the producer never waits. A full recorder buffer (``buffer_full``), or a full
 send queue (``queue_full``; ``process_down`` while not connected) drops events and counts
-them on ``registry``. Frames queued while the telemetry process restarts go to its
-successor, which binds the same endpoint (reconnections count as restarts there). Span
-counters are the starting pipeline's. Cost: the recorder's appends on the callers' threads;
-a pickle and a ZMQ send per tick on the shipping thread.
+them on ``registry``. Frames queued while the telemetry process (re)starts go to it once it
+binds the endpoint (reconnections count as restarts). ``shutdown`` sends a last frame that
+says "done" and waits, bounded, for a late telemetry process; what never left is counted
+(``process_down``) and logged. Span counters are the starting pipeline's. Cost: the
+recorder's appends on the callers' threads; a pickle and a ZMQ send per tick.
 """
 
 from __future__ import annotations
@@ -47,19 +48,25 @@ class JoinedPipeline(ProducerSide):
         identity = ProducerIdentity.here(producer_id, semconv.PROCESS_ROLE_API_SERVER)
         self._socket: ProducerSocket | None = ProducerSocket(endpoint, identity, max_queued_frames)
         self._connected = False
+        self._unconnected_items = 0    # sent while never connected since: queued in ZMQ
         super().__init__(config, identity, ship_interval_s, recorder_capacity)
         self.producer_id = producer_id
         self.producer_endpoint = endpoint
         self._start_shipping()
 
-    def _ship_locked(self) -> None:
+    def _ship_locked(self, done: bool = False) -> None:
         if self._socket is None:
             return
         # before the drain, and sent empty too: see TelemetryPipeline._ship_locked
         watermark_ns = time.time_ns()
         items = self.recorder.drain()
         self._connected = self._socket.poll_connection()
-        if not self._socket.send(watermark_ns, to_wire(items)) and items:
+        if self._connected:
+            self._unconnected_items = 0   # what waited in ZMQ left on the connection
+        if self._socket.send(watermark_ns, to_wire(items), done):
+            if not self._connected:
+                self._unconnected_items += len(items)
+        elif items:
             reason = DROP_QUEUE_FULL if self._connected else DROP_PROCESS_DOWN
             self.dropped[reason] += len(items)
 
@@ -92,18 +99,30 @@ class JoinedPipeline(ProducerSide):
         return True
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Ships what is left and closes the connection, waiting at most ``timeout_s``
-        (default ``config.shutdown_timeout_s``) for queued frames to leave."""
+        """Ships what is left in a last frame marked done and closes the connection, waiting
+        at most ``timeout_s`` (default ``config.shutdown_timeout_s``) for the telemetry
+        process to be connected and the queued frames to leave. Frames that never could
+        leave are counted as ``process_down`` and logged."""
         if self._stopping:
             return
         timeout_s = self.config.shutdown_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         self._stopping = True
         self._shipper.join(timeout=1.0)
-        try:
-            self._ship_once()
-        except Exception:
-            logger.exception("telemetry shutdown: the last items could not be shipped")
         with self._ship_lock:
+            try:
+                self._ship_locked(done=True)
+            except Exception:
+                logger.exception("telemetry shutdown: the last items could not be shipped")
             socket, self._socket = self._socket, None
-            if socket is not None:
-                socket.close(linger_s=timeout_s if self._connected else 0.0)
+            if socket is None:
+                return
+            # the telemetry process may not have bound yet (it starts at a low priority):
+            # closing unconnected would discard every queued frame without a word
+            self._connected = socket.wait_connected(max(0.0, deadline - time.monotonic()))
+            if not self._connected and self._unconnected_items:
+                self.dropped[DROP_PROCESS_DOWN] += self._unconnected_items
+                logger.warning("telemetry shutdown: the telemetry process never connected in "
+                               "%.1f s; %d events of producer %d are lost", timeout_s,
+                               self._unconnected_items, self.producer_id)
+            socket.close(linger_s=max(0.5, deadline - time.monotonic()) if self._connected else 0.0)

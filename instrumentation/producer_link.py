@@ -5,12 +5,14 @@ directory (mode 0700: frames are pickles, so only this user may connect); the te
 process, and every process restarted after it, binds that same path (:class:`ProducerInbox`),
 so a joined producer's socket (:class:`ProducerSocket`) reconnects on its own and what it
 queued meanwhile reaches the new process. A frame is one batch of one producer:
-``(identity, watermark_ns, events in their wire form)``; the watermark is the producer's
-clock before it drained its recorder, so every event recorded earlier is in this frame or
-an earlier one (what :mod:`.span_assembler` orders producers by).
+``(identity, watermark_ns, events in their wire form, done)``; the watermark is the
+producer's clock before it drained its recorder, so every event recorded earlier is in this
+frame or an earlier one (what :mod:`.span_assembler` orders producers by); ``done``: its last.
 
 Guarantees: ``send`` never blocks; past ``max_queued_frames`` it refuses (the caller counts).
-Cost: one pickle and one ZMQ send per batch; a receiving thread in the telemetry process.
+Frames queued before the telemetry process binds wait for it (``wait_connected``); the
+inbox reads what reached its socket before it closes. Cost: one pickle and one ZMQ send per
+batch; a receiving thread in the telemetry process.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pickle
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -107,9 +110,10 @@ class ProducerSocket:
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(endpoint)
 
-    def send(self, watermark_ns: int, wire_items: list) -> bool:
-        """Queues one frame; False (nothing sent) when the bound is reached."""
-        frame = pickle.dumps((tuple(self.identity), watermark_ns, wire_items),
+    def send(self, watermark_ns: int, wire_items: list, done: bool = False) -> bool:
+        """Queues one frame (``done``: this producer's last); False (nothing sent) when the
+        bound is reached."""
+        frame = pickle.dumps((tuple(self.identity), watermark_ns, wire_items, done),
                              protocol=pickle.HIGHEST_PROTOCOL)
         try:
             self._socket.send(frame, self._zmq.NOBLOCK, copy=False)
@@ -133,6 +137,17 @@ class ProducerSocket:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
 
+    def wait_connected(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for a connection (a telemetry process that binds late,
+        starved of CPU while it starts); True once connected."""
+        deadline = time.monotonic() + timeout_s
+        while not self.poll_connection():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._monitor.poll(max(1, int(left * 1000)))
+        return True
+
     def close(self, linger_s: float = 0.0) -> None:
         """Closes, letting queued frames leave for at most ``linger_s``."""
         try:
@@ -146,16 +161,18 @@ class ProducerSocket:
 
 class ProducerInbox:
     """The telemetry side: binds ``endpoint`` and calls ``deliver(identity, watermark_ns,
-    wire_items)`` on its own thread for every frame. A frame that cannot be read is logged
-    once and counted in ``bad_frames``."""
+    wire_items, done)`` on its own thread for every frame. A frame that cannot be read is
+    logged once and counted in ``bad_frames``. ``open_producers(live_s)``: who was heard from
+    within ``live_s`` and has not sent its last frame (what a stop waits for)."""
 
     def __init__(self, endpoint: str,
-                 deliver: Callable[[ProducerIdentity, int, list], None]) -> None:
+                 deliver: Callable[[ProducerIdentity, int, list, bool], None]) -> None:
         zmq = self._zmq = _zmq()
         self.endpoint = endpoint
         self.bad_frames = 0
         self._deliver = deliver
         self._stopping = False
+        self._heard: dict[int, float] = {}     # producer id -> when heard; gone once done
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -169,26 +186,43 @@ class ProducerInbox:
         try:
             while not self._stopping:
                 # a bounded wait, so that ``close`` is seen; the socket stays on this thread
-                if not socket.poll(100):
-                    continue
-                frame = socket.recv(copy=False)
+                if socket.poll(100):
+                    self._receive(socket.recv(copy=False))
+            while True:       # stopping: what reached the socket before, not dropped
                 try:
-                    identity, watermark_ns, wire_items = pickle.loads(frame.buffer)
-                    identity = ProducerIdentity(*identity)
-                except Exception:
-                    self.bad_frames += 1
-                    if self.bad_frames == 1:
-                        logger.exception("a frame on %s could not be read", self.endpoint)
-                    continue
-                self._deliver(identity, watermark_ns, wire_items)
+                    frame = socket.recv(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._receive(frame)
         except zmq.ZMQError:
             logger.exception("receiving on %s failed; joined producers are no longer read",
                              self.endpoint)
         finally:
             socket.close(linger=0)
 
+    def _receive(self, frame) -> None:
+        try:
+            identity, watermark_ns, wire_items, done = pickle.loads(frame.buffer)
+            identity = ProducerIdentity(*identity)
+        except Exception:
+            self.bad_frames += 1
+            if self.bad_frames == 1:
+                logger.exception("a frame on %s could not be read", self.endpoint)
+            return
+        if done:
+            self._heard.pop(identity.producer_id, None)
+        else:
+            self._heard[identity.producer_id] = time.monotonic()
+        self._deliver(identity, watermark_ns, wire_items, bool(done))
+
+    def open_producers(self, live_s: float) -> list[int]:
+        """Producers heard from within ``live_s`` that have not sent their last frame."""
+        now = time.monotonic()
+        return [pid for pid, heard in list(self._heard.items()) if now - heard <= live_s]
+
     def close(self, timeout_s: float = 1.0) -> None:
-        """Stops receiving (frames not yet read are dropped by ZMQ); bounded by ``timeout_s``."""
+        """Stops receiving once the frames already in the socket are delivered; bounded by
+        ``timeout_s``."""
         self._stopping = True
         self._thread.join(timeout=timeout_s)
         if not self._thread.is_alive():

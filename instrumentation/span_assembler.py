@@ -9,8 +9,8 @@ back (capped, counted); a tensor-parallel step's span ends when its ranks' parts
 ``process.pid``). With several producers (:mod:`.event_order`), an event whose request has
 not started is held up to ``hold_s`` and applied when the start arrives (a step span is built
 at once, its links added then); ``Detokenized`` / ``RequestEnd`` wait for the other producers.
-Guarantee: an event unmatched after ``hold_s``, or once its producer shipped past it, counts
-in ``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond
+A producer's last frame ("done") releases what waits for it at once. Guarantee: an event
+unmatched after ``hold_s``, or once its producer shipped past it, counts in ``orphan_events``; at most ``max_live_requests`` requests are tracked (the oldest beyond
 dropped, counted). Cost: O(1) per event plus O(batch) per step event.
 """
 
@@ -100,10 +100,10 @@ class SpanAssembler:
         }
 
     def handle(self, events, producer: ProducerIdentity | None = None,
-               watermark_ns: int | None = None) -> None:
+               watermark_ns: int | None = None, done: bool = False) -> None:
         """Applies ``events`` of ``producer`` (default: this process, as the engine core) in
-        order; ``watermark_ns``: the producer recorded them all before it. Unknown event types
-        are ignored."""
+        order; ``watermark_ns``: the producer recorded them all before it; ``done``: its
+        last frame (it records nothing more). Unknown event types are ignored."""
         if producer is None:
             producer = self._local_producer()
         origin = self._origins.get(producer)
@@ -121,8 +121,14 @@ class SpanAssembler:
             except Exception:
                 logger.exception("lifecycle event %s could not be turned into spans",
                                  type(event).__name__)
-        if watermark_ns is not None and self._watermarks.note(pid, watermark_ns, now):
+        if watermark_ns is not None and self._watermarks.note(pid, watermark_ns, now, done):
             self._release_closing(now)
+        if done:
+            # its requests' starts have all arrived: the events still waiting for one never
+            # meet it (the other producers' held closing events were released above)
+            held = self._held
+            self._expired([item for key in held.keys() if key >> PRODUCER_KEY_SHIFT == pid
+                           for item in held.take(key)])
 
     def poll(self, now: float | None = None) -> None:
         """Applies closing events held past ``hold_s`` and counts expired held events."""

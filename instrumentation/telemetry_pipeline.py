@@ -191,11 +191,11 @@ class TelemetryPipeline(ProducerSide):
         return self._endpoint
 
     def _deliver_joined(self, identity: ProducerIdentity, watermark_ns: int,
-                        wire_items: list) -> None:
+                        wire_items: list, done: bool) -> None:
         """Thread mode: a joined producer's batch, given to the worker (inbox thread)."""
         items = from_wire(wire_items)
         with self._ship_lock:
-            self._worker.handle(items, identity, watermark_ns)
+            self._worker.handle(items, identity, watermark_ns, done)
 
     def count_producer_drops(self, producer_id: int, dropped: dict[str, int]) -> None:
         """A joined producer's drops so far, by reason (its ``dropped_events()``, reported
@@ -371,8 +371,8 @@ class TelemetryPipeline(ProducerSide):
                 return
             try:
                 stopped = self._outbox.offer(None, 0, timeout_s=1.0)   # None: the writer's stop
-                if stopped:
-                    process.wait(timeout=max(1.0, timeout_s + 2.0))
+                if stopped:   # it waits for joined producers' last frames, then exports
+                    process.wait(timeout=max(1.0, timeout_s + self.config.hold_unstarted_s + 2.0))
             except subprocess.TimeoutExpired:
                 stopped = False
             if not stopped:

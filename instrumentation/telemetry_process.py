@@ -4,8 +4,9 @@ Started and supervised by the engine core (:mod:`.telemetry_pipeline`); it can b
 by hand too, as a sidecar fed over the same pipes. Protocol, pickle frames on stdin: first
 ``(TelemetryConfig, producer identity, producer endpoint or None)``, then
 ``(watermark_ns, items)`` batches in their wire form (:mod:`.event_wire`), then ``None`` to
-stop (flushes and exits). Other producers' batches arrive on the endpoint, which it binds
-(:mod:`.producer_link`). On stdout, frames back to the engine: ``("names", [pointers])``
+stop: it waits up to ``hold_unstarted_s`` for the other producers still heard from to send
+their last frame, builds and exports all it holds, logs what it lost, exits. Other
+producers' batches arrive on the endpoint, which it binds (:mod:`.producer_link`). On stdout, frames back to the engine: ``("names", [pointers])``
 (kernel names it needs) and ``("stats", dict)`` twice a second. Logs go to stderr. It exits
 when the engine's pipe closes. Honors the standard ``OTEL_*`` environment (through
 ``Telemetry.start``); never imports torch.
@@ -62,7 +63,7 @@ def main() -> int:
                 frame = pickle.load(frames_in)
                 if frame is None:
                     break
-                inbox.put((engine, *frame))
+                inbox.put((engine, *frame, False))
         except (EOFError, OSError, pickle.UnpicklingError):
             pass
         inbox.put(None)
@@ -75,34 +76,54 @@ def main() -> int:
         except Exception:
             logger.exception("cannot bind %s: other processes' telemetry is lost", endpoint)
     last_stats = 0.0
+    stop_by = None            # the engine said stop: the others' last frames, until then
     while True:
         try:
             frame = inbox.get(timeout=0.05)
         except queue.Empty:
             frame = ()
         if frame is None:
-            break
+            stop_by = time.monotonic() + config.hold_unstarted_s
+            frame = ()
         if frame:
-            producer, watermark_ns, wire_items = frame
-            worker.handle(from_wire(wire_items), producer, watermark_ns)
+            producer, watermark_ns, wire_items, done = frame
+            worker.handle(from_wire(wire_items), producer, watermark_ns, done)
         worker.poll()
         now = time.monotonic()
+        if stop_by is not None and (joined is None or now >= stop_by or
+                                    not joined.open_producers(config.hold_unstarted_s)):
+            break
         if now - last_stats >= STATS_INTERVAL_S:
             last_stats = now
             send(("stats", worker.stats()))
     if joined is not None:
-        joined.close()
+        waiting = joined.open_producers(config.hold_unstarted_s)
+        if waiting:
+            logger.warning("stopping without the last frames of producers %s", waiting)
+        joined.close()                       # delivers what reached its socket first
         while True:                          # what the joined producers sent before the stop
             try:
                 frame = inbox.get_nowait()
             except queue.Empty:
                 break
             if frame:
-                worker.handle(from_wire(frame[2]), frame[0], frame[1])
+                worker.handle(from_wire(frame[2]), *frame[:2], frame[3])
     worker.close()
     telemetry.shutdown()
-    send(("stats", worker.stats()))
+    stats = worker.stats()
+    _report_losses(stats)
+    send(("stats", stats))
     return 0
+
+
+def _report_losses(stats: dict) -> None:
+    """What the stop could not turn into exported spans, said once (the series that count
+    it are gone with the engine)."""
+    dropped = sum(stats.get("spans_dropped", {}).values())
+    if stats.get("orphan_events") or dropped:
+        logger.warning("stopped: %d request events never met their request, %d spans dropped "
+                       "(%d exported)", stats.get("orphan_events", 0), dropped,
+                       stats.get("spans_exported", 0))
 
 
 if __name__ == "__main__":

@@ -67,8 +67,9 @@ class TelemetryWorker:
         }
 
     def handle(self, items, producer: ProducerIdentity | None = None,
-               watermark_ns: int | None = None) -> None:
-        """``items`` recorded by ``producer`` (default: this process) before ``watermark_ns``."""
+               watermark_ns: int | None = None, done: bool = False) -> None:
+        """``items`` recorded by ``producer`` (default: this process) before ``watermark_ns``;
+        ``done``: its last batch."""
         lifecycle = []
         for item in items:
             handler = self._gpu.get(type(item))
@@ -90,8 +91,8 @@ class TelemetryWorker:
                     self._reported.add(type(item))
                     logger.exception("telemetry item %s could not be processed",
                                      type(item).__name__)
-        if lifecycle or watermark_ns is not None:
-            self.assembler.handle(lifecycle, producer, watermark_ns)
+        if lifecycle or watermark_ns is not None or done:
+            self.assembler.handle(lifecycle, producer, watermark_ns, done)
 
     def poll(self, force: bool = False) -> None:
         """Emits what is due: held events past their time, kernel spans that settled

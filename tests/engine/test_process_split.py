@@ -407,8 +407,6 @@ def test_the_startup_trace_and_core_series_across_the_processes(collector):
     grpc, query = collector
     served = None
     try:
-        # read while serving: a request ending within ~2 s of SIGTERM can lose its trace (the
-        # stop-time flush of held events), a known gap
         served = Served(1, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
                         OTEL_BSP_SCHEDULE_DELAY="50")
         trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -448,6 +446,48 @@ def test_the_startup_trace_and_core_series_across_the_processes(collector):
     finally:
         if served is not None:
             served.close()
+
+
+@pytest.mark.slow
+def test_a_request_answered_just_before_sigterm_keeps_its_whole_trace(collector):
+    """SIGTERM right after a streamed response ends, through 2 API servers: they finish, then
+    ship their last telemetry (waiting for a telemetry process that may bind late), the core
+    stops, and its telemetry process builds and exports everything before ``engine serve``
+    exits: the request's whole trace is in the collector, from both kinds of process."""
+    grpc, query = collector
+    served = Served(2, "--otlp-endpoint", f"http://127.0.0.1:{grpc}", trace_level="steps",
+                    OTEL_BSP_SCHEDULE_DELAY="50")
+    try:
+        deadline = time.monotonic() + 30    # the other API server may still be joining
+        while (health := served.get("/health"))[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        core_pid = health[1]["core_pid"]
+        trace_id, parent = "5ca1ab1e3577b34da6a3ce929d0e0e47", "00f067aa0ba902b7"
+        client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=3,
+                               default_headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        chunks = list(client.completions.create(model=MODEL, prompt="stop", max_tokens=4, stream=True,
+                                                temperature=0, extra_body={"ignore_eos": True}))
+        served.process.send_signal(signal.SIGTERM)
+        assert served.process.wait(60) == 0
+    finally:
+        served.close()
+    assert len(chunks) == 4
+    names = {"POST /v1/completions", "tokenize", "queue", "prefill", "decode", "detokenize"}
+    spans = _trace(query, trace_id, names, timeout_s=10)    # exported before the exit
+    assert sorted(s["name"] for s in spans) == sorted(names)
+    [server] = [s for s in spans if s["name"] == "POST /v1/completions"]
+    assert server["parent_span_id"] == parent
+    assert server["attributes"][sc.HTTP_RESPONSE_STATUS_CODE] == 200
+    assert all(s["parent_span_id"] == server["span_id"] for s in spans if s is not server)
+    by_name = {s["name"]: s["attributes"] for s in spans}
+    api_pid = server["attributes"][sc.PROCESS_PID]
+    assert api_pid != core_pid
+    for name in ("POST /v1/completions", "tokenize", "detokenize"):
+        assert (by_name[name][sc.PROCESS_ROLE], by_name[name][sc.PROCESS_PID]) == (
+            sc.PROCESS_ROLE_API_SERVER, api_pid)
+    for name in ("queue", "prefill", "decode"):
+        assert (by_name[name][sc.PROCESS_ROLE], by_name[name][sc.PROCESS_PID]) == (
+            sc.PROCESS_ROLE_ENGINE_CORE, core_pid)
 
 
 # ---- deaths ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -22,7 +23,10 @@ from prometheus_client import generate_latest
 
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.config import TelemetryConfig
-from sightline.instrumentation.lifecycle import PRODUCER_KEY_SHIFT, Detokenized, Queued, Step
+from sightline.instrumentation.event_wire import from_wire
+from sightline.instrumentation.lifecycle import (PRODUCER_KEY_SHIFT, Detokenized, Queued, RequestEnd,
+                                                 RequestStart, Step, Tokenized)
+from sightline.instrumentation.producer_link import ProducerInbox, private_endpoint, remove_endpoint
 from sightline.instrumentation.telemetry_pipeline import TelemetryPipeline
 
 from sightline.deploy.processes import free_ports
@@ -114,6 +118,67 @@ def test_drops_joined_producers_report_are_counted_once_on_the_starting_pipeline
         assert dropped() == {"buffer_full": 2, "build_error": 0, "process_down": 4, "queue_full": 6}
     finally:
         core.shutdown()
+
+
+def _one_request(api) -> None:
+    handle = api.recorder.start_request(route="/v1/completions", headers={}, model="tiny",
+                                        operation="text_completion", request_id="r1")
+    t0 = time.time_ns()
+    handle.tokenized(t0, t0 + 1000)
+    handle.finish(status_code=200, finish_reason="length", input_tokens=3, output_tokens=2,
+                  end_time_ns=t0 + 2000)
+
+
+def test_a_producer_stopping_before_the_telemetry_process_binds_waits_for_it():
+    """A telemetry process started at a low priority can bind its endpoint after an API
+    server has finished its requests and is stopping: the last frames wait for it (they
+    were discarded unseen when the socket closed unconnected), the last one says done."""
+    endpoint = private_endpoint()
+    frames = []
+    api = TelemetryPipeline.join(CONFIG, endpoint, 3, ship_interval_s=0.01)
+    inbox = None
+    try:
+        _one_request(api)
+        time.sleep(0.1)                        # shipped: queued in ZMQ, nobody bound
+        assert not api.process_up()
+
+        def bind_late() -> None:
+            nonlocal inbox
+            time.sleep(0.5)
+            inbox = ProducerInbox(endpoint, lambda *frame: frames.append(frame))
+
+        binder = threading.Thread(target=bind_late)
+        binder.start()
+        started = time.monotonic()
+        api.shutdown(timeout_s=5.0)
+        assert 0.4 < time.monotonic() - started < 5.0
+        binder.join()
+        _wait(lambda: frames and frames[-1][3], what="the last frame")
+        items = [item for frame in frames for item in from_wire(frame[2])]
+        assert [type(item) for item in items] == [RequestStart, Tokenized, RequestEnd]
+        assert [frame[3] for frame in frames].count(True) == 1 and frames[-1][3] is True
+        assert {frame[0].producer_id for frame in frames} == {3}
+        assert api.dropped_events()["process_down"] == 0
+    finally:
+        api.shutdown(timeout_s=0.1)
+        if inbox is not None:
+            inbox.close()
+        remove_endpoint(endpoint)
+
+
+def test_a_producer_whose_telemetry_process_never_binds_counts_what_it_lost(caplog):
+    endpoint = private_endpoint()
+    api = TelemetryPipeline.join(CONFIG, endpoint, 4, ship_interval_s=0.01)
+    try:
+        _one_request(api)
+        time.sleep(0.1)
+        started = time.monotonic()
+        api.shutdown(timeout_s=0.3)
+        assert time.monotonic() - started < 2.0          # bounded by the timeout
+        assert api.dropped_events()["process_down"] == 3
+        assert "3 events of producer 4 are lost" in caplog.text
+    finally:
+        remove_endpoint(endpoint)
 
 
 # -- other OS processes: an API server process, a real telemetry process, a real collector --

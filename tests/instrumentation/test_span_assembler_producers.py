@@ -178,6 +178,27 @@ def test_a_silent_producer_holds_nothing_back_for_longer_than_the_hold():
     telemetry.shutdown()
 
 
+def test_a_producers_last_frame_releases_what_waits_for_it_at_once():
+    """At a stop nothing waits out the hold: the core's last frame releases the API server's
+    request end (held for the core's steps), the API server's last frame orphans the core's
+    events of a request it never started (every start it recorded has arrived)."""
+    assembler, telemetry, exporter = _assembler(hold_s=60.0)
+    assembler.handle([Queued(KEY + 1, T0 + 2 * MS)], CORE, T0 + 3 * MS)
+    assembler.handle([_start(), _end(T0 + 10 * MS)], API, T0 + 11 * MS)
+    assert _spans(telemetry, exporter) == () and assembler.held_events == 1
+    assembler.handle([], CORE, T0 + 4 * MS, done=True)
+    assert [s.name for s in _spans(telemetry, exporter)] == [sc.SPAN_HTTP_COMPLETIONS]
+    assert assembler.orphan_events == 0
+    assembler.handle([], API, T0 + 12 * MS, done=True)
+    assert (assembler.held_events, assembler.orphan_events) == (1, 1)
+    # a frame after the last one: the producer restarted, it holds the others back again
+    assembler.handle([], CORE, T0 + 20 * MS)
+    assembler.handle([_start(KEY + 2, T0 + 21 * MS, "r2"), _end(T0 + 30 * MS, KEY + 2)], API,
+                     T0 + 31 * MS)
+    assert len(_spans(telemetry, exporter)) == 1
+    telemetry.shutdown()
+
+
 def test_a_step_that_serves_a_request_already_ended_is_no_orphan():
     """Overlapped scheduling plans a step before the previous step's finish is seen."""
     assembler, telemetry, _ = _assembler()
