@@ -160,6 +160,9 @@ def _text(value: str, param: str) -> str:
     return value
 
 
+MAX_TOP_K = 2**31 - 1
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -227,6 +230,8 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
     elif not _is_int(top_k) or top_k < 1:
         raise ProtocolError(f"top_k={_shown(top_k)} must be an integer >= 1, or -1 or 0 for off", param="top_k",
                             code="invalid_value")
+    else:   # past any vocabulary top_k means every token; kept within what the core's records carry
+        top_k = min(top_k, MAX_TOP_K)
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <= MAX_CACHE_SALT_CHARS):
         raise ProtocolError(f"cache_salt={str(salt)[:300]!r} must be a string of 1..{MAX_CACHE_SALT_CHARS} "

@@ -37,6 +37,18 @@ from tests.support import wait_for_http
 
 
 # ---- the records ------------------------------------------------------------------------------
+def test_a_top_k_past_any_vocabulary_crosses_the_boundary_as_all_tokens():
+    """top_k 2**70 (found by bench/fuzz_engine.py: msgpack carries at most 64-bit integers,
+    and the request was answered 500) is every token: clamped before the record is built."""
+    from sightline.engine.openai_protocol import MAX_TOP_K, parse_completion_request
+
+    for huge in (2**64, 2**70):
+        params = parse_completion_request({"model": MODEL, "prompt": "x", "top_k": huge})
+        assert params.top_k == MAX_TOP_K
+        record = cr.AddRequest("r", [1, 2], SamplingParams(max_tokens=2, temperature=0.7, top_k=params.top_k))
+        assert cr.core_decoder().decode(cr.encode(record)).sampling.top_k == MAX_TOP_K
+
+
 def test_every_record_round_trips():
     sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=3, stop=("a", "bc"),
                               top_k=5, min_p=0.1, repetition_penalty=1.2, presence_penalty=-0.5,
