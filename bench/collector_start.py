@@ -1,6 +1,6 @@
 """Collector start-up, cold (empty numba cache) and warm: process start to /healthz and /readyz.
 
-    python -m bench.collector_start --rounds 3 --out bench/results/collector_start
+    python -m bench.collector_start --rounds 3 --out bench/results/collector_start-cpu.md
 
 Each round starts ``sightline collector run`` on free loopback ports with
 ``NUMBA_CACHE_DIR`` set to a fresh directory (cold), stops it, then starts it again on the

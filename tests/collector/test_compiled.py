@@ -30,7 +30,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from sightline.collector import compiled, request_shape, span_ids
 from sightline.instrumentation import semconv as sc
 from tests.collector.servers import scrape
-from tests.collector.test_request_shape import _metrics, _traces
+from tests.collector.random_requests import random_metrics as _metrics, random_traces as _traces
 from tests.support import free_port
 
 
