@@ -151,6 +151,10 @@ def _steps(server: Server) -> list[float]:
     return json.loads(_get(server.url + "/debug/steps")[1])["durations_s"]
 
 
+def _step_tokens(server: Server) -> list[list[int]]:
+    return json.loads(_get(server.url + "/debug/steps")[1]).get("tokens", [])
+
+
 def _compiles(server: Server) -> float:
     return parse_metric(_get(server.url + "/metrics")[1].decode(), "sightline_engine_jit_compiles_total")
 
@@ -166,8 +170,13 @@ def burst(server: Server, args, seed: int) -> dict:
         results = list(pool.map(lambda b: _post_stream(server.url, b, args.request_timeout_s), bodies))
     wall = time.perf_counter() - started
     steps = _steps(server)[before:]
+    tokens = _step_tokens(server)[before:]
+    longest = max(range(len(steps)), key=steps.__getitem__, default=None)
     return {"requests": len(results), "wall_s": wall, "steps": len(steps),
             "longest_step_s": max(steps, default=0.0),
+            # the longest step's [prefill, decode] tokens, and every step's time: which step it was
+            "longest_step_tokens": tokens[longest] if longest is not None and longest < len(tokens) else None,
+            "step_durations_s": steps,
             "ttft_p50_s": statistics.median(r["ttft_s"] for r in results),
             "ttft_max_s": max(r["ttft_s"] for r in results)}
 

@@ -70,6 +70,9 @@ def test_a_cpu_dry_run_measures_every_part_cold_and_warm(tmp_path):
     for name in ("first_burst", "warm_burst"):
         assert cold[name]["requests"] == 3 and cold[name]["steps"] >= 3
         assert cold[name]["longest_step_s"] > 0
+        assert max(cold[name]["step_durations_s"]) == cold[name]["longest_step_s"]
+        prefill, decode = cold[name]["longest_step_tokens"]   # what the longest step ran
+        assert prefill + decode >= 1
     assert len(cold["warm_ttft_s"]) == 2
     assert cold["mixed"]["requests"] == 10 and cold["mixed"]["finished"] == 10
     assert len(cold["mixed"]["sampling_cases"]) == 10
