@@ -24,9 +24,10 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from . import semconv
+from .config import TelemetryConfig
 from .config_checks import check_range
 from .cupti_tracer import CuptiTracer
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
@@ -43,11 +44,15 @@ TRACE_SAMPLED = "sampled"
 TRACE_AFTER_TAIL = "after_tail"
 
 
+# the knobs a user sets are TelemetryConfig's settings: their defaults are declared there once
+_USER_DEFAULTS = {f.name: f.default for f in fields(TelemetryConfig)}
+
+
 @dataclass(frozen=True)
 class GpuTelemetryConfig:
     """Knobs of the GPU telemetry; ranges checked, errors name the bad value."""
 
-    kernel_sample_ratio: float = 0.01   # fraction of steps whose kernels become spans
+    kernel_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio"]   # steps whose kernels become spans
     tail_quantile: float = 0.999        # a step slower than this quantile arms tail tracing
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
@@ -57,12 +62,12 @@ class GpuTelemetryConfig:
     # traced step pays an attach of ms on the engine thread) or attached with its kinds off
     # (every CUDA call pays a few µs). Paired runs put the two within noise of each other in
     # throughput; attached keeps traced steps short (bench/results/overhead_http.md).
-    cupti_detach: bool = False
-    probe: bool = True                  # per-CTA SM probe in our Triton kernels
+    cupti_detach: bool = _USER_DEFAULTS["cupti_detach"]
+    probe: bool = _USER_DEFAULTS["sm_probe"]   # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
-    probe_every_steps: int = 32         # every Nth step's CTAs feed the per-SM histograms
+    probe_every_steps: int = _USER_DEFAULTS["sm_probe_every"]   # every Nth step's CTAs feed the histograms
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
-    export_interval_s: float = 10.0
+    export_interval_s: float = _USER_DEFAULTS["metric_export_interval_s"]
     probe_poll_s: float = 0.05          # the worker's wake-ups for probed steps' records
     max_pending_steps: int = 4096
     seed: int | None = None

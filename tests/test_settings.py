@@ -179,3 +179,12 @@ def test_one_error_sentence_names_field_value_and_range():
         _Example(mode="c")
     with pytest.raises(ValueError, match=r"^EXAMPLE_RATE='fast': "):
         env_values(_Example, {"EXAMPLE_RATE": "fast"})
+
+
+def test_the_gpu_telemetry_takes_its_user_settings_defaults_from_their_one_declaration():
+    from sightline.instrumentation.config import TelemetryConfig
+    from sightline.instrumentation.gpu_telemetry import GpuTelemetryConfig
+
+    gpu, user = GpuTelemetryConfig(), TelemetryConfig()
+    assert (gpu.kernel_sample_ratio, gpu.probe, gpu.probe_every_steps, gpu.cupti_detach, gpu.export_interval_s) == (
+        user.kernel_sample_ratio, user.sm_probe, user.sm_probe_every, user.cupti_detach, user.metric_export_interval_s)
