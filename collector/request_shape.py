@@ -16,7 +16,7 @@ three ``bytes.count`` passes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numba
@@ -24,6 +24,7 @@ import numpy as np
 from numba import types
 
 from ..instrumentation import check_range
+from .config import CollectorConfig
 from .compiled import ahead
 from .ingest import IngestError
 from .protowire import message, skip, varint
@@ -49,18 +50,22 @@ class RequestShape(NamedTuple):
         return encoded_bytes + _MESSAGE_BYTES * messages + _BUCKET_BYTES * self.buckets
 
 
+_CAPS = {f.name: f.default for f in fields(CollectorConfig)}
+
+
 @dataclass(frozen=True)
 class RequestLimits:
-    """Caps on one export request's messages (see ``CollectorConfig`` for each field)."""
+    """Caps on one export request's messages (see ``CollectorConfig`` for each field; their
+    defaults are declared there once)."""
 
-    max_resources: int = 4_096
-    max_scopes: int = 16_384
-    max_items: int = 32_768  # spans
-    max_values: int = 524_288
-    max_buckets: int = 2_097_152
-    max_json_values: int = 49_152
+    max_resources: int = _CAPS["max_resources_per_request"]
+    max_scopes: int = _CAPS["max_scopes_per_request"]
+    max_items: int = _CAPS["max_spans_per_request"]
+    max_values: int = _CAPS["max_values_per_request"]
+    max_buckets: int = _CAPS["max_buckets_per_request"]
+    max_json_values: int = _CAPS["max_json_values"]
     # data points: each costs the aggregator ~10x a span (its histogram is checked and merged)
-    max_points: int = 4_096
+    max_points: int = _CAPS["max_points_per_request"]
 
     def __post_init__(self) -> None:
         for name in ("max_resources", "max_scopes", "max_items", "max_values", "max_buckets", "max_json_values",
