@@ -164,9 +164,9 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
             usual_exceed = np.concatenate([evidence.usual_shares[2], np.full(pad, np.nan)])
             null = np.fmax(null, np.minimum(usual_exceed, 0.99))
         slow_bound = binomial_tail_bound(exceed, ctas, null, upper=True)
+        slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
         # narrow launches place the same CTA (a long sequence's, say) on the same SMs launch
         # after launch: their durations say nothing of the SM, so the test needs wide ones
-        slow_factor = np.where((others_q > 0) & (own_q > 0), own_q / others_q, np.nan)
         slow = ((slow_bound <= level) & (exceed_share >= config.slow_share * null / null_share)
                 & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total)
                 & ~(slow_factor < config.slow_factor))
@@ -178,15 +178,14 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
             # an SM the block scheduler gives fewer CTAs in most slots (its median share under
             # the starved line; how the GPU's SMs sit in its clusters, launch after launch) is
             # held to its own lowest share instead: what it always does is not contention
-            upper, lowest = (np.concatenate([row, np.zeros(pad)]) for row in evidence.usual_shares[:2])
-            structural = upper < config.starve_ratio / num_sms
+            median, lowest = (np.concatenate([row, np.zeros(pad)]) for row in evidence.usual_shares[:2])
+            structural = median < config.starve_ratio / num_sms
             share = np.where(structural, np.minimum(lowest, share), share)
             ratio = np.where(structural, config.usual_starve_ratio, config.starve_ratio)
-        with np.errstate(invalid="ignore"):
-            # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
-            starve_bound = np.where(np.isnan(share), 1.0, binomial_tail_bound(ctas, wide, share, upper=False))
-            starved = (starve_bound <= level) & (ctas < ratio * wide * share)
-            starve_factor = np.minimum(wide * share / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
+        # its CTAs are at least its wide ones: P(ctas <= k) <= P(Binomial(wide, share) <= k)
+        starve_bound = binomial_tail_bound(ctas, wide, share, upper=False)
+        starved = (starve_bound <= level) & (ctas < ratio * wide * share)
+        starve_factor = np.minimum(wide * share / np.maximum(ctas, 1), MAX_STARVE_FACTOR)
     else:
         starve_bound = np.ones(len(names))
         starved = np.zeros(len(names), dtype=bool)

@@ -313,43 +313,49 @@ class SmBlock:
         return [(int(self.s_epoch[s]), int(s), details.get(int(self.s_epoch[s])))
                 for s in np.argsort(self.s_epoch) if first_epoch <= self.s_epoch[s] <= last_epoch]
 
-    def _slot_evidence(self, s: int, d: _Detail | None) -> SlotEvidence:
+    def _slot_evidence(self, s: int, d: _Detail | None, quiet: tuple[np.ndarray, np.ndarray]) -> SlotEvidence:
         n = len(self.sms)
         wide = int(self.s_wide[s]) if self.s_wide[s] >= 0 else None
-        usual = self._usual_shares(s)
+        usual = self._usual_shares(s, *quiet)
         if d is not None:
             e = self._evidence(d)
             return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide, usual)
         return SlotEvidence(self.s_count[s, :n].copy(), self.s_exceed[s, :n].copy(), self.s_q[s, :n].copy(),
                             self.s_others_q[s, :n].copy(), wide, usual)
 
-    def _usual_shares(self, s: int) -> np.ndarray:
-        """[3, SMs]: each SM's share of the kernel's CTAs over the ring's other quiet slots
-        (at least ``USUAL_SHARE_MIN_CTAS`` wide CTAs per SM; at most ``QUIET_SLOW_SHARE`` of
-        the SMs with ``QUIET_EXCEED`` of their CTAs above the others' P90: no neighbour on a
-        group of SMs), its median and its lowest, and the median share of its CTAs above the
-        others' P90 there (collector/contention.py reads them); NaN while fewer than
-        ``USUAL_SLOTS`` qualify (not known yet: the even split stands)."""
+    def _quiet_slots(self) -> tuple[np.ndarray, np.ndarray]:
+        """(which ring slots are quiet, each slot's per-SM share of CTAs above the others' P90).
+        Quiet: at least ``USUAL_SHARE_MIN_CTAS`` wide CTAs per SM, and at most
+        ``QUIET_SLOW_SHARE`` of the SMs with ``QUIET_EXCEED`` of their CTAs above the others'
+        P90 (no neighbour on a group of SMs). Read once per query, for all its slots."""
         n = len(self.sms)
         counts = self.s_count[:, :n]
         totals = counts.sum(axis=1)
         wide = np.where(self.s_wide >= 0, self.s_wide, totals)
-        use = (self.s_epoch >= 0) & (wide >= USUAL_SHARE_MIN_CTAS * max(n, 1)) & (totals > 0)
-        use[s] = False
-        if int(use.sum()) < USUAL_SLOTS or not n:
-            return np.full((3, n), np.nan)
-        details = {d.epoch: d for d in self._detail if d is not None}
+        quiet = (self.s_epoch >= 0) & (wide >= USUAL_SHARE_MIN_CTAS * max(n, 1)) & (totals > 0)
         exceed_share = np.full(counts.shape, np.nan)
-        for j in np.flatnonzero(use).tolist():
+        details = {d.epoch: d for d in self._detail if d is not None}
+        for j in np.flatnonzero(quiet).tolist():
             d = details.get(int(self.s_epoch[j]))
             exceed = self._evidence(d).exceed[:n] if d is not None else self.s_exceed[j, :n]
             busy = counts[j] >= USUAL_SHARE_MIN_CTAS   # a few CTAs say little of their SM
             exceed_share[j, busy] = exceed[busy] / counts[j][busy]
             if (exceed_share[j, busy] >= QUIET_EXCEED).sum() > QUIET_SLOW_SHARE * n:
-                use[j] = False
-        if int(use.sum()) < USUAL_SLOTS:
+                quiet[j] = False
+        return quiet, exceed_share
+
+    def _usual_shares(self, s: int, quiet: np.ndarray, exceed_share: np.ndarray) -> np.ndarray:
+        """[3, SMs]: each SM's share of the kernel's CTAs over the ring's quiet slots other
+        than ``s`` (:meth:`_quiet_slots`), its median and its lowest, and the median share of
+        its CTAs above the others' P90 there (collector/contention.py reads them); NaN while
+        fewer than ``USUAL_SLOTS`` qualify (not known yet: the even split stands)."""
+        n = len(self.sms)
+        use = quiet.copy()
+        use[s] = False
+        if int(use.sum()) < USUAL_SLOTS or not n:
             return np.full((3, n), np.nan)
-        shares = counts[use] / totals[use, None]
+        counts = self.s_count[use, :n]
+        shares = counts / counts.sum(axis=1)[:, None]
         with np.errstate(all="ignore"):
             usual_exceed = np.nanmedian(exceed_share[use], axis=0) if np.isfinite(exceed_share[use]).any() \
                 else np.full(n, np.nan)
@@ -357,15 +363,17 @@ class SmBlock:
 
     def slot_evidence(self, first_epoch: int, last_epoch: int) -> list[tuple[int, SlotEvidence]]:
         """``(epoch, contention evidence)`` of each slot in the range with CTAs, oldest first."""
-        return [(epoch, self._slot_evidence(s, d)) for epoch, s, d in self._slots(first_epoch, last_epoch)]
+        quiet = self._quiet_slots()
+        return [(epoch, self._slot_evidence(s, d, quiet)) for epoch, s, d in self._slots(first_epoch, last_epoch)]
 
     def slot_cells(self, first_epoch: int, last_epoch: int) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray,
                                                                           SlotEvidence]]:
         """``(epoch, p99 per SM, count per SM, exemplar per SM, contention evidence)`` of each
         slot in the range with CTAs, oldest first (full-resolution slots answer their exact P99)."""
-        n = len(self.sms)
+        n, quiet = len(self.sms), self._quiet_slots()
         return [(epoch, self._p99(d)[:n] if d is not None else self.s_p99[s, :n], self.s_count[s, :n],
-                 self.s_ex[s, :n], self._slot_evidence(s, d)) for epoch, s, d in self._slots(first_epoch, last_epoch)]
+                 self.s_ex[s, :n], self._slot_evidence(s, d, quiet))
+                for epoch, s, d in self._slots(first_epoch, last_epoch)]
 
     def nbytes(self) -> int:
         total = sum(d.counts.nbytes + 24 * d.zeros.size for d in self._detail if d is not None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -52,3 +53,12 @@ def wait_for_collector(query_url: str, process=None, live_timeout_s: float = 30.
             said = repr(exc)
         time.sleep(0.1)
     raise TimeoutError(f"{query_url}/readyz not ready within {ready_timeout_s}s: {said}")
+
+
+def get_json(url: str, timeout_s: float = 10.0) -> tuple[int, dict]:
+    """``(status, JSON body)`` of a GET, error statuses included (their bodies are JSON too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())

@@ -10,11 +10,9 @@ one-megabyte names, 100 slow scrapers) are in bench/collector_limits.py.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
-import urllib.error
 import urllib.request
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -24,6 +22,7 @@ from sightline.collector.aggregation_config import AggregationConfig, TraceStore
 from sightline.instrumentation import semconv as sc
 from tests.collector.otlp_builders import otlp_attrs, otlp_cta_point, otlp_metrics, otlp_span, otlp_traces
 from tests.collector.servers import post, running_collector
+from tests.support import get_json
 
 PB = {"Content-Type": "application/x-protobuf"}
 
@@ -38,14 +37,6 @@ def _per_instance_points(instances: range, now: float) -> bytes:
         metric.exponential_histogram.aggregation_temporality = 1
         metric.exponential_histogram.data_points.append(otlp_cta_point("0", "1", "k", [1e-5], now))
     return request.SerializeToString()
-
-
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_refused_identities_are_a_bounded_table_answered_by_index(monkeypatch):
@@ -63,9 +54,9 @@ def test_refused_identities_are_a_bounded_table_answered_by_index(monkeypatch):
         copies = []
         monkeypatch.setattr(sm_refusals.RefusedGpus, "all", lambda self: copies.append(1) or {})
         # the latest refused identity still names its limit; an unknown GPU is a plain 404
-        status, body = _get(col.query_url + "/api/v1/heatmap?gpu=0&instance_id=node-5999&kernel=k")
+        status, body = get_json(col.query_url + "/api/v1/heatmap?gpu=0&instance_id=node-5999&kernel=k")
         assert status == 404 and "max_gpus=4 reached" in body["error"]["message"], body
-        status, body = _get(col.query_url + "/api/v1/heatmap?gpu=nope")
+        status, body = get_json(col.query_url + "/api/v1/heatmap?gpu=nope")
         assert status == 404 and "no per-SM data matches" in body["error"]["message"]
         assert copies == []
 

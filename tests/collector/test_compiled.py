@@ -15,8 +15,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -31,7 +29,7 @@ from sightline.collector import compiled, request_shape, span_ids
 from sightline.instrumentation import semconv as sc
 from tests.collector.servers import scrape
 from tests.collector.random_requests import random_metrics as _metrics, random_traces as _traces
-from tests.support import free_port
+from tests.support import free_port, get_json
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,14 +127,6 @@ def _spans(n: int):
     return memory.get_finished_spans()
 
 
-def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
 def test_a_collector_on_a_cold_cache_is_live_at_once_and_serves_exports_before_it_is_ready(tmp_path):
     ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
     query = f"http://127.0.0.1:{ports['query']}"
@@ -154,11 +144,11 @@ def test_a_collector_on_a_cold_cache_is_live_at_once_and_serves_exports_before_i
             assert process.poll() is None, process.stdout.read().decode()
             assert time.monotonic() - began < 10, "/healthz did not answer within 10 s of the start"
             try:
-                if _get(query + "/healthz")[0] == 200:
+                if get_json(query + "/healthz")[0] == 200:
                     break
             except OSError:
                 time.sleep(0.05)
-        status, body = _get(query + "/readyz")
+        status, body = get_json(query + "/readyz")
         assert status == 503 and "compiling the byte walks" in body["reason"], body
 
         spans = _spans(6)
@@ -168,7 +158,7 @@ def test_a_collector_on_a_cold_cache_is_live_at_once_and_serves_exports_before_i
         assert http.export(spans[4:]) is SpanExportResult.SUCCESS
         grpc.shutdown()
         http.shutdown()
-        assert _get(query + "/readyz")[0] == 503, "ready before the exports: they did not test the Python paths"
+        assert get_json(query + "/readyz")[0] == 503, "ready before the exports: they did not test the Python paths"
         samples = scrape(query + "/metrics")
         received = sc.COLLECTOR_SPANS_RECEIVED_TOTAL + "_total"
         assert samples[(received, (("receiver", "otlp_grpc"),))] == 4
