@@ -73,6 +73,10 @@ class ContentionConfig:
                                       "other SMs'", lo=1.0, hi=100.0)
     usual_starve_ratio: float = setting(0.5, "an SM that usually gets fewer CTAs is starved below this share "
                                              "of its own lowest", lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+    # a GPU's block scheduler may give some SMs a fraction of the even split launch after
+    # launch: until each SM's usual share is known, such an SM looks like a neighbour's victim
+    starve_before_usual: bool = setting(False, "test SMs for starvation against the even split before the "
+                                               "ring holds 4 quiet slots that give each SM's usual share")
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -7,9 +7,10 @@ per-SM data of the request's lifetime); first match wins:
    the engine's slowdown) is more than the engine's slowness added.
 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
    idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
-   >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x) with idle time or no SM
-   flagged; else ``sm_contention`` when attention SMs were flagged (a score >= ``sm_score``
-   if the GPU was slower); ``device_contention`` when GPU time or every SM's CTAs were
+   >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: the traced steps' GPU
+   time, else CTA durations) with idle time or no SM scoring ``sm_score``; else
+   ``sm_contention`` when attention SMs were flagged (a score >= ``sm_score`` if the GPU
+   was slower); ``device_contention`` when GPU time or every SM's CTAs were
    >= ``gpu_slow`` x; ``host_stall`` on any host evidence; else ``unknown``.
 4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
    ``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline.
@@ -31,7 +32,7 @@ class CauseConfig:
     """The rules' thresholds (module docstring); errors name the bad value."""
 
     engine_slow: float = 1.2
-    gpu_slow: float = 1.2
+    gpu_slow: float = 1.3
     host_slow: float = 1.5
     idle_share: float = 0.3
     compile_share: float = 0.2
@@ -113,15 +114,17 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
                      "its end-to-end latency; the requests in the collector's store")
     slow = (e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
-    gpu = max((v for v in (e.gpu_slowdown, e.cta_slowdown) if v is not None), default=None)
+    # the step's GPU time says whether the GPU's work slowed; CTA durations alone (no traced
+    # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer
+    gpu = e.gpu_slowdown if e.gpu_slowdown is not None else e.cta_slowdown
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
+    strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     if slow:
-        # the host's evidence wins over flagged SMs only when direct: the GPU idle between
-        # steps (a host time from a few kernel-timed steps is too thin to overrule SMs)
+        # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
+        # one is strong and the GPU idle time that would show a stall is missing
         idle = e.idle_excess_s >= c.idle_share * e2e
-        if host_side and gpu is not None and gpu < c.gpu_slow and (idle or not e.contended_sms):
+        if host_side and gpu is not None and gpu < c.gpu_slow and (idle or not strong):
             return _host_stall(e, engine, usual)
-        strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
         if strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow)):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))

@@ -8,7 +8,9 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
   METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
   ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
   most of the ring's quiet slots (the scheduler gives it fewer CTAs launch after launch) is
-  held to ``usual_starve_ratio`` of its own lowest share (known from 4 such slots).
+  held to ``usual_starve_ratio`` of its own lowest share (known from 4 such slots). A store
+  that tracks those slots tests no SM for starvation until it knows them
+  (``starve_before_usual``): a scheduler's favourites would otherwise look starved at start-up.
 Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
 slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
 expected / own CTAs, at most 100); also the P99 hotspot ratio. Cost: a cumulative sum over
@@ -171,7 +173,9 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
                 & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total)
                 & ~(slow_factor < config.slow_factor))
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
-    if expected is not None:
+    learning = (evidence.usual_shares is not None and np.isnan(evidence.usual_shares[0]).all()
+                and not config.starve_before_usual)
+    if expected is not None and not learning:
         share = np.full(len(names), 1.0 / num_sms)
         ratio = np.full(len(names), config.starve_ratio)
         if evidence.usual_shares is not None and not np.isnan(evidence.usual_shares[0]).all():

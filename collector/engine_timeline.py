@@ -56,7 +56,7 @@ class StepFacts:
     prefill_tokens: int
     decode_tokens: int
     jit_compiles: int
-    busy_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced)
+    gpu_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced); see _step_facts
     step_id: int | None
     instance: str
 
@@ -73,11 +73,16 @@ class QueueEntry:
 
 
 def _step_facts(trace, step) -> StepFacts:
+    """A step's facts. Its GPU time: for a CUDA graph replay, from its first kernel's start to
+    its last one's end, so that work the GPU ran between them (another process's kernels,
+    time-sliced in) counts as the GPU's and not the host's; an eager step's kernels wait on
+    the host's launches, so there it is their summed time."""
     record = step.record()
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
     kind = 0 if prefill == 0 else (1 if decode == 0 else 2)
     busy, traced = 0.0, False
+    first, last = None, None
     own = bytes.fromhex(record.span_id)
     for span in trace.spans:
         name = span.name
@@ -88,9 +93,15 @@ def _step_facts(trace, step) -> StepFacts:
             busy += _number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
         else:
             busy += span.duration_s
+        start, end = span.start_time_unix_nano, span.end_time_unix_nano
+        first = start if first is None else min(first, start)
+        last = end if last is None else max(last, end)
+    gpu = float("nan")
+    if traced:
+        gpu = (last - first) / 1e9 if a.get(sc.STEP_CUDA_GRAPH) and last > first else busy
     step_id = a.get(sc.STEP_ID)
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
-                     int(_number(a.get(sc.STEP_JIT_COMPILES))), busy if traced else float("nan"),
+                     int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu,
                      int(_number(step_id)) if step_id is not None else None, step.instance)
 
 
@@ -158,7 +169,7 @@ class EngineTimeline:
              "end": np.array([f.end_ns for f in facts], dtype=np.int64),
              "kind": np.array([f.kind for f in facts], dtype=np.int64),
              "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
-             "busy": np.array([f.busy_s for f in facts], dtype=np.float64),
+             "busy": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}

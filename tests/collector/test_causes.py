@@ -37,7 +37,8 @@ def sid(kind: int, i: int, j: int = 0) -> bytes:
 
 class Scenario:
     """The engine's minute: ``steps`` [(start, duration, prefill tokens, gpu time or None,
-    jit compiles)], requests, and per-slot CTA durations per SM."""
+    jit compiles, spread)], requests, and per-slot CTA durations per SM. Decode steps are
+    CUDA graph replays; a traced one's kernels run ``gpu`` in all over ``gpu * spread``."""
 
     def __init__(self, until_s: float = 60.0) -> None:
         self.steps = []
@@ -45,7 +46,7 @@ class Scenario:
         while t < T + until_s:
             prefill = PREFILL_TOKENS if n % 25 == 12 else 0
             duration, gpu = (PREFILL_S, PREFILL_GPU_S) if prefill else (STEP_S, GPU_S)
-            self.steps.append([t, duration, prefill, gpu if n % 10 == 0 else None, 0])
+            self.steps.append([t, duration, prefill, gpu if n % 10 == 0 else None, 0, 1.0])
             t += duration + GAP_S
             n += 1
         # slot start -> SM -> (CTAs, duration of each)
@@ -64,19 +65,24 @@ class Scenario:
 
     def send(self, agg) -> None:
         spans = []
-        for n, (start, duration, prefill, gpu, compiles) in enumerate(self.steps):
+        for n, (start, duration, prefill, gpu, compiles, spread) in enumerate(self.steps):
             end = start + duration
             links = [(tid(kind, i), sid(kind, i)) for kind, i, a, q, _, b, _ in self.requests if q < end and b > start]
             attrs = {sc.STEP_ID: n, sc.STEP_BATCH_SIZE: len(links) or 1, sc.STEP_PREFILL_TOKENS: prefill,
                      sc.STEP_DECODE_TOKENS: len(links)}
             if compiles:
                 attrs[sc.STEP_JIT_COMPILES] = compiles
+            if not prefill:
+                attrs[sc.STEP_CUDA_GRAPH] = True
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
-            if gpu is not None:  # a traced step: one summary span of its kernels' GPU time
-                spans.append(otlp_span(sc.SPAN_KERNEL_SUMMARY_PREFIX + "gemm", tid(3, n), sid(3, n, 1), start,
-                                       start + gpu, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: "gemm",
-                                                     sc.KERNEL_TOTAL_DURATION_S: gpu, sc.KERNEL_LAUNCHES: 40},
-                                       parent=sid(3, n)))
+            if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
+                halves = [(start, start + gpu)] if spread == 1.0 else \
+                    [(start, start + gpu / 2), (start + gpu * (spread - 0.5), start + gpu * spread)]
+                for j, (a, b) in enumerate(halves):
+                    spans.append(otlp_span(sc.SPAN_KERNEL_SUMMARY_PREFIX + f"gemm{j}", tid(3, n), sid(3, n, 1 + j), a,
+                                           b, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: f"gemm{j}",
+                                               sc.KERNEL_TOTAL_DURATION_S: gpu / len(halves),
+                                               sc.KERNEL_LAUNCHES: 40}, parent=sid(3, n)))
         for kind, i, start, queue_end, prefill_end, end, priority in self.requests:
             root = (tid(kind, i), sid(kind, i))
             spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, *root, start, end, {
@@ -147,6 +153,32 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     assert cause.name == sc.CAUSE_HOST_STALL, cause
     assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
     assert cause.evidence["host_slowdown"] == pytest.approx((STEP_S * 1.6 - GPU_S) / (STEP_S - GPU_S), rel=0.01)
+
+
+def test_device_contention_when_another_process_shares_the_gpu():
+    """Another process's kernels time-sliced between the engine's: each graph replay's kernels
+    take their usual GPU time but span 1.9x as long, and so do its steps; CTAs as usual."""
+    sc_ = Scenario()
+    for s in sc_.between(38, 46):
+        s[1] *= 1.9
+        s[5] = 1.9
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.9, rel=0.01)
+
+
+def test_host_stall_names_the_host_though_idle_gpu_clocks_slow_the_ctas():
+    """Each step waits 2.5x as long on the host; the graph replays' kernels span their usual
+    time, while CTAs run 1.5x longer on every SM (a GPU left idle clocks down)."""
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 2.5, 1.0)
+    sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.5) for sm in range(SMS)}
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
+    assert one.cause.evidence["cta_slowdown"] == pytest.approx(1.5, rel=0.02)
 
 
 def test_host_stall_from_time_with_no_step_running():

@@ -191,8 +191,9 @@ def wide_metric(gpu, kernel: str, ctas: int, t_s: float, sm_count: int = 8):
     return req
 
 
-def test_the_store_takes_wide_launch_counts_and_the_declared_sm_count():
-    agg = make_aggregator()
+@pytest.mark.parametrize("starve_before_usual", [False, True])
+def test_the_store_takes_wide_launch_counts_and_the_declared_sm_count(starve_before_usual):
+    agg = make_aggregator(contention=ContentionConfig(starve_before_usual=starve_before_usual))
     t = T0_S - 1
     # 6 SMs with CTAs of a kernel on a GPU of 8: SMs 6 and 7 ran none
     agg.consume_metrics(otlp_metrics([otlp_cta_point(0, sm, "k", np.full(100, 1e-5), t) for sm in range(6)]))
@@ -203,8 +204,9 @@ def test_the_store_takes_wide_launch_counts_and_the_declared_sm_count():
     agg.consume_metrics(wide_metric(0, "k", 480, t))  # every CTA from wide launches, on 8 SMs
     assert agg.sm.num_sms(GpuKey("unknown", "0")) == 8
     [(_, after)] = agg.sm.contention(key, T0_S, 20)
-    # no other slots yet to say what each SM usually gets: the even split stands
-    assert after.expected_ctas == 60.0 and after.starved.tolist() == [False] * 6 + [True, True]
+    # no other slots yet to say what each SM usually gets: no SM is held to the even split,
+    # unless asked
+    assert after.expected_ctas == 60.0 and after.starved.tolist() == [False] * 6 + [starve_before_usual] * 2
     for back in (30, 40, 50, 60):   # four earlier slots where all 8 SMs ran their even share
         agg.consume_metrics(otlp_metrics([otlp_cta_point(0, sm, "k", np.full(60, 1e-5), t - back)
                                           for sm in range(8)]))

@@ -69,7 +69,8 @@ def report(tmp_path_factory):
     with CaptureWriter(path) as writer:
         writer.write_meta(incident.to_meta())
         writer.write_traces(_spans([(1, 1.5), (2, 2.5)], [(1.2, 4, 0)], 1), T)
-        for k in range(5):
+        # six slots: the four quiet ones besides each interval slot give each SM's usual share
+        for k in range(6):
             writer.write_metrics(_metrics(10 * k, 10 * (k + 1), slowed if k in (2, 3) else normal),
                                  T + (10 * (k + 1)) * S + 1000)
         # steps in the interval: a 10 s one from T+25 s (its launches at 25.5, 26 and 34 s), then one at T+36 s
@@ -79,7 +80,7 @@ def report(tmp_path_factory):
 
 
 def test_exports_split_by_the_interval_with_planted_against_other_sms(report):
-    assert report["exports"]["count"] == 5 and report["exports"]["gaps_s"] == [10.0] * 4
+    assert report["exports"]["count"] == 6 and report["exports"]["gaps_s"] == [10.0] * 5
     [interval] = report["intervals"]
     assert (interval["start_s"], interval["end_s"], interval["planted_sms"]) == (20.0, 40.0, 1)
     inside = interval["by_export_window"]["inside"]
@@ -94,7 +95,7 @@ def test_exports_split_by_the_interval_with_planted_against_other_sms(report):
     assert k["others"]["median_sm_p99_us"] == pytest.approx(10.0)
     assert k["p99_ratio"] == pytest.approx(3.0)
     o = outside["kernels"]["sightline_fa2_prefill"]
-    assert (o["planted"]["ctas"], o["others"]["ctas"], o["p99_ratio"]) == (300, 900, 1.0)
+    assert (o["planted"]["ctas"], o["others"]["ctas"], o["p99_ratio"]) == (400, 1200, 1.0)
 
 
 def test_steps_and_launches_inside_and_outside(report):
