@@ -5,8 +5,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 (OpenMetrics with trace-id exemplars when asked). Streams as vLLM does: one SSE chunk per
 token even when its text is empty, the chat role on the first, usage at the end
 (``include_usage``) or on every chunk (``continuous_usage_stats``); ``X-Request-Id`` echoed.
-It reads nothing of the engine but its client (``core_client``): the core's ``Ready``
-handshake, its start-up ``Phase`` records and per-step stats. Tokenization runs on a thread pool.
+It reads nothing of the engine but its client (``core_client``): its ``Ready``, ``Phase``
+records and step stats. Text is tokenized on a thread pool, token ids checked on the loop.
 
 Errors in OpenAI's shape: 400, 404, 429 with ``Retry-After`` (queue full, decided here), 503
 (starting, draining, core gone), 500; the process serves on. ``/live`` is 200 at once, ``/health`` 503
@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -285,8 +285,11 @@ class EngineServer:
         max_model_len = client.ready.max_model_len
         tokenize_start = time.time_ns()
         try:
-            prompt_text, prompt_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, self._tokenize, params, chat)
+            if chat or isinstance(params.prompt, str):
+                prompt_text, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                    self._tokenize_pool, self._tokenize, params, chat)
+            else:   # token ids: checked here, O(n) in C; a thread would cost a loop turn and a GIL wait
+                prompt_text, prompt_ids = self._tokenize(params, chat)
         finally:
             if trace is not None:
                 trace.tokenized(tokenize_start, time.time_ns())
@@ -399,7 +402,7 @@ class EngineServer:
         if len(params.allowed_token_ids or ()) > vocab:  # so a mask row per request bounds them
             raise ProtocolError(f"allowed_token_ids holds {len(params.allowed_token_ids):,} ids, more than the "
                                 f"vocabulary's {vocab:,}", param="allowed_token_ids", code="invalid_value")
-        bad = next((t for t in params.allowed_token_ids or () if t >= vocab), None)
+        bad = _outside(params.allowed_token_ids, vocab)
         if bad is not None:
             raise ProtocolError(f"allowed_token_ids holds {bad}, outside the vocabulary [0, {vocab})",
                                 param="allowed_token_ids", code="invalid_value")
@@ -411,7 +414,7 @@ class EngineServer:
             prompt_ids = self.tokenizer.encode(prompt_text)
         else:
             prompt_text, prompt_ids = None, params.prompt
-            bad = next((t for t in prompt_ids if t >= vocab), None)
+            bad = _outside(prompt_ids, vocab)
             if bad is not None:
                 raise ProtocolError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})",
                                     param="prompt", code="invalid_value")
@@ -451,6 +454,13 @@ _ERROR_SHAPES = {None: (500, "server_error", "engine_error"),
                  "queue_full": (429, "rate_limit_error", "queue_full"),
                  "shutting_down": (503, "service_unavailable", "shutting_down"),
                  "invalid_request": (400, "invalid_request_error", "context_length_exceeded")}
+
+
+def _outside(ids: Sequence[int] | None, vocab: int) -> int | None:
+    """The first id of ``ids`` at or past ``vocab``, or None (the scan in C unless one is)."""
+    if not ids or max(ids) < vocab:
+        return None
+    return next(t for t in ids if t >= vocab)
 
 
 def _starting(phase: str) -> ProtocolError:

@@ -286,7 +286,9 @@ async def track_requests(request: web.Request, handler):
         return await handler(request)
     conn.request_started()
     try:
-        if request.body_exists:
+        # a body that came with the headers is read without leaving this task (wait_for would
+        # wrap the read in a task of its own: one more turn of a busy event loop per request)
+        if request.body_exists and not request.content.is_eof():
             try:
                 await asyncio.wait_for(request.read(), conn.site.limits.body_timeout_s)
             except asyncio.TimeoutError:

@@ -116,20 +116,24 @@ class OutputProcessor:
         return live
 
     def process(self, batch: OutputBatch) -> list[tuple[LiveRequest, RequestOutput]]:
-        """One step's outputs, in the batch's order (going on, then ended)."""
+        """One step's outputs: first tokens, then the batch's order (going on, then ended).
+        The caller hands them out in this order, so a request's first token (its TTFT) does
+        not wait behind the batch's other streams (the core lists new prompts last)."""
         outputs = []
+        firsts = []
         now = time.monotonic()
         live_of = self.live.get
         for request_id, token in zip(batch.request_ids, batch.token_ids):
             live = live_of(request_id)
             if live is None or live.stop_at is not None:   # tokens past a stop string
                 continue
+            first = not live.num_output_tokens
             if self._token(live, token, now):
                 final = self._stop(request_id, live.num_output_tokens)
                 if final is not None:
                     outputs.append(self._finish(live, final))
             else:
-                outputs.append((live, live.delta(final=False)))
+                (firsts if first else outputs).append((live, live.delta(final=False)))
         for final in batch.finished:
             live = live_of(final.request_id)
             if live is None:
@@ -142,6 +146,9 @@ class OutputProcessor:
         self.stats = batch.stats
         if self.record_steps:
             self._record_step(batch.stats)
+        if firsts:
+            firsts += outputs
+            return firsts
         return outputs
 
     def fail(self, request_id: str, message: str, code: str) -> tuple[LiveRequest, RequestOutput] | None:

@@ -402,3 +402,51 @@ def test_sigterm_drains_then_exits(server):
     assert rest[-1].choices[0].finish_reason == "length"  # the in-flight request completed
     assert first.choices
     assert proc.wait(60) == 0
+
+
+def test_a_token_id_request_reaches_the_engine_without_a_thread_or_a_task_of_its_own():
+    """On a busy server each turn of the event loop waits behind a step's SSE writes, so the
+    request path takes as few as it can: a token-id prompt is checked on the loop (text still
+    goes to the tokenizer's threads), and a body that came with its headers is read in the
+    request's own task (a POST costs the loop no more tasks than a GET)."""
+    import threading
+
+    from sightline.engine.api_server import serve_in_thread
+
+    running = serve_in_thread(EngineConfig(model=MODEL, device="cpu", kv_cache_gib=0.01, port=0))
+    try:
+        created: list[str] = []
+
+        def factory(loop, coro, **kwargs):
+            created.append(coro.__qualname__)
+            return asyncio.Task(coro, loop=loop, **kwargs)
+
+        asyncio.run_coroutine_threadsafe(_set_task_factory(factory), running.loop).result(10)
+
+        def tokenizer_threads() -> set:
+            return {t for t in threading.enumerate() if t.name.startswith("sightline-tokenize")}
+
+        def tasks_of(request: urllib.request.Request) -> list[str]:
+            created.clear()
+            with urllib.request.urlopen(request, timeout=30) as response:   # a new connection
+                body = response.read()
+            assert response.status == 200, body
+            return sorted(created)
+
+        threads = tokenizer_threads()
+        get = tasks_of(urllib.request.Request(running.url + "/v1/models"))
+        for stream in (False, True):
+            body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3,
+                               "stream": stream}).encode()
+            post = tasks_of(urllib.request.Request(running.url + "/v1/completions", data=body,
+                                                   headers={"Content-Type": "application/json"}))
+            assert post == get
+        assert tokenizer_threads() == threads
+        _client(running.url).completions.create(model=MODEL, prompt="text", max_tokens=2)
+        assert len(tokenizer_threads() - threads) == 1
+    finally:
+        running.stop()
+
+
+async def _set_task_factory(factory) -> None:
+    asyncio.get_running_loop().set_task_factory(factory)
