@@ -7,14 +7,12 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
 * starved: its CTAs against 1/S of the slot's CTAs from launches of >= 2 S CTAs (semconv.
   METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
   ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
-  most of the ring's quiet slots (the scheduler gives it fewer CTAs launch after launch) is
-  held to ``usual_starve_ratio`` of its own lowest share (known from 4 such slots). A store
-  that tracks those slots tests no SM for starvation until it knows them
-  (``starve_before_usual``): a scheduler's favourites would otherwise look starved at start-up.
-Guarantee: tails are Chernoff bounds exp(-n KL(k/n || p)) >= the exact binomial tail, so a
-slot flags an SM by chance with probability <= alpha. Score: max(own P90 / others' P90,
-expected / own CTAs, at most 100); also the P99 hotspot ratio. Cost: a cumulative sum over
-the slot's [SMs, buckets] counts, then O(SMs); the usual shares O(slots x SMs).
+  most of the ring's quiet slots (fewer CTAs launch after launch) is held to
+  ``usual_starve_ratio`` of its own lowest share; a store that tracks those slots tests none
+  for starvation until 4 exist (unless ``starve_before_usual``).
+Guarantee: tails are Chernoff bounds (>= the exact binomial tail): a slot flags an SM by
+chance with probability <= alpha. Score: max(own P90 / others' P90, expected / own CTAs, at
+most 100). Cost: a cumulative sum over [SMs, buckets], then O(SMs); usual shares O(slots x SMs).
 """
 
 from __future__ import annotations
