@@ -147,12 +147,10 @@ def startup_phases(server: Server) -> dict:
                        for p in report["phases"]}}
 
 
-def _steps(server: Server) -> list[float]:
-    return json.loads(_get(server.url + "/debug/steps")[1])["durations_s"]
-
-
-def _step_tokens(server: Server) -> list[list[int]]:
-    return json.loads(_get(server.url + "/debug/steps")[1]).get("tokens", [])
+def _steps(server: Server) -> tuple[list[float], list[list[int]]]:
+    """The engine's recent steps: their wall times and [prefill, decode] tokens, one read."""
+    log = json.loads(_get(server.url + "/debug/steps")[1])
+    return log["durations_s"], log.get("tokens", [])
 
 
 def _compiles(server: Server) -> float:
@@ -161,7 +159,7 @@ def _compiles(server: Server) -> float:
 
 def burst(server: Server, args, seed: int) -> dict:
     """``args.burst`` concurrent streamed requests; the longest engine step meanwhile."""
-    before = len(_steps(server))
+    before = len(_steps(server)[0])
     bodies = [{"model": args.model, "prompt": [1 + (seed + i) % 200] * args.burst_prompt,
                "max_tokens": args.burst_output, "ignore_eos": True, "temperature": 0.0}
               for i in range(args.burst)]
@@ -169,8 +167,7 @@ def burst(server: Server, args, seed: int) -> dict:
     with concurrent.futures.ThreadPoolExecutor(args.burst) as pool:
         results = list(pool.map(lambda b: _post_stream(server.url, b, args.request_timeout_s), bodies))
     wall = time.perf_counter() - started
-    steps = _steps(server)[before:]
-    tokens = _step_tokens(server)[before:]
+    steps, tokens = (column[before:] for column in _steps(server))
     longest = max(range(len(steps)), key=steps.__getitem__, default=None)
     return {"requests": len(results), "wall_s": wall, "steps": len(steps),
             "longest_step_s": max(steps, default=0.0),

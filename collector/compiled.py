@@ -36,7 +36,6 @@ _lock = threading.Lock()
 _started: threading.Thread | None = None
 _done = threading.Event()
 _failure: str | None = None
-_took_s: float | None = None
 
 
 class Ahead:
@@ -127,15 +126,14 @@ def warm() -> float:
     Raises what numba raises (the caller decides whether that is fatal)."""
     from . import request_shape, span_ids  # noqa: F401  (their functions register at import)
 
-    global _took_s
     began = time.monotonic()
     with _lock:
         functions = list(_registry)
     for function in functions:
         function.compile()
-    _took_s = time.monotonic() - began
+    took = time.monotonic() - began
     _done.set()
-    return _took_s
+    return took
 
 
 def warm_in_background() -> None:

@@ -81,14 +81,12 @@ def _step_facts(trace, step) -> StepFacts:
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
     kind = 0 if prefill == 0 else (1 if decode == 0 else 2)
-    busy, traced = 0.0, False
-    first, last = None, None
+    busy, first, last = 0.0, None, None   # first is None: its kernels were not traced
     own = bytes.fromhex(record.span_id)
     for span in trace.spans:
         name = span.name
         if not (name.startswith(_KERNEL) or name.startswith(_SUMMARY)) or span.parent_span_id != own:
             continue
-        traced = True
         if name.startswith(_SUMMARY):  # many launches: their summed time, not the span's extent
             busy += _number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
         else:
@@ -96,8 +94,9 @@ def _step_facts(trace, step) -> StepFacts:
         start, end = span.start_time_unix_nano, span.end_time_unix_nano
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
-    gpu = float("nan")
-    if traced:
+    if first is None:
+        gpu = float("nan")
+    else:
         gpu = (last - first) / 1e9 if a.get(sc.STEP_CUDA_GRAPH) and last > first else busy
     step_id = a.get(sc.STEP_ID)
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
@@ -169,7 +168,7 @@ class EngineTimeline:
              "end": np.array([f.end_ns for f in facts], dtype=np.int64),
              "kind": np.array([f.kind for f in facts], dtype=np.int64),
              "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
-             "busy": np.array([f.gpu_s for f in facts], dtype=np.float64),
+             "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
@@ -190,12 +189,12 @@ class EngineTimeline:
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         base = usual_value(a["duration"][decode], 0.0)
         per_token = usual_value((a["duration"][prefilled] - base) / a["prefill"][prefilled], 0.0)
-        traced = np.isfinite(a["busy"])
-        busy_base = usual_value(a["busy"][decode & traced], 0.0)
-        busy_token = usual_value((a["busy"][prefilled & traced] - busy_base) / a["prefill"][prefilled & traced], 0.0)
+        traced = np.isfinite(a["gpu"])
+        gpu_base = usual_value(a["gpu"][decode & traced], 0.0)
+        gpu_token = usual_value((a["gpu"][prefilled & traced] - gpu_base) / a["prefill"][prefilled & traced], 0.0)
         return {"duration": base, "duration_per_token": max(0.0, per_token),
-                "busy": busy_base, "busy_per_token": max(0.0, busy_token),
-                "host": usual_value(a["duration"][traced] - a["busy"][traced]),
+                "gpu": gpu_base, "gpu_per_token": max(0.0, gpu_token),
+                "host": usual_value(a["duration"][traced] - a["gpu"][traced]),
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
     # -- queries ----------------------------------------------------------------------
@@ -225,15 +224,15 @@ class EngineTimeline:
         duration = a["duration"][idx]
         with np.errstate(divide="ignore", invalid="ignore"):
             slowdown = float(np.median(duration / expected)) if (expected > 0).all() else None
-            busy = a["busy"][idx]
-            traced = np.isfinite(busy)
+            gpu_s = a["gpu"][idx]
+            traced = np.isfinite(gpu_s)
             gpu = host = None
             if traced.any():
-                want = u["busy"] + u["busy_per_token"] * prefill[traced]
+                want = u["gpu"] + u["gpu_per_token"] * prefill[traced]
                 if (want > 0).all():
-                    gpu = float(np.median(busy[traced] / want))
+                    gpu = float(np.median(gpu_s[traced] / want))
                 if np.isfinite(u["host"]) and u["host"] > 0:
-                    host = float(np.median((duration[traced] - busy[traced]) / u["host"]))
+                    host = float(np.median((duration[traced] - gpu_s[traced]) / u["host"]))
         # time in the window with no step running, beyond a usual gap before each step
         lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
         covered, reach = 0, start_ns

@@ -116,7 +116,7 @@ def _fingerprint_rows(words, out):
 
 
 @ahead(types.int64(types.uint64[:, ::1], types.uint64, types.Array(types.uint64, 1, "A", readonly=True),
-                       types.uint64[::1], types.uint64, types.uint64, types.boolean[::1]))
+                   types.uint64[::1], types.uint64, types.uint64, types.boolean[::1]))
 def _lookup(table, shift, fp, scratch, scratch_shift, salt, seen):
     """Marks in ``seen`` each fingerprint held by its bucket before this request, or met
     earlier in ``fp``; returns how many. ``scratch``: 2**(64 - scratch_shift) zeros, at

@@ -543,9 +543,9 @@ class EngineCore:
 
     # ---- reading ---------------------------------------------------------------------------
     def debug_steps(self) -> dict:
-        """The wall times of recent steps, oldest first, with their [prefill, decode] tokens, and
-        the loop's total time beside the
-        part of it spent recording telemetry (GPU telemetry's figures when it runs)."""
+        """The wall times of recent steps, oldest first, with their [prefill, decode] tokens,
+        and the loop's total time beside the part of it spent recording telemetry (GPU
+        telemetry's figures when it runs)."""
         gpu = self.gpu_telemetry
         stats = gpu.stats if gpu is not None else None
         return {

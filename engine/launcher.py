@@ -9,8 +9,9 @@ the write end of one the core watches (EOF: abort that server's requests). With 
 API servers keep their Prometheus series in prometheus_client's multiprocess files, so
 any of them answers a scrape with the sums (exemplars need N = 1).
 SIGTERM/SIGINT: the API servers drain (a second signal aborts) and ship their last
-telemetry, then the core stops (its telemetry process exports all it holds); exit 0. The core dying exits non-zero once the API servers have failed their streams; an API
-server dying is logged, and the others serve on (all gone: exit non-zero).
+telemetry, then the core stops (its telemetry process exports all it holds); exit 0. The
+core dying exits non-zero once the API servers have failed their streams; an API server
+dying is logged, and the others serve on (all gone: exit non-zero).
 """
 
 from __future__ import annotations

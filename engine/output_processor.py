@@ -146,10 +146,7 @@ class OutputProcessor:
         self.stats = batch.stats
         if self.record_steps:
             self._record_step(batch.stats)
-        if firsts:
-            firsts += outputs
-            return firsts
-        return outputs
+        return firsts + outputs if firsts else outputs
 
     def fail(self, request_id: str, message: str, code: str) -> tuple[LiveRequest, RequestOutput] | None:
         """Ends a request the core will not report on (it died): an error output."""

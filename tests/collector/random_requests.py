@@ -11,10 +11,13 @@ from sightline.collector.request_shape import RequestShape
 __all__ = ["random_metrics", "random_traces"]
 
 
-def _attrs(target, rng, most=3):
-    for k in range(rng.integers(0, most + 1)):
+def _attrs(target, rng, most=3) -> int:
+    """Adds 0..``most`` attributes to ``target``; returns how many (values a parse counts)."""
+    n = int(rng.integers(0, most + 1))
+    for k in range(n):
         kv = target.add()
         kv.key, kv.value.int_value = f"k{k}", int(rng.integers(0, 100))
+    return n
 
 
 def random_traces(rng) -> tuple[ExportTraceServiceRequest, RequestShape]:
@@ -22,23 +25,19 @@ def random_traces(rng) -> tuple[ExportTraceServiceRequest, RequestShape]:
     values = spans = scopes = 0
     for _ in range(rng.integers(0, 4)):
         rs = request.resource_spans.add()
-        _attrs(rs.resource.attributes, rng)
-        values += len(rs.resource.attributes)
+        values += _attrs(rs.resource.attributes, rng)
         for _ in range(rng.integers(0, 4)):
             ss = rs.scope_spans.add()
             scopes += 1
-            _attrs(ss.scope.attributes, rng)
-            values += len(ss.scope.attributes)
+            values += _attrs(ss.scope.attributes, rng)
             for _ in range(rng.integers(0, 5)):
                 span = ss.spans.add(name="s", trace_id=b"\1" * 16, span_id=b"\2" * 8)
                 spans += 1
-                _attrs(span.attributes, rng)
+                values += _attrs(span.attributes, rng)
                 for _ in range(rng.integers(0, 3)):
-                    _attrs(span.events.add(name="e").attributes, rng)
+                    values += 1 + _attrs(span.events.add(name="e").attributes, rng)
                 for _ in range(rng.integers(0, 3)):
-                    _attrs(span.links.add(trace_id=b"\3" * 16).attributes, rng)
-                values += len(span.attributes) + len(span.events) + len(span.links)
-                values += sum(len(e.attributes) for e in span.events) + sum(len(x.attributes) for x in span.links)
+                    values += 1 + _attrs(span.links.add(trace_id=b"\3" * 16).attributes, rng)
     return request, RequestShape(len(request.resource_spans), scopes, 0, spans, values, 0)
 
 
@@ -47,31 +46,26 @@ def random_metrics(rng) -> tuple[ExportMetricsServiceRequest, RequestShape]:
     values = points = scopes = metrics = buckets = 0
     for _ in range(rng.integers(0, 3)):
         rm = request.resource_metrics.add()
-        _attrs(rm.resource.attributes, rng)
-        values += len(rm.resource.attributes)
+        values += _attrs(rm.resource.attributes, rng)
         for _ in range(rng.integers(0, 3)):
             sm = rm.scope_metrics.add()
             scopes += 1
-            _attrs(sm.scope.attributes, rng)
-            values += len(sm.scope.attributes)
+            values += _attrs(sm.scope.attributes, rng)
             for kind in ("gauge", "sum", "histogram", "exponential_histogram", "summary"):
                 metric = sm.metrics.add(name=kind)
                 metrics += 1
-                _attrs(metric.metadata, rng)
-                values += len(metric.metadata)
+                values += _attrs(metric.metadata, rng)
                 data = getattr(metric, kind)
                 for _ in range(rng.integers(0, 3)):
                     point = data.data_points.add()
                     points += 1
-                    _attrs(point.attributes, rng)
-                    values += len(point.attributes)
+                    values += _attrs(point.attributes, rng)
                     if kind == "summary":
                         point.quantile_values.add(quantile=0.5, value=1.0)
                         values += 1
                         continue
                     exemplar = point.exemplars.add(as_double=1.0)
-                    _attrs(exemplar.filtered_attributes, rng)
-                    values += 1 + len(exemplar.filtered_attributes)
+                    values += 1 + _attrs(exemplar.filtered_attributes, rng)
                     n = int(rng.integers(0, 300))  # counts past 127 take two varint bytes
                     if kind == "histogram":
                         point.bucket_counts.extend(range(n + 1))
