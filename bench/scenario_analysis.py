@@ -129,11 +129,15 @@ def _onset_to_alert(episodes: list[list[float | None]], onset: float, until: flo
 
 
 def score_interval(interval: dict[str, Any], findings: list[dict[str, Any]], slowest: list[dict[str, Any]],
-                   episodes: dict[str, list[list[float | None]]], grace_s: float = 30.0) -> dict[str, Any]:
+                   episodes: dict[str, list[list[float | None]]], grace_s: float = 30.0,
+                   since_unix_s: float | None = None) -> dict[str, Any]:
     """One planted interval: ``interval`` has ``kind``, ``start_unix_s``, ``end_unix_s`` and
     ``sms``; ``findings`` are deploy/incident.py Findings' dicts (one per kernel) of it; ``slowest``
     the explanations (``cause`` with ``name``) of its 10 slowest requests; ``episodes`` from
-    :meth:`AlertClock.episodes`. An alert counts when it fires by the interval's end + ``grace_s``."""
+    :meth:`AlertClock.episodes`. An alert counts when it fires by the interval's end + ``grace_s``.
+    ``since_unix_s`` (default: the interval's start) is where its segment began: alerts that
+    fired from then to the interval's end are its own, those firing since before are carried
+    (an earlier segment's incident whose alert has not resolved yet)."""
     kind, start, end = interval["kind"], interval["start_unix_s"], interval["end_unix_s"]
     expected = EXPECTED_CAUSE[kind]
     kernels = {f["kernel"]: {"planted": len(f["planted"]), "flagged": len(f["flagged"]),
@@ -148,12 +152,16 @@ def score_interval(interval: dict[str, Any], findings: list[dict[str, Any]], slo
     alert = ALERT_OF[kind]
     onset_to_alert, how = (_onset_to_alert(episodes.get(alert, []), start, end + grace_s)
                            if alert else (None, "no alert expected"))
-    # alerts that fired while it lasted (for a control or a burst: none should)
-    fired = sorted(name for name, eps in episodes.items()
-                   if any(f <= end and (e is None or e >= start) for f, e in eps))
+    # alerts that fired in its segment (for a control or a burst: none should), and those still
+    # firing from before it
+    since = start if since_unix_s is None else since_unix_s
+    fired = sorted(name for name, eps in episodes.items() if any(since <= f <= end for f, _ in eps))
+    carried = sorted(name for name, eps in episodes.items() if any(f < since and (e is None or e >= since)
+                                                                   for f, e in eps))
     return {"kind": kind, "start_unix_s": start, "end_unix_s": end, "planted_sms": len(interval.get("sms", ())),
             "kernels": kernels, "expected_cause": expected, "causes": causes, "cause_share": share,
-            "alert": alert, "onset_to_alert_s": onset_to_alert, "alert_how": how, "alerts_fired": fired}
+            "alert": alert, "onset_to_alert_s": onset_to_alert, "alert_how": how, "alerts_fired": fired,
+            "alerts_carried": carried}
 
 
 def _spread(values: list[float]) -> dict[str, float] | None:
@@ -180,6 +188,7 @@ def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
         entry["cause_share"] = _spread([s["cause_share"] for s in runs])
         entry["onset_to_alert_s"] = _spread([s["onset_to_alert_s"] for s in runs])
         entry["alerts_fired"] = sorted({a for s in runs for a in s["alerts_fired"]})
+        entry["alerts_carried"] = sorted({a for s in runs for a in s.get("alerts_carried", ())})
         checks = {}
         if kind == "sm_neighbour":
             # per kernel: every interval of every run within the bounds
@@ -216,6 +225,8 @@ def format_summary(summary: dict[str, Any]) -> str:
              "| onset to alert (s) | checks |", "|---|---|---|---|---|---|---|---|---|"]
     for name, e in summary.items():
         checks = ", ".join(f"{k} {'ok' if v is True else 'FAIL' if v is False else v}" for k, v in e["checks"].items())
+        if e.get("alerts_carried"):
+            checks += f" (still firing from the segment before: {', '.join(e['alerts_carried'])})"
         for i, (kernel, k) in enumerate(sorted(e["kernels"].items()) or [("-", None)]):
             first = i == 0
             lines.append(f"| {name if first else ''} | {e['runs'] if first else ''} | {kernel} "

@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         interval = {"kind": seg.interval.kind, "start_unix_s": seg.interval.start_unix_nano / 1e9,
                     "end_unix_s": seg.interval.end_unix_nano / 1e9, "sms": list(seg.interval.sms)}
-        scored.append(dict(score_interval(interval, seg.findings, seg.slowest, episodes),
+        since = interval["start_unix_s"] - (seg.onset_s - seg.start_s)  # the segment's start
+        scored.append(dict(score_interval(interval, seg.findings, seg.slowest, episodes, since_unix_s=since),
                            scenario=seg.scenario, run=seg.run))
     summary = summarize(scored)
     captures = keep_captures(raw, args.out, timeline, args.keep, device, num_sms, wall0_ns)

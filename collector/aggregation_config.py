@@ -160,11 +160,11 @@ class AggregationConfig:
     trace_store: TraceStoreConfig = setting(factory=TraceStoreConfig)
     contention: ContentionConfig = setting(factory=ContentionConfig)
     stragglers: StragglerConfig = setting(factory=StragglerConfig)
-    # Slow requests (e2e at or above this quantile of the stored ones) are explained when
-    # /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
-    slow_request_quantile: float | None = setting(0.9, "requests at or above this quantile of end-to-end "
-                                                       "latency are explained at each scrape and counted by "
-                                                       "cause", lo=0.0, hi=1.0)
+    # Slow requests (e2e per output token at least this many times the usual request's) are
+    # explained when /metrics is scraped and counted by cause (collector/cause_counter.py); None: off
+    slow_request_factor: float | None = setting(1.5, "requests whose end-to-end latency per output token is at "
+                                                     "least this many times the usual request's are explained "
+                                                     "at each scrape and counted by cause", lo=1.0, hi=1000.0)
 
     def __post_init__(self) -> None:
         check_settings(self)

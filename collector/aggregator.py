@@ -58,8 +58,8 @@ class Aggregator:
         self.sm = SmStore(self.config, self.overflow, self.dropped, clock, self.evicted)
         self.sm_page = SmPage(self.sm)  # the per-SM families of /metrics, kept between scrapes
         self.timeline = EngineTimeline()  # explain's step and queue facts (used under the store's lock)
-        quantile = self.config.slow_request_quantile
-        self.causes = SlowRequestCauses(quantile) if quantile is not None and self.config.store_traces else None
+        factor = self.config.slow_request_factor
+        self.causes = SlowRequestCauses(factor) if factor is not None and self.config.store_traces else None
 
     @property
     def points_seen(self) -> int:

@@ -2,22 +2,26 @@
 
 :meth:`SlowRequestCauses.refresh` (run when /metrics is scraped) explains the requests that
 ended since the last refresh, at least ``settle_s`` ago (their steps and kernel spans have
-arrived by then), whose e2e is at or above the ``quantile`` of the stored requests' e2e,
-and adds one to the cause :mod:`.causes` named for each. Guarantee: a request is counted at
-most once (a watermark on end times), every cause class is present from the start (at 0),
-so ``increase()`` sees the first one. Cost per scrape: the store's pending index, one pass
-over its request roots, and one explanation per newly slow request (at most ``max_per_refresh``;
-the rest wait for the next scrape).
+arrived by then), whose e2e per output token is at least ``factor`` times the usual one
+(the middle of the densest half of the stored requests': an incident in fewer than half of
+them does not move it, so one incident's slow requests never hide the next one's), and adds
+one to the cause :mod:`.causes` named for each. Guarantee: a request is counted at most once
+(a watermark on end times), every cause class is present from the start (at 0), so
+``increase()`` sees the first one. Cost per scrape: the store's pending index, one pass and
+one sort over its request roots, and one explanation per newly slow request (at most
+``max_per_refresh``; the rest wait for the next scrape).
 """
 
 from __future__ import annotations
 
-import math
 import threading
+
+import numpy as np
 
 from ..instrumentation import check_range
 from ..instrumentation import semconv as sc
-from .explain import e2e_of, explain_requests
+from .engine_timeline import usual_value
+from .explain import explain_requests
 
 __all__ = ["SlowRequestCauses"]
 
@@ -25,11 +29,11 @@ __all__ = ["SlowRequestCauses"]
 class SlowRequestCauses:
     """See the module docstring; thread-safe (scrapes may overlap)."""
 
-    def __init__(self, quantile: float = 0.9, settle_s: float = 5.0, max_per_refresh: int = 200) -> None:
-        check_range("SlowRequestCauses.quantile", quantile, 0.0, 1.0)
+    def __init__(self, factor: float = 1.5, settle_s: float = 5.0, max_per_refresh: int = 200) -> None:
+        check_range("SlowRequestCauses.factor", factor, 1.0, 1000.0)
         check_range("SlowRequestCauses.settle_s", settle_s, 0.0, 3600.0)
         check_range("SlowRequestCauses.max_per_refresh", max_per_refresh, 1, 100_000, integer=True)
-        self.quantile, self.settle_s, self.max_per_refresh = quantile, settle_s, max_per_refresh
+        self.factor, self.settle_s, self.max_per_refresh = factor, settle_s, max_per_refresh
         self.counts = dict.fromkeys(sc.CAUSES, 0)
         self._watermark_ns = 0  # requests that ended at or before this were considered
         self._lock = threading.Lock()
@@ -45,12 +49,11 @@ class SlowRequestCauses:
                 fresh = [r for r in roots if self._watermark_ns < r.end_time_unix_nano <= horizon_ns]
                 if not fresh:
                     return []
-                ranked = sorted(e2e_of(r) for r in roots)
-                threshold = ranked[max(1, math.ceil(self.quantile * len(ranked))) - 1]
+                threshold = self.factor * usual_value(np.fromiter(map(per_output_token_s, roots), float, len(roots)))
                 fresh.sort(key=lambda r: r.end_time_unix_nano)
                 taken = fresh[:self.max_per_refresh]
                 picked.append(taken[-1].end_time_unix_nano if len(taken) < len(fresh) else horizon_ns)
-                return [r for r in taken if e2e_of(r) >= threshold]
+                return [r for r in taken if per_output_token_s(r) >= threshold]
 
             explained = explain_requests(sources, roots_of, max_steps=1, max_kernels=1)
             if picked:
@@ -59,3 +62,9 @@ class SlowRequestCauses:
                 name = req.cause.name if req.cause is not None else sc.CAUSE_UNKNOWN
                 self.counts[name] = self.counts.get(name, 0) + 1
             return dict(self.counts)
+
+
+def per_output_token_s(root) -> float:
+    """A request's e2e per output token, which compares requests of any length (a request
+    without a token count counts as one token)."""
+    return root.e2e_s / max(1, root.output_tokens)

@@ -86,9 +86,10 @@ class _HeldRequest:
 class StoredSpan:
     """A kept span: its trace id, name and links (what indexing needs) and the decoded span
     itself (a message of its request, read when a query asks). Nothing read is cached (but a
-    root's e2e, a float), so queries never grow the store's memory. Ids are bytes."""
+    root's e2e and output tokens, two numbers), so queries never grow the store's memory. Ids are bytes."""
 
-    __slots__ = ("trace_id", "name", "links", "span", "held", "service_name", "instance", "_e2e_s")
+    __slots__ = ("trace_id", "name", "links", "span", "held", "service_name", "instance", "_e2e_s",
+                 "_output_tokens")
 
     def __init__(self, span, held: _HeldRequest, service_name: str = "", instance: str = "unknown") -> None:
         self.trace_id: bytes = span.trace_id
@@ -100,6 +101,7 @@ class StoredSpan:
         self.service_name = service_name
         self.instance = instance  # the producer: service.instance.id, else host.name
         self._e2e_s: float | None = None
+        self._output_tokens = 0
 
     @property
     def span_id(self) -> bytes:
@@ -126,12 +128,26 @@ class StoredSpan:
     def e2e_s(self) -> float:
         """A request root's e2e latency: its ``sightline.request.e2e_s``, else its duration."""
         if self._e2e_s is None:
-            value = self.attributes.get(semconv.REQUEST_E2E_S)
-            try:
-                self._e2e_s = float(value) if value is not None else self.duration_s
-            except (TypeError, ValueError):
-                self._e2e_s = self.duration_s
+            self._read_request_numbers()
         return self._e2e_s
+
+    @property
+    def output_tokens(self) -> int:
+        """A request root's ``gen_ai.usage.output_tokens`` (0 where absent)."""
+        if self._e2e_s is None:
+            self._read_request_numbers()
+        return self._output_tokens
+
+    def _read_request_numbers(self) -> None:
+        values = attributes(self.span.attributes)
+        try:
+            self._e2e_s = float(values.get(semconv.REQUEST_E2E_S, self.duration_s))
+        except (TypeError, ValueError):
+            self._e2e_s = self.duration_s
+        try:
+            self._output_tokens = max(0, int(values.get(semconv.GEN_AI_USAGE_OUTPUT_TOKENS, 0)))
+        except (TypeError, ValueError):
+            self._output_tokens = 0
 
     def record(self) -> SpanRecord:
         """The span as a record (hex ids, attributes as plain values)."""

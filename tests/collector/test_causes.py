@@ -52,6 +52,7 @@ class Scenario:
         # slot start -> SM -> (CTAs, duration of each)
         self.ctas = {T + 10 * k: {sm: (CTAS, CTA_S) for sm in range(SMS)} for k in range(int(until_s // 10))}
         self.requests = []  # (trace kind, index, start, queue end, prefill end, end, priority)
+        self.output_tokens = {}  # (trace kind, index) -> its output tokens, where not 32
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -86,7 +87,8 @@ class Scenario:
         for kind, i, start, queue_end, prefill_end, end, priority in self.requests:
             root = (tid(kind, i), sid(kind, i))
             spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, *root, start, end, {
-                sc.GEN_AI_REQUEST_MODEL: "tiny", sc.REQUEST_PRIORITY: priority, sc.REQUEST_E2E_S: end - start},
+                sc.GEN_AI_REQUEST_MODEL: "tiny", sc.REQUEST_PRIORITY: priority, sc.REQUEST_E2E_S: end - start,
+                sc.GEN_AI_USAGE_OUTPUT_TOKENS: self.output_tokens.get((kind, i), 32)},
                 kind=SERVER))
             spans.append(otlp_span(sc.SPAN_QUEUE, root[0], sid(kind, i, 1), start, queue_end, parent=root[1]))
             spans.append(otlp_span(sc.SPAN_PREFILL, root[0], sid(kind, i, 2), queue_end, prefill_end, parent=root[1]))
@@ -284,29 +286,55 @@ def test_the_rules_order_and_config_checks():
         CauseConfig(queue_share=0)
 
 
-def test_slow_requests_are_counted_once_by_cause_on_metrics():
-    from prometheus_client import CollectorRegistry
+def counted_causes(agg, registry) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     from sightline.collector.exposition import metrics_page
 
+    text = metrics_page(registry, agg)[0].decode()
+    return {s.labels[sc.LABEL_CAUSE]: s.value for f in text_string_to_metric_families(text)
+            if f.name == sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED for s in f.samples if s.name.endswith("_total")}
+
+
+def test_slow_requests_are_counted_once_by_cause_on_metrics():
+    from prometheus_client import CollectorRegistry
+
     sc_ = Scenario()
     slow_steps(sc_, 38, 46, 1.6, 1.0)
-    sc_.target(40.2, 0.01, 2.0)
-    agg = make_aggregator(slow_request_quantile=1.0)  # the slowest request only: the target
+    sc_.target(40.2, 0.01, 2.0)  # 2x the others' e2e, as many tokens: the one slow request
+    agg = make_aggregator()
     registry = CollectorRegistry()
     registry.register(agg.prometheus_collector())
 
-    def counted() -> dict[str, float]:
-        text = metrics_page(registry, agg)[0].decode()
-        return {s.labels[sc.LABEL_CAUSE]: s.value for f in text_string_to_metric_families(text)
-                if f.name == sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED for s in f.samples if s.name.endswith("_total")}
-
-    assert counted() == dict.fromkeys(sc.CAUSES, 0.0)  # present before any request
+    assert counted_causes(agg, registry) == dict.fromkeys(sc.CAUSES, 0.0)  # present before any request
     sc_.send(agg)
-    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}
-    assert counted() == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}  # once
-    assert make_aggregator(slow_request_quantile=None).slow_request_causes() is None
+    assert counted_causes(agg, registry) == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}
+    assert counted_causes(agg, registry) == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 1.0}  # once
+    assert make_aggregator(slow_request_factor=None).slow_request_causes() is None
+
+
+def test_an_earlier_incident_does_not_hide_the_next_and_a_long_request_is_not_a_slow_one():
+    from prometheus_client import CollectorRegistry
+
+    sc_ = Scenario()
+    # an earlier incident: a quarter of the stored requests took 4x (the old P90 of the store's
+    # e2e then sat at 4 s, above the next incident's 2 s requests)
+    earlier = {i for _, i, start, *_ in sc_.requests if T + 5 <= start < T + 20}
+    sc_.requests = [(k, i, a, q, p, a + 4.0 if i in earlier else b, pr) for k, i, a, q, p, b, pr in sc_.requests]
+    # a request 4x as long as the others at their pace per token
+    long_one = next(i for _, i, start, *_ in sc_.requests if start >= T + 25)
+    sc_.requests = [(k, i, a, q, p, a + 4.0 if i == long_one else b, pr) for k, i, a, q, p, b, pr in sc_.requests]
+    sc_.output_tokens[(1, long_one)] = 128
+    slow_steps(sc_, 38, 46, 1.6, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    agg = make_aggregator()
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+    sc_.send(agg)
+
+    counts = counted_causes(agg, registry)
+    assert len(earlier) == 30 and sum(counts.values()) == 31  # the earlier incident's and the target
+    assert counts[sc.CAUSE_HOST_STALL] == 1.0
 
 
 def test_the_usual_is_where_most_values_lie_not_pulled_by_a_slow_minority():

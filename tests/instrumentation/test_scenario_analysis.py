@@ -57,9 +57,14 @@ def test_an_interval_scored_against_what_was_planted(episodes):
     assert (row["alert"], row["onset_to_alert_s"], row["alert_how"]) == (SM_CONTENTION_ALERT, 6.0, "fired")
     assert row["alerts_fired"] == [SM_CONTENTION_ALERT]
     # a control interval while the host-stall alert still fires: it counts against the control
+    # when it began in the control's segment, and as carried when it began before
     control = score_interval({"kind": "control", "start_unix_s": 170.0, "end_unix_s": 200.0},
-                             [dict(findings[1], planted=[], recall=None)], [], episodes)
+                             [dict(findings[1], planted=[], recall=None)], [], episodes, since_unix_s=130.0)
     assert control["alerts_fired"] == [HOST] and control["alert"] is None and control["cause_share"] is None
+    assert control["alerts_carried"] == []
+    later = score_interval({"kind": "control", "start_unix_s": 170.0, "end_unix_s": 200.0}, [], [], episodes,
+                           since_unix_s=140.0)
+    assert (later["alerts_fired"], later["alerts_carried"]) == ([], [HOST])
     # an alert already firing when the interval starts counts 0 s, and says so
     again = score_interval({"kind": "host_stall", "start_unix_s": 150.0, "end_unix_s": 180.0}, [], [], episodes)
     assert (again["onset_to_alert_s"], again["alert_how"]) == (0.0, "already firing at the onset")
