@@ -89,6 +89,14 @@ class AlertClock:
             self._step(self.alerts[name], t, holds)
         return conditions
 
+    def cause_counts(self) -> list[list]:
+        """[scrape time, the slow-request counters by cause] at each scrape they changed."""
+        out: list[list] = []
+        for t, counts in self._causes:
+            if not out or counts != out[-1][1]:
+                out.append([t, counts])
+        return out
+
     def _increase(self, t: float) -> dict[str, float]:
         """Each cause's counter now minus at the newest scrape at least the window ago (or the
         first scrape): ``increase()`` over the window, without its extrapolation."""

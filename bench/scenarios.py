@@ -170,8 +170,20 @@ def evaluate(collector: str, seg: Segment, num_sms: int, device: str) -> None:
                                     "end_unix_s": interval.end_unix_nano / 1e9})
     answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
     seg.slowest = [{"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "priority": r["priority"],
-                    "cause": {k: (r.get("cause") or {}).get(k) for k in ("name", "summary")}}
+                    "cause": {**{k: (r.get("cause") or {}).get(k) for k in ("name", "summary")},
+                              "evidence": _evidence_kept((r.get("cause") or {}).get("evidence") or {})}}
                    for r in answer["requests"]]
+
+
+def _evidence_kept(evidence: dict) -> dict:
+    """A cause's evidence with its per-slot SM flags cut to how many and the strongest (the
+    full list runs to hundreds of entries per request)."""
+    flags = evidence.get("contended_sms")
+    if not flags:
+        return evidence
+    top = max(flags, key=lambda f: f.get("score") or 0.0)
+    return {**{k: v for k, v in evidence.items() if k != "contended_sms"}, "contended_sms_flags": len(flags),
+            "strongest_sm": top}
 
 
 def make_plants(args: argparse.Namespace, device, num_sms: int, order: list[str]) -> dict:
@@ -373,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
                          for k, v in vars(args).items()},
               "requests": len(records), "requests_ok": client.ok, "dropped_spans": telemetry.dropped_spans(),
               "scrapes": len(scraper.clock.contended), "scrape_failures": scraper.failures,
+              "cause_counts": scraper.clock.cause_counts(),
               "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": captures,
               "segments": [{"scenario": s.scenario, "run": s.run, "onset_s": s.onset_s, "plant": s.plant,
                             "interval": None if s.interval is None else {

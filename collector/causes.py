@@ -7,10 +7,12 @@ of the request's life); first match wins:
    the engine's slowdown) is more than the engine's slowness added.
 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
    idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
-   >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps' GPU time,
-   else CTAs) with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs
-   were flagged (scoring ``sm_score`` if the GPU was slower); ``device_contention`` when the
-   GPU was >= ``gpu_slow`` x; ``host_stall`` on any host evidence; else ``unknown``.
+   beyond its usual stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow``
+   x: traced steps' GPU time, else CTAs) or clocked down (CTAs slower too) with idle time or
+   no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (scoring
+   ``sm_score`` if the GPU was slower) and are enough to explain the GPU's slowdown;
+   ``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host
+   evidence; else ``unknown``.
 4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
    ``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline."""
 
@@ -60,10 +62,12 @@ class CauseEvidence:
     engine_slowdown: float | None = None  # their median duration over the usual for their kind
     idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
     traced_steps: int = 0
+    traced_near: int = 0  # none traced in its life: the traced steps close to it that were read
     gpu_slowdown: float | None = None  # traced steps: GPU time over the usual
-    host_slowdown: float | None = None  # traced steps: host time (step minus GPU) over the usual
+    host_slowdown: float | None = None  # traced steps: 1 + host time beyond its usual / the usual step
     compiles: list[dict] = field(default_factory=list)  # steps that compiled kernels
     contended_sms: list[dict] = field(default_factory=list)  # gpu, kernel, sm, score, reasons
+    sm_count: int = 0  # SMs with CTAs in its slots (0: not known)
     cta_slowdown: float | None = None  # the median SM's CTA P90 over its usual, attention kernels
     cta_spread: float | None = None  # the slowest SM's CTA P90 over the median SM's, then
     interference_s: float = 0.0  # its decode time in steps with prefill tokens, beyond decode-only
@@ -121,9 +125,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing
         idle = e.idle_excess_s >= c.idle_share * e2e
-        if host_side and gpu is not None and gpu < c.gpu_slow and (idle or not strong):
+        # a GPU its host left idle clocks down: then its CTAs, not only its steps, run slower
+        # (another process time-slicing the GPU stretches steps with CTAs at their usual speed)
+        clocked_down = gpu is not None and gpu >= c.gpu_slow and (e.cta_slowdown or 0.0) >= c.gpu_slow
+        if host_side and gpu is not None and (gpu < c.gpu_slow or clocked_down) and (idle or not strong):
             return _host_stall(e, engine, usual)
-        if strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow)):
+        if (strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow))) \
+                and not _beyond_flagged_sms(e, c):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)
@@ -137,14 +145,19 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
                          f"steps {_x(e.engine_slowdown)} the usual with GPU work slower on every SM "
                          f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
-                         f"per-SM spread {_x(e.cta_spread)}, no SM flagged)",
+                         f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}",
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
-                          "cta_spread": e.cta_spread, "traced_steps": e.traced_steps},
+                          "cta_spread": e.cta_spread, "host_slowdown": e.host_slowdown,
+                          "traced_steps": e.traced_steps, "traced_near": e.traced_near,
+                          "flagged_sms": len({(s["kernel"], s["sm"]) for s in e.contended_sms}),
+                          "sm_count": e.sm_count},
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
-        if host_side or gpu is not None:
+        if host_side:
             return _host_stall(e, engine, usual)
         return Cause(sc.CAUSE_UNKNOWN, "the engine was slower but neither the GPU's nor the host's evidence says why",
-                     {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
+                     {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
+                      "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
+                      "cta_slowdown": e.cta_slowdown}, usual)
     if e.interference_s >= c.interference_share * e2e:
         return Cause(sc.CAUSE_PREFILL_INTERFERENCE,
                      f"its decode steps carried other requests' prefill tokens: {e.interference_s * 1e3:.0f} ms of "
@@ -154,14 +167,37 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
 
 
+def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
+    """Whether the traced steps' GPU time grew more than the flagged SMs can explain: losing
+    a fraction f of the SMs outright slows a kernel at most 1 / (1 - f), so with a few SMs
+    flagged and every step's GPU time well beyond that, the whole GPU was slower."""
+    if e.gpu_slowdown is None or e.gpu_slowdown < c.gpu_slow or not e.sm_count:
+        return False
+    flagged = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
+    kernels = len({(s["gpu"], s["kernel"]) for s in e.contended_sms}) or 1
+    lost = min(flagged / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
+    return e.gpu_slowdown >= c.gpu_slow / (1.0 - lost)
+
+
+def _flagged(e: CauseEvidence) -> str:
+    n = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
+    return "no SM flagged" if not n else f"{n} SM flag(s) of {e.sm_count} SMs, too few for that slowdown"
+
+
+def _near(e: CauseEvidence) -> str:
+    """Where the GPU and host figures came from when no step of its life was traced."""
+    return f"; from {e.traced_near} traced step(s) within 1 s of its life, none traced in it" if e.traced_near else ""
+
+
 def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
     """The ``host_stall`` cause, with the host's and the GPU's figures."""
     return Cause(sc.CAUSE_HOST_STALL,
                  f"steps {_x(e.engine_slowdown)} the usual while the GPU's work was not "
-                 f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time per "
-                 f"kernel-timed step {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms with no step running "
-                 "beyond the usual gaps",
+                 f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time beyond "
+                 f"its usual stretched kernel-timed steps {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms "
+                 f"with no step running beyond the usual gaps{_near(e)}",
                  {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
-                  "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps},
-                 f"{usual}; a kernel-timed step's median host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
+                  "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps, "traced_near": e.traced_near},
+                 f"{usual}; a kernel-timed decode step's host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
+                 f"plus {e.usual.get('host_per_token', 0.0) * 1e6:.2f} us per prefill token, "
                  f"and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")

@@ -24,6 +24,9 @@ __all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", 
 KINDS = ("decode", "prefill", "mixed")  # a step's tokens: decode only, prefill only, both
 _KERNEL, _SUMMARY = sc.SPAN_KERNEL_PREFIX, sc.SPAN_KERNEL_SUMMARY_PREFIX
 _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a token's cost
+# A window without a traced step (a short request, 1 step in 50 traced) reads the GPU and
+# host time of the traced steps this close to it: contention or a stall lasts seconds
+TRACED_REACH_S = 1.0
 
 
 def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
@@ -125,9 +128,12 @@ class WindowSteps:
     slowdown: float | None  # median of each step's duration over the usual for its kind and tokens
     traced: int
     gpu_slowdown: float | None  # traced steps: median GPU time over the usual
-    host_slowdown: float | None  # traced steps: median (step - GPU time) over the usual
+    # traced steps: median of 1 + (host time - its usual) / the usual step, how much the host
+    # stretched them (a graph replay's host time is tens of us: a ratio to it says nothing)
+    host_slowdown: float | None
     idle_excess_s: float  # time in the window with no step running, beyond the usual gaps
     compiles: list[dict]  # steps that compiled kernels: step_id, jit_compiles, duration_s
+    traced_near: int = 0  # with none traced in the window: the traced steps within TRACED_REACH_S used
 
 
 class EngineTimeline:
@@ -183,18 +189,23 @@ class EngineTimeline:
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
         """The usual step: a decode-only step's duration, plus a cost per prefill token; the
-        same for GPU time (traced steps), a traced step's host time and the gap between steps.
-        Each is the median of the shortest half of the values (:func:`usual_value`)."""
+        same for GPU time and host time (step minus GPU time) of traced steps, and the gap
+        between steps. Each is the median of the shortest half of the values (:func:`usual_value`)."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
-        base = usual_value(a["duration"][decode], 0.0)
-        per_token = usual_value((a["duration"][prefilled] - base) / a["prefill"][prefilled], 0.0)
         traced = np.isfinite(a["gpu"])
-        gpu_base = usual_value(a["gpu"][decode & traced], 0.0)
-        gpu_token = usual_value((a["gpu"][prefilled & traced] - gpu_base) / a["prefill"][prefilled & traced], 0.0)
-        return {"duration": base, "duration_per_token": max(0.0, per_token),
-                "gpu": gpu_base, "gpu_per_token": max(0.0, gpu_token),
-                "host": usual_value(a["duration"][traced] - a["gpu"][traced]),
+        host = a["duration"] - a["gpu"]
+
+        def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+            base = usual_value(values[decode & rows], 0.0)
+            per_token = usual_value((values[prefilled & rows] - base) / a["prefill"][prefilled & rows], 0.0)
+            return base, max(0.0, per_token)
+
+        base, per_token = fit(a["duration"], np.ones_like(decode))
+        gpu_base, gpu_token = fit(a["gpu"], traced)
+        host_base, host_token = fit(host, traced)
+        return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
+                "host": host_base, "host_per_token": host_token,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
     # -- queries ----------------------------------------------------------------------
@@ -224,15 +235,16 @@ class EngineTimeline:
         duration = a["duration"][idx]
         with np.errstate(divide="ignore", invalid="ignore"):
             slowdown = float(np.median(duration / expected)) if (expected > 0).all() else None
-            gpu_s = a["gpu"][idx]
-            traced = np.isfinite(gpu_s)
-            gpu = host = None
-            if traced.any():
-                want = u["gpu"] + u["gpu_per_token"] * prefill[traced]
-                if (want > 0).all():
-                    gpu = float(np.median(gpu_s[traced] / want))
-                if np.isfinite(u["host"]) and u["host"] > 0:
-                    host = float(np.median((duration[traced] - gpu_s[traced]) / u["host"]))
+        traced = idx[np.isfinite(a["gpu"][idx])]
+        near = 0
+        if not traced.size:
+            reach_ns = int(TRACED_REACH_S * 1e9)
+            around = (a["start"] < end_ns + reach_ns) & (a["end"] > start_ns - reach_ns) & np.isfinite(a["gpu"])
+            if instance is not None and (a["instance"] == instance).any():
+                around &= a["instance"] == instance
+            traced = np.flatnonzero(around)
+            near = int(traced.size)
+        gpu, host = self._gpu_and_host(traced, u)
         # time in the window with no step running, beyond a usual gap before each step
         lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
         covered, reach = 0, start_ns
@@ -246,8 +258,24 @@ class EngineTimeline:
         compiles = [{"step_id": int(a["step_id"][i]) if a["step_id"][i] >= 0 else None,
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]
-        return WindowSteps(int(idx.size), slowdown, int(traced.sum()), gpu, host,
-                           max(0.0, idle - usual_gap * idx.size), compiles)
+        return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
+                           max(0.0, idle - usual_gap * idx.size), compiles, near)
+
+    def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
+        """Traced steps ``traced`` (indices): their median GPU time over the usual for their
+        tokens, and the median stretch their host time beyond its usual gave them (WindowSteps)."""
+        if not traced.size:
+            return None, None
+        a = self._arrays
+        prefill, gpu_s, duration = a["prefill"][traced], a["gpu"][traced], a["duration"][traced]
+        want_gpu = u["gpu"] + u["gpu_per_token"] * prefill
+        want_host = u["host"] + u["host_per_token"] * prefill
+        want_step = u["duration"] + u["duration_per_token"] * prefill
+        with np.errstate(divide="ignore", invalid="ignore"):
+            gpu = float(np.median(gpu_s / want_gpu)) if (want_gpu > 0).all() else None
+            host = (float(np.median(1.0 + (duration - gpu_s - want_host) / want_step))
+                    if np.isfinite(want_host).all() and (want_step > 0).all() else None)
+        return gpu, host
 
     def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
                  instance: str | None = None) -> dict:

@@ -371,19 +371,21 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         e2e_s=e2e, queue_s=phases.queue_s, decode_s=phases.decode_s, priority=priority,
         queue=timeline.queue_at(root.trace_id, arrival, left, rank, root.instance), steps=window.steps,
         engine_slowdown=window.slowdown, idle_excess_s=window.idle_excess_s, traced_steps=window.traced,
+        traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
         interference_s=interference, usual=usual)
 
 
 def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
-                cache: dict) -> tuple[list[dict], float | None, float | None]:
+                cache: dict) -> tuple[list[dict], float | None, float | None, int]:
     """Per-SM evidence of ``[start_s, end_s]``: the SMs the contention tests flagged in the
     slots overlapping it (attention kernels of ``instance``, when it has any), the median
     SM's CTA P90 then over its median across the window's slots (median over kernels), and
-    the slowest SM's P90 over the median SM's then. ``cache`` keeps each kernel's tests."""
+    the slowest SM's P90 over the median SM's then, and the most SMs a slot had CTAs on.
+    ``cache`` keeps each kernel's tests."""
     slot_s = sm.window.slot_s
     keys = [e for e in sm.gpus() if e["instance"] == instance] or sm.gpus()
-    flagged, slowdowns, spreads = [], [], []
+    flagged, slowdowns, spreads, sm_count = [], [], [], 0
     for e in keys:
         key = (e["instance"], e["gpu"], e["kernel"])
         if key not in cache:
@@ -397,6 +399,7 @@ def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
             levels.append(level)
             if epoch * slot_s < end_s and (epoch + 1) * slot_s > start_s:
                 mine.append(level)
+                sm_count = max(sm_count, len(slot.sms))
                 if level > 0:
                     spreads.append(float(p90.max()) / level)
                 for i in np.flatnonzero(slot.flagged).tolist():
@@ -408,11 +411,11 @@ def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
         if mine and usual > 0:
             slowdowns.append(float(np.median(mine)) / usual)
     return (flagged, float(np.median(slowdowns)) if slowdowns else None,
-            float(np.median(spreads)) if spreads else None)
+            float(np.median(spreads)) if spreads else None, sm_count)
 
 
 def _name_cause(sm: SmQuery, req: RequestExplanation, evidence: CauseEvidence, cache: dict) -> None:
-    evidence.contended_sms, evidence.cta_slowdown, evidence.cta_spread = evidence_sm(
+    evidence.contended_sms, evidence.cta_slowdown, evidence.cta_spread, evidence.sm_count = evidence_sm(
         sm, req.start_time_unix_nano / 1e9, req.end_time_unix_nano / 1e9, req.instance, cache)
     req.cause = classify(evidence)
 

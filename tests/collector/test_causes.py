@@ -154,7 +154,8 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     cause = one.cause
     assert cause.name == sc.CAUSE_HOST_STALL, cause
     assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
-    assert cause.evidence["host_slowdown"] == pytest.approx((STEP_S * 1.6 - GPU_S) / (STEP_S - GPU_S), rel=0.01)
+    # the host's extra time (1.6 x the step, the GPU's part as usual) over the usual step
+    assert cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
 
 
 def test_device_contention_when_another_process_shares_the_gpu():
@@ -258,9 +259,11 @@ def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
 
 def test_the_rules_order_and_config_checks():
     base = CauseEvidence(e2e_s=1.0, queue_s=0.6, decode_s=0.3, priority="2", engine_slowdown=2.0,
-                         gpu_slowdown=1.0, traced_steps=3)
+                         gpu_slowdown=1.0, host_slowdown=2.0, traced_steps=3)
     # a 2x slower engine added 0.5 s; the queue's own part of the wait is 0.3 s
     assert classify(base).name == sc.CAUSE_HOST_STALL
+    # neither the GPU's work nor the host's time grew: the slower steps are not explained
+    assert classify(CauseEvidence(**{**base.__dict__, "host_slowdown": 1.1})).name == sc.CAUSE_UNKNOWN
     assert classify(CauseEvidence(**{**base.__dict__, "engine_slowdown": 1.0})).name == sc.CAUSE_QUEUEING
     # 1.25x: the engine added 0.2 s, the queue's own part is 0.48 s (a burst ahead of it)
     assert classify(CauseEvidence(**{**base.__dict__, "engine_slowdown": 1.25})).name == sc.CAUSE_QUEUEING
@@ -279,7 +282,25 @@ def test_the_rules_order_and_config_checks():
                                      "contended_sms": weak})).name == sc.CAUSE_DEVICE_CONTENTION
     assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "gpu_slowdown": None,
                                      "contended_sms": weak})).name == sc.CAUSE_SM_CONTENTION
-    assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
+    assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None, "host_slowdown": None})).name \
+        == sc.CAUSE_UNKNOWN
+    # a slower GPU with a few strong SM flags: 8 of 132 SMs lost slow a kernel at most 1.06x,
+    # (1.38x at the gpu_slow margin), so a 1.6x GPU is the whole device's; 33 flagged of 132
+    # can explain up to 1.3 / 0.75 = 1.73x
+    few = [{"gpu": "0", "kernel": "k", "sm": str(sm), "score": 6.5, "reasons": ["slow"]} for sm in range(8)]
+    device = CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "host_slowdown": 1.0, "gpu_slowdown": 1.6,
+                              "contended_sms": few, "sm_count": 132})
+    assert classify(device).name == sc.CAUSE_DEVICE_CONTENTION
+    assert "8 SM flag(s) of 132 SMs, too few" in classify(device).summary
+    quarter = [{**few[0], "sm": str(sm)} for sm in range(33)]
+    assert classify(CauseEvidence(**{**device.__dict__, "contended_sms": quarter})).name == sc.CAUSE_SM_CONTENTION
+    assert classify(CauseEvidence(**{**device.__dict__, "sm_count": 0})).name == sc.CAUSE_SM_CONTENTION
+    # a stalled host's idle GPU clocks down: steps, GPU time and CTAs all slower, host time up;
+    # another process time-slicing the GPU stretches the steps with CTAs at their usual speed
+    clocked = CauseEvidence(e2e_s=1.0, queue_s=0.0, decode_s=0.9, priority="1", engine_slowdown=2.8,
+                            gpu_slowdown=3.4, host_slowdown=4.5, cta_slowdown=3.3, traced_steps=2)
+    assert classify(clocked).name == sc.CAUSE_HOST_STALL
+    assert classify(CauseEvidence(**{**clocked.__dict__, "cta_slowdown": 1.1})).name == sc.CAUSE_DEVICE_CONTENTION
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):

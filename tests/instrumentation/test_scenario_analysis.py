@@ -101,3 +101,13 @@ def test_runs_pooled_per_scenario_with_the_bounds_checked(episodes):
     pooled = pool([{"scored": [dict(runs[0], run=1), dict(control, run=1)]},
                    {"scored": [dict(runs[1], run=1), dict(runs[2], run=2)]}])
     assert pooled == summary
+
+
+def test_the_cause_counters_are_kept_where_they_changed():
+    clock = AlertClock(AlertRules(for_s=5.0, cause_window_s=60.0))
+    for t in range(0, 202, 2):
+        clock.observe(float(t), scrape(t))
+    kept = clock.cause_counts()
+    # the first scrape, the two queueing ones at 10, then one more host stall every 2 s to 160
+    assert [t for t, _ in kept] == [0.0, 10.0] + [float(t) for t in range(122, 162, 2)]
+    assert kept[-1][1] == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 20.0, sc.CAUSE_QUEUEING: 2.0}
