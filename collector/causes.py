@@ -10,7 +10,7 @@ of the request's life); first match wins:
    beyond its usual stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow``
    x: traced steps' GPU time, else CTAs) or clocked down (CTAs slower too) with idle time or
    no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (scoring
-   ``sm_score`` if the GPU was slower) and are enough to explain the GPU's slowdown;
+   ``sm_score`` if the GPU was slower), unless only starved and too few to explain it;
    ``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host
    evidence; else ``unknown``.
 4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
@@ -168,10 +168,14 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
 
 
 def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
-    """Whether the traced steps' GPU time grew more than the flagged SMs can explain: losing
-    a fraction f of the SMs outright slows a kernel at most 1 / (1 - f), so with a few SMs
-    flagged and every step's GPU time well beyond that, the whole GPU was slower."""
+    """Whether the traced steps' GPU time grew more than SMs flagged only as starved can
+    explain: the block scheduler gives a starved SM's share to the others, so losing a
+    fraction f of the SMs slows a kernel at most 1 / (1 - f); a few starved SMs beside every
+    step's GPU time well beyond that mean the whole GPU was slower. (A slow SM's CTAs hold
+    its kernel up to their own slowdown: no such bound.)"""
     if e.gpu_slowdown is None or e.gpu_slowdown < c.gpu_slow or not e.sm_count:
+        return False
+    if any("slow" in (s.get("reasons") or ()) for s in e.contended_sms):
         return False
     flagged = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
     kernels = len({(s["gpu"], s["kernel"]) for s in e.contended_sms}) or 1
@@ -181,7 +185,7 @@ def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
 
 def _flagged(e: CauseEvidence) -> str:
     n = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
-    return "no SM flagged" if not n else f"{n} SM flag(s) of {e.sm_count} SMs, too few for that slowdown"
+    return "no SM flagged" if not n else f"{n} SM(s) flagged starved of {e.sm_count}, too few for that slowdown"
 
 
 def _near(e: CauseEvidence) -> str:

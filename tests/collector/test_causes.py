@@ -284,14 +284,17 @@ def test_the_rules_order_and_config_checks():
                                      "contended_sms": weak})).name == sc.CAUSE_SM_CONTENTION
     assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None, "host_slowdown": None})).name \
         == sc.CAUSE_UNKNOWN
-    # a slower GPU with a few strong SM flags: 8 of 132 SMs lost slow a kernel at most 1.06x,
+    # a slower GPU with a few strong starved SMs: 8 of 132 SMs lost slow a kernel at most 1.06x,
     # (1.38x at the gpu_slow margin), so a 1.6x GPU is the whole device's; 33 flagged of 132
     # can explain up to 1.3 / 0.75 = 1.73x
-    few = [{"gpu": "0", "kernel": "k", "sm": str(sm), "score": 6.5, "reasons": ["slow"]} for sm in range(8)]
+    few = [{"gpu": "0", "kernel": "k", "sm": str(sm), "score": 6.5, "reasons": ["starved"]} for sm in range(8)]
     device = CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "host_slowdown": 1.0, "gpu_slowdown": 1.6,
                               "contended_sms": few, "sm_count": 132})
     assert classify(device).name == sc.CAUSE_DEVICE_CONTENTION
-    assert "8 SM flag(s) of 132 SMs, too few" in classify(device).summary
+    assert "8 SM(s) flagged starved of 132, too few" in classify(device).summary
+    # slow SMs hold their kernel up by their CTAs' own slowdown: no bound from their number
+    slow = [{**f, "reasons": ["slow"]} for f in few]
+    assert classify(CauseEvidence(**{**device.__dict__, "contended_sms": slow})).name == sc.CAUSE_SM_CONTENTION
     quarter = [{**few[0], "sm": str(sm)} for sm in range(33)]
     assert classify(CauseEvidence(**{**device.__dict__, "contended_sms": quarter})).name == sc.CAUSE_SM_CONTENTION
     assert classify(CauseEvidence(**{**device.__dict__, "sm_count": 0})).name == sc.CAUSE_SM_CONTENTION
