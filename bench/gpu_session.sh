@@ -110,3 +110,10 @@ for p in "$@"; do
     *) echo "unknown part: $p" ;;
     esac
 done
+
+# the captures go back as one archive: a run keeps few files beside its results and logs
+shopt -s nullglob
+captures=("$RESULTS_DIR"/*.jsonl.gz)
+if [ ${#captures[@]} -gt 1 ]; then
+    tar -C "$RESULTS_DIR" -cf "$RESULTS_DIR/captures-$commit.tar" "${captures[@]##*/}" && rm -f "${captures[@]}"
+fi
