@@ -60,6 +60,7 @@ class StepFacts:
     decode_tokens: int
     jit_compiles: int
     gpu_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced); see _step_facts
+    host_s: float  # host time of a traced step (NaN: not traced); see _step_facts
     step_id: int | None
     instance: str
 
@@ -79,7 +80,10 @@ def _step_facts(trace, step) -> StepFacts:
     """A step's facts. Its GPU time: for a CUDA graph replay, from its first kernel's start to
     its last one's end, so that work the GPU ran between them (another process's kernels,
     time-sliced in) counts as the GPU's and not the host's; an eager step's kernels wait on
-    the host's launches, so there it is their summed time."""
+    the host's launches, so there it is their summed time. Its host time: for a replay, from
+    its last kernel's end to the step's end (how late the host saw the GPU finish; the wait
+    before the first kernel is the GPU's queue, which another process fills); for an eager
+    step, the step's time beyond its kernels' (the launches pace it)."""
     record = step.record()
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
@@ -97,13 +101,16 @@ def _step_facts(trace, step) -> StepFacts:
         start, end = span.start_time_unix_nano, span.end_time_unix_nano
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
+    duration = max(0, record.end_time_unix_nano - record.start_time_unix_nano) / 1e9
     if first is None:
-        gpu = float("nan")
+        gpu = host = float("nan")
+    elif a.get(sc.STEP_CUDA_GRAPH) and last > first:
+        gpu, host = (last - first) / 1e9, max(0, record.end_time_unix_nano - last) / 1e9
     else:
-        gpu = (last - first) / 1e9 if a.get(sc.STEP_CUDA_GRAPH) and last > first else busy
+        gpu, host = busy, duration - busy
     step_id = a.get(sc.STEP_ID)
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
-                     int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu,
+                     int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance)
 
 
@@ -175,6 +182,7 @@ class EngineTimeline:
              "kind": np.array([f.kind for f in facts], dtype=np.int64),
              "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
              "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
+             "host": np.array([f.host_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
@@ -189,12 +197,11 @@ class EngineTimeline:
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
         """The usual step: a decode-only step's duration, plus a cost per prefill token; the
-        same for GPU time and host time (step minus GPU time) of traced steps, and the gap
+        same for GPU time and host time (see _step_facts) of traced steps, and the gap
         between steps. Each is the median of the shortest half of the values (:func:`usual_value`)."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])
-        host = a["duration"] - a["gpu"]
 
         def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
             base = usual_value(values[decode & rows], 0.0)
@@ -203,7 +210,7 @@ class EngineTimeline:
 
         base, per_token = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token = fit(a["gpu"], traced)
-        host_base, host_token = fit(host, traced)
+        host_base, host_token = fit(a["host"], traced)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
@@ -267,13 +274,13 @@ class EngineTimeline:
         if not traced.size:
             return None, None
         a = self._arrays
-        prefill, gpu_s, duration = a["prefill"][traced], a["gpu"][traced], a["duration"][traced]
+        prefill, gpu_s, host_s = a["prefill"][traced], a["gpu"][traced], a["host"][traced]
         want_gpu = u["gpu"] + u["gpu_per_token"] * prefill
         want_host = u["host"] + u["host_per_token"] * prefill
         want_step = u["duration"] + u["duration_per_token"] * prefill
         with np.errstate(divide="ignore", invalid="ignore"):
             gpu = float(np.median(gpu_s / want_gpu)) if (want_gpu > 0).all() else None
-            host = (float(np.median(1.0 + (duration - gpu_s - want_host) / want_step))
+            host = (float(np.median(1.0 + (host_s - want_host) / want_step))
                     if np.isfinite(want_host).all() and (want_step > 0).all() else None)
         return gpu, host
 

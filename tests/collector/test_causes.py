@@ -53,6 +53,7 @@ class Scenario:
         self.ctas = {T + 10 * k: {sm: (CTAS, CTA_S) for sm in range(SMS)} for k in range(int(until_s // 10))}
         self.requests = []  # (trace kind, index, start, queue end, prefill end, end, priority)
         self.output_tokens = {}  # (trace kind, index) -> its output tokens, where not 32
+        self.kernels_late = {}  # step index -> how long after the step's start its kernels begin
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -77,8 +78,9 @@ class Scenario:
                 attrs[sc.STEP_CUDA_GRAPH] = True
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
-                halves = [(start, start + gpu)] if spread == 1.0 else \
-                    [(start, start + gpu / 2), (start + gpu * (spread - 0.5), start + gpu * spread)]
+                at = start + self.kernels_late.get(n, 0.0)
+                halves = [(at, at + gpu)] if spread == 1.0 else \
+                    [(at, at + gpu / 2), (at + gpu * (spread - 0.5), at + gpu * spread)]
                 for j, (a, b) in enumerate(halves):
                     spans.append(otlp_span(sc.SPAN_KERNEL_SUMMARY_PREFIX + f"gemm{j}", tid(3, n), sid(3, n, 1 + j), a,
                                            b, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: f"gemm{j}",
@@ -156,6 +158,24 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
     # the host's extra time (1.6 x the step, the GPU's part as usual) over the usual step
     assert cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
+
+
+def test_the_wait_before_a_replays_first_kernel_is_not_host_time():
+    """Steps 1.6x as long because their graph's kernels began late (the GPU's queue held by
+    other work) and ran their usual time: the host saw them finish at once, so its time is
+    as usual (the time after a replay's last kernel is what a late host stretches), and
+    nothing in the steps says whose the wait was."""
+    sc_ = Scenario()
+    late = sc_.between(38, 46)
+    for n, s in enumerate(sc_.steps):
+        if s in late:
+            sc_.kernels_late[n] = s[1] * 0.6
+            s[1] *= 1.6
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_UNKNOWN, one.cause
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
 
 
 def test_device_contention_when_another_process_shares_the_gpu():

@@ -5,8 +5,9 @@ pinned, slot-aligned as the demo replays it). The recorded H200 incident: in eve
 interval the SMs the contention tests flag are the planted ones (precision and recall at
 least 0.9, for every attention kernel), the SM-contention alert's series is there, and the
 10 slowest requests of each interval are explained as ``sm_contention`` in at least 9 of
-10. The capture without an incident: no request is blamed on the GPU. Slow: the replay's
-OTLP/JSON parsing takes about a minute.
+10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged. The
+capture without an incident: no request is blamed on the GPU. Slow: the replay's OTLP/JSON
+parsing takes about a minute.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.slow
 NOW_NS = 1_800_000_000 * 10**9
 INCIDENT = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
 PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
+HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
 
 
 def replayed(capture):
@@ -86,3 +88,24 @@ def test_a_capture_without_an_incident_blames_no_request_on_the_gpu():
     assert explained.requests_considered == 32
     causes = {r.cause.name for r in explained.requests}
     assert causes <= {sc.CAUSE_QUEUEING, sc.CAUSE_UNKNOWN, sc.CAUSE_PREFILL_INTERFERENCE}, causes
+
+
+def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
+    """The recorded HBM hog (another process streaming device memory, bench/scenarios.py):
+    the planted interval's 10 slowest requests are explained as ``device_contention`` in at
+    least 9 of 10, with their steps' GPU time up and their host time as usual, and the
+    contention tests flag no SM."""
+    if not HBM_HOG.is_file():
+        pytest.skip(f"no {HBM_HOG.name}")
+    aggregator, time_map, heatmaps = replayed(HBM_HOG)
+    incident = Incident.from_meta(read_capture_meta(HBM_HOG))
+    (interval,) = incident.intervals
+    assert interval.kind == "hbm_hog"
+    findings = find(incident, heatmaps, time_map)
+    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
+    within = (time_map(interval.start_unix_nano) / 1e9, time_map(interval.end_unix_nano) / 1e9)
+    explained = explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
+    causes = [r.cause.name for r in explained.requests]
+    assert len(causes) == 10 and causes.count(sc.CAUSE_DEVICE_CONTENTION) >= 9, causes
+    evidence = explained.requests[0].cause.evidence
+    assert evidence["gpu_slowdown"] >= 1.5 and evidence["host_slowdown"] < 1.2, evidence
