@@ -1,20 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
-:func:`classify` reads a :class:`CauseEvidence` (from ``explain``: the spans and per-SM data
-of the request's life); first match wins:
-1. ``compile``: a step in its life compiled kernels and took >= ``compile_share`` of e2e.
-2. ``queueing``: waiting took >= ``queue_share`` of e2e, and its own part (the wait over
-   the engine's slowdown) is more than the engine's slowness added.
+:func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of
+the request's life); first match wins:
+1. ``compile``: steps in its life compiled kernels and took >= ``compile_share`` of e2e.
+2. ``queueing``: waiting took >= ``queue_share`` of e2e, more than the engine's slowness added.
 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
    idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
-   beyond its usual stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow``
-   x: traced steps' GPU time, else CTAs) or clocked down (CTAs slower too) with idle time or
-   no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (scoring
-   ``sm_score`` if the GPU was slower), unless only starved and too few to explain it;
-   ``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host
-   evidence; else ``unknown``.
-4. ``prefill_interference`` when other requests' prefill tokens cost its decode >=
-   ``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline."""
+   stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
+   steps' GPU time, else CTAs) or clocked down (CTAs slower too), with idle time or no SM
+   scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
+   GPU was slower; not a few starved ones alone); ``device_contention`` when the GPU was >=
+   ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``.
+4. ``prefill_interference`` when others' prefill tokens cost its decode >= ``interference_share``
+   of e2e; else ``unknown``. O(1) per request, with its baseline."""
 
 from __future__ import annotations
 
