@@ -1,18 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
 :func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of
-the request's life); first match wins:
-1. ``compile``: steps in its life compiled kernels and took >= ``compile_share`` of e2e.
-2. ``queueing``: waiting took >= ``queue_share`` of e2e, more than the engine's slowness added.
-3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or
-   idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time
-   stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
-   steps' GPU time, else CTAs) or clocked down (CTAs slower too), with idle time or no SM
-   scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
-   GPU was slower; not a few starved ones alone); ``device_contention`` when the GPU was >=
-   ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``.
-4. ``prefill_interference`` when others' prefill tokens cost its decode >= ``interference_share``
-   of e2e; else ``unknown``. O(1) per request, with its baseline."""
+the request's life); first match wins. 1. ``compile``: steps in its life compiled kernels
+and took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead,
+overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's
+slowness added. 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind
+and tokens, or idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or
+host time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x:
+traced steps' GPU time, else CTAs) or clocked down (CTAs slower too), with idle time or no
+SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
+GPU was slower; not a few starved ones alone); ``device_contention`` when the GPU was >=
+``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference``
+when others' prefill tokens cost its decode >= ``interference_share`` of e2e; else
+``unknown``. O(1) per request, with its baseline."""
 
 from __future__ import annotations
 
@@ -105,8 +105,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
     engine_excess_s = e.idle_excess_s + max(e2e - e.idle_excess_s, 0.0) * (1.0 - 1.0 / slowdown)
-    if e.queue_s >= c.queue_share * e2e and e.queue_s / slowdown > engine_excess_s:
-        q = e.queue or {}
+    # a wait is the queue's when others waited ahead, overtook it, or filled the engine; with
+    # none of those the engine was not taking work (a long step, a stalled loop)
+    q = e.queue or {}
+    behind_others = e.queue is None or bool(q.get("depth") or q.get("overtaken_by") or q.get("engine_full"))
+    if e.queue_s >= c.queue_share * e2e and e.queue_s / slowdown > engine_excess_s and behind_others:
         return Cause(sc.CAUSE_QUEUEING,
                      f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
                      f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "

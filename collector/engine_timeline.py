@@ -181,6 +181,7 @@ class EngineTimeline:
              "end": np.array([f.end_ns for f in facts], dtype=np.int64),
              "kind": np.array([f.kind for f in facts], dtype=np.int64),
              "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
+             "decode": np.array([f.decode_tokens for f in facts], dtype=np.float64),
              "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "host": np.array([f.host_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
@@ -287,8 +288,10 @@ class EngineTimeline:
     def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
                  instance: str | None = None) -> dict:
         """When a request arrived: how many stored requests waited (``depth``), how many of
-        them more urgent (``ahead_more_urgent``), and how many more urgent ones arrived while
-        it waited and left the queue before it (``overtaken_by``)."""
+        them more urgent (``ahead_more_urgent``), how many more urgent ones arrived while it
+        waited and left the queue before it (``overtaken_by``), and whether the engine ran
+        full while it waited (``engine_full``: its steps then decoded, at the median, at
+        least 0.9 of the most requests any stored step of that engine did)."""
         depth = ahead = overtaken = 0
         for tid, (_, q) in self._queues.items():
             if tid == trace_id or (instance is not None and q.instance != instance):
@@ -299,4 +302,16 @@ class EngineTimeline:
                 ahead += urgent
             elif arrival_ns < q.arrival_ns < left_ns and q.left_ns <= left_ns and urgent:
                 overtaken += 1
-        return {"depth": depth, "ahead_more_urgent": ahead, "overtaken_by": overtaken}
+        return {"depth": depth, "ahead_more_urgent": ahead, "overtaken_by": overtaken,
+                "engine_full": self._full(arrival_ns, left_ns, instance)}
+
+    def _full(self, start_ns: int, end_ns: int, instance: str | None) -> bool:
+        a = self._arrays
+        if a is None or not len(a["start"]):
+            return False
+        mine = np.ones(len(a["start"]), dtype=bool)
+        if instance is not None and (a["instance"] == instance).any():
+            mine = a["instance"] == instance
+        during = mine & (a["start"] < end_ns) & (a["end"] > start_ns)
+        most = float(a["decode"][mine].max()) if mine.any() else 0.0
+        return bool(during.any() and most > 0 and np.median(a["decode"][during]) >= 0.9 * most)

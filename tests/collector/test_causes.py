@@ -232,6 +232,23 @@ def test_queueing_with_the_priority_and_the_queue_it_found():
     # and +1.25 s and were taken within 5 ms
     assert (ev["depth"], ev["ahead_more_urgent"], ev["overtaken_by"]) == (5, 5, 6)
     assert "waited 1500 ms of 2000 ms in the queue (priority 2; 5 waiting when it arrived" in cause.summary
+    # the steps during its wait carried, at the median, fewer requests than the fullest step
+    assert ev["engine_full"] is False
+
+
+def test_a_wait_with_nobody_ahead_and_the_engine_not_full_is_not_queueing():
+    """The scheduler did not take it for 1.5 s, though nothing waited ahead, nothing more
+    urgent went first and the engine ran below its fullest: the queue is not the cause."""
+    sc_ = Scenario()
+    sc_.target(40.0, 1.5, 2.0, priority=1)
+    _, one = explained(sc_)
+    assert one.cause.name != sc.CAUSE_QUEUEING, one.cause
+    evidence = CauseEvidence(e2e_s=2.0, queue_s=1.5, decode_s=0.4, priority="1", engine_slowdown=1.0,
+                             queue={"depth": 0, "ahead_more_urgent": 0, "overtaken_by": 0, "engine_full": False})
+    assert classify(evidence).name == sc.CAUSE_UNKNOWN
+    for behind in ({"depth": 2}, {"overtaken_by": 1}, {"engine_full": True}):
+        assert classify(CauseEvidence(**{**evidence.__dict__, "queue": {**evidence.queue, **behind}})).name \
+            == sc.CAUSE_QUEUEING, behind
 
 
 def test_compile_names_the_step_that_compiled():
