@@ -21,6 +21,7 @@ from typing import Any
 
 from ..instrumentation import check_range
 from ..instrumentation import semconv as sc
+from .engine_timeline import TRACED_REACH_S
 
 __all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
 
@@ -191,7 +192,8 @@ def _flagged(e: CauseEvidence) -> str:
 
 def _near(e: CauseEvidence) -> str:
     """Where the GPU and host figures came from when no step of its life was traced."""
-    return f"; from {e.traced_near} traced step(s) within 1 s of its life, none traced in it" if e.traced_near else ""
+    return (f"; from {e.traced_near} traced step(s) within {TRACED_REACH_S:g} s of its life, none traced in it"
+            if e.traced_near else "")
 
 
 def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
