@@ -151,7 +151,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                           "cta_spread": e.cta_spread, "host_slowdown": e.host_slowdown,
                           "traced_steps": e.traced_steps, "traced_near": e.traced_near,
-                          "flagged_sms": len({(s["kernel"], s["sm"]) for s in e.contended_sms}),
+                          "flagged_sms": len(_distinct_flags(e)),
                           "sm_count": e.sm_count},
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         if host_side:
@@ -179,14 +179,19 @@ def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
         return False
     if any("slow" in (s.get("reasons") or ()) for s in e.contended_sms):
         return False
-    flagged = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
-    kernels = len({(s["gpu"], s["kernel"]) for s in e.contended_sms}) or 1
-    lost = min(flagged / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
+    flags = _distinct_flags(e)
+    kernels = len({(gpu, kernel) for gpu, kernel, _ in flags}) or 1
+    lost = min(len(flags) / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
     return e.gpu_slowdown >= c.gpu_slow / (1.0 - lost)
 
 
+def _distinct_flags(e: CauseEvidence) -> set[tuple[str, str, str]]:
+    """The (gpu, kernel, SM) flagged in any of its slots."""
+    return {(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms}
+
+
 def _flagged(e: CauseEvidence) -> str:
-    n = len({(s["gpu"], s["kernel"], s["sm"]) for s in e.contended_sms})
+    n = len(_distinct_flags(e))
     return "no SM flagged" if not n else f"{n} SM(s) flagged starved of {e.sm_count}, too few for that slowdown"
 
 

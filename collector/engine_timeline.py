@@ -199,7 +199,8 @@ class EngineTimeline:
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
         """The usual step: a decode-only step's duration, plus a cost per prefill token; the
         same for GPU time and host time (see _step_facts) of traced steps, and the gap
-        between steps. Each is the median of the shortest half of the values (:func:`usual_value`)."""
+        between steps. Each is the median of the shortest half of the values (:func:`usual_value`);
+        beside them the most requests a step decoded."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])
@@ -214,6 +215,7 @@ class EngineTimeline:
         host_base, host_token = fit(a["host"], traced)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token,
+                "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
     # -- queries ----------------------------------------------------------------------
@@ -231,9 +233,8 @@ class EngineTimeline:
         a = self._arrays
         if a is None or not len(a["start"]):
             return WindowSteps(0, None, 0, None, None, 0.0, [])
-        inside = (a["start"] < end_ns) & (a["end"] > start_ns)
-        if instance is not None and (a["instance"] == instance).any():
-            inside &= a["instance"] == instance
+        mine = self._steps_of(instance)
+        inside = mine & (a["start"] < end_ns) & (a["end"] > start_ns)
         u = self.usual(instance)
         idx = np.flatnonzero(inside)
         if not idx.size:
@@ -247,9 +248,7 @@ class EngineTimeline:
         near = 0
         if not traced.size:
             reach_ns = int(TRACED_REACH_S * 1e9)
-            around = (a["start"] < end_ns + reach_ns) & (a["end"] > start_ns - reach_ns) & np.isfinite(a["gpu"])
-            if instance is not None and (a["instance"] == instance).any():
-                around &= a["instance"] == instance
+            around = mine & (a["start"] < end_ns + reach_ns) & (a["end"] > start_ns - reach_ns) & np.isfinite(a["gpu"])
             traced = np.flatnonzero(around)
             near = int(traced.size)
         gpu, host = self._gpu_and_host(traced, u)
@@ -281,8 +280,7 @@ class EngineTimeline:
         want_step = u["duration"] + u["duration_per_token"] * prefill
         with np.errstate(divide="ignore", invalid="ignore"):
             gpu = float(np.median(gpu_s / want_gpu)) if (want_gpu > 0).all() else None
-            host = (float(np.median(1.0 + (host_s - want_host) / want_step))
-                    if np.isfinite(want_host).all() and (want_step > 0).all() else None)
+            host = float(np.median(1.0 + (host_s - want_host) / want_step)) if (want_step > 0).all() else None
         return gpu, host
 
     def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
@@ -309,9 +307,13 @@ class EngineTimeline:
         a = self._arrays
         if a is None or not len(a["start"]):
             return False
-        mine = np.ones(len(a["start"]), dtype=bool)
-        if instance is not None and (a["instance"] == instance).any():
-            mine = a["instance"] == instance
-        during = mine & (a["start"] < end_ns) & (a["end"] > start_ns)
-        most = float(a["decode"][mine].max()) if mine.any() else 0.0
+        during = self._steps_of(instance) & (a["start"] < end_ns) & (a["end"] > start_ns)
+        most = self.usual(instance)["most_decode"]
         return bool(during.any() and most > 0 and np.median(a["decode"][during]) >= 0.9 * most)
+
+    def _steps_of(self, instance: str | None) -> np.ndarray:
+        """Which stored steps are ``instance``'s (all of them when it has none)."""
+        a = self._arrays
+        if instance is not None and (a["instance"] == instance).any():
+            return a["instance"] == instance
+        return np.ones(len(a["start"]), dtype=bool)
