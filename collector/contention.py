@@ -4,12 +4,11 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
 * slow: its CTAs above the others' P90 number at most Binomial(n, p) if nothing is wrong (p:
   0.1 or its own usual rate); flagged when the bound is under ``alpha / SMs``, >= ``slow_share``
   (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others' and 90 % are wide CTAs.
-* starved: its CTAs against 1/S of the slot's CTAs from launches of >= 2 S CTAs (semconv.
-  METRIC_CTA_WIDE): such launches cover every SM. Flagged when the lower tail's bound is under
-  ``alpha / SMs`` and it ran under ``starve_ratio`` of that share. An SM under that line in
-  most of the ring's quiet slots (fewer CTAs launch after launch) is held to
-  ``usual_starve_ratio`` of its own lowest share; a store that tracks those slots tests none
-  for starvation until 4 exist (unless ``starve_before_usual``).
+* starved: its CTAs against its share of the slot's: what the GPU's dispatch order dealt it
+  (semconv.METRIC_CTA_DEALT), else 1/S of the CTAs from launches of >= 2 S CTAs (METRIC_CTA_WIDE).
+  Flagged when the lower tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio``
+  of that share. Without the deal, an SM under that line in most quiet slots is held to
+  ``usual_starve_ratio`` of its lowest share, and none is tested until 4 such slots exist.
 Guarantee: tails are Chernoff bounds (>= the exact binomial tail): a slot flags an SM by
 chance with probability <= alpha. Score: max(own P90 / others' P90, expected / own CTAs, at
 most 100). Cost: a cumulative sum over [SMs, buckets], then O(SMs); usual shares O(slots x SMs).
@@ -69,6 +68,9 @@ class SlotEvidence:
     # [3, SMs], over other quiet slots (collector/sm_blocks.py): each SM's median and lowest
     # share of the kernel's CTAs, and its median share above the others' P90; None: not known
     usual_shares: np.ndarray | None = None
+    # per SM: the CTAs the GPU's dispatch order dealt it (semconv.METRIC_CTA_DEALT); None:
+    # the producer did not say
+    dealt: np.ndarray | None = None
 
 def _leave_one_out(values: np.ndarray, reduce) -> np.ndarray:
     """Per row: ``reduce`` (np.minimum or np.maximum) over every other row's value."""
@@ -171,9 +173,20 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
                 & ~np.isnan(others_q) & (wide >= WIDE_SHARE_FOR_SLOW * total)
                 & ~(slow_factor < config.slow_factor))
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
+    dealt = None if evidence.dealt is None else np.concatenate([evidence.dealt, np.zeros(pad, dtype=np.int64)])
     learning = (evidence.usual_shares is not None and np.isnan(evidence.usual_shares[0]).all()
                 and not config.starve_before_usual)
-    if expected is not None and not learning:
+    if dealt is not None and dealt.sum() > 0 and total > 0:
+        # the scheduler's own deal of these CTAs: SMs it leaves short, launch after launch,
+        # are held to that, and every CTA counts, whatever its launch's size
+        share = dealt / dealt.sum()
+        due = total * share
+        expected = total / max(num_sms, 1)
+        starve_bound = binomial_tail_bound(ctas, total, share, upper=False)
+        starved = (starve_bound <= level) & (ctas < config.starve_ratio * due)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            starve_factor = np.where(due > 0, np.minimum(due / np.maximum(ctas, 1), MAX_STARVE_FACTOR), np.nan)
+    elif expected is not None and not learning:
         share = np.full(len(names), 1.0 / num_sms)
         ratio = np.full(len(names), config.starve_ratio)
         if evidence.usual_shares is not None and not np.isnan(evidence.usual_shares[0]).all():

@@ -212,4 +212,4 @@ EVICTED_FAMILIES = ("request", "kernel", "sm_cta")
 DROP_REASONS = ("malformed_span", "span_out_of_range", "partial_tp_step", "malformed_point",
                 "explicit_bucket_histogram", "unsupported_metric_type", "unknown_metric", "missing_attributes",
                 "late", "sm_series_limit", "cumulative_streams_full", "cumulative_baseline",
-                "wide_launches_unmatched") + POINT_REFUSALS
+                "wide_launches_unmatched", "dealt_unmatched") + POINT_REFUSALS

@@ -8,7 +8,7 @@ Accuracy: a quantile is the value at rank ``ceil(q * count)`` within
 ``relative_error(scale)`` (0.54 % at scale 6); a slot whose SMs span more than
 ``max_buckets`` buckets halves the block's resolution, and ``scale`` says so.
 Memory per SM: ``detail_slots * width * 4`` bytes of counts (``width``: buckets the
-block's SMs span in a slot) plus ``num_slots * 80`` bytes of per-slot summaries (P99,
+block's SMs span in a slot) plus ``num_slots * 88`` bytes of per-slot summaries (P99,
 count, slowest exemplar, the contention tests' evidence), which is all that older slots keep.
 Not thread-safe: the owner (:class:`~.sm_store.SmStore`) holds its lock around each call.
 """
@@ -74,6 +74,9 @@ class SmBlock:
         self.s_q = np.zeros((num_slots, 0))  # own reference quantile
         self.s_others_q = np.zeros((num_slots, 0))
         self.s_wide = np.full(num_slots, -1, dtype=np.int64)  # CTAs of wide launches (-1: not told)
+        # per SM: CTAs the GPU's dispatch order dealt it (semconv.METRIC_CTA_DEALT), if told
+        self.s_dealt = np.zeros((num_slots, 0), dtype=np.int64)
+        self.s_dealt_told = np.zeros(num_slots, dtype=bool)
         self.total = np.zeros(0, dtype=np.int64)  # CTAs per SM since the block began
         self.classic = ClassicHistogram(bounds)  # all SMs together
         self.classic_sm: ClassicRows | None = ClassicRows(bounds) if per_sm_classic else None  # a row per SM
@@ -109,6 +112,7 @@ class SmBlock:
             self.classic_sm.resize(cap)
         self.s_p99 = wider(self.s_p99, np.nan, 1)
         self.s_count = wider(self.s_count, 0, 1)
+        self.s_dealt = wider(self.s_dealt, 0, 1)
         self.s_ex = np.concatenate([self.s_ex, np.zeros((self.num_slots, extra), dtype=_EX_DTYPE)], axis=1)
         self.s_ex["value"][:, self._cap:] = np.nan
         self.s_exceed = wider(self.s_exceed, 0, 1)
@@ -167,6 +171,17 @@ class SmBlock:
         self.s_wide[s] = max(0, self.s_wide[s]) + ctas
         return True
 
+    def add_dealt(self, epoch: int, row: int, ctas: int) -> bool:
+        """Adds CTAs the dispatch order dealt SM ``row`` (semconv.METRIC_CTA_DEALT) to slot
+        ``epoch``; False when the block holds no such slot."""
+        s = epoch % self.num_slots
+        if self.s_epoch[s] != epoch:
+            return False
+        self.version += 1
+        self.s_dealt[s, row] += ctas
+        self.s_dealt_told[s] = True
+        return True
+
     def _add_buckets(self, detail: _Detail, rows: list[int],
                      hists: list[ExpHistogram]) -> tuple[int, np.ndarray] | None:
         """Adds the points' buckets to ``detail``; returns the batch summed over SMs as
@@ -221,6 +236,7 @@ class SmBlock:
                 self.s_ex["value"][s] = np.nan
                 self.s_exceed[s], self.s_q[s], self.s_others_q[s] = 0, np.nan, np.nan
                 self.s_wide[s] = -1
+                self.s_dealt[s], self.s_dealt_told[s] = 0, False
         if epoch > self.newest_epoch:
             self.newest_epoch = epoch
         return d
@@ -317,11 +333,13 @@ class SmBlock:
         n = len(self.sms)
         wide = int(self.s_wide[s]) if self.s_wide[s] >= 0 else None
         usual = self._usual_shares(s, *quiet)
+        dealt = self.s_dealt[s, :n].copy() if self.s_dealt_told[s] else None
         if d is not None:
             e = self._evidence(d)
-            return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide, usual)
+            return SlotEvidence(self.s_count[s, :n].copy(), e.exceed[:n], e.own_q[:n], e.others_q[:n], wide, usual,
+                                dealt)
         return SlotEvidence(self.s_count[s, :n].copy(), self.s_exceed[s, :n].copy(), self.s_q[s, :n].copy(),
-                            self.s_others_q[s, :n].copy(), wide, usual)
+                            self.s_others_q[s, :n].copy(), wide, usual, dealt)
 
     def _quiet_slots(self) -> tuple[np.ndarray, np.ndarray]:
         """(which ring slots are quiet, each slot's per-SM share of CTAs above the others' P90).
@@ -378,4 +396,5 @@ class SmBlock:
     def nbytes(self) -> int:
         total = sum(d.counts.nbytes + 24 * d.zeros.size for d in self._detail if d is not None)
         return (total + self.s_p99.nbytes + self.s_count.nbytes + self.s_ex.nbytes + self.total.nbytes
-                + self.s_exceed.nbytes + self.s_q.nbytes + self.s_others_q.nbytes + self.s_wide.nbytes)
+                + self.s_exceed.nbytes + self.s_q.nbytes + self.s_others_q.nbytes + self.s_wide.nbytes
+                + self.s_dealt.nbytes + self.s_dealt_told.nbytes)

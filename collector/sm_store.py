@@ -136,12 +136,16 @@ class SmStore:
         drops: dict[str, int] = {}
         streams = []
         wide = []  # (instance, gpu, kernel, SM count, CTAs, time) of wide-launch sums
+        dealt = []  # (instance, gpu id, gpu, kernel, SM, CTAs, time) of dispatch-order sums
         for rm in request.resource_metrics:
             instance = resource_instance(rm.resource)
             for scope in rm.scope_metrics:
                 for metric in scope.metrics:
                     if metric.name == sc.METRIC_CTA_WIDE:
                         wide += self._read_wide(instance, metric, now, drops)
+                        continue
+                    if metric.name == sc.METRIC_CTA_DEALT:
+                        dealt += self._read_dealt(instance, metric, now, drops)
                         continue
                     if metric.name != sc.METRIC_CTA_DURATION:
                         _count(drops, "unknown_metric", points_in(metric))
@@ -199,23 +203,60 @@ class SmStore:
                             self._drop("wide_launches_unmatched")
                             continue
                         g.sm_count = max(g.sm_count, sm_count)
+            if dealt:
+                with self._lock:
+                    for instance, gpu_id, gpu, kernel, sm, ctas, t in dealt:
+                        self._add_dealt(GpuKey(instance, gpu), gpu_id, kernel, sm, ctas, t, now)
         return taken
+
+    def _add_dealt(self, key: GpuKey, gpu_id: str, kernel: str, sm: str, ctas: int, t: float, now: float) -> None:
+        """One SM's dealt CTAs into its kernel's block. An SM dealt CTAs that ran none is
+        given its row here: that is the SM the starved test is for."""
+        g = self._gpus.get(key)
+        if g is None or kernel not in g.blocks:
+            self._drop("dealt_unmatched")
+            return
+        block = self._admit(key, gpu_id, kernel, sm, now)
+        if block is None:
+            self._drop("sm_series_limit")
+            _count(self.overflow, "sm_cta")
+        elif not block.add_dealt(self._wc.epoch(t), block.row(sm), ctas):
+            self._drop("dealt_unmatched")
+
+    @staticmethod
+    def _count_points(metric, drops: dict[str, int], needed: tuple[str, ...]):
+        """(attributes, CTAs, time) of each point of a delta sum of CTA counts that names
+        every ``needed`` attribute; the others, and whole cumulative sums, counted in ``drops``."""
+        if metric.WhichOneof("data") != "sum" or metric.sum.aggregation_temporality == _CUMULATIVE:
+            _count(drops, "unsupported_metric_type", points_in(metric))
+            return
+        for point in metric.sum.data_points:
+            attrs = {kv.key: label(kv.value) for kv in point.attributes}
+            value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
+            if any(attrs.get(k) is None for k in needed) or not 0 <= value < 2**53 or value != int(value):
+                _count(drops, "malformed_point")
+                continue
+            yield attrs, int(value), point.time_unix_nano
 
     def _read_wide(self, instance: str, metric, now: float, drops: dict[str, int]) -> list[tuple]:
         """The points of a ``METRIC_CTA_WIDE`` sum (delta only: each point a slot's share)."""
-        if metric.WhichOneof("data") != "sum" or metric.sum.aggregation_temporality == _CUMULATIVE:
-            _count(drops, "unsupported_metric_type", points_in(metric))
-            return []
         out = []
-        for point in metric.sum.data_points:
-            attrs = {kv.key: label(kv.value) for kv in point.attributes}
-            kernel, sm_count = attrs.get(sc.ATTR_KERNEL_NAME), attrs.get(sc.ATTR_GPU_SM_COUNT, "")
-            value = point.as_int if point.WhichOneof("value") == "as_int" else point.as_double
-            if kernel is None or not sm_count.isdigit() or not 0 <= value < 2**53 or value != int(value):
+        for attrs, ctas, t_ns in self._count_points(metric, drops, (sc.ATTR_KERNEL_NAME, sc.ATTR_GPU_SM_COUNT)):
+            if not attrs[sc.ATTR_GPU_SM_COUNT].isdigit():
                 _count(drops, "malformed_point")
                 continue
             gpu = attrs.get(sc.ATTR_GPU_UUID) or attrs.get(sc.ATTR_GPU_ID) or "0"
-            out.append((instance, gpu, kernel, int(sm_count), int(value), clamped_time_s(point.time_unix_nano, now)))
+            out.append((instance, gpu, attrs[sc.ATTR_KERNEL_NAME], int(attrs[sc.ATTR_GPU_SM_COUNT]), ctas,
+                        clamped_time_s(t_ns, now)))
+        return out
+
+    def _read_dealt(self, instance: str, metric, now: float, drops: dict[str, int]) -> list[tuple]:
+        """The points of a ``METRIC_CTA_DEALT`` sum (delta only)."""
+        out = []
+        for attrs, ctas, t_ns in self._count_points(metric, drops, (sc.ATTR_KERNEL_NAME, sc.ATTR_SM_ID)):
+            gpu_id = attrs.get(sc.ATTR_GPU_ID) or "0"
+            out.append((instance, gpu_id, attrs.get(sc.ATTR_GPU_UUID) or gpu_id, attrs[sc.ATTR_KERNEL_NAME],
+                        attrs[sc.ATTR_SM_ID], ctas, clamped_time_s(t_ns, now)))
         return out
 
     def _read(self, point, now: float, drops: dict[str, int]) -> tuple | None:

@@ -2,8 +2,9 @@
 
 ``build_cta_metrics`` turns the worker's per-(gpu, SM, kernel) histograms into SDK
 ``MetricsData`` (one delta exponential-histogram point per key, with the slowest-CTA
-exemplar and the GPU's NVML UUID beside its index; and per (gpu, kernel) the CTAs of wide
-launches, ``semconv.METRIC_CTA_WIDE``, when the producer counted them); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
+exemplar and the GPU's NVML UUID beside its index; per (gpu, kernel) the CTAs of wide
+launches, ``semconv.METRIC_CTA_WIDE``, and per (gpu, SM, kernel) the CTAs the dispatch order
+deals, ``METRIC_CTA_DEALT``, when the producer counted them); ``metric_exporters_from`` finds where the telemetry sends metrics (OTLP per its
 config, and its capture file). Used by :mod:`.gpu_telemetry`'s worker thread, never on
 the request path; the OTel SDK is imported only when called.
 """
@@ -34,12 +35,13 @@ def _gpu_attributes(gpu, gpu_ranks: dict | None) -> dict:
 
 
 def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, launch_mix=None,
-                      num_sms: int | None = None, gpu_ranks: dict | None = None):
+                      num_sms: int | None = None, gpu_ranks: dict | None = None, dealt=None):
     """OTel SDK ``MetricsData`` with one delta exponential-histogram point per
     (gpu, SM, kernel), each with its slowest-CTA exemplar (trace/span of the step); with
     ``launch_mix`` ((gpu, kernel) -> (wide CTAs, all CTAs)) and ``num_sms``, one delta sum
-    point of wide-launch CTAs per (gpu, kernel) too. ``gpu_ranks``: gpu id ->
-    (tensor-parallel rank, UUID) as the ranks reported them."""
+    point of wide-launch CTAs per (gpu, kernel) too; with ``dealt`` ((gpu, SM, kernel) ->
+    CTAs), one delta sum point per SM the dispatch order dealt CTAs. ``gpu_ranks``: gpu id
+    -> (tensor-parallel rank, UUID) as the ranks reported them."""
     from opentelemetry.sdk.metrics.export import (AggregationTemporality, Buckets,
                                                   ExponentialHistogram,
                                                   ExponentialHistogramDataPoint, Metric,
@@ -81,6 +83,16 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, la
                                           "CTAs as the GPU has SMs",
                               unit=semconv.METRIC_CTA_WIDE_UNIT,
                               data=Sum(data_points=wide, aggregation_temporality=AggregationTemporality.DELTA,
+                                       is_monotonic=True)))
+    if dealt:
+        points = [NumberDataPoint(attributes={**_gpu_attributes(gpu, gpu_ranks), semconv.ATTR_SM_ID: sm,
+                                              semconv.ATTR_KERNEL_NAME: kernel},
+                                  start_time_unix_nano=start_ns, time_unix_nano=now_ns, value=int(ctas))
+                  for (gpu, sm, kernel), ctas in sorted(dealt.items())]
+        metrics.append(Metric(name=semconv.METRIC_CTA_DEALT,
+                              description="Probed CTAs the GPU's dispatch order deals this SM",
+                              unit=semconv.METRIC_CTA_WIDE_UNIT,
+                              data=Sum(data_points=points, aggregation_temporality=AggregationTemporality.DELTA,
                                        is_monotonic=True)))
     scope = ScopeMetrics(scope=InstrumentationScope(semconv.INSTRUMENTATION_SCOPE),
                          metrics=metrics, schema_url="")

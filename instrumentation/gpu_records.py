@@ -60,6 +60,9 @@ class CtaHistograms(NamedTuple):
     # GPU's SM count (semconv.METRIC_CTA_WIDE); None from producers that do not count them
     launch_mix: dict[tuple[int, str], tuple[int, int]] | None = None
     num_sms: int | None = None
+    # per (gpu, SM, kernel): the CTAs the GPU's dispatch order deals that SM (semconv.
+    # METRIC_CTA_DEALT); None where the order is not known
+    dealt: dict[tuple[int, int, str], int] | None = None
 
 
 class GpuIdentity(NamedTuple):

@@ -222,11 +222,15 @@ class GpuTelemetry:
         if config.probe:
             import torch
 
+            from .dispatch_order import learn_dispatch_order
             from .sm_histograms import DeviceCtaHistograms
             device = torch.device(f"cuda:{device_index}")
             self.probe = SmProbe(device, config.probe_capacity_ctas, gpu_id=device_index)
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
+            # on the GPU as start-up leaves it: idle, so the scheduler's own deal shows
+            self.histograms.set_dispatch_order(learn_dispatch_order(device, num_sms))
+            self.histograms.rotating = self.probe.rotating   # one set: kernels add themselves
             self._side = torch.cuda.Stream(device=device)
             self._engine_stream = torch.cuda.current_stream(device)   # the steps' stream
             self.probe.snapshots.stream_handle = self._engine_stream.cuda_stream
@@ -682,11 +686,13 @@ class GpuTelemetry:
         import torch
         with torch.cuda.stream(self._side):
             hists, exemplars = self.histograms.take()
+            dealt = self.histograms.take_dealt()
         mix = self.histograms.take_launch_mix()
         now = time.time_ns()
         start, self._interval_start_ns = self._interval_start_ns, now
         if hists:
-            self.recorder.record(CtaHistograms(hists, exemplars, start, now, mix, self.histograms.num_sms))
+            self.recorder.record(CtaHistograms(hists, exemplars, start, now, launch_mix=mix,
+                                               num_sms=self.histograms.num_sms, dealt=dealt))
             self.stats.histogram_exports += 1
 
 

@@ -12,7 +12,8 @@ seconds (outside: clamped to the edges, counted in ``clamped``); the last row ta
 CTAs and is never exported. Per row: zero count, sum, min, max, slowest CTA. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
 on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
 when nothing clamped (tests check this against the numpy reduction); ``take_launch_mix()``
-says how many of each kernel's CTAs came from launches wide enough to cover every SM.
+says how many of each kernel's CTAs came from launches wide enough to cover every SM, and
+``take_dealt()`` counts the same CTAs on the SMs the GPU's dispatch order deals them.
 """
 
 from __future__ import annotations
@@ -80,8 +81,22 @@ class DeviceCtaHistograms:
         self._lock = threading.Lock()
         # per kernel index, host-side: (CTAs of launches of >= WIDE_LAUNCH_WAVES x num_sms CTAs, all CTAs)
         self._mix: dict[int, list[int]] = {}
+        # per row: CTAs the GPU's dispatch order deals that SM (instrumentation/dispatch_order.py)
+        self.dealt = torch.zeros(self.rows, dtype=torch.int64, **z)
+        self._order: torch.Tensor | None = None   # [num_sms]: the SM of each CTA index mod num_sms
+        # kernels that rotate their work over their CTAs (SmProbe.rotating): wide at any size
+        self.rotating: set[str] = set()
         self.kernels_dropped = 0                      # launches of kernels past max_kernels
         self.clamped_total = 0                        # durations outside the bucket range
+
+    def set_dispatch_order(self, order) -> None:
+        """The SM that takes CTA ``i`` of a launch is ``order[i % num_sms]`` on an idle GPU
+        (``dispatch_order.learn_dispatch_order``); from now on ``take_dealt`` counts, per
+        (SM, kernel), the CTAs that order gives it. ``None``: no deal is counted."""
+        if order is not None and len(order) != self.num_sms:
+            raise ValueError(f"a dispatch order names every SM once: {len(order)} for {self.num_sms} SMs")
+        self._order = None if order is None else torch.as_tensor(
+            np.array(order, dtype=np.int64), device=self.device)
 
     def _kernel_index(self, name: str) -> int:
         k = self._names.get(name)
@@ -120,7 +135,7 @@ class DeviceCtaHistograms:
                     step_local.append(self._seq - base)
                     if k >= 0:
                         mix = self._mix.setdefault(k, [0, 0])
-                        mix[0] += c if c >= WIDE_LAUNCH_WAVES * self.num_sms else 0
+                        mix[0] += c if c >= WIDE_LAUNCH_WAVES * self.num_sms or name in self.rotating else 0
                         mix[1] += c
         if not parts:
             return
@@ -128,15 +143,22 @@ class DeviceCtaHistograms:
         rec = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(n, RECORD_WORDS)
         # per launch on the host (a few hundred numbers), expanded per CTA on the device:
         # expanding millions of CTAs on the host would cost the worker's CPU and the GIL
-        per_launch = torch.tensor([kidx, step_local, counts], dtype=torch.int64)
+        starts = np.cumsum([0] + counts[:-1]).tolist()   # each launch's first record
+        per_launch = torch.tensor([kidx, step_local, starts, counts], dtype=torch.int64)
         if self.device.type == "cuda":
             per_launch = per_launch.pin_memory().to(self.device, non_blocking=True)
-        per_cta = torch.repeat_interleave(per_launch[:2], per_launch[2], dim=1, output_size=n)
+        per_cta = torch.repeat_interleave(per_launch[:3], per_launch[3], dim=1, output_size=n)
         kernel, local = per_cta[0], per_cta[1]
         sm = rec[:, 0]
         ok = (sm >= 0) & (sm < self.num_sms) & (kernel >= 0)
         idle_row = self.rows - 1
         row = torch.where(ok, kernel * self.num_sms + sm, torch.full_like(sm, idle_row))
+        if self._order is not None:
+            # where the dispatch order puts each CTA that ran (its index in its launch mod S)
+            index = torch.arange(n, device=rec.device) - per_cta[2]
+            dealt_sm = self._order[index % self.num_sms]
+            self.dealt.index_add_(0, torch.where(ok, kernel * self.num_sms + dealt_sm,
+                                                 torch.full_like(sm, idle_row)), torch.ones_like(sm))
         dur_ns = (rec[:, 2] - rec[:, 1]).clamp(0, _MAX_DUR_NS)
         dur = dur_ns.to(torch.float64) * 1e-9
         positive = dur > 0
@@ -165,11 +187,28 @@ class DeviceCtaHistograms:
 
     def take_launch_mix(self) -> dict[tuple[int, str], tuple[int, int]]:
         """Per (gpu, kernel) since the last call: (CTAs of wide launches, all CTAs), wide
-        meaning at least ``WIDE_LAUNCH_WAVES`` times as many CTAs as the GPU has SMs."""
+        meaning at least ``WIDE_LAUNCH_WAVES`` times as many CTAs as the GPU has SMs, or a
+        kernel in ``rotating`` (its work lands on other SMs at each launch)."""
         with self._lock:
             mix, self._mix = self._mix, {}
             names = list(self._name_list)
         return {(self.gpu_id, names[k]): (wide, total) for k, (wide, total) in sorted(mix.items())}
+
+    def take_dealt(self) -> dict[tuple[int, int, str], int] | None:
+        """Per (gpu, SM, kernel) since the last call: the CTAs that ran, counted on the SM
+        the dispatch order deals them (the same CTAs as ``take``'s counts, kernel by
+        kernel); None while no order is set. Syncs the current stream."""
+        if self._order is None:
+            return None
+        dealt = self.dealt.to("cpu", copy=True).numpy()
+        self.dealt.zero_()
+        with self._lock:
+            names = list(self._name_list)
+        out = {}
+        for r in np.flatnonzero(dealt[:-1]):
+            k, sm = divmod(int(r), self.num_sms)
+            out[(self.gpu_id, sm, names[k])] = int(dealt[r])
+        return out
 
     def take(self) -> tuple[dict[tuple[int, int, str], ExpHistogram],
                             dict[tuple[int, int, str], SmExemplar]]:

@@ -454,6 +454,10 @@ class SmProbe:
                                   device=self.device)
         self.snapshots = SnapshotRing(self.buffer, torch.zeros_like(self.buffer))
         self._launches: list[tuple[str, int]] = []
+        # kernels that rotate their work over their CTAs at each launch, so that no SM runs
+        # the same share of it launch after launch (their CTAs' durations say something of
+        # the SM whatever the grid's size; sm_histograms counts them as wide)
+        self.rotating: set[str] = set()
         self._used = 0
         self.dropped_launches = 0
         self.dropped_snapshots = 0    # steps whose records found the ring full
@@ -462,8 +466,11 @@ class SmProbe:
     def fake(self) -> bool:
         return self.mode == PROBE_FAKE
 
-    def reserve(self, kernel_name: str, num_ctas: int) -> int | None:
-        """Slot base for a launch of ``num_ctas`` CTAs, or None (buffer full: don't probe)."""
+    def reserve(self, kernel_name: str, num_ctas: int, rotates: bool = False) -> int | None:
+        """Slot base for a launch of ``num_ctas`` CTAs, or None (buffer full: don't probe).
+        ``rotates``: the kernel moves its work over its CTAs from launch to launch."""
+        if rotates:
+            self.rotating.add(kernel_name)
         if self._used + num_ctas > self.capacity_ctas:
             self.dropped_launches += 1
             return None

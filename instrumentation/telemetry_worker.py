@@ -151,7 +151,7 @@ class TelemetryWorker:
             return
         data = build_cta_metrics(item.histograms, item.exemplars, item.start_ns, item.end_ns,
                                  resource_of(self.telemetry), item.launch_mix, item.num_sms,
-                                 gpu_ranks=self._gpu_ranks)
+                                 gpu_ranks=self._gpu_ranks, dealt=item.dealt)
         for exporter in self._metric_exporters:
             try:
                 result = exporter.export(data)

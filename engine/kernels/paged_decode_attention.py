@@ -51,10 +51,13 @@ def sightline_paged_decode(
 ):
     if PROBE != 0:
         t0 = probe_begin(PROBE)
-    split = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.program_id(2)
     ctx = tl.load(LENS + seq)
+    # The context grows by one token a step, so the split a CTA takes moves along each step
+    # (a graph replay too): the splits that carry keys land on other SMs from step to step,
+    # and a CTA's duration says something of its SM, not only of its split.
+    split = (tl.program_id(0) + ctx) % num_splits
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
 
@@ -213,7 +216,7 @@ def paged_decode_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     grid = (num_splits, hkv, batch)
     probe_ptr, base, mode = o, 0, PROBE_OFF
     if probe is not None:
-        reserved = probe.reserve(KERNEL_NAME, num_splits * hkv * batch)
+        reserved = probe.reserve(KERNEL_NAME, num_splits * hkv * batch, rotates=True)
         if reserved is not None:
             probe_ptr, base, mode = probe.buffer, reserved, probe.mode
     sightline_paged_decode[grid](

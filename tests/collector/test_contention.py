@@ -234,3 +234,54 @@ def test_an_sm_is_starved_against_its_own_usual_share_not_the_even_split():
     newest = store(2)[-1]   # a neighbour takes SM 7: 2 CTAs where it usually runs 20
     assert newest.starved.tolist() == [False] * 7 + [True]
     assert newest.score[7] == pytest.approx(702 * (20 / 720) / 2)   # its lowest share's CTAs over its 2
+
+
+def test_an_sm_is_held_to_what_the_dispatch_order_deals_it():
+    """Launches of 6 CTAs on 8 SMs: the dispatch order deals them to SMs 0-5, and SMs 6 and 7
+    get none by the scheduler's choice. Told the deal, nothing is starved; an SM dealt 100
+    that ran 20 is."""
+    cfg = ContentionConfig()
+    durations = {sm: np.full(100, 10e-6) for sm in range(6)}
+    sms, ev = evidence_of(durations)
+    dealt = np.full(6, 100)
+    told = SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=dealt)
+    found = assess(sms, told, 8, cfg)
+    assert not found.starved.any() and found.sms[6:] == ["6", "7"]
+    # against an even split of the same CTAs, the two SMs the deal leaves out are starved
+    assert assess(sms, ev, 8, cfg).starved.tolist() == [False] * 6 + [True, True]
+    # SM 2 dealt its 100 but ran 20 (a neighbour there): 80 of them went to SM 3
+    durations[2], durations[3] = np.full(20, 10e-6), np.full(180, 10e-6)
+    sms, ev = evidence_of(durations)
+    found = assess(sms, SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=dealt), 8, cfg)
+    assert found.starved.tolist() == [False, False, True] + [False] * 5
+    assert found.score[2] == pytest.approx(100 / 20)
+
+
+def dealt_metric(gpu, kernel: str, dealt: dict[int, int], t_s: float):
+    from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+    req = ExportMetricsServiceRequest()
+    metric = req.resource_metrics.add().scope_metrics.add().metrics.add()
+    metric.name = sc.METRIC_CTA_DEALT
+    metric.sum.aggregation_temporality = 1
+    metric.sum.is_monotonic = True
+    for sm, ctas in dealt.items():
+        point = metric.sum.data_points.add()
+        point.attributes.extend(otlp_attrs({sc.ATTR_GPU_ID: gpu, sc.ATTR_SM_ID: sm, sc.ATTR_KERNEL_NAME: kernel}))
+        point.time_unix_nano, point.as_int = int(t_s * 1e9), ctas
+    return req
+
+
+def test_the_store_takes_the_dealt_counts_and_an_sm_dealt_ctas_that_ran_none_is_starved():
+    agg = make_aggregator()
+    t = T0_S - 1
+    # SMs 0-5 ran 100 CTAs each; the deal gave SMs 0-4 100 each, SM 5 none and SM 6 100
+    agg.consume_metrics(otlp_metrics([otlp_cta_point(0, sm, "k", np.full(100, 1e-5), t) for sm in range(6)]))
+    agg.consume_metrics(dealt_metric(0, "k", {0: 100, 1: 100, 2: 100, 3: 100, 4: 100, 6: 100}, t))
+    [(_, found)] = agg.sm.contention(SmKey("unknown", "0", "k"), T0_S, 20)
+    # SM 6 was given a row by its dealt CTAs; no wait for usual slots: the deal is the null
+    assert found.sms == ["0", "1", "2", "3", "4", "5", "6"]
+    assert found.ctas.tolist() == [100] * 6 + [0]
+    assert found.starved.tolist() == [False] * 6 + [True]
+    agg.consume_metrics(dealt_metric(0, "other", {0: 5}, t))  # no CTAs of that kernel
+    assert agg.dropped == {"dealt_unmatched": 1}
