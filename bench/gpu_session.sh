@@ -64,7 +64,7 @@ part() {  # name, limit in seconds, command...
 for p in "$@"; do
     case $p in
     tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
-        tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py \
+        tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py tests/instrumentation/test_dispatch_order.py \
         tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
         tests/engine/test_metrics.py tests/engine/test_async_scheduling.py \
         tests/engine/test_telemetry_process.py ;;
@@ -105,6 +105,8 @@ for p in "$@"; do
         part "prefix-cache-gpu-test-$commit" 120 python3 -m pytest -q -m gpu tests/engine/test_prefix_cache_engine.py
         part "prefix_cache-$commit" "${PREFIX_CACHE_LIMIT_S:-540}" python3 -m bench.prefix_cache \
             --model llama-8b --device cuda --rounds "${PREFIX_CACHE_ROUNDS:-5}" --out "$RESULTS_DIR" ;;
+    dispatch-order) part "dispatch-order-gpu-test-$commit" 90 python3 -m pytest -q -m gpu \
+        tests/instrumentation/test_dispatch_order.py ;;
     scenarios) part "scenarios-$commit" "${SCENARIOS_LIMIT_S:-520}" python3 -m bench.scenarios \
         --out "$RESULTS_DIR" ${SCENARIOS_ARGS:-} ;;
     *) echo "unknown part: $p" ;;
