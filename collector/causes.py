@@ -5,14 +5,14 @@ the request's life); first match wins. 1. ``compile``: steps in its life compile
 and took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead,
 overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's
 slowness added. 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind
-and tokens, or idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or
-host time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x:
-traced steps' GPU time, else CTAs) or clocked down (CTAs slower too), with idle time or no
-SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
-GPU was slower; not a few starved ones alone); ``device_contention`` when the GPU was >=
-``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference``
-when others' prefill tokens cost its decode >= ``interference_share`` of e2e; else
-``unknown``. O(1) per request, with its baseline."""
+and tokens, or idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host
+time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
+steps' GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host
+stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when
+SMs were flagged (``sm_score`` if the GPU was slower; not a few starved ones alone);
+``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence;
+else ``unknown``. 4. ``prefill_interference`` when others' prefill tokens cost its decode >=
+``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline."""
 
 from __future__ import annotations
 
@@ -130,7 +130,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         # a GPU its host left idle clocks down: then its CTAs, not only its steps, run slower
         # (another process time-slicing the GPU stretches steps with CTAs at their usual speed)
         clocked_down = gpu is not None and gpu >= c.gpu_slow and (e.cta_slowdown or 0.0) >= c.gpu_slow
-        if host_side and gpu is not None and (gpu < c.gpu_slow or clocked_down) and (idle or not strong):
+        # host time stretched the steps more than GPU time did (the GPU's share of a step is
+        # at most the whole step, so gpu - 1 bounds its excess from above in those units)
+        host_more = gpu is not None and (e.host_slowdown or 0.0) >= max(gpu, c.host_slow)
+        if host_side and gpu is not None and (gpu < c.gpu_slow or clocked_down or host_more) \
+                and (idle or not strong):
             return _host_stall(e, engine, usual)
         if (strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow))) \
                 and not _beyond_flagged_sms(e, c):

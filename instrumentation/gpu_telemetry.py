@@ -222,14 +222,14 @@ class GpuTelemetry:
         if config.probe:
             import torch
 
-            from .dispatch_order import learn_dispatch_order
+            from .dispatch_order import learn_dispatch_deal
             from .sm_histograms import DeviceCtaHistograms
             device = torch.device(f"cuda:{device_index}")
             self.probe = SmProbe(device, config.probe_capacity_ctas, gpu_id=device_index)
             num_sms = torch.cuda.get_device_properties(device).multi_processor_count
             self.histograms = DeviceCtaHistograms(device, device_index, num_sms)
             # on the GPU as start-up leaves it: idle, so the scheduler's own deal shows
-            self.histograms.set_dispatch_order(learn_dispatch_order(device, num_sms))
+            self.histograms.set_dispatch_deal(learn_dispatch_deal(device, num_sms))
             self.histograms.rotating = self.probe.rotating   # one set: kernels add themselves
             self._side = torch.cuda.Stream(device=device)
             self._engine_stream = torch.cuda.current_stream(device)   # the steps' stream

@@ -13,7 +13,7 @@ CTAs and is never exported. Per row: zero count, sum, min, max, slowest CTA. Mem
 on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
 when nothing clamped (tests check this against the numpy reduction); ``take_launch_mix()``
 says how many of each kernel's CTAs came from launches wide enough to cover every SM, and
-``take_dealt()`` counts the same CTAs on the SMs the GPU's dispatch order deals them.
+``take_dealt()`` counts the same CTAs on the SMs the GPU's dispatch deals them.
 """
 
 from __future__ import annotations
@@ -81,22 +81,22 @@ class DeviceCtaHistograms:
         self._lock = threading.Lock()
         # per kernel index, host-side: (CTAs of launches of >= WIDE_LAUNCH_WAVES x num_sms CTAs, all CTAs)
         self._mix: dict[int, list[int]] = {}
-        # per row: CTAs the GPU's dispatch order deals that SM (instrumentation/dispatch_order.py)
+        # per row: CTAs the GPU's dispatch deals that SM (instrumentation/dispatch_order.py)
         self.dealt = torch.zeros(self.rows, dtype=torch.int64, **z)
-        self._order: torch.Tensor | None = None   # [num_sms]: the SM of each CTA index mod num_sms
+        self._deal: torch.Tensor | None = None   # DispatchDeal.flat on the device
         # kernels that rotate their work over their CTAs (SmProbe.rotating): wide at any size
         self.rotating: set[str] = set()
         self.kernels_dropped = 0                      # launches of kernels past max_kernels
         self.clamped_total = 0                        # durations outside the bucket range
 
-    def set_dispatch_order(self, order) -> None:
-        """The SM that takes CTA ``i`` of a launch is ``order[i % num_sms]`` on an idle GPU
-        (``dispatch_order.learn_dispatch_order``); from now on ``take_dealt`` counts, per
-        (SM, kernel), the CTAs that order gives it. ``None``: no deal is counted."""
-        if order is not None and len(order) != self.num_sms:
-            raise ValueError(f"a dispatch order names every SM once: {len(order)} for {self.num_sms} SMs")
-        self._order = None if order is None else torch.as_tensor(
-            np.array(order, dtype=np.int64), device=self.device)
+    def set_dispatch_deal(self, deal) -> None:
+        """Where the idle GPU puts each CTA of a launch (``dispatch_order.DispatchDeal``);
+        from now on ``take_dealt`` counts, per (SM, kernel), the CTAs the deal gives it.
+        ``None``: no deal is counted."""
+        if deal is not None and deal.num_sms != self.num_sms:
+            raise ValueError(f"a dispatch deal for {deal.num_sms} SMs on a GPU of {self.num_sms}")
+        self._deal = None if deal is None else torch.as_tensor(np.array(deal.flat, dtype=np.int64),
+                                                               device=self.device)
 
     def _kernel_index(self, name: str) -> int:
         k = self._names.get(name)
@@ -147,16 +147,21 @@ class DeviceCtaHistograms:
         per_launch = torch.tensor([kidx, step_local, starts, counts], dtype=torch.int64)
         if self.device.type == "cuda":
             per_launch = per_launch.pin_memory().to(self.device, non_blocking=True)
-        per_cta = torch.repeat_interleave(per_launch[:3], per_launch[3], dim=1, output_size=n)
+        per_cta = torch.repeat_interleave(per_launch, per_launch[3], dim=1, output_size=n)
         kernel, local = per_cta[0], per_cta[1]
         sm = rec[:, 0]
         ok = (sm >= 0) & (sm < self.num_sms) & (kernel >= 0)
         idle_row = self.rows - 1
         row = torch.where(ok, kernel * self.num_sms + sm, torch.full_like(sm, idle_row))
-        if self._order is not None:
-            # where the dispatch order puts each CTA that ran (its index in its launch mod S)
-            index = torch.arange(n, device=rec.device) - per_cta[2]
-            dealt_sm = self._order[index % self.num_sms]
+        if self._deal is not None:
+            # where the deal puts each CTA that ran: whole rounds as a launch of S CTAs, the
+            # rest as a launch of that many (DispatchDeal.sms_of)
+            s, index, grid = self.num_sms, torch.arange(n, device=rec.device) - per_cta[2], per_cta[3]
+            rest = grid % s
+            full = grid - rest
+            at = torch.where(index < full, s * (s - 1) // 2 + index % s,
+                             rest * (rest - 1) // 2 + index - full)
+            dealt_sm = self._deal[at]
             self.dealt.index_add_(0, torch.where(ok, kernel * self.num_sms + dealt_sm,
                                                  torch.full_like(sm, idle_row)), torch.ones_like(sm))
         dur_ns = (rec[:, 2] - rec[:, 1]).clamp(0, _MAX_DUR_NS)
@@ -196,9 +201,9 @@ class DeviceCtaHistograms:
 
     def take_dealt(self) -> dict[tuple[int, int, str], int] | None:
         """Per (gpu, SM, kernel) since the last call: the CTAs that ran, counted on the SM
-        the dispatch order deals them (the same CTAs as ``take``'s counts, kernel by
-        kernel); None while no order is set. Syncs the current stream."""
-        if self._order is None:
+        the dispatch deal gives them (the same CTAs as ``take``'s counts, kernel by
+        kernel); None while no deal is set. Syncs the current stream."""
+        if self._deal is None:
             return None
         dealt = self.dealt.to("cpu", copy=True).numpy()
         self.dealt.zero_()

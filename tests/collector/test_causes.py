@@ -310,13 +310,16 @@ def test_the_rules_order_and_config_checks():
                             contended_sms=[{"gpu": "0", "kernel": "k", "sm": "117", "score": 4.7,
                                             "reasons": ["starved"]}])
     assert classify(stalled).name == sc.CAUSE_HOST_STALL
-    assert classify(CauseEvidence(**{**stalled.__dict__, "gpu_slowdown": 1.5})).name == sc.CAUSE_SM_CONTENTION
+    # with the GPU's work slower, the SM flags win, unless host time stretched the steps more
+    assert classify(CauseEvidence(**{**stalled.__dict__, "gpu_slowdown": 1.5, "host_slowdown": 1.4})).name \
+        == sc.CAUSE_SM_CONTENTION
+    assert classify(CauseEvidence(**{**stalled.__dict__, "gpu_slowdown": 1.5})).name == sc.CAUSE_HOST_STALL
     # host time from a few kernel-timed steps alone does not overrule flagged SMs
     assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0})).name == sc.CAUSE_SM_CONTENTION
     # weak SM flags (score under sm_score) beside a slower whole GPU: the GPU's
     weak = [{**stalled.contended_sms[0], "score": 1.3}]
     assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "gpu_slowdown": 1.5,
-                                     "contended_sms": weak})).name == sc.CAUSE_DEVICE_CONTENTION
+                                     "host_slowdown": 1.2, "contended_sms": weak})).name == sc.CAUSE_DEVICE_CONTENTION
     assert classify(CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "gpu_slowdown": None,
                                      "contended_sms": weak})).name == sc.CAUSE_SM_CONTENTION
     assert classify(CauseEvidence(**{**base.__dict__, "gpu_slowdown": None, "host_slowdown": None})).name \
@@ -340,7 +343,13 @@ def test_the_rules_order_and_config_checks():
     clocked = CauseEvidence(e2e_s=1.0, queue_s=0.0, decode_s=0.9, priority="1", engine_slowdown=2.8,
                             gpu_slowdown=3.4, host_slowdown=4.5, cta_slowdown=3.3, traced_steps=2)
     assert classify(clocked).name == sc.CAUSE_HOST_STALL
-    assert classify(CauseEvidence(**{**clocked.__dict__, "cta_slowdown": 1.1})).name == sc.CAUSE_DEVICE_CONTENTION
+    assert classify(CauseEvidence(**{**clocked.__dict__, "cta_slowdown": 1.1, "host_slowdown": 1.6})).name \
+        == sc.CAUSE_DEVICE_CONTENTION
+    # a GIL-holding thread in the engine (a live H200 run): eager steps' kernels 1.6x, CTAs at
+    # their speed, host time stretching the steps 2.1x: more of the step's excess is the host's
+    gil = CauseEvidence(e2e_s=2.2, queue_s=0.0, decode_s=2.0, priority="1", engine_slowdown=4.0,
+                        gpu_slowdown=1.61, host_slowdown=2.13, cta_slowdown=1.02, traced_steps=1)
+    assert classify(gil).name == sc.CAUSE_HOST_STALL
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):

@@ -9,7 +9,7 @@ import torch
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.cta_metrics import build_cta_metrics
-from sightline.instrumentation.dispatch_order import dispatch_order_from
+from sightline.instrumentation.dispatch_order import dispatch_deal_from
 from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
 from sightline.instrumentation.sm_histograms import DeviceCtaHistograms
 from tests.engine.interpreter import run_interpreted
@@ -25,26 +25,38 @@ class _Records:
         self.items.append(item)
 
 
-def test_the_order_is_kept_only_when_every_launch_dealt_each_sm_once_the_same_way():
-    order = np.array([0, 2, 4, 6, 1, 3, 5, 7])
-    assert dispatch_order_from([order, order.copy(), order.copy()], 8).tolist() == order.tolist()
-    assert dispatch_order_from([order, order[::-1]], 8) is None          # launches disagree
-    assert dispatch_order_from([np.array([0, 0, 1, 2, 3, 4, 5, 6])], 8) is None  # an SM twice
-    assert dispatch_order_from([np.array([0, 1, 2, 3, -1, 5, 6, 7])], 8) is None  # a CTA unrecorded
-    assert dispatch_order_from([order[:6]], 8) is None
-    assert dispatch_order_from([], 8) is None
+def _flat(launches: list[list[int]]) -> np.ndarray:
+    return np.concatenate([np.asarray(sms) for sms in launches])
 
 
-def test_the_learning_launch_runs_in_the_interpreter():
-    """The interpreter's probe puts CTA i on "SM" i % 8: on 8 SMs that is an order, on 16
-    each SM twice, which is none."""
+def test_the_deal_is_kept_only_when_both_passes_agree_and_no_launch_doubles_up():
+    # on 4 SMs: the launches of 1, 2, 3 and 4 CTAs
+    deal = _flat([[2], [2, 0], [2, 0, 3], [2, 0, 3, 1]])
+    got = dispatch_deal_from([deal, deal.copy()], 4)
+    assert got is not None and got.flat.tolist() == deal.tolist()
+    assert dispatch_deal_from([deal, _flat([[2], [0, 2], [2, 0, 3], [2, 0, 3, 1]])], 4) is None   # passes differ
+    assert dispatch_deal_from([_flat([[2], [2, 2], [2, 0, 3], [2, 0, 3, 1]])], 4) is None       # an SM twice
+    assert dispatch_deal_from([_flat([[2], [2, 0], [2, -1, 3], [2, 0, 3, 1]])], 4) is None      # a CTA unrecorded
+    assert dispatch_deal_from([deal[:-1]], 4) is None and dispatch_deal_from([], 4) is None
+
+
+def test_a_wide_launch_deals_whole_rounds_then_the_rest_as_a_launch_of_that_size():
+    deal = dispatch_deal_from([_flat([[2], [2, 0], [2, 0, 3], [2, 0, 3, 1]])], 4)
+    assert deal.sms_of(3).tolist() == [2, 0, 3]
+    assert deal.sms_of(10).tolist() == [2, 0, 3, 1, 2, 0, 3, 1, 2, 0]
+    assert deal.per_sm(3).tolist() == [1, 0, 1, 1] and deal.per_sm(10).tolist() == [3, 2, 3, 2]
+
+
+def test_the_learning_launches_run_in_the_interpreter():
+    """The interpreter's probe puts the CTA of probe slot k on "SM" k % 8: on 8 SMs every
+    launch is a deal, on 16 the launches of 9 or more put two CTAs on one SM, which is none."""
     got = run_interpreted(
         "import json, torch\n"
-        "from sightline.instrumentation.dispatch_order import learn_dispatch_order\n"
-        "eight = learn_dispatch_order(torch.device('cpu'), 8, fake=True)\n"
-        "sixteen = learn_dispatch_order(torch.device('cpu'), 16, fake=True)\n"
-        "print('RESULTS' + json.dumps([eight.tolist(), sixteen]))\n")
-    assert got == [list(range(8)), None]
+        "from sightline.instrumentation.dispatch_order import learn_dispatch_deal\n"
+        "eight = learn_dispatch_deal(torch.device('cpu'), 8, fake=True)\n"
+        "sixteen = learn_dispatch_deal(torch.device('cpu'), 16, fake=True)\n"
+        "print('RESULTS' + json.dumps([eight.flat.tolist(), sixteen]))\n")
+    assert got == [[k % 8 for k in range(1 + 2 + 3 + 4 + 5 + 6 + 7 + 8)], None]
 
 
 def _records(sms: list[int]) -> torch.Tensor:
@@ -52,11 +64,11 @@ def _records(sms: list[int]) -> torch.Tensor:
     return torch.tensor([[sm, 1000, 1000 + 50 + i] for i, sm in enumerate(sms)], dtype=torch.int64).reshape(-1)
 
 
-def test_each_cta_that_ran_is_counted_on_the_sm_the_order_deals_it():
-    order = [3, 1, 0, 2]   # CTA i of a launch goes to SM order[i % 4]
+def test_each_cta_that_ran_is_counted_on_the_sm_the_deal_gives_it():
+    deal = dispatch_deal_from([_flat([[3], [3, 1], [3, 1, 0], [3, 1, 0, 2]])], 4)
     hist = DeviceCtaHistograms("cpu", gpu_id=5, num_sms=4)
-    assert hist.take_dealt() is None   # no order: no deal counted
-    hist.set_dispatch_order(order)
+    assert hist.take_dealt() is None   # no deal: none counted
+    hist.set_dispatch_deal(deal)
     # launch "a" of 6 CTAs (CTA 4 idle), launch "b" of 3, launch "a" of 2; where they ran
     # differs from the deal on purpose: the deal is what an idle GPU would have done
     launches = [("a", 6), ("b", 3), ("a", 2)]
@@ -65,11 +77,12 @@ def test_each_cta_that_ran_is_counted_on_the_sm_the_order_deals_it():
     want: dict = {}
     i = 0
     for name, n in launches:
-        for j in range(n):
+        for j, sm in enumerate(deal.sms_of(n).tolist()):
             if ran[i + j] >= 0:
-                key = (5, order[j % 4], name)
-                want[key] = want.get(key, 0) + 1
+                want[(5, sm, name)] = want.get((5, sm, name), 0) + 1
         i += n
+    # "a" of 6: a round of 4 (3, 1, 0, 2) then 2 as the launch of 2 (3, 1), the fifth idle;
+    # "b" of 3: 3, 1, 0; "a" of 2: 3, 1
     assert hist.take_dealt() == want == {(5, 3, "a"): 2, (5, 1, "a"): 3, (5, 0, "a"): 1, (5, 2, "a"): 1,
                                          (5, 3, "b"): 1, (5, 1, "b"): 1, (5, 0, "b"): 1}
     # per kernel, as many CTAs dealt as ran
@@ -78,8 +91,8 @@ def test_each_cta_that_ran_is_counted_on_the_sm_the_order_deals_it():
         assert sum(h.count for (_, _, k), h in hists.items() if k == name) == \
             sum(c for (_, _, k), c in want.items() if k == name)
     assert hist.take_dealt() == {}   # delta
-    with pytest.raises(ValueError, match="every SM once: 3 for 4 SMs"):
-        hist.set_dispatch_order([0, 1, 2])
+    with pytest.raises(ValueError, match="a dispatch deal for 4 SMs on a GPU of 8"):
+        DeviceCtaHistograms("cpu", gpu_id=0, num_sms=8).set_dispatch_deal(deal)
 
 
 def test_a_kernel_that_rotates_its_work_counts_as_wide_at_any_size():
@@ -95,7 +108,7 @@ def test_an_export_carries_the_wide_launch_and_dealt_sums_to_otlp():
     records = _Records()
     telemetry = GpuTelemetry(records, config=GpuTelemetryConfig(cupti=False, probe=False))
     telemetry.histograms = DeviceCtaHistograms("cpu", 0, 4)
-    telemetry.histograms.set_dispatch_order([3, 2, 1, 0])
+    telemetry.histograms.set_dispatch_deal(dispatch_deal_from([_flat([[3], [3, 2], [3, 2, 1], [3, 2, 1, 0]])], 4))
     telemetry.histograms.add(_records([0, 1, 2, 3] * 2 + [0, 1]), [("k", 8), ("k", 2)], 1, 2, 3)
     telemetry._export()
     item = records.items[-1]
@@ -112,18 +125,21 @@ def test_an_export_carries_the_wide_launch_and_dealt_sums_to_otlp():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("grid", [64, 128, 200, 264])
-def test_on_the_gpu_a_launch_lands_as_the_learned_order_deals_it(grid):
-    """On the idle GPU, a launch of ``grid`` CTAs puts CTA i on SM order[i % SMs]."""
+@pytest.mark.parametrize("grid", [64, 96, 128, 200, 264])
+def test_on_the_gpu_a_launch_lands_as_the_learned_deal_says(grid):
+    """On the idle GPU, a launch of ``grid`` CTAs lands where the deal says: each CTA for a
+    launch within one wave, each SM's count beyond."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from sightline.instrumentation.dispatch_order import _dispatch_probe, learn_dispatch_order
+    from sightline.instrumentation.dispatch_order import _dispatch_probe, learn_dispatch_deal
     from sightline.instrumentation.sm_probe import PROBE_HW, RECORD_WORDS
     device = torch.device("cuda")
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    order = learn_dispatch_order(device, num_sms)
-    assert order is not None and sorted(order.tolist()) == list(range(num_sms))
+    deal = learn_dispatch_deal(device, num_sms)
+    assert deal is not None
     records = torch.full((grid * RECORD_WORDS,), -1, dtype=torch.int64, device=device)
-    _dispatch_probe[(grid,)](records, 20_000, PROBE=PROBE_HW)
+    _dispatch_probe[(grid,)](records, 0, 20_000, PROBE=PROBE_HW)
     landed = records.view(grid, RECORD_WORDS)[:, 0].cpu().numpy()
-    assert landed.tolist() == [int(order[i % num_sms]) for i in range(grid)]
+    if grid <= num_sms:
+        assert landed.tolist() == deal.sms_of(grid).tolist()
+    assert np.bincount(landed, minlength=num_sms).tolist() == deal.per_sm(grid).tolist()
