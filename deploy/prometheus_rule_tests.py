@@ -278,6 +278,12 @@ def gpu_cases() -> list[Case]:
              AlertCheck("18m", "SightlineDeviceContention")),
         ),
         Case(
+            "a host stall the only cause named; more slow requests left unknown do not outvote it",
+            _causes({sc.CAUSE_HOST_STALL: 2, sc.CAUSE_UNKNOWN: 5, sc.CAUSE_DEVICE_CONTENTION: 0}, 20),
+            (AlertCheck("18m", "SightlineHostStall", ({"job": rules.JOB_COLLECTOR},)),
+             AlertCheck("18m", "SightlineDeviceContention")),
+        ),
+        Case(
             "device contention a minority of the causes; a host stall too rare to count",
             _causes({sc.CAUSE_DEVICE_CONTENTION: 1, sc.CAUSE_QUEUEING: 3}, 20)
             + ((series(q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED), {**COLLECTOR, sc.LABEL_CAUSE: sc.CAUSE_HOST_STALL}),

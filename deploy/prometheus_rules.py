@@ -275,11 +275,12 @@ SM_CONTENTION_ALERT = "SightlineSMContention"
 
 def _cause_alert(slo: SloConfig, alert: str, cause: str, what: str, why: str, runbook: str) -> AlertRule:
     """Fires when ``cause`` explained at least ``cause_min_requests`` slow requests, and at
-    least ``cause_min_share`` of those explained, over ``cause_window``."""
+    least ``cause_min_share`` of those given a cause, over ``cause_window``. Requests left
+    ``unknown`` do not count against it: no evidence is not evidence of another cause."""
     counter = q.counter(sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED)
     window = slo.cause_window
     named = f'sum by (job) (increase({counter}{{{sc.LABEL_CAUSE}="{cause}"}}[{window}]))'
-    every = f"sum by (job) (increase({counter}[{window}]))"
+    every = f'sum by (job) (increase({counter}{{{sc.LABEL_CAUSE}!="{sc.CAUSE_UNKNOWN}"}}[{window}]))'
     return AlertRule(
         alert=alert,
         expr=f"{named} >= {slo.cause_min_requests}\n and\n{named} / {every} >= {_g(slo.cause_min_share)}",
@@ -287,7 +288,7 @@ def _cause_alert(slo: SloConfig, alert: str, cause: str, what: str, why: str, ru
         severity="ticket",
         summary=f"{what[0].upper()}{what[1:]}",
         description=f"Over {window}, at least {slo.cause_min_requests} slow requests and at least "
-        f"{_g(slo.cause_min_share * 100)}% of those the collector explained were named {cause}. {why} "
+        f"{_g(slo.cause_min_share * 100)}% of those the collector gave a cause were named {cause}. {why} "
         "`sightline explain` shows each request's evidence.",
         runbook=runbook,
     )

@@ -1,19 +1,17 @@
-"""The GPU's CTA dispatch: which SM the block scheduler gives each CTA of a launch.
+"""The GPU's CTA dispatch: which SMs the block scheduler gives the CTAs of a launch.
 
-On an idle GPU the scheduler places a launch's CTAs the same way every time, and how
-depends on the launch's size: 64 CTAs on an H200's 132 SMs take one SM of each TPC pair
-first, 128 leave the same four SMs idle, and a launch of 1-2 waves leaves a fixed group a
-CTA short. Counted against an even split, those SMs read as starved with nothing on the
-GPU; counted against this deal (``sm_histograms.DeviceCtaHistograms`` does, per CTA),
-they do not. :class:`DispatchDeal` holds the placement of every launch of 1 to S CTAs (S
-SMs); a wider one deals whole rounds as the launch of S does, then the rest as a launch of
-that many (a model: past one wave, CTAs go where earlier ones ended).
+On an idle GPU a launch of a given size lands on the same SMs every time: 64 CTAs on an
+H200's 132 SMs leave the same 68 SMs idle (mostly one of each TPC pair), 128 leave four, 1-2
+waves leave a fixed group a CTA short. Against an even split those SMs read as starved with
+nothing else on the GPU; against this deal (``sm_histograms.DeviceCtaHistograms`` counts
+each CTA where it says) they do not. :class:`DispatchDeal` holds the placement of every
+launch of 1 to S CTAs (S SMs); a wider one deals whole rounds as the launch of S, then the
+rest as a launch of that many (a model: past one wave, CTAs go where earlier ones ended).
 
-Learned once at start-up: two passes of probed launches of 1..S CTAs, each CTA holding its
-SM for a few microseconds so that all of a launch's CTAs are placed before any ends.
-Guarantee: a deal is returned only when both passes agree and no launch put two CTAs on one
-SM (another process on the GPU breaks that: then None, and no deal is reported). Cost: 2 S
-launches of at most S tiny CTAs, a few milliseconds, once.
+Learned once at start-up from two passes of probed launches of 1..S CTAs, each CTA holding
+its SM for 20 us so that all are placed before any ends. Guarantee: returned only when both
+passes put each launch on the same SMs, none on one SM twice (another process on the GPU
+breaks that: then None, and no deal is reported). Cost: 2 S tiny launches, milliseconds, once.
 """
 
 from __future__ import annotations
@@ -75,17 +73,19 @@ class DispatchDeal:
 
 def dispatch_deal_from(passes: list[np.ndarray], num_sms: int) -> DispatchDeal | None:
     """The deal from passes of the SMs that launches of 1..``num_sms`` CTAs used (each pass
-    those launches' SMs one after another, in CTA order); None unless every pass agrees and
+    those launches' SMs one after another, in CTA order); None unless every pass put each
+    launch on the same SMs (the order among them may differ: the first pass's is kept) and
     no launch used an SM twice or one outside ``0..num_sms-1``."""
     size = _offset(num_sms + 1)
     if not passes or any(np.shape(p) != (size,) for p in passes):
         return None
     first = np.asarray(passes[0], dtype=np.int64)
-    if any(not np.array_equal(np.asarray(p, dtype=np.int64), first) for p in passes[1:]):
-        return None
     for grid in range(1, num_sms + 1):
-        sms = first[_offset(grid):_offset(grid) + grid]
-        if sms.min() < 0 or sms.max() >= num_sms or np.unique(sms).size != grid:
+        at = slice(_offset(grid), _offset(grid) + grid)
+        sms = np.sort(first[at])
+        if sms[0] < 0 or sms[-1] >= num_sms or np.unique(sms).size != grid:
+            return None
+        if any(not np.array_equal(np.sort(np.asarray(p[at], dtype=np.int64)), sms) for p in passes[1:]):
             return None
     return DispatchDeal(num_sms, first)
 

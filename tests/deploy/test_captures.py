@@ -5,9 +5,11 @@ pinned, slot-aligned as the demo replays it). The recorded H200 incident: in eve
 interval the SMs the contention tests flag are the planted ones (precision and recall at
 least 0.9, for every attention kernel), the SM-contention alert's series is there, and the
 10 slowest requests of each interval are explained as ``sm_contention`` in at least 9 of
-10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged. The
-capture without an incident: no request is blamed on the GPU. Slow: the replay's OTLP/JSON
-parsing takes about a minute.
+10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged; the
+GIL hog: ``host_stall`` for at least 9 of 10, no SM flagged; the control, recorded with the
+GPU's dispatch deal: no SM flagged, no request blamed on the GPU or the host. The capture
+without an incident: no request is blamed on the GPU. Slow: the replay's OTLP/JSON parsing
+takes about a minute.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ NOW_NS = 1_800_000_000 * 10**9
 INCIDENT = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
 PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
 HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
+CONTROL = CAPTURES_DIR / "h200-control.jsonl.gz"
+HOST_STALL = CAPTURES_DIR / "h200-host-stall.jsonl.gz"
 
 
 def replayed(capture):
@@ -109,3 +113,43 @@ def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
     assert len(causes) == 10 and causes.count(sc.CAUSE_DEVICE_CONTENTION) >= 9, causes
     evidence = explained.requests[0].cause.evidence
     assert evidence["gpu_slowdown"] >= 1.5 and evidence["host_slowdown"] < 1.2, evidence
+
+
+def _planted(capture):
+    """The capture's replay, its one planted interval, the findings there, and that
+    interval's 10 slowest requests explained."""
+    if not capture.is_file():
+        pytest.skip(f"no {capture.name}")
+    aggregator, time_map, heatmaps = replayed(capture)
+    incident = Incident.from_meta(read_capture_meta(capture))
+    (interval,) = incident.intervals
+    findings = find(incident, heatmaps, time_map)
+    within = (time_map(interval.start_unix_nano) / 1e9, time_map(interval.end_unix_nano) / 1e9)
+    return interval, findings, explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
+
+
+def test_the_control_flags_no_sm_and_blames_no_request_on_the_gpu_or_the_host():
+    """A control segment (bench/scenarios.py), nothing planted, recorded with the CTAs the
+    GPU's dispatch deals each SM: a 128-CTA launch leaves four SMs idle, 64 CTAs leave 68,
+    and none of them is called starved."""
+    interval, findings, explained = _planted(CONTROL)
+    assert interval.kind == "control"
+    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
+    causes = {r.cause.name for r in explained.requests}
+    assert len(explained.requests) == 10
+    assert causes <= {sc.CAUSE_QUEUEING, sc.CAUSE_UNKNOWN, sc.CAUSE_PREFILL_INTERFERENCE}, causes
+
+
+def test_a_gil_holding_thread_is_named_host_stall_and_flags_no_sm():
+    """The recorded GIL hog (a thread in the engine's process holding the GIL 30 ms of every
+    50): at least 9 of the interval's 10 slowest requests are ``host_stall``, with host time
+    stretching their steps more than GPU time did, and no SM is flagged."""
+    interval, findings, explained = _planted(HOST_STALL)
+    assert interval.kind == "host_stall"
+    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
+    causes = [r.cause.name for r in explained.requests]
+    assert len(causes) == 10 and causes.count(sc.CAUSE_HOST_STALL) >= 9, causes
+    for request in explained.requests:
+        evidence = request.cause.evidence
+        if request.cause.name == sc.CAUSE_HOST_STALL and evidence.get("gpu_slowdown") is not None:
+            assert evidence["host_slowdown"] >= max(evidence["gpu_slowdown"], 1.5), evidence

@@ -34,7 +34,9 @@ def test_the_deal_is_kept_only_when_both_passes_agree_and_no_launch_doubles_up()
     deal = _flat([[2], [2, 0], [2, 0, 3], [2, 0, 3, 1]])
     got = dispatch_deal_from([deal, deal.copy()], 4)
     assert got is not None and got.flat.tolist() == deal.tolist()
-    assert dispatch_deal_from([deal, _flat([[2], [0, 2], [2, 0, 3], [2, 0, 3, 1]])], 4) is None   # passes differ
+    # the second pass placed the launch of 2 on the same SMs in another order: the same deal
+    assert dispatch_deal_from([deal, _flat([[2], [0, 2], [2, 0, 3], [2, 0, 3, 1]])], 4).flat.tolist() == deal.tolist()
+    assert dispatch_deal_from([deal, _flat([[2], [1, 2], [2, 0, 3], [2, 0, 3, 1]])], 4) is None   # other SMs
     assert dispatch_deal_from([_flat([[2], [2, 2], [2, 0, 3], [2, 0, 3, 1]])], 4) is None       # an SM twice
     assert dispatch_deal_from([_flat([[2], [2, 0], [2, -1, 3], [2, 0, 3, 1]])], 4) is None      # a CTA unrecorded
     assert dispatch_deal_from([deal[:-1]], 4) is None and dispatch_deal_from([], 4) is None
@@ -127,8 +129,8 @@ def test_an_export_carries_the_wide_launch_and_dealt_sums_to_otlp():
 @pytest.mark.gpu
 @pytest.mark.parametrize("grid", [64, 96, 128, 200, 264])
 def test_on_the_gpu_a_launch_lands_as_the_learned_deal_says(grid):
-    """On the idle GPU, a launch of ``grid`` CTAs lands where the deal says: each CTA for a
-    launch within one wave, each SM's count beyond."""
+    """On the idle GPU, a launch of ``grid`` CTAs puts as many CTAs on each SM as the deal
+    says (which CTA goes first may differ from launch to launch)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from sightline.instrumentation.dispatch_order import _dispatch_probe, learn_dispatch_deal
@@ -140,6 +142,4 @@ def test_on_the_gpu_a_launch_lands_as_the_learned_deal_says(grid):
     records = torch.full((grid * RECORD_WORDS,), -1, dtype=torch.int64, device=device)
     _dispatch_probe[(grid,)](records, 0, 20_000, PROBE=PROBE_HW)
     landed = records.view(grid, RECORD_WORDS)[:, 0].cpu().numpy()
-    if grid <= num_sms:
-        assert landed.tolist() == deal.sms_of(grid).tolist()
     assert np.bincount(landed, minlength=num_sms).tolist() == deal.per_sm(grid).tolist()
