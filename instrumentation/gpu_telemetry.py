@@ -687,7 +687,7 @@ class GpuTelemetry:
         with torch.cuda.stream(self._side):
             hists, exemplars = self.histograms.take()
             dealt = self.histograms.take_dealt()
-        mix = self.histograms.take_launch_mix()
+            mix = self.histograms.take_launch_mix()
         now = time.time_ns()
         start, self._interval_start_ns = self._interval_start_ns, now
         if hists:

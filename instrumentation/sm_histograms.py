@@ -79,8 +79,10 @@ class DeviceCtaHistograms:
         self._steps: dict[int, tuple[int, int, int]] = {}   # seq -> (trace, span, time)
         self._seq = 0
         self._lock = threading.Lock()
-        # per kernel index, host-side: (CTAs of launches of >= WIDE_LAUNCH_WAVES x num_sms CTAs, all CTAs)
-        self._mix: dict[int, list[int]] = {}
+        # per kernel index (the last: unknown kernels), the CTAs that ran: of wide launches
+        # (>= WIDE_LAUNCH_WAVES x num_sms CTAs, or a rotating kernel's), and of all launches
+        self.wide_ran = torch.zeros(max_kernels + 1, dtype=torch.int64, **z)
+        self.all_ran = torch.zeros(max_kernels + 1, dtype=torch.int64, **z)
         # per row: CTAs the GPU's dispatch deals that SM (instrumentation/dispatch_order.py)
         self.dealt = torch.zeros(self.rows, dtype=torch.int64, **z)
         self._deal: torch.Tensor | None = None   # DispatchDeal.flat on the device
@@ -118,7 +120,7 @@ class DeviceCtaHistograms:
                   ) -> None:
         """``add`` for several steps at once: the same ~25 torch ops whatever the number of
         steps, so the worker's Python cost per step shrinks with the batch."""
-        parts, kidx, counts, step_local = [], [], [], []
+        parts, kidx, counts, step_local, wide = [], [], [], [], []
         with self._lock:
             base = self._seq + 1
             for i, (records, launches, trace_id, span_id, t_ns) in enumerate(steps):
@@ -133,10 +135,7 @@ class DeviceCtaHistograms:
                     kidx.append(k)
                     counts.append(c)
                     step_local.append(self._seq - base)
-                    if k >= 0:
-                        mix = self._mix.setdefault(k, [0, 0])
-                        mix[0] += c if c >= WIDE_LAUNCH_WAVES * self.num_sms or name in self.rotating else 0
-                        mix[1] += c
+                    wide.append(int(c >= WIDE_LAUNCH_WAVES * self.num_sms or name in self.rotating))
         if not parts:
             return
         n = sum(counts)
@@ -144,7 +143,7 @@ class DeviceCtaHistograms:
         # per launch on the host (a few hundred numbers), expanded per CTA on the device:
         # expanding millions of CTAs on the host would cost the worker's CPU and the GIL
         starts = np.cumsum([0] + counts[:-1]).tolist()   # each launch's first record
-        per_launch = torch.tensor([kidx, step_local, starts, counts], dtype=torch.int64)
+        per_launch = torch.tensor([kidx, step_local, starts, counts, wide], dtype=torch.int64)
         if self.device.type == "cuda":
             per_launch = per_launch.pin_memory().to(self.device, non_blocking=True)
         per_cta = torch.repeat_interleave(per_launch, per_launch[3], dim=1, output_size=n)
@@ -153,6 +152,11 @@ class DeviceCtaHistograms:
         ok = (sm >= 0) & (sm < self.num_sms) & (kernel >= 0)
         idle_row = self.rows - 1
         row = torch.where(ok, kernel * self.num_sms + sm, torch.full_like(sm, idle_row))
+        # the launch mix counts the CTAs that ran, as the histograms do (not idle ones)
+        unknown = torch.full_like(kernel, self.max_kernels)
+        ones = torch.ones_like(sm)
+        self.all_ran.index_add_(0, torch.where(ok, kernel, unknown), ones)
+        self.wide_ran.index_add_(0, torch.where(ok & (per_cta[4] > 0), kernel, unknown), ones)
         if self._deal is not None:
             # where the deal puts each CTA that ran: whole rounds as a launch of S CTAs, the
             # rest as a launch of that many (DispatchDeal.sms_of)
@@ -191,13 +195,17 @@ class DeviceCtaHistograms:
         self.clamped += out_of_range.sum()
 
     def take_launch_mix(self) -> dict[tuple[int, str], tuple[int, int]]:
-        """Per (gpu, kernel) since the last call: (CTAs of wide launches, all CTAs), wide
-        meaning at least ``WIDE_LAUNCH_WAVES`` times as many CTAs as the GPU has SMs, or a
-        kernel in ``rotating`` (its work lands on other SMs at each launch)."""
+        """Per (gpu, kernel) since the last call, of the CTAs that ran (``take``'s counts):
+        (those of wide launches, all), wide meaning at least ``WIDE_LAUNCH_WAVES`` times as
+        many CTAs as the GPU has SMs, or a kernel in ``rotating`` (its work lands on other
+        SMs at each launch). Syncs the current stream."""
+        wide = self.wide_ran.to("cpu", copy=True).numpy()
+        total = self.all_ran.to("cpu", copy=True).numpy()
+        self.wide_ran.zero_()
+        self.all_ran.zero_()
         with self._lock:
-            mix, self._mix = self._mix, {}
             names = list(self._name_list)
-        return {(self.gpu_id, names[k]): (wide, total) for k, (wide, total) in sorted(mix.items())}
+        return {(self.gpu_id, names[k]): (int(wide[k]), int(total[k])) for k in np.flatnonzero(total[:-1])}
 
     def take_dealt(self) -> dict[tuple[int, int, str], int] | None:
         """Per (gpu, SM, kernel) since the last call: the CTAs that ran, counted on the SM
