@@ -45,7 +45,8 @@ class AlertRules:
     window, and their thresholds (the rules' own, from ``SloConfig``)."""
 
     for_s: float = 5.0
-    cause_window_s: float = 60.0
+    # within one scenario's segment: a longer window holds the segment before's causes too
+    cause_window_s: float = 30.0
     cause_min_requests: int = SloConfig().cause_min_requests
     cause_min_share: float = SloConfig().cause_min_share
 
@@ -80,7 +81,8 @@ class AlertClock:
         self._causes.append((t, causes))
         conditions = {SM_CONTENTION_ALERT: scores > 0}
         increase = self._increase(t)
-        total = sum(increase.values())
+        # as the rules do: of the slow requests given a cause (unknown ones do not count)
+        total = sum(n for cause, n in increase.items() if cause != sc.CAUSE_UNKNOWN)
         for alert, cause in _CAUSE_ALERTS.items():
             n = increase.get(cause, 0.0)
             conditions[alert] = (n >= self.rules.cause_min_requests and total > 0

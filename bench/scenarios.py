@@ -302,7 +302,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gil-period-s", type=float, default=0.05)
     ap.add_argument("--scrape-s", type=float, default=2.0)
     ap.add_argument("--alert-for-s", type=float, default=5.0, help="the alerts' wait (the demo's short for)")
-    ap.add_argument("--cause-window-s", type=float, default=60.0, help="the cause alerts' window")
+    ap.add_argument("--cause-window-s", type=float, default=AlertRules.cause_window_s,
+                    help="the cause alerts' window (default: within one segment)")
     ap.add_argument("--gauge-window-s", type=float, default=20.0,
                     help="the collector's gauge window: flags clear before the next segment's onset")
     ap.add_argument("--kernel-sample-ratio", type=float, default=0.02)

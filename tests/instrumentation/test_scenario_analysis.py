@@ -111,3 +111,19 @@ def test_the_cause_counters_are_kept_where_they_changed():
     # the first scrape, the two queueing ones at 10, then one more host stall every 2 s to 160
     assert [t for t, _ in kept] == [0.0, 10.0] + [float(t) for t in range(122, 162, 2)]
     assert kept[-1][1] == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_HOST_STALL: 20.0, sc.CAUSE_QUEUEING: 2.0}
+
+
+def test_slow_requests_left_unknown_do_not_outvote_a_named_cause():
+    """Host stalls counted beside three times as many unknowns: of the requests given a
+    cause they are all, and the alert fires as the rule says (cause!="unknown")."""
+    def scrape_with_unknowns(t: float) -> str:
+        host = 0 if t < 20 else min(10, (t - 20) // 2)
+        counts = {**dict.fromkeys(sc.CAUSES, 0), sc.CAUSE_HOST_STALL: host, sc.CAUSE_UNKNOWN: 3 * host}
+        counter = sc.COLLECTOR_SLOW_REQUESTS_EXPLAINED + "_total"
+        return "\n".join([f"# HELP {counter} x", f"# TYPE {counter} counter"]
+                         + [f'{counter}{{cause="{c}"}} {n}' for c, n in counts.items()]) + "\n"
+    clock = AlertClock(AlertRules(for_s=5.0, cause_window_s=30.0))
+    for t in range(0, 62, 2):
+        clock.observe(float(t), scrape_with_unknowns(t))
+    # 3 host stalls at t = 26, held 6 s at 32
+    assert clock.episodes()[HOST] == [[32.0, None]]
