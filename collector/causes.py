@@ -1,18 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
 :func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of
-the request's life); first match wins. 1. ``compile``: steps in its life compiled kernels
-and took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead,
-overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's
-slowness added. 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind
-and tokens, or idle >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host
-time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
-steps' GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host
-stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when
-SMs were flagged (``sm_score`` if the GPU was slower; not a few starved ones alone);
-``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence;
-else ``unknown``. 4. ``prefill_interference`` when others' prefill tokens cost its decode >=
-``interference_share`` of e2e; else ``unknown``. O(1) per request, with its baseline."""
+the request's life); first match wins. 1. ``compile``: compiles in its life took >=
+``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead, overtaking, or a
+full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added. 3. The
+engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or >=
+``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle >=
+``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time stretching
+steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps' GPU time,
+else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched steps,
+with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
+(``sm_score`` if the GPU was slower; not a few starved ones alone); ``device_contention`` when
+the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4.
+``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e."""
 
 from __future__ import annotations
 
@@ -31,6 +31,9 @@ class CauseConfig:
     """The rules' thresholds (module docstring); errors name the bad value."""
 
     engine_slow: float = 1.2
+    # a smaller slowdown counts when other evidence names a cause (SMs flagged, host time
+    # stretched, GPU work slower) and the engine's excess outweighs others' prefill tokens
+    corroborated_slow: float = 1.1
     gpu_slow: float = 1.3
     host_slow: float = 1.5
     idle_share: float = 0.3
@@ -42,7 +45,7 @@ class CauseConfig:
     sm_score: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("engine_slow", "gpu_slow", "host_slow", "sm_score"):
+        for name in ("engine_slow", "corroborated_slow", "gpu_slow", "host_slow", "sm_score"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 1.0, 100.0, lo_open=True)
         for name in ("idle_share", "compile_share", "queue_share", "interference_share"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 0.0, 1.0, lo_open=True)
@@ -117,12 +120,14 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"{q.get('overtaken_by', '?')} more urgent arrived later and went first)",
                      {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
                      "its end-to-end latency; the requests in the collector's store")
-    slow = (e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
     # the step's GPU time says whether the GPU's work slowed; CTA durations alone (no traced
     # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer
     gpu = e.gpu_slowdown if e.gpu_slowdown is not None else e.cta_slowdown
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
+    named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
+    slow = ((e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
+            or ((e.engine_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s))
     if slow:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing

@@ -350,6 +350,16 @@ def test_the_rules_order_and_config_checks():
     gil = CauseEvidence(e2e_s=2.2, queue_s=0.0, decode_s=2.0, priority="1", engine_slowdown=4.0,
                         gpu_slowdown=1.61, host_slowdown=2.13, cta_slowdown=1.02, traced_steps=1)
     assert classify(gil).name == sc.CAUSE_HOST_STALL
+    # steps 1.15x the usual (a quarter of the SMs taken, live): under the 1.2x floor, a cause
+    # only with evidence that names one, and when the engine's excess outweighs others' prefill
+    mild = CauseEvidence(e2e_s=1.0, queue_s=0.0, decode_s=0.9, priority="1", engine_slowdown=1.15,
+                         interference_s=0.1, contended_sms=[{"gpu": "0", "kernel": "k", "sm": str(sm), "score": 3.0,
+                                                             "reasons": ["starved"]} for sm in range(0, 132, 4)])
+    assert classify(mild).name == sc.CAUSE_SM_CONTENTION       # 0.13 s of engine excess > 0.1 s
+    assert classify(CauseEvidence(**{**mild.__dict__, "contended_sms": []})).name == sc.CAUSE_UNKNOWN
+    assert classify(CauseEvidence(**{**mild.__dict__, "interference_s": 0.5})).name \
+        == sc.CAUSE_PREFILL_INTERFERENCE
+    assert classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 1.07})).name == sc.CAUSE_UNKNOWN
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):
