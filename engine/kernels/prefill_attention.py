@@ -15,6 +15,7 @@ and dtypes; the math is checked against ``reference.prefill_attention_ref``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -24,11 +25,14 @@ import triton.language as tl
 
 from ...instrumentation import PROBE_OFF, check_range, probe_begin, probe_cta_index, probe_end
 from ..compile_watch import compile_watch
+from .paged_decode_attention import num_sms
 
 __all__ = ["KERNEL_NAME", "prefill_attention_triton", "restore_tuned", "tuned_configs",
            "tuned_entries", "tuning_bucket"]
 
 KERNEL_NAME = "sightline_fa2_prefill"  # the jit function name: CUPTI reports it
+_ROTATE_BELOW_WAVES = 2        # launches narrower than this many waves rotate their tiles
+_launches = itertools.count()  # moves the rotation every launch
 _LOG2E = 1.4426950408889634
 
 
@@ -49,22 +53,28 @@ def _probe_idle(probe_ptr, slot, PROBE: tl.constexpr):
 # * The softmax scale is folded into one multiply by scale * log2(e) and exp2.
 # * Query tiles are visited last-first inside each head: the longest causal tiles start first
 #   and the short ones fill the tail of the grid; consecutive CTAs share a head's K/V in L2.
+# * A launch narrower than two waves takes its tiles ``rotate`` places along (the launcher
+#   moves it every launch): its CTAs all start at once, so the order costs nothing there, and
+#   the same tile no longer lands on the same SM launch after launch (the SM probe's slow test
+#   needs that). Wider launches keep the heaviest-first order (rotate 0).
 # Arguments that follow the step's shape are not specialized (see paged_decode_attention).
-@triton.jit(do_not_specialize=["num_m_blocks", "seq_bucket", "probe_base"])
+@triton.jit(do_not_specialize=["num_m_blocks", "seq_bucket", "rotate", "probe_base"])
 def sightline_fa2_prefill(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    qk_scale, num_m_blocks, seq_bucket,
+    qk_scale, num_m_blocks, seq_bucket, rotate,
     probe_ptr, probe_base,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PROBE: tl.constexpr,
 ):
     if PROBE != 0:
         t0 = probe_begin(PROBE)
+    heads = tl.num_programs(1)
+    tile = (probe_cta_index() + rotate) % (num_m_blocks * heads * tl.num_programs(2))
     # heaviest (last) query tile of each head first
-    start_m = num_m_blocks - 1 - tl.program_id(0)
-    head = tl.program_id(1)
-    seq = tl.program_id(2)
+    start_m = num_m_blocks - 1 - tile % num_m_blocks
+    head = (tile // num_m_blocks) % heads
+    seq = tile // (num_m_blocks * heads)
     kv_head = head // GROUP
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
@@ -241,15 +251,17 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     def launch(cfg: dict, use_probe) -> None:
         num_m = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
+        ctas = num_m * hq * batch
+        rotate = next(_launches) % ctas if ctas < _ROTATE_BELOW_WAVES * num_sms(q.device) else 0
         probe_ptr, base, mode = o, 0, PROBE_OFF
         if use_probe is not None:
-            reserved = use_probe.reserve(KERNEL_NAME, num_m * hq * batch)
+            reserved = use_probe.reserve(KERNEL_NAME, ctas, rotates=True)
             if reserved is not None:
                 probe_ptr, base, mode = use_probe.buffer, reserved, use_probe.mode
         sightline_fa2_prefill[(num_m, hq, batch)](
             q, k, v, o, cu_seqlens_q, cu_seqlens_k,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            o.stride(0), o.stride(1), qk_scale, num_m, seq_bucket, probe_ptr, base,
+            o.stride(0), o.stride(1), qk_scale, num_m, seq_bucket, rotate, probe_ptr, base,
             GROUP=group, HEAD_DIM=d, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             PROBE=mode, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
