@@ -207,9 +207,9 @@ ATTR_GPU_UUID = "gpu.uuid"  # NVML's UUID: the GPU's identity across hosts
 ATTR_SM_ID = "gpu.sm.id"
 ATTR_KERNEL_NAME = "cuda.kernel.name"
 # Sum (delta, per gpu and kernel): CTAs of the launches with at least WIDE_LAUNCH_WAVES times
-# as many CTAs as the GPU has SMs, and of kernels that rotate their work over their CTAs at
-# each launch. Smaller launches put the same CTA (the same work) on the same SM launch after
-# launch, so only these CTAs' durations say something of the SM they ran on.
+# as many CTAs as the GPU has SMs, and of one-wave launches of kernels that rotate their work
+# over their CTAs at each launch. Other launches put the same CTA (the same work) on the same
+# SM launch after launch, so only these CTAs' durations say something of the SM they ran on.
 METRIC_CTA_WIDE = "gpu.kernel.cta.wide_launches"
 METRIC_CTA_WIDE_UNIT = "{cta}"
 ATTR_GPU_SM_COUNT = "gpu.sm.count"  # on METRIC_CTA_WIDE points: the GPU's SMs

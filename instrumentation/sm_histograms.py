@@ -86,7 +86,8 @@ class DeviceCtaHistograms:
         # per row: CTAs the GPU's dispatch deals that SM (instrumentation/dispatch_order.py)
         self.dealt = torch.zeros(self.rows, dtype=torch.int64, **z)
         self._deal: torch.Tensor | None = None   # DispatchDeal.flat on the device
-        # kernels that rotate their work over their CTAs (SmProbe.rotating): wide at any size
+        # kernels that rotate their work over their CTAs (SmProbe.rotating): their launches of
+        # at most one wave count as wide too
         self.rotating: set[str] = set()
         self.kernels_dropped = 0                      # launches of kernels past max_kernels
         self.clamped_total = 0                        # durations outside the bucket range
@@ -135,7 +136,8 @@ class DeviceCtaHistograms:
                     kidx.append(k)
                     counts.append(c)
                     step_local.append(self._seq - base)
-                    wide.append(int(c >= WIDE_LAUNCH_WAVES * self.num_sms or name in self.rotating))
+                    wide.append(int(c >= WIDE_LAUNCH_WAVES * self.num_sms
+                                    or (name in self.rotating and c <= self.num_sms)))
         if not parts:
             return
         n = sum(counts)
@@ -197,8 +199,8 @@ class DeviceCtaHistograms:
     def take_launch_mix(self) -> dict[tuple[int, str], tuple[int, int]]:
         """Per (gpu, kernel) since the last call, of the CTAs that ran (``take``'s counts):
         (those of wide launches, all), wide meaning at least ``WIDE_LAUNCH_WAVES`` times as
-        many CTAs as the GPU has SMs, or a kernel in ``rotating`` (its work lands on other
-        SMs at each launch). Syncs the current stream."""
+        many CTAs as the GPU has SMs, or at most as many of a kernel in ``rotating`` (its
+        work lands on other SMs at each launch). Syncs the current stream."""
         wide = self.wide_ran.to("cpu", copy=True).numpy()
         total = self.all_ran.to("cpu", copy=True).numpy()
         self.wide_ran.zero_()

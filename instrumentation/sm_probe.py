@@ -454,9 +454,9 @@ class SmProbe:
                                   device=self.device)
         self.snapshots = SnapshotRing(self.buffer, torch.zeros_like(self.buffer))
         self._launches: list[tuple[str, int]] = []
-        # kernels that rotate their work over their CTAs at each launch, so that no SM runs
-        # the same share of it launch after launch (their CTAs' durations say something of
-        # the SM whatever the grid's size; sm_histograms counts them as wide)
+        # kernels that rotate their work over their CTAs at each launch of at most one wave,
+        # so that no SM runs the same share of it launch after launch (their CTAs' durations
+        # say something of the SM; sm_histograms counts those launches as wide)
         self.rotating: set[str] = set()
         self._used = 0
         self.dropped_launches = 0

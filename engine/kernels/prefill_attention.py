@@ -31,8 +31,7 @@ __all__ = ["KERNEL_NAME", "prefill_attention_triton", "restore_tuned", "tuned_co
            "tuned_entries", "tuning_bucket"]
 
 KERNEL_NAME = "sightline_fa2_prefill"  # the jit function name: CUPTI reports it
-_ROTATE_BELOW_WAVES = 2        # launches narrower than this many waves rotate their tiles
-_launches = itertools.count()  # moves the rotation every launch
+_launches = itertools.count()  # moves the rotation of one-wave launches every launch
 _LOG2E = 1.4426950408889634
 
 
@@ -53,9 +52,9 @@ def _probe_idle(probe_ptr, slot, PROBE: tl.constexpr):
 # * The softmax scale is folded into one multiply by scale * log2(e) and exp2.
 # * Query tiles are visited last-first inside each head: the longest causal tiles start first
 #   and the short ones fill the tail of the grid; consecutive CTAs share a head's K/V in L2.
-# * A launch narrower than two waves takes its tiles ``rotate`` places along (the launcher
-#   moves it every launch): its CTAs all start at once, so the order costs nothing there, and
-#   the same tile no longer lands on the same SM launch after launch (the SM probe's slow test
+# * A launch of at most one wave takes its tiles ``rotate`` places along (the launcher moves
+#   it every launch): its CTAs all start at once, so the order costs nothing there, and the
+#   same tile no longer lands on the same SM launch after launch (the SM probe's slow test
 #   needs that). Wider launches keep the heaviest-first order (rotate 0).
 # Arguments that follow the step's shape are not specialized (see paged_decode_attention).
 @triton.jit(do_not_specialize=["num_m_blocks", "seq_bucket", "rotate", "probe_base"])
@@ -252,7 +251,7 @@ def prefill_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def launch(cfg: dict, use_probe) -> None:
         num_m = triton.cdiv(max_seqlen_q, cfg["BLOCK_M"])
         ctas = num_m * hq * batch
-        rotate = next(_launches) % ctas if ctas < _ROTATE_BELOW_WAVES * num_sms(q.device) else 0
+        rotate = next(_launches) % ctas if ctas <= num_sms(q.device) else 0
         probe_ptr, base, mode = o, 0, PROBE_OFF
         if use_probe is not None:
             reserved = use_probe.reserve(KERNEL_NAME, ctas, rotates=True)

@@ -97,12 +97,14 @@ def test_each_cta_that_ran_is_counted_on_the_sm_the_deal_gives_it():
         DeviceCtaHistograms("cpu", gpu_id=0, num_sms=8).set_dispatch_deal(deal)
 
 
-def test_a_kernel_that_rotates_its_work_counts_as_wide_at_any_size():
+def test_a_rotating_kernels_one_wave_launches_count_as_wide():
     hist = DeviceCtaHistograms("cpu", gpu_id=0, num_sms=4)
     hist.rotating = {"rot"}
-    launches = [("rot", 3), ("plain", 3), ("plain", 8)]   # wide: >= 2 x 4 SMs
-    hist.add(_records([0, 1, 2, 0, 1, 2] + [0, 1, 2, 3] * 2), launches, 1, 2, 3)
-    assert hist.take_launch_mix() == {(0, "rot"): (3, 3), (0, "plain"): (8, 11)}
+    # on 4 SMs: "rot" of 3 (one wave) is spread by its rotation, of 6 not (1-2 waves land as
+    # the dispatch places them); "plain" of 8 (>= 2 x 4 SMs) by the dispatch
+    launches = [("rot", 3), ("rot", 6), ("plain", 3), ("plain", 8)]
+    hist.add(_records([0, 1, 2] + [0, 1, 2, 3, 0, 1] + [0, 1, 2] + [0, 1, 2, 3] * 2), launches, 1, 2, 3)
+    assert hist.take_launch_mix() == {(0, "rot"): (3, 9), (0, "plain"): (8, 11)}
 
 
 def test_an_export_carries_the_wide_launch_and_dealt_sums_to_otlp():
