@@ -91,6 +91,41 @@ def children_cpu_s(pid: int) -> float:
     return total
 
 
+def serve_cpu_s(pid: int, port: int) -> dict[str, float]:
+    """CPU seconds so far of ``engine serve`` (process ``pid``) by role: ``api_servers`` (the
+    children holding its listening socket on ``port``), ``engine_core`` (the others that are
+    not multiprocessing's resource tracker, with their own children) and ``launcher``."""
+    listening = _listening_inodes(port)
+    out = {"launcher": process_cpu_s(pid), "api_servers": 0.0, "engine_core": 0.0}
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"resource_tracker" in cmdline:
+                continue
+            sockets = {os.readlink(fd) for fd in Path(f"/proc/{child}/fd").iterdir()
+                       if os.readlink(fd).startswith("socket:")}
+            role = "api_servers" if sockets & listening else "engine_core"
+            out[role] += process_cpu_s(child) + children_cpu_s(child)
+        except OSError:
+            pass
+    return out
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """``socket:[inode]`` of the TCP sockets listening on ``port`` (``/proc/net/tcp``, tcp6)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":   # 0A: LISTEN
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
 def _children(pid: int) -> list[int]:
     children = []
     try:

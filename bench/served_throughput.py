@@ -8,10 +8,11 @@ off), then for each concurrency C: one warm-up burst and ``--rounds`` bursts of 
 /v1/completions (token-id prompts of ``--prompt-len``, ``--output-len`` tokens, ignore_eos)
 sent at one instant by client processes of their own (aiohttp), so that the clients' CPU is
 not the server's. Per burst: output tokens / (last end - first start); TTFT is the first
-token's chunk. Then, with the server stopped, ``bench.engine_throughput`` on the same machine
-(the engine's default mode there) and its weight-read floor: the rate if every decode step
-took the time to read every weight once. Cost: the server's start-up, (rounds + 1) bursts
-per concurrency, one offline run per concurrency above 1. Writes
+token's chunk; CPU ms per output token of the API servers and the engine core. Then, the
+server stopped, ``bench.engine_throughput`` on the same machine (the engine's default mode)
+and its weight-read floor: the rate if every decode step took the time to read every weight
+once. Cost: start-up, (rounds + 1) bursts per concurrency, one offline run per concurrency
+above 1. Writes
 ``served_throughput-<device>-<commit>.json`` and ``.md`` into ``--out``.
 """
 
@@ -31,7 +32,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ._common import ROOT, git_commit, utc_now, write_json, write_report
+from ._common import ROOT, git_commit, serve_cpu_s, utc_now, write_json, write_report
 
 _CLIENT_STREAMS = 32   # streams per client process (at most; C / this processes, rounded up)
 # A closed loop's streams start spread over about one request's time, as users arrive: started
@@ -136,6 +137,7 @@ def _sustained(url: str, model: str, prompts: list[list[int]], output: int, work
     tokens = sum(r["tokens"] for r in ok if lo <= r["end"] <= hi)
     ttft = sorted(r["first"] - r["start"] for r in ok if r["first"] is not None and lo <= r["start"] <= hi)
     return {"output_tokens_per_s": round(tokens / (hi - lo), 1), "requests": len(requests),
+            "output_tokens": sum(r["tokens"] for r in ok),
             "ttft_p50_ms": _p50_ms(ttft), "ttft_p99_ms": round(ttft[int(0.99 * (len(ttft) - 1))] * 1e3, 2)
             if ttft else None, "failed": len(requests) - len(ok),
             "errors": sorted({r["error"] for r in requests if r["error"]})[:3]}
@@ -202,6 +204,11 @@ def _offline(args: argparse.Namespace, concurrency: int, workdir: Path) -> dict:
             "machine": report["machine"]}
 
 
+def _cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    """CPU milliseconds per output token of each ``engine serve`` role between two readings."""
+    return {role: round((after[role] - before[role]) * 1e3 / tokens, 4) if tokens else None for role in before}
+
+
 def _p50_ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 2) if values else None
 
@@ -258,18 +265,27 @@ def main(argv: list[str] | None = None) -> int:
                 def prompts() -> list[list[int]]:
                     return [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(c)]
                 _burst(url, model_name, prompts(), args.output_len, workdir)   # warm-up
+                cpu = serve_cpu_s(server.pid, port)
                 bursts = [_burst(url, model_name, prompts(), args.output_len, workdir)
                           for _ in range(args.rounds)]
+                burst_cpu = _cpu_per_token(cpu, serve_cpu_s(server.pid, port),
+                                           sum(b["output_tokens"] for b in bursts))
                 rates = [b["output_tokens_per_s"] for b in bursts]
                 served[c] = {"output_tokens_per_s": statistics.median(rates), "rounds": rates,
                              "ttft_p50_ms": _p50_ms([t for b in bursts for t in b["ttft_s"]]),
                              "failed": sum(b["failed"] for b in bursts),
-                             "errors": sorted({e for b in bursts for e in b["errors"]})}
+                             "errors": sorted({e for b in bursts for e in b["errors"]}),
+                             "cpu_ms_per_output_token": burst_cpu}
                 print(f"served, {c} concurrent: {served[c]['output_tokens_per_s']} output tok/s, "
                       f"TTFT p50 {served[c]['ttft_p50_ms']} ms, {served[c]['failed']} failed", flush=True)
                 if args.sustain_s > 0:
-                    served[c]["sustained"] = _sustained(url, model_name, prompts(), args.output_len,
-                                                        workdir, args.sustain_s, vocab)
+                    cpu = serve_cpu_s(server.pid, port)
+                    loop = _sustained(url, model_name, prompts(), args.output_len, workdir, args.sustain_s, vocab)
+                    after = serve_cpu_s(server.pid, port)
+                    loop["cpu_ms_per_output_token"] = _cpu_per_token(cpu, after, loop["output_tokens"])
+                    # CPU seconds per second of the closed loop: 1.0 is one core always busy
+                    loop["cpu_busy"] = {role: round((after[role] - cpu[role]) / args.sustain_s, 3) for role in cpu}
+                    served[c]["sustained"] = loop
                     print(f"served, {c} concurrent, closed loop for {args.sustain_s} s: "
                           f"{served[c]['sustained']}", flush=True)
         finally:
@@ -312,16 +328,22 @@ def main(argv: list[str] | None = None) -> int:
              "Burst: every request sent at one instant. Closed loop: the concurrency kept in flight "
              "(each stream sends its next request as the last ends, the streams' first requests "
              f"spread over {_STAGGER_S} s), as benchmark tools' concurrency mode does.", "",
+             "CPU: milliseconds per output token of the API server(s) / the engine core (bursts), and "
+             "in the closed loop the CPU seconds each spent per second (1.0: one core always busy).", "",
              "| concurrency | burst tok/s | burst TTFT p50 ms | closed-loop tok/s | closed-loop TTFT p50 / p99 ms "
-             "| offline tok/s | burst / offline | floor tok/s | failed |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| offline tok/s | burst / offline | floor tok/s | CPU ms/token API / core | closed-loop CPU busy "
+             "API / core | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c, row in rows.items():
         loop = row.get("sustained") or {}
         lines.append(f"| {c} | {row['output_tokens_per_s']} | {row['ttft_p50_ms']} | "
                      f"{loop.get('output_tokens_per_s', '-')} | {loop.get('ttft_p50_ms', '-')} / "
                      f"{loop.get('ttft_p99_ms', '-')} | "
                      f"{row.get('offline_output_tokens_per_s')} | {row.get('served_over_offline')} | "
-                     f"{row.get('floor_output_tokens_per_s')} | {row['failed'] + loop.get('failed', 0)} |")
+                     f"{row.get('floor_output_tokens_per_s')} | "
+                     f"{row['cpu_ms_per_output_token']['api_servers']} / {row['cpu_ms_per_output_token']['engine_core']} | "
+                     f"{(loop.get('cpu_busy') or {}).get('api_servers', '-')} / "
+                     f"{(loop.get('cpu_busy') or {}).get('engine_core', '-')} | {row['failed'] + loop.get('failed', 0)} |")
     write_report(path, "served_throughput", argv, lines)
     return 0
 
