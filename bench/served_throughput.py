@@ -4,15 +4,14 @@
     python -m bench.served_throughput --device cpu --concurrency 1 4 --rounds 1 --output-len 8
 
 Starts ``sightline engine serve`` (engine core and ``--api-server-count`` API servers, tracing
-off), then for each concurrency C: one warm-up burst and ``--rounds`` bursts of C streamed
+off), then per concurrency C: one warm-up burst and ``--rounds`` bursts of C streamed
 /v1/completions (token-id prompts of ``--prompt-len``, ``--output-len`` tokens, ignore_eos)
-sent at one instant by client processes of their own (aiohttp), so that the clients' CPU is
-not the server's. Per burst: output tokens / (last end - first start); TTFT is the first
-token's chunk; CPU ms per output token of the API servers and the engine core. Then, the
-server stopped, ``bench.engine_throughput`` on the same machine (the engine's default mode)
-and its weight-read floor: the rate if every decode step took the time to read every weight
-once. Cost: start-up, (rounds + 1) bursts per concurrency, one offline run per concurrency
-above 1. Writes
+sent at one instant by client processes of their own (aiohttp: not the server's CPU). Per
+burst: output tokens / (last end - first start); TTFT (first token's chunk); CPU ms per output
+token of the API servers and the engine core. Then, the server stopped, ``bench.engine_throughput``
+on the same machine (its default mode) and the weight-read floor: the rate if every decode step
+took the time to read every weight once. Cost: start-up, (rounds + 1) bursts per concurrency,
+an offline run per concurrency above 1. Writes
 ``served_throughput-<device>-<commit>.json`` and ``.md`` into ``--out``.
 """
 

@@ -2,18 +2,17 @@
 
 Why on the device: an attention-heavy step of an 8B model probes tens of thousands of CTAs,
 and bucketing them on the host would compete with the engine thread for the GIL. Here a
-batch of steps (``add_steps``) costs about twenty-five small torch ops on the GPU whatever
-its size (issued from the telemetry worker thread on its own stream, ordered after the
-steps by an event); the host touches the dense table once per export interval.
+batch of steps (``add_steps``) costs about thirty small torch ops on the GPU whatever its
+size (issued from the telemetry worker thread on its own stream, ordered after the steps by
+an event); the host touches the dense table once per export interval.
 
 Layout: a dense int64 table ``[kernels * num_sms + 1, NB]`` of OpenTelemetry exponential
 buckets at one ``scale`` (default 6: quantiles within 0.54 %) over ``[2**min_exp, 2**max_exp)``
-seconds (outside: clamped to the edges, counted in ``clamped``); the last row takes idle
-CTAs and is never exported. Per row: zero count, sum, min, max, slowest CTA. Memory: ``(K * num_sms + 1) * NB * 8`` bytes (18 MiB for 8 kernels
-on 132 SMs). ``take()`` equals recording the same durations with ``ExpHistogram(scale)``
-when nothing clamped (tests check this against the numpy reduction); ``take_launch_mix()``
-says how many of each kernel's CTAs came from launches wide enough to cover every SM, and
-``take_dealt()`` counts the same CTAs on the SMs the GPU's dispatch deals them.
+seconds (outside: clamped, counted in ``clamped``); the last row takes idle CTAs, never
+exported. Per row: zero count, sum, min, max, slowest CTA. Memory: ``(K * num_sms + 1) * NB *
+8`` bytes (18 MiB for 8 kernels on 132 SMs). ``take()`` equals ``ExpHistogram(scale)`` of the
+same durations when nothing clamped; ``take_launch_mix()`` counts the CTAs of launches that
+spread their work, ``take_dealt()`` the same CTAs on the SMs the GPU's dispatch deals them.
 """
 
 from __future__ import annotations
