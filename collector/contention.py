@@ -4,8 +4,8 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
 * slow: its CTAs above the others' P90 number at most Binomial(n, p) if nothing is wrong (p:
   0.1 or its own usual rate); flagged when the bound is under ``alpha / SMs``, >= ``slow_share``
   (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others' and 90 % are wide CTAs.
-* starved: its CTAs against its share of the slot's: what the GPU's dispatch order dealt it
-  (semconv.METRIC_CTA_DEALT), else 1/S of the CTAs from launches of >= 2 S CTAs (METRIC_CTA_WIDE).
+* starved: its CTAs against its share: what the GPU's dispatch dealt it (semconv.METRIC_CTA_DEALT)
+  at the free SMs' rate (upper quartile, if >= 1.1x the mean), else 1/S of wide launches' CTAs.
   Flagged when the lower tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio``
   of that share. Without the deal, an SM under that line in most quiet slots is held to
   ``usual_starve_ratio`` of its lowest share, and none is tested until 4 such slots exist.
@@ -28,6 +28,10 @@ from .aggregation_config import REFERENCE_QUANTILE, ContentionConfig
 MAX_STARVE_FACTOR = 100.0
 # the slow test runs on slots whose CTAs came at least this much from wide launches
 WIDE_SHARE_FOR_SLOW = 0.9
+# the starved test's reference rate: this quantile of the SMs' CTAs over their dealt share
+# (a neighbour on up to half the SMs leaves it at the others' rate)
+UNCONTENDED_RATE_QUANTILE = 0.75
+UNCONTENDED_RATE_MIN = 1.1   # under it the slot's own mean stands (a quiet slot's spread)
 
 __all__ = ["REFERENCE_QUANTILE", "ContentionConfig", "HotspotSummary", "SlotContention", "SlotEvidence",
            "ContendedSm", "assess", "binomial_tail_bound", "contended_sms", "hotspots", "hottest_sm",
@@ -180,6 +184,11 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
         # the scheduler's own deal of these CTAs: SMs it leaves short, launch after launch,
         # are held to that, and every CTA counts, whatever its launch's size
         share = dealt / dealt.sum()
+        # what an SM runs with nothing on it: the upper quartile of the SMs' rates against the
+        # deal (SMs a neighbour holds pull the slot's mean down, and every SM's due with it)
+        dealt_to = dealt > 0
+        rate = float(np.quantile(ctas[dealt_to] / (total * share[dealt_to]), UNCONTENDED_RATE_QUANTILE))
+        share = np.minimum(share * (rate if rate >= UNCONTENDED_RATE_MIN else 1.0), 1.0)
         due = total * share
         expected = total / max(num_sms, 1)
         starve_bound = binomial_tail_bound(ctas, total, share, upper=False)

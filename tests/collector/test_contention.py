@@ -285,3 +285,19 @@ def test_the_store_takes_the_dealt_counts_and_an_sm_dealt_ctas_that_ran_none_is_
     assert found.starved.tolist() == [False] * 6 + [True]
     agg.consume_metrics(dealt_metric(0, "other", {0: 5}, t))  # no CTAs of that kernel
     assert agg.dropped == {"dealt_unmatched": 1}
+
+
+def test_with_half_the_sms_held_the_others_rate_is_the_reference():
+    """A neighbour on SMs 0-3 of 8: they ran 128 CTAs each where SMs 4-7 ran 200. Against the
+    slot's mean (164 each) they ran 0.78 of their due, over the 0.7 line; against what the
+    free SMs ran (the upper quartile of the rates) 0.64, and they are starved."""
+    cfg = ContentionConfig()
+    durations = {sm: np.full(128 if sm < 4 else 200, 10e-6) for sm in range(8)}
+    sms, ev = evidence_of(durations)
+    held = assess(sms, SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=np.full(8, 100)), 8, cfg)
+    assert held.starved.tolist() == [True] * 4 + [False] * 4
+    assert held.score[0] == pytest.approx(200 / 128)
+    # a quiet slot's spread (155-165 each) moves no reference: nothing starved
+    sms, ev = evidence_of({sm: np.full(155 + sm, 10e-6) for sm in range(8)})
+    quiet = assess(sms, SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=np.full(8, 100)), 8, cfg)
+    assert not quiet.starved.any()
