@@ -1,4 +1,4 @@
-"""bench/_common.serve_cpu_s on a real process tree: the child holding the listening socket is
+"""``serve_cpu_s`` (bench/_common.py) on a real process tree: the child holding the listening socket is
 the API server, a busy sibling the engine core, the resource tracker neither."""
 
 from __future__ import annotations
