@@ -1,5 +1,5 @@
-"""``serve_cpu_s`` (bench/_common.py) on a real process tree: the child holding the listening socket is
-the API server, a busy sibling the engine core, the resource tracker neither."""
+"""``serve_cpu_s`` (bench/_common.py) on a real process tree: the child holding the listening
+socket is the API server, a busy sibling the engine core, the resource tracker neither."""
 
 from __future__ import annotations
 
