@@ -81,7 +81,7 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, la
         metrics.append(Metric(name=semconv.METRIC_CTA_WIDE,
                               description=f"CTAs of launches with at least {semconv.WIDE_LAUNCH_WAVES}x as many "
                                           "CTAs as the GPU has SMs",
-                              unit=semconv.METRIC_CTA_WIDE_UNIT,
+                              unit=semconv.METRIC_CTA_COUNT_UNIT,
                               data=Sum(data_points=wide, aggregation_temporality=AggregationTemporality.DELTA,
                                        is_monotonic=True)))
     if dealt:
@@ -91,7 +91,7 @@ def build_cta_metrics(hists, exemplars, start_ns: int, now_ns: int, resource, la
                   for (gpu, sm, kernel), ctas in sorted(dealt.items())]
         metrics.append(Metric(name=semconv.METRIC_CTA_DEALT,
                               description="Probed CTAs the GPU's dispatch order deals this SM",
-                              unit=semconv.METRIC_CTA_WIDE_UNIT,
+                              unit=semconv.METRIC_CTA_COUNT_UNIT,
                               data=Sum(data_points=points, aggregation_temporality=AggregationTemporality.DELTA,
                                        is_monotonic=True)))
     scope = ScopeMetrics(scope=InstrumentationScope(semconv.INSTRUMENTATION_SCOPE),

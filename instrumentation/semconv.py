@@ -211,7 +211,7 @@ ATTR_KERNEL_NAME = "cuda.kernel.name"
 # over their CTAs at each launch. Other launches put the same CTA (the same work) on the same
 # SM launch after launch, so only these CTAs' durations say something of the SM they ran on.
 METRIC_CTA_WIDE = "gpu.kernel.cta.wide_launches"
-METRIC_CTA_WIDE_UNIT = "{cta}"
+METRIC_CTA_COUNT_UNIT = "{cta}"  # the CTA-count sums below (wide launches, dealt)
 ATTR_GPU_SM_COUNT = "gpu.sm.count"  # on METRIC_CTA_WIDE points: the GPU's SMs
 WIDE_LAUNCH_WAVES = 2
 # Sum (delta, per gpu, SM and kernel): the probed CTAs that the GPU's dispatch order deals
