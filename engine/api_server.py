@@ -55,6 +55,8 @@ __all__ = ["EngineServer", "RunningServer", "run_api_server", "serve_in_thread"]
 
 log = logging.getLogger(__name__)
 
+SERVER_STARTING, SERVER_READY, SERVER_GONE = 0, 1, 2   # an API server's shared start-up state
+
 _CLIENT_GONE = "client_disconnected"
 # The caller's request id (generated when absent): echoed, and the span attribute
 # sightline.request.id; the response id is "<cmpl|chatcmpl>-<it>".
@@ -81,7 +83,9 @@ class EngineServer:
         self.model = model
         self.created = now_s()
         self.draining = False
-        self.started = False   # the core is ready and this server's telemetry joined it
+        self.joined = False    # the core is ready and this server's telemetry joined it
+        self.peers = None      # with several API servers: their shared start-up states
+        self._started = False
         self._tokenize_pool = ThreadPoolExecutor(tokenize_threads, "sightline-tokenize")
         self.app = web.Application(middlewares=[self._errors_middleware, track_requests],
                                    client_max_size=16 * 2**20)
@@ -148,7 +152,9 @@ class EngineServer:
         if self.draining:
             return _json_response({"status": "draining"}, 503)
         if not self.started:
-            return _json_response({"status": "starting", **client.progress()}, 503)
+            peers = {} if self.peers is None else {
+                "api_servers_ready": sum(state == SERVER_READY for state in self.peers[:])}
+            return _json_response({"status": "starting", **client.progress(), **peers}, 503)
         stats, ready = client.stats, client.ready
         body = {"status": "ok", "running": stats.running if stats else 0,
                 "waiting": stats.waiting if stats else 0,
@@ -158,6 +164,15 @@ class EngineServer:
         if ready.tp_worker_pids:
             body["tp_worker_pids"] = ready.tp_worker_pids
         return _json_response(body)
+
+    @property
+    def started(self) -> bool:
+        """Joined, and no other API server on the port still starting (a client cannot
+        choose which one answers it); once true, true for good."""
+        if not self._started and self.joined and (
+                self.peers is None or SERVER_STARTING not in self.peers[:]):
+            self._started = True
+        return self._started
 
     async def live(self, request: web.Request) -> web.Response:
         """Liveness: 200 while the process serves HTTP, starting and draining included."""
@@ -583,7 +598,7 @@ async def _serve(config: EngineConfig, on_ready: Callable[[RunningServer], None]
         raise
     client.attach(engine)
     _watch_gpu(metrics, client.ready.device)
-    server.started = True
+    server.joined = True
     log.info("serving %s on http://%s:%d (device %s, %d KV blocks, max_model_len %d, trace level %s)",
              engine.model_name, config.host, port, client.ready.device, client.ready.num_kv_blocks,
              client.ready.max_model_len,
@@ -654,8 +669,9 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
 
 # ---- an API server process of ``engine serve`` ---------------------------------------------------
 async def _serve_split(config: EngineConfig, index: int, count: int, address: str,
-                       sock: socket.socket, core_lifeline) -> int:
+                       sock: socket.socket, core_lifeline, peers=None) -> int:
     """API server ``index`` of ``count``: HTTP on the shared ``sock``, the core at ``address``.
+    ``peers``: the API servers' shared start-up states (see ``_join_core``).
     Returns 1 when the core died under it, else 0."""
     model_config = resolve_model_config(config.model)
     tokenizer = load_tokenizer(model_config.path, model_config.bos_token_id, model_config.eos_token_id)
@@ -664,6 +680,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     client = MPClient(address, index, tokenizer, metrics, record_steps=index == 0,
                       core_lifeline=core_lifeline)
     server = EngineServer(client, None, metrics, tokenizer, config.model_name, index)
+    server.peers = peers
     runner, _ = await _start_http(server, config, sock)
     await client.start()
     loop = asyncio.get_running_loop()
@@ -672,7 +689,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     # group) for all: the API servers ignore SIGINT, so that one Ctrl-C is one signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _signals(loop, stop, force, (signal.SIGTERM,))
-    start = asyncio.create_task(_join_core(server, client, config, index))
+    start = asyncio.create_task(_join_core(server, client, config, index, peers))
     orphan = asyncio.create_task(_watch_parent(stop))
     dead_watch = asyncio.create_task(client.dead_event.wait())
     try:
@@ -692,9 +709,13 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     return 1 if client.dead is not None else 0
 
 
-async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
+async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int,
+                     peers=None) -> None:
     """Once the core is ready: this server's telemetry joins the core's telemetry process
-    (producer id ``index + 1``; the core is 0), then /health is 200."""
+    (producer id ``index + 1``; the core is 0), then /health is 200.
+    ``peers`` (a shared array, one state per API server; the supervisor marks the dead
+    ``SERVER_GONE``): every server turns ready once none is starting, because they accept on
+    one port and a client cannot choose which one answers it."""
     from .telemetry_link import join_pipeline
 
     ready = await client.wait_ready()
@@ -705,7 +726,9 @@ async def _join_core(server: EngineServer, client: MPClient, config: EngineConfi
     if telemetry is not None:
         asyncio.create_task(_report_drops_every(server, 1.0))
     _watch_gpu(server.metrics, ready.device)
-    server.started = True
+    if peers is not None:
+        peers[index] = SERVER_READY
+    server.joined = True
     log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
              os.getpid())
 
@@ -727,13 +750,15 @@ async def _watch_parent(stop: asyncio.Event) -> None:
 
 
 def run_api_server(config: EngineConfig, index: int, count: int, address: str,
-                   sock: socket.socket, core_lifeline, lifeline, log_level: str = "INFO") -> None:
+                   sock: socket.socket, core_lifeline, lifeline, log_level: str = "INFO",
+                   peers=None) -> None:
     """The process's entry point (multiprocessing, spawn). ``lifeline``: the write end of the
-    pipe the core watches for this server (held open, never written, until it exits)."""
+    pipe the core watches for this server (held open, never written, until it exits);
+    ``peers``: the API servers' shared start-up states."""
     logging.basicConfig(level=log_level.upper(),
                         format=f"%(asctime)s %(levelname)s %(name)s[api-{index}]: %(message)s")
     try:
-        code = asyncio.run(_serve_split(config, index, count, address, sock, core_lifeline))
+        code = asyncio.run(_serve_split(config, index, count, address, sock, core_lifeline, peers))
     finally:
         lifeline.close()
     raise SystemExit(code)

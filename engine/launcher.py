@@ -5,9 +5,9 @@ the listening socket to every API server: they accept on it in turn, so N server
 port. The core's ROUTER socket lives in a private directory (``ipc://``). Two kinds of pipe
 carry no data and say who is alive: the core holds the write end of one that every API
 server watches (EOF: the core is gone, streams end with an error at once), each API server
-the write end of one the core watches (EOF: abort that server's requests). With N > 1 the
-API servers keep their Prometheus series in prometheus_client's multiprocess files, so
-any of them answers a scrape with the sums (exemplars need N = 1).
+the write end of one the core watches (EOF: abort that server's requests). The API servers
+turn ready together (any may answer a client); with N > 1 they keep their Prometheus series
+in prometheus_client's multiprocess files, so any answers a scrape with the sums.
 SIGTERM/SIGINT: the API servers drain (a second signal aborts) and ship their last
 telemetry, then the core stops (its telemetry process exports all it holds); exit 0. The
 core dying exits non-zero once the API servers have failed their streams; an API server
@@ -70,9 +70,10 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
         os.mkdir(metrics_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir   # the API servers' environment
     servers = {}
+    peers = ctx.Array("b", api_server_count)   # each API server's start-up state
     for i, (_, alive) in enumerate(server_pipes):
         process = ctx.Process(target=run_api_server, name=f"sightline-api-server-{i}", args=(
-            config, i, api_server_count, address, listener, core_watch, alive, log_level))
+            config, i, api_server_count, address, listener, core_watch, alive, log_level, peers))
         process.start()
         servers[i] = process
         alive.close()
@@ -84,7 +85,7 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
           f"({api_server_count} API server{'s' if api_server_count > 1 else ''}, engine core "
           f"pid {core.pid})", flush=True)
     try:
-        return _supervise(core, servers, config, metrics_dir)
+        return _supervise(core, servers, config, metrics_dir, peers)
     finally:
         for process in (core, *servers.values()):
             if process.is_alive():
@@ -92,7 +93,9 @@ def serve(config: EngineConfig, api_server_count: int = 1, log_level: str = "inf
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _supervise(core, servers: dict, config: EngineConfig, metrics_dir: str | None) -> int:
+def _supervise(core, servers: dict, config: EngineConfig, metrics_dir: str | None, peers) -> int:
+    from .api_server import SERVER_GONE
+
     signals = []
 
     def on_signal(signum, frame) -> None:
@@ -120,6 +123,7 @@ def _supervise(core, servers: dict, config: EngineConfig, metrics_dir: str | Non
             if process.sentinel in ready or not process.is_alive():
                 process.join()
                 del servers[index]
+                peers[index] = SERVER_GONE   # the others stop waiting on it to turn ready
                 if metrics_dir is not None:
                     from prometheus_client import multiprocess
                     multiprocess.mark_process_dead(process.pid, metrics_dir)

@@ -100,15 +100,16 @@ def offline():
 
 def test_health_is_starting_with_the_cores_phase_until_ready():
     """An API server process against a core played by this test over the real socket: /live
-    at once, /health 503 with the phase until Ready, 200 after; the core's pipe closing is
-    its death: /health 503, and the server exits non-zero on SIGTERM."""
+    at once, /health 503 with the phase until Ready, and until its peer on the port is no
+    longer starting (gone, here), 200 after; the core's pipe closing is its death: /health
+    503, and the server exits non-zero on SIGTERM."""
     import multiprocessing
     import socket
     import tempfile
 
     import zmq
 
-    from sightline.engine.api_server import run_api_server
+    from sightline.engine.api_server import SERVER_GONE, SERVER_STARTING, run_api_server
 
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
@@ -120,8 +121,9 @@ def test_health_is_starting_with_the_cores_phase_until_ready():
         core_watch, core_alive = ctx.Pipe(duplex=False)
         server_watch, server_alive = ctx.Pipe(duplex=False)
         config = EngineConfig(model=MODEL, device="cpu", shutdown_timeout_s=1)
-        process = ctx.Process(target=run_api_server, args=(config, 0, 1, address, listener, core_watch,
-                                                           server_alive, "warning"))
+        peers = ctx.Array("b", 2)
+        process = ctx.Process(target=run_api_server, args=(config, 0, 2, address, listener, core_watch,
+                                                           server_alive, "warning", peers))
         process.start()
         core_watch.close(), server_alive.close(), listener.close()
         try:
@@ -129,7 +131,8 @@ def test_health_is_starting_with_the_cores_phase_until_ready():
             served = Served.__new__(Served)
             served.url = url
             assert served.get("/health") == (503, {"status": "starting", "phase": "connecting",
-                                                   "elapsed_s": None, "phases_done": []})
+                                                   "elapsed_s": None, "phases_done": [],
+                                                   "api_servers_ready": 0})
             assert router.poll(30_000)
             identity, payload = router.recv_multipart()
             hello = cr.core_decoder().decode(payload)
@@ -144,10 +147,18 @@ def test_health_is_starting_with_the_cores_phase_until_ready():
             status, health = served.get("/health")
             assert status == 503 and health.pop("elapsed_s") >= 5
             assert health == {"status": "starting", "phase": "warmup_prefill",
-                              "phases_done": ["imports", "load_weights"]}
+                              "phases_done": ["imports", "load_weights"], "api_servers_ready": 0}
             router.send_multipart([identity, cr.encode(cr.Ready(
                 "tiny", 2048, 512, 257, 100, 16, 8, 4, "cpu", "float32", False, os.getpid(),
                 None, 7.25, "ab" * 16))])
+            deadline = time.monotonic() + 10
+            while served.get("/health")[1].get("api_servers_ready") != 1:   # its peer starting
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            status, health = served.get("/health")
+            assert status == 503 and health["status"] == "starting" and health["phase"] == "ready"
+            assert peers[1] == SERVER_STARTING
+            peers[1] = SERVER_GONE   # as the supervisor marks a peer that died starting
             wait_for_http(url + "/health", timeout_s=10)
             status, health = served.get("/health")
             assert status == 200 and health == {"status": "ok", "running": 0, "waiting": 0,
