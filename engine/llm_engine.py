@@ -20,6 +20,7 @@ import time
 from collections.abc import Sequence
 
 from ..instrumentation import TelemetryPipeline
+from ..instrumentation.exit_guard import forget, stop_at_exit
 from .config import EngineConfig
 from .core_records import AddRequest, OutputBatch, StepStats, TraceContext
 from .engine_core import EngineCore, EngineStoppedError
@@ -162,6 +163,7 @@ class LLMEngine:
             raise RuntimeError("engine already started")
         self._thread = threading.Thread(target=self._run, name="sightline-engine", daemon=True)
         self._thread.start()
+        stop_at_exit(self, "shutdown")   # its steps call torch
 
     def stop_accepting(self) -> None:
         """Draining: later add_request calls raise EngineStoppedError; live requests go on."""
@@ -183,6 +185,7 @@ class LLMEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        forget(self)
         self.core.close()
 
     # ---- the loop -----------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from . import semconv
 from .config import TelemetryConfig
 from .config_checks import check_range
 from .cupti_tracer import CuptiTracer
+from .exit_guard import forget, stop_at_exit
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
                           KernelNames, StepCtas)
 from .sm_probe import SmProbe
@@ -277,6 +278,7 @@ class GpuTelemetry:
         self._worker = threading.Thread(target=self._run, name="sightline-gpu-telemetry",
                                         daemon=True)
         self._worker.start()
+        stop_at_exit(self, "_stop_worker")   # its exports call torch
 
     @classmethod
     def create(cls, recorder, device_index: int = 0,
@@ -570,11 +572,15 @@ class GpuTelemetry:
         try:
             self.flush(export=True)
         finally:
-            self._stop.set()
-            self._wake.set()
-            self._worker.join(timeout=10)
+            self._stop_worker()
             if self.tracer is not None:
                 self.tracer.stop()
+
+    def _stop_worker(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._worker.join(timeout=timeout_s)
+        forget(self)
 
     # -- CUPTI's thread -------------------------------------------------------------------
     def _on_buffer(self, buffer: bytes) -> None:

@@ -593,3 +593,37 @@ def test_cupti_detached_between_traced_steps_still_names_and_joins_their_kernels
     pipeline.shutdown()
     fa = [s for s in spans.get_finished_spans() if s.name == "kernel sightline_fa2_prefill"]
     assert sorted(s.parent.span_id for s in fa) == sorted(st.span_id for st in steps)
+
+
+_EXIT_SCRIPT = """
+import sys, torch
+from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
+
+class Busy(GpuTelemetry):   # a worker nearly always inside torch, as a long export is
+    def _work(self):
+        a = torch.randn(192, 192)
+        for _ in range(20):
+            a = (a @ a).tanh()
+
+class Records:
+    def record(self, item): pass
+
+Busy(Records(), config=GpuTelemetryConfig(cupti=False, probe=False, probe_poll_s=0.001))
+import time; time.sleep(0.3)
+print("exiting without shutdown", flush=True)
+"""
+
+
+def test_an_engine_that_exits_without_shutdown_exits_cleanly():
+    """A worker still inside a torch call when the interpreter exits would be ended by
+    CPython as it takes the GIL back, and that unwind through C++ aborts the process
+    ("terminate called without an active exception", exit 134; seen at the end of the test
+    suite): the worker is stopped at exit first. Five exits, each clean."""
+    import subprocess
+    import sys
+
+    for _ in range(5):
+        done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True,
+                              timeout=120)
+        assert (done.returncode, done.stdout, "terminate" in done.stderr) == (
+            0, "exiting without shutdown\n", False), done.stderr[-2000:]

@@ -111,6 +111,7 @@ def test_an_export_carries_the_wide_launch_and_dealt_sums_to_otlp():
     """The worker's export, as the engine runs it: both sums reach the OTLP metrics."""
     records = _Records()
     telemetry = GpuTelemetry(records, config=GpuTelemetryConfig(cupti=False, probe=False))
+    telemetry._stop_worker()   # this thread exports in its place, once
     telemetry.histograms = DeviceCtaHistograms("cpu", 0, 4)
     telemetry.histograms.set_dispatch_deal(dispatch_deal_from([_flat([[3], [3, 2], [3, 2, 1], [3, 2, 1, 0]])], 4))
     telemetry.histograms.add(_records([0, 1, 2, 3] * 2 + [0, 1]), [("k", 8), ("k", 2)], 1, 2, 3)
