@@ -31,6 +31,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from sightline.instrumentation import semconv as sc
+
 from ._common import ROOT, git_commit, serve_cpu_s, utc_now, write_json, write_report
 
 _CLIENT_STREAMS = 32   # streams per client process (at most; C / this processes, rounded up)
@@ -203,6 +205,41 @@ def _offline(args: argparse.Namespace, concurrency: int, workdir: Path) -> dict:
             "machine": report["machine"]}
 
 
+# the engine's own latency series, read from /metrics around a closed loop: where its TTFT went
+_SERVER_SERIES = {"ttft": sc.ENGINE_TTFT_SECONDS, "queue": sc.ENGINE_QUEUE_SECONDS,
+                  "prefill": sc.ENGINE_PREFILL_SECONDS, "step": sc.ENGINE_STEP_SECONDS,
+                  "step_tokens": sc.ENGINE_STEP_TOKENS}
+
+
+def _server_series(url: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each ``_SERVER_SERIES`` histogram on ``url``'s /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    sums: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for suffix, slot in (("_sum", 0), ("_count", 1)):
+                if sample.name.endswith(suffix):
+                    sums.setdefault(sample.name[:-len(suffix)], [0.0, 0.0])[slot] += sample.value
+    return {key: tuple(sums.get(name, (0.0, 0.0))) for key, name in _SERVER_SERIES.items()}
+
+
+def _server_means(before: dict, after: dict, window_s: float) -> dict[str, float | None]:
+    """The engine's mean TTFT, queue and prefill times (ms; arrival is when the core read the
+    request, so a client's TTFT beyond them was spent in HTTP, the API server and the hops),
+    its mean step (ms), tokens per step and steps per second, between two ``_server_series``."""
+    out: dict[str, float | None] = {}
+    for key in _SERVER_SERIES:
+        total, count = (a - b for a, b in zip(after[key], before[key]))
+        scale = 1.0 if key == "step_tokens" else 1e3
+        out[key if key == "step_tokens" else f"{key}_mean_ms"] = (
+            round(total / count * scale, 2) if count else None)
+    out["steps_per_s"] = round((after["step"][1] - before["step"][1]) / window_s, 1)
+    return out
+
+
 def _cpu_per_token(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
     """CPU milliseconds per output token of each ``engine serve`` role between two readings."""
     return {role: round((after[role] - before[role]) * 1e3 / tokens, 4) if tokens else None for role in before}
@@ -278,9 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"served, {c} concurrent: {served[c]['output_tokens_per_s']} output tok/s, "
                       f"TTFT p50 {served[c]['ttft_p50_ms']} ms, {served[c]['failed']} failed", flush=True)
                 if args.sustain_s > 0:
-                    cpu = serve_cpu_s(server.pid, port)
+                    cpu, series = serve_cpu_s(server.pid, port), _server_series(url)
                     loop = _sustained(url, model_name, prompts(), args.output_len, workdir, args.sustain_s, vocab)
                     after = serve_cpu_s(server.pid, port)
+                    # over the whole loop (its streams' start and drain included): a diagnosis
+                    loop["engine"] = _server_means(series, _server_series(url), args.sustain_s)
                     loop["cpu_ms_per_output_token"] = _cpu_per_token(cpu, after, loop["output_tokens"])
                     # CPU seconds per second of the closed loop: 1.0 is one core always busy
                     loop["cpu_busy"] = {role: round((after[role] - cpu[role]) / args.sustain_s, 3) for role in cpu}
@@ -343,6 +382,16 @@ def main(argv: list[str] | None = None) -> int:
                      f"{row['cpu_ms_per_output_token']['api_servers']} / {row['cpu_ms_per_output_token']['engine_core']} | "
                      f"{(loop.get('cpu_busy') or {}).get('api_servers', '-')} / "
                      f"{(loop.get('cpu_busy') or {}).get('engine_core', '-')} | {row['failed'] + loop.get('failed', 0)} |")
+    for c, row in rows.items():
+        engine = (row.get("sustained") or {}).get("engine")
+        if engine:
+            lines.append(
+                f"\nClosed loop at {c}, the engine's own view (means over the loop, from /metrics; "
+                f"arrival is when the core read the request): TTFT {engine['ttft_mean_ms']} ms = "
+                f"queue {engine['queue_mean_ms']} + prefill {engine['prefill_mean_ms']}; steps "
+                f"{engine['step_mean_ms']} ms with {engine['step_tokens']} tokens, "
+                f"{engine['steps_per_s']} a second. The clients' TTFT beyond it went to HTTP, "
+                "the API server and the hops to and from the core.")
     write_report(path, "served_throughput", argv, lines)
     return 0
 
