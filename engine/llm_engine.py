@@ -19,8 +19,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from ..instrumentation import TelemetryPipeline
-from ..instrumentation.exit_guard import forget, stop_at_exit
+from ..instrumentation import TelemetryPipeline, cancel_stop_at_exit, stop_at_exit
 from .config import EngineConfig
 from .core_records import AddRequest, OutputBatch, StepStats, TraceContext
 from .engine_core import EngineCore, EngineStoppedError
@@ -185,7 +184,7 @@ class LLMEngine:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        forget(self)
+        cancel_stop_at_exit(self)
         self.core.close()
 
     # ---- the loop -----------------------------------------------------------------------------

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .config import TelemetryConfig, TraceLevel
     from .config_checks import check_range
     from .event_wire import from_wire, to_wire
+    from .exit_guard import cancel_stop_at_exit, stop_at_exit
     from .exphist import (MAX_SCALE, MIN_SCALE, ExpHistogram, bucket_indices, bucket_point, fit_shift,
                           quantiles, rebin, relative_error)
     from .gpu_telemetry import GpuTelemetry
@@ -39,6 +40,7 @@ _MODULE_OF = {
     "TelemetryConfig": "config", "TraceLevel": "config",
     "check_range": "config_checks",
     "from_wire": "event_wire", "to_wire": "event_wire",
+    "cancel_stop_at_exit": "exit_guard", "stop_at_exit": "exit_guard",
     "MAX_SCALE": "exphist", "MIN_SCALE": "exphist", "ExpHistogram": "exphist",
     "relative_error": "exphist", "bucket_indices": "exphist", "bucket_point": "exphist",
     "fit_shift": "exphist", "quantiles": "exphist", "rebin": "exphist",

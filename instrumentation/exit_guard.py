@@ -4,7 +4,7 @@ CPython ends a daemon thread that takes the GIL back during finalization with an
 that, through torch's C++ frames, aborts the whole process ("terminate called without an
 active exception", exit 134), whatever the program had done. ``stop_at_exit(owner, stop)``
 calls ``owner.stop()`` from an ``atexit`` handler, which runs before finalization, for each
-owner still alive and not ``forget``-ten; it holds owners weakly. Cost: a dict entry.
+owner still alive and not ``cancel_stop_at_exit``-ed; it holds owners weakly. Cost: a dict entry.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import atexit
 import logging
 import weakref
 
-__all__ = ["forget", "stop_at_exit"]
+__all__ = ["cancel_stop_at_exit", "stop_at_exit"]
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ def stop_at_exit(owner: object, stop: str) -> None:
     _OWNERS[owner] = stop
 
 
-def forget(owner: object) -> None:
+def cancel_stop_at_exit(owner: object) -> None:
     _OWNERS.pop(owner, None)
 
 

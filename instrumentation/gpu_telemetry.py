@@ -30,7 +30,7 @@ from . import semconv
 from .config import TelemetryConfig
 from .config_checks import check_range
 from .cupti_tracer import CuptiTracer
-from .exit_guard import forget, stop_at_exit
+from .exit_guard import cancel_stop_at_exit, stop_at_exit
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
                           KernelNames, StepCtas)
 from .sm_probe import SmProbe
@@ -580,7 +580,7 @@ class GpuTelemetry:
         self._stop.set()
         self._wake.set()
         self._worker.join(timeout=timeout_s)
-        forget(self)
+        cancel_stop_at_exit(self)
 
     # -- CUPTI's thread -------------------------------------------------------------------
     def _on_buffer(self, buffer: bytes) -> None:
