@@ -83,12 +83,17 @@ def _step_facts(trace, step) -> StepFacts:
     the host's launches, so there it is their summed time. Its host time: for a replay, from
     its last kernel's end to the step's end (how late the host saw the GPU finish; the wait
     before the first kernel is the GPU's queue, which another process fills); for an eager
-    step, the step's time beyond its kernels' (the launches pace it)."""
+    step, the step's time beyond its kernels' (the launches pace it). Where the kernel spans
+    say when the launch calls returned, host time is until the last one returned, plus the
+    step's end beyond both the launches and the kernels (a host that issued everything early,
+    then waited on a GPU another process held, is not slow), and a replay's GPU time starts
+    when its launch returned, if its kernels began later (they waited on the GPU)."""
     record = step.record()
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
     kind = 0 if prefill == 0 else (1 if decode == 0 else 2)
     busy, first, last = 0.0, None, None   # first is None: its kernels were not traced
+    launched = 0   # when the step's last launch call returned (0: not recorded)
     own = bytes.fromhex(record.span_id)
     for span in trace.spans:
         name = span.name
@@ -98,13 +103,20 @@ def _step_facts(trace, step) -> StepFacts:
             busy += _number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
         else:
             busy += span.duration_s
+        launched = max(launched, int(_number(span.attributes.get(sc.KERNEL_LAUNCH_END_NS))))
         start, end = span.start_time_unix_nano, span.end_time_unix_nano
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
     duration = max(0, record.end_time_unix_nano - record.start_time_unix_nano) / 1e9
+    graph = bool(a.get(sc.STEP_CUDA_GRAPH)) and first is not None and last > first
     if first is None:
         gpu = host = float("nan")
-    elif a.get(sc.STEP_CUDA_GRAPH) and last > first:
+    elif launched > record.start_time_unix_nano:
+        # a replay's kernels waiting on the GPU after the launch returned: the GPU's time
+        gpu = (last - min(first, launched)) / 1e9 if graph else busy
+        tail = max(0, record.end_time_unix_nano - max(last, launched))
+        host = (min(launched, record.end_time_unix_nano) - record.start_time_unix_nano + tail) / 1e9
+    elif graph:
         gpu, host = (last - first) / 1e9, max(0, record.end_time_unix_nano - last) / 1e9
     else:
         gpu, host = busy, duration - busy

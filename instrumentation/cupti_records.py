@@ -40,8 +40,9 @@ KERNEL_DTYPE = np.dtype({
     "offsets": [0, 6, 16, 24, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 92, 104, 144, 156],
     "itemsize": 216,
 })
-API_DTYPE = np.dtype({"names": ["kind", "cbid", "correlation_id"],
-                      "formats": ["<u4", "<u4", "<u4"], "offsets": [0, 4, 32], "itemsize": 40})
+API_DTYPE = np.dtype({"names": ["kind", "cbid", "start_ns", "end_ns", "correlation_id"],
+                      "formats": ["<u4", "<u4", "<u8", "<u8", "<u4"], "offsets": [0, 4, 8, 16, 32],
+                      "itemsize": 40})
 EXTERNAL_CORRELATION_DTYPE = np.dtype({
     "names": ["kind", "external_kind", "external_id", "correlation_id"],
     "formats": ["<u4", "<u4", "<u8", "<u4"], "offsets": [0, 4, 8, 16], "itemsize": 24})
@@ -60,7 +61,8 @@ RECORD_BYTES = {KIND_CONCURRENT_KERNEL: KERNEL_DTYPE.itemsize, KIND_DRIVER: API_
 @dataclass(frozen=True)
 class DecodedBuffer:
     """One buffer's records by kind. ``external_ids`` maps correlation -> external id
-    (CUSTOM2 only); ``api_calls`` counts RUNTIME and DRIVER records."""
+    (CUSTOM2 only); ``api_calls`` counts RUNTIME and DRIVER records, whose correlation ids
+    and ends (``api_correlation_ids``, ``api_end_ns``) say when each launch call returned."""
 
     kernels: np.ndarray            # KERNEL_DTYPE
     correlation_ids: np.ndarray    # uint32, CUSTOM2 external-correlation records
@@ -68,6 +70,8 @@ class DecodedBuffer:
     api_calls: int
     foreign_correlations: int      # another tool's external-correlation kind
     undecoded_bytes: int
+    api_correlation_ids: np.ndarray   # uint32, RUNTIME and DRIVER records
+    api_end_ns: np.ndarray            # uint64, same order
 
 
 def _offsets(buffer: bytes) -> tuple[dict[int, list[int]], int]:
@@ -101,6 +105,7 @@ def decode_buffer(buffer: bytes) -> DecodedBuffer:
     kernels = _gather(raw, by_kind.get(KIND_CONCURRENT_KERNEL, []), KERNEL_DTYPE)
     ext = _gather(raw, by_kind.get(KIND_EXTERNAL_CORRELATION, []), EXTERNAL_CORRELATION_DTYPE)
     ours = ext["external_kind"] == EXTERNAL_KIND_CUSTOM2
-    api = len(by_kind.get(KIND_RUNTIME, ())) + len(by_kind.get(KIND_DRIVER, ()))
+    api = _gather(raw, by_kind.get(KIND_RUNTIME, []) + by_kind.get(KIND_DRIVER, []), API_DTYPE)
     return DecodedBuffer(kernels, ext["correlation_id"][ours].copy(),
-                         ext["external_id"][ours].copy(), api, int((~ours).sum()), undecoded)
+                         ext["external_id"][ours].copy(), len(api), int((~ours).sum()), undecoded,
+                         api["correlation_id"].copy(), api["end_ns"].copy())

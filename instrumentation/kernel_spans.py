@@ -7,9 +7,9 @@ around its launches (``step_id + 1``). Once a traced step's records went quiet
 each attention launch (``attention_markers``) and each collective (NCCL; an all-reduce of a
 tensor-parallel step with its bytes) is a ``kernel <name>`` span; every other kernel one
 ``kernels <name>`` span per (step, name) with launches, total and max duration
-(``detail="all"``: a span each). A rank's part of a tensor-parallel step (``RankStep``) runs
-from its first all-reduce's end (which absorbs the ranks' start skew) to its last kernel;
-its later all-reduces are its wait.
+(``detail="all"``: a span each); each says when its (last) launch call returned. A rank's
+part of a tensor-parallel step (``RankStep``) runs from its first all-reduce's end (which
+absorbs the ranks' start skew) to its last kernel; its later all-reduces are its wait.
 Guarantee: bounded state (``max_pending_kernels``, ``max_correlations``); kernels with no
 known step are counted. Cost: numpy per buffer, Python per emitted span (~100 a step).
 """
@@ -121,6 +121,8 @@ class KernelSpanBuilder:
         self._asked: set[int] = set()
         self._corr = np.zeros(0, np.uint32)       # correlation ids, sorted
         self._ext = np.zeros(0, np.uint64)        # their external ids
+        self._api_corr = np.zeros(0, np.uint32)   # launch calls' correlation ids, sorted
+        self._api_end = np.zeros(0, np.uint64)    # when each returned
         self._unjoined: list[np.ndarray] = []     # kernels whose correlation is not in yet
         self._unjoined_age = 0
         self._traced: OrderedDict[int, _Traced] = OrderedDict()
@@ -150,17 +152,13 @@ class KernelSpanBuilder:
         st.foreign_correlations += decoded.foreign_correlations
         st.api_calls += decoded.api_calls
         if len(decoded.correlation_ids):
-            corr = np.concatenate([self._corr, decoded.correlation_ids])
-            ext = np.concatenate([self._ext, decoded.external_ids])
-            order = np.argsort(corr, kind="stable")
-            corr, ext = corr[order], ext[order]
-            # a correlation id seen again (CUPTI attached anew may count from 1 again) now
-            # means the newest launch: of equal ids, the stable sort put the newest last
-            last = np.append(corr[1:] != corr[:-1], True)
-            self._corr, self._ext = corr[last], ext[last]
-            if len(self._corr) > self.config.max_correlations:   # keep the newest half
-                half = self.config.max_correlations // 2
-                self._corr, self._ext = self._corr[-half:], self._ext[-half:]
+            self._corr, self._ext = _merge_newest(self._corr, self._ext, decoded.correlation_ids,
+                                                  decoded.external_ids, self.config.max_correlations)
+        if len(decoded.api_correlation_ids):
+            # a runtime launch and the driver call under it share an id: the later is the launch's end
+            self._api_corr, self._api_end = _merge_newest(self._api_corr, self._api_end,
+                                                          decoded.api_correlation_ids, decoded.api_end_ns,
+                                                          self.config.max_correlations)
         if len(decoded.kernels):
             self._unjoined.append(decoded.kernels)
             new = np.setdiff1d(np.unique(decoded.kernels["name_ptr"]),
@@ -169,6 +167,11 @@ class KernelSpanBuilder:
                 self._asked.update(int(p) for p in new)
                 self.request_names([int(p) for p in new])
         self._join()
+
+    def _launch_ends(self, corr: np.ndarray) -> np.ndarray:
+        """When each launch call of ``corr`` returned (0: no API record of it)."""
+        found, ends = _lookup(self._api_corr, self._api_end, corr)
+        return np.where(found, ends, 0).astype(np.uint64)
 
     def add_names(self, names: dict[int, str]) -> None:
         self.names.update(names)
@@ -183,14 +186,7 @@ class KernelSpanBuilder:
             return
         kernels = np.concatenate(self._unjoined)
         self._unjoined = []
-        if len(self._corr):
-            pos = np.clip(np.searchsorted(self._corr, kernels["correlation_id"]), 0,
-                          len(self._corr) - 1)
-            found = self._corr[pos] == kernels["correlation_id"]
-            ext = np.where(found, self._ext[pos], 0)
-        else:
-            found = np.zeros(len(kernels), bool)
-            ext = np.zeros(len(kernels), np.uint64)
+        found, ext = _lookup(self._corr, self._ext, kernels["correlation_id"])
         waiting = kernels[~found]
         if len(waiting):
             self._unjoined_age += 1
@@ -254,6 +250,7 @@ class KernelSpanBuilder:
         spans = self.telemetry.finished_spans
         parent = step.span_context
         kernels = kernels[np.argsort(kernels["correlation_id"], kind="stable")]
+        launch_ends = self._launch_ends(kernels["correlation_id"])
         names = [self.names.get(int(p), "<unknown>") for p in kernels["name_ptr"]]
         facts_by_name: dict[str, deque[LaunchFacts]] = {}
         for f in self._facts.get(step_id, ()):
@@ -270,11 +267,11 @@ class KernelSpanBuilder:
                 extra = {semconv.COLLECTIVE_OP: op}
                 if op == "all_reduce" and collective_bytes is not None:
                     extra[semconv.COLLECTIVE_BYTES] = collective_bytes
-                self._span(spans, parent, kernels[i], name, None, extra)
+                self._span(spans, parent, kernels[i], name, None, extra, int(launch_ends[i]))
             elif every or any(m in lowered for m in markers):
                 facts = facts_by_name.get(name)
                 self._span(spans, parent, kernels[i], name,
-                           facts.popleft() if facts else None)
+                           facts.popleft() if facts else None, launch_end=int(launch_ends[i]))
             else:
                 summaries.setdefault(name, []).append(i)
         if collective_bytes is not None and self.on_rank is not None:
@@ -286,6 +283,9 @@ class KernelSpanBuilder:
                      semconv.KERNEL_LAUNCHES: len(rows),
                      semconv.KERNEL_TOTAL_DURATION_S: float(durations.sum()) * 1e-9,
                      semconv.KERNEL_MAX_DURATION_S: float(durations.max()) * 1e-9}
+            launch_end = int(launch_ends[rows].max())
+            if launch_end:
+                attrs[semconv.KERNEL_LAUNCH_END_NS] = launch_end
             spans.emit(kernel_span_name(name, semconv.SPAN_KERNEL_SUMMARY_PREFIX),
                        spans.child_context(parent), parent,
                        int(group["start_ns"].min()), int(group["end_ns"].max()), attrs)
@@ -319,7 +319,7 @@ class KernelSpanBuilder:
                               len(reduces), collective_bytes))
 
     def _span(self, spans, parent, k, name: str, facts: LaunchFacts | None,
-              extra: dict | None = None) -> None:
+              extra: dict | None = None, launch_end: int = 0) -> None:
         attrs = {
             semconv.CUDA_KERNEL_NAME: name,
             semconv.CUDA_GRID: f"{k['grid_x']},{k['grid_y']},{k['grid_z']}",
@@ -333,6 +333,8 @@ class KernelSpanBuilder:
         }
         if extra:
             attrs.update(extra)
+        if launch_end:
+            attrs[semconv.KERNEL_LAUNCH_END_NS] = launch_end
         if facts is not None:
             attrs.update({semconv.KERNEL_CTAS: facts.ctas, semconv.KERNEL_SMS_USED: facts.sms_used,
                           semconv.KERNEL_WAVES: facts.waves,
@@ -341,3 +343,28 @@ class KernelSpanBuilder:
         spans.emit(kernel_span_name(name), spans.child_context(parent), parent,
                    int(k["start_ns"]), int(k["end_ns"]), attrs)
         self.stats.kernel_spans += 1
+
+
+def _merge_newest(ids: np.ndarray, values: np.ndarray, new_ids: np.ndarray, new_values: np.ndarray,
+                  limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """``ids`` (sorted) and their ``values`` with the new ones merged in: one value per id,
+    the newest (a correlation id seen again, as when CUPTI attached anew counts from 1
+    again, means the newest record; of equal ids the stable sort puts it last); past
+    ``limit`` ids, the newest half is kept."""
+    ids, values = np.concatenate([ids, new_ids]), np.concatenate([values, new_values])
+    order = np.argsort(ids, kind="stable")
+    ids, values = ids[order], values[order]
+    last = np.append(ids[1:] != ids[:-1], True)
+    ids, values = ids[last], values[last]
+    if len(ids) > limit:
+        ids, values = ids[-(limit // 2):], values[-(limit // 2):]
+    return ids, values
+
+
+def _lookup(ids: np.ndarray, values: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For each of ``wanted``: whether the sorted ``ids`` hold it, and its value (0 if not)."""
+    if not len(ids):
+        return np.zeros(len(wanted), bool), np.zeros(len(wanted), values.dtype)
+    pos = np.clip(np.searchsorted(ids, wanted), 0, len(ids) - 1)
+    found = ids[pos] == wanted
+    return found, np.where(found, values[pos], 0).astype(values.dtype)

@@ -196,6 +196,9 @@ KERNEL_CTAS = "sightline.kernel.ctas"
 KERNEL_LAUNCHES = "sightline.kernel.launches"
 KERNEL_TOTAL_DURATION_S = "sightline.kernel.total_duration_s"
 KERNEL_MAX_DURATION_S = "sightline.kernel.max_duration_s"
+# when the host's (last) launch call of the span's kernels returned (Unix ns, CUPTI's API
+# records): a step's host time is until its last launch; after it, kernels wait on the GPU
+KERNEL_LAUNCH_END_NS = "sightline.kernel.launch_end_unix_nano"
 
 # ---------------------------------------------------------------------------------
 # OTLP metrics emitted by the instrumentation (names per OTel conventions)

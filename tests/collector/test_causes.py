@@ -22,6 +22,7 @@ from tests.collector.otlp_builders import T0_S, make_aggregator, otlp_cta_point,
 T = T0_S - 100  # a multiple of the 10 s slot: slots start at T, T + 10, ...
 STEP_S, GAP_S, GPU_S = 0.018, 0.002, 0.015  # a usual decode step: its time, the gap after, its GPU time
 PREFILL_TOKENS, PREFILL_S, PREFILL_GPU_S = 512, 0.040, 0.036
+LAUNCH_S = 0.001  # a replay's launch call returns this long after its step began
 SMS, CTAS, CTA_S = 16, 200, 20e-6
 TARGET = (9, 9)  # the target request's trace id kind and index
 SERVER = 2
@@ -54,6 +55,11 @@ class Scenario:
         self.requests = []  # (trace kind, index, start, queue end, prefill end, end, priority)
         self.output_tokens = {}  # (trace kind, index) -> its output tokens, where not 32
         self.kernels_late = {}  # step index -> how long after the step's start its kernels begin
+        # with launch ends: step index -> how long after the step's start its last launch call
+        # returned (traced steps not listed: at LAUNCH_S for a replay, before its kernels' end
+        # for an eager step, as when the launches pace it); None: no API records
+        self.launched: dict[int, float] | None = None
+        self.graphs = True  # decode steps replay CUDA graphs (False: every step eager)
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -74,18 +80,23 @@ class Scenario:
                      sc.STEP_DECODE_TOKENS: len(links)}
             if compiles:
                 attrs[sc.STEP_JIT_COMPILES] = compiles
-            if not prefill:
+            graph = self.graphs and not prefill
+            if graph:
                 attrs[sc.STEP_CUDA_GRAPH] = True
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
                 at = start + self.kernels_late.get(n, 0.0)
                 halves = [(at, at + gpu)] if spread == 1.0 else \
                     [(at, at + gpu / 2), (at + gpu * (spread - 0.5), at + gpu * spread)]
+                launch = {}
+                if self.launched is not None:
+                    usual = LAUNCH_S if graph else halves[-1][1] - start - 0.001
+                    launch = {sc.KERNEL_LAUNCH_END_NS: int((start + self.launched.get(n, usual)) * 1e9)}
                 for j, (a, b) in enumerate(halves):
                     spans.append(otlp_span(sc.SPAN_KERNEL_SUMMARY_PREFIX + f"gemm{j}", tid(3, n), sid(3, n, 1 + j), a,
                                            b, {sc.HW_GPU_ID: 0, sc.CUDA_KERNEL_NAME: f"gemm{j}",
                                                sc.KERNEL_TOTAL_DURATION_S: gpu / len(halves),
-                                               sc.KERNEL_LAUNCHES: 40}, parent=sid(3, n)))
+                                               sc.KERNEL_LAUNCHES: 40, **launch}, parent=sid(3, n)))
         for kind, i, start, queue_end, prefill_end, end, priority in self.requests:
             root = (tid(kind, i), sid(kind, i))
             spans.append(otlp_span(sc.SPAN_HTTP_COMPLETIONS, *root, start, end, {
@@ -176,6 +187,72 @@ def test_the_wait_before_a_replays_first_kernel_is_not_host_time():
     assert one.cause.name == sc.CAUSE_UNKNOWN, one.cause
     assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0)
     assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_with_launch_ends_a_replay_launched_late_is_the_hosts():
+    """The GIL held elsewhere: each replay's launch returned 0.6 of a usual step late, its
+    kernels began then and ran their usual time. The launch end says the wait was the
+    host's (without it, nothing said whose: the test above)."""
+    sc_ = Scenario()
+    sc_.launched = {}
+    for n, s in enumerate(sc_.steps):
+        if s in sc_.between(38, 46):
+            sc_.kernels_late[n] = s[1] * 0.6
+            sc_.launched[n] = s[1] * 0.6 - 0.0005
+            s[1] *= 1.6
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
+    # host: until the launch returned, then the step's end beyond its last kernel (3 ms)
+    usual_host, host = LAUNCH_S + (STEP_S - GPU_S), STEP_S * 0.6 - 0.0005 + (STEP_S - GPU_S)
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1 + (host - usual_host) / STEP_S, rel=0.01)
+    # the GPU's part: from the launch's return (before the first kernel here) to the last kernel's end
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx((GPU_S + 0.0005) / GPU_S, rel=0.01)
+
+
+def test_with_launch_ends_a_replay_waiting_on_the_gpu_is_device_contention():
+    """The same late kernels, but each launch returned at once: the GPU's queue held them
+    (another process's work), so the wait is the GPU's."""
+    sc_ = Scenario()
+    sc_.launched = {}
+    for n, s in enumerate(sc_.steps):
+        if s in sc_.between(38, 46):
+            sc_.kernels_late[n] = s[1] * 0.6
+            s[1] *= 1.6
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(
+        (STEP_S * 0.6 + GPU_S - LAUNCH_S) / (GPU_S - 0.0), rel=0.01)
+
+
+def test_with_launch_ends_eager_steps_waiting_on_a_memory_hog_are_device_contention():
+    """Eager steps (every step here, all traced) whose kernels ran 1.4x longer and waited
+    between launches on another process's memory traffic, 2x the step: the launches
+    returned as early as ever, so the host did not stall. Without launch ends the step's
+    time beyond its kernels' read as host time (host_stall, as a live HBM hog once was)."""
+    def scenario(launch_ends: bool) -> Scenario:
+        sc_ = Scenario()
+        sc_.graphs = False
+        sc_.launched = {} if launch_ends else None
+        for n, s in enumerate(sc_.steps):
+            if s in sc_.between(38, 46):
+                if launch_ends and s[3] is not None:   # as usual: before its kernels' usual end
+                    sc_.launched[n] = s[3] - 0.001
+                s[1] *= 2.0
+                if s[3] is not None:   # 1.4x the GPU time, spread over the whole 2x step
+                    s[3] *= 1.4
+                    s[5] = s[1] / s[3]
+        sc_.target(40.2, 0.01, 2.0)
+        return sc_
+
+    _, one = explained(scenario(True))
+    assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.4, rel=0.02)
+    assert one.cause.evidence["host_slowdown"] < 1.1
+    _, old = explained(scenario(False))
+    assert old.cause.name == sc.CAUSE_HOST_STALL, old.cause
 
 
 def test_device_contention_when_another_process_shares_the_gpu():

@@ -38,7 +38,9 @@ def correlation_record(corr: int, external_id: int, kind: int = EXTERNAL_KIND_CU
     return r.tobytes()
 
 
-def api_record(corr: int) -> bytes:
+def api_record(corr: int, start: int = 0, end: int = 0, kind: int = KIND_RUNTIME) -> bytes:
+    """A launch call (runtime cudaLaunchKernel's callback id, or ``kind`` DRIVER's record)."""
     r = np.zeros(1, API_DTYPE)
-    r["kind"], r["cbid"], r["correlation_id"] = KIND_RUNTIME, 211, corr
+    r["kind"], r["cbid"], r["correlation_id"] = kind, 211, corr
+    r["start_ns"], r["end_ns"] = start, end
     return r.tobytes()

@@ -14,7 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from sightline.instrumentation import semconv
 from sightline.instrumentation.config import TelemetryConfig
-from sightline.instrumentation.cupti_records import decode_buffer
+from sightline.instrumentation.cupti_records import KIND_DRIVER, decode_buffer
 from sightline.instrumentation.cupti_tracer import CuptiTracer, cupti_available
 from sightline.instrumentation.gpu_records import UNTRACED_EXTERNAL_ID
 from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
@@ -53,10 +53,13 @@ def test_create_returns_none_below_kernels_level_or_without_cuda():
 
 
 def test_buffer_decodes_every_kind_exactly_and_stops_at_an_unknown_one():
-    buffer = (kernel_record("rms_norm", 10, 5_000) + api_record(10) + correlation_record(10, 3)
-              + correlation_record(11, 99, kind=1) + kernel_record("gemv_bf16", 11, 9_000, 250))
+    buffer = (kernel_record("rms_norm", 10, 5_000) + api_record(10, 4_000, 4_600) + correlation_record(10, 3)
+              + correlation_record(11, 99, kind=1) + kernel_record("gemv_bf16", 11, 9_000, 250)
+              + api_record(11, 4_700, 4_900, kind=KIND_DRIVER))
     decoded = decode_buffer(buffer + (77).to_bytes(4, "little") + bytes(60))
-    assert decoded.undecoded_bytes == 64 and decoded.api_calls == 1
+    assert decoded.undecoded_bytes == 64 and decoded.api_calls == 2
+    assert sorted(zip(decoded.api_correlation_ids.tolist(), decoded.api_end_ns.tolist())) == [
+        (10, 4_600), (11, 4_900)]
     assert decoded.foreign_correlations == 1
     assert list(decoded.correlation_ids) == [10] and list(decoded.external_ids) == [3]
     k = decoded.kernels
@@ -153,8 +156,11 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
         assert _wait(lambda: not gpu.closing)     # the worker switched CUPTI off
     assert tracer.pushed == [1, 2] and tracer.enabled == 2 and tracer.disabled == 2
     tracer.pending.append(
-        kernel_record("rms_norm", 1, t0 + 100, 300) + correlation_record(1, 1) + api_record(1)
+        kernel_record("rms_norm", 1, t0 + 100, 300) + correlation_record(1, 1) + api_record(1, t0, t0 + 40)
         + kernel_record("sightline_paged_decode", 2, t0 + 500, 700) + correlation_record(2, 1)
+        + api_record(2, t0 + 50, t0 + 90) + api_record(3, t0 + 95, t0 + 120)
+        # the driver call under the runtime launch, with the same correlation id, returned later
+        + api_record(3, t0 + 100, t0 + 115, kind=KIND_DRIVER) + api_record(3, t0 + 96, t0 + 130, kind=KIND_DRIVER)
         + kernel_record("rms_norm", 3, t0 + 1300, 200) + correlation_record(3, 1)
         + kernel_record("gemv_bf16", 4, t0 + 10**7 + 50, 900)
         + kernel_record("orphan", 9, t0, 10) + correlation_record(9, 42))
@@ -176,7 +182,12 @@ def test_kernel_spans_of_traced_steps_from_raw_buffers_through_the_pipeline():
     [rms] = [s for s in kernel_spans if s.name == "kernels rms_norm"]
     assert rms.attributes[semconv.KERNEL_TOTAL_DURATION_S] == pytest.approx(500e-9)
     assert rms.attributes[semconv.KERNEL_MAX_DURATION_S] == pytest.approx(300e-9)
+    # when the launch calls returned: the last of a summary's launches; none without API records
+    assert rms.attributes[semconv.KERNEL_LAUNCH_END_NS] == t0 + 130
     [attn] = [s for s in kernel_spans if s.attributes.get(semconv.CUDA_CORRELATION_ID) == 2]
+    assert attn.attributes[semconv.KERNEL_LAUNCH_END_NS] == t0 + 90
+    assert all(semconv.KERNEL_LAUNCH_END_NS not in s.attributes for s in kernel_spans
+               if s.parent.span_id == steps[1].span_id)
     assert attn.attributes[semconv.CUDA_GRID] == "4,2,1" and attn.attributes[semconv.CUDA_REGISTERS] == 90
     assert attn.attributes[semconv.CUDA_SHARED_MEMORY_BYTES] == 3072
     step_spans = {s.context.span_id: s for s in spans.get_finished_spans() if s.name == semconv.SPAN_ENGINE_STEP}
