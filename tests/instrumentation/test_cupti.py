@@ -520,6 +520,11 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     assert len(fa) == 3
     assert all(s.parent.span_id in step_ids and s.end_time > s.start_time for s in kernel_spans)
     assert all(s.attributes[semconv.KERNEL_SMS_USED] > 0 for s in fa)
+    # each launch call returned inside its step, on the kernels' clock: after the step began
+    # and (the GPU idle) no later than a little after its kernel started
+    starts = {st.span_id: st.start_ns for st in steps}
+    assert all(starts[s.parent.span_id] < s.attributes[semconv.KERNEL_LAUNCH_END_NS]
+               < s.start_time + 5_000_000 for s in fa)
     points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
               for m in sm.metrics for p in m.data.data_points]
     assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
