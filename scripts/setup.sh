@@ -15,7 +15,9 @@ apt_install() {
     # $@: "command:package" pairs; installs the packages whose command is missing.
     local missing=()
     for pair in "$@"; do
-        command -v "${pair%%:*}" >/dev/null 2>&1 || missing+=("${pair##*:}")
+        command -v "${pair%%:*}" >/dev/null 2>&1 && continue
+        # one package may bring several missing commands: name it once
+        [[ " ${missing[*]} " == *" ${pair##*:} "* ]] || missing+=("${pair##*:}")
     done
     [ ${#missing[@]} -eq 0 ] && return 0
     if [ "$(id -u)" -ne 0 ] && ! command -v sudo >/dev/null; then
