@@ -671,7 +671,7 @@ def serve_in_thread(config: EngineConfig, timeout_s: float = 300.0, telemetry=No
 async def _serve_split(config: EngineConfig, index: int, count: int, address: str,
                        sock: socket.socket, core_lifeline, peers=None) -> int:
     """API server ``index`` of ``count``: HTTP on the shared ``sock``, the core at ``address``.
-    ``peers``: the API servers' shared start-up states (see ``_join_core``).
+    ``peers``: the API servers' shared start-up states (``_join_core``).
     Returns 1 when the core died under it, else 0."""
     model_config = resolve_model_config(config.model)
     tokenizer = load_tokenizer(model_config.path, model_config.bos_token_id, model_config.eos_token_id)
@@ -689,7 +689,7 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     # group) for all: the API servers ignore SIGINT, so that one Ctrl-C is one signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _signals(loop, stop, force, (signal.SIGTERM,))
-    start = asyncio.create_task(_join_core(server, client, config, index, peers))
+    start = asyncio.create_task(_join_core(server, client, config, index))
     orphan = asyncio.create_task(_watch_parent(stop))
     dead_watch = asyncio.create_task(client.dead_event.wait())
     try:
@@ -709,13 +709,12 @@ async def _serve_split(config: EngineConfig, index: int, count: int, address: st
     return 1 if client.dead is not None else 0
 
 
-async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int,
-                     peers=None) -> None:
+async def _join_core(server: EngineServer, client: MPClient, config: EngineConfig, index: int) -> None:
     """Once the core is ready: this server's telemetry joins the core's telemetry process
-    (producer id ``index + 1``; the core is 0), then /health is 200.
-    ``peers`` (a shared array, one state per API server; the supervisor marks the dead
-    ``SERVER_GONE``): every server turns ready once none is starting, because they accept on
-    one port and a client cannot choose which one answers it."""
+    (producer id ``index + 1``; the core is 0), then /health is 200. ``server.peers`` (a
+    shared array, one state per API server; the supervisor marks the dead ``SERVER_GONE``):
+    every server turns ready once none is starting, because they accept on one port and a
+    client cannot choose which one answers it."""
     from .telemetry_link import join_pipeline
 
     ready = await client.wait_ready()
@@ -726,8 +725,8 @@ async def _join_core(server: EngineServer, client: MPClient, config: EngineConfi
     if telemetry is not None:
         asyncio.create_task(_report_drops_every(server, 1.0))
     _watch_gpu(server.metrics, ready.device)
-    if peers is not None:
-        peers[index] = SERVER_READY
+    if server.peers is not None:
+        server.peers[index] = SERVER_READY
     server.joined = True
     log.info("API server %d ready: %s on %s (pid %d)", index, ready.model_name, ready.device,
              os.getpid())

@@ -168,11 +168,6 @@ class KernelSpanBuilder:
                 self.request_names([int(p) for p in new])
         self._join()
 
-    def _launch_ends(self, corr: np.ndarray) -> np.ndarray:
-        """When each launch call of ``corr`` returned (0: no API record of it)."""
-        found, ends = _lookup(self._api_corr, self._api_end, corr)
-        return np.where(found, ends, 0).astype(np.uint64)
-
     def add_names(self, names: dict[int, str]) -> None:
         self.names.update(names)
 
@@ -250,7 +245,8 @@ class KernelSpanBuilder:
         spans = self.telemetry.finished_spans
         parent = step.span_context
         kernels = kernels[np.argsort(kernels["correlation_id"], kind="stable")]
-        launch_ends = self._launch_ends(kernels["correlation_id"])
+        # when each launch call returned (0: no API record of it)
+        _, launch_ends = _lookup(self._api_corr, self._api_end, kernels["correlation_id"])
         names = [self.names.get(int(p), "<unknown>") for p in kernels["name_ptr"]]
         facts_by_name: dict[str, deque[LaunchFacts]] = {}
         for f in self._facts.get(step_id, ()):
