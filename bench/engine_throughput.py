@@ -292,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         "cuda_graphs": None if cap is None else {
             "buckets": list(cap.buckets), "skipped": list(cap.skipped),
             "capture_s": round(cap.capture_s, 2), "pool_mib": round(cap.pool_bytes / 2**20, 1)},
+        "mixed_graphs": None if runner.mixed_capture is None else {
+            "token_buckets": list(runner.mixed_capture.buckets),
+            "skipped": list(runner.mixed_capture.skipped),
+            "capture_s": round(runner.mixed_capture.capture_s, 2),
+            "pool_mib": round(runner.mixed_capture.pool_bytes / 2**20, 1)},
         "floor": {"weight_bytes": weight_bytes, "copy_bytes_per_s": round(bandwidth),
                   "step_ms": round(floor_s * 1e3, 4)},
         "results": results,

@@ -11,7 +11,7 @@
 # overhead-http (bench.overhead_http: served engine, spans to a collector), served
 # (bench.served_throughput: the split server's tok/s and TTFT at 1, 64 and 256 concurrent
 # beside the offline engine and the weight-read floor),
-# engine (the fused-kernel, CUDA-graph and sampler GPU tests (alone: engine-tests), then bench.engine_throughput
+# engine (the fused-kernel, CUDA-graph (decode and mixed), prefix-cache and sampler GPU tests (alone: engine-tests), then bench.engine_throughput
 # on llama-8b: graphs and eager side by side. SIGHTLINE_ENGINE_MODEL/_DEVICE/_ARGS
 # override the bench's model, device and extra flags, e.g. tiny/cpu for a CPU dry run),
 # decode-step (bench.decode_step: the batch-64 decode step's GEMMs, paged attention and
@@ -85,6 +85,7 @@ for p in "$@"; do
     engine|engine-tests)
         part "engine-gpu-tests-$commit" 180 python3 -m pytest -q -m gpu \
             tests/engine/test_fused_kernels.py tests/engine/test_cuda_graphs.py \
+            tests/engine/test_mixed_graphs.py tests/engine/test_prefix_cache_engine.py \
             tests/engine/test_sampling.py tests/engine/test_async_scheduling.py
         [ "$p" = engine-tests ] && continue
         # shellcheck disable=SC2086  # the extra flags are meant to split

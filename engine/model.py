@@ -166,26 +166,49 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, kv_cache: torch.Tensor | None) -> torch.Tensor:
+        q, k, v = self.project(x, cos, sin, meta, kv_cache)
+        return self.output(self.attend(q, k, v, meta, kv_cache))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, kv_cache: torch.Tensor | None):
+        """x [T, hidden] -> q [T, Hq, D], k, v [T, Hkv, D] (views into one projection), RoPE
+        applied and the new K/V stored at ``meta.slot_mapping``. No attention: a CUDA graph can
+        hold it (``engine/mixed_graphs.py``)."""
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D], views into the projection
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        k_cache = v_cache = store = None
+        store = None
         if kv_cache is not None:  # [2, num_blocks, block_size, Hkv, D]
-            k_cache, v_cache = kv_cache[0], kv_cache[1]
-            store = KvStore(v, k_cache.view(-1, self.num_kv_heads, self.head_dim),  # [slots, Hkv, D]
-                            v_cache.view(-1, self.num_kv_heads, self.head_dim), meta.slot_mapping)
+            store = KvStore(v, kv_cache[0].view(-1, self.num_kv_heads, self.head_dim),  # [slots, Hkv, D]
+                            kv_cache[1].view(-1, self.num_kv_heads, self.head_dim), meta.slot_mapping)
         rope_(q, k, cos, sin, meta.backend, store)  # q, k in place; k, v into the cache
-        n_pre = meta.num_prefill_tokens
-        if n_pre == t:
-            o = self._prefill(q, k, v, meta, k_cache, v_cache)
-        elif n_pre == 0:
-            o = self._decode(q, meta, k_cache, v_cache)
-        else:
-            o = torch.cat((self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache, v_cache),
-                           self._decode(q[n_pre:], meta, k_cache, v_cache)), dim=0)
-        out = self.o_proj(o.reshape(t, self.q_size))  # [T, hidden]: this rank's heads' part
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+               kv_cache: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The step's attention over its packed tokens -> [T, Hq, D]; with ``out`` ([T, Hq * D]
+        or wider), written into its first T rows instead of a new tensor."""
+        t, n_pre = q.shape[0], meta.num_prefill_tokens
+        k_cache, v_cache = (None, None) if kv_cache is None else (kv_cache[0], kv_cache[1])
+        if out is None:
+            if n_pre == t:
+                return self._prefill(q, k, v, meta, k_cache, v_cache)
+            if n_pre == 0:
+                return self._decode(q, meta, k_cache, v_cache)
+            return torch.cat((self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache, v_cache),
+                              self._decode(q[n_pre:], meta, k_cache, v_cache)), dim=0)
+        if n_pre:
+            out[:n_pre].copy_(self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache,
+                                            v_cache).reshape(n_pre, -1))
+        if n_pre < t:
+            out[n_pre:t].copy_(self._decode(q[n_pre:], meta, k_cache, v_cache).reshape(t - n_pre, -1))
+        return out[:t].view(t, self.num_heads, self.head_dim)
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """Attention output [T, Hq, D] (or [T, Hq * D]) -> [T, hidden], summed over the ranks."""
+        out = self.o_proj(o.reshape(o.shape[0], self.q_size))  # [T, hidden]: this rank's heads' part
         if self.all_reduce is not None:
             self.all_reduce(out)
         return out
@@ -230,10 +253,19 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata, kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden]: the previous layer's output (the embedding for the first layer, whose
         residual is None) -> (this layer's MLP output, the residual stream before it)."""
+        q, k, v, residual = self.before_attention(x, residual, cos, sin, meta, kv_cache)
+        return self.after_attention(self.attn.attend(q, k, v, meta, kv_cache), residual, meta.backend)
+
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin,
+                         meta: AttentionMetadata, kv_cache):
+        """The layer up to its attention: (q, k, v, the residual stream)."""
         h, residual = self.input_norm(x, residual, meta.backend)
-        h = self.attn(h, cos, sin, meta, kv_cache)
-        h, residual = self.post_attn_norm(h, residual, meta.backend)
-        return self.mlp(h, meta.backend), residual
+        return (*self.attn.project(h, cos, sin, meta, kv_cache), residual)
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor, backend: str = "auto"):
+        """The layer from its attention's output [T, Hq, D] on: (MLP output, residual stream)."""
+        h, residual = self.post_attn_norm(self.attn.output(o), residual, backend)
+        return self.mlp(h, backend), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -263,16 +295,25 @@ class LlamaForCausalLM(nn.Module):
         """input_ids/positions [T]; kv_cache [L, 2, N, bs, Hkv/ranks, D] or None (prefill
         without a cache: keys are the new tokens); logits_indices [S] (None: every position)
         -> [S, V]."""
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, D/2]
-        x = self.embed_tokens(input_ids)  # [T, hidden]
+        x, cos, sin = self.embed(input_ids, positions)
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, meta, None if kv_cache is None else kv_cache[i])
+        return self.logits(x, residual, logits_indices, meta.backend)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """input_ids/positions [T] -> (embeddings [T, hidden], RoPE cos, sin [T, D/2])."""
+        return self.embed_tokens(input_ids), self.rope_cos[positions], self.rope_sin[positions]
+
+    def logits(self, x: torch.Tensor, residual: torch.Tensor, logits_indices: torch.Tensor | None,
+               backend: str = "auto") -> torch.Tensor | None:
+        """The last layer's output and residual stream [T, hidden] -> logits [S, V] of the rows
+        ``logits_indices`` (None: every row); None on a rank without the head."""
         if not self.shard.head:
             return None
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]  # [S, hidden]
-        x, _ = self.norm(x, residual, meta.backend)
+        x, _ = self.norm(x, residual, backend)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         # left in the model's dtype: greedy argmax needs no float32 copy of [S, V], and the
         # sampler's float32 paths cast exactly (every bf16/fp16 value is a float32)

@@ -3,7 +3,8 @@
 The runner owns the device state: the model, the paged KV cache tensor
 ``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides the scheduler's
 ``num_blocks``) and the sampler's generators. On CUDA, decode-only steps replay CUDA graphs
-captured at start-up (``engine/cuda_graphs.py``; not with ``enforce_eager``). Tensor
+captured at start-up (``engine/cuda_graphs.py``; not with ``enforce_eager``), and steps with
+prefill tokens replay graphs of everything but attention (``engine/mixed_graphs.py``). Tensor
 parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each step to
 the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
@@ -29,6 +30,7 @@ import torch
 from ..instrumentation import semconv as sc
 from .config import EngineConfig, ModelConfig
 from .cuda_graphs import DecodeGraphs, GraphCapture
+from .mixed_graphs import MixedCapture, MixedGraphs
 from .kv_cache import kv_bytes_per_block
 from .model import AttentionMetadata, Shard, build_model
 from .sampling import SampledTokens, Sampler, SamplingBatch
@@ -117,12 +119,18 @@ class StepExecution:
 
     cuda_graph: bool
     graph_batch_size: int | None = None  # the padded bucket replayed; None when eager
+    # the padded token count whose graphs ran between eager attentions (engine/mixed_graphs.py)
+    graph_tokens: int | None = None
 
     def attributes(self) -> dict[str, bool | int]:
-        """Step span attributes (``semconv.STEP_CUDA_GRAPH``, ``STEP_GRAPH_BATCH_SIZE``)."""
-        if self.graph_batch_size is None:
-            return {sc.STEP_CUDA_GRAPH: self.cuda_graph}
-        return {sc.STEP_CUDA_GRAPH: self.cuda_graph, sc.STEP_GRAPH_BATCH_SIZE: self.graph_batch_size}
+        """Step span attributes (``semconv.STEP_CUDA_GRAPH``, ``STEP_GRAPH_BATCH_SIZE``,
+        ``STEP_GRAPH_TOKENS``)."""
+        attrs: dict[str, bool | int] = {sc.STEP_CUDA_GRAPH: self.cuda_graph}
+        if self.graph_batch_size is not None:
+            attrs[sc.STEP_GRAPH_BATCH_SIZE] = self.graph_batch_size
+        if self.graph_tokens is not None:
+            attrs[sc.STEP_GRAPH_TOKENS] = self.graph_tokens
+        return attrs
 
 
 _EAGER = StepExecution(cuda_graph=False)
@@ -196,6 +204,8 @@ class ModelRunner:
                                  self.num_blocks * self.block_size)
         self.graphs: DecodeGraphs | None = None
         self.graph_capture: GraphCapture | None = None
+        self.mixed: MixedGraphs | None = None
+        self.mixed_capture: MixedCapture | None = None
         self.last_execution: StepExecution = _EAGER
         if startup is None and self.uses_graphs:
             self.capture_graphs()
@@ -214,6 +224,13 @@ class ModelRunner:
             -(-self.max_model_len // self.block_size), self.num_blocks * self.block_size,
             self.backend, probe, capture=capture)
         return self.graphs
+
+    def static_mixed(self, capture: bool) -> MixedGraphs:
+        """The static-input path for steps with prefill tokens (``capture=False``: without
+        graphs, as the CPU tests run it); used by ``launch`` for them from now on."""
+        self.mixed = MixedGraphs(self.model, self.kv_cache, self.config.scheduler.max_num_batched_tokens,
+                                 self.scratch_slot, self.backend, capture=capture)
+        return self.mixed
 
     @property
     def uses_graphs(self) -> bool:
@@ -238,6 +255,13 @@ class ModelRunner:
         log.info("CUDA graphs: captured decode batch sizes %s in %.1f s (%.0f MiB)%s",
                  ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
+        if self.tp is None:   # tensor-parallel ranks replay decode graphs only
+            mixed = self.mixed if self.mixed is not None and self.mixed.capture else self.static_mixed(True)
+            self.mixed_capture = mixed_cap = mixed.capture_all(max(limit_s - cap.capture_s, 0.0))
+            log.info("CUDA graphs: captured the segments between attentions for steps of %s tokens "
+                     "in %.1f s (%.0f MiB)%s", ",".join(map(str, mixed_cap.buckets)),
+                     mixed_cap.capture_s, mixed_cap.pool_bytes / 2**20,
+                     f"; skipped {mixed_cap.skipped} (capture time limit)" if mixed_cap.skipped else "")
         return cap
 
     @property
@@ -431,9 +455,11 @@ class ModelRunner:
         if plan.is_empty:
             return LaunchedStep([], None, _EAGER)
         batch = self.prepare(plan, previous)
-        bucket = None
+        bucket = tokens_bucket = None
         if self.graphs is not None and batch.num_prefill_seqs == 0:
             bucket = self.graphs.bucket_for(batch.num_decode_seqs, batch.meta.block_tables.shape[1])
+        if bucket is None and self.mixed is not None:
+            tokens_bucket = self.mixed.bucket_for(batch.input_ids.shape[0])
         gpu = self.gpu_telemetry if step_trace is not None else None
         # the usual step (no kernel spans, probe records not read) calls nothing: planned so
         # when the last step ended; its eager kernels probe nothing (a replay's graph writes
@@ -449,7 +475,11 @@ class ModelRunner:
             if self.tp is not None:
                 timed = self._send_step(plan, batch, bucket, step_trace,
                                         gpu if gpu is not None and not plain else None)
-            if bucket is None:
+            if tokens_bucket is not None:
+                execution = StepExecution(cuda_graph=False, graph_tokens=tokens_bucket)
+                logits = self.mixed.run(batch.input_ids, batch.positions, batch.meta,
+                                        batch.logits_indices, tokens_bucket)  # [S, V]
+            elif bucket is None:
                 execution = _EAGER
                 logits = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_cache,
                                     batch.logits_indices)  # [S, V]

@@ -233,9 +233,13 @@ def warm_up(runner, config, progress: StartupProgress | None = None, recorder=No
     if runner.uses_graphs:
         with progress.phase(sc.STARTUP_CUDA_GRAPHS) as run:
             capture = runner.capture_graphs()
-            run.variants_run, run.variants_skipped = len(capture.buckets), len(capture.skipped)
+            mixed = runner.mixed_capture
+            run.variants_run = len(capture.buckets) + (len(mixed.buckets) if mixed else 0)
+            run.variants_skipped = len(capture.skipped) + (len(mixed.skipped) if mixed else 0)
             if capture.skipped:
                 run.notes.append(f"sizes {capture.skipped} not captured (capture time limit)")
+            if mixed is not None and mixed.skipped:
+                run.notes.append(f"mixed steps of {mixed.skipped} tokens not captured (capture time limit)")
     if gpu is not None:
         with progress.phase(sc.STARTUP_WARMUP_TELEMETRY) as run:
             gpu.start_kernel_tracing()

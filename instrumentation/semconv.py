@@ -123,6 +123,9 @@ STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
 # kernels compiled (Triton JIT, graph captures) while the step ran: a compile while serving
 STEP_JIT_COMPILES = "sightline.step.jit_compiles"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
+# on a step with prefill tokens whose work between attentions replayed CUDA graphs: their
+# padded token count (the attention kernels ran eagerly)
+STEP_GRAPH_TOKENS = "sightline.step.graph_tokens"
 # on a step whose launches met kernel variants for the first time in the process (a compile,
 # a load from the on-disk cache or an autotuning while serving: each one a defect of the
 # warm-up): how many, which kernels (one name per variant) and the seconds they took

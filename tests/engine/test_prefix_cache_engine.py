@@ -1,7 +1,7 @@
 """Prefix caching through the whole engine on the tiny preset (CPU, torch path): greedy
 outputs with the cache equal those without it, token for token, for prefixes shared at and
 off block boundaries, whole prompts cached, preemption and eviction pressure, synchronous
-and overlapped scheduling, eager and the static (CUDA-graph) decode path."""
+and overlapped scheduling, eager and the static (CUDA-graph) decode and mixed-step paths."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ BLOCK = 16
 
 
 def _engine(prefix_caching: bool, *, async_scheduling: bool = False, static: bool = False,
-            kv_cache_gib: float = 0.00045):
+            mixed: bool = False, kv_cache_gib: float = 0.00045):
     """0.00045 GiB holds 14 blocks of the tiny model (224 tokens): six running requests of
     50-80 tokens do not fit, so requests are preempted and cached blocks evicted."""
     from sightline.engine.llm_engine import LLMEngine
@@ -26,6 +26,8 @@ def _engine(prefix_caching: bool, *, async_scheduling: bool = False, static: boo
                                     scheduler=SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=64)))
     if static:
         engine.runner.static_decode(capture=False)
+    if mixed:   # steps with prefill tokens through the static mixed path too
+        engine.runner.static_mixed(capture=False)
     return engine
 
 
@@ -67,12 +69,13 @@ def _run(engine, prompts) -> list[list[int]]:
     return [r.output_token_ids for r in engine.generate(prompts, params)]
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlapped", "static-decode"])
+@pytest.mark.parametrize("mode", ["sync", "overlapped", "static-decode", "static-mixed"])
 def test_greedy_outputs_with_the_cache_equal_those_without(mode):
     """Each mode against itself without the cache (the static path's padded decode rounds
     differently from the eager one, cache or not)."""
     prompts = _prompts()
-    kind = {"async_scheduling": mode == "overlapped", "static": mode == "static-decode"}
+    kind = {"async_scheduling": mode == "overlapped", "static": mode.startswith("static"),
+            "mixed": mode == "static-mixed"}
     want = _run(_engine(False, **kind), prompts)
     engine = _engine(True, **kind)
     got = _run(engine, prompts)

@@ -523,8 +523,9 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     # each launch call returned inside its step, on the kernels' clock: after the step began
     # and (the GPU idle) no later than a little after its kernel started
     starts = {st.span_id: st.start_ns for st in steps}
-    assert all(starts[s.parent.span_id] < s.attributes[semconv.KERNEL_LAUNCH_END_NS]
-               < s.start_time + 5_000_000 for s in fa)
+    seen = [(starts[s.parent.span_id], s.attributes[semconv.KERNEL_LAUNCH_END_NS], s.start_time)
+            for s in fa]
+    assert all(step < launch_end < kernel + 5_000_000 for step, launch_end, kernel in seen), seen
     points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
               for m in sm.metrics for p in m.data.data_points]
     assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
