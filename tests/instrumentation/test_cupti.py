@@ -520,14 +520,13 @@ def test_gpu_telemetry_emits_kernel_spans_under_the_step_and_sm_metrics():
     assert len(fa) == 3
     assert all(s.parent.span_id in step_ids and s.end_time > s.start_time for s in kernel_spans)
     assert all(s.attributes[semconv.KERNEL_SMS_USED] > 0 for s in fa)
-    # each launch call returned inside its step, on the kernels' clock: after the step began
-    # and (the GPU idle) no later than a little after its kernel started
-    starts = {st.span_id: st.start_ns for st in steps}
-    seen = [(starts[s.parent.span_id], s.attributes[semconv.KERNEL_LAUNCH_END_NS], s.start_time)
-            for s in fa]
-    assert all(step < launch_end < kernel + 5_000_000 for step, launch_end, kernel in seen), seen
+    # each launch call returned, on the kernels' clock, within 5 ms of its kernel's start (the
+    # GPU idle: the kernel starts as it is launched). Not against the steps' wall clock: the
+    # torch profiler, run earlier in this process by another test, gives CUPTI its own clock.
+    seen = [(s.attributes[semconv.KERNEL_LAUNCH_END_NS], s.start_time) for s in fa]
+    assert all(abs(launch_end - kernel) < 5_000_000 for launch_end, kernel in seen), seen
     points = [p for d in exported for rm in d.resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics for p in m.data.data_points]
+              for m in sm.metrics if m.name == semconv.METRIC_CTA_DURATION for p in m.data.data_points]
     assert points and sum(p.count for p in points) == 3 * fa[0].attributes[semconv.KERNEL_CTAS]
     assert all(p.exemplars and p.exemplars[0].span_id in step_ids for p in points)
 
