@@ -12,8 +12,9 @@ reads. The final norm and vocabulary projection run eagerly on the sampled rows.
 Padded rows (``T`` up to the bucket) have position 0 and write their K/V to the scratch slot;
 attention never reads them. All buckets share one memory pool and replay in capture order.
 The attention kernels stay eager, so the SM probe sees them as in an eager step.
-Cost per step: ~5 small copies, ``num_layers + 1`` graph launches and the attention launches,
-against every kernel of every layer when eager. Memory: each bucket keeps its layers' q/k/v
+Cost per step: ~5 small copies, ``num_layers + 1`` graph launches, and per layer the attention
+launches and a copy of their output into the static buffer, against every kernel of every
+layer when eager. Memory: each bucket keeps its layers' q/k/v
 projections (``T x (Hq + 2 Hkv) x D`` per layer), about 1.2 GB for llama-8b's ladder.
 """
 
