@@ -85,26 +85,31 @@ def _step_facts(trace, step) -> StepFacts:
     before the first kernel is the GPU's queue, which another process fills); for an eager
     step, the step's time beyond its kernels' (the launches pace it). Where the kernel spans
     say when the launch calls returned, host time is until the last one returned, plus the
-    step's end beyond both the launches and the kernels (a host that issued everything early,
-    then waited on a GPU another process held, is not slow), and a replay's GPU time starts
-    when its launch returned, if its kernels began later (they waited on the GPU)."""
+    step's end beyond the launches, the kernels and when the engine began waiting for it (a
+    host that issued everything early, then waited on a GPU another process held, is not
+    slow; nor one that launched the next step first), and GPU time is its kernels' time
+    before that return plus all of the time from it to the last kernel's end: once everything
+    is issued, a gap between kernels is the GPU's (another process's work, time-sliced in),
+    replay or eager."""
     record = step.record()
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
     kind = 0 if prefill == 0 else (1 if decode == 0 else 2)
     busy, first, last = 0.0, None, None   # first is None: its kernels were not traced
     launched = 0   # when the step's last launch call returned (0: not recorded)
+    kernels = []   # (start, end, busy seconds) per kernel or summary span
     own = bytes.fromhex(record.span_id)
     for span in trace.spans:
         name = span.name
         if not (name.startswith(_KERNEL) or name.startswith(_SUMMARY)) or span.parent_span_id != own:
             continue
-        if name.startswith(_SUMMARY):  # many launches: their summed time, not the span's extent
-            busy += _number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
-        else:
-            busy += span.duration_s
+        # a summary: many launches, their summed time, not the span's extent
+        time_s = (_number(span.attributes.get(sc.KERNEL_TOTAL_DURATION_S), span.duration_s)
+                  if name.startswith(_SUMMARY) else span.duration_s)
+        busy += time_s
         launched = max(launched, int(_number(span.attributes.get(sc.KERNEL_LAUNCH_END_NS))))
         start, end = span.start_time_unix_nano, span.end_time_unix_nano
+        kernels.append((start, end, time_s))
         first = start if first is None else min(first, start)
         last = end if last is None else max(last, end)
     duration = max(0, record.end_time_unix_nano - record.start_time_unix_nano) / 1e9
@@ -112,9 +117,9 @@ def _step_facts(trace, step) -> StepFacts:
     if first is None:
         gpu = host = float("nan")
     elif launched > record.start_time_unix_nano:
-        # a replay's kernels waiting on the GPU after the launch returned: the GPU's time
-        gpu = (last - min(first, launched)) / 1e9 if graph else busy
-        tail = max(0, record.end_time_unix_nano - max(last, launched))
+        gpu = _busy_before(kernels, launched) + max(0, last - launched) / 1e9
+        waited = int(_number(a.get(sc.STEP_WAIT_START_NS)))   # 0: not recorded
+        tail = max(0, record.end_time_unix_nano - max(last, launched, waited))
         host = (min(launched, record.end_time_unix_nano) - record.start_time_unix_nano + tail) / 1e9
     elif graph:
         gpu, host = (last - first) / 1e9, max(0, record.end_time_unix_nano - last) / 1e9
@@ -124,6 +129,18 @@ def _step_facts(trace, step) -> StepFacts:
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
                      int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance)
+
+
+def _busy_before(kernels: list[tuple[int, int, float]], until_ns: int) -> float:
+    """Seconds of kernel time before ``until_ns``: each span's busy time in the share of its
+    extent that lies before it (a summary's launches taken as spread over its extent)."""
+    total = 0.0
+    for start, end, time_s in kernels:
+        if end <= until_ns:
+            total += time_s
+        elif start < until_ns:
+            total += time_s * (until_ns - start) / (end - start)
+    return total
 
 
 def _queue_entry(trace) -> QueueEntry:

@@ -25,6 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ..instrumentation import OpenStep, Queued, Step, TelemetryPipeline
+from ..instrumentation import semconv as sc
 from .compile_cache import resolve_compile_cache
 from .compile_watch import compile_watch, step_compile_attributes
 from .config import EngineConfig, resolve_model_config
@@ -448,6 +449,8 @@ class EngineCore:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs
         (the step's figures for its batch's stats in ``_completed``)."""
         plan, step = launched.plan, launched.step
+        if step is not None and step.attributes and sc.STEP_TRACE_REASON in step.attributes:
+            step.set_attribute(sc.STEP_WAIT_START_NS, time.time_ns())   # its kernels become spans
         try:
             sampled = launched.run.wait()
         except Exception as exc:

@@ -1,21 +1,16 @@
 """Steps with prefill tokens as CUDA graph replays of everything but attention.
 
-A decode-only step replays one whole-forward graph (``engine/cuda_graphs.py``). A step that
-carries prefill chunks cannot: its attention's grid follows the chunks' lengths. This path
-captures, per padded token-count bucket (16, 32, 64, 128, 256, 384, 512, 768, 1024, capped at
-``max_num_batched_tokens``), the layers' other work as ``num_layers + 1`` graphs: the embedding
-and layer 0 up to its attention, then each layer's output projection, MLP and the next layer
-up to its attention, then the last layer's rest. Between the replays the attention kernels
-run eagerly on the step's real ``T`` tokens and write into a static buffer the next graph
-reads. The final norm and vocabulary projection run eagerly on the sampled rows.
-
-Padded rows (``T`` up to the bucket) have position 0 and write their K/V to the scratch slot;
-attention never reads them. All buckets share one memory pool and replay in capture order.
-The attention kernels stay eager, so the SM probe sees them as in an eager step.
-Cost per step: ~5 small copies, ``num_layers + 1`` graph launches, and per layer the attention
-launches and a copy of their output into the static buffer, against every kernel of every
-layer when eager. Memory: each bucket keeps its layers' q/k/v
-projections (``T x (Hq + 2 Hkv) x D`` per layer), about 1.2 GB for llama-8b's ladder.
+A decode-only step replays one whole-forward graph (``engine/cuda_graphs.py``); a step with
+prefill chunks cannot, as its attention's grid follows the chunks' lengths. Per padded
+token-count bucket (16 ... 1024, capped at ``max_num_batched_tokens``) this path captures the
+layers' other work as ``num_layers + 1`` graphs, split at each attention; between replays the
+attention kernels run eagerly on the step's real tokens (so the SM probe sees them as in an
+eager step) into a static buffer the next graph reads; the final norm and vocabulary
+projection run eagerly on the sampled rows. Padded rows sit at position 0 and write their K/V
+to the scratch slot. All buckets share one memory pool and replay in capture order.
+Cost per step: a few small copies, ``num_layers + 1`` graph launches, and per layer the
+attention launches and one copy of their output. Memory: each bucket keeps its layers' q/k/v
+projections (``T x (Hq + 2 Hkv) x D`` each).
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 The runner owns the device state: the model, the paged KV cache tensor
 ``[layers, 2, num_blocks, block_size, Hkv, D]`` (its size decides the scheduler's
-``num_blocks``) and the sampler's generators. On CUDA, decode-only steps replay CUDA graphs
-captured at start-up (``engine/cuda_graphs.py``; not with ``enforce_eager``), and steps with
-prefill tokens replay graphs of everything but attention (``engine/mixed_graphs.py``). Tensor
-parallelism (``tp``): this rank's shard of model and KV cache; rank 0 sends each step to
-the others (``tp_workers.run_step``), samples alone, and broadcasts ids for stand-ins.
+``num_blocks``) and the sampler's generators. On CUDA (not with ``enforce_eager``) steps
+replay CUDA graphs captured at start-up: decode-only ones whole (``engine/cuda_graphs.py``),
+others between their attentions (``engine/mixed_graphs.py``). Tensor parallelism (``tp``):
+this rank's shard; rank 0 sends each step to the others, samples alone, broadcasts ids.
 Cost per step: the batch is built as Python lists and copied to the device at once (pinned,
 non-blocking on CUDA); the only sync is the copy of the sampled tokens into pinned memory,
 issued by ``launch``, awaited by ``LaunchedStep.wait`` (meanwhile the next step launches,

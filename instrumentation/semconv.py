@@ -126,6 +126,10 @@ STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 # on a step with prefill tokens whose work between attentions replayed CUDA graphs: their
 # padded token count (the attention kernels ran eagerly)
 STEP_GRAPH_TOKENS = "sightline.step.graph_tokens"
+# on a step whose kernels were traced: when the engine began waiting for its results. With
+# overlapped scheduling the next step is planned and launched first; the step's end beyond
+# this and its kernels is its own host time, the time before it the next step's
+STEP_WAIT_START_NS = "sightline.step.wait_start_unix_nano"
 # on a step whose launches met kernel variants for the first time in the process (a compile,
 # a load from the on-disk cache or an autotuning while serving: each one a defect of the
 # warm-up): how many, which kernels (one name per variant) and the seconds they took

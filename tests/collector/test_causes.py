@@ -60,6 +60,9 @@ class Scenario:
         # for an eager step, as when the launches pace it); None: no API records
         self.launched: dict[int, float] | None = None
         self.graphs = True  # decode steps replay CUDA graphs (False: every step eager)
+        # step index -> how long after the step's start the engine began waiting for it
+        # (traced steps with launch ends; not listed: no such attribute)
+        self.waits: dict[int, float] = {}
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -83,6 +86,8 @@ class Scenario:
             graph = self.graphs and not prefill
             if graph:
                 attrs[sc.STEP_CUDA_GRAPH] = True
+            if n in self.waits:
+                attrs[sc.STEP_WAIT_START_NS] = int((start + self.waits[n]) * 1e9)
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
                 at = start + self.kernels_late.get(n, 0.0)
@@ -227,11 +232,36 @@ def test_with_launch_ends_a_replay_waiting_on_the_gpu_is_device_contention():
         (STEP_S * 0.6 + GPU_S - LAUNCH_S) / (GPU_S - 0.0), rel=0.01)
 
 
+def test_a_replay_that_waited_while_the_next_step_launched_is_not_a_host_stall():
+    """Replays whose ends came 0.6 of a step late because the engine launched the next step
+    (a long prefill) before waiting for them: launches, kernels and the wait after the wait
+    began as usual. Without the wait's start the late end reads as this step's host time
+    (host_stall); with it, the host's own time is as usual: no host stall."""
+    def scenario(wait_starts: bool) -> Scenario:
+        sc_ = Scenario()
+        sc_.launched = {}
+        for n, s in enumerate(sc_.steps):
+            if s in sc_.between(38, 46):
+                s[1] *= 1.6
+                if wait_starts and s[3] is not None:   # the usual 3 ms from the wait to the end
+                    sc_.waits[n] = s[1] - (STEP_S - GPU_S)
+        sc_.target(40.2, 0.01, 2.0)
+        return sc_
+
+    _, old = explained(scenario(False))
+    assert old.cause.name == sc.CAUSE_HOST_STALL, old.cause
+    _, one = explained(scenario(True))
+    assert one.cause.name != sc.CAUSE_HOST_STALL, one.cause
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0, abs=0.01)
+
+
 def test_with_launch_ends_eager_steps_waiting_on_a_memory_hog_are_device_contention():
     """Eager steps (every step here, all traced) whose kernels ran 1.4x longer and waited
     between launches on another process's memory traffic, 2x the step: the launches
-    returned as early as ever, so the host did not stall. Without launch ends the step's
-    time beyond its kernels' read as host time (host_stall, as a live HBM hog once was)."""
+    returned as early as ever, so the host did not stall, and the waits after they returned
+    are the GPU's. Without launch ends the step's time beyond its kernels' read as host time
+    (host_stall, as a live HBM hog once was)."""
     def scenario(launch_ends: bool) -> Scenario:
         sc_ = Scenario()
         sc_.graphs = False
@@ -249,7 +279,11 @@ def test_with_launch_ends_eager_steps_waiting_on_a_memory_hog_are_device_content
 
     _, one = explained(scenario(True))
     assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
-    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.4, rel=0.02)
+    # GPU time: the kernel time before the launches returned (the first half, 0.7 GPU_S)
+    # plus everything from that return to the last kernel's end, the waits on the hog
+    # included (usual: GPU_S, the same sum)
+    launched, step, half = GPU_S - 0.001, 2.0 * STEP_S, 0.7 * GPU_S
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx((half + step - launched) / GPU_S, rel=0.02)
     assert one.cause.evidence["host_slowdown"] < 1.1
     _, old = explained(scenario(False))
     assert old.cause.name == sc.CAUSE_HOST_STALL, old.cause

@@ -338,5 +338,8 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
         assert step.start_time <= span.start_time <= span.end_time <= step.end_time, span.name
     traced = {i for i, s in steps.items() if semconv.STEP_TRACE_REASON in (s.attributes or {})}
     assert traced == {span.parent.span_id for span in kernels}
+    # each traced step says when the engine began waiting for it, inside its span
+    assert all(steps[i].start_time < steps[i].attributes[semconv.STEP_WAIT_START_NS] <= steps[i].end_time
+               for i in traced)
     if not cupti_detach:
         assert engine.gpu_telemetry.stats.steps_recorded_untraced > 0
