@@ -463,11 +463,12 @@ class ModelRunner:
         # the usual step (no kernel spans, probe records not read) calls nothing: planned so
         # when the last step ended; its eager kernels probe nothing (a replay's graph writes
         # its probe slots all the same, and the next probed replay overwrites them)
-        plain = gpu is not None and gpu.next_step_plain
+        prefill = batch.num_prefill_seqs > 0
+        plain = gpu is not None and gpu.next_step_plain and not (prefill and gpu.prefill_probe_due())
         if gpu is not None and not plain:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe
-            gpu.begin_step(step_trace)
+            gpu.begin_step(step_trace, prefill)
         tokens = replayed = None
         timed = False
         try:

@@ -4,15 +4,15 @@
 attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread),
 ``observe_step`` runs once the step is done: the tail rule (kernel spans for the steps after
 one slower than the recent P99.9) and the next step's random draw (a sampled fraction) and
-probe turn (1 in ``probe_every_steps``). A step planned plain calls nothing else. Probed and
-traced steps take a stream-ordered copy of their probe records, left for the worker (which
-polls; a traced step wakes it). A traced step switches CUPTI on and pushes/pops its external
-id (``step_id + 1``), and is not waited for: the worker waits for its kernels, flushes CUPTI
-and switches it off; steps launched meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``,
-their sample owed to the next step (``cupti_detach``: the engine waits and detaches CUPTI
-itself, ms per traced step). The worker reduces probe records on the GPU into per-(gpu, SM,
-kernel) histograms, exported every ``export_interval_s``; CUPTI buffers go over raw. All
-leaves through the recorder."""
+probe turn (1 in ``probe_every_steps``; a prefill step out of turn when none was probed for
+``probe_prefill_interval_s``). A step planned plain calls nothing else. Probed and traced
+steps leave a stream-ordered copy of their probe records to the worker (it polls). A traced
+step switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited
+for: the worker waits for its kernels, flushes CUPTI and switches it off; steps launched
+meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step
+(``cupti_detach``: the engine waits and detaches CUPTI itself, ms per traced step). The
+worker reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported
+every ``export_interval_s``; CUPTI buffers go over raw. All leaves through the recorder."""
 
 from __future__ import annotations
 
@@ -67,6 +67,10 @@ class GpuTelemetryConfig:
     probe: bool = _USER_DEFAULTS["sm_probe"]   # per-CTA SM probe in our Triton kernels
     probe_capacity_ctas: int = 1 << 20  # CTAs probed per step (24 B each on the device)
     probe_every_steps: int = _USER_DEFAULTS["sm_probe_every"]   # every Nth step's CTAs feed the histograms
+    # and a step with prefill tokens when none was probed for this long (0: only its turn):
+    # at a few requests a second 1 step in N rarely carries a prefill, and the prefill
+    # kernel's per-SM histograms would stay empty for whole slots
+    probe_prefill_interval_s: float = 1.0
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = _USER_DEFAULTS["metric_export_interval_s"]
     probe_poll_s: float = 0.05          # the worker's wake-ups for probed steps' records
@@ -78,6 +82,7 @@ class GpuTelemetryConfig:
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
                   ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
+                  ("probe_prefill_interval_s", 0.0, 3600.0),
                   ("probe_poll_s", 0.001, 10.0),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
@@ -166,6 +171,7 @@ class TailPolicy:
 @dataclass
 class GpuTelemetryStats:
     steps_probed: int = 0           # steps whose probe records were read (1 in N, and traced)
+    prefill_probes: int = 0         # ... of them, steps with prefill tokens probed out of turn
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99.9
@@ -246,6 +252,7 @@ class GpuTelemetry:
         self._cuda_lock = threading.Lock()
         self._open: str = ""       # the running step's trace reason ("" = not traced)
         self._probing = False      # the running step's probe records are read
+        self._last_prefill_probe = -math.inf   # monotonic time of the last probed prefill step
         # the next launch's (sampled, probed), drawn when the last step ended; and whether
         # that launch needs nothing of begin_step / end_step (read by the engine, no call)
         self._planned: tuple[bool, bool] | None = None
@@ -374,12 +381,27 @@ class GpuTelemetry:
         self.recorder.record(KernelNames(CuptiTracer.resolve_names(pointers)))
 
     # -- engine thread ----------------------------------------------------------------
-    def begin_step(self, step) -> None:
+    def prefill_probe_due(self) -> bool:
+        """A step with prefill tokens beginning now is probed whatever its turn (none was
+        for ``probe_prefill_interval_s``): the engine calls ``begin_step`` for it even when
+        planned plain."""
+        interval = self.config.probe_prefill_interval_s
+        return (self.probe is not None and interval > 0
+                and time.monotonic() - self._last_prefill_probe >= interval)
+
+    def begin_step(self, step, prefill: bool = False) -> None:
         """Decides whether the step gets kernel spans; if so, switches CUPTI on and tags the
         step's CUDA launches (external correlation ``step_id + 1``). Not needed on a step
-        planned plain (``next_step_plain``): the engine may skip it and ``end_step`` then."""
+        planned plain (``next_step_plain``): the engine may skip it and ``end_step`` then.
+        ``prefill``: the step carries prefill tokens (probed if ``prefill_probe_due``)."""
         t0 = time.perf_counter()
         drew, self._probing = self._take_plan()
+        if prefill and self.probe is not None:
+            due = not self._probing and self.prefill_probe_due()
+            if self._probing or due:
+                self._last_prefill_probe = time.monotonic()
+                self._probing = True
+                self.stats.prefill_probes += due
         tracer = self.tracer
         try:
             reason = ""

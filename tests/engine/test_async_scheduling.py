@@ -165,11 +165,9 @@ def test_served_overlapped_engine_streams_what_the_synchronous_one_does():
     assert [n for _, n in answers[True]] == [7, 1, 12]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-decode"])
-def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
-    """With GPU telemetry attached and nothing to sample or probe, only the first step (no
-    plan yet) calls begin_step and end_step; every later one, eager or through the static
-    decode path, calls neither, and its kernels get no probe."""
+def _counting_telemetry(static: bool, prefill_interval_s: float):
+    """An engine on the CPU with GPU telemetry that samples nothing and whose probe turn never
+    comes; the begin/end calls it gets, and the probe each forward pass was given."""
     from sightline.engine.llm_engine import LLMEngine
     from sightline.instrumentation.config import TelemetryConfig
     from sightline.instrumentation.gpu_telemetry import GpuTelemetry, GpuTelemetryConfig
@@ -185,31 +183,62 @@ def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
     calls, probes = [], []
 
     class Counting(GpuTelemetry):
-        def begin_step(self, step):
-            calls.append(("begin", step.step_id))
-            super().begin_step(step)
+        def begin_step(self, step, prefill=False):
+            calls.append(("begin", step.step_id, prefill))
+            super().begin_step(step, prefill)
 
         def end_step(self, step, done=None, graph=None):
             calls.append(("end", step.step_id))
             super().end_step(step, done, graph)
 
-    gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(cupti=False, probe=False,
-                                                            kernel_sample_ratio=0.0))
+    gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(
+        cupti=False, probe=False, kernel_sample_ratio=0.0, probe_prefill_interval_s=prefill_interval_s))
     gpu.probe = SmProbe("cpu", capacity_ctas=1 << 12, mode=PROBE_FAKE)   # never probed: no turn
     engine.gpu_telemetry = engine.runner.gpu_telemetry = gpu
     model_forward = engine.runner.model.forward
 
     def forward(input_ids, positions, meta, *args, **kwargs):
-        probes.append(meta.probe)
+        probes.append((meta.num_prefill_tokens > 0, meta.probe))
         return model_forward(input_ids, positions, meta, *args, **kwargs)
     engine.runner.model.forward = forward
     prompts, _ = _requests()
     engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     pipeline.shutdown()
     gpu.shutdown()
-    assert calls == [("begin", 0), ("end", 0)]
-    assert len(probes) > 6 and probes[0] is gpu.probe and all(p is None for p in probes[1:])
+    return gpu, calls, probes
 
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static-decode"])
+def test_steps_planned_plain_call_no_gpu_telemetry_and_probe_nothing(static):
+    """With GPU telemetry attached and nothing to sample or probe (prefill steps out of turn
+    too: interval 0), only the first step (no plan yet) calls begin_step and end_step; every
+    later one, eager or through the static decode path, calls neither, and its kernels get
+    no probe."""
+    gpu, calls, probes = _counting_telemetry(static, 0.0)
+    assert calls == [("begin", 0, True), ("end", 0)]
+    assert len(probes) > 6 and probes[0][1] is gpu.probe and all(p is None for _, p in probes[1:])
+
+
+def test_a_prefill_step_is_probed_when_none_was_for_the_interval():
+    """The same engine with a prefill step probed at least every hour: the first step (a
+    prefill) is probed, the later prefill steps fall inside the hour and, like the decode
+    steps, call nothing and get no probe."""
+    gpu, calls, probes = _counting_telemetry(False, 3600.0)
+    assert calls == [("begin", 0, True), ("end", 0)] and gpu._last_prefill_probe > 0
+    assert sum(prefill for prefill, _ in probes) >= 2 and all(p is None for _, p in probes[1:])
+
+
+def test_every_prefill_step_is_probed_when_the_interval_has_passed_each_time(monkeypatch):
+    """With the interval already passed at each prefill step, every step with prefill tokens
+    begins (planned plain or not), its kernels get the probe, and no decode-only step does."""
+    import sightline.instrumentation.gpu_telemetry as module
+    monkeypatch.setattr(module.GpuTelemetry, "prefill_probe_due",
+                        lambda self: self.probe is not None)
+    gpu, calls, probes = _counting_telemetry(False, 1.0)
+    assert all((p is gpu.probe) == prefill for prefill, p in probes[1:]), probes
+    begun = [c for c in calls if c[0] == "begin"]
+    assert sum(prefill for prefill, _ in probes) == len(begun) >= 2
+    assert gpu.stats.prefill_probes == len(begun)   # none of them was a 1-in-32 turn
 
 
 def test_every_step_joins_the_tail_window():

@@ -394,6 +394,47 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
 
 
 
+def test_a_prefill_step_is_probed_out_of_turn_when_none_was_for_the_interval(monkeypatch):
+    """Probe turns 1 in 1,000 steps, a prefill every 4th step, 10 ms apart: the engine's rule
+    (a plain-planned step with prefill tokens begins anyway when a prefill probe is due)
+    probes the prefill steps at least 50 ms after the last probed one, and no other step."""
+    import sightline.instrumentation.gpu_telemetry as module
+
+    class Probe:   # records nothing: the plan is what is compared
+        def end_step(self, *args):
+            return None
+
+        def discard(self):
+            pass
+
+    clock = [100.0]
+
+    class Clock:   # the time module, its monotonic clock the test's
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        def monotonic(self):
+            return clock[0]
+
+    monkeypatch.setattr(module, "time", Clock())
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.0, probe_every_steps=1000, probe_prefill_interval_s=0.05)
+    gpu.probe = Probe()
+    probed = []
+    for i in range(40):
+        clock[0] = 100.0 + i * 0.01
+        prefill = i % 4 == 0
+        step = OpenStep(i, 1, 2, 0)
+        if not (gpu.next_step_plain and not (prefill and gpu.prefill_probe_due())):
+            gpu.begin_step(step, prefill)
+            if gpu.probing:
+                probed.append(i)
+            gpu.end_step(step)
+        gpu.observe_step(step, 0.001)
+    pipeline.shutdown()
+    assert probed == [0, 8, 16, 24, 32]
+    assert gpu.stats.prefill_probes == 5
+
+
 def test_without_kernel_spans_tail_steps_and_samples_leave_the_next_steps_plain():
     """Without CUPTI (refused, or another profiler subscribed) nothing can take a tail
     step's follow-up trace or a sampled step: a slow step is still counted, and the steps
