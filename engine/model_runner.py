@@ -256,7 +256,17 @@ class ModelRunner:
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
         if self.tp is None:   # tensor-parallel ranks replay decode graphs only
             mixed = self.mixed if self.mixed is not None and self.mixed.capture else self.static_mixed(True)
-            self.mixed_capture = mixed_cap = mixed.capture_all(max(limit_s - cap.capture_s, 0.0))
+            try:
+                mixed_cap = mixed.capture_all(max(limit_s - cap.capture_s, 0.0))
+            except torch.cuda.OutOfMemoryError:
+                # the KV cache was sized first: without room for the segments' pool, steps
+                # with prefill tokens run eagerly rather than the engine not starting
+                self.mixed = None
+                torch.cuda.empty_cache()
+                log.warning("CUDA graphs: no memory left for the mixed-step segments; steps "
+                            "with prefill tokens run eagerly")
+                return cap
+            self.mixed_capture = mixed_cap
             log.info("CUDA graphs: captured the segments between attentions for steps of %s tokens "
                      "in %.1f s (%.0f MiB)%s", ",".join(map(str, mixed_cap.buckets)),
                      mixed_cap.capture_s, mixed_cap.pool_bytes / 2**20,
