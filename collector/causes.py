@@ -64,7 +64,7 @@ class CauseEvidence:
     engine_slowdown: float | None = None  # their median duration over the usual for their kind
     idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
     traced_steps: int = 0
-    traced_near: int = 0  # none traced in its life: the traced steps close to it that were read
+    traced_near: int = 0  # under MIN_TRACED traced in its life: the traced steps close to it added
     gpu_slowdown: float | None = None  # traced steps: GPU time over the usual
     host_slowdown: float | None = None  # traced steps: 1 + host time beyond its usual / the usual step
     compiles: list[dict] = field(default_factory=list)  # steps that compiled kernels
@@ -205,9 +205,9 @@ def _flagged(e: CauseEvidence) -> str:
 
 
 def _near(e: CauseEvidence) -> str:
-    """Where the GPU and host figures came from when no step of its life was traced."""
-    return (f"; from {e.traced_near} traced step(s) within {TRACED_REACH_S:g} s of its life, none traced in it"
-            if e.traced_near else "")
+    """Where the GPU and host figures came from when few steps of its life were traced."""
+    return (f"; from its {e.traced_steps} traced step(s) and {e.traced_near} within "
+            f"{TRACED_REACH_S:g} s of its life" if e.traced_near else "")
 
 
 def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:

@@ -24,9 +24,11 @@ __all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", 
 KINDS = ("decode", "prefill", "mixed")  # a step's tokens: decode only, prefill only, both
 _KERNEL, _SUMMARY = sc.SPAN_KERNEL_PREFIX, sc.SPAN_KERNEL_SUMMARY_PREFIX
 _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a token's cost
-# A window without a traced step (a short request, 1 step in 50 traced) reads the GPU and
-# host time of the traced steps this close to it: contention or a stall lasts seconds
+# A window with few traced steps (a short request, 1 step in 50 traced) adds the GPU and
+# host time of the traced steps this close to it: contention or a stall lasts seconds, and
+# one or two steps may miss a stall that holds the host part of the time
 TRACED_REACH_S = 1.0
+MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
 
 
 def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
@@ -169,7 +171,7 @@ class WindowSteps:
     host_slowdown: float | None
     idle_excess_s: float  # time in the window with no step running, beyond the usual gaps
     compiles: list[dict]  # steps that compiled kernels: step_id, jit_compiles, duration_s
-    traced_near: int = 0  # with none traced in the window: the traced steps within TRACED_REACH_S used
+    traced_near: int = 0  # under MIN_TRACED traced in the window: those within TRACED_REACH_S added
 
 
 class EngineTimeline:
@@ -275,11 +277,11 @@ class EngineTimeline:
             slowdown = float(np.median(duration / expected)) if (expected > 0).all() else None
         traced = idx[np.isfinite(a["gpu"][idx])]
         near = 0
-        if not traced.size:
+        if traced.size < MIN_TRACED:
             reach_ns = int(TRACED_REACH_S * 1e9)
             around = mine & (a["start"] < end_ns + reach_ns) & (a["end"] > start_ns - reach_ns) & np.isfinite(a["gpu"])
+            near = int(around.sum()) - int(traced.size)
             traced = np.flatnonzero(around)
-            near = int(traced.size)
         gpu, host = self._gpu_and_host(traced, u)
         # time in the window with no step running, beyond a usual gap before each step
         lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
