@@ -72,7 +72,8 @@ class MixedGraphs:
         self.positions = torch.zeros(top, dtype=torch.long, device=dev)   # [Tmax]
         self.slot_mapping = torch.full((top,), pad_slot, dtype=torch.long, device=dev)
         attn = model.layers[0].attn
-        # the attention's output, read by the next segment; padded rows stay zero
+        # the attention's output, read by the next segment; padded rows keep what an earlier
+        # step left there (finite: zeros at first), which only padded rows read
         self.attn_out = torch.zeros(top, attn.q_size, dtype=model.embed_tokens.weight.dtype,
                                     device=dev)   # [Tmax, Hq * D]
         self.buckets: tuple[int, ...] = () if capture else self.all_buckets
