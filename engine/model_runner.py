@@ -233,7 +233,7 @@ class ModelRunner:
 
     @property
     def uses_graphs(self) -> bool:
-        """Decode-only steps replay CUDA graphs (on CUDA, unless ``enforce_eager``)."""
+        """Steps replay CUDA graphs (on CUDA, unless ``enforce_eager``)."""
         return self.device.type == "cuda" and not self.config.enforce_eager
 
     @property
@@ -255,23 +255,26 @@ class ModelRunner:
                  ",".join(map(str, cap.buckets)), cap.capture_s, cap.pool_bytes / 2**20,
                  f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
         if self.tp is None:   # tensor-parallel ranks replay decode graphs only
-            mixed = self.mixed if self.mixed is not None and self.mixed.capture else self.static_mixed(True)
-            try:
-                mixed_cap = mixed.capture_all(max(limit_s - cap.capture_s, 0.0))
-            except torch.cuda.OutOfMemoryError:
-                # the KV cache was sized first: without room for the segments' pool, steps
-                # with prefill tokens run eagerly rather than the engine not starting
-                self.mixed = None
-                torch.cuda.empty_cache()
-                log.warning("CUDA graphs: no memory left for the mixed-step segments; steps "
-                            "with prefill tokens run eagerly")
-                return cap
-            self.mixed_capture = mixed_cap
-            log.info("CUDA graphs: captured the segments between attentions for steps of %s tokens "
-                     "in %.1f s (%.0f MiB)%s", ",".join(map(str, mixed_cap.buckets)),
-                     mixed_cap.capture_s, mixed_cap.pool_bytes / 2**20,
-                     f"; skipped {mixed_cap.skipped} (capture time limit)" if mixed_cap.skipped else "")
+            self._capture_mixed(max(limit_s - cap.capture_s, 0.0))
         return cap
+
+    def _capture_mixed(self, limit_s: float) -> None:
+        """Captures the segments between attentions for steps with prefill tokens."""
+        mixed = self.mixed if self.mixed is not None and self.mixed.capture else self.static_mixed(True)
+        try:
+            self.mixed_capture = cap = mixed.capture_all(limit_s)
+        except torch.cuda.OutOfMemoryError:
+            # the KV cache was sized first: without room for the segments' pool, steps with
+            # prefill tokens run eagerly rather than the engine not starting
+            self.mixed = None
+            torch.cuda.empty_cache()
+            log.warning("CUDA graphs: no memory left for the mixed-step segments; steps with "
+                        "prefill tokens run eagerly")
+            return
+        log.info("CUDA graphs: captured the segments between attentions for steps of %s tokens "
+                 "in %.1f s (%.0f MiB)%s", ",".join(map(str, cap.buckets)), cap.capture_s,
+                 cap.pool_bytes / 2**20,
+                 f"; skipped {cap.skipped} (capture time limit)" if cap.skipped else "")
 
     @property
     def last_step_graph_bucket(self) -> int | None:
