@@ -117,11 +117,10 @@ STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
 STEP_KV_BLOCKS_USED = "sightline.step.kv_blocks_used"
 STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
 # on a step whose kernels were traced (CUPTI on), and on its kernel spans
-STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"  # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
+STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"
+# whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"
-# kernels compiled (Triton JIT, graph captures) while the step ran: a compile while serving
-STEP_JIT_COMPILES = "sightline.step.jit_compiles"
 STEP_GRAPH_BATCH_SIZE = "sightline.step.graph_batch_size"
 # on a step with prefill tokens whose work between attentions replayed CUDA graphs: their
 # padded token count (the attention kernels ran eagerly)
