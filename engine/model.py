@@ -192,18 +192,15 @@ class Attention(nn.Module):
         or wider), written into its first T rows instead of a new tensor."""
         t, n_pre = q.shape[0], meta.num_prefill_tokens
         k_cache, v_cache = (None, None) if kv_cache is None else (kv_cache[0], kv_cache[1])
-        if out is None:
-            if n_pre == t:
-                return self._prefill(q, k, v, meta, k_cache, v_cache)
-            if n_pre == 0:
-                return self._decode(q, meta, k_cache, v_cache)
-            return torch.cat((self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache, v_cache),
-                              self._decode(q[n_pre:], meta, k_cache, v_cache)), dim=0)
+        parts = []   # (first row, [rows, Hq, D]): the prefill chunks', then the decodes'
         if n_pre:
-            out[:n_pre].copy_(self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache,
-                                            v_cache).reshape(n_pre, -1))
+            parts.append((0, self._prefill(q[:n_pre], k[:n_pre], v[:n_pre], meta, k_cache, v_cache)))
         if n_pre < t:
-            out[n_pre:t].copy_(self._decode(q[n_pre:], meta, k_cache, v_cache).reshape(t - n_pre, -1))
+            parts.append((n_pre, self._decode(q[n_pre:], meta, k_cache, v_cache)))
+        if out is None:
+            return parts[0][1] if len(parts) == 1 else torch.cat([o for _, o in parts], dim=0)
+        for first, o in parts:
+            out[first:first + o.shape[0]].copy_(o.reshape(o.shape[0], -1))
         return out[:t].view(t, self.num_heads, self.head_dim)
 
     def output(self, o: torch.Tensor) -> torch.Tensor:

@@ -396,12 +396,10 @@ class GpuTelemetry:
         ``prefill``: the step carries prefill tokens (probed if ``prefill_probe_due``)."""
         t0 = time.perf_counter()
         drew, self._probing = self._take_plan()
-        if prefill and self.probe is not None:
-            due = not self._probing and self.prefill_probe_due()
-            if self._probing or due:
-                self._last_prefill_probe = time.monotonic()
-                self._probing = True
-                self.stats.prefill_probes += due
+        if prefill and (self._probing or self.prefill_probe_due()):
+            self.stats.prefill_probes += not self._probing   # out of turn
+            self._probing = True
+            self._last_prefill_probe = time.monotonic()
         tracer = self.tracer
         try:
             reason = ""

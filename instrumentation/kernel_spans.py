@@ -155,7 +155,8 @@ class KernelSpanBuilder:
             self._corr, self._ext = _merge_newest(self._corr, self._ext, decoded.correlation_ids,
                                                   decoded.external_ids, self.config.max_correlations)
         if len(decoded.api_correlation_ids):
-            # a runtime launch and the driver call under it share an id: the later is the launch's end
+            # a runtime launch and the driver call under it share an id: the driver record,
+            # decoded after the runtime ones, is kept (it returns microseconds earlier)
             self._api_corr, self._api_end = _merge_newest(self._api_corr, self._api_end,
                                                           decoded.api_correlation_ids, decoded.api_end_ns,
                                                           self.config.max_correlations)

@@ -4,16 +4,14 @@ the SM probe's records come back from kernels inside a replayed graph."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from sightline.engine.config import EngineConfig
 from sightline.engine.cuda_graphs import DecodeGraphs, graph_buckets
-from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
 from sightline.instrumentation.sm_probe import PROBE_FAKE, RECORD_WORDS, ProbedLaunches, SmProbe
+from tests.engine.graph_runs import cuda_config, random_prompts, run_greedy
 
 
 def test_buckets_cover_every_batch_size_up_to_max_num_seqs():
@@ -53,26 +51,6 @@ def test_probe_reservations_are_taken_at_capture_and_snapshotted_at_replay():
     assert probe.end_replay(ProbedLaunches()) is None and probe.pending_ctas == 0
 
 
-def _run(engine, prompts, max_tokens):
-    """Drives the engine step by step; returns (outputs, graph bucket of every step)."""
-    tokens: dict[str, list[int]] = {}
-    for prompt, m in zip(prompts, max_tokens):
-        tokens[engine.new_request_id("g")] = []
-        engine.add_request(list(tokens)[-1], prompt,
-                           SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    buckets = []
-    while engine.scheduler.has_work:
-        for _, output in engine.step():
-            tokens[output.request_id] += output.token_ids
-        buckets.append(engine.runner.last_step_graph_bucket)
-    return list(tokens.values()), buckets
-
-
-def _prompts(seed=0, lens=(9, 30, 4, 17, 12)):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 500) for _ in range(n)] for n in lens]
-
-
 def test_static_padded_decode_matches_eager_on_cpu():
     """Five sequences finishing at different steps: decode batches of 5, 4, 3, 2, 1 run in
     buckets 8, 4, 4, 2, 1 with padded rows; the greedy tokens equal the eager engine's, and
@@ -80,13 +58,13 @@ def test_static_padded_decode_matches_eager_on_cpu():
     from sightline.engine.llm_engine import LLMEngine
     config = EngineConfig(device="cpu", kv_cache_gib=0.004,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
-    prompts, max_tokens = _prompts(), [6, 9, 3, 12, 7]
+    prompts, max_tokens = random_prompts(), [6, 9, 3, 12, 7]
     eager = LLMEngine(config)
-    want, eager_buckets = _run(eager, prompts, max_tokens)
+    want, eager_buckets = run_greedy(eager, prompts, max_tokens)
     assert set(eager_buckets) == {None}
     static = LLMEngine(config)
     static.runner.static_decode(capture=False)
-    got, buckets = _run(static, prompts, max_tokens)
+    got, buckets = run_greedy(static, prompts, max_tokens)
     assert got == want
     assert {8, 4, 2, 1} <= set(buckets) and None in buckets   # prefill steps stay eager
     assert static.runner.last_execution.attributes() == {"sightline.step.cuda_graph": False,
@@ -97,25 +75,20 @@ def test_static_padded_decode_matches_eager_on_cpu():
 
 # -- on a GPU -------------------------------------------------------------------------------------
 
-def _cuda_config(**kw):
-    return EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), **kw)
-
-
 @pytest.mark.gpu
 def test_graph_replays_give_the_eager_tokens_on_gpu():
     """Greedy tokens token for token: CUDA graphs (buckets 1..8, padded) against
     --enforce-eager, tiny model in float32 (its margins dwarf float32 rounding)."""
     from sightline.engine.llm_engine import LLMEngine
-    prompts, max_tokens = _prompts(1), [20, 33, 8, 41, 15]
-    eager = LLMEngine(_cuda_config(enforce_eager=True))
+    prompts, max_tokens = random_prompts(1), [20, 33, 8, 41, 15]
+    eager = LLMEngine(cuda_config(enforce_eager=True))
     assert eager.runner.graphs is None
-    want, _ = _run(eager, prompts, max_tokens)
+    want, _ = run_greedy(eager, prompts, max_tokens)
     del eager
-    graphs = LLMEngine(_cuda_config())
+    graphs = LLMEngine(cuda_config())
     cap = graphs.runner.graph_capture
     assert cap.buckets == (1, 2, 4, 8) and not cap.skipped
-    got, buckets = _run(graphs, prompts, max_tokens)
+    got, buckets = run_greedy(graphs, prompts, max_tokens)
     assert got == want
     assert {8, 4, 2, 1} <= set(buckets)
     assert graphs.runner.last_execution.cuda_graph is True
@@ -126,7 +99,7 @@ def test_probe_records_come_back_from_a_replayed_graph():
     """The paged-decode kernels inside a captured graph write their per-CTA records into the
     static probe buffer at every replay: real SM ids, fresh timestamps each time."""
     from sightline.engine.llm_engine import LLMEngine
-    engine = LLMEngine(_cuda_config(enforce_eager=True))
+    engine = LLMEngine(cuda_config(enforce_eager=True))
     runner = engine.runner
     probe = SmProbe(runner.device, capacity_ctas=1 << 16)
     graphs = DecodeGraphs(runner.model, runner.kv_cache, 4, 8, runner.num_blocks * runner.block_size,
@@ -195,7 +168,7 @@ def test_cupti_joins_a_replayed_graphs_kernels_to_the_pushed_step_id(request):
     from sightline.engine.llm_engine import LLMEngine
     tracer, buffers = _cupti(request)
     tracer.disable()   # idle until a traced step, as GpuTelemetry keeps it
-    engine = LLMEngine(_cuda_config())
+    engine = LLMEngine(cuda_config())
     args = _replay_args(engine)
     torch.cuda.synchronize()
     tracer.flush()
@@ -225,7 +198,7 @@ def test_cupti_times_of_a_replayed_graphs_kernels_lie_inside_the_replay(request)
     from sightline.engine.llm_engine import LLMEngine
     tracer, buffers = _cupti(request)
     tracer.disable()
-    engine = LLMEngine(_cuda_config())
+    engine = LLMEngine(cuda_config())
     args = _replay_args(engine)
     torch.cuda.synchronize()
     for attempt in range(3):
@@ -252,7 +225,7 @@ def test_graphs_captured_before_cupti_starts_are_still_traced(request):
     import time
 
     from sightline.engine.llm_engine import LLMEngine
-    engine = LLMEngine(_cuda_config())
+    engine = LLMEngine(cuda_config())
     tracer, buffers = _cupti(request)
     args = _replay_args(engine)
     torch.cuda.synchronize()

@@ -4,14 +4,12 @@ replayed), against the eager forward, token for token."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from sightline.engine.config import EngineConfig
 from sightline.engine.mixed_graphs import mixed_buckets
-from sightline.engine.request import SamplingParams
 from sightline.engine.scheduler import SchedulerConfig
+from tests.engine.graph_runs import cuda_config, random_prompts, run_greedy
 
 
 def test_buckets_climb_the_ladder_to_the_token_budget_and_stop_at_1024():
@@ -21,24 +19,12 @@ def test_buckets_climb_the_ladder_to_the_token_budget_and_stop_at_1024():
     assert mixed_buckets(8) == (8,)
 
 
-def _run(engine, prompts, max_tokens):
-    """Greedy tokens per request, and each step's padded token count (None: not this path)."""
-    tokens = {}
-    for prompt, m in zip(prompts, max_tokens):
-        tokens[engine.new_request_id("m")] = []
-        engine.add_request(list(tokens)[-1], prompt,
-                           SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True))
-    buckets = []
-    while engine.scheduler.has_work:
-        for _, output in engine.step():
-            tokens[output.request_id] += output.token_ids
-        buckets.append(engine.runner.last_execution.graph_tokens)
-    return list(tokens.values()), buckets
+def _graph_tokens(runner):
+    """The step's padded token count on the mixed path (None: not this path)."""
+    return runner.last_execution.graph_tokens
 
 
-def _prompts(seed=0, lens=(9, 30, 4, 17, 12, 70)):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, 500) for _ in range(n)] for n in lens]
+_LENS = (9, 30, 4, 17, 12, 70)
 
 
 def test_static_mixed_steps_match_eager_on_cpu():
@@ -49,13 +35,13 @@ def test_static_mixed_steps_match_eager_on_cpu():
     from sightline.engine.llm_engine import LLMEngine
     config = EngineConfig(device="cpu", kv_cache_gib=0.004,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
-    prompts, max_tokens = _prompts(), [6, 9, 3, 12, 7, 5]
+    prompts, max_tokens = random_prompts(0, _LENS), [6, 9, 3, 12, 7, 5]
     eager = LLMEngine(config)
-    want, eager_buckets = _run(eager, prompts, max_tokens)
+    want, eager_buckets = run_greedy(eager, prompts, max_tokens, _graph_tokens)
     assert set(eager_buckets) == {None}
     static = LLMEngine(config)
     static.runner.static_mixed(capture=False)
-    got, buckets = _run(static, prompts, max_tokens)
+    got, buckets = run_greedy(static, prompts, max_tokens, _graph_tokens)
     assert got == want
     assert buckets[:2] == [48, 48] and {16, 48} <= set(buckets)
     assert static.runner.last_execution.attributes() == {"sightline.step.cuda_graph": False,
@@ -70,35 +56,30 @@ def test_decode_steps_take_the_decode_graphs_and_the_rest_the_mixed_path_on_cpu(
     from sightline.engine.llm_engine import LLMEngine
     config = EngineConfig(device="cpu", kv_cache_gib=0.004, async_scheduling=True,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
-    prompts, max_tokens = _prompts(3), [4, 11, 2, 8, 6, 9]
-    want, _ = _run(LLMEngine(config), prompts, max_tokens)
+    prompts, max_tokens = random_prompts(3, _LENS), [4, 11, 2, 8, 6, 9]
+    want, _ = run_greedy(LLMEngine(config), prompts, max_tokens, _graph_tokens)
     static = LLMEngine(config)
     static.runner.static_mixed(capture=False)
     static.runner.static_decode(capture=False)
-    got, _ = _run(static, prompts, max_tokens)
+    got, _ = run_greedy(static, prompts, max_tokens, _graph_tokens)
     assert got == want
 
 
 # -- on a GPU -------------------------------------------------------------------------------------
-
-def _cuda_config(**kw):
-    return EngineConfig(device="cuda", dtype="float32", gpu_memory_utilization=0.3,
-                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128), **kw)
-
 
 @pytest.mark.gpu
 def test_mixed_graph_replays_give_the_eager_tokens_on_gpu():
     """Greedy tokens token for token: the captured segments (token buckets 16..128) with
     eager attention between them against --enforce-eager, tiny model in float32."""
     from sightline.engine.llm_engine import LLMEngine
-    prompts, max_tokens = _prompts(1, (9, 130, 4, 17, 60)), [20, 33, 8, 41, 15]
-    eager = LLMEngine(_cuda_config(enforce_eager=True))
+    prompts, max_tokens = random_prompts(1, (9, 130, 4, 17, 60)), [20, 33, 8, 41, 15]
+    eager = LLMEngine(cuda_config(enforce_eager=True))
     assert eager.runner.mixed is None
-    want, _ = _run(eager, prompts, max_tokens)
+    want, _ = run_greedy(eager, prompts, max_tokens, _graph_tokens)
     del eager
-    graphs = LLMEngine(_cuda_config())
+    graphs = LLMEngine(cuda_config())
     cap = graphs.runner.mixed_capture
     assert cap.buckets == (16, 32, 64, 128) and not cap.skipped
-    got, buckets = _run(graphs, prompts, max_tokens)
+    got, buckets = run_greedy(graphs, prompts, max_tokens, _graph_tokens)
     assert got == want
     assert 128 in buckets and None in buckets   # decode-only steps replay the decode graphs
