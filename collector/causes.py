@@ -61,7 +61,7 @@ class CauseEvidence:
     priority: str
     queue: dict[str, int] | None = None  # at arrival: depth, ahead_more_urgent, overtaken_by
     steps: int = 0  # steps of its engine that ran while it lived
-    engine_slowdown: float | None = None  # their median duration over the usual for their kind
+    engine_slowdown: float | None = None  # their summed duration over the usual summed for their kinds
     idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
     traced_steps: int = 0
     traced_near: int = 0  # under MIN_TRACED traced in its life: the traced steps close to it added

@@ -163,11 +163,14 @@ class WindowSteps:
     """The steps that overlapped a window, against the usual (see :meth:`EngineTimeline.window`)."""
 
     steps: int
-    slowdown: float | None  # median of each step's duration over the usual for its kind and tokens
+    # the steps' summed duration over the usual summed for their kinds and tokens: a stall that
+    # stretches a third of them 4x doubles the request's time, and leaves their median usual
+    slowdown: float | None
     traced: int
-    gpu_slowdown: float | None  # traced steps: median GPU time over the usual
-    # traced steps: median of 1 + (host time - its usual) / the usual step, how much the host
-    # stretched them (a graph replay's host time is tens of us: a ratio to it says nothing)
+    gpu_slowdown: float | None  # traced steps: summed GPU time over the usual summed
+    # traced steps: 1 + their summed host time beyond its usual over their usual time summed,
+    # how much the host stretched them (a graph replay's host time is tens of us: a ratio to
+    # it says nothing)
     host_slowdown: float | None
     idle_excess_s: float  # time in the window with no step running, beyond the usual gaps
     compiles: list[dict]  # steps that compiled kernels: step_id, jit_compiles, duration_s
@@ -273,8 +276,7 @@ class EngineTimeline:
         prefill = a["prefill"][idx]
         expected = u["duration"] + u["duration_per_token"] * prefill
         duration = a["duration"][idx]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            slowdown = float(np.median(duration / expected)) if (expected > 0).all() else None
+        slowdown = float(duration.sum() / expected.sum()) if (expected > 0).all() else None
         traced = idx[np.isfinite(a["gpu"][idx])]
         near = 0
         if traced.size < MIN_TRACED:
@@ -300,8 +302,9 @@ class EngineTimeline:
                            max(0.0, idle - usual_gap * idx.size), compiles, near)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
-        """Traced steps ``traced`` (indices): their median GPU time over the usual for their
-        tokens, and the median stretch their host time beyond its usual gave them (WindowSteps)."""
+        """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,
+        and the stretch their host time beyond its usual gave them, both as ratios of sums
+        (WindowSteps): a stall that lands on a minority of steps moves a sum, not a median."""
         if not traced.size:
             return None, None
         a = self._arrays
@@ -309,9 +312,8 @@ class EngineTimeline:
         want_gpu = u["gpu"] + u["gpu_per_token"] * prefill
         want_host = u["host"] + u["host_per_token"] * prefill
         want_step = u["duration"] + u["duration_per_token"] * prefill
-        with np.errstate(divide="ignore", invalid="ignore"):
-            gpu = float(np.median(gpu_s / want_gpu)) if (want_gpu > 0).all() else None
-            host = float(np.median(1.0 + (host_s - want_host) / want_step)) if (want_step > 0).all() else None
+        gpu = float(gpu_s.sum() / want_gpu.sum()) if (want_gpu > 0).all() else None
+        host = float(1.0 + (host_s - want_host).sum() / want_step.sum()) if (want_step > 0).all() else None
         return gpu, host
 
     def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
