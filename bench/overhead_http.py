@@ -50,6 +50,7 @@ LEVELS = {                                 # name -> engine serve flags
     "kernels-no-probe": ["--trace-level", "kernels", "--no-sm-probe"],              # CUPTI only
     "kernels-probe-all": ["--trace-level", "kernels", "--sm-probe-every", "1"],     # every step's CTAs
     "kernels-detached": ["--trace-level", "kernels", "--cupti-detach"],             # CUPTI detached between traced steps
+    "kernels-no-spell": ["--trace-level", "kernels", "--kernel-sample-ratio-slow", "0"],  # no slow spell
 }
 
 
@@ -215,6 +216,8 @@ def _per_step_us(before: dict, after: dict, steps: int) -> dict:
     return {"untraced_step": round(1e6 * (total - traced_s) / untraced, 2),
             "traced_step": round(1e6 * traced_s / traced, 1) if traced else None,
             "steps_traced": traced,
+            # of them, traced in slow spells (a higher ratio after a decode step well over the median)
+            "steps_traced_spell": after.get("steps_traced_spell", 0) - before.get("steps_traced_spell", 0),
             "probed_step": round(1e6 * probed_s / probed, 1) if probed > 0 else None,
             "plain_step": round(1e6 * (total - traced_s - probed_s) / plain, 2)}
 

@@ -154,6 +154,8 @@ def start_server(args: argparse.Namespace, capture: Path, otlp_http_endpoint: st
     telemetry = Telemetry.start(TelemetryConfig(
         level="kernels", capture_path=str(capture), **export,
         kernel_sample_ratio=args.kernel_sample_ratio,
+        kernel_sample_ratio_slow=getattr(args, "kernel_sample_ratio_slow",
+                                         TelemetryConfig.kernel_sample_ratio_slow),
         metric_export_interval_s=getattr(args, "metric_export_interval", 10.0),
         resource_attributes={"host.name": socket.gethostname(),
                              "sightline.capture": "bench/record_capture.py"},

@@ -307,6 +307,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--gauge-window-s", type=float, default=20.0,
                     help="the collector's gauge window: flags clear before the next segment's onset")
     ap.add_argument("--kernel-sample-ratio", type=float, default=0.02)
+    ap.add_argument("--kernel-sample-ratio-slow", type=float, default=0.1,
+                    help="steps traced during a slow spell (0: none)")
     ap.add_argument("--metric-export-interval", type=float, default=2.0)
     ap.add_argument("--fa2-config", default="64,64,4,3", help="SIGHTLINE_FA2_PREFILL_CONFIG for the engine")
     ap.add_argument("--keep-captures", default="sm_quarter",

@@ -61,7 +61,7 @@ class CauseEvidence:
     priority: str
     queue: dict[str, int] | None = None  # at arrival: depth, ahead_more_urgent, overtaken_by
     steps: int = 0  # steps of its engine that ran while it lived
-    engine_slowdown: float | None = None  # their summed duration over the usual summed for their kinds
+    engine_slowdown: float | None = None  # decode-only steps: mean duration over the usual (WindowSteps)
     idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
     traced_steps: int = 0
     traced_near: int = 0  # under MIN_TRACED traced in its life: the traced steps close to it added
@@ -72,7 +72,9 @@ class CauseEvidence:
     sm_count: int = 0  # SMs with CTAs in its slots (0: not known)
     cta_slowdown: float | None = None  # the median SM's CTA P90 over its usual, attention kernels
     cta_spread: float | None = None  # the slowest SM's CTA P90 over the median SM's, then
-    interference_s: float = 0.0  # its decode time in steps with prefill tokens, beyond decode-only
+    # its decode time, beyond decode-only, in steps with prefill tokens or in which one began
+    # (an engine that schedules ahead launches the next step inside this one)
+    interference_s: float = 0.0
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
 
 
@@ -171,7 +173,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                       "cta_slowdown": e.cta_slowdown}, usual)
     if e.interference_s >= c.interference_share * e2e:
         return Cause(sc.CAUSE_PREFILL_INTERFERENCE,
-                     f"its decode steps carried other requests' prefill tokens: {e.interference_s * 1e3:.0f} ms of "
+                     f"its decode steps carried or waited on other requests' prefill: {e.interference_s * 1e3:.0f} ms of "
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",

@@ -4,7 +4,9 @@
 for a traced step the GPU time of its kernels) and its request roots (arrival, time in the
 queue, priority) into arrays that ``explain`` queries by time: which steps ran while a
 request lived, how long they took against what a step of that kind and size usually takes
-on that engine in the store (where most of its steps lie: the median of their densest half),
+on that engine in the store (where most of its steps lie: the median of their densest half;
+for its decode-only steps, their mean against a usual second's, so that a stall on a
+minority of them counts),
 the time with no step running, and how many requests waited when one arrived.
 Guarantee: only what the store holds is counted; a span is decoded once, again only when
 its trace grew. Cost: one protobuf decode per new step, kernel and queue span per
@@ -29,6 +31,7 @@ _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a
 # one or two steps may miss a stall that holds the host part of the time
 TRACED_REACH_S = 1.0
 MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
+_MIN_SECOND_STEPS = 4   # a second with fewer clean decode steps says little about their mean
 
 
 def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
@@ -42,6 +45,35 @@ def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
     widths = x[half - 1:] - x[:x.size - half + 1]
     i = int(np.argmin(widths))
     return float(np.median(x[i:i + half]))
+
+
+def _clean_decode(a: dict[str, np.ndarray]) -> np.ndarray:
+    """Decode-only steps in whose span no step with prefill tokens began (``a`` sorted by
+    start): an engine that schedules ahead launches the next step before it completes this
+    one, and a prefill's launches then stretch this step (others' prefill, not slowness)."""
+    clean = a["kind"] == 0
+    for instance in set(a["instance"].tolist()):
+        mine = np.flatnonzero(a["instance"] == instance)
+        # prefilled[j]: steps with prefill tokens among the instance's first j
+        prefilled = np.concatenate(([0], np.cumsum(a["prefill"][mine] > 0)))
+        # its steps i+1 .. k-1 began inside step i (k: the first to begin at or after its end)
+        after = np.arange(len(mine)) + 1
+        k = np.maximum(np.searchsorted(a["start"][mine], a["end"][mine], side="left"), after)
+        clean[mine] &= prefilled[k] == prefilled[after]
+    return clean
+
+
+def _usual_mean(a: dict[str, np.ndarray], default: float) -> float:
+    """A usual second's mean decode step (clean ones, see _clean_decode): where most of the
+    per-second means lie. Step times are skewed (a few long ones in any second), so a sum of
+    steps is held against this, not against the usual step."""
+    clean = a["clean"]
+    if not clean.any():
+        return default
+    second, inverse = np.unique(a["start"][clean] // 1_000_000_000, return_inverse=True)
+    counts = np.bincount(inverse)
+    means = np.bincount(inverse, weights=a["duration"][clean]) / counts
+    return usual_value(means[counts >= _MIN_SECOND_STEPS], default)
 
 
 def _number(value, default=0.0) -> float:
@@ -65,6 +97,9 @@ class StepFacts:
     host_s: float  # host time of a traced step (NaN: not traced); see _step_facts
     step_id: int | None
     instance: str
+    # traced by the random draw at the usual ratio (not after a slow step, not in a slow
+    # spell): what the usual GPU and host time are taken from
+    usual_sample: bool = True
 
 
 @dataclass(slots=True)
@@ -128,9 +163,11 @@ def _step_facts(trace, step) -> StepFacts:
     else:
         gpu, host = busy, duration - busy
     step_id = a.get(sc.STEP_ID)
+    reason = a.get(sc.STEP_TRACE_REASON)
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
                      int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu, host,
-                     int(_number(step_id)) if step_id is not None else None, step.instance)
+                     int(_number(step_id)) if step_id is not None else None, step.instance,
+                     reason in (None, sc.TRACE_REASON_SAMPLED))
 
 
 def _busy_before(kernels: list[tuple[int, int, float]], until_ns: int) -> float:
@@ -163,8 +200,10 @@ class WindowSteps:
     """The steps that overlapped a window, against the usual (see :meth:`EngineTimeline.window`)."""
 
     steps: int
-    # the steps' summed duration over the usual summed for their kinds and tokens: a stall that
-    # stretches a third of them 4x doubles the request's time, and leaves their median usual
+    # its decode-only steps' mean duration, leaving out those in which a prefill began
+    # (_clean_decode), over a usual second's (_usual_mean); where none is left, the median
+    # step's over the usual for its tokens. A stall that stretches a third of the steps 4x
+    # doubles the request's time, and leaves their median usual
     slowdown: float | None
     traced: int
     gpu_slowdown: float | None  # traced steps: summed GPU time over the usual summed
@@ -219,9 +258,11 @@ class EngineTimeline:
              "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "host": np.array([f.host_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
+             "usual_sample": np.array([f.usual_sample for f in facts], dtype=bool),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
+        a["clean"] = _clean_decode(a)
         self._arrays = a
         # each engine against its own usual: engines of other models or devices share the store
         self._usual = {None: self._fit(a)}
@@ -234,21 +275,28 @@ class EngineTimeline:
         """The usual step: a decode-only step's duration, plus a cost per prefill token; the
         same for GPU time and host time (see _step_facts) of traced steps, and the gap
         between steps. Each is the median of the shortest half of the values (:func:`usual_value`);
-        beside them the most requests a step decoded."""
+        beside them the most requests a step decoded. GPU and host time come from the steps
+        the usual ratio sampled, of each kind where it has any: steps traced after a slow
+        step or in a slow spell were chosen for running slow."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])
 
+        def sampled(rows: np.ndarray) -> np.ndarray:
+            usual = rows & a["usual_sample"]
+            return usual if usual.any() else rows
+
         def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
-            base = usual_value(values[decode & rows], 0.0)
-            per_token = usual_value((values[prefilled & rows] - base) / a["prefill"][prefilled & rows], 0.0)
+            base = usual_value(values[sampled(decode & rows)], 0.0)
+            costed = sampled(prefilled & rows)
+            per_token = usual_value((values[costed] - base) / a["prefill"][costed], 0.0)
             return base, max(0.0, per_token)
 
         base, per_token = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token = fit(a["gpu"], traced)
         host_base, host_token = fit(a["host"], traced)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
-                "host": host_base, "host_per_token": host_token,
+                "host": host_base, "host_per_token": host_token, "decode_mean": _usual_mean(a, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
@@ -276,7 +324,13 @@ class EngineTimeline:
         prefill = a["prefill"][idx]
         expected = u["duration"] + u["duration_per_token"] * prefill
         duration = a["duration"][idx]
-        slowdown = float(duration.sum() / expected.sum()) if (expected > 0).all() else None
+        slowdown = None
+        if (expected > 0).all():
+            # decode-only steps are the yardstick: a mixed step's cost beyond the line of
+            # its tokens is others' prefill (prefill_interference), not the engine's slowness
+            plain = a["clean"][idx]
+            slowdown = (float(duration[plain].mean() / u["decode_mean"])
+                        if plain.any() and u["decode_mean"] > 0 else float(np.median(duration / expected)))
         traced = idx[np.isfinite(a["gpu"][idx])]
         near = 0
         if traced.size < MIN_TRACED:
@@ -343,6 +397,19 @@ class EngineTimeline:
         during = self._steps_of(instance) & (a["start"] < end_ns) & (a["end"] > start_ns)
         most = self.usual(instance)["most_decode"]
         return bool(during.any() and most > 0 and np.median(a["decode"][during]) >= 0.9 * most)
+
+    def prefill_began_within(self, start_ns: int, end_ns: int, instance: str | None = None) -> bool:
+        """Whether a step with prefill tokens (of ``instance``, when it has steps) began
+        inside ``(start_ns, end_ns)``: launched while a step ran, its launches stretch it."""
+        a = self._arrays
+        if a is None or not len(a["start"]):
+            return False
+        rows = slice(int(np.searchsorted(a["start"], start_ns, side="right")),
+                     int(np.searchsorted(a["start"], end_ns, side="left")))
+        began = a["prefill"][rows] > 0
+        if instance is not None and instance in self._usual:   # else every instance's steps
+            began &= a["instance"][rows] == instance
+        return bool(began.any())
 
     def _steps_of(self, instance: str | None) -> np.ndarray:
         """Which stored steps are ``instance``'s (all of them when it has none)."""

@@ -59,7 +59,7 @@ class StepSummary:
     prefill_tokens: int | None
     decode_tokens: int | None
     kernels: list[KernelSummary] = field(default_factory=list)
-    kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail"
+    kernel_trace_reason: str | None = None  # its kernels were traced: "sampled" | "after_tail" | "slow_spell"
     prefill_cached_tokens: int | None = None  # prompt tokens it took from the prefix cache
     # tensor parallelism: per rank (index = rank), seconds computing and waiting in
     # collectives, and the rank the others waited for (None: they kept pace)
@@ -357,10 +357,12 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
     usual = timeline.usual(root.instance)
     interference = 0.0
     if decode_from is not None:
-        for step in steps:  # its decode steps that also carried prefill tokens
+        for step in steps:  # its decode steps that carried prefill tokens, or in which a prefill began
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
-            if record.start_time_unix_nano >= decode_from and prefill > 0:
+            start = record.start_time_unix_nano
+            if start >= decode_from and (prefill > 0 or timeline.prefill_began_within(
+                    start, record.end_time_unix_nano, root.instance)):
                 interference += max(0.0, step.duration_s - usual.get("duration", 0.0))
     window = timeline.window(arrival, end, root.instance)
     try:

@@ -64,7 +64,7 @@ class _NullRecorder:
 class _NoGpuTelemetry:
     """GPU telemetry when kernel tracing is off: the step's wall time goes nowhere."""
 
-    def observe_step(self, step, duration_s: float) -> None:
+    def observe_step(self, step, duration_s: float, prefill: bool = False) -> None:
         pass
 
 
@@ -498,7 +498,7 @@ class EngineCore:
         self.recorder.record_later(_step_event, self.recorder, plan, step, time.time_ns(),
                                    prefill_done, execution, self.runner, error_type)
         if duration_s is not None:
-            self._gpu.observe_step(step, duration_s)
+            self._gpu.observe_step(step, duration_s, plan.num_prefill_tokens > 0)
         self.telemetry_thread_s += time.perf_counter() - c0
 
     def _final(self, request_id: str, tokens: list[int], error: str | None = None) -> FinalOutput:
@@ -558,8 +558,11 @@ class EngineCore:
             + (stats.engine_thread_s if stats is not None else 0.0),
             # the traced steps' part of it, and how many steps were traced
             "telemetry_traced_steps_s": stats.engine_thread_traced_s if stats is not None else 0.0,
-            "steps_traced": stats.steps_traced_sampled + stats.steps_traced_tail
-            if stats is not None else 0,
+            "steps_traced": (stats.steps_traced_sampled + stats.steps_traced_spell + stats.steps_traced_tail
+                             if stats is not None else 0),
+            # slow spells begun, and the steps traced in them (of steps_traced)
+            "slow_spells": stats.slow_spells if stats is not None else 0,
+            "steps_traced_spell": stats.steps_traced_spell if stats is not None else 0,
             # untraced steps whose probe records were read: their part, and every probed step
             "telemetry_probed_steps_s": stats.engine_thread_probed_s if stats is not None else 0.0,
             "steps_probed": stats.steps_probed if stats is not None else 0,

@@ -2,16 +2,15 @@
 
 ``GpuTelemetry.create(recorder, device_index)`` -> instance or None; ``probe`` goes to the
 attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread),
-``observe_step`` runs once the step is done: the tail rule (kernel spans for the steps after
-one slower than the recent P99.9) and the next step's random draw (a sampled fraction) and
-probe turn (1 in ``probe_every_steps``; a prefill step out of turn when none was probed for
-``probe_prefill_interval_s``). A step planned plain calls nothing else. Probed and traced
-steps leave a stream-ordered copy of their probe records to the worker (it polls). A traced
-step switches CUPTI on and pushes/pops its external id (``step_id + 1``), and is not waited
-for: the worker waits for its kernels, flushes CUPTI and switches it off; steps launched
-meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the next step
-(``cupti_detach``: the engine waits and detaches CUPTI itself, ms per traced step). The
-worker reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported
+``observe_step`` runs once the step is done: the tail rule, the slow spell, the next step's
+draw and probe turn (1 in ``probe_every_steps``; a prefill step out of turn when none was
+probed for ``probe_prefill_interval_s``). A step planned plain calls nothing else. Probed
+and traced steps leave a stream-ordered copy of their probe records to the worker (it
+polls). A traced step switches CUPTI on and pushes/pops its external id (``step_id + 1``),
+unwaited: the worker waits for its kernels, flushes CUPTI and switches it off; steps
+launched meanwhile are recorded under ``UNTRACED_EXTERNAL_ID``, their sample owed to the
+next (``cupti_detach``: the engine waits and detaches CUPTI itself, ms per traced step).
+The worker reduces probe records on the GPU into per-(gpu, SM, kernel) histograms, exported
 every ``export_interval_s``; CUPTI buffers go over raw. All leaves through the recorder."""
 
 from __future__ import annotations
@@ -41,8 +40,11 @@ logger = logging.getLogger(__name__)
 
 _NEVER = 1 << 62   # steps until the next sampled (probed) one at ratio 0 (without a probe)
 _NEITHER = (False, False)   # the usual step's plan: neither sampled nor probed
-TRACE_SAMPLED = "sampled"
-TRACE_AFTER_TAIL = "after_tail"
+TRACE_SAMPLED = semconv.TRACE_REASON_SAMPLED
+TRACE_AFTER_TAIL = semconv.TRACE_REASON_AFTER_TAIL
+# sampled at the slow spell's ratio: more of them where steps run slow, so the collector
+# leaves them out of what it takes as the usual step
+TRACE_SLOW_SPELL = semconv.TRACE_REASON_SLOW_SPELL
 
 
 # the knobs a user sets are TelemetryConfig's settings: their defaults are declared there once
@@ -54,6 +56,13 @@ class GpuTelemetryConfig:
     """Knobs of the GPU telemetry; ranges checked, errors name the bad value."""
 
     kernel_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio"]   # steps whose kernels become spans
+    # a slow spell: for ``slow_spell_s`` after a decode-only step ``slow_step_factor`` x the
+    # tail window's median, steps are sampled at ``slow_sample_ratio`` (when higher). A stall
+    # that lands on a minority of steps moves their sum, not their median, and a few traced
+    # steps a second often miss it: the spell traces enough of them to say where it went.
+    slow_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio_slow"]
+    slow_step_factor: float = 1.5
+    slow_spell_s: float = 1.0
     tail_quantile: float = 0.999        # a step slower than this quantile arms tail tracing
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
@@ -78,7 +87,9 @@ class GpuTelemetryConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        checks = (("kernel_sample_ratio", 0.0, 1.0), ("tail_quantile", 0.5, 1.0),
+        checks = (("kernel_sample_ratio", 0.0, 1.0), ("slow_sample_ratio", 0.0, 1.0),
+                  ("slow_step_factor", 1.0, 100.0), ("slow_spell_s", 0.0, 3600.0),
+                  ("tail_quantile", 0.5, 1.0),
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
                   ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
@@ -96,18 +107,21 @@ class TailPolicy:
     """Which steps get kernel spans. ``next_sample_gap()``: steps until the next sampled
     one, so that each step is sampled with probability ``ratio``. ``is_tail(duration_s)``
     (when a step ended): True if the step was slower than ``limit``, the ``quantile`` of the
-    window of recent steps (``math.inf`` before ``min_steps``). Steps join the window in
-    batches of ``refresh_steps``, and the quantile, O(window), is recomputed then only if
-    the batch can have moved it: the usual step costs a list append and a comparison."""
+    window of recent steps (``math.inf`` before ``min_steps``). ``slow_limit``: ``slow_factor``
+    x the window's median. Steps join the window in batches of ``refresh_steps``; the
+    quantile, O(window), is recomputed then only if the batch can have moved it, the median
+    (a sort) at every refresh when ``slow_factor`` is finite: the usual step costs a list
+    append and a comparison."""
 
     # fixed slots: read on every step, right after the model's work, with cold caches
     __slots__ = ("ratio", "quantile", "min_steps", "rng", "limit", "_recent", "_batch",
-                 "refresh_steps")
+                 "refresh_steps", "slow_factor", "slow_limit")
 
     def __init__(self, ratio: float, quantile: float, window: int, min_steps: int,
-                 rng: random.Random, refresh_steps: int = 1) -> None:
+                 rng: random.Random, refresh_steps: int = 1, slow_factor: float = math.inf) -> None:
         self.ratio, self.quantile, self.min_steps, self.rng = ratio, quantile, min_steps, rng
         self.limit = math.inf
+        self.slow_factor, self.slow_limit = slow_factor, math.inf
         self._recent: deque[float] = deque(maxlen=window)
         self._batch: list[float] = []     # steps since the last refresh, not yet in the window
         self.refresh_steps = refresh_steps
@@ -149,6 +163,8 @@ class TailPolicy:
         if moved:
             threshold = self.threshold()
             self.limit = math.inf if threshold is None else threshold
+        if self.slow_factor != math.inf and len(recent) >= self.min_steps:
+            self.slow_limit = self.slow_factor * sorted(recent)[len(recent) // 2]
 
     def _may_move(self, entering: list[float], leaving: list[float]) -> bool:
         """False only when the quantile stays where it is: the window was and stays full
@@ -158,14 +174,16 @@ class TailPolicy:
         return (limit == math.inf or len(recent) < recent.maxlen
                 or max(entering) > limit or (bool(leaving) and max(leaving) >= limit))
 
-    def next_sample_gap(self) -> int:
+    def next_sample_gap(self, ratio: float | None = None) -> int:
         """1 + a geometric draw: every step is sampled independently with probability
-        ``ratio``, at the cost of one draw per sampled step instead of one per step."""
-        if self.ratio <= 0.0:
+        ``ratio`` (the policy's when None), at the cost of one draw per sampled step instead
+        of one per step."""
+        ratio = self.ratio if ratio is None else ratio
+        if ratio <= 0.0:
             return _NEVER
-        if self.ratio >= 1.0:
+        if ratio >= 1.0:
             return 1
-        return 1 + int(math.log(1.0 - self.rng.random()) / math.log1p(-self.ratio))
+        return 1 + int(math.log(1.0 - self.rng.random()) / math.log1p(-ratio))
 
 
 @dataclass
@@ -174,9 +192,11 @@ class GpuTelemetryStats:
     prefill_probes: int = 0         # ... of them, steps with prefill tokens probed out of turn
     steps_dropped: int = 0          # work queue full: the step's GPU data was not kept
     steps_traced_sampled: int = 0
+    steps_traced_spell: int = 0     # sampled at the slow spell's ratio
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99.9
     steps_recorded_untraced: int = 0  # launched while CUPTI closed a traced step
     tail_steps: int = 0             # steps slower than the recent P99.9
+    slow_spells: int = 0            # slow spells begun (sampling at slow_sample_ratio)
     ctas_probed: int = 0            # grid CTAs of probed launches (idle ones included)
     probe_launches_dropped: int = 0
     probe_snapshots_dropped: int = 0  # probed steps whose records found the snapshot ring full
@@ -210,6 +230,8 @@ class GpuTelemetry:
             config = GpuTelemetryConfig(
                 kernel_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio",
                                             default.kernel_sample_ratio),
+                slow_sample_ratio=getattr(telemetry_config, "kernel_sample_ratio_slow",
+                                          default.slow_sample_ratio),
                 probe=getattr(telemetry_config, "sm_probe", default.probe),
                 cupti_detach=getattr(telemetry_config, "cupti_detach", default.cupti_detach),
                 probe_every_steps=getattr(telemetry_config, "sm_probe_every",
@@ -218,9 +240,15 @@ class GpuTelemetry:
                                           default.export_interval_s))
         self.config = config
         self.stats = GpuTelemetryStats()
+        # slow spells only where they sample more than the usual ratio
+        self._spells = config.slow_sample_ratio > config.kernel_sample_ratio and config.slow_spell_s > 0
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
-                                 random.Random(config.seed), refresh_steps=64)
+                                 random.Random(config.seed), refresh_steps=64,
+                                 slow_factor=config.slow_step_factor if self._spells else math.inf)
+        self._spell_until = -math.inf   # monotonic time the slow spell ends
+        # the trace reason of the sample the countdown leads to, and of the last one drawn
+        self._gap_for = self._drawn_for = TRACE_SAMPLED
         # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
         self.tracer = CuptiTracer(self._on_buffer) if config.cupti else None
         self.probe: SmProbe | None = None
@@ -417,7 +445,7 @@ class GpuTelemetry:
                     reason = TRACE_AFTER_TAIL
                 elif drew or self._owed:   # every step draws once: the ratio holds
                     self._owed -= not drew
-                    reason = TRACE_SAMPLED
+                    reason = self._drawn_for if drew else TRACE_SAMPLED
                 if reason:
                     if tracer.attached:
                         tracer.enable()
@@ -463,11 +491,30 @@ class GpuTelemetry:
             return _NEITHER
         sampled, probed = not self._to_sample, not self._to_probe
         if sampled:
-            self._to_sample = self.policy.next_sample_gap()
+            ratio = self._spell_ratio()
+            self._drawn_for, self._gap_for = self._gap_for, TRACE_SAMPLED if ratio is None else TRACE_SLOW_SPELL
+            self._to_sample = self.policy.next_sample_gap(ratio)
         if probed:
             self._to_probe = self.config.probe_every_steps
         sampled = sampled and self.kernel_spans_available
         return (sampled, probed) if sampled or probed else _NEITHER
+
+    def _spell_ratio(self) -> float | None:
+        """The sample ratio during a slow spell (None: the usual one)."""
+        if self._spells and time.monotonic() < self._spell_until:
+            return self.config.slow_sample_ratio
+        return None
+
+    def _slow_step(self) -> None:
+        """A decode step well over the recent median: the spell begins (the countdown drawn
+        anew at its ratio: draws are memoryless) or lasts ``slow_spell_s`` longer."""
+        now = time.monotonic()
+        if now >= self._spell_until:
+            self.stats.slow_spells += 1
+            gap = self.policy.next_sample_gap(self.config.slow_sample_ratio)
+            if gap < self._to_sample:
+                self._to_sample, self._gap_for = gap, TRACE_SLOW_SPELL
+        self._spell_until = now + self.config.slow_spell_s
 
     def end_step(self, step, done=None, graph=None) -> None:
         """Closes the step's tag and hands its probe records to the worker (no device sync)
@@ -502,6 +549,8 @@ class GpuTelemetry:
                     self._closing = True
                 if reason == TRACE_SAMPLED:
                     self.stats.steps_traced_sampled += 1
+                elif reason == TRACE_SLOW_SPELL:
+                    self.stats.steps_traced_spell += 1
                 else:
                     self.stats.steps_traced_tail += 1
             pending = None
@@ -547,10 +596,12 @@ class GpuTelemetry:
         else:
             self.tracer.disable()
 
-    def observe_step(self, step, duration_s: float) -> None:
+    def observe_step(self, step, duration_s: float, prefill: bool = False) -> None:
         """The tail rule, once the step's wall time is known: a step slower than the recent
-        P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps (traced steps stay
-        out of the rule: their CUPTI cost would arm the next one). Then plans the next
+        P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps; a step without
+        prefill tokens (``prefill`` False) over ``slow_step_factor`` x the recent median
+        begins or lengthens a slow spell (traced steps stay out of both: their CUPTI cost
+        would arm the next one). Then plans the next
         launch: its sample draw and probe turn, and ``next_step_plain`` when it needs
         neither (nor anything pending), so that the engine skips ``begin_step`` and
         ``end_step`` on the usual step. The plan holds until a step begins or the next
@@ -565,10 +616,14 @@ class GpuTelemetry:
             self.quiet_durations.append(duration_s)   # what is_tail does with it
             return
         self._settle_quiet()
-        if not step.cupti_recorded and self.policy.is_tail(duration_s):
-            self.stats.tail_steps += 1
-            if self.kernel_spans_available:   # else nothing would ever take the follow-up
-                self._follow = self.config.tail_follow_steps
+        if not step.cupti_recorded:
+            slow = not prefill and duration_s > self.policy.slow_limit   # the limit before this step
+            if self.policy.is_tail(duration_s):
+                self.stats.tail_steps += 1
+                if self.kernel_spans_available:   # else nothing would ever take the follow-up
+                    self._follow = self.config.tail_follow_steps
+            if slow and self.kernel_spans_available:
+                self._slow_step()
         # a plan not taken (the last launch was plain) was that launch's: draw anew
         self._planned = plan = self._plan()
         self.next_step_plain = plain = plan is _NEITHER and not (self._closing or self._follow
@@ -578,7 +633,9 @@ class GpuTelemetry:
             self.quiet_steps = self._quiet_granted = max(
                 min(self._to_sample, self._to_probe, policy.room() + 1) - 1, 0)
             # neither changes before the next refresh, which no quiet step reaches
-            self.quiet_limit, self.quiet_durations = policy.limit, policy.batch
+            # a step over either limit needs the rules above
+            self.quiet_limit = min(policy.limit, policy.slow_limit)
+            self.quiet_durations = policy.batch
 
     def flush(self, timeout_s: float = 30.0, export: bool = True) -> bool:
         """Hands over every step so far (CUPTI flushed) and, with ``export``, the

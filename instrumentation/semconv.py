@@ -116,8 +116,11 @@ STEP_NUM_PREFILL_SEQS = "sightline.step.prefill_seqs"
 STEP_NUM_DECODE_SEQS = "sightline.step.decode_seqs"
 STEP_KV_BLOCKS_USED = "sightline.step.kv_blocks_used"
 STEP_KV_BLOCKS_TOTAL = "sightline.step.kv_blocks_total"
-# on a step whose kernels were traced (CUPTI on), and on its kernel spans
+# on a step whose kernels were traced (CUPTI on), and on its kernel spans; one of:
 STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"
+TRACE_REASON_SAMPLED = "sampled"        # the random draw at the usual ratio
+TRACE_REASON_AFTER_TAIL = "after_tail"  # the step after one over the recent P99.9
+TRACE_REASON_SLOW_SPELL = "slow_spell"  # the random draw during a slow spell (a higher ratio)
 # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"

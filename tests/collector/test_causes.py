@@ -179,7 +179,7 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
 def test_a_stall_on_a_third_of_the_steps_is_a_host_stall_though_the_medians_stay_usual():
     """A thread holding the GIL 30 ms now and then: every third step's host time grows by
     30 ms, traced steps at the same rate, GPU time as ever. The median step, traced or not,
-    is the usual one; the request's steps took 1 + 30 / 3 / 18 times their usual in all,
+    is the usual one; its decode steps took about 1 + 30 / 3 / 18 times their usual in all,
     and the traced ones' host time says where that went."""
     sc_ = Scenario()
     for n, s in enumerate(sc_.steps):
@@ -192,7 +192,9 @@ def test_a_stall_on_a_third_of_the_steps_is_a_host_stall_though_the_medians_stay
     expected = [PREFILL_S if s[2] else STEP_S for s in lived]
     assert np.median([s[1] / e for s, e in zip(lived, expected)]) == pytest.approx(1.0)
     ev = one.cause.evidence
-    assert ev["engine_slowdown"] == pytest.approx(sum(s[1] for s in lived) / sum(expected), rel=1e-4)
+    # its decode-only steps, but those in which a prefill step began (its launches stretch them)
+    decode = [s[1] for s in lived if not s[2] and not any(p[2] and s[0] < p[0] < s[0] + s[1] for p in sc_.steps)]
+    assert ev["engine_slowdown"] == pytest.approx(sum(decode) / (STEP_S * len(decode)), rel=1e-4)
     assert ev["engine_slowdown"] > 1.4
     traced = [(s, e) for s, e in zip(lived, expected) if s[3] is not None]
     assert ev["traced_steps"] == len(traced) >= 3
@@ -415,6 +417,31 @@ def test_prefill_interference_in_its_decode_steps():
     assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
     assert cause.evidence["interference_s"] == pytest.approx(
         sum(PREFILL_S - STEP_S for s in sc_.between(40.26, 41.5) if s[0] >= T + 40.26), rel=0.05)
+
+
+def test_decode_steps_stretched_by_a_prefills_launch_are_interference_not_slowness():
+    """An engine that schedules ahead launches the next step before it completes this one:
+    while a 512-token prefill's launches run, the decode step before it stays open 50 ms
+    longer. Every tenth step carries a prefill around the target, and the decode step before
+    each is stretched: its own steps did not run slow, others' prefill held it."""
+    sc_ = Scenario()
+    for n, s in enumerate(sc_.steps):
+        if s in sc_.between(40.0, 42.0) and n % 10 == 1:
+            s[1], s[2], s[3] = PREFILL_S, PREFILL_TOKENS, None
+    stretched = []
+    for before, s in zip(sc_.steps, sc_.steps[1:]):
+        if s[2] and not before[2] and s in sc_.between(40.0, 42.0):
+            before[1] += 0.05   # it ends after the prefill step began
+            stretched.append(before)
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_PREFILL_INTERFERENCE, cause
+    assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.01)
+    decode_from = T + 40.26   # its prefill's end: its decode steps from there on
+    want = sum(s[1] - STEP_S for s in sc_.steps if s[0] >= decode_from and s[0] < T + 42.2 and
+               (s[2] or s in stretched))
+    assert cause.evidence["interference_s"] == pytest.approx(want, rel=0.02)
 
 
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():

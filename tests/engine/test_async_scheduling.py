@@ -255,12 +255,13 @@ def test_every_step_joins_the_tail_window():
     engine = LLMEngine(EngineConfig(device="cpu", kv_cache_gib=0.004,
                                     scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48)),
                        pipeline)
-    observed = []
+    observed, prefills = [], []
 
     class Counting(GpuTelemetry):
-        def observe_step(self, step, duration_s):
+        def observe_step(self, step, duration_s, prefill=False):
             observed.append(duration_s)
-            super().observe_step(step, duration_s)
+            prefills.append(prefill)
+            super().observe_step(step, duration_s, prefill)
 
     gpu = Counting(pipeline.recorder, 0, GpuTelemetryConfig(
         cupti=False, probe=False, kernel_sample_ratio=0.0, tail_min_steps=8, tail_window_steps=4096))
@@ -283,6 +284,8 @@ def test_every_step_joins_the_tail_window():
     steps = list(engine.step_durations_s)
     window = list(gpu.policy._recent) + gpu.policy.batch
     assert len(steps) > 70 and window == steps
+    # the slow-spell rule hears which steps carried prefill tokens
+    assert prefills == [p > 0 for p, _ in engine.core.step_tokens] and 0 < sum(prefills) < len(prefills)
     assert max(observed) >= 0.3 and gpu.stats.tail_steps >= 1   # (a prefill may be one too)
     assert observed == steps
 

@@ -300,8 +300,9 @@ def test_every_launch_its_own_span_at_detail_all():
 def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     """Ratio 0: no step is sampled. After 64 fast steps (the tail rule's minimum), one step
     far slower than their P99.9 switches CUPTI on for exactly the next tail_follow_steps
-    steps; traced steps are slow too, but arm nothing."""
-    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0, tail_follow_steps=2, cupti_detach=True)
+    steps; traced steps are slow too, but arm nothing. (No slow spells: the next test.)"""
+    pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0, tail_follow_steps=2, cupti_detach=True,
+                                                      slow_sample_ratio=0.0)
     t = time.time_ns()
     for i in range(64):
         _run_step(pipeline, gpu, i, t + i * 10**7, 0.010)
@@ -311,6 +312,68 @@ def test_cupti_is_on_only_for_sampled_steps_and_the_steps_after_a_slow_one():
     assert tracer.pushed == [66, 67] and tracer.enabled == tracer.detaches == 2
     assert gpu.stats.tail_steps == 1 and gpu.stats.steps_traced_tail == 2
     assert [st.attributes for st in traced] == [{semconv.STEP_TRACE_REASON: "after_tail"}] * 2 + [None]
+    pipeline.shutdown()
+
+
+class _Clock:
+    """The time module with the test's monotonic clock (``now[0]``)."""
+
+    def __init__(self) -> None:
+        self.now = [100.0]
+
+    def __getattr__(self, name):
+        return getattr(time, name)
+
+    def monotonic(self):
+        return self.now[0]
+
+
+def _run_plan(gpu, durations, prefill=(), step_s=0.01, clock=None, traced_s=None) -> list[str | None]:
+    """Steps through the engine's calls (skipping those planned plain), ``step_s`` apart on
+    ``clock``; each one's trace reason (None: not traced). A traced step reports ``traced_s``
+    (its CUPTI cost) when set."""
+    traced = []
+    for i, duration in enumerate(durations):
+        if clock is not None:
+            clock.now[0] += step_s
+        step = OpenStep(i, 1, 2, 0)
+        if not gpu.next_step_plain:
+            gpu.begin_step(step)
+            gpu.end_step(step)
+            assert _wait(lambda: not gpu.closing)
+        traced.append((step.attributes or {}).get(semconv.STEP_TRACE_REASON))
+        gpu.observe_step(step, traced_s if traced[-1] and traced_s else duration, i in prefill)
+    return traced
+
+
+def test_a_slow_spell_samples_more_steps_while_a_minority_of_decode_steps_stall(monkeypatch):
+    """Sampling ratio 0.01, slow spells at 0.25: 500 steps of 10 ms, then 600 in which every
+    third decode step takes 40 ms (a GIL held elsewhere; the median stays 10 ms), then 500
+    usual again. During the stall about a quarter of the steps are traced; a second after it
+    ends the spell is over and the usual ratio is back. A prefill step of 40 ms and a traced
+    step slowed by its own tracing begin no spell."""
+    import sightline.instrumentation.gpu_telemetry as module
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.01, slow_sample_ratio=0.25)
+    usual = [0.010] * 500
+    stall = [0.040 if i % 3 == 0 else 0.010 for i in range(600)]
+    before, during, after = (_run_plan(gpu, d, clock=clock) for d in (usual, stall, usual))
+    assert gpu.policy.slow_limit == pytest.approx(0.015)   # 1.5 x the median: the stall left it
+    assert len(list(filter(None, before))) <= 15 and gpu.stats.slow_spells == 1
+    spell = during.count("slow_spell")
+    assert 0.18 <= spell / 600 <= 0.32, spell   # (the tail rule traced a few more at the onset)
+    assert set(during) == {None, "slow_spell", "after_tail"}
+    assert gpu.stats.steps_traced_spell == spell + after.count("slow_spell")
+    # past the spell's second (100 steps) and its last draw: the usual ratio's samples alone
+    assert set(after[200:]) <= {None, "sampled"} and after[200:].count("sampled") <= 10
+    # prefill steps over the limit, and traced steps slowed by tracing, begin no spell
+    _run_plan(gpu, [0.040] * 300, prefill=range(300), clock=clock)
+    assert gpu.stats.slow_spells == 1
+    pipeline.shutdown()
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.05, slow_sample_ratio=0.25)
+    _run_plan(gpu, [0.010] * 2000, clock=clock, traced_s=0.5)
+    assert gpu.stats.slow_spells == 0 and gpu.stats.tail_steps == 0
     pipeline.shutdown()
 
 
@@ -348,15 +411,16 @@ def test_the_usual_step_is_planned_plain_and_skipping_it_keeps_the_policy():
     pipeline.shutdown()
 
 
-def test_quiet_steps_plan_exactly_what_planning_every_step_would():
+def test_quiet_steps_plan_exactly_what_planning_every_step_would(monkeypatch):
     """A plain plan grants the steps before any countdown or window refresh comes due a
     quiet observe_step that only admits them to the tail window. Against a telemetry that
-    plans every step, on the same seed and durations (outliers and ties included), every
-    step is plain, sampled, probed or traced after a tail alike, the tail window and its
-    limit move at the same steps, and the tail counts agree."""
+    plans every step, on the same seed, durations (outliers and ties included) and clock,
+    every step is plain, sampled, probed, traced after a tail or in a slow spell alike, the
+    tail window and its limits move at the same steps, and the tail counts agree."""
+    import sightline.instrumentation.gpu_telemetry as module
     class EveryStep(GpuTelemetry):
-        def observe_step(self, step, duration_s):
-            super().observe_step(step, duration_s)
+        def observe_step(self, step, duration_s, prefill=False):
+            super().observe_step(step, duration_s, prefill)
             self.quiet_steps = self._quiet_granted = 0
 
     rng = np.random.default_rng(7)
@@ -365,6 +429,8 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
     durations[1000:1100] = durations[999]
     runs = []
     for cls in (GpuTelemetry, EveryStep):
+        clock = _Clock()
+        monkeypatch.setattr(module, "time", clock)
         pipeline, _, _, _ = _pipeline_with_gpu(0.05)
         gpu = cls(pipeline.recorder, 0, GpuTelemetryConfig(
             cupti=False, probe=False, seed=1, kernel_sample_ratio=0.05, probe_every_steps=5))
@@ -381,14 +447,15 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would():
                 gpu.end_step(step)
                 assert _wait(lambda: not gpu.closing)
             quiet += gpu.quiet_steps > 0
+            clock.now[0] += float(duration)
             gpu.observe_step(step, float(duration))
             seen.append((plain, probing, (step.attributes or {}).get(semconv.STEP_TRACE_REASON),
-                         gpu.policy.limit, len(gpu.policy._recent)))
+                         gpu.policy.limit, gpu.policy.slow_limit, len(gpu.policy._recent)))
         runs.append((seen, gpu.stats.tail_steps, quiet))
         pipeline.shutdown()
     (fast, fast_tails, fast_quiet), (every, every_tails, every_quiet) = runs
     assert fast == every and fast_tails == every_tails
-    assert fast_tails > 5 and {seen[2] for seen in fast} == {None, "sampled", "after_tail"}
+    assert fast_tails > 5 and {seen[2] for seen in fast} == {None, "sampled", "after_tail", "slow_spell"}
     assert sum(seen[1] for seen in fast) > 400
     assert fast_quiet > 1000 and every_quiet == 0     # the quiet path ran, and only there
 
@@ -407,21 +474,13 @@ def test_a_prefill_step_is_probed_out_of_turn_when_none_was_for_the_interval(mon
         def discard(self):
             pass
 
-    clock = [100.0]
-
-    class Clock:   # the time module, its monotonic clock the test's
-        def __getattr__(self, name):
-            return getattr(time, name)
-
-        def monotonic(self):
-            return clock[0]
-
-    monkeypatch.setattr(module, "time", Clock())
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
     pipeline, gpu, _, _ = _pipeline_with_gpu(0.0, probe_every_steps=1000, probe_prefill_interval_s=0.05)
     gpu.probe = Probe()
     probed = []
     for i in range(40):
-        clock[0] = 100.0 + i * 0.01
+        clock.now[0] = 100.0 + i * 0.01
         prefill = i % 4 == 0
         step = OpenStep(i, 1, 2, 0)
         if not (gpu.next_step_plain and not (prefill and gpu.prefill_probe_due())):
