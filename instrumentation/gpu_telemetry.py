@@ -601,14 +601,13 @@ class GpuTelemetry:
         P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps; a step without
         prefill tokens (``prefill`` False) over ``slow_step_factor`` x the recent median
         begins or lengthens a slow spell (traced steps stay out of both: their CUPTI cost
-        would arm the next one). Then plans the next
-        launch: its sample draw and probe turn, and ``next_step_plain`` when it needs
-        neither (nor anything pending), so that the engine skips ``begin_step`` and
-        ``end_step`` on the usual step. The plan holds until a step begins or the next
+        would arm the next one). Then plans the next launch: its sample draw and probe
+        turn, and ``next_step_plain`` when it needs neither (nor anything pending), so that
+        the engine skips ``begin_step`` and ``end_step`` on the usual step. The plan holds until a step begins or the next
         ``observe_step``. (The engine counts this call's time as its telemetry time.)
 
         The usual step is quiet: a plain plan granted it (no countdown and no window refresh
-        due before it), it was not recorded and is not slower than the limit. It only joins
+        due before it), it was not recorded and is not slower than either limit. It only joins
         the tail window: its turn is the plain one it was granted, settled at the next plan.
         (The engine takes quiet steps itself, without this call: see ``quiet_steps``.)"""
         if self.quiet_steps and duration_s <= self.quiet_limit and not step.cupti_recorded:
@@ -632,8 +631,8 @@ class GpuTelemetry:
             policy = self.policy
             self.quiet_steps = self._quiet_granted = max(
                 min(self._to_sample, self._to_probe, policy.room() + 1) - 1, 0)
-            # neither changes before the next refresh, which no quiet step reaches
-            # a step over either limit needs the rules above
+            # the limits change only at the next refresh, which no quiet step reaches; a
+            # step over either needs the rules above
             self.quiet_limit = min(policy.limit, policy.slow_limit)
             self.quiet_durations = policy.batch
 
