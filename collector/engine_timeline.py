@@ -21,7 +21,7 @@ import numpy as np
 
 from ..instrumentation import semconv as sc
 
-__all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", "usual_value"]
+__all__ = ["KINDS", "EngineTimeline", "QueueEntry", "StepFacts", "WindowSteps", "step_facts", "usual_value"]
 
 KINDS = ("decode", "prefill", "mixed")  # a step's tokens: decode only, prefill only, both
 _KERNEL, _SUMMARY = sc.SPAN_KERNEL_PREFIX, sc.SPAN_KERNEL_SUMMARY_PREFIX
@@ -93,8 +93,8 @@ class StepFacts:
     prefill_tokens: int
     decode_tokens: int
     jit_compiles: int
-    gpu_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced); see _step_facts
-    host_s: float  # host time of a traced step (NaN: not traced); see _step_facts
+    gpu_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced); see step_facts
+    host_s: float  # host time of a traced step (NaN: not traced); see step_facts
     step_id: int | None
     instance: str
     # traced by the random draw at the usual ratio (not after a slow step, not in a slow
@@ -113,7 +113,7 @@ class QueueEntry:
     instance: str
 
 
-def _step_facts(trace, step) -> StepFacts:
+def step_facts(trace, step) -> StepFacts:
     """A step's facts. Its GPU time: for a CUDA graph replay, from its first kernel's start to
     its last one's end, so that work the GPU ran between them (another process's kernels,
     time-sliced in) counts as the GPU's and not the host's; an eager step's kernels wait on
@@ -235,7 +235,7 @@ class EngineTimeline:
             if trace.step_spans:
                 known = self._steps.get(trace.trace_id)
                 if known is None or known[0] != n:
-                    known = (n, [_step_facts(trace, s) for s in trace.step_spans])
+                    known = (n, [step_facts(trace, s) for s in trace.step_spans])
                     changed = True
                 steps[trace.trace_id] = known
             if trace.request_root is not None:
@@ -273,7 +273,7 @@ class EngineTimeline:
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
         """The usual step: a decode-only step's duration, plus a cost per prefill token; the
-        same for GPU time and host time (see _step_facts) of traced steps, and the gap
+        same for GPU time and host time (see step_facts) of traced steps, and the gap
         between steps. Each is the median of the shortest half of the values (:func:`usual_value`);
         beside them the most requests a step decoded. GPU and host time come from the steps
         the usual ratio sampled, of each kind where it has any: steps traced after a slow

@@ -1,0 +1,129 @@
+"""The causes a recorded capture's slowest requests are given, replayed on the CPU.
+
+Each capture (default: the shipped ones with a planted interval, and the plain HTTP one) is
+replayed into an in-process collector, clock pinned and slot-aligned as the demo and the
+capture tests replay it. Per planted interval (the whole capture where none is planted):
+the causes of its 10 slowest requests with their evidence, the count of the cause planted,
+and the traced decode steps inside and outside it by why they were traced, with their
+duration, GPU and host time (median, mean, P90): what the cause rules had to go on.
+Guarantee: every figure is the collector's own reading (replay, engine timeline, explain).
+Cost: about 5 s per MB of capture on one core.
+
+    python -m bench.replay_causes [CAPTURE ...] [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from sightline.collector.aggregator import Aggregator
+from sightline.collector.engine_timeline import step_facts
+from sightline.collector.explain import explain_slowest
+from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
+from sightline.deploy.demo import CAPTURES_DIR
+from sightline.deploy.incident import Incident
+from sightline.instrumentation import read_capture_meta
+from sightline.instrumentation import semconv as sc
+
+from ._common import git_commit, utc_now
+
+NOW_NS = 1_800_000_000 * 10**9   # the replay's pinned clock (tests/deploy/test_captures.py's)
+PLANTED_CAUSE = {"sm_neighbour": sc.CAUSE_SM_CONTENTION, "hbm_hog": sc.CAUSE_DEVICE_CONTENTION,
+                 "host_stall": sc.CAUSE_HOST_STALL, "priority_burst": sc.CAUSE_QUEUEING}
+EVIDENCE = ("engine_slowdown", "gpu_slowdown", "host_slowdown", "cta_slowdown", "traced_steps", "traced_near",
+            "steps", "idle_excess_s", "interference_s")
+
+
+def _spread(values: list[float]) -> dict | None:
+    x = np.array([v for v in values if np.isfinite(v)])
+    if not x.size:
+        return None
+    return {"median": round(float(np.median(x)), 3), "mean": round(float(x.mean()), 3),
+            "p90": round(float(np.percentile(x, 90)), 3)}
+
+
+def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
+    """Decode-only steps inside ``[lo_ns, hi_ns)`` and outside it, by trace reason (``none``:
+    not traced): their count and duration, GPU and host time in ms."""
+    rows: list[tuple] = []
+
+    def read(store):
+        for trace in store.traces():
+            for step in trace.step_spans:
+                facts = step_facts(trace, step)
+                if facts.kind == 0:
+                    rows.append((facts, step.record().attributes.get(sc.STEP_TRACE_REASON) or "none"))
+    aggregator.store.read(read)
+    out: dict = {}
+    for where, inside in (("inside", True), ("outside", False)):
+        for reason in sorted({r for _, r in rows}):
+            chosen = [f for f, r in rows if r == reason and (lo_ns <= f.start_ns < hi_ns) == inside]
+            if chosen:
+                out.setdefault(where, {})[reason] = {
+                    "steps": len(chosen),
+                    "duration_ms": _spread([(f.end_ns - f.start_ns) / 1e6 for f in chosen]),
+                    "gpu_ms": _spread([f.gpu_s * 1e3 for f in chosen]),
+                    "host_ms": _spread([f.host_s * 1e3 for f in chosen])}
+    return out
+
+
+def analyse(capture: Path) -> dict:
+    aggregator = Aggregator(clock=lambda: NOW_NS / 1e9)
+    result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0, align_slot_s=10.0),
+                    clock_ns=lambda: NOW_NS)
+    meta = read_capture_meta(capture)
+    incident = Incident.from_meta(meta) if meta else None
+    intervals = list(incident.intervals) if incident is not None else [None]
+    out = {"capture": capture.name, "intervals": []}
+    for interval in intervals:
+        if interval is None:
+            lo_ns, hi_ns, kind, within = 0, 1 << 62, None, None
+        else:
+            lo_ns, hi_ns = result.time_map(interval.start_unix_nano), result.time_map(interval.end_unix_nano)
+            kind, within = interval.kind, (lo_ns / 1e9, hi_ns / 1e9)
+        explained = explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
+        causes = [r.cause.name for r in explained.requests]
+        out["intervals"].append({
+            "kind": kind, "causes": causes,
+            "planted_cause_in_10_slowest": causes.count(PLANTED_CAUSE[kind]) if kind in PLANTED_CAUSE else None,
+            "slowest": [{"cause": r.cause.name, **{k: r.cause.evidence[k] for k in EVIDENCE if k in r.cause.evidence}}
+                        for r in explained.requests],
+            "decode_steps": traced_decode_steps(aggregator, lo_ns, hi_ns) if interval is not None else None})
+    return out
+
+
+def _line(interval: dict) -> str:
+    counts = {c: interval["causes"].count(c) for c in dict.fromkeys(interval["causes"])}
+    planted = interval["planted_cause_in_10_slowest"]
+    return (f"  {interval['kind'] or 'no incident'}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
+            + ("" if planted is None else f" (planted cause {planted}/10)"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("captures", nargs="*", type=Path,
+                    help="captures to replay (default: the shipped ones in deploy/captures)")
+    ap.add_argument("--json", type=Path, help="write the full result here")
+    args = ap.parse_args(argv)
+    captures = args.captures or sorted(CAPTURES_DIR.glob("*.jsonl.gz"))
+    results = []
+    for capture in captures:
+        results.append(analyse(capture))
+        print(capture.name)
+        for interval in results[-1]["intervals"]:
+            print(_line(interval))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
+                                         "command": "python -m bench.replay_causes " + " ".join(sys.argv[1:]),
+                                         "results": results}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
