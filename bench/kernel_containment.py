@@ -42,21 +42,35 @@ def attribute(span: Span, key: str, default=None):
     return default
 
 
+def step_path(step: Span) -> str:
+    """How a step ran its forward pass: ``mixed_graphs`` (prefill tokens, CUDA graphs between
+    eager attentions), ``decode_graph`` (a decode-only graph replay) or ``eager``."""
+    if attribute(step, semconv.STEP_GRAPH_TOKENS):
+        return "mixed_graphs"
+    return "decode_graph" if attribute(step, semconv.STEP_CUDA_GRAPH) else "eager"
+
+
 def step_containment(spans: Iterable[Span]) -> dict:
-    """Steps, kernel spans (children of a step span) and how many lie inside their step's time."""
-    steps: dict[bytes, tuple[int, int]] = {}
+    """Steps, kernel spans (children of a step span) and how many lie inside their step's time,
+    in all and by the step's path (``step_path``)."""
+    steps: dict[bytes, tuple[int, int, str]] = {}
     children: list[tuple[bytes, int, int]] = []
     for span in spans:
         if span.name == semconv.SPAN_ENGINE_STEP:
-            steps[span.span_id] = (span.start_time_unix_nano, span.end_time_unix_nano)
+            steps[span.span_id] = (span.start_time_unix_nano, span.end_time_unix_nano, step_path(span))
         elif span.parent_span_id:
             children.append((span.parent_span_id, span.start_time_unix_nano, span.end_time_unix_nano))
     # File order is export order, not parent-first: join only once every step is known.
     kernels = [(parent, start, end) for parent, start, end in children if parent in steps]
-    inside = sum(1 for parent, start, end in kernels
-                 if steps[parent][0] <= start and end <= steps[parent][1])
+    by_path: dict[str, dict[str, int]] = {}
+    for parent, start, end in kernels:
+        begun, ended, path = steps[parent]
+        counts = by_path.setdefault(path, {"kernel_spans": 0, "inside_step": 0})
+        counts["kernel_spans"] += 1
+        counts["inside_step"] += begun <= start and end <= ended
+    inside = sum(c["inside_step"] for c in by_path.values())
     return {"steps": len(steps), "kernel_spans": len(kernels), "inside_step": inside,
-            "fraction_inside": inside / len(kernels) if kernels else None}
+            "fraction_inside": inside / len(kernels) if kernels else None, "by_step_path": by_path}
 
 
 def containment(path: str) -> dict:
