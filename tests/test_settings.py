@@ -75,6 +75,7 @@ ENGINE_FLAGS = {
     "http.peer_share": "--http-peer-share", "telemetry.level": "--trace-level",
     "telemetry.otlp_endpoint": "--otlp-endpoint", "telemetry.otlp_protocol": "--otlp-protocol",
     "telemetry.capture_content": "--capture-content", "telemetry.kernel_sample_ratio": "--kernel-sample-ratio",
+    "telemetry.kernel_sample_ratio_slow": "--kernel-sample-ratio-slow",
     "telemetry.kernel_span_detail": "--kernel-spans", "telemetry.sm_probe": "--sm-probe",
     "telemetry.sm_probe_every": "--sm-probe-every", "telemetry.cupti_detach": "--cupti-detach",
     "telemetry.process_nice": "--telemetry-nice", "telemetry_mode": "--telemetry-mode",
@@ -186,5 +187,7 @@ def test_the_gpu_telemetry_takes_its_user_settings_defaults_from_their_one_decla
     from sightline.instrumentation.gpu_telemetry import GpuTelemetryConfig
 
     gpu, user = GpuTelemetryConfig(), TelemetryConfig()
-    assert (gpu.kernel_sample_ratio, gpu.probe, gpu.probe_every_steps, gpu.cupti_detach, gpu.export_interval_s) == (
-        user.kernel_sample_ratio, user.sm_probe, user.sm_probe_every, user.cupti_detach, user.metric_export_interval_s)
+    assert (gpu.kernel_sample_ratio, gpu.slow_sample_ratio, gpu.probe, gpu.probe_every_steps, gpu.cupti_detach,
+            gpu.export_interval_s) == (
+        user.kernel_sample_ratio, user.kernel_sample_ratio_slow, user.sm_probe, user.sm_probe_every,
+        user.cupti_detach, user.metric_export_interval_s)
