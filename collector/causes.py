@@ -98,7 +98,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     e2e = max(e.e2e_s, 1e-12)
     usual = (f"the usual step of its engine in the collector's store (where most steps lie): decode-only "
              f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms plus {e.usual.get('duration_per_token', 0.0) * 1e6:.2f} "
-             "us per prefill token")
+             "us per prefill token; a usual second's mean decode step "
+             f"{e.usual.get('decode_mean', e.usual.get('duration', 0.0)) * 1e3:.2f} ms")
     compile_s = sum(s["duration_s"] for s in e.compiles)
     if e.compiles and compile_s >= c.compile_share * e2e:
         n = sum(s["jit_compiles"] for s in e.compiles)
