@@ -65,12 +65,12 @@ def _clean_decode(a: dict[str, np.ndarray]) -> np.ndarray:
 
 def _usual_mean(a: dict[str, np.ndarray], default: float) -> float:
     """A usual second's mean decode step (clean ones, see _clean_decode): where most of the
-    per-second means lie. Step times are skewed (a few long ones in any second), so a sum of
-    steps is held against this, not against the usual step."""
+    per-second means lie. Step times are skewed (a few long ones in any second), so a
+    request's mean step is held against this, not against the usual step."""
     clean = a["clean"]
     if not clean.any():
         return default
-    second, inverse = np.unique(a["start"][clean] // 1_000_000_000, return_inverse=True)
+    _, inverse = np.unique(a["start"][clean] // 1_000_000_000, return_inverse=True)
     counts = np.bincount(inverse)
     means = np.bincount(inverse, weights=a["duration"][clean]) / counts
     return usual_value(means[counts >= _MIN_SECOND_STEPS], default)
