@@ -5,8 +5,8 @@ the request's life); first match wins. 1. ``compile``: compiles in its life took
 ``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead, overtaking, or a
 full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added. 3. The
 engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or >=
-``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle >=
-``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time stretching
+``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or
+far-too-long steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time stretching
 steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps' GPU time,
 else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched steps,
 with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
@@ -21,7 +21,7 @@ from typing import Any
 
 from ..instrumentation import check_range
 from ..instrumentation import semconv as sc
-from .engine_timeline import TRACED_REACH_S
+from .engine_timeline import LONG_STEP, TRACED_REACH_S
 
 __all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
 
@@ -63,6 +63,7 @@ class CauseEvidence:
     steps: int = 0  # steps of its engine that ran while it lived
     engine_slowdown: float | None = None  # decode-only steps: mean duration over the usual (WindowSteps)
     idle_excess_s: float = 0.0  # time with no step running, beyond the usual gaps
+    long_steps_s: float = 0.0   # time beyond their usual in steps LONG_STEP x it or more (WindowSteps)
     traced_steps: int = 0
     traced_near: int = 0  # under MIN_TRACED traced in its life: the traced steps close to it added
     gpu_slowdown: float | None = None  # traced steps: GPU time over the usual
@@ -107,11 +108,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"{', '.join(str(s['step_id']) for s in e.compiles)} took {compile_s * 1e3:.0f} ms "
                      f"of its {e2e * 1e3:.0f} ms", {"compile_steps": e.compiles, "compile_s": compile_s},
                      "its end-to-end latency")
-    engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s}
+    engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
+              "long_steps_s": e.long_steps_s}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
-    engine_excess_s = e.idle_excess_s + max(e2e - e.idle_excess_s, 0.0) * (1.0 - 1.0 / slowdown)
+    stalled_s = e.idle_excess_s + e.long_steps_s   # the engine not stepping, or one step far too long
+    engine_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / slowdown)
     # a wait is the queue's when others waited ahead, overtook it, or filled the engine; with
     # none of those the engine was not taking work (a long step, a stalled loop)
     q = e.queue or {}
@@ -129,7 +132,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
-    slow = ((e.engine_slowdown or 0.0) >= c.engine_slow or e.idle_excess_s >= c.idle_share * e2e
+    slow = ((e.engine_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e
             or ((e.engine_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s))
     if slow:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
@@ -150,14 +153,14 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)
             return Cause(sc.CAUSE_SM_CONTENTION,
-                         f"steps {_x(e.engine_slowdown)} the usual while {len(sms)} SM(s) ran slow or starved "
+                         f"{_steps(e)} while {len(sms)} SM(s) ran slow or starved "
                          f"against the kernel's other SMs (SM {top['sm']} of {top['kernel']}, score "
                          f"{(top['score'] or 0.0):.2f})",
                          {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms]},
                          f"{usual}; each SM against the kernel's other SMs in the same slots")
         if gpu is not None and gpu >= c.gpu_slow:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
-                         f"steps {_x(e.engine_slowdown)} the usual with GPU work slower on every SM "
+                         f"{_steps(e)} with GPU work slower on every SM "
                          f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
                          f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}",
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
@@ -168,7 +171,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         if host_side:
             return _host_stall(e, engine, usual)
-        return Cause(sc.CAUSE_UNKNOWN, "the engine was slower but neither the GPU's nor the host's evidence says why",
+        return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but neither the GPU's nor the host's "
+                     "evidence says why",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
                       "cta_slowdown": e.cta_slowdown}, usual)
@@ -179,6 +183,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
+
+
+def _steps(e: CauseEvidence) -> str:
+    """How slow its steps were: their slowdown, and the time in steps far beyond their usual."""
+    long = (f" ({e.long_steps_s * 1e3:.0f} ms in steps {LONG_STEP:g}x their usual or more)"
+            if e.long_steps_s > 0 else "")
+    return f"steps {_x(e.engine_slowdown)} the usual{long}"
 
 
 def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
@@ -216,7 +227,7 @@ def _near(e: CauseEvidence) -> str:
 def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
     """The ``host_stall`` cause, with the host's and the GPU's figures."""
     return Cause(sc.CAUSE_HOST_STALL,
-                 f"steps {_x(e.engine_slowdown)} the usual while the GPU's work was not "
+                 f"{_steps(e)} while the GPU's work was not "
                  f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time beyond "
                  f"its usual stretched kernel-timed steps {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms "
                  f"with no step running beyond the usual gaps{_near(e)}",

@@ -32,6 +32,10 @@ _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a
 TRACED_REACH_S = 1.0
 MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
 _MIN_SECOND_STEPS = 4   # a second with fewer clean decode steps says little about their mean
+# A step this many times its usual stalled the engine (a neighbour's launch, a wait on a
+# lock): beyond any misfit of the per-token line (mixed steps with few prefill tokens run
+# up to about twice it), and a mean over the request's other steps would hide it
+LONG_STEP = 4.0
 
 
 def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
@@ -47,11 +51,11 @@ def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
     return float(np.median(x[i:i + half]))
 
 
-def _clean_decode(a: dict[str, np.ndarray]) -> np.ndarray:
-    """Decode-only steps in whose span no step with prefill tokens began (``a`` sorted by
-    start): an engine that schedules ahead launches the next step before it completes this
-    one, and a prefill's launches then stretch this step (others' prefill, not slowness)."""
-    clean = a["kind"] == 0
+def _undisturbed(a: dict[str, np.ndarray]) -> np.ndarray:
+    """Steps in whose span no step with prefill tokens began (``a`` sorted by start): an
+    engine that schedules ahead launches the next step before it completes this one, and a
+    prefill's launches then stretch this step (others' prefill, not slowness)."""
+    clean = np.ones(len(a["start"]), dtype=bool)
     for instance in set(a["instance"].tolist()):
         mine = np.flatnonzero(a["instance"] == instance)
         # prefilled[j]: steps with prefill tokens among the instance's first j
@@ -64,7 +68,7 @@ def _clean_decode(a: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _usual_mean(a: dict[str, np.ndarray], default: float) -> float:
-    """A usual second's mean decode step (clean ones, see _clean_decode): where most of the
+    """A usual second's mean decode step (undisturbed ones, see _undisturbed): where most of the
     per-second means lie. Step times are skewed (a few long ones in any second), so a
     request's mean step is held against this, not against the usual step."""
     clean = a["clean"]
@@ -201,7 +205,7 @@ class WindowSteps:
 
     steps: int
     # its decode-only steps' mean duration, leaving out those in which a prefill began
-    # (_clean_decode), over a usual second's (_usual_mean); where none is left, the median
+    # (_undisturbed), over a usual second's (_usual_mean); where none is left, the median
     # step's over the usual for its tokens. A stall that stretches a third of the steps 4x
     # doubles the request's time, and leaves their median usual
     slowdown: float | None
@@ -214,6 +218,9 @@ class WindowSteps:
     idle_excess_s: float  # time in the window with no step running, beyond the usual gaps
     compiles: list[dict]  # steps that compiled kernels: step_id, jit_compiles, duration_s
     traced_near: int = 0  # under MIN_TRACED traced in the window: those within TRACED_REACH_S added
+    # time beyond their usual in undisturbed steps of any kind >= LONG_STEP x it, at most the
+    # window's length: one such step is a stall that a mean over the others leaves out
+    long_steps_s: float = 0.0
 
 
 class EngineTimeline:
@@ -262,7 +269,8 @@ class EngineTimeline:
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
-        a["clean"] = _clean_decode(a)
+        a["undisturbed"] = _undisturbed(a)
+        a["clean"] = a["undisturbed"] & (a["kind"] == 0)   # the decode steps a mean is taken over
         self._arrays = a
         # each engine against its own usual: engines of other models or devices share the store
         self._usual = {None: self._fit(a)}
@@ -331,6 +339,8 @@ class EngineTimeline:
             plain = a["clean"][idx]
             slowdown = (float(duration[plain].mean() / u["decode_mean"])
                         if plain.any() and u["decode_mean"] > 0 else float(np.median(duration / expected)))
+        long = a["undisturbed"][idx] & (duration >= LONG_STEP * expected)
+        long_s = min(float((duration - expected)[long].sum()), (end_ns - start_ns) / 1e9)
         traced = idx[np.isfinite(a["gpu"][idx])]
         near = 0
         if traced.size < MIN_TRACED:
@@ -353,7 +363,7 @@ class EngineTimeline:
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
-                           max(0.0, idle - usual_gap * idx.size), compiles, near)
+                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
         """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,

@@ -372,7 +372,8 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
     return CauseEvidence(
         e2e_s=e2e, queue_s=phases.queue_s, decode_s=phases.decode_s, priority=priority,
         queue=timeline.queue_at(root.trace_id, arrival, left, rank, root.instance), steps=window.steps,
-        engine_slowdown=window.slowdown, idle_excess_s=window.idle_excess_s, traced_steps=window.traced,
+        engine_slowdown=window.slowdown, idle_excess_s=window.idle_excess_s, long_steps_s=window.long_steps_s,
+        traced_steps=window.traced,
         traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
         interference_s=interference, usual=usual)

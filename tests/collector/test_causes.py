@@ -444,6 +444,26 @@ def test_decode_steps_stretched_by_a_prefills_launch_are_interference_not_slowne
     assert cause.evidence["interference_s"] == pytest.approx(want, rel=0.02)
 
 
+def test_one_step_far_beyond_its_usual_makes_the_engine_slow_though_the_others_are_not():
+    """One step with 32 prefill tokens took 1.5 s while nothing else ran (the engine stalled
+    in it; not traced, no SM flagged): the decode steps' mean is usual, but the step's time
+    beyond its usual is most of the request's life. The engine was slow, and nothing says
+    why: ``unknown``, with the stalled time in the text."""
+    sc_ = Scenario()
+    stalled = next(s for s in sc_.steps if s[0] >= T + 40.5 and not s[2])
+    sc_.steps = [s for s in sc_.steps if not stalled[0] < s[0] < stalled[0] + 1.5]
+    stalled[1], stalled[2], stalled[3] = 1.5, 32, None
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_UNKNOWN, cause
+    ev = cause.evidence
+    assert ev["engine_slowdown"] == pytest.approx(1.0, abs=0.01)
+    usual = STEP_S + (PREFILL_S - STEP_S) / PREFILL_TOKENS * 32
+    assert ev["long_steps_s"] == pytest.approx(1.5 - usual, rel=1e-3)
+    assert f"({(1.5 - usual) * 1e3:.0f} ms in steps 4x their usual or more)" in cause.summary
+
+
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
     sc_ = Scenario()
     sc_.target(40.2, 0.01, 1.2)
