@@ -181,8 +181,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"its decode steps carried or waited on other requests' prefill: {e.interference_s * 1e3:.0f} ms of "
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
+    # what was weighed, so that a reader can see how close each rule came
     return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",
-                 {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps}, usual)
+                 {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
+                  "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
+                  "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 
 
 def _steps(e: CauseEvidence) -> str:
