@@ -164,13 +164,13 @@ class TelemetryConfig:
                                                "CUDA kernels become spans, besides the step after any slow "
                                                "one", lo=0.0, hi=1.0, flag="--kernel-sample-ratio",
                                          env="SIGHTLINE_KERNEL_SAMPLE_RATIO")
-    # While the engine runs slow (a decode-only step 1.5x the recent median), steps are
-    # sampled at this ratio for a second: a stall that hits a minority of steps is then seen
-    # in enough traced steps to say whether the host or the GPU held them (0: never).
+    # While the engine runs slow (3 decode-only steps within 64 over 1.5x the recent median),
+    # steps are sampled at this ratio for a second: a stall that hits a minority of steps is
+    # then seen in enough traced steps to say whether the host or the GPU held them (0: never).
     kernel_sample_ratio_slow: float = setting(0.1, "at --trace-level kernels: fraction of engine steps "
-                                                   "whose CUDA kernels become spans for a second after a "
-                                                   "decode step 1.5x the recent median (when higher than "
-                                                   "--kernel-sample-ratio)", lo=0.0, hi=1.0,
+                                                   "whose CUDA kernels become spans for a second after 3 "
+                                                   "decode steps within 64 ran 1.5x the recent median "
+                                                   "(when higher than --kernel-sample-ratio)", lo=0.0, hi=1.0,
                                               flag="--kernel-sample-ratio-slow",
                                               env="SIGHTLINE_KERNEL_SAMPLE_RATIO_SLOW")
     # Kernel spans of a traced step: "attention" (each attention launch its own span, other

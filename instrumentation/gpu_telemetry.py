@@ -56,13 +56,17 @@ class GpuTelemetryConfig:
     """Knobs of the GPU telemetry; ranges checked, errors name the bad value."""
 
     kernel_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio"]   # steps whose kernels become spans
-    # a slow spell: for ``slow_spell_s`` after a decode-only step ``slow_step_factor`` x the
-    # tail window's median, steps are sampled at ``slow_sample_ratio`` (when higher). A stall
-    # that lands on a minority of steps moves their sum, not their median, and a few traced
-    # steps a second often miss it: the spell traces enough of them to say where it went.
+    # a slow spell: for ``slow_spell_s`` after ``slow_steps`` decode-only steps within
+    # ``slow_within_steps`` steps each ran ``slow_step_factor`` x the tail window's median,
+    # steps are sampled at ``slow_sample_ratio`` (when higher). A stall that lands on a
+    # minority of steps moves their sum, not their median, and a few traced steps a second
+    # often miss it: the spell traces enough of them to say where it went. One or two slow
+    # steps alone (the first after an idle spell, a collection) begin none.
     slow_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio_slow"]
     slow_step_factor: float = 1.5
     slow_spell_s: float = 1.0
+    slow_steps: int = 3
+    slow_within_steps: int = 64
     tail_quantile: float = 0.999        # a step slower than this quantile arms tail tracing
     tail_window_steps: int = 1024       # recent steps the quantile is taken over
     tail_min_steps: int = 64            # no tail rule before this many steps
@@ -89,6 +93,7 @@ class GpuTelemetryConfig:
     def __post_init__(self) -> None:
         checks = (("kernel_sample_ratio", 0.0, 1.0), ("slow_sample_ratio", 0.0, 1.0),
                   ("slow_step_factor", 1.0, 100.0), ("slow_spell_s", 0.0, 3600.0),
+                  ("slow_steps", 1, 1_000), ("slow_within_steps", 1, 1_000_000),
                   ("tail_quantile", 0.5, 1.0),
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
                   ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
@@ -247,6 +252,7 @@ class GpuTelemetry:
                                  random.Random(config.seed), refresh_steps=64,
                                  slow_factor=config.slow_step_factor if self._spells else math.inf)
         self._spell_until = -math.inf   # monotonic time the slow spell ends
+        self._slow_ids: deque[int] = deque(maxlen=config.slow_steps)   # the last slow steps' ids
         # the trace reason of the sample the countdown leads to, and of the last one drawn
         self._gap_for = self._drawn_for = TRACE_SAMPLED
         # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
@@ -505,9 +511,14 @@ class GpuTelemetry:
             return self.config.slow_sample_ratio
         return None
 
-    def _slow_step(self) -> None:
-        """A decode step well over the recent median: the spell begins (the countdown drawn
-        anew at its ratio: draws are memoryless) or lasts ``slow_spell_s`` longer."""
+    def _slow_step(self, step_id: int) -> None:
+        """A decode step well over the recent median: with ``slow_steps`` of them within
+        ``slow_within_steps`` steps, the spell begins (the countdown drawn anew at its
+        ratio: draws are memoryless) or lasts ``slow_spell_s`` longer."""
+        ids = self._slow_ids
+        ids.append(step_id)
+        if len(ids) < ids.maxlen or step_id - ids[0] >= self.config.slow_within_steps:
+            return
         now = time.monotonic()
         if now >= self._spell_until:
             self.stats.slow_spells += 1
@@ -600,8 +611,8 @@ class GpuTelemetry:
         """The tail rule, once the step's wall time is known: a step slower than the recent
         P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps; a step without
         prefill tokens (``prefill`` False) over ``slow_step_factor`` x the recent median
-        begins or lengthens a slow spell (traced steps stay out of both: their CUPTI cost
-        would arm the next one). Then plans the next launch: its sample draw and probe
+        counts toward a slow spell (``_slow_step``; traced steps stay out of both rules:
+        their CUPTI cost would arm the next one). Then plans the next launch: its sample draw and probe
         turn, and ``next_step_plain`` when it needs neither (nor anything pending), so that
         the engine skips ``begin_step`` and ``end_step`` on the usual step. The plan holds until a step begins or the next
         ``observe_step``. (The engine counts this call's time as its telemetry time.)
@@ -622,7 +633,7 @@ class GpuTelemetry:
                 if self.kernel_spans_available:   # else nothing would ever take the follow-up
                     self._follow = self.config.tail_follow_steps
             if slow and self.kernel_spans_available:
-                self._slow_step()
+                self._slow_step(step.step_id)
         # a plan not taken (the last launch was plain) was that launch's: draw anew
         self._planned = plan = self._plan()
         self.next_step_plain = plain = plan is _NEITHER and not (self._closing or self._follow
