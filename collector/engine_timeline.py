@@ -408,18 +408,19 @@ class EngineTimeline:
         most = self.usual(instance)["most_decode"]
         return bool(during.any() and most > 0 and np.median(a["decode"][during]) >= 0.9 * most)
 
-    def prefill_began_within(self, start_ns: int, end_ns: int, instance: str | None = None) -> bool:
-        """Whether a step with prefill tokens (of ``instance``, when it has steps) began
-        inside ``(start_ns, end_ns)``: launched while a step ran, its launches stretch it."""
+    def stretched_by_prefill(self, start_ns: int, instance: str | None = None) -> bool:
+        """Whether the stored step that began at ``start_ns`` (of ``instance``, when it has
+        steps) had a step with prefill tokens begin inside it (see _undisturbed)."""
         a = self._arrays
-        if a is None or not len(a["start"]):
+        if a is None:
             return False
-        rows = slice(int(np.searchsorted(a["start"], start_ns, side="right")),
-                     int(np.searchsorted(a["start"], end_ns, side="left")))
-        began = a["prefill"][rows] > 0
-        if instance is not None and instance in self._usual:   # else every instance's steps
-            began &= a["instance"][rows] == instance
-        return bool(began.any())
+        any_instance = instance is None or instance not in self._usual
+        i = int(np.searchsorted(a["start"], start_ns, side="left"))
+        while i < len(a["start"]) and a["start"][i] == start_ns:
+            if any_instance or a["instance"][i] == instance:
+                return not a["undisturbed"][i]
+            i += 1
+        return False
 
     def _steps_of(self, instance: str | None) -> np.ndarray:
         """Which stored steps are ``instance``'s (all of them when it has none)."""

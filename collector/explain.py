@@ -361,8 +361,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
             start = record.start_time_unix_nano
-            if start >= decode_from and (prefill > 0 or timeline.prefill_began_within(
-                    start, record.end_time_unix_nano, root.instance)):
+            if start >= decode_from and (prefill > 0 or timeline.stretched_by_prefill(start, root.instance)):
                 interference += max(0.0, step.duration_s - usual.get("duration", 0.0))
     window = timeline.window(arrival, end, root.instance)
     try:

@@ -40,11 +40,6 @@ logger = logging.getLogger(__name__)
 
 _NEVER = 1 << 62   # steps until the next sampled (probed) one at ratio 0 (without a probe)
 _NEITHER = (False, False)   # the usual step's plan: neither sampled nor probed
-TRACE_SAMPLED = semconv.TRACE_REASON_SAMPLED
-TRACE_AFTER_TAIL = semconv.TRACE_REASON_AFTER_TAIL
-# sampled at the slow spell's ratio: more of them where steps run slow, so the collector
-# leaves them out of what it takes as the usual step
-TRACE_SLOW_SPELL = semconv.TRACE_REASON_SLOW_SPELL
 
 
 # the knobs a user sets are TelemetryConfig's settings: their defaults are declared there once
@@ -251,15 +246,15 @@ class GpuTelemetry:
         self.config = config
         self.stats = GpuTelemetryStats()
         # slow spells only where they sample more than the usual ratio
-        self._spells = config.slow_sample_ratio > config.kernel_sample_ratio and config.slow_spell_s > 0
+        spells = config.slow_sample_ratio > config.kernel_sample_ratio and config.slow_spell_s > 0
         self.policy = TailPolicy(config.kernel_sample_ratio, config.tail_quantile,
                                  config.tail_window_steps, config.tail_min_steps,
                                  random.Random(config.seed), refresh_steps=64,
-                                 slow_factor=config.slow_step_factor if self._spells else math.inf)
+                                 slow_factor=config.slow_step_factor if spells else math.inf)
         self._spell_until = -math.inf   # monotonic time the slow spell ends
         self._slow_ids: deque[int] = deque(maxlen=config.slow_steps)   # the last slow steps' ids
         # the trace reason of the sample the countdown leads to, and of the last one drawn
-        self._gap_for = self._drawn_for = TRACE_SAMPLED
+        self._gap_for = self._drawn_for = semconv.TRACE_REASON_SAMPLED
         # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
         self.tracer = CuptiTracer(self._on_buffer) if config.cupti else None
         self.probe: SmProbe | None = None
@@ -453,10 +448,10 @@ class GpuTelemetry:
                     self.stats.steps_recorded_untraced += 1
                 elif self._follow > 0:
                     self._follow -= 1
-                    reason = TRACE_AFTER_TAIL
+                    reason = semconv.TRACE_REASON_AFTER_TAIL
                 elif drew or self._owed:   # every step draws once: the ratio holds
                     self._owed -= not drew
-                    reason = self._drawn_for if drew else TRACE_SAMPLED
+                    reason = self._drawn_for if drew else semconv.TRACE_REASON_SAMPLED
                 if reason:
                     if tracer.attached:
                         tracer.enable()
@@ -503,7 +498,10 @@ class GpuTelemetry:
         sampled, probed = not self._to_sample, not self._to_probe
         if sampled:
             ratio = self._spell_ratio()
-            self._drawn_for, self._gap_for = self._gap_for, TRACE_SAMPLED if ratio is None else TRACE_SLOW_SPELL
+            # the reason of the sample now due, and of the next (spell samples: more of them
+            # where steps run slow, so the collector leaves them out of the usual step)
+            self._drawn_for = self._gap_for
+            self._gap_for = semconv.TRACE_REASON_SAMPLED if ratio is None else semconv.TRACE_REASON_SLOW_SPELL
             self._to_sample = self.policy.next_sample_gap(ratio)
         if probed:
             self._to_probe = self.config.probe_every_steps
@@ -512,7 +510,7 @@ class GpuTelemetry:
 
     def _spell_ratio(self) -> float | None:
         """The sample ratio during a slow spell (None: the usual one)."""
-        if self._spells and time.monotonic() < self._spell_until:
+        if time.monotonic() < self._spell_until:   # never set without spells (slow_limit inf)
             return self.config.slow_sample_ratio
         return None
 
@@ -529,7 +527,7 @@ class GpuTelemetry:
             self.stats.slow_spells += 1
             gap = self.policy.next_sample_gap(self.config.slow_sample_ratio)
             if gap < self._to_sample:
-                self._to_sample, self._gap_for = gap, TRACE_SLOW_SPELL
+                self._to_sample, self._gap_for = gap, semconv.TRACE_REASON_SLOW_SPELL
         self._spell_until = now + self.config.slow_spell_s
 
     def end_step(self, step, done=None, graph=None) -> None:
@@ -563,9 +561,9 @@ class GpuTelemetry:
                 else:   # the worker does both once the step's kernels are done
                     done = done if done is not None else self._done_marker()
                     self._closing = True
-                if reason == TRACE_SAMPLED:
+                if reason == semconv.TRACE_REASON_SAMPLED:
                     self.stats.steps_traced_sampled += 1
-                elif reason == TRACE_SLOW_SPELL:
+                elif reason == semconv.TRACE_REASON_SLOW_SPELL:
                     self.stats.steps_traced_spell += 1
                 else:
                     self.stats.steps_traced_tail += 1
@@ -617,9 +615,10 @@ class GpuTelemetry:
         P99.9 arms kernel tracing of the next ``tail_follow_steps`` steps; a step without
         prefill tokens (``prefill`` False) over ``slow_step_factor`` x the recent median
         counts toward a slow spell (``_slow_step``; traced steps stay out of both rules:
-        their CUPTI cost would arm the next one). Then plans the next launch: its sample draw and probe
-        turn, and ``next_step_plain`` when it needs neither (nor anything pending), so that
-        the engine skips ``begin_step`` and ``end_step`` on the usual step. The plan holds until a step begins or the next
+        their CUPTI cost would arm the next one). Then plans the next launch: its sample
+        draw and probe turn, and ``next_step_plain`` when it needs neither (nor anything
+        pending), so that the engine skips ``begin_step`` and ``end_step`` on the usual
+        step. The plan holds until a step begins or the next
         ``observe_step``. (The engine counts this call's time as its telemetry time.)
 
         The usual step is quiet: a plain plan granted it (no countdown and no window refresh
