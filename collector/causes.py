@@ -25,6 +25,8 @@ from .engine_timeline import LONG_STEP, TRACED_REACH_S
 
 __all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
 
+BUSIER = 1.5  # a batch this many times the usual is worth saying when no cause stands out
+
 
 @dataclass(frozen=True)
 class CauseConfig:
@@ -77,6 +79,7 @@ class CauseEvidence:
     # (an engine that schedules ahead launches the next step inside this one)
     interference_s: float = 0.0
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
+    batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
 
 
 @dataclass
@@ -98,9 +101,10 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     c = config or CauseConfig()
     e2e = max(e.e2e_s, 1e-12)
     usual = (f"the usual step of its engine in the collector's store (where most steps lie): decode-only "
-             f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms plus {e.usual.get('duration_per_token', 0.0) * 1e6:.2f} "
-             "us per prefill token; a usual second's mean decode step "
-             f"{e.usual.get('decode_mean', e.usual.get('duration', 0.0)) * 1e3:.2f} ms")
+             f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms at a batch of {e.usual.get('batch', 0.0):.0f}, plus "
+             f"{e.usual.get('duration_per_token', 0.0) * 1e6:.2f} us per prefill token and "
+             f"{e.usual.get('per_request', 0.0) * 1e6:.2f} us per request beyond that batch; a usual "
+             f"second's mean decode step {e.usual.get('decode_mean', e.usual.get('duration', 0.0)) * 1e3:.2f} ms")
     compile_s = sum(s["duration_s"] for s in e.compiles)
     if e.compiles and compile_s >= c.compile_share * e2e:
         n = sum(s["jit_compiles"] for s in e.compiles)
@@ -182,8 +186,12 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     # what was weighed, so that a reader can see how close each rule came
-    return Cause(sc.CAUSE_UNKNOWN, "no cause stands out: its steps took the usual time and it did not wait long",
-                 {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
+    usual_batch = e.usual.get("batch", 0.0)
+    busier = (f" for their batch ({e.batch:.0f} requests, usually {usual_batch:.0f}: the engine was busier, "
+              "not slower)" if e.batch is not None and usual_batch > 0 and e.batch >= BUSIER * usual_batch else "")
+    return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out: its steps took the usual time{busier} and it did not "
+                 "wait long",
+                 {**engine, "batch": e.batch, "usual_batch": usual_batch, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 

@@ -3,11 +3,11 @@
 :class:`EngineTimeline` turns the store's ``engine.step`` spans (kind, tokens, compiles, and
 for a traced step the GPU time of its kernels) and its request roots (arrival, time in the
 queue, priority) into arrays that ``explain`` queries by time: which steps ran while a
-request lived, how long they took against what a step of that kind and size usually takes
-on that engine in the store (where most of its steps lie: the median of their densest half;
-for its decode-only steps, their mean against a usual second's, so that a stall on a
-minority of them counts),
-the time with no step running, and how many requests waited when one arrived.
+request lived, how long they took against what a step of that kind and size (prefill tokens,
+requests decoded beyond the usual batch) usually takes on that engine in the store (where
+most of its steps lie: the median of their densest half; for its decode-only steps, their
+mean against a usual second's, so that a stall on a minority of them counts), the time
+with no step running, and how many requests waited when one arrived.
 Guarantee: only what the store holds is counted; a span is decoded once, again only when
 its trace grew. Cost: one protobuf decode per new step, kernel and queue span per
 :meth:`refresh` (under the store's lock), then O(steps) numpy per query.
@@ -67,17 +67,23 @@ def _undisturbed(a: dict[str, np.ndarray]) -> np.ndarray:
     return clean
 
 
-def _usual_mean(a: dict[str, np.ndarray], default: float) -> float:
-    """A usual second's mean decode step (undisturbed ones, see _undisturbed): where most of the
-    per-second means lie. Step times are skewed (a few long ones in any second), so a
-    request's mean step is held against this, not against the usual step."""
+def _usual_mean(a: dict[str, np.ndarray], durations: np.ndarray, default: float) -> float:
+    """A usual second's mean decode step (undisturbed ones, see _undisturbed; ``durations``:
+    each step's at the usual batch): where most of the per-second means lie. Step times are
+    skewed (a few long ones in any second), so a request's mean step is held against this,
+    not against the usual step."""
     clean = a["clean"]
     if not clean.any():
         return default
     _, inverse = np.unique(a["start"][clean] // 1_000_000_000, return_inverse=True)
     counts = np.bincount(inverse)
-    means = np.bincount(inverse, weights=a["duration"][clean]) / counts
+    means = np.bincount(inverse, weights=durations[clean]) / counts
     return usual_value(means[counts >= _MIN_SECOND_STEPS], default)
+
+
+def _beyond(decode_tokens, usual: dict[str, float]):
+    """Requests decoded beyond the usual batch (none at or under it)."""
+    return np.maximum(0.0, np.asarray(decode_tokens, dtype=np.float64) - usual["batch"])
 
 
 def _number(value, default=0.0) -> float:
@@ -205,9 +211,10 @@ class WindowSteps:
 
     steps: int
     # its decode-only steps' mean duration, leaving out those in which a prefill began
-    # (_undisturbed), over a usual second's (_usual_mean); where none is left, the median
-    # step's over the usual for its tokens. A stall that stretches a third of the steps 4x
-    # doubles the request's time, and leaves their median usual
+    # (_undisturbed), over a usual second's (_usual_mean) plus what their requests beyond the
+    # usual batch cost; where none is left, the median step's over the usual for its tokens.
+    # A stall that stretches a third of the steps 4x doubles the request's time, and leaves
+    # their median usual
     slowdown: float | None
     traced: int
     gpu_slowdown: float | None  # traced steps: summed GPU time over the usual summed
@@ -221,6 +228,7 @@ class WindowSteps:
     # time beyond their usual in undisturbed steps of any kind >= LONG_STEP x it, at most the
     # window's length: one such step is a stall that a mean over the others leaves out
     long_steps_s: float = 0.0
+    batch: float | None = None  # its decode-only steps' mean batch (requests decoded)
 
 
 class EngineTimeline:
@@ -280,10 +288,11 @@ class EngineTimeline:
 
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
-        """The usual step: a decode-only step's duration, plus a cost per prefill token; the
-        same for GPU time and host time (see step_facts) of traced steps, and the gap
-        between steps. Each is the median of the shortest half of the values (:func:`usual_value`);
-        beside them the most requests a step decoded. GPU and host time come from the steps
+        """The usual step: a decode-only step's duration at the usual batch, plus a cost per
+        prefill token and per request beyond that batch; the same for GPU time and host time
+        (see step_facts) of traced steps, and the gap between steps. Each is the median of the
+        shortest half of the values (:func:`usual_value`); beside them the most requests a
+        step decoded. GPU and host time come from the steps
         the usual ratio sampled, of each kind where it has any: steps traced after a slow
         step or in a slow spell were chosen for running slow."""
         decode = a["kind"] == 0
@@ -303,8 +312,16 @@ class EngineTimeline:
         base, per_token = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token = fit(a["gpu"], traced)
         host_base, host_token = fit(a["host"], traced)
+        batch = usual_value(a["decode"][decode], 0.0)
+        # a request decoded beyond the usual batch costs a step (its duration and GPU time
+        # alike) what a prefill token costs the GPU (the same weights, one more row), else
+        # the whole step: more load is not a slower engine. A smaller batch is not counted
+        # faster (a decode step reads all of the weights whatever its batch).
+        per_request = gpu_token if gpu_token > 0 else per_token
+        at_usual_batch = a["duration"] - per_request * _beyond(a["decode"], {"batch": batch})
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
-                "host": host_base, "host_per_token": host_token, "decode_mean": _usual_mean(a, base),
+                "host": host_base, "host_per_token": host_token, "batch": batch,
+                "per_request": per_request, "decode_mean": _usual_mean(a, at_usual_batch, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
@@ -318,6 +335,12 @@ class EngineTimeline:
         seconds, per-token costs."""
         return dict(self._usual.get(instance) or self._usual.get(None) or {})
 
+    def decode_only_s(self, decode_tokens: int, instance: str | None = None) -> float:
+        """What a decode-only step of ``decode_tokens`` requests usually takes on ``instance``'s
+        engine (0 while the store has no step)."""
+        u = self.usual(instance)
+        return u["duration"] + u["per_request"] * float(_beyond(decode_tokens, u)) if u else 0.0
+
     def window(self, start_ns: int, end_ns: int, instance: str | None = None) -> WindowSteps:
         """The steps that overlapped ``[start_ns, end_ns]`` (of ``instance``, when it has steps)."""
         a = self._arrays
@@ -329,16 +352,21 @@ class EngineTimeline:
         idx = np.flatnonzero(inside)
         if not idx.size:
             return WindowSteps(0, None, 0, None, None, (end_ns - start_ns) / 1e9, [])
-        prefill = a["prefill"][idx]
-        expected = u["duration"] + u["duration_per_token"] * prefill
+        prefill, beyond = a["prefill"][idx], _beyond(a["decode"][idx], u)
+        expected = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
         duration = a["duration"][idx]
         slowdown = None
+        plain = a["clean"][idx]
         if (expected > 0).all():
             # decode-only steps are the yardstick: a mixed step's cost beyond the line of
             # its tokens is others' prefill (prefill_interference), not the engine's slowness
-            plain = a["clean"][idx]
-            slowdown = (float(duration[plain].mean() / u["decode_mean"])
-                        if plain.any() and u["decode_mean"] > 0 else float(np.median(duration / expected)))
+            if plain.any() and u["decode_mean"] > 0:
+                usual_mean = u["decode_mean"] + u["per_request"] * float(beyond[plain].mean())
+                slowdown = float(duration[plain].mean() / usual_mean)
+            else:
+                slowdown = float(np.median(duration / expected))
+        decoded = a["kind"][idx] == 0
+        batch = float(a["decode"][idx][decoded].mean()) if decoded.any() else None
         long = a["undisturbed"][idx] & (duration >= LONG_STEP * expected)
         long_s = min(float((duration - expected)[long].sum()), (end_ns - start_ns) / 1e9)
         traced = idx[np.isfinite(a["gpu"][idx])]
@@ -363,7 +391,7 @@ class EngineTimeline:
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
-                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s)
+                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
         """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,
@@ -373,9 +401,10 @@ class EngineTimeline:
             return None, None
         a = self._arrays
         prefill, gpu_s, host_s = a["prefill"][traced], a["gpu"][traced], a["host"][traced]
-        want_gpu = u["gpu"] + u["gpu_per_token"] * prefill
+        beyond = _beyond(a["decode"][traced], u)
+        want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + u["per_request"] * beyond
         want_host = u["host"] + u["host_per_token"] * prefill
-        want_step = u["duration"] + u["duration_per_token"] * prefill
+        want_step = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
         gpu = float(gpu_s.sum() / want_gpu.sum()) if (want_gpu > 0).all() else None
         host = float(1.0 + (host_s - want_host).sum() / want_step.sum()) if (want_step > 0).all() else None
         return gpu, host

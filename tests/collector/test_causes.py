@@ -70,6 +70,11 @@ class Scenario:
     def between(self, a: float, b: float):
         return [s for s in self.steps if s[0] < T + b and s[0] + s[1] > T + a]
 
+    def decoded(self, step) -> list[tuple[int, int]]:
+        """The requests (trace kind, index) a step decoded: those past their queue while it ran."""
+        start, end = step[0], step[0] + step[1]
+        return [(kind, i) for kind, i, _, q, _, b, _ in self.requests if q < end and b > start]
+
     def target(self, start: float, queue_s: float, e2e: float, priority: int = 1) -> None:
         s = T + start
         self.requests.append((*TARGET, s, s + queue_s, s + queue_s + 0.05, s + e2e, priority))
@@ -78,7 +83,7 @@ class Scenario:
         spans = []
         for n, (start, duration, prefill, gpu, compiles, spread) in enumerate(self.steps):
             end = start + duration
-            links = [(tid(kind, i), sid(kind, i)) for kind, i, a, q, _, b, _ in self.requests if q < end and b > start]
+            links = [(tid(kind, i), sid(kind, i)) for kind, i in self.decoded(self.steps[n])]
             attrs = {sc.STEP_ID: n, sc.STEP_BATCH_SIZE: len(links) or 1, sc.STEP_PREFILL_TOKENS: prefill,
                      sc.STEP_DECODE_TOKENS: len(links)}
             if compiles:
@@ -133,6 +138,20 @@ def slow_steps(scenario: Scenario, a: float, b: float, factor: float, gpu_factor
             s[3] *= gpu_factor
 
 
+def beyond(agg, scenario: Scenario, step) -> float:
+    """The requests ``step`` decoded beyond the usual batch of ``agg``'s engine."""
+    return max(0, len(scenario.decoded(step)) - agg.timeline.usual()["batch"])
+
+
+def usual_gpu(agg, scenario: Scenario, start: float, end: float) -> float:
+    """The GPU time of the traced steps in ``[start, end]`` over their usual: as usual, but for
+    the requests they decoded beyond the usual batch (the target is one more than it)."""
+    u = agg.timeline.usual()
+    traced = [s for s in scenario.between(start, end) if s[3] is not None]
+    usual = sum(u["gpu"] + u["gpu_per_token"] * s[2] + u["per_request"] * beyond(agg, scenario, s) for s in traced)
+    return sum(s[3] for s in traced) / usual
+
+
 def test_sm_contention_names_the_starved_sms_and_their_scores():
     sc_ = Scenario()
     slow_steps(sc_, 38, 46, 1.5, 1.5)
@@ -168,40 +187,43 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     sc_ = Scenario()
     slow_steps(sc_, 38, 46, 1.6, 1.0)  # host time per step 3 -> 13.8 ms, GPU time 15 ms as ever
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     cause = one.cause
     assert cause.name == sc.CAUSE_HOST_STALL, cause
-    assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0, rel=1e-4)
+    assert cause.evidence["gpu_slowdown"] == pytest.approx(usual_gpu(agg, sc_, 40.2, 42.2), rel=1e-4)
     # the host's extra time (1.6 x the step, the GPU's part as usual) over the usual step
     assert cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
 
 
 def test_a_stall_on_a_third_of_the_steps_is_a_host_stall_though_the_medians_stay_usual():
-    """A thread holding the GIL 30 ms now and then: every third step's host time grows by
-    30 ms, traced steps at the same rate, GPU time as ever. The median step, traced or not,
-    is the usual one; its decode steps took about 1 + 30 / 3 / 18 times their usual in all,
-    and the traced ones' host time says where that went."""
+    """A thread holding the GIL 36 ms now and then: every third step's host time grows by
+    36 ms, traced steps at the same rate, GPU time as ever. The median step, traced or not,
+    is the usual one; its decode steps took about 1 + 36 / 3 / 18 times their usual in all,
+    and the traced ones' host time says where that went. (The request is one more than
+    the usual batch of 2: its steps' usual has one request's cost added.)"""
     sc_ = Scenario()
     for n, s in enumerate(sc_.steps):
         if s in sc_.between(38, 46) and n % 3 == 0:
-            s[1] += 0.030
+            s[1] += 0.036
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
     lived = sc_.between(40.2, 42.2)
     expected = [PREFILL_S if s[2] else STEP_S for s in lived]
-    assert np.median([s[1] / e for s, e in zip(lived, expected)]) == pytest.approx(1.0)
-    ev = one.cause.evidence
+    assert np.median([s[1] / e for s, e in zip(lived, expected)]) == pytest.approx(1.0, rel=0.01)
+    ev, u = one.cause.evidence, agg.timeline.usual()
     # its decode-only steps, but those in which a prefill step began (its launches stretch them)
-    decode = [s[1] for s in lived if not s[2] and not any(p[2] and s[0] < p[0] < s[0] + s[1] for p in sc_.steps)]
-    assert ev["engine_slowdown"] == pytest.approx(sum(decode) / (STEP_S * len(decode)), rel=1e-4)
-    assert ev["engine_slowdown"] > 1.4
-    traced = [(s, e) for s, e in zip(lived, expected) if s[3] is not None]
+    decode = [s for s in lived if not s[2] and not any(p[2] and s[0] < p[0] < s[0] + s[1] for p in sc_.steps)]
+    usual = u["decode_mean"] + u["per_request"] * np.mean([beyond(agg, sc_, s) for s in decode])
+    assert ev["engine_slowdown"] == pytest.approx(np.mean([s[1] for s in decode]) / usual, rel=1e-4)
+    assert ev["engine_slowdown"] > 1.5
+    traced = [(s, e + u["per_request"] * beyond(agg, sc_, s)) for s, e in zip(lived, expected) if s[3] is not None]
     assert ev["traced_steps"] == len(traced) >= 3
     stalled = sum(s[1] > e + 0.02 for s, e in traced)
     assert 0 < stalled < len(traced) / 2   # a minority of the traced steps
-    assert ev["host_slowdown"] == pytest.approx(1 + 0.030 * stalled / sum(e for _, e in traced), rel=1e-3)
-    assert ev["gpu_slowdown"] == pytest.approx(1.0, rel=1e-4)
+    assert ev["host_slowdown"] == pytest.approx(1 + 0.036 * stalled / sum(e for _, e in traced), rel=1e-3)
+    assert ev["gpu_slowdown"] == pytest.approx(GPU_S * len(traced) / sum(
+        GPU_S + u["per_request"] * beyond(agg, sc_, s) for s, _ in traced), rel=1e-4)
 
 
 def test_the_wait_before_a_replays_first_kernel_is_not_host_time():
@@ -216,9 +238,9 @@ def test_the_wait_before_a_replays_first_kernel_is_not_host_time():
             sc_.kernels_late[n] = s[1] * 0.6
             s[1] *= 1.6
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     assert one.cause.name == sc.CAUSE_UNKNOWN, one.cause
-    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0, rel=1e-4)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(usual_gpu(agg, sc_, 40.2, 42.2), rel=1e-4)
     assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
 
 
@@ -337,9 +359,9 @@ def test_host_stall_names_the_host_though_idle_gpu_clocks_slow_the_ctas():
     slow_steps(sc_, 38, 46, 2.5, 1.0)
     sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.5) for sm in range(SMS)}
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
-    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0, rel=1e-4)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(usual_gpu(agg, sc_, 40.2, 42.2), rel=1e-4)
     assert one.cause.evidence["cta_slowdown"] == pytest.approx(1.5, rel=0.02)
 
 
@@ -454,21 +476,73 @@ def test_one_step_far_beyond_its_usual_makes_the_engine_slow_though_the_others_a
     sc_.steps = [s for s in sc_.steps if not stalled[0] < s[0] < stalled[0] + 1.5]
     stalled[1], stalled[2], stalled[3] = 1.5, 32, None
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     cause = one.cause
     assert cause.name == sc.CAUSE_UNKNOWN, cause
     ev = cause.evidence
     assert ev["engine_slowdown"] == pytest.approx(1.0, abs=0.01)
-    usual = STEP_S + (PREFILL_S - STEP_S) / PREFILL_TOKENS * 32
+    per_token = (PREFILL_S - STEP_S) / PREFILL_TOKENS   # no prefill step traced: the whole step's
+    usual = STEP_S + per_token * 32 + per_token * beyond(agg, sc_, stalled)
     assert ev["long_steps_s"] == pytest.approx(1.5 - usual, rel=1e-3)
     assert f"({(1.5 - usual) * 1e3:.0f} ms in steps 4x their usual or more)" in cause.summary
+
+
+def surge(scenario: Scenario, extra: int, factor: float = 1.0) -> None:
+    """``extra`` more requests decoded from T+37.5 to T+46.5; every prefill step traced, so that
+    a token's GPU cost is known. Each step then costs what the requests beyond the usual
+    batch of 2 add (a prefill token's GPU cost each), times ``factor``, its GPU time too."""
+    per_request = (PREFILL_GPU_S - GPU_S) / PREFILL_TOKENS
+    for s in scenario.steps:
+        if s[2]:
+            s[3] = PREFILL_GPU_S
+    scenario.requests += [(4, i, T + 37.5, T + 37.505, T + 37.55, T + 46.5, 1) for i in range(extra)]
+    for s in scenario.between(38, 46):
+        added = per_request * max(0, len(scenario.decoded(s)) - 2)
+        s[1] = (s[1] + added) * factor
+        if s[3] is not None:
+            s[3] = (s[3] + added) * factor
+
+
+def test_a_load_surge_is_a_busier_engine_not_a_slower_one():
+    """150 more requests at once: every decode step decodes 76x the usual batch and takes 1.34x
+    its usual time, its GPU time 1.41x, as a bigger batch costs. Held against the usual step
+    of that batch, the engine ran at its usual speed: no cause, and the text says the engine
+    was busier. The same surge with every step 1.5x slower still names the GPU."""
+    sc_ = Scenario()
+    sc_.target(40.2, 0.01, 2.0)
+    surge(sc_, 150)
+    agg, one = explained(sc_)
+    u = agg.timeline.usual()
+    assert u["batch"] == 2 and u["per_request"] == pytest.approx((PREFILL_GPU_S - GPU_S) / PREFILL_TOKENS, rel=1e-3)
+    lived = [s for s in sc_.between(40.2, 42.2) if not s[2]]
+    assert min(s[1] for s in lived) > 1.3 * STEP_S and min(s[3] or 1 for s in lived) > 1.4 * GPU_S
+    cause = one.cause
+    assert cause.name == sc.CAUSE_UNKNOWN, cause
+    assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, rel=1e-3)
+    assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0, rel=1e-3)
+    assert cause.evidence["batch"] == pytest.approx(153, abs=0.5) and cause.evidence["usual_batch"] == 2
+    assert "(153 requests, usually 2: the engine was busier, not slower)" in cause.summary
+
+    sc_ = Scenario()
+    sc_.target(40.2, 0.01, 2.0)
+    surge(sc_, 150, factor=1.5)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
+    assert one.cause.evidence["engine_slowdown"] == pytest.approx(1.5, rel=0.01)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.5, rel=0.01)
 
 
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
     sc_ = Scenario()
     sc_.target(40.2, 0.01, 1.2)
     agg, one = explained(sc_)
-    assert one.cause.name == sc.CAUSE_UNKNOWN and one.cause.evidence["engine_slowdown"] == pytest.approx(1.0)
+    u = agg.timeline.usual()
+    # one request more than the usual batch of 2, at the same step time: a hair under 1x
+    decode = [s for s in sc_.between(40.2, 41.4) if not s[2] and not any(
+        p[2] and s[0] < p[0] < s[0] + s[1] for p in sc_.steps)]
+    usual = u["decode_mean"] + u["per_request"] * np.mean([beyond(agg, sc_, s) for s in decode])
+    assert one.cause.name == sc.CAUSE_UNKNOWN and one.cause.evidence["engine_slowdown"] == pytest.approx(
+        np.mean([s[1] for s in decode]) / usual, rel=1e-4)
     result = explain_slowest(agg, quantile=0.0, limit=200)
     mine = next(r for r in result.requests if r.trace_id == tid(*TARGET).hex())
     assert mine.cause == one.cause
