@@ -208,7 +208,7 @@ def run(args) -> list[Comparison]:
 
 
 def report(results: list[Comparison], args) -> str:
-    lines = [f"# guidellm and aiperf against `sightline engine serve --model tiny --device cpu`", "",
+    lines = ["# guidellm and aiperf against `sightline engine serve --model tiny --device cpu`", "",
              f"commit {git_commit(short=True)}, {device_name('cpu')}, {utc_now()}; {args.requests} sequential streamed "
              f"completions per tool, {args.prompt_tokens} prompt / {args.output_tokens} output tokens "
              "(server-reported counts); "

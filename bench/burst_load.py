@@ -18,11 +18,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 

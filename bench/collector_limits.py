@@ -30,10 +30,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ._common import ROOT, git_commit, process_cpu_s, utc_now, write_report
+from ._collector import CollectorProcess
+from ._common import ROOT, git_commit, utc_now, write_report
 from .collector_ingest import make_payloads
 from .collector_scale import _START, _TIME, build_requests, kernel_names
 
@@ -161,43 +162,17 @@ def _now_ns(offset_s: float = 0.0) -> bytes:
 
 
 # -- the collector process ------------------------------------------------------------------
-class Collector:
-    """``sightline collector run`` in its own process; ``pythonpath``: a folder whose
-    ``sightline`` package runs instead of this checkout's (``collector_ingest.baseline_tree``)."""
+class Collector(CollectorProcess):
+    """The collector process (bench/_collector.py), with what this bench reads of it;
+    ``pythonpath``: a folder whose ``sightline`` runs instead of this checkout's
+    (``collector_ingest.baseline_tree``)."""
 
     def __init__(self, workdir: Path, extra: list[str], pythonpath: Path | None = None) -> None:
-        from sightline.deploy.processes import free_port  # below the ephemeral range: no client takes it first
-
-        self.ports = {name: free_port() for name in ("grpc", "http", "zipkin", "query")}
-        self.log = workdir / "collector.log"
-        env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
-        if pythonpath is not None:
-            env["PYTHONPATH"] = str(pythonpath) + os.pathsep + env.get("PYTHONPATH", "")
-        command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
-                   "--otlp-grpc", f"127.0.0.1:{self.ports['grpc']}", "--otlp-http", f"127.0.0.1:{self.ports['http']}",
-                   "--zipkin", f"127.0.0.1:{self.ports['zipkin']}", "--http", f"127.0.0.1:{self.ports['query']}",
-                   "--log-level", "WARNING", *extra]
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                urllib.request.urlopen(self.url("query", "/readyz"), timeout=2).close()
-                return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"collector did not start: {self.log.read_text()[-2000:]}")
-                time.sleep(0.2)
-
-    def url(self, port: str, path: str) -> str:
-        return f"http://127.0.0.1:{self.ports[port]}{path}"
+        super().__init__(workdir / "collector.log", extra, pythonpath=pythonpath, ready_timeout_s=90)
 
     def rss_mib(self) -> float:
-        with open(f"/proc/{self.process.pid}/statm") as statm:
+        with open(f"/proc/{self.pid}/statm") as statm:
             return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MiB
-
-    def cpu_s(self) -> float:
-        return process_cpu_s(self.process.pid)
 
     def queue_depth(self) -> int:
         with urllib.request.urlopen(self.url("query", "/readyz"), timeout=30) as response:
@@ -211,13 +186,6 @@ class Collector:
             time.sleep(settle_s)
             if self.queue_depth() == 0 and self.cpu_s() - before < 0.05:
                 return
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 def send(collector: Collector, body: Body, timeout_s: float = 120.0) -> str:

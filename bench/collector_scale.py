@@ -29,7 +29,6 @@ import re
 import shlex
 import statistics
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -39,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ._common import ROOT, git_commit, process_cpu_s, utc_now, write_report
-from .collector_ingest import _free_port, _status_mib
+from ._collector import CollectorProcess
+from ._common import ROOT, git_commit, utc_now, write_report
+from .collector_ingest import _status_mib
 
 RESULTS = ROOT / "bench" / "results"
 SMS = 132
@@ -118,41 +118,19 @@ def build_requests(gpus: int, kernels: list[str], ctas: int, seed: int = 0):
     return bodies, exact
 
 
-class Collector:
+class Collector(CollectorProcess):
+    """The collector process (bench/_collector.py), with a timed GET of its query API."""
+
     def __init__(self, workdir: Path, extra: list[str]) -> None:
-        self.http, self.query = _free_port(), _free_port()
-        self.log = workdir / "collector.log"
-        env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
-        command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
-                   "--otlp-http", f"127.0.0.1:{self.http}", "--otlp-grpc", f"127.0.0.1:{_free_port()}",
-                   "--zipkin", f"127.0.0.1:{_free_port()}", "--http", f"127.0.0.1:{self.query}",
-                   "--log-level", "WARNING", *extra]
-        with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.query}/readyz", timeout=1).close()
-                return
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"collector did not start: {self.log.read_text()[-2000:]}")
-                time.sleep(0.2)
+        super().__init__(workdir / "collector.log", extra, ready_timeout_s=60)
 
     def get(self, path: str, as_prometheus: bool = False) -> tuple[bytes, float]:
         headers = {"Accept-Encoding": "gzip", "Accept": PROMETHEUS_ACCEPT} if as_prometheus else {}
         started = time.perf_counter()
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{self.query}{path}", headers=headers),
+        with urllib.request.urlopen(urllib.request.Request(self.url("query", path), headers=headers),
                                     timeout=120) as response:
             body = response.read()
         return body, time.perf_counter() - started
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 def queue_depth(collector: Collector) -> int:
@@ -184,7 +162,7 @@ def main(argv=None) -> int:
     points_per_round = len(exact)
     rounds, scrapes, heatmaps = [], [], []
     try:
-        conn = http.client.HTTPConnection("127.0.0.1", collector.http, timeout=60)
+        conn = http.client.HTTPConnection("127.0.0.1", collector.ports["http"], timeout=60)
         stop = threading.Event()
 
         def probe() -> None:  # scrapes and heatmap queries while ingest runs
@@ -214,7 +192,7 @@ def main(argv=None) -> int:
                 prober.start()
             round_start = time.monotonic()
             retries, late = 0, 0.0
-            cpu0 = process_cpu_s(collector.process.pid)
+            cpu0 = collector.cpu_s()
             for g, body in enumerate(bodies):
                 due = round_start + args.interval_s * g / len(bodies)  # spread evenly over the interval
                 time.sleep(max(0.0, due - time.monotonic()))
@@ -234,7 +212,7 @@ def main(argv=None) -> int:
                     raise RuntimeError(f"export refused: {response.status} {answer[:300]!r}")
             sent = time.monotonic() - round_start  # the last export answered
             time.sleep(max(0.0, round_start + args.interval_s - time.monotonic()))
-            cpu1 = process_cpu_s(collector.process.pid)
+            cpu1 = collector.cpu_s()
             wall = time.monotonic() - round_start
             depth = queue_depth(collector)
             # a backlog is waited out (and timed) before the next interval starts
@@ -246,7 +224,7 @@ def main(argv=None) -> int:
                            "cpu_s": round(cpu1 - cpu0, 2), "cores": round((cpu1 - cpu0) / wall, 3),
                            "queue_depth_at_end": depth,
                            "drained_after_s": round(time.monotonic() - drain_start, 2) if depth else 0.0,
-                           "rss_mib": round(_status_mib(collector.process.pid, "VmRSS"), 1)})
+                           "rss_mib": round(_status_mib(collector.pid, "VmRSS"), 1)})
             print(json.dumps(rounds[-1]), flush=True)
         stop.set()
         if prober is not None:
@@ -259,7 +237,7 @@ def main(argv=None) -> int:
         for gpu, kernel, sm, value in pattern.findall(metrics.decode()):
             want = exact[(gpu, sm, kernel)]
             errors.append(abs(float(value) - want) / want)
-        rss, peak = _status_mib(collector.process.pid, "VmRSS"), _status_mib(collector.process.pid, "VmHWM")
+        rss, peak = _status_mib(collector.pid, "VmRSS"), _status_mib(collector.pid, "VmHWM")
     finally:
         collector.stop()
     measured = [r for r in rounds if r["measured"]]

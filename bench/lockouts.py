@@ -21,7 +21,6 @@ import json
 import os
 import resource
 import selectors
-import signal
 import socket
 import statistics
 import subprocess
@@ -32,9 +31,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._collector import CollectorProcess
 from ._common import ROOT, git_commit, utc_now, write_report
 
-__all__ = ["ATTACKS", "Ports", "hold_attack", "probe", "sdk_spans", "start_collector", "stop_collector"]
+__all__ = ["ATTACKS", "Ports", "hold_attack", "probe", "sdk_spans", "start_collector"]
 
 ATTACKS = ("idle_calls", "unread_calls", "idle_tcp", "keepalive", "unauthenticated", "rapid_reset")
 TOKEN = "lockouts-bench-token"
@@ -52,46 +52,17 @@ class Ports:
 
 
 # -- the collector under test -------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_collector(workdir: Path, nofile: int = 256, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Ports]:
+def start_collector(workdir: Path, nofile: int = 256, extra: tuple[str, ...] = ()) -> tuple[CollectorProcess, Ports]:
     """``sightline collector run`` with RLIMIT_NOFILE ``nofile``, ingest and query auth on."""
-    ports = Ports(*(_free_port() for _ in range(4)))
     token_file = workdir / "token"
     token_file.write_text(TOKEN)
 
     def limit_fds() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
 
-    command = [sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
-               "--otlp-grpc", f"127.0.0.1:{ports.grpc}", "--otlp-http", f"127.0.0.1:{ports.http}",
-               "--zipkin", f"127.0.0.1:{ports.zipkin}", "--http", f"127.0.0.1:{ports.query}",
-               "--auth-token-file", str(token_file), "--query-auth", "--log-level", "WARNING", *extra]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SIGHTLINE_COLLECTOR_")}
-    log = open(workdir / "collector.log", "wb")
-    process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_fds)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{ports.query}/readyz", timeout=2):
-                return process, ports
-        except OSError:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"collector did not start: {(workdir / 'collector.log').read_text()[-2000:]}")
-            time.sleep(0.1)
-
-
-def stop_collector(process: subprocess.Popen) -> int:
-    process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        return process.wait()
+    collector = CollectorProcess(workdir / "collector.log", ["--auth-token-file", str(token_file), "--query-auth",
+                                                              *extra], preexec_fn=limit_fds, ready_timeout_s=60)
+    return collector, Ports(**collector.ports)
 
 
 def _process_facts(pid: int) -> dict:
@@ -437,18 +408,18 @@ def main(argv: list[str] | None = None) -> None:
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        process, ports = start_collector(Path(tmp), args.nofile)
+        collector, ports = start_collector(Path(tmp), args.nofile)
         try:
             for name in args.attacks.split(","):
                 with hold_attack(name, ports, args.scale) as attack:
                     seen = probe(ports, args.hold_s, args.every_s)
-                    facts = _process_facts(process.pid)
+                    facts = _process_facts(collector.pid)
                 results[name] = {**seen, **facts, "attack": attack.summary, "refusals": _refusals(ports),
                                  "load_avg_1m": os.getloadavg()[0]}
                 print(name, json.dumps({k: v for k, v in results[name].items() if k != "latencies_s"}),
                       flush=True)
         finally:
-            stop_collector(process)
+            collector.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({"commit": git_commit(), "when": utc_now(),
                                                           "args": {k: str(v) for k, v in vars(args).items()},

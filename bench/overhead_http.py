@@ -25,12 +25,14 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 from sightline.deploy.processes import free_ports
 
+from ._collector import CollectorProcess
 from ._common import ROOT, _children, device_name, git_commit, utc_now, write_json
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
@@ -168,19 +170,14 @@ def load(args, urls: list[str], pids: list[int], rounds: int, seed: int,
 def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
     """A running collector and one engine per level (on ``plan``'s CPUs, the collector on
     "load"'s), each answering; yields ``{level: (process, url)}`` and stops them all after."""
-    grpc, http, zipkin, query = free_ports(4)
-    collector = subprocess.Popen(CLI + ["collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
-                                        "--otlp-http", f"127.0.0.1:{http}", "--zipkin",
-                                        f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-                                        "--log-level", "WARNING"])
-    if plan:
-        os.sched_setaffinity(collector.pid, plan["load"])
+    folder = tempfile.TemporaryDirectory(prefix="overhead-http-")
+    # ready, not only live: its byte walks compiled (a cold numba cache takes tens of seconds)
+    collector = CollectorProcess(Path(folder.name) / "collector.log", cpus=plan["load"] if plan else None,
+                                 ready_timeout_s=180)
     engines: dict[str, tuple[subprocess.Popen, str]] = {}
     try:
-        # ready, not only live: its byte walks compiled (a cold numba cache takes tens of seconds)
-        _wait_http(f"http://127.0.0.1:{query}/readyz", collector, 180)
         for level, port in zip(levels, free_ports(len(levels))):
-            engines[level] = start_engine(args, level, f"http://127.0.0.1:{grpc}", port,
+            engines[level] = start_engine(args, level, collector.url("grpc"), port,
                                           plan[level] if plan else None)
         for level, (engine, url) in engines.items():
             _wait_http(url + "/health", engine, args.start_timeout_s)
@@ -198,8 +195,11 @@ def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
                 engine.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 engine.kill()
-        collector.send_signal(signal.SIGTERM)
-        collector.wait(timeout=60)
+        collector.stop()
+        said = collector.log.read_text(errors="replace").strip()
+        if said:   # its warnings, where the run's own output can show them
+            print(f"collector log:\n{said[-4000:]}", file=sys.stderr)
+        folder.cleanup()
 
 
 def _per_step_us(before: dict, after: dict, steps: int) -> dict:

@@ -22,7 +22,6 @@ import gzip
 import json
 import os
 import random
-import subprocess
 import sys
 import threading
 import time
@@ -34,9 +33,9 @@ from pathlib import Path
 from sightline.collector.replay import TimeMap
 from sightline.deploy.incident import Incident, PlantedInterval, find
 from sightline.deploy.load import format_summary as format_load, summarize as summarize_load
-from sightline.deploy.processes import free_ports, wait_http
 from sightline.instrumentation.capture import CaptureWriter
 
+from ._collector import CollectorProcess
 from ._common import device_name, git_commit, utc_now
 from .plants import GilHog, HbmHog, PlantRun
 from .record_capture import PlannedRequest, _prompt_text, start_server
@@ -113,18 +112,6 @@ def plan_load(args: argparse.Namespace, model: str, max_model_len: int,
 def _get(url: str, timeout_s: float = 60.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return response.read()
-
-
-def start_collector(folder: Path, gauge_window_s: float) -> tuple[subprocess.Popen, str, str]:
-    """A collector process on free loopback ports: (process, its query URL, its OTLP/HTTP URL)."""
-    grpc, http, zipkin, query = free_ports(4)
-    log = open(folder / "collector.log", "w")  # noqa: SIM115 (kept open for the process's life)
-    proc = subprocess.Popen([sys.executable, "-m", "sightline.deploy.cli", "collector", "run",
-                             "--otlp-grpc", f"127.0.0.1:{grpc}", "--otlp-http", f"127.0.0.1:{http}",
-                             "--zipkin", f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-                             "--gauge-window-s", f"{gauge_window_s:g}"], stdout=log, stderr=subprocess.STDOUT)
-    wait_http(f"http://127.0.0.1:{query}/readyz", timeout_s=120)
-    return proc, f"http://127.0.0.1:{query}", f"http://127.0.0.1:{http}"
 
 
 class Scraper:
@@ -341,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = args.out / "raw-capture.jsonl.gz"
     raw.unlink(missing_ok=True)
     timeline = segments(args.order, args.runs, args.lead_s, args.planted_s, args.tail_s)
-    collector_proc, collector, otlp_http = start_collector(args.out, args.gauge_window_s)
+    collector_proc = CollectorProcess(args.out / "collector.log", ["--gauge-window-s", f"{args.gauge_window_s:g}"])
+    collector, otlp_http = collector_proc.url("query"), collector_proc.url("http")
     running, telemetry = None, None
     try:
         running, telemetry = start_server(args, raw, otlp_http)
@@ -365,8 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if running is not None:
             running.stop(timeout_s=300.0)
-        collector_proc.terminate()
-        collector_proc.wait(timeout=60)
+        collector_proc.stop()
     episodes = scraper.clock.episodes()
     scored = []
     for seg in timeline:

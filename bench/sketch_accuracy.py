@@ -19,10 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
-import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from sightline.collector.aggregator import AggregationConfig, Aggregator
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.exphist import ExpHistogram, relative_error
 
+from ._collector import CollectorProcess
 from ._common import ROOT, git_commit, utc_now
 
 RESULTS = ROOT / "bench" / "results"
@@ -261,20 +261,10 @@ def measure_ingest(repeats: int = 5) -> dict:
 
 # -- freshness --------------------------------------------------------------------------------
 def measure_freshness(trials: int) -> dict:
-    from tests.support import free_port, wait_for_http  # the repository root is on sys.path
-
-    ports = {k: free_port() for k in ("grpc", "http", "zipkin", "query")}
-    env = {k: v for k, v in os.environ.items() if k != "SIGHTLINE_COLLECTOR_TOKEN"}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())",
-         "collector", "run", "--otlp-grpc", f"127.0.0.1:{ports['grpc']}", "--otlp-http",
-         f"127.0.0.1:{ports['http']}", "--zipkin", f"127.0.0.1:{ports['zipkin']}", "--http",
-         f"127.0.0.1:{ports['query']}", "--log-level", "WARNING"], env=env,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    query = f"http://127.0.0.1:{ports['query']}"
     latencies = []
-    try:
-        wait_for_http(query + "/readyz", 60, proc)
+    with tempfile.TemporaryDirectory(prefix="sketch-freshness-") as folder, \
+            CollectorProcess(Path(folder) / "collector.log", ready_timeout_s=60) as collector:
+        query = collector.url("query")
         rng = np.random.default_rng(3)
         expected = 0
         for trial in range(trials):
@@ -283,7 +273,7 @@ def measure_freshness(trials: int) -> dict:
             body = export_for(values, time.time()).SerializeToString()
             t0 = time.perf_counter()
             urllib.request.urlopen(urllib.request.Request(
-                f"http://127.0.0.1:{ports['http']}/v1/metrics", data=body, method="POST",
+                collector.url("http", "/v1/metrics"), data=body, method="POST",
                 headers={"Content-Type": "application/x-protobuf"}), timeout=10).read()
             while True:
                 url = f"{query}/api/v1/heatmap?gpu=0&kernel={KERNEL}&kind=time_sm"
@@ -297,9 +287,6 @@ def measure_freshness(trials: int) -> dict:
                 if time.perf_counter() - t0 > 30:
                     raise TimeoutError(f"export {trial} not visible after 30 s")
             latencies.append(time.perf_counter() - t0)
-    finally:
-        proc.terminate()
-        proc.wait(30)
     lat = np.asarray(latencies) * 1e3
     return {"trials": trials, "sms_per_export": N_SMS, "ctas_per_export": 50 * N_SMS,
             "p50_ms": float(np.percentile(lat, 50)), "p90_ms": float(np.percentile(lat, 90)),

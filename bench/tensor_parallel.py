@@ -31,6 +31,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ._collector import CollectorProcess
 from ._common import ROOT, git_commit, utc_now, write_json, write_report
 from .served_throughput import _burst, _wait_healthy
 
@@ -248,21 +249,18 @@ def _load(url: str, args: argparse.Namespace, stop: threading.Event) -> None:
                                  max_tokens=args.output_len, seed=random.randrange(1 << 30)), progress=None)
 
 
-def _straggler(args: argparse.Namespace) -> dict:
-    from sightline.deploy.processes import free_ports
+def _straggler(args: argparse.Namespace, workdir: Path) -> dict:
+    from sightline.deploy.processes import free_port
 
-    grpc, http, zipkin, query, port = free_ports(5)
-    collector = subprocess.Popen(
-        [sys.executable, "-m", "sightline.deploy.cli", "collector", "run", "--otlp-grpc", f"127.0.0.1:{grpc}",
-         "--otlp-http", f"127.0.0.1:{http}", "--zipkin", f"127.0.0.1:{zipkin}", "--http", f"127.0.0.1:{query}",
-         "--window-slot-s", str(args.slot_s), "--window-slots", "360", "--log-level", "WARNING"], cwd=ROOT)
+    port = free_port()
+    collector = CollectorProcess(workdir / "collector.log",
+                                 ["--window-slot-s", str(args.slot_s), "--window-slots", "360"])
     trace = (["--trace-level", "steps"] if args.device == "cpu" else
              ["--trace-level", "kernels", "--kernel-sample-ratio", str(args.kernel_sample_ratio)])
     url = f"http://127.0.0.1:{port}"
     server = None
     try:
-        _wait_collector(f"http://127.0.0.1:{query}", collector)
-        server = _serve(args, port, args.tp, [*trace, "--otlp-endpoint", f"http://127.0.0.1:{grpc}"],
+        server = _serve(args, port, args.tp, [*trace, "--otlp-endpoint", collector.url("grpc")],
                         {"OTEL_RESOURCE_ATTRIBUTES": f"service.instance.id={_INSTANCE}",
                          "OTEL_BSP_SCHEDULE_DELAY": "200"})
         _wait_healthy(url, server, args.start_timeout)
@@ -282,13 +280,13 @@ def _straggler(args: argparse.Namespace) -> dict:
         stop.set()
         loader.join(600)
         time.sleep(2 * args.slot_s + 1.0)                  # the last spans exported and a slot closed
-        slots = _get(f"http://127.0.0.1:{query}/api/v1/stragglers?instance_id={_INSTANCE}")["instances"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{query}/metrics", timeout=10) as response:
+        slots = _get(collector.url("query", f"/api/v1/stragglers?instance_id={_INSTANCE}"))["instances"]
+        with urllib.request.urlopen(collector.url("query", "/metrics"), timeout=10) as response:
             metrics = response.read().decode()
     finally:
         if server is not None:
             _stop(server)
-        _stop(collector)
+        collector.stop()
     verdicts = slots.get(_INSTANCE, [])
     last = args.tp - 1
 
@@ -302,19 +300,6 @@ def _straggler(args: argparse.Namespace) -> dict:
             "control_slots": len(control_slots),
             "control_named_any": sum(s["straggler"] is not None for s in control_slots),
             "wait_per_step_s": _per_step(metrics), "slots": verdicts}
-
-
-def _wait_collector(base: str, process: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the collector exited with {process.returncode}")
-        try:
-            with urllib.request.urlopen(base + "/healthz", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.3)
-    raise TimeoutError("the collector did not start")
 
 
 def _per_step(metrics: str) -> dict[str, float]:
@@ -383,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if "allreduce" not in args.skip:
             record["allreduce"] = _collectives(args, workdir)
         if "straggler" not in args.skip:
-            record["straggler"] = _straggler(args)
+            record["straggler"] = _straggler(args, workdir)
     path = write_json(Path(args.out), record)
     write_report(path, "tensor_parallel", argv, _report(record, args))
     return 0

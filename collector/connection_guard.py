@@ -100,7 +100,6 @@ class _Guarded(asyncio.Protocol):
         self._taken_back = False
 
     def connection_made(self, transport) -> None:
-        listener = self._listener
         self._transport = transport
         if self._taken_back:  # refused or taken back before its transport existed (counted then)
             transport.write(self._listener._refusal())

@@ -252,7 +252,6 @@ def gpu_cases() -> list[Case]:
     memory = series(sc.GPU_MEMORY_USED_BYTES, {**ENGINE, sc.LABEL_GPU: "0"})
     contexts = series(sc.GPU_CUDA_CONTEXTS, {**ENGINE, sc.LABEL_GPU: "0"})
     gib, mib = 1 << 30, 1 << 20
-    day = 24 * 60
     return [
         Case(
             "two SMs flagged contended for 20 minutes, one of them on and off",

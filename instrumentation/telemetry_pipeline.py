@@ -37,7 +37,7 @@ from .config_checks import check_range
 from .counting_export import TelemetryCounters
 from .event_wire import from_wire, to_wire
 from .gpu_records import KernelNames
-from .lifecycle import DROP_BUFFER_FULL, LifecycleRecorder
+from .lifecycle import LifecycleRecorder
 from .producer_link import ProducerIdentity, ProducerInbox, private_endpoint, remove_endpoint
 
 __all__ = ["TelemetryPipeline", "ProducerSide"]

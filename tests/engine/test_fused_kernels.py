@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sightline.engine.kernels.rmsnorm import rms_norm, rms_norm_ref
-from sightline.engine.kernels.rope import rope_, rope_ref_, rope_supported
+from sightline.engine.kernels.rope import rope_ref_, rope_supported
 from sightline.engine.kernels.swiglu import swiglu, swiglu_ref
 from tests.engine.interpreter import run_interpreted
 

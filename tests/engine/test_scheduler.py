@@ -16,7 +16,7 @@ import random
 import pytest
 
 from sightline.engine.request import FinishReason, Request, RequestStatus, SamplingParams
-from sightline.engine.scheduler import QueueFullError, SchedulerConfig, StepPlan
+from sightline.engine.scheduler import QueueFullError, SchedulerConfig
 from tests.engine.scheduler_harness import Harness, next_token, reference_output, step_with_random_abort
 
 

@@ -9,7 +9,6 @@ test made: names, parents, kinds, attributes, links, trace ids.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import threading
 import time
