@@ -7,7 +7,9 @@ in it, and the share naming the planted one; onset to alert: :class:`AlertClock`
 project's alert rules on the collector's /metrics as scraped (the SM-contention rule as it is,
 the cause rules over ``cause_window_s``), each firing once its condition held ``for_s``, as
 the demo's short ``for`` does. :func:`summarize` pools the runs per scenario (min, median,
-max) and checks issue 30's bounds; ``python -m bench.scenario_analysis FILE...`` pools files. Guarantee: pure functions of what the run recorded (no GPU,
+max) and checks issue 30's bounds, and that a control or a surge of the usual load fires no
+alert and a surge's slowest requests are not called slowed (SMs, GPU or host);
+``python -m bench.scenario_analysis FILE...`` pools files. Guarantee: pure functions of what the run recorded (no GPU,
 no network); a scrape's sample is read as Prometheus reads it. Cost: one parse per scrape.
 """
 
@@ -33,7 +35,9 @@ __all__ = ["ALERT_OF", "AlertClock", "AlertRules", "BOUNDS", "score_interval", "
 DEVICE_ALERT, HOST_ALERT = "SightlineDeviceContention", "SightlineHostStall"
 # the alert each kind of planted interval should fire (None: none should)
 ALERT_OF = {"sm_neighbour": SM_CONTENTION_ALERT, "hbm_hog": DEVICE_ALERT, "host_stall": HOST_ALERT,
-            "priority_burst": None, "control": None}
+            "priority_burst": None, "load_surge": None, "control": None}
+# causes that say the engine or its GPU ran slow: none of them fits a busier engine
+_SLOWNESS = (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL)
 _CAUSE_ALERTS = {DEVICE_ALERT: sc.CAUSE_DEVICE_CONTENTION, HOST_ALERT: sc.CAUSE_HOST_STALL}
 # issue 30's bounds: precision and recall per interval, share of the planted cause, onset to alert
 BOUNDS = {"precision": 0.9, "recall": 0.9, "cause_share": 0.9, "onset_to_alert_s": 30.0}
@@ -214,8 +218,10 @@ def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
         if ALERT_OF[kind]:
             checks["onset_to_alert"] = all(s["onset_to_alert_s"] is not None
                                            and s["onset_to_alert_s"] <= BOUNDS["onset_to_alert_s"] for s in runs)
-        if kind == "control":
+        if kind in ("control", "load_surge"):
             checks["no_alert"] = not entry["alerts_fired"]
+        if kind == "load_surge":   # more of the usual load: its slowest requests are not called slowed
+            checks["no_slowness_named"] = not any(s["causes"].get(c) for s in runs for c in _SLOWNESS)
         entry["checks"] = checks
         out[name] = entry
     return out

@@ -5,13 +5,13 @@ of priorities 1-2 for the whole run; its telemetry goes over OTLP/HTTP to a coll
 process and into a raw capture. The suite is ``--runs`` rounds of ``--scenarios``, each a
 segment: ``--lead-s`` with nothing planted, ``--planted-s`` with the plant (an SM neighbour
 on every 4th or every 2nd SM, an HBM hog, a GIL-holding thread, a burst of priority-0
-requests, or nothing for the control), then ``--tail-s``. A scraper reads the collector's
+requests, a surge of the usual load, or nothing for the control), then ``--tail-s``. A scraper reads the collector's
 /metrics every ``--scrape-s`` (alerts: bench/scenario_analysis.py); after each segment the
 collector's time x SM heatmaps and its explanation of the planted interval's 10 slowest
 requests are fetched, and scored. Guarantee: what was planted is measured (the neighbour's
 SMs by ``%smid``, the hogs' own clocks) and goes into each kept capture's metadata; every
 figure comes from the live collector. Cost: the segments (60 s each by default) and about
-a minute of start-up; ``--runs 1`` of the six scenarios fits in 9 minutes on an H200.
+a minute of start-up; ``--runs 1`` of six scenarios fits in 9 minutes on an H200.
 """
 
 from __future__ import annotations
@@ -46,9 +46,9 @@ __all__ = ["SCENARIOS", "Segment", "main", "plan_load", "segments"]
 
 # scenario -> the kind of interval it plants (deploy/incident.py)
 SCENARIOS = {"control": "control", "sm_quarter": "sm_neighbour", "sm_half": "sm_neighbour", "hbm_hog": "hbm_hog",
-             "host_stall": "host_stall", "priority_burst": "priority_burst"}
+             "host_stall": "host_stall", "priority_burst": "priority_burst", "load_surge": "load_surge"}
 # a control first and incidents apart: most of what the collector compares with stays usual
-DEFAULT_ORDER = ("control", "sm_quarter", "hbm_hog", "sm_half", "host_stall", "priority_burst")
+DEFAULT_ORDER = ("control", "sm_quarter", "hbm_hog", "sm_half", "host_stall", "priority_burst", "load_surge")
 SM_STEP = {"sm_quarter": 4, "sm_half": 2}  # the neighbour holds every Nth SM
 
 
@@ -83,7 +83,8 @@ def segments(order: list[str], runs: int, lead_s: float, planted_s: float, tail_
 def plan_load(args: argparse.Namespace, model: str, max_model_len: int,
               timeline: list[Segment]) -> list[tuple[float, PlannedRequest]]:
     """Poisson arrivals at ``--rate`` (priorities 1-2; one in four prompts long) over the whole
-    timeline, and at each priority burst's onset ``--burst`` long priority-0 requests at once."""
+    timeline, at each priority burst's onset ``--burst`` long priority-0 requests at once, and
+    through each load surge's planted interval ``--surge-rate`` more short ones a second."""
     rng = random.Random(args.seed)
     total = timeline[-1].stop_s
     offsets, t = [], 0.0
@@ -91,13 +92,17 @@ def plan_load(args: argparse.Namespace, model: str, max_model_len: int,
         t += rng.expovariate(args.rate)
         if t >= total - 2:
             break
-        offsets.append((t, rng.randint(1, 2), False))
+        offsets.append((t, rng.randint(1, 2), None))
     for seg in timeline:
         if seg.scenario == "priority_burst":
             offsets += [(seg.onset_s, 0, True)] * args.burst
+        elif seg.scenario == "load_surge":
+            t = seg.onset_s
+            while (t := t + rng.expovariate(args.surge_rate)) < seg.end_s:
+                offsets.append((t, rng.randint(1, 2), False))
     plans = []
-    for index, (at, priority, burst) in enumerate(sorted(offsets)):
-        long = burst or rng.random() < 0.25
+    for index, (at, priority, burst) in enumerate(sorted(offsets, key=lambda o: o[:2])):
+        long = burst or (burst is None and rng.random() < 0.25)
         length = rng.randint(2000, 6000) if long else rng.randint(64, 512)
         chat = index % 6 == 5
         text = _prompt_text(rng, min(length, max_model_len - 256))
@@ -199,7 +204,7 @@ def run_plants(plants: dict, timeline: list[Segment], t0: float, planted_s: floa
             time.sleep(max(0.0, t0 + seg.onset_s - time.monotonic()))
             plant = plants.get(seg.scenario)
             try:
-                if plant is None:  # control, priority burst (in the load): the planned times
+                if plant is None:  # control, priority burst, load surge (in the load): the planned times
                     start = time.time_ns()
                     time.sleep(max(0.0, t0 + seg.end_s - time.monotonic()))
                     seg.interval = PlantedInterval(start, time.time_ns(), (), kind=SCENARIOS[seg.scenario])
@@ -284,6 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="wait after a planted interval before scoring it (its requests end, their spans arrive)")
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     ap.add_argument("--burst", type=int, default=96, help="priority-0 requests of a priority burst")
+    ap.add_argument("--surge-rate", type=float, default=30.0,
+                    help="more Poisson arrivals per second (short prompts) through a load surge")
     ap.add_argument("--hbm-mib", type=int, default=1024, help="bytes the HBM hog copies per launch")
     ap.add_argument("--gil-hold-s", type=float, default=0.03)
     ap.add_argument("--gil-period-s", type=float, default=0.05)

@@ -2,7 +2,8 @@
 
 A capture may say in its metadata (instrumentation/capture.py) what was planted in it and
 when: SM neighbours on known SMs (bench/record_incident.py measures them with ``%smid``),
-an HBM-bandwidth hog, a host-side stall, a priority burst, or nothing (a control interval);
+an HBM-bandwidth hog, a host-side stall, a priority burst, a surge of the usual load, or
+nothing (a control interval);
 each interval's ``kind`` names the cause ``explain`` should give (``EXPECTED_CAUSE``). A
 capture whose incident was planted synthetically says so (``synthetic``).
 :func:`find` compares an interval's planted SMs with the SMs the collector's contention
@@ -26,9 +27,10 @@ INCIDENT_FORMAT = "sightline.incident/1"
 
 
 # What each kind of planted interval should be explained as (collector/causes.py's classes);
-# a control interval plants nothing.
+# a control interval plants nothing; a load surge plants more of the usual requests, which
+# makes the engine busier, not slower: no cause of slowness fits it.
 EXPECTED_CAUSE = {"sm_neighbour": "sm_contention", "hbm_hog": "device_contention", "host_stall": "host_stall",
-                  "priority_burst": "queueing", "control": None}
+                  "priority_burst": "queueing", "load_surge": None, "control": None}
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,8 @@ def test_metadata_round_trip_kinds_and_bad_records():
     assert Incident.from_meta(incident.to_meta()) == incident
     assert [i.expected_cause for i in incident.intervals] == ["sm_contention", "sm_contention",
                                                              "device_contention", None]
-    assert set(EXPECTED_CAUSE) == {"sm_neighbour", "hbm_hog", "host_stall", "priority_burst", "control"}
+    assert set(EXPECTED_CAUSE) == {"sm_neighbour", "hbm_hog", "host_stall", "priority_burst", "load_surge", "control"}
+    assert PlantedInterval(1, 2, (), kind="load_surge").expected_cause is None   # busier, not slower
     old = incident.to_meta()  # a capture written before intervals had a kind: SM neighbours
     for i in old["intervals"][:2]:
         del i["kind"]

@@ -70,7 +70,7 @@ def test_an_interval_scored_against_what_was_planted(episodes):
     assert (again["onset_to_alert_s"], again["alert_how"]) == (0.0, "already firing at the onset")
     late = score_interval({"kind": "hbm_hog", "start_unix_s": 0.0, "end_unix_s": 30.0}, [], [], episodes)
     assert (late["onset_to_alert_s"], late["alert_how"]) == (None, "did not fire")
-    assert set(ALERT_OF) == {"sm_neighbour", "hbm_hog", "host_stall", "priority_burst", "control"}
+    assert set(ALERT_OF) == {"sm_neighbour", "hbm_hog", "host_stall", "priority_burst", "load_surge", "control"}
 
 
 def test_runs_pooled_per_scenario_with_the_bounds_checked(episodes):
@@ -101,6 +101,26 @@ def test_runs_pooled_per_scenario_with_the_bounds_checked(episodes):
     pooled = pool([{"scored": [dict(runs[0], run=1), dict(control, run=1)]},
                    {"scored": [dict(runs[1], run=1), dict(runs[2], run=2)]}])
     assert pooled == summary
+
+
+def test_a_load_surge_fires_no_alert_and_is_not_called_slowed(episodes):
+    """A surge of the usual load makes the engine busier, not slower: queueing, others' prefill
+    or no cause are right for its slowest requests; a slowness cause or an alert is not."""
+    def surge(start: float, causes: list[str]) -> dict:
+        return dict(score_interval({"kind": "load_surge", "start_unix_s": start, "end_unix_s": start + 40},
+                                   [{"kernel": "k", "planted": [], "flagged": {}, "slots": 4, "precision": None,
+                                     "recall": None}], [{"cause": {"name": c}} for c in causes], episodes),
+                    scenario="load_surge")
+
+    quiet = surge(0.0, [sc.CAUSE_UNKNOWN] * 6 + [sc.CAUSE_PREFILL_INTERFERENCE, sc.CAUSE_QUEUEING] * 2)
+    assert quiet["expected_cause"] is None and quiet["cause_share"] is None and quiet["alerts_fired"] == []
+    assert summarize([quiet])["load_surge"]["checks"] == {"no_sm_flagged": True, "no_alert": True,
+                                                          "no_slowness_named": True}
+    # one run's slowest called a device contention, while the host-stall alert fired (t = 120 on)
+    misread = surge(120.0, [sc.CAUSE_DEVICE_CONTENTION] + [sc.CAUSE_UNKNOWN] * 9)
+    assert misread["alerts_fired"] == ["SightlineHostStall"]
+    assert summarize([quiet, misread])["load_surge"]["checks"] == {"no_sm_flagged": True, "no_alert": False,
+                                                                   "no_slowness_named": False}
 
 
 def test_the_cause_counters_are_kept_where_they_changed():

@@ -1,0 +1,40 @@
+"""The scenario suite's load plan (bench/scenarios.py): what each scenario adds to the usual load."""
+
+from __future__ import annotations
+
+import argparse
+
+from bench.scenarios import plan_load, segments
+
+
+def prompt_chars(plan) -> int:
+    body = plan.body
+    return len(body["prompt"] if "prompt" in body else body["messages"][0]["content"])
+
+
+def planned(order: list[str]) -> tuple[list, list]:
+    args = argparse.Namespace(seed=0, rate=2.0, burst=4, surge_rate=30.0)
+    timeline = segments(order, 1, 10.0, 20.0, 5.0)
+    return timeline, plan_load(args, "tiny", 2048, timeline)
+
+
+def test_a_load_surge_adds_usual_requests_through_its_planted_interval_only():
+    _, usual = planned(["control", "control"])
+    timeline, surged = planned(["control", "load_surge"])
+    surge = timeline[1]
+    before = {at for at, _ in usual}
+    added = [(at, plan) for at, plan in surged if at not in before]
+    assert before <= {at for at, _ in surged}   # the usual arrivals are kept, at their times
+    assert all(surge.onset_s <= at < surge.end_s for at, _ in added)
+    # Poisson at 30 a second for 20 s: 600 expected, 4 standard deviations either side
+    assert 600 - 4 * 600 ** 0.5 <= len(added) <= 600 + 4 * 600 ** 0.5
+    # the usual priorities and short prompts (64-512 characters), none of the long ones
+    assert {plan.priority for _, plan in added} == {1, 2}
+    assert all(64 <= prompt_chars(plan) <= 512 for _, plan in added)
+
+
+def test_a_priority_burst_sends_its_requests_at_the_onset():
+    timeline, plans = planned(["control", "priority_burst"])
+    burst = [(at, plan) for at, plan in plans if plan.priority == 0]
+    assert len(burst) == 4 and {at for at, _ in burst} == {timeline[1].onset_s}
+    assert all(prompt_chars(plan) >= 1792 for _, plan in burst)   # long: 2,000-6,000, capped below 2,048
