@@ -112,8 +112,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"{', '.join(str(s['step_id']) for s in e.compiles)} took {compile_s * 1e3:.0f} ms "
                      f"of its {e2e * 1e3:.0f} ms", {"compile_steps": e.compiles, "compile_s": compile_s},
                      "its end-to-end latency")
+    usual_batch = e.usual.get("batch", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
-              "long_steps_s": e.long_steps_s}
+              "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
@@ -186,12 +187,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     # what was weighed, so that a reader can see how close each rule came
-    usual_batch = e.usual.get("batch", 0.0)
     busier = (f" for their batch ({e.batch:.0f} requests, usually {usual_batch:.0f}: the engine was busier, "
               "not slower)" if e.batch is not None and usual_batch > 0 and e.batch >= BUSIER * usual_batch else "")
     return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out: its steps took the usual time{busier} and it did not "
                  "wait long",
-                 {**engine, "batch": e.batch, "usual_batch": usual_batch, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
+                 {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 

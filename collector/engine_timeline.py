@@ -81,9 +81,9 @@ def _usual_mean(a: dict[str, np.ndarray], durations: np.ndarray, default: float)
     return usual_value(means[counts >= _MIN_SECOND_STEPS], default)
 
 
-def _beyond(decode_tokens, usual: dict[str, float]):
-    """Requests decoded beyond the usual batch (none at or under it)."""
-    return np.maximum(0.0, np.asarray(decode_tokens, dtype=np.float64) - usual["batch"])
+def _beyond(decode_tokens, batch: float):
+    """Requests decoded beyond the usual ``batch`` (none at or under it)."""
+    return np.maximum(0.0, np.asarray(decode_tokens, dtype=np.float64) - batch)
 
 
 def _number(value, default=0.0) -> float:
@@ -292,9 +292,9 @@ class EngineTimeline:
         prefill token and per request beyond that batch; the same for GPU time and host time
         (see step_facts) of traced steps, and the gap between steps. Each is the median of the
         shortest half of the values (:func:`usual_value`); beside them the most requests a
-        step decoded. GPU and host time come from the steps
-        the usual ratio sampled, of each kind where it has any: steps traced after a slow
-        step or in a slow spell were chosen for running slow."""
+        step decoded. GPU and host time come from the steps the usual ratio sampled, of each
+        kind where it has any: steps traced after a slow step or in a slow spell were chosen
+        for running slow."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])
@@ -318,7 +318,7 @@ class EngineTimeline:
         # the whole step: more load is not a slower engine. A smaller batch is not counted
         # faster (a decode step reads all of the weights whatever its batch).
         per_request = gpu_token if gpu_token > 0 else per_token
-        at_usual_batch = a["duration"] - per_request * _beyond(a["decode"], {"batch": batch})
+        at_usual_batch = a["duration"] - per_request * _beyond(a["decode"], batch)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token, "batch": batch,
                 "per_request": per_request, "decode_mean": _usual_mean(a, at_usual_batch, base),
@@ -339,7 +339,7 @@ class EngineTimeline:
         """What a decode-only step of ``decode_tokens`` requests usually takes on ``instance``'s
         engine (0 while the store has no step)."""
         u = self.usual(instance)
-        return u["duration"] + u["per_request"] * float(_beyond(decode_tokens, u)) if u else 0.0
+        return u["duration"] + u["per_request"] * float(_beyond(decode_tokens, u["batch"])) if u else 0.0
 
     def window(self, start_ns: int, end_ns: int, instance: str | None = None) -> WindowSteps:
         """The steps that overlapped ``[start_ns, end_ns]`` (of ``instance``, when it has steps)."""
@@ -352,7 +352,7 @@ class EngineTimeline:
         idx = np.flatnonzero(inside)
         if not idx.size:
             return WindowSteps(0, None, 0, None, None, (end_ns - start_ns) / 1e9, [])
-        prefill, beyond = a["prefill"][idx], _beyond(a["decode"][idx], u)
+        prefill, beyond = a["prefill"][idx], _beyond(a["decode"][idx], u["batch"])
         expected = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
         duration = a["duration"][idx]
         slowdown = None
@@ -401,7 +401,7 @@ class EngineTimeline:
             return None, None
         a = self._arrays
         prefill, gpu_s, host_s = a["prefill"][traced], a["gpu"][traced], a["host"][traced]
-        beyond = _beyond(a["decode"][traced], u)
+        beyond = _beyond(a["decode"][traced], u["batch"])
         want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + u["per_request"] * beyond
         want_host = u["host"] + u["host_per_token"] * prefill
         want_step = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
