@@ -84,7 +84,8 @@ def plan_load(args: argparse.Namespace, model: str, max_model_len: int,
               timeline: list[Segment]) -> list[tuple[float, PlannedRequest]]:
     """Poisson arrivals at ``--rate`` (priorities 1-2; one in four prompts long) over the whole
     timeline, at each priority burst's onset ``--burst`` long priority-0 requests at once, and
-    through each load surge's planted interval ``--surge-rate`` more short ones a second."""
+    through each load surge's planted interval ``--surge-rate`` more a second, with short
+    prompts and long answers (128-256 tokens: they stay in the batch and grow it)."""
     rng = random.Random(args.seed)
     total = timeline[-1].stop_s
     offsets, t = [], 0.0
@@ -92,21 +93,22 @@ def plan_load(args: argparse.Namespace, model: str, max_model_len: int,
         t += rng.expovariate(args.rate)
         if t >= total - 2:
             break
-        offsets.append((t, rng.randint(1, 2), None))
+        offsets.append((t, rng.randint(1, 2), "usual"))
     for seg in timeline:
         if seg.scenario == "priority_burst":
-            offsets += [(seg.onset_s, 0, True)] * args.burst
+            offsets += [(seg.onset_s, 0, "burst")] * args.burst
         elif seg.scenario == "load_surge":
             t = seg.onset_s
             while (t := t + rng.expovariate(args.surge_rate)) < seg.end_s:
-                offsets.append((t, rng.randint(1, 2), False))
+                offsets.append((t, rng.randint(1, 2), "surge"))
     plans = []
-    for index, (at, priority, burst) in enumerate(sorted(offsets, key=lambda o: o[:2])):
-        long = burst or (burst is None and rng.random() < 0.25)
+    for index, (at, priority, kind) in enumerate(sorted(offsets)):
+        long = kind == "burst" or (kind == "usual" and rng.random() < 0.25)
         length = rng.randint(2000, 6000) if long else rng.randint(64, 512)
         chat = index % 6 == 5
         text = _prompt_text(rng, min(length, max_model_len - 256))
-        body = {"model": model, "max_tokens": rng.randint(16, 64), "temperature": 0.0, "ignore_eos": True,
+        answer = rng.randint(128, 256) if kind == "surge" else rng.randint(16, 64)
+        body = {"model": model, "max_tokens": answer, "temperature": 0.0, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}, "priority": priority,
                 **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
         plans.append((at, PlannedRequest(index, "/v1/chat/completions" if chat else "/v1/completions", body,
@@ -290,7 +292,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     ap.add_argument("--burst", type=int, default=96, help="priority-0 requests of a priority burst")
     ap.add_argument("--surge-rate", type=float, default=30.0,
-                    help="more Poisson arrivals per second (short prompts) through a load surge")
+                    help="more Poisson arrivals per second (short prompts, long answers) through a load surge")
     ap.add_argument("--hbm-mib", type=int, default=1024, help="bytes the HBM hog copies per launch")
     ap.add_argument("--gil-hold-s", type=float, default=0.03)
     ap.add_argument("--gil-period-s", type=float, default=0.05)

@@ -28,9 +28,10 @@ def test_a_load_surge_adds_usual_requests_through_its_planted_interval_only():
     assert all(surge.onset_s <= at < surge.end_s for at, _ in added)
     # Poisson at 30 a second for 20 s: 600 expected, 4 standard deviations either side
     assert 600 - 4 * 600 ** 0.5 <= len(added) <= 600 + 4 * 600 ** 0.5
-    # the usual priorities and short prompts (64-512 characters), none of the long ones
+    # the usual priorities, short prompts (64-512 characters) and long answers, which grow the batch
     assert {plan.priority for _, plan in added} == {1, 2}
-    assert all(64 <= prompt_chars(plan) <= 512 for _, plan in added)
+    assert all(64 <= prompt_chars(plan) <= 512 and 128 <= plan.body["max_tokens"] <= 256 for _, plan in added)
+    assert all(16 <= plan.body["max_tokens"] <= 64 for at, plan in surged if at in before)
 
 
 def test_a_priority_burst_sends_its_requests_at_the_onset():
