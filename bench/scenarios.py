@@ -319,6 +319,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--scenarios {args.scenarios!r}: unknown {unknown}; choose from {', '.join(SCENARIOS)}")
     if not 1 <= args.runs <= 20:
         ap.error(f"--runs {args.runs} must be in [1, 20]")
+    if not (args.rate > 0 and args.surge_rate > 0):
+        ap.error(f"--rate {args.rate} and --surge-rate {args.surge_rate} must be above 0 (arrivals a second)")
     if not (5 <= args.lead_s and 10 <= args.planted_s and 0 <= args.tail_s) or args.settle_s < 0:
         ap.error("need --lead-s >= 5, --planted-s >= 10, --tail-s >= 0, --settle-s >= 0")
     if args.gauge_window_s >= args.lead_s + args.tail_s:
