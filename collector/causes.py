@@ -25,7 +25,9 @@ from .engine_timeline import LONG_STEP, TRACED_REACH_S
 
 __all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
 
-BUSIER = 1.5  # a batch this many times the usual is worth saying when no cause stands out
+# with no cause standing out, the batch is worth naming when the requests beyond the usual
+# batch added this share of a usual step to its steps (not for one or two more on a GPU)
+BUSIER = 0.1
 
 
 @dataclass(frozen=True)
@@ -187,8 +189,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     # what was weighed, so that a reader can see how close each rule came
+    added_s = e.usual.get("per_request", 0.0) * max(0.0, (e.batch or 0.0) - usual_batch)
     busier = (f" for their batch ({e.batch:.0f} requests, usually {usual_batch:.0f}: the engine was busier, "
-              "not slower)" if e.batch is not None and usual_batch > 0 and e.batch >= BUSIER * usual_batch else "")
+              "not slower)" if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
     return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out: its steps took the usual time{busier} and it did not "
                  "wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,

@@ -544,6 +544,8 @@ def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
     assert one.cause.name == sc.CAUSE_UNKNOWN and one.cause.evidence["engine_slowdown"] == pytest.approx(
         np.mean([s[1] for s in decode]) / usual, rel=1e-4)
     result = explain_slowest(agg, quantile=0.0, limit=200)
+    # one request more than usual adds 43 us to an 18 ms step: not worth naming
+    assert one.cause.evidence["batch"] > u["batch"] and "busier" not in one.cause.summary
     mine = next(r for r in result.requests if r.trace_id == tid(*TARGET).hex())
     assert mine.cause == one.cause
     as_json = json.loads(json.dumps(result.to_dict()))
