@@ -178,8 +178,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         if host_side:
             return _host_stall(e, engine, usual)
-        return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but neither the GPU's nor the host's "
-                     "evidence says why",
+        # no traced step and no CTA figures (trace level below kernels, or no GPU): nothing to weigh
+        blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
+        why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
+               if blind else "neither the GPU's nor the host's evidence says why")
+        return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
                       "cta_slowdown": e.cta_slowdown}, usual)

@@ -487,6 +487,23 @@ def test_one_step_far_beyond_its_usual_makes_the_engine_slow_though_the_others_a
     assert f"({(1.5 - usual) * 1e3:.0f} ms in steps 4x their usual or more)" in cause.summary
 
 
+def test_a_slower_engine_with_nothing_traced_says_what_is_not_known():
+    """Steps 1.5x slower, and no step kernel-traced nor any CTA timed (trace level steps, or an
+    engine without a GPU): the engine was slow, and the answer says that nothing could say why."""
+    sc_ = Scenario()
+    for s in sc_.steps:
+        s[3] = None
+    sc_.ctas = {}
+    slow_steps(sc_, 38, 46, 1.5, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_UNKNOWN, cause
+    assert cause.evidence["engine_slowdown"] == pytest.approx(1.5, rel=0.01) and cause.evidence["traced_steps"] == 0
+    assert cause.summary.endswith("but no kernel-traced step or CTA timing covers its life, so its GPU and host "
+                                  "time are not known")
+
+
 def surge(scenario: Scenario, extra: int, factor: float = 1.0) -> None:
     """``extra`` more requests decoded from T+37.5 to T+46.5; every prefill step traced, so that
     a token's GPU cost is known. Each step then costs what the requests beyond the usual
