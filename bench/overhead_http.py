@@ -170,36 +170,35 @@ def load(args, urls: list[str], pids: list[int], rounds: int, seed: int,
 def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
     """A running collector and one engine per level (on ``plan``'s CPUs, the collector on
     "load"'s), each answering; yields ``{level: (process, url)}`` and stops them all after."""
-    folder = tempfile.TemporaryDirectory(prefix="overhead-http-")
-    # ready, not only live: its byte walks compiled (a cold numba cache takes tens of seconds)
-    collector = CollectorProcess(Path(folder.name) / "collector.log", cpus=plan["load"] if plan else None,
-                                 ready_timeout_s=180)
-    engines: dict[str, tuple[subprocess.Popen, str]] = {}
-    try:
-        for level, port in zip(levels, free_ports(len(levels))):
-            engines[level] = start_engine(args, level, collector.url("grpc"), port,
-                                          plan[level] if plan else None)
-        for level, (engine, url) in engines.items():
-            _wait_http(url + "/health", engine, args.start_timeout_s)
-            print(f"{level}: serving on {url}", flush=True)
-        if plan and "telemetry" in plan:   # every telemetry process on the shared pool
+    with tempfile.TemporaryDirectory(prefix="overhead-http-") as folder:
+        # ready, not only live: its byte walks compiled (a cold numba cache takes tens of seconds)
+        collector = CollectorProcess(Path(folder) / "collector.log", cpus=plan["load"] if plan else None,
+                                     ready_timeout_s=180)
+        engines: dict[str, tuple[subprocess.Popen, str]] = {}
+        try:
+            for level, port in zip(levels, free_ports(len(levels))):
+                engines[level] = start_engine(args, level, collector.url("grpc"), port,
+                                              plan[level] if plan else None)
+            for level, (engine, url) in engines.items():
+                _wait_http(url + "/health", engine, args.start_timeout_s)
+                print(f"{level}: serving on {url}", flush=True)
+            if plan and "telemetry" in plan:   # every telemetry process on the shared pool
+                for engine, _ in engines.values():
+                    for pid in telemetry_pids(engine.pid):
+                        pin_process(pid, plan["telemetry"])
+            yield engines
+        finally:
             for engine, _ in engines.values():
-                for pid in telemetry_pids(engine.pid):
-                    pin_process(pid, plan["telemetry"])
-        yield engines
-    finally:
-        for engine, _ in engines.values():
-            engine.send_signal(signal.SIGTERM)
-        for engine, _ in engines.values():
-            try:
-                engine.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                engine.kill()
-        collector.stop()
-        said = collector.log.read_text(errors="replace").strip()
-        if said:   # its warnings, where the run's own output can show them
-            print(f"collector log:\n{said[-4000:]}", file=sys.stderr)
-        folder.cleanup()
+                engine.send_signal(signal.SIGTERM)
+            for engine, _ in engines.values():
+                try:
+                    engine.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    engine.kill()
+            collector.stop()
+            said = collector.log.read_text(errors="replace").strip()
+            if said:   # its warnings, where the run's own output can show them
+                print(f"collector log:\n{said[-4000:]}", file=sys.stderr)
 
 
 def _per_step_us(before: dict, after: dict, steps: int) -> dict:

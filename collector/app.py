@@ -18,6 +18,7 @@ by concurrent scrapers and streamed with a write deadline (:mod:`.scrape`).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -155,9 +156,8 @@ class Collector:
                      receiver: str | None) -> tuple[web.AppRunner, int]:
         # access_log=None: a log line per export request would cost more than parsing it.
         # auto_decompress=False: the receivers decompress themselves, with a size cap.
-        def refused(reason: str, receiver: str | None = receiver) -> None:
-            self.metrics.rejected(receiver, reason)
-        listener = GuardedListener(app, self._limits, refused if receiver is not None else None, access_log=None, auto_decompress=False,
+        on_refused = None if receiver is None else functools.partial(self.metrics.rejected, receiver)
+        listener = GuardedListener(app, self._limits, on_refused, access_log=None, auto_decompress=False,
                                    shutdown_timeout=self.config.shutdown_timeout_s)
         port = await listener.start(address[0], address[1], ssl_context)
         self._listeners.append(listener)

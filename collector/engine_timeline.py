@@ -356,10 +356,10 @@ class EngineTimeline:
         expected = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
         duration = a["duration"][idx]
         slowdown = None
-        plain = a["clean"][idx]
         if (expected > 0).all():
             # decode-only steps are the yardstick: a mixed step's cost beyond the line of
             # its tokens is others' prefill (prefill_interference), not the engine's slowness
+            plain = a["clean"][idx]
             if plain.any() and u["decode_mean"] > 0:
                 usual_mean = u["decode_mean"] + u["per_request"] * float(beyond[plain].mean())
                 slowdown = float(duration[plain].mean() / usual_mean)
