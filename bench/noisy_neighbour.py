@@ -51,14 +51,25 @@ _IN_FLIGHT = 2  # slices queued on the stream at most: what an implicit device s
 # until the deadline; with 8 warps the neighbour issues tensor-core work from two warp groups
 # against FA2's one, where an FA2 CTA on an SM without the neighbour shares it with one
 # other FA2 CTA.
+@triton.jit
+def _cta_globaltimer(offs):
+    """``%globaltimer`` as one value for the whole CTA: the latest of its threads' reads.
+    Each thread reads the timer at its own moment; a loop of tensor-core dots that ended on
+    per-thread reads could end for some warps of a warp group one turn before the others,
+    and a warp-group MMA issued by part of its group is an illegal instruction on Hopper.
+    The reduction (through shared memory, with a barrier) gives every thread the same value."""
+    t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [offs], dtype=tl.int64,
+                                  is_pure=False, pack=1)
+    return tl.max(t, axis=0)
+
+
 @triton.jit(do_not_specialize=["slice_index", "deadline_ns", "linger_ns"])
 def sightline_noisy_neighbour(occ_ptr, claims_ptr, targets_ptr, tile_ptr, sink_ptr, slice_index,
                               deadline_ns, linger_ns, fake_iters,
                               NUM_SMS: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr):
     pid = tl.program_id(0)
     if MODE == 1:
-        start = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                          is_pure=False, pack=1)
+        start = _cta_globaltimer(tl.arange(0, TILE))
         smid = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
                                          is_pure=True, pack=1)
         smid = tl.minimum(smid, NUM_SMS - 1)
@@ -82,8 +93,7 @@ def sightline_noisy_neighbour(occ_ptr, claims_ptr, targets_ptr, tile_ptr, sink_p
                     a = tl.load(tile)
                     acc0 = tl.dot(a, b, acc0)
                     acc1 = tl.dot(b, a, acc1)
-                now = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
-                                                is_pure=False, pack=1)
+                now = _cta_globaltimer(offs)
         else:
             for _ in range(fake_iters):
                 a = tl.load(tile)
