@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +27,7 @@ def _neighbour_module(path: str | None):
         return noisy_neighbour
     spec = importlib.util.spec_from_file_location("neighbour_under_soak", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
