@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -138,6 +139,17 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return children
+
+
+def terminate(process: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM (a server drains and flushes its telemetry), then a kill after ``timeout_s``."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(30)
 
 
 def utc_now() -> str:

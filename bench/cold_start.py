@@ -22,7 +22,6 @@ import concurrent.futures
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._common import ROOT, device_name, git_commit, utc_now, write_json, write_report
+from ._common import ROOT, device_name, git_commit, terminate, utc_now, write_json, write_report
 
 __all__ = ["checks", "format_report", "main", "parse_metric", "run_level"]
 
@@ -91,13 +90,7 @@ class Server:
     log: Path
 
     def stop(self, timeout_s: float = 120.0) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(30)
+        terminate(self.process, timeout_s)
 
 
 def start(args, level: str, cache_dir: Path, port: int, log: Path) -> Server:

@@ -1,17 +1,17 @@
 """Records issue 30's scenario suite on one GPU and scores what a live collector found.
 
-One engine (bench/record_capture.py's server, trace level ``kernels``) serves a Poisson load
-of priorities 1-2 for the whole run; its telemetry goes over OTLP/HTTP to a collector
-process and into a raw capture. The suite is ``--runs`` rounds of ``--scenarios``, each a
-segment: ``--lead-s`` with nothing planted, ``--planted-s`` with the plant (an SM neighbour
-on every 4th or every 2nd SM, an HBM hog, a GIL-holding thread, a burst of priority-0
-requests, a surge of the usual load, or nothing for the control), then ``--tail-s``. A scraper reads the collector's
+One ``engine serve`` (the split server: an engine core and an API server, trace level
+``kernels``, the plants inside the core's process: bench/core_plants.py) serves a Poisson load
+of priorities 1-2 for the whole run; its telemetry goes over OTLP/HTTP to a collector process
+and into a raw capture. The suite is ``--runs`` rounds of ``--scenarios``, each a segment:
+``--lead-s`` with nothing planted, ``--planted-s`` with the plant (an SM neighbour on every
+4th or 2nd SM, an HBM hog, a GIL-holding thread, a burst of priority-0 requests, a surge of
+the usual load, or nothing: the control), then ``--tail-s``. A scraper reads the collector's
 /metrics every ``--scrape-s`` (alerts: bench/scenario_analysis.py); after each segment the
-collector's time x SM heatmaps and its explanation of the planted interval's 10 slowest
-requests are fetched, and scored. Guarantee: what was planted is measured (the neighbour's
-SMs by ``%smid``, the hogs' own clocks) and goes into each kept capture's metadata; every
-figure comes from the live collector. Cost: the segments (60 s each by default) and about
-a minute of start-up; ``--runs 1`` of six scenarios fits in 9 minutes on an H200.
+collector's time x SM heatmaps and its causes for the planted interval's 10 slowest requests
+are fetched and scored. Guarantee: what was planted is measured (the neighbour's SMs by
+``%smid``, the hogs' own clocks) and kept in each capture's metadata; every figure comes from
+the live collector. Cost: the segments (60 s each by default) and about a minute of start-up.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -33,13 +34,15 @@ from pathlib import Path
 from sightline.collector.replay import TimeMap
 from sightline.deploy.incident import Incident, PlantedInterval, find
 from sightline.deploy.load import format_summary as format_load, summarize as summarize_load
+from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import CaptureWriter
 
 from ._collector import CollectorProcess
-from ._common import device_name, git_commit, utc_now
+from ._common import git_commit, terminate, utc_now
+from .core_plants import PLAN_ENV
 from .plants import GilHog, HbmHog, PlantRun
-from .record_capture import PlannedRequest, _prompt_text, start_server
-from .record_incident import _num_sms, drive_timed, planted_interval
+from .record_capture import PlannedRequest, _prompt_text
+from .record_incident import drive_timed, planted_interval
 from .scenario_analysis import AlertClock, AlertRules, format_summary, score_interval, summarize
 
 __all__ = ["SCENARIOS", "Segment", "main", "plan_load", "segments"]
@@ -199,32 +202,43 @@ def make_plants(args: argparse.Namespace, device, num_sms: int, order: list[str]
     return plants
 
 
-def run_plants(plants: dict, timeline: list[Segment], t0: float, planted_s: float) -> threading.Thread:
-    """A thread that plants each segment's incident at its onset and records what it did."""
+def run_plants(plants: dict, timeline: list[Segment], t0: float, planted_s: float,
+               on_done=None) -> threading.Thread:
+    """A thread that plants each segment's incident at its onset and records what it did
+    (``on_done(index, segment)`` after each)."""
     def target() -> None:
-        for seg in timeline:
-            time.sleep(max(0.0, t0 + seg.onset_s - time.monotonic()))
-            plant = plants.get(seg.scenario)
+        for index, seg in enumerate(timeline):
             try:
-                if plant is None:  # control, priority burst, load surge (in the load): the planned times
-                    start = time.time_ns()
-                    time.sleep(max(0.0, t0 + seg.end_s - time.monotonic()))
-                    seg.interval = PlantedInterval(start, time.time_ns(), (), kind=SCENARIOS[seg.scenario])
-                    continue
-                done = plant.run(planted_s)
-                if isinstance(done, PlantRun):
-                    seg.interval = PlantedInterval(done.start_ns, done.end_ns, (), kind=SCENARIOS[seg.scenario])
-                    seg.plant = done.details
-                else:  # a NeighbourRun: the SMs its CTAs held, and when (%globaltimer when it agrees)
-                    seg.interval, clock = planted_interval(done)
-                    seg.plant = {"clock": clock, "target_sms": len(done.target_sms), "held_sms": len(done.sms),
-                                 "warps": done.warps, "carveout": done.carveout}
-            except Exception as exc:  # the load goes on; the segment says why it has no score
-                seg.error = repr(exc)
+                plant_one(plants, seg, t0, planted_s)
+            finally:
+                if on_done is not None:
+                    on_done(index, seg)
 
     thread = threading.Thread(target=target, name="plants", daemon=True)
     thread.start()
     return thread
+
+
+def plant_one(plants: dict, seg: Segment, t0: float, planted_s: float) -> None:
+    """Plants ``seg``'s incident at its onset; sets its interval and plant, or its error."""
+    time.sleep(max(0.0, t0 + seg.onset_s - time.monotonic()))
+    plant = plants.get(seg.scenario)
+    try:
+        if plant is None:  # control, priority burst, load surge (in the load): the planned times
+            start = time.time_ns()
+            time.sleep(max(0.0, t0 + seg.end_s - time.monotonic()))
+            seg.interval = PlantedInterval(start, time.time_ns(), (), kind=SCENARIOS[seg.scenario])
+            return
+        done = plant.run(planted_s)
+        if isinstance(done, PlantRun):
+            seg.interval = PlantedInterval(done.start_ns, done.end_ns, (), kind=SCENARIOS[seg.scenario])
+            seg.plant = done.details
+        else:  # a NeighbourRun: the SMs its CTAs held, and when (%globaltimer when it agrees)
+            seg.interval, clock = planted_interval(done)
+            seg.plant = {"clock": clock, "target_sms": len(done.target_sms), "held_sms": len(done.sms),
+                         "warps": done.warps, "carveout": done.carveout}
+    except Exception as exc:  # the load goes on; the segment says why it has no score
+        seg.error = repr(exc)
 
 
 def run_evaluations(collector: str, timeline: list[Segment], t0: float, settle_s: float, num_sms: int,
@@ -275,6 +289,101 @@ def keep_captures(raw: Path, out: Path, timeline: list[Segment], keep: set[str],
         for _, _, dst, _ in targets:
             dst.close()
     return [str(target) for *_, target in targets]
+
+
+@dataclass
+class ServedEngine:
+    """``engine serve`` (the split server: an engine core and an API server), its plants in
+    the core (bench/core_plants.py), what they planted read back from ``plan``'s files."""
+
+    process: subprocess.Popen
+    url: str
+    plan: Path
+    model: str = ""
+    max_model_len: int = 0
+    device: str = ""
+    num_sms: int = 0
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, raw: Path, otlp_http: str) -> "ServedEngine":
+        from sightline.deploy.processes import free_port
+
+        plan = args.out / "scenario-plan.json"
+        for suffix in ("", ".device.json", ".go", ".segments.jsonl"):
+            Path(f"{plan}{suffix}").unlink(missing_ok=True)
+        plan.write_text(json.dumps({"order": args.order, "args": {
+            k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}}))
+        port = free_port()
+        command = [sys.executable, "-m", "sightline.deploy.cli", "engine", "serve", "--model", args.model,
+                   "--device", args.device, "--host", "127.0.0.1", "--port", str(port), "--trace-level", "kernels",
+                   "--telemetry-exporter", "otlp", "--otlp-protocol", "http/protobuf", "--otlp-endpoint", otlp_http,
+                   "--telemetry-capture-path", str(raw), "--kernel-sample-ratio", str(args.kernel_sample_ratio),
+                   "--kernel-sample-ratio-slow", str(args.kernel_sample_ratio_slow),
+                   "--telemetry-metric-export-interval-s", str(args.metric_export_interval),
+                   # a traced step ends hundreds of kernel spans at once: a queue that holds them
+                   # all keeps the capture whole, a long shutdown lets the last reach the file
+                   "--telemetry-max-queue-size", str(1 << 17), "--telemetry-shutdown-timeout-s", "120"]
+        env = dict(os.environ, SIGHTLINE_CORE_PLUGINS="bench.core_plants:start", **{PLAN_ENV: str(plan)})
+        engine = cls(subprocess.Popen(command, cwd=Path(__file__).resolve().parent.parent, env=env),
+                     f"http://127.0.0.1:{port}", plan)
+        try:
+            engine._wait_ready(args.start_timeout)
+        except BaseException:
+            engine.stop(10.0)
+            raise
+        return engine
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine serve exited with {self.process.returncode}")
+            try:
+                card = json.loads(_get(self.url + "/v1/models", 2.0))["data"][0]
+                if _get(self.url + "/health", 2.0):
+                    self.model, self.max_model_len = card["id"], int(card["max_model_len"])
+                    found = json.loads(Path(f"{self.plan}.device.json").read_text())
+                    self.device, self.num_sms = found["device"], int(found["num_sms"])
+                    return
+            except (OSError, KeyError, TypeError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.url}/health did not answer 200 within {timeout_s} s")
+
+    def go(self, wall_ns: int) -> None:
+        """The load's start (Unix ns): the core's plants time their segments from it."""
+        staged = Path(f"{self.plan}.go.tmp")
+        staged.write_text(str(wall_ns))
+        staged.rename(f"{self.plan}.go")   # whole or absent: the core never reads half of it
+
+    def follow(self, timeline: list[Segment]) -> threading.Thread:
+        """A thread that fills each segment's interval, plant and error as the core writes them."""
+        def target() -> None:
+            path, seen = Path(f"{self.plan}.segments.jsonl"), 0
+            while seen < len(timeline) and self.process.poll() is None:
+                lines = path.read_text().splitlines() if path.exists() else []
+                for line in lines[seen:]:
+                    if not line.endswith("}"):
+                        break   # being written
+                    record = json.loads(line)
+                    seg, got = timeline[record["index"]], record["interval"]
+                    seg.plant, seg.error = record["plant"], record["error"]
+                    seg.interval = None if got is None else PlantedInterval(
+                        got["start_unix_nano"], got["end_unix_nano"], tuple(got["sms"]), kind=got["kind"])
+                    seen += 1
+                time.sleep(0.2)
+
+        thread = threading.Thread(target=target, name="plants", daemon=True)
+        thread.start()
+        return thread
+
+    def dropped_spans(self) -> float:
+        text = _get(self.url + "/metrics", 30.0).decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(sc.TELEMETRY_SPANS_DROPPED_TOTAL) and not line.startswith("#"))
+
+    def stop(self, timeout_s: float) -> None:
+        terminate(self.process, timeout_s)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -341,26 +450,25 @@ def main(argv: list[str] | None = None) -> int:
     timeline = segments(args.order, args.runs, args.lead_s, args.planted_s, args.tail_s)
     collector_proc = CollectorProcess(args.out / "collector.log", ["--gauge-window-s", f"{args.gauge_window_s:g}"])
     collector, otlp_http = collector_proc.url("query"), collector_proc.url("http")
-    running, telemetry = None, None
+    running, dropped = None, None
     try:
-        running, telemetry = start_server(args, raw, otlp_http)
-        device_obj = running.engine.runner.device
-        device = device_name(device_obj, cpu_fallback="cpu")
-        num_sms = _num_sms(device_obj)
-        plants = make_plants(args, device_obj, num_sms, args.order)
-        plans = plan_load(args, running.engine.model_name, running.engine.max_model_len, timeline)
+        running = ServedEngine.start(args, raw, otlp_http)
+        device, num_sms = running.device, running.num_sms
+        plans = plan_load(args, running.model, running.max_model_len, timeline)
         print(f"[{time.time() - wall0:.0f}s] {args.model} on {device}: {len(timeline)} segments of "
               f"{timeline[0].stop_s:.0f} s, {len(plans)} requests; collector {collector}", flush=True)
         scraper = Scraper(collector, args.scrape_s, AlertRules(args.alert_for_s, args.cause_window_s))
         scraper.start()
         t0, wall0_ns = time.monotonic(), time.time_ns()
-        planter = run_plants(plants, timeline, t0, args.planted_s)
+        running.go(wall0_ns)
+        planter = running.follow(timeline)
         evaluator = run_evaluations(collector, timeline, t0, args.settle_s, num_sms, device)
         records = asyncio.run(drive_timed(running.url, plans, t0))
         load_s = time.monotonic() - t0
         planter.join(timeout=max(0.0, t0 + timeline[-1].stop_s + 60 - time.monotonic()))
         evaluator.join(timeout=max(0.0, t0 + timeline[-1].end_s + args.settle_s + 120 - time.monotonic()))
         scraper.stop()
+        dropped = running.dropped_spans()
     finally:
         if running is not None:
             running.stop(timeout_s=300.0)
@@ -384,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python -m bench.scenarios " + " ".join(sys.argv[1:] if argv is None else argv),
               "config": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path) else v)
                          for k, v in vars(args).items()},
-              "requests": len(records), "requests_ok": client.ok, "dropped_spans": telemetry.dropped_spans(),
+              "requests": len(records), "requests_ok": client.ok, "dropped_spans": dropped,
               "scrapes": len(scraper.clock.contended), "scrape_failures": scraper.failures,
               "cause_counts": scraper.clock.cause_counts(),
               "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": captures,

@@ -10,7 +10,10 @@ server gets every step's stats: its queue check and gauges read them). The loop 
 while the core has no work. An API server's death shows as EOF on a pipe only that server
 holds open: its requests are aborted and their KV blocks freed before the next step.
 SIGTERM: the live requests are aborted, telemetry is flushed, exit 0. SIGINT is left to the
-parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). A failed
+parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). Plugins
+(``$SIGHTLINE_CORE_PLUGINS``: ``module:function``, comma-separated) are called with the warm
+core before it answers any ``Hello``: what must run in its process (on its CUDA context, under
+its GIL), such as the scenario suite's neighbours and hogs. A failed
 tensor-parallel group ends every live request with its error; the core exits 1 (within seconds,
 even when stuck in a collective that never returns).
 """
@@ -33,10 +36,11 @@ from .engine_core import EngineCore, EngineStoppedError
 from .scheduler import QueueFullError
 from .startup import StartupProgress
 
-__all__ = ["CoreLoop", "run_core"]
+__all__ = ["CORE_PLUGINS_ENV", "CoreLoop", "run_core", "start_plugins"]
 
 log = logging.getLogger(__name__)
 
+CORE_PLUGINS_ENV = "SIGHTLINE_CORE_PLUGINS"
 _IDLE_POLL_MS = 500      # how often an idle core looks at its parent and its stop flag
 _TP_FAILED_EXIT_S = 5.0  # a failed tensor-parallel group: the latest the core exits
 
@@ -277,6 +281,7 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
 
         progress = StartupProgress(on_phase, from_process_start=True, start_ns=start_ns)
         core = EngineCore(config, pipeline, progress)
+        start_plugins(core, os.environ.get(CORE_PLUGINS_ENV, ""))
         if core.tp is not None:
             core.tp.on_failure = _exit_soon
         loop = CoreLoop(core, sock, lifelines, endpoint)
@@ -295,6 +300,25 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
         sock.close()
         ctx.term()
         core_lifeline.close()
+
+
+def start_plugins(core: EngineCore, spec: str) -> list[str]:
+    """Calls each ``module:function`` of ``spec`` (comma-separated) with ``core``; returns
+    their names. One that cannot be found raises ValueError naming it; one that raises stops
+    start-up with its own error (a plugin asked for and not running would go unnoticed)."""
+    import importlib
+
+    started = []
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        module_name, _, function_name = entry.partition(":")
+        try:
+            function = getattr(importlib.import_module(module_name), function_name)
+        except (ImportError, AttributeError, ValueError) as exc:
+            raise ValueError(f"{CORE_PLUGINS_ENV}: {entry!r} is not an importable module:function ({exc})") from exc
+        function(core)
+        log.info("core plugin %s started", entry)
+        started.append(entry)
+    return started
 
 
 def _exit_soon(reason: str) -> None:
