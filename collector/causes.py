@@ -82,6 +82,7 @@ class CauseEvidence:
     interference_s: float = 0.0
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
     batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
+    kv_blocks: float | None = None  # and their mean KV blocks in use
 
 
 @dataclass
@@ -105,7 +106,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     usual = (f"the usual step of its engine in the collector's store (where most steps lie): decode-only "
              f"{e.usual.get('duration', 0.0) * 1e3:.2f} ms at a batch of {e.usual.get('batch', 0.0):.0f}, plus "
              f"{e.usual.get('duration_per_token', 0.0) * 1e6:.2f} us per prefill token and "
-             f"{e.usual.get('per_request', 0.0) * 1e6:.2f} us per request beyond that batch; a usual "
+             f"{e.usual.get('per_request', 0.0) * 1e6:.2f} us per request beyond that batch and "
+             f"{e.usual.get('per_kv_block', 0.0) * 1e6:.3f} us per KV block beyond "
+             f"{e.usual.get('kv_blocks', 0.0):.0f}; a usual "
              f"second's mean decode step {e.usual.get('decode_mean', e.usual.get('duration', 0.0)) * 1e3:.2f} ms")
     compile_s = sum(s["duration_s"] for s in e.compiles)
     if e.compiles and compile_s >= c.compile_share * e2e:
@@ -114,9 +117,10 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"{', '.join(str(s['step_id']) for s in e.compiles)} took {compile_s * 1e3:.0f} ms "
                      f"of its {e2e * 1e3:.0f} ms", {"compile_steps": e.compiles, "compile_s": compile_s},
                      "its end-to-end latency")
-    usual_batch = e.usual.get("batch", 0.0)
+    usual_batch, usual_kv = e.usual.get("batch", 0.0), e.usual.get("kv_blocks", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
-              "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch}
+              "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
+              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
@@ -192,14 +196,20 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                      f"its {e.decode_s * 1e3:.0f} ms of decode beyond what decode-only steps take",
                      {"interference_s": e.interference_s, "decode_s": e.decode_s, **engine}, usual)
     # what was weighed, so that a reader can see how close each rule came
-    added_s = e.usual.get("per_request", 0.0) * max(0.0, (e.batch or 0.0) - usual_batch)
-    busier = (f" for their batch ({e.batch:.0f} requests, usually {usual_batch:.0f}: the engine was busier, "
-              "not slower)" if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
+    added_s = (e.usual.get("per_request", 0.0) * max(0.0, (e.batch or 0.0) - usual_batch)
+               + e.usual.get("per_kv_block", 0.0) * max(0.0, (e.kv_blocks or 0.0) - usual_kv))
+    busier = (f" for their load ({e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)}, usually "
+              f"{usual_batch:.0f}{_holding(usual_kv)}: the engine was busier, not slower)"
+              if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
     return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out: its steps took the usual time{busier} and it did not "
                  "wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
+
+
+def _holding(kv_blocks: float | None) -> str:
+    return f" holding {kv_blocks:.0f} KV blocks" if kv_blocks else ""
 
 
 def _steps(e: CauseEvidence) -> str:

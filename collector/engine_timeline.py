@@ -4,7 +4,7 @@
 for a traced step the GPU time of its kernels) and its request roots (arrival, time in the
 queue, priority) into arrays that ``explain`` queries by time: which steps ran while a
 request lived, how long they took against what a step of that kind and size (prefill tokens,
-requests decoded beyond the usual batch) usually takes on that engine in the store (where
+requests decoded and KV blocks held beyond the usual) usually takes on its engine in the store (where
 most of its steps lie: the median of their densest half; for its decode-only steps, their
 mean against a usual second's, so that a stall on a minority of them counts), the time
 with no step running, and how many requests waited when one arrived.
@@ -32,6 +32,7 @@ _MIN_PREFILL_FOR_COST = 16  # steps with fewer prefill tokens say little about a
 TRACED_REACH_S = 1.0
 MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
 _MIN_SECOND_STEPS = 4   # a second with fewer clean decode steps says little about their mean
+_MIN_SLOPE_STEPS = 20   # a quarter of the decode steps with fewer says little about a KV block's cost
 # A step this many times its usual stalled the engine (a neighbour's launch, a wait on a
 # lock): beyond any misfit of the per-token line (mixed steps with few prefill tokens run
 # up to about twice it), and a mean over the request's other steps would hide it
@@ -81,9 +82,31 @@ def _usual_mean(a: dict[str, np.ndarray], durations: np.ndarray, default: float)
     return usual_value(means[counts >= _MIN_SECOND_STEPS], default)
 
 
-def _beyond(decode_tokens, batch: float):
-    """Requests decoded beyond the usual ``batch`` (none at or under it)."""
-    return np.maximum(0.0, np.asarray(decode_tokens, dtype=np.float64) - batch)
+def _beyond(values, usual: float):
+    """How far ``values`` (requests decoded, KV blocks held) lie beyond the usual (none at
+    or under it)."""
+    return np.maximum(0.0, np.asarray(values, dtype=np.float64) - usual)
+
+
+def _load_s(u: dict[str, float], decode_tokens, kv_blocks):
+    """What a step's load beyond the usual adds to it: its requests beyond the usual batch,
+    and the KV blocks its decode reads beyond the usual (0 where the store had no spread)."""
+    return (u["per_request"] * _beyond(decode_tokens, u["batch"])
+            + u.get("per_kv_block", 0.0) * _beyond(kv_blocks, u.get("kv_blocks", 0.0)))
+
+
+def _slope(x: np.ndarray, y: np.ndarray) -> float:
+    """How much ``y`` grows per unit of ``x``, robustly: the medians of ``y`` in the lowest
+    and the highest quarter of ``x``, over their ``x`` medians (slow steps in under half of
+    either quarter leave it); 0 with too few values or no spread in ``x``, never below 0."""
+    if x.size < 4 * _MIN_SLOPE_STEPS:
+        return 0.0
+    q1, q3 = np.quantile(x, [0.25, 0.75])
+    low, high = x <= q1, x >= q3
+    rise = float(np.median(x[high]) - np.median(x[low]))
+    if low.sum() < _MIN_SLOPE_STEPS or high.sum() < _MIN_SLOPE_STEPS or rise <= 0:
+        return 0.0
+    return max(0.0, float(np.median(y[high]) - np.median(y[low])) / rise)
 
 
 def _number(value, default=0.0) -> float:
@@ -102,6 +125,7 @@ class StepFacts:
     kind: int  # index into KINDS
     prefill_tokens: int
     decode_tokens: int
+    kv_blocks: int  # KV blocks in use when it ran: what its decode attention reads (0: not known)
     jit_compiles: int
     gpu_s: float  # GPU time of its traced kernels (NaN: its kernels were not traced); see step_facts
     host_s: float  # host time of a traced step (NaN: not traced); see step_facts
@@ -175,7 +199,8 @@ def step_facts(trace, step) -> StepFacts:
     step_id = a.get(sc.STEP_ID)
     reason = a.get(sc.STEP_TRACE_REASON)
     return StepFacts(record.start_time_unix_nano, record.end_time_unix_nano, kind, prefill, decode,
-                     int(_number(a.get(sc.STEP_JIT_COMPILES))), gpu, host,
+                     int(_number(a.get(sc.STEP_KV_BLOCKS_USED))), int(_number(a.get(sc.STEP_JIT_COMPILES))),
+                     gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance,
                      reason in (None, sc.TRACE_REASON_SAMPLED))
 
@@ -229,6 +254,7 @@ class WindowSteps:
     # window's length: one such step is a stall that a mean over the others leaves out
     long_steps_s: float = 0.0
     batch: float | None = None  # its decode-only steps' mean batch (requests decoded)
+    kv_blocks: float | None = None  # its decode-only steps' mean KV blocks in use
 
 
 class EngineTimeline:
@@ -270,6 +296,7 @@ class EngineTimeline:
              "kind": np.array([f.kind for f in facts], dtype=np.int64),
              "prefill": np.array([f.prefill_tokens for f in facts], dtype=np.float64),
              "decode": np.array([f.decode_tokens for f in facts], dtype=np.float64),
+             "kv": np.array([f.kv_blocks for f in facts], dtype=np.float64),
              "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "host": np.array([f.host_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
@@ -288,13 +315,13 @@ class EngineTimeline:
 
     @staticmethod
     def _fit(a: dict[str, np.ndarray]) -> dict[str, float]:
-        """The usual step: a decode-only step's duration at the usual batch, plus a cost per
-        prefill token and per request beyond that batch; the same for GPU time and host time
-        (see step_facts) of traced steps, and the gap between steps. Each is the median of the
-        shortest half of the values (:func:`usual_value`); beside them the most requests a
-        step decoded. GPU and host time come from the steps the usual ratio sampled, of each
-        kind where it has any: steps traced after a slow step or in a slow spell were chosen
-        for running slow."""
+        """The usual step: a decode-only step's duration at the usual batch and KV, plus a
+        cost per prefill token, per request beyond that batch and per KV block beyond that KV;
+        the same for GPU time and host time (see step_facts) of traced steps, and the gap
+        between steps. Each is the median of the shortest half of the values
+        (:func:`usual_value`); beside them the most requests a step decoded. GPU and host
+        time come from the steps the usual ratio sampled, of each kind where it has any: steps
+        traced after a slow step or in a slow spell were chosen for running slow."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])
@@ -319,9 +346,16 @@ class EngineTimeline:
         # faster (a decode step reads all of the weights whatever its batch).
         per_request = gpu_token if gpu_token > 0 else per_token
         at_usual_batch = a["duration"] - per_request * _beyond(a["decode"], batch)
+        # a decode step reads every running request's KV: the usual load's own spread of
+        # context lengths says what a block costs (its GPU time alike), so that long contexts
+        # are a heavier load, not a slower engine
+        kv_blocks = usual_value(a["kv"][decode], 0.0)
+        per_kv_block = _slope(a["kv"][decode], at_usual_batch[decode])
+        at_usual = at_usual_batch - per_kv_block * _beyond(a["kv"], kv_blocks)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token, "batch": batch,
-                "per_request": per_request, "decode_mean": _usual_mean(a, at_usual_batch, base),
+                "per_request": per_request, "kv_blocks": kv_blocks, "per_kv_block": per_kv_block,
+                "decode_mean": _usual_mean(a, at_usual, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}
 
@@ -335,11 +369,11 @@ class EngineTimeline:
         seconds, per-token costs."""
         return dict(self._usual.get(instance) or self._usual.get(None) or {})
 
-    def decode_only_s(self, decode_tokens: int, instance: str | None = None) -> float:
-        """What a decode-only step of ``decode_tokens`` requests usually takes on ``instance``'s
-        engine (0 while the store has no step)."""
+    def decode_only_s(self, decode_tokens: int, kv_blocks: int = 0, instance: str | None = None) -> float:
+        """What a decode-only step of ``decode_tokens`` requests holding ``kv_blocks`` usually
+        takes on ``instance``'s engine (0 while the store has no step)."""
         u = self.usual(instance)
-        return u["duration"] + u["per_request"] * float(_beyond(decode_tokens, u["batch"])) if u else 0.0
+        return u["duration"] + float(_load_s(u, decode_tokens, kv_blocks)) if u else 0.0
 
     def window(self, start_ns: int, end_ns: int, instance: str | None = None) -> WindowSteps:
         """The steps that overlapped ``[start_ns, end_ns]`` (of ``instance``, when it has steps)."""
@@ -352,8 +386,8 @@ class EngineTimeline:
         idx = np.flatnonzero(inside)
         if not idx.size:
             return WindowSteps(0, None, 0, None, None, (end_ns - start_ns) / 1e9, [])
-        prefill, beyond = a["prefill"][idx], _beyond(a["decode"][idx], u["batch"])
-        expected = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
+        prefill, load = a["prefill"][idx], _load_s(u, a["decode"][idx], a["kv"][idx])
+        expected = u["duration"] + u["duration_per_token"] * prefill + load
         duration = a["duration"][idx]
         slowdown = None
         if (expected > 0).all():
@@ -361,12 +395,13 @@ class EngineTimeline:
             # its tokens is others' prefill (prefill_interference), not the engine's slowness
             plain = a["clean"][idx]
             if plain.any() and u["decode_mean"] > 0:
-                usual_mean = u["decode_mean"] + u["per_request"] * float(beyond[plain].mean())
+                usual_mean = u["decode_mean"] + float(load[plain].mean())
                 slowdown = float(duration[plain].mean() / usual_mean)
             else:
                 slowdown = float(np.median(duration / expected))
         decoded = a["kind"][idx] == 0
         batch = float(a["decode"][idx][decoded].mean()) if decoded.any() else None
+        kv_blocks = float(a["kv"][idx][decoded].mean()) if decoded.any() else None
         long = a["undisturbed"][idx] & (duration >= LONG_STEP * expected)
         long_s = min(float((duration - expected)[long].sum()), (end_ns - start_ns) / 1e9)
         traced = idx[np.isfinite(a["gpu"][idx])]
@@ -391,7 +426,7 @@ class EngineTimeline:
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
-                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch)
+                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch, kv_blocks)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
         """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,
@@ -401,10 +436,10 @@ class EngineTimeline:
             return None, None
         a = self._arrays
         prefill, gpu_s, host_s = a["prefill"][traced], a["gpu"][traced], a["host"][traced]
-        beyond = _beyond(a["decode"][traced], u["batch"])
-        want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + u["per_request"] * beyond
+        load = _load_s(u, a["decode"][traced], a["kv"][traced])
+        want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + load
         want_host = u["host"] + u["host_per_token"] * prefill
-        want_step = u["duration"] + u["duration_per_token"] * prefill + u["per_request"] * beyond
+        want_step = u["duration"] + u["duration_per_token"] * prefill + load
         gpu = float(gpu_s.sum() / want_gpu.sum()) if (want_gpu > 0).all() else None
         host = float(1.0 + (host_s - want_host).sum() / want_step.sum()) if (want_step > 0).all() else None
         return gpu, host

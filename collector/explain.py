@@ -363,7 +363,8 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
             start = record.start_time_unix_nano
             if start >= decode_from and (prefill > 0 or timeline.stretched_by_prefill(start, root.instance)):
                 batch = _i(record.attributes.get(sc.STEP_DECODE_TOKENS)) or 0
-                interference += max(0.0, step.duration_s - timeline.decode_only_s(batch, root.instance))
+                kv_blocks = _i(record.attributes.get(sc.STEP_KV_BLOCKS_USED)) or 0
+                interference += max(0.0, step.duration_s - timeline.decode_only_s(batch, kv_blocks, root.instance))
     window = timeline.window(arrival, end, root.instance)
     try:
         rank = float(priority)
@@ -376,7 +377,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         traced_steps=window.traced,
         traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
-        interference_s=interference, usual=usual, batch=window.batch)
+        interference_s=interference, usual=usual, batch=window.batch, kv_blocks=window.kv_blocks)
 
 
 def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,

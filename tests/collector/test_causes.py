@@ -63,6 +63,7 @@ class Scenario:
         # step index -> how long after the step's start the engine began waiting for it
         # (traced steps with launch ends; not listed: no such attribute)
         self.waits: dict[int, float] = {}
+        self.kv_blocks: dict[int, int] = {}   # step index -> KV blocks in use (not listed: not recorded)
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -93,6 +94,8 @@ class Scenario:
                 attrs[sc.STEP_CUDA_GRAPH] = True
             if n in self.waits:
                 attrs[sc.STEP_WAIT_START_NS] = int((start + self.waits[n]) * 1e9)
+            if n in self.kv_blocks:
+                attrs[sc.STEP_KV_BLOCKS_USED] = self.kv_blocks[n]
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
                 at = start + self.kernels_late.get(n, 0.0)
@@ -538,7 +541,7 @@ def test_a_load_surge_is_a_busier_engine_not_a_slower_one():
     assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, rel=1e-3)
     assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0, rel=1e-3)
     assert cause.evidence["batch"] == pytest.approx(153, abs=0.5) and cause.evidence["usual_batch"] == 2
-    assert "(153 requests, usually 2: the engine was busier, not slower)" in cause.summary
+    assert "(153 requests, usually 2: the engine was busier, not slower)" in cause.summary   # KV not recorded
 
     sc_ = Scenario()
     sc_.target(40.2, 0.01, 2.0)
@@ -547,6 +550,53 @@ def test_a_load_surge_is_a_busier_engine_not_a_slower_one():
     assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
     assert one.cause.evidence["engine_slowdown"] == pytest.approx(1.5, rel=0.01)
     assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.5, rel=0.01)
+
+
+PER_KV_BLOCK_S = 3e-6   # what a decode step takes longer per KV block it reads
+
+
+def long_contexts(scenario: Scenario) -> None:
+    """The usual load's contexts: a decode step holds 20 to 300 KV blocks (eight levels in
+    turn) and takes PER_KV_BLOCK_S longer for each, its GPU time alike."""
+    for n, s in enumerate(scenario.steps):
+        scenario.kv_blocks[n] = 20 + 40 * (n % 8)
+        if not s[2]:
+            s[1] += PER_KV_BLOCK_S * scenario.kv_blocks[n]
+            s[3] = None if s[3] is None else s[3] + PER_KV_BLOCK_S * scenario.kv_blocks[n]
+
+
+def test_a_burst_of_long_prompts_is_queueing_not_a_slower_engine():
+    """A priority burst of long prompts: from T+38 its requests hold 6,000 KV blocks, and each
+    decode step takes the 18 ms those blocks cost more (2x its usual), as the usual load's
+    own spread of contexts says a block costs. A burst request that waited 8 of its 10 s is
+    queueing: held against the usual step for its KV, the engine ran at its usual speed.
+    The same steps with no KV recorded read as a GPU twice as slow."""
+    for recorded in (True, False):
+        sc_ = Scenario()
+        long_contexts(sc_)
+        sc_.requests += [(4, i, T + 37.9, T + 45.0, T + 45.1, T + 48.0, 0) for i in range(10)]
+        sc_.target(38.0, 8.0, 10.0, priority=0)
+        for n, s in enumerate(sc_.steps):
+            if T + 38 <= s[0] < T + 48:
+                s[1] -= PER_KV_BLOCK_S * sc_.kv_blocks[n]
+                s[3] = None if s[3] is None else s[3] - PER_KV_BLOCK_S * sc_.kv_blocks[n]
+                sc_.kv_blocks[n] = 6000
+                if not s[2]:
+                    s[1] += PER_KV_BLOCK_S * 6000
+                    s[3] = None if s[3] is None else s[3] + PER_KV_BLOCK_S * 6000
+        if not recorded:
+            sc_.kv_blocks = {}
+        agg, one = explained(sc_)
+        u = agg.timeline.usual()
+        if recorded:
+            assert u["per_kv_block"] == pytest.approx(PER_KV_BLOCK_S, rel=0.05) and u["kv_blocks"] <= 140
+            assert one.cause.name == sc.CAUSE_QUEUEING, one.cause
+            assert one.cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
+            assert one.cause.evidence["kv_blocks"] == pytest.approx(6000, rel=0.01)   # a step began before T+38
+        else:
+            assert u.get("per_kv_block", 0.0) == 0.0
+            assert one.cause.name == sc.CAUSE_DEVICE_CONTENTION, one.cause
+            assert one.cause.evidence["engine_slowdown"] > 1.8
 
 
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
