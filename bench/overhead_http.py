@@ -264,13 +264,28 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
     return summary
 
 
+def slow_decode_steps(durations: list[float], tokens: list[list[int]], factor: float = 1.5) -> dict:
+    """What a slow spell reads: decode-only steps over ``factor`` x the median decode-only
+    step, how many, their median batch beside all decode-only steps', and the steps just
+    before them (kinds: ``prefill`` when it had prefill tokens)."""
+    decode = [(d, t[1], i) for i, (d, t) in enumerate(zip(durations, tokens)) if t[0] == 0]
+    if not decode:
+        return {"decode_only": 0}
+    limit = factor * statistics.median(d for d, _, _ in decode)
+    slow = [(d, batch, i) for d, batch, i in decode if d > limit]
+    return {"decode_only": len(decode), "over_limit": len(slow),
+            "median_batch": statistics.median(batch for _, batch, _ in decode),
+            "median_batch_over_limit": statistics.median(batch for _, batch, _ in slow) if slow else None,
+            "after_prefill": sum(1 for *_, i in slow if i > 0 and tokens[i - 1][0] > 0)}
+
+
 def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
              "| API servers CPU s / 1k tok | telemetry CPU s / 1k tok | engine thread in telemetry "
-             "| µs / untraced step | µs / plain, probed step | µs / traced step | CTAs probed / loop s "
-             "| failed | dropped | held | orphaned |",
-             "|---" * 19 + "|"]
+             "| µs / untraced step | µs / plain, probed step | µs / traced step | slow spells (steps traced in them) "
+             "| CTAs probed / loop s | failed | dropped | held | orphaned |",
+             "|---" * 20 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         us = s.get("engine_thread_telemetry_us") or {}
@@ -282,7 +297,8 @@ def format_table(summary: dict) -> str:
             f"{s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
             f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
-            f"{us.get('traced_step')} | {s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
+            f"{us.get('traced_step')} | {s.get('slow_spells', 0)} ({us.get('steps_traced_spell', 0)}) | "
+            f"{s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
             f"{s['telemetry_dropped']:.0f} | {s.get('telemetry_held', 0):.0f} | "
             f"{s.get('telemetry_orphaned', 0):.0f} |")
     return "\n".join(lines)
@@ -303,6 +319,7 @@ def measure(args, levels: list[str], engines: dict, core_pids: list[int], concur
     metrics = {level: _get(url + "/metrics").decode() for level, (_, url) in engines.items()}
     # the core keeps its last 65,536 step times: far more than a run's steps
     steps = {level: after[level]["durations_s"][len(before[level]["durations_s"]):] for level in levels}
+    tokens = {level: after[level]["tokens"][len(before[level]["tokens"]):] for level in levels}
     summary = summarize(levels, bursts, steps, metrics, scraped)
     for level in levels:
         b, a = before[level], after[level]
@@ -317,6 +334,8 @@ def measure(args, levels: list[str], engines: dict, core_pids: list[int], concur
             for phase, cpu_s in a.get("gpu_telemetry_worker_phases_cpu_s", {}).items()}
         # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
         s["ctas_probed_per_loop_s"] = round((a.get("ctas_probed", 0) - b.get("ctas_probed", 0)) / loop_s)
+        s["slow_spells"] = a.get("slow_spells", 0) - b.get("slow_spells", 0)
+        s["slow_decode_steps"] = slow_decode_steps(steps[level], tokens[level])
         s["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * (
             a["gpu_telemetry_worker_cpu_s"] - b["gpu_telemetry_worker_cpu_s"]) / max(
             sum(x["output_tokens"] for x in bursts if x["level"] == level), 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.overhead_http import _per_step_us, api_server_count, cpu_plan, summarize
+from bench.overhead_http import _per_step_us, api_server_count, cpu_plan, slow_decode_steps, summarize
 
 
 def test_cpu_plan_gives_every_level_its_own_cpus_a_shared_telemetry_pool_and_the_load_the_rest():
@@ -69,3 +69,12 @@ def test_pooled_runs_pair_bursts_within_each_run_and_bound_the_median():
     assert pooled["off"]["median"] == 1.0
     values = [i / 100 for i in range(100)]                      # n = 100: ranks 40 and 60
     assert median_interval(values) == (0.39, 0.60)
+
+
+def test_slow_decode_steps_counts_decode_only_steps_over_the_limit_with_their_batch_and_what_came_before():
+    durations = [0.010, 0.010, 0.030, 0.016, 0.040, 0.010, 0.010]
+    tokens = [[0, 4], [0, 4], [0, 8], [512, 8], [0, 16], [0, 4], [128, 2]]
+    # decode-only: 10, 10, 30, 40, 10 ms (median 10: limit 15 ms); over it: 30 (batch 8) and 40 (16, after a prefill)
+    assert slow_decode_steps(durations, tokens) == {"decode_only": 5, "over_limit": 2, "median_batch": 4,
+                                                    "median_batch_over_limit": 12.0, "after_prefill": 1}
+    assert slow_decode_steps([0.02], [[64, 0]]) == {"decode_only": 0}
