@@ -1,21 +1,17 @@
 """The engine-core process: one ROUTER socket, the step loop, one send per step and API server.
 
 ``run_core`` points the kernel compilers at the compile cache, binds a ZMQ ROUTER (API
-servers connect DEALERs named ``api-<i>``), starts the core's telemetry pipeline, builds and
-warms up the ``EngineCore`` (a ``Phase`` record at each start-up phase goes to the API
-servers that said hello meanwhile) and answers each ``Hello`` with ``Ready``. Then it loops on one
-thread: take every record waiting (add, abort, stop, utility), run one step, and send each
-API server ONE ``OutputBatch``: its requests' tokens and ends, the step's stats (every API
-server gets every step's stats: its queue check and gauges read them). The loop blocks only
-while the core has no work. An API server's death shows as EOF on a pipe only that server
-holds open: its requests are aborted and their KV blocks freed before the next step.
-SIGTERM: the live requests are aborted, telemetry is flushed, exit 0. SIGINT is left to the
-parent (a terminal's Ctrl-C reaches the whole group; the API servers drain first). Plugins
-(``$SIGHTLINE_CORE_PLUGINS``: ``module:function``, comma-separated) are called with the warm
-core before it answers any ``Hello``: what must run in its process (on its CUDA context, under
-its GIL), such as the scenario suite's neighbours and hogs. A failed
-tensor-parallel group ends every live request with its error; the core exits 1 (within seconds,
-even when stuck in a collective that never returns).
+servers connect DEALERs ``api-<i>``), starts the core's telemetry pipeline, builds and warms
+up the ``EngineCore`` (a ``Phase`` record per start-up phase to the API servers that said
+hello), calls the plugins of ``$SIGHTLINE_CORE_PLUGINS`` with it (``start_plugins``: what must
+run in this process, on its CUDA context and under its GIL) and answers each ``Hello`` with
+``Ready``. Then it loops on one thread: take every record waiting (add, abort, stop,
+utility), run one step, send each API server ONE ``OutputBatch`` (its requests' tokens and
+ends, the step's stats). The loop blocks only while the core has no work. An API server's
+death shows as EOF on a pipe only it holds open: its requests are aborted and their KV
+blocks freed before the next step. SIGTERM: live requests aborted, telemetry flushed, exit
+0; SIGINT is the parent's (the API servers drain first). A failed tensor-parallel group
+ends every live request with its error; the core exits 1 within seconds.
 """
 
 from __future__ import annotations
