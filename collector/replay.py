@@ -26,11 +26,15 @@ from pathlib import Path
 
 from ..instrumentation import check_range
 from ..instrumentation import META_SIGNAL
+from ..instrumentation import semconv as sc
 
 __all__ = ["AggregatorSink", "HttpSink", "ReplayConfig", "ReplayResult", "TimeMap", "metric_points",
            "rebase_request", "replay"]
 
 _PATHS = {"traces": "/v1/traces", "metrics": "/v1/metrics"}
+# span attributes that are instants (Unix ns): they move with their span, or a step's launch
+# end would land days before the step it ended and the collector's GPU/host split would not use it
+_INSTANT_ATTRIBUTES = frozenset((sc.KERNEL_LAUNCH_END_NS, sc.STEP_WAIT_START_NS))
 
 
 @dataclass(frozen=True)
@@ -173,8 +177,8 @@ def _slot_aligned(path: Path, last_ns: int, now_ns: int, slot_ns: int) -> int:
 
 def rebase_request(signal: str, request, time_map) -> None:
     """Maps every timestamp of an export request through ``time_map`` (in place): a
-    :class:`TimeMap`, or an int offset in ns. Spans and their events keep their offsets
-    from the span's start."""
+    :class:`TimeMap`, or an int offset in ns. Spans, their events and their instant
+    attributes (``_INSTANT_ATTRIBUTES``) keep their offsets from the span's start."""
     if isinstance(time_map, int):
         if not time_map:
             return
@@ -189,6 +193,9 @@ def rebase_request(signal: str, request, time_map) -> None:
                     span.end_time_unix_nano = max(0, new_start + span.end_time_unix_nano - start)
                     for event in span.events:
                         event.time_unix_nano = max(0, new_start + event.time_unix_nano - start)
+                    for kv in span.attributes:
+                        if kv.key in _INSTANT_ATTRIBUTES and kv.value.HasField("int_value") and kv.value.int_value:
+                            kv.value.int_value = max(0, new_start + kv.value.int_value - start)
         return
     for _, point in metric_points(request):
         if point.start_time_unix_nano:

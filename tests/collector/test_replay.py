@@ -254,3 +254,26 @@ def test_replay_into_collector_process_then_heatmap_and_explain(tmp_path, captur
     finally:
         process.terminate()
         process.wait(30)
+
+
+def test_instants_in_span_attributes_move_with_their_span():
+    """A kernel span's launch end and a step's wait start are instants (Unix ns): rebased
+    with their span, they keep their offset from its start (else the collector, which needs
+    them inside the step, would leave the GPU/host split of every replayed step unread)."""
+    from sightline.collector.replay import TimeMap, rebase_request
+    from tests.collector.otlp_builders import otlp_span, otlp_traces
+
+    start_s = 1_700_000_000.0
+    kernel = otlp_span("cuda.kernel.gemm", b"t" * 16, b"k" * 8, start_s + 0.004, start_s + 0.009,
+                       {sc.KERNEL_LAUNCH_END_NS: int((start_s + 0.001) * 1e9), sc.STEP_ID: 7})
+    step = otlp_span(sc.SPAN_ENGINE_STEP, b"t" * 16, b"s" * 8, start_s, start_s + 0.010,
+                     {sc.STEP_WAIT_START_NS: int((start_s + 0.002) * 1e9), sc.STEP_WAIT_START_NS + "x": 5})
+    request = otlp_traces([kernel, step])
+    rebase_request("traces", request, TimeMap(int(start_s * 1e9), 10**18))
+    moved_kernel, moved_step = request.resource_spans[0].scope_spans[0].spans
+    attrs = {kv.key: kv.value.int_value for span in (moved_kernel, moved_step) for kv in span.attributes}
+    assert moved_step.start_time_unix_nano == 10**18
+    # (to a microsecond: the spans' times were built from float seconds)
+    assert attrs[sc.KERNEL_LAUNCH_END_NS] - moved_kernel.start_time_unix_nano == pytest.approx(-3_000_000, abs=1000)
+    assert attrs[sc.STEP_WAIT_START_NS] - moved_step.start_time_unix_nano == pytest.approx(2_000_000, abs=1000)
+    assert attrs[sc.STEP_ID] == 7 and attrs[sc.STEP_WAIT_START_NS + "x"] == 5   # not instants: untouched
