@@ -1,16 +1,16 @@
 """What the scenario suite plants beside the engine, besides SM neighbours: an HBM-bandwidth
 hog on its own stream and a thread that holds the engine process's GIL.
 
-* :class:`HbmHog`: device-to-device copies of a large buffer back to back on a stream of its
-  own (at most ``in_flight`` queued, so a call that waits for all device work waits for at
-  most that many), from a thread of the engine's process. A copy's CTAs spread over every
-  SM alike, and each streams memory: the engine's kernels on every SM wait longer for it.
+* :class:`HbmHog`: an elementwise kernel that reads a large buffer and writes another, back to
+  back on its own stream (at most ``in_flight`` queued: a call that waits for all device work
+  waits for that many at most), from a thread of the engine's process. Its CTAs stream memory
+  on every SM alike. A kernel, not a driver copy: under 1 GiB copies the live runs' steps
+  waited up to 50 ms before their first kernel, as if the copies held up the other launches.
 * :class:`GilHog`: a thread that runs a regular-expression search which backtracks on its
-  input for ``hold_s`` out of every ``period_s``; the search is C code that keeps the GIL
-  for all of its run (tests/instrumentation/test_plants.py checks it): the engine's host
-  side stalls, its GPU work does not change.
+  input for ``hold_s`` out of every ``period_s``; C code that keeps the GIL for all of its run
+  (tests/instrumentation/test_plants.py checks it): the host stalls, the GPU's work does not.
 Guarantee: each ``run`` returns what it did and when (host clock, ns), measured, not assumed
-(copies and bytes, or holds and the GIL time they took). Cost: the hog's own work for the
+(launches and bytes, or holds and the GIL time they took). Cost: the hog's own work for the
 interval; a 2 ms poll of the hog's events (HBM), nothing between holds (GIL).
 """
 
@@ -38,7 +38,7 @@ class PlantRun:
 
 
 class HbmHog:
-    """See the module docstring: ``mib`` MiB copied per launch on ``device``'s own stream."""
+    """See the module docstring: ``mib`` MiB read and written per launch on ``device``'s own stream."""
 
     def __init__(self, device, mib: int = 1024, in_flight: int = 2) -> None:
         import torch
@@ -61,20 +61,20 @@ class HbmHog:
         start = time.time_ns()
         deadline = start + int(duration_s * 1e9)
         done: list = []
-        copies = 0
+        launches = 0
         with torch.cuda.stream(self.stream):
             while time.time_ns() < deadline:
                 if len(done) >= self.in_flight:
                     _wait(done[-self.in_flight])
-                self.dst.copy_(self.src, non_blocking=True)
+                torch.bitwise_not(self.src, out=self.dst)
                 done.append(torch.cuda.Event())
                 done[-1].record(self.stream)
-                copies += 1
+                launches += 1
             if done:
                 _wait(done[-1])
         end = time.time_ns()
-        moved = 2 * copies * self.src.numel()  # read + written
-        return PlantRun(start, end, {"copies": copies, "bytes": moved,
+        moved = 2 * launches * self.src.numel()  # read + written
+        return PlantRun(start, end, {"launches": launches, "bytes": moved,
                                      "tb_per_s": moved / max(1, end - start) / 1e3})
 
 

@@ -402,7 +402,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--burst", type=int, default=96, help="priority-0 requests of a priority burst")
     ap.add_argument("--surge-rate", type=float, default=30.0,
                     help="more Poisson arrivals per second (short prompts, long answers) through a load surge")
-    ap.add_argument("--hbm-mib", type=int, default=1024, help="bytes the HBM hog copies per launch")
+    ap.add_argument("--hbm-mib", type=int, default=1024, help="MiB the HBM hog reads and writes per launch")
     ap.add_argument("--gil-hold-s", type=float, default=0.03)
     ap.add_argument("--gil-period-s", type=float, default=0.05)
     ap.add_argument("--scrape-s", type=float, default=2.0)
