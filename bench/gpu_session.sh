@@ -24,7 +24,8 @@
 # minutes), readiness-tests (the GPU tests of tests/engine/test_readiness.py: no kernel variant
 # met while serving), scenarios (bench.scenarios: SM neighbours of a quarter and half of the
 # SMs, an HBM hog, a GIL-holding thread, a priority burst, a surge of the usual load and a
-# control, scored live by a collector; SCENARIOS_ARGS adds flags, e.g. --runs 3).
+# control, planted in the engine core of an `engine serve` and scored live by a collector;
+# SCENARIOS_ARGS adds flags, e.g. --runs 3).
 # Results go to $RESULTS_DIR (default /tmp/sightline-results) and are copied into bench/results/,
 # with the commit and device they came from in their names.
 #
