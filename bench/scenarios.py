@@ -378,9 +378,13 @@ class ServedEngine:
         return thread
 
     def dropped_spans(self) -> float:
+        """Spans the engine's telemetry dropped, from its /metrics (the counter's samples only)."""
+        from prometheus_client.parser import text_string_to_metric_families
+
         text = _get(self.url + "/metrics", 30.0).decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(sc.TELEMETRY_SPANS_DROPPED_TOTAL) and not line.startswith("#"))
+        return sum(sample.value for family in text_string_to_metric_families(text)
+                   if family.name == sc.TELEMETRY_SPANS_DROPPED_TOTAL
+                   for sample in family.samples if sample.name.endswith("_total"))
 
     def stop(self, timeout_s: float) -> None:
         terminate(self.process, timeout_s)

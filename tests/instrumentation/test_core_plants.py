@@ -25,10 +25,12 @@ def test_the_plants_run_in_the_engine_core_at_their_planned_times_and_report_eac
         go_ns = time.time_ns() + 200_000_000
         engine.go(go_ns)
         engine.follow(timeline).join(timeout=30)
+        dropped = engine.dropped_spans()
     finally:
         if engine is not None:
             engine.stop(60.0)
         collector.stop()
+    assert dropped == 0   # the engine telemetry counter, summed over its reasons
     control, hog = timeline
     assert control.error is None and hog.error is None
     for seg in timeline:   # each planted from its onset for planted_s, by the core's clock
