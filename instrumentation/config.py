@@ -168,7 +168,7 @@ class TelemetryConfig:
     # steps are sampled at this ratio for a second: a stall that hits a minority of steps is
     # then seen in enough traced steps to say whether the host or the GPU held them (0: never).
     kernel_sample_ratio_slow: float = setting(0.1, "at --trace-level kernels: fraction of engine steps "
-                                                   "whose CUDA kernels become spans for a second after 3 "
+                                                   "whose CUDA kernels become spans for a second after 6 "
                                                    "decode steps within 64 ran 1.5x the recent median "
                                                    "(when higher than --kernel-sample-ratio)", lo=0.0, hi=1.0,
                                               flag="--kernel-sample-ratio-slow",

@@ -55,12 +55,14 @@ class GpuTelemetryConfig:
     # ``slow_within_steps`` steps each ran ``slow_step_factor`` x the tail window's median,
     # steps are sampled at ``slow_sample_ratio`` (when higher). A stall that lands on a
     # minority of steps moves their sum, not their median, and a few traced steps a second
-    # often miss it: the spell traces enough of them to say where it went. One or two slow
-    # steps alone (the first after an idle spell, a collection) begin none.
+    # often miss it: the spell traces enough of them to say where it went. A few slow steps
+    # alone (the first after an idle spell, a collection, a burst's turn) begin none: a tenth
+    # of the decode steps must be slow, which keeps the GIL and HBM hogs' intervals in a spell
+    # and much less of the usual load (bench.slow_spells on the H200 captures)
     slow_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio_slow"]
     slow_step_factor: float = 1.5
     slow_spell_s: float = 1.0
-    slow_steps: int = 3
+    slow_steps: int = 6
     slow_within_steps: int = 64
     tail_quantile: float = 0.999        # a step slower than this quantile arms tail tracing
     tail_window_steps: int = 1024       # recent steps the quantile is taken over

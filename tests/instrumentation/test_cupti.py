@@ -437,8 +437,9 @@ def test_quiet_steps_plan_exactly_what_planning_every_step_would(monkeypatch):
         clock = _Clock()
         monkeypatch.setattr(module, "time", clock)
         pipeline, _, _, _ = _pipeline_with_gpu(0.05)
+        # spells on 3 slow steps in 64: this lognormal's own spread then begins some
         gpu = cls(pipeline.recorder, 0, GpuTelemetryConfig(
-            cupti=False, probe=False, seed=1, kernel_sample_ratio=0.05, probe_every_steps=5))
+            cupti=False, probe=False, seed=1, kernel_sample_ratio=0.05, probe_every_steps=5, slow_steps=3))
         gpu.tracer = _FakeTracer()
         gpu._to_probe = 1   # probe turns without a device probe: the plan is what is compared
         seen, quiet = [], 0
