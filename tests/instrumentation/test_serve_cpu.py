@@ -15,8 +15,9 @@ from sightline.deploy.processes import free_ports
 _PARENT = textwrap.dedent("""
     import subprocess, sys, time
     port = int(sys.argv[1])
-    listen = ("import socket, time; s = socket.socket(); s.bind(('127.0.0.1', %d)); s.listen();"
-              " time.sleep(60)" % port)
+    # 50 ms of start-up work first: a bare interpreter's start can round to 0 clock ticks
+    listen = ("import socket, time\\nend = time.time() + 0.05\\nwhile time.time() < end: pass\\n"
+              "s = socket.socket(); s.bind(('127.0.0.1', %d)); s.listen(); time.sleep(60)" % port)
     spin = "import time; end = time.time() + 60\\nwhile time.time() < end: pass"
     kids = [subprocess.Popen([sys.executable, "-c", listen]), subprocess.Popen([sys.executable, "-c", spin])]
     print("ready", flush=True)
