@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["PLAN_ENV", "interval_record", "start"]
+__all__ = ["PLAN_ENV", "apply_record", "interval_record", "start"]
 
 PLAN_ENV = "SIGHTLINE_SCENARIO_PLAN"
 
@@ -34,8 +34,19 @@ def interval_record(index: int, seg) -> dict:
                 "sms": list(interval.sms), "kind": interval.kind}}
 
 
+def apply_record(timeline: list, record: dict) -> None:
+    """Sets the segment ``record`` (an :func:`interval_record`) names: its interval, plant and error."""
+    from sightline.deploy.incident import PlantedInterval
+
+    seg, got = timeline[record["index"]], record["interval"]
+    seg.plant, seg.error = record["plant"], record["error"]
+    seg.interval = None if got is None else PlantedInterval(
+        got["start_unix_nano"], got["end_unix_nano"], tuple(got["sms"]), kind=got["kind"])
+
+
 def start(core) -> None:
     """The plugin (module docstring)."""
+    from ._common import device_name
     from .record_incident import _num_sms
     from .scenarios import make_plants, run_plants, segments
 
@@ -46,8 +57,8 @@ def start(core) -> None:
     num_sms = _num_sms(device)
     plants = make_plants(args, device, num_sms, plan["order"])
     timeline = segments(plan["order"], args.runs, args.lead_s, args.planted_s, args.tail_s)
-    name = (__import__("torch").cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    Path(f"{plan_path}.device.json").write_text(json.dumps({"device": name, "num_sms": num_sms}))
+    Path(f"{plan_path}.device.json").write_text(json.dumps({"device": device_name(device, cpu_fallback="cpu"),
+                                                           "num_sms": num_sms}))
     out = Path(f"{plan_path}.segments.jsonl")
 
     def target() -> None:

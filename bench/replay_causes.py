@@ -72,13 +72,20 @@ def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
     return out
 
 
-def analyse(capture: Path) -> dict:
+def replayed(capture: Path) -> tuple[Aggregator, object, list]:
+    """``capture`` replayed into an in-process collector on the pinned clock, slot-aligned:
+    the aggregator, the replay's result (its time map) and the planted intervals (none: [])."""
     aggregator = Aggregator(clock=lambda: NOW_NS / 1e9)
     result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0, align_slot_s=10.0),
                     clock_ns=lambda: NOW_NS)
     meta = read_capture_meta(capture)
     incident = Incident.from_meta(meta) if meta else None
-    intervals = list(incident.intervals) if incident is not None else [None]
+    return aggregator, result, list(incident.intervals) if incident is not None else []
+
+
+def analyse(capture: Path) -> dict:
+    aggregator, result, intervals = replayed(capture)
+    intervals = intervals or [None]
     out = {"capture": capture.name, "intervals": []}
     for interval in intervals:
         if interval is None:

@@ -39,7 +39,7 @@ from sightline.instrumentation.capture import CaptureWriter
 
 from ._collector import CollectorProcess
 from ._common import git_commit, terminate, utc_now
-from .core_plants import PLAN_ENV
+from .core_plants import PLAN_ENV, apply_record
 from .plants import GilHog, HbmHog, PlantRun
 from .record_capture import PlannedRequest, _prompt_text
 from .record_incident import drive_timed, planted_interval
@@ -365,11 +365,7 @@ class ServedEngine:
                 for line in lines[seen:]:
                     if not line.endswith("}"):
                         break   # being written
-                    record = json.loads(line)
-                    seg, got = timeline[record["index"]], record["interval"]
-                    seg.plant, seg.error = record["plant"], record["error"]
-                    seg.interval = None if got is None else PlantedInterval(
-                        got["start_unix_nano"], got["end_unix_nano"], tuple(got["sms"]), kind=got["kind"])
+                    apply_record(timeline, json.loads(line))
                     seen += 1
                 time.sleep(0.2)
 

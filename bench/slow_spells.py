@@ -24,16 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from sightline.collector.aggregator import Aggregator
 from sightline.collector.engine_timeline import step_facts
-from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.deploy.demo import CAPTURES_DIR
-from sightline.deploy.incident import Incident
-from sightline.instrumentation import read_capture_meta
 from sightline.instrumentation.gpu_telemetry import GpuTelemetryConfig, TailPolicy
 
 from ._common import git_commit, utc_now
-from .replay_causes import NOW_NS
+from .replay_causes import replayed
 
 # (factor, slow steps, within steps): the engine's default first
 DEFAULT = GpuTelemetryConfig()
@@ -44,9 +40,7 @@ SETTINGS = [(DEFAULT.slow_step_factor, DEFAULT.slow_steps, DEFAULT.slow_within_s
 def steps_and_interval(capture: Path) -> tuple[dict, int, int]:
     """The capture's steps (the collector's arrays, by start) and its first planted interval
     on the replay's clock (0, 0 without one)."""
-    aggregator = Aggregator(clock=lambda: NOW_NS / 1e9)
-    result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0, align_slot_s=10.0),
-                    clock_ns=lambda: NOW_NS)
+    aggregator, result, intervals = replayed(capture)
     facts = []
     aggregator.store.read(lambda store: facts.extend(step_facts(trace, step) for trace in store.traces()
                                                      for step in trace.step_spans))
@@ -55,12 +49,9 @@ def steps_and_interval(capture: Path) -> tuple[dict, int, int]:
          "end": np.array([f.end_ns for f in facts], dtype=np.int64),
          "kind": np.array([f.kind for f in facts]), "gpu": np.array([f.gpu_s for f in facts]),
          "duration": np.array([(f.end_ns - f.start_ns) / 1e9 for f in facts])}
-    meta = read_capture_meta(capture)
-    incident = Incident.from_meta(meta) if meta else None
-    if incident is None or not incident.intervals:
+    if not intervals:
         return a, 0, 0
-    interval = incident.intervals[0]
-    return a, result.time_map(interval.start_unix_nano), result.time_map(interval.end_unix_nano)
+    return a, result.time_map(intervals[0].start_unix_nano), result.time_map(intervals[0].end_unix_nano)
 
 
 def spells(a: dict, factor: float, slow_steps: int, within: int) -> list[tuple[int, int]]:

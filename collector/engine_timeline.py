@@ -92,7 +92,7 @@ def _load_s(u: dict[str, float], decode_tokens, kv_blocks):
     """What a step's load beyond the usual adds to it: its requests beyond the usual batch,
     and the KV blocks its decode reads beyond the usual (0 where the store had no spread)."""
     return (u["per_request"] * _beyond(decode_tokens, u["batch"])
-            + u.get("per_kv_block", 0.0) * _beyond(kv_blocks, u.get("kv_blocks", 0.0)))
+            + u["per_kv_block"] * _beyond(kv_blocks, u["kv_blocks"]))
 
 
 def _slope(x: np.ndarray, y: np.ndarray) -> float:

@@ -298,13 +298,12 @@ def run_core(config: EngineConfig, address: str, lifelines: dict[int, object], c
         core_lifeline.close()
 
 
-def start_plugins(core: EngineCore, spec: str) -> list[str]:
-    """Calls each ``module:function`` of ``spec`` (comma-separated) with ``core``; returns
-    their names. One that cannot be found raises ValueError naming it; one that raises stops
-    start-up with its own error (a plugin asked for and not running would go unnoticed)."""
+def start_plugins(core: EngineCore, spec: str) -> None:
+    """Calls each ``module:function`` of ``spec`` (comma-separated) with ``core``. One that
+    cannot be found raises ValueError naming it; one that raises stops start-up with its own
+    error (a plugin asked for and not running would go unnoticed)."""
     import importlib
 
-    started = []
     for entry in filter(None, (part.strip() for part in spec.split(","))):
         module_name, _, function_name = entry.partition(":")
         try:
@@ -313,8 +312,6 @@ def start_plugins(core: EngineCore, spec: str) -> list[str]:
             raise ValueError(f"{CORE_PLUGINS_ENV}: {entry!r} is not an importable module:function ({exc})") from exc
         function(core)
         log.info("core plugin %s started", entry)
-        started.append(entry)
-    return started
 
 
 def _exit_soon(reason: str) -> None:
