@@ -3,7 +3,8 @@
 :func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of
 the request's life); first match wins. 1. ``compile``: compiles in its life took >=
 ``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead, overtaking, or a
-full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added. 3. The
+full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added (its traced
+steps' where it carried ``FAR_BEYOND`` x the usual load: durations then weigh the load). 3. The
 engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or >=
 ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or
 far-too-long steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time stretching
@@ -28,6 +29,9 @@ __all__ = ["Cause", "CauseConfig", "CauseEvidence", "classify"]
 # with no cause standing out, the batch is worth naming when the requests beyond the usual
 # batch added this share of a usual step to its steps (not for one or two more on a GPU)
 BUSIER = 0.1
+# a load this many times the usual batch or KV lies beyond what the usual steps' own spread
+# can price (a burst of long prompts: 30 requests holding thousands of blocks against one)
+FAR_BEYOND = 4.0
 
 
 @dataclass(frozen=True)
@@ -126,16 +130,27 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
     stalled_s = e.idle_excess_s + e.long_steps_s   # the engine not stepping, or one step far too long
     engine_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / slowdown)
+    # far beyond the usual load (a burst's batch and KV) the usual steps' spread cannot price
+    # a step: there the traced steps, which time the GPU's work and the host's, say how fast
+    # the engine ran, and the steps' durations only how heavy they were
+    heavier = _heavier_not_slower(e, c)
+    wait_slowdown = min(slowdown, max(e.gpu_slowdown or 1.0, e.host_slowdown or 1.0, 1.0)) if heavier else slowdown
+    wait_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / wait_slowdown)
     # a wait is the queue's when others waited ahead, overtook it, or filled the engine; with
     # none of those the engine was not taking work (a long step, a stalled loop)
     q = e.queue or {}
     behind_others = e.queue is None or bool(q.get("depth") or q.get("overtaken_by") or q.get("engine_full"))
-    if e.queue_s >= c.queue_share * e2e and e.queue_s / slowdown > engine_excess_s and behind_others:
+    if e.queue_s >= c.queue_share * e2e and e.queue_s / wait_slowdown > wait_excess_s and behind_others:
+        heavy = (f"; its steps ran heavier, not slower: {e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)} "
+                 f"(usually {usual_batch:.0f}{_holding(usual_kv)}), GPU time per step {_x(e.gpu_slowdown)} "
+                 f"and host time {_x(e.host_slowdown)} their usual" if heavier and wait_slowdown < slowdown else "")
         return Cause(sc.CAUSE_QUEUEING,
                      f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
                      f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
-                     f"{q.get('overtaken_by', '?')} more urgent arrived later and went first)",
-                     {"queue_s": e.queue_s, "priority": e.priority, **q, **engine},
+                     f"{q.get('overtaken_by', '?')} more urgent arrived later and went first){heavy}",
+                     {"queue_s": e.queue_s, "priority": e.priority, **q, **engine,
+                      **({"gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
+                          "traced_steps": e.traced_steps} if heavy else {})},
                      "its end-to-end latency; the requests in the collector's store")
     # the step's GPU time says whether the GPU's work slowed; CTA durations alone (no traced
     # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer
@@ -206,6 +221,15 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
+
+
+def _heavier_not_slower(e: CauseEvidence, c: CauseConfig) -> bool:
+    """Whether its decode steps carried ``FAR_BEYOND`` x the usual batch or KV or more while
+    its traced steps' GPU time and host time stayed under their thresholds."""
+    far = ((e.batch or 0.0) >= FAR_BEYOND * max(e.usual.get("batch", 0.0), 1.0)
+           or (e.kv_blocks or 0.0) >= FAR_BEYOND * max(e.usual.get("kv_blocks", 0.0), 1.0))
+    return (far and e.gpu_slowdown is not None and e.host_slowdown is not None
+            and e.gpu_slowdown < c.gpu_slow and e.host_slowdown < c.host_slow)
 
 
 def _holding(kv_blocks: float | None) -> str:

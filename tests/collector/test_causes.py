@@ -599,6 +599,29 @@ def test_a_burst_of_long_prompts_is_queueing_not_a_slower_engine():
             assert one.cause.evidence["engine_slowdown"] > 1.8
 
 
+def test_a_burst_far_beyond_the_usual_load_is_judged_by_its_traced_steps():
+    """The evidence of a burst request on the H200 (bench/results/scenarios-*-part2.json,
+    priority_burst run 1): 94 requests ahead, 11.1 of 13.3 s queued, decode steps of 24
+    requests where one is usual, 2.3x the usual step by duration, while its 10 traced steps
+    timed the GPU's work at 1.16x and the host's at 1.08x. Steps that heavy are priced by
+    the traced ones: the wait is the queue's. The same load with the GPU's work 1.4x slower
+    is an engine that drained the queue slowly; at the usual load, durations still count."""
+    burst = CauseEvidence(e2e_s=13.26, queue_s=11.08, decode_s=1.5, priority="0", engine_slowdown=2.32,
+                          long_steps_s=0.24, steps=251, traced_steps=10, gpu_slowdown=1.16, host_slowdown=1.08,
+                          batch=24.2, kv_blocks=7000.0, usual={"batch": 1.0, "kv_blocks": 30.0},
+                          queue={"depth": 94, "ahead_more_urgent": 0, "overtaken_by": 0, "engine_full": False})
+    cause = classify(burst)
+    assert cause.name == sc.CAUSE_QUEUEING, cause
+    assert "its steps ran heavier, not slower: 24 requests holding 7000 KV blocks (usually 1 holding 30 KV " \
+           "blocks), GPU time per step 1.16x and host time 1.08x their usual" in cause.summary
+    assert cause.evidence["gpu_slowdown"] == 1.16 and cause.evidence["engine_slowdown"] == 2.32
+    assert classify(CauseEvidence(**{**burst.__dict__, "gpu_slowdown": 1.4})).name == sc.CAUSE_DEVICE_CONTENTION
+    usual_load = CauseEvidence(**{**burst.__dict__, "batch": 2.0, "kv_blocks": 60.0})
+    assert classify(usual_load).name == sc.CAUSE_UNKNOWN
+    # no traced step in its life: nothing says how fast the engine ran, so durations count
+    assert classify(CauseEvidence(**{**burst.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
+
+
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():
     sc_ = Scenario()
     sc_.target(40.2, 0.01, 1.2)
