@@ -167,7 +167,7 @@ def evaluate(collector: str, seg: Segment, num_sms: int, device: str) -> None:
                                     "end_unix_s": interval.end_unix_nano / 1e9})
     answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
     seg.slowest = [{"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "priority": r["priority"],
-                    "cause": {**{k: (r.get("cause") or {}).get(k) for k in ("name", "summary")},
+                    "cause": {**{k: (r.get("cause") or {}).get(k) for k in ("name", "summary", "compared_with")},
                               "evidence": _evidence_kept((r.get("cause") or {}).get("evidence") or {})}}
                    for r in answer["requests"]]
 

@@ -147,3 +147,25 @@ def test_slow_requests_left_unknown_do_not_outvote_a_named_cause():
         clock.observe(float(t), scrape_with_unknowns(t))
     # 3 host stalls at t = 26, held 6 s at 32
     assert clock.episodes()[HOST] == [[32.0, None]]
+
+
+def test_reclassify_names_recorded_evidence_by_todays_rules():
+    """bench/reclassify.py: a burst request's recorded evidence (the H200 run's, unknown live)
+    and a GIL hog's are named by today's rules; the counts per interval follow."""
+    from bench.reclassify import reclassify
+
+    burst = {"e2e_s": 13.26, "priority": 0, "cause": {"name": "unknown", "evidence": {
+        "engine_slowdown": 2.318, "steps": 251, "idle_excess_s": 0.0, "long_steps_s": 0.242, "batch": 24.171,
+        "usual_batch": 1.0, "queue_s": 11.083, "traced_steps": 10, "traced_near": 0, "gpu_slowdown": 1.164,
+        "host_slowdown": 1.076, "cta_slowdown": 3.828}}}
+    gil = {"e2e_s": 1.2, "priority": 1, "cause": {"name": "host_stall", "evidence": {
+        "engine_slowdown": 2.1, "steps": 60, "idle_excess_s": 0.5, "long_steps_s": 0.0, "batch": 1.0,
+        "usual_batch": 1.0, "gpu_slowdown": 1.0, "host_slowdown": 2.5, "cta_slowdown": 1.0, "traced_steps": 4,
+        "traced_near": 0}}}
+    run = {"segments": [
+        {"scenario": "priority_burst", "run": 1, "interval": {"kind": "priority_burst"}, "slowest": [burst] * 2},
+        {"scenario": "host_stall", "run": 1, "interval": {"kind": "host_stall"}, "slowest": [gil, burst]}]}
+    [b, h] = reclassify(run)
+    assert (b["live"], b["now"], b["planted_live"], b["planted_now"]) == (
+        ["unknown"] * 2, [sc.CAUSE_QUEUEING] * 2, 0, 2)
+    assert (h["now"], h["planted_live"], h["planted_now"]) == ([sc.CAUSE_HOST_STALL, sc.CAUSE_QUEUEING], 1, 1)
