@@ -1,8 +1,8 @@
 """GPU records an engine hands to its telemetry process: raw, compact, picklable.
 
 The engine process only copies what the GPU and CUPTI produced (a CUPTI buffer's valid
-bytes, a traced step's per-CTA probe records, the per-SM histograms of an export
-interval); the telemetry process decodes them (:mod:`.kernel_spans`). Each carries the
+bytes, a traced step's per-launch facts reduced on the GPU from its probe records, the
+per-SM histograms of an export interval); the telemetry process decodes them (:mod:`.kernel_spans`). Each carries the
 tensor-parallel rank of the process that recorded it (0 without tensor parallelism): CUPTI
 correlation ids and kernel name pointers mean something only within that process. No torch
 here: the telemetry process never imports it.
@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
-
-__all__ = ["KernelActivity", "KernelNames", "StepCtas", "CtaHistograms", "GpuIdentity",
+__all__ = ["KernelActivity", "KernelNames", "StepLaunchFacts", "CtaHistograms", "GpuIdentity",
            "UNTRACED_EXTERNAL_ID"]
 
 # The external correlation id of a step launched while CUPTI still records the traced step
@@ -37,14 +35,12 @@ class KernelNames(NamedTuple):
     rank: int = 0
 
 
-class StepCtas(NamedTuple):
-    """A traced step's probe records: [n * 3] int64 (smid, start, end per CTA) by launch."""
+class StepLaunchFacts(NamedTuple):
+    """A traced step's probed launches, each reduced on its GPU to one ``sm_probe.LaunchFacts``
+    (CTAs, SMs used, waves, slowest SM, max and median CTA time, first start, last end)."""
 
     step_id: int
-    records: np.ndarray
-    launches: list[tuple[str, int]]
-    gpu_id: int
-    fake: bool
+    facts: list[Any]
     rank: int = 0
 
 

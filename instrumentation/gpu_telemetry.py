@@ -31,8 +31,8 @@ from .config_checks import check_range
 from .cupti_tracer import CuptiTracer
 from .exit_guard import cancel_stop_at_exit, stop_at_exit
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
-                          KernelNames, StepCtas)
-from .sm_probe import SmProbe
+                          KernelNames, StepLaunchFacts)
+from .sm_probe import SmProbe, launch_facts_of_records
 
 __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
 
@@ -736,14 +736,13 @@ class GpuTelemetry:
             self._probe_batch.append((pending, end_ns))
             self._probe_batch_words += pending.words
             self.stats.ctas_probed += sum(n for _, n in pending.launches)
-            if traced:   # this step's CTAs, for its launch facts (the ring range stays live)
+            if traced:   # this step's launch facts, reduced where its CTAs lie (the ring range stays live)
                 cpu0 = time.thread_time()
                 import torch
                 with torch.cuda.stream(self._side):
                     self._side.wait_stream(self._engine_stream)
-                    records = pending.snapshot.cpu().numpy()
-                self.recorder.record(StepCtas(step_id, records, list(pending.launches),
-                                              self.probe.gpu_id, self.probe.fake))
+                    facts = launch_facts_of_records(pending.snapshot, list(pending.launches))
+                self.recorder.record(StepLaunchFacts(step_id, facts))
                 self.stats.worker_step_ctas_cpu_s += time.thread_time() - cpu0
             if (len(self._probe_batch) >= self.config.probe_batch_steps
                     or self._probe_batch_words >= self.probe.snapshots.words // 2):

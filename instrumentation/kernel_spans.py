@@ -30,7 +30,7 @@ from .config_checks import check_range
 from .cupti_records import KERNEL_DTYPE, decode_buffer
 from .gpu_records import UNTRACED_EXTERNAL_ID
 from .lifecycle import RankStep
-from .sm_probe import CtaBatch, LaunchFacts, launch_facts
+from .sm_probe import LaunchFacts
 
 __all__ = ["KernelSpanConfig", "KernelSpanBuilder", "KernelSpanStats", "collective_of",
            "kernel_span_name"]
@@ -172,9 +172,9 @@ class KernelSpanBuilder:
     def add_names(self, names: dict[int, str]) -> None:
         self.names.update(names)
 
-    def add_ctas(self, step_id: int, batch: CtaBatch) -> None:
-        """A traced step's CTA records: launch facts for its attention spans."""
-        self._facts[step_id] = launch_facts(batch)
+    def add_launch_facts(self, step_id: int, facts: list[LaunchFacts]) -> None:
+        """A traced step's probed launches' facts, for its attention spans."""
+        self._facts[step_id] = facts
 
     # -- joining ----------------------------------------------------------------------
     def _join(self) -> None:

@@ -17,13 +17,13 @@ import random
 
 from .bounded_queue import FULL, BoundedQueue
 from .config import TelemetryConfig, TraceLevel
-from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
+from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepLaunchFacts
 
 __all__ = ["RankRecorder"]
 
 logger = logging.getLogger(__name__)
 
-_TAGGED = (KernelActivity, KernelNames, StepCtas, CtaHistograms, GpuIdentity)
+_TAGGED = (KernelActivity, KernelNames, StepLaunchFacts, CtaHistograms, GpuIdentity)
 
 
 class RankRecorder:

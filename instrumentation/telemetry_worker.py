@@ -22,11 +22,10 @@ from collections.abc import Callable
 
 from . import semconv
 from .cta_metrics import build_cta_metrics, metric_exporters_from, resource_of
-from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepCtas
+from .gpu_records import CtaHistograms, GpuIdentity, KernelActivity, KernelNames, StepLaunchFacts
 from .kernel_spans import KernelSpanBuilder, KernelSpanConfig
 from .lifecycle import Step
 from .producer_link import ProducerIdentity
-from .sm_probe import CtaBatch
 from .span_assembler import SpanAssembler
 
 __all__ = ["TelemetryWorker"]
@@ -61,7 +60,7 @@ class TelemetryWorker:
         self._gpu = {
             KernelActivity: lambda item: self._rank(item.rank).add_buffer(item.buffer),
             KernelNames: lambda item: self._rank(item.rank).add_names(item.names),
-            StepCtas: self._ctas,
+            StepLaunchFacts: lambda item: self._rank(item.rank).add_launch_facts(item.step_id, item.facts),
             CtaHistograms: self._histograms,
             GpuIdentity: self._identity,
         }
@@ -138,11 +137,6 @@ class TelemetryWorker:
         builder.gpu_id, builder.gpu_uuid = item.gpu_id, item.uuid
         self.assembler.ranks.gpus[item.rank] = (item.gpu_id, item.uuid)
         self._gpu_ranks[item.gpu_id] = (item.rank, item.uuid)
-
-    def _ctas(self, item: StepCtas) -> None:
-        batch = CtaBatch.from_records(item.records, item.launches, gpu_id=item.gpu_id,
-                                      fake=item.fake)
-        self._rank(item.rank).add_ctas(item.step_id, batch)
 
     def _histograms(self, item: CtaHistograms) -> None:
         if self._metric_exporters is None:

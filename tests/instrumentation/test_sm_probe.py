@@ -11,7 +11,8 @@ from sightline.instrumentation import semconv
 from sightline.instrumentation.exphist import ExpHistogram
 from sightline.instrumentation.cta_metrics import build_cta_metrics
 from sightline.instrumentation.gpu_telemetry import TailPolicy
-from sightline.instrumentation.sm_probe import CtaBatch, CtaHistograms, launch_facts
+from sightline.instrumentation.sm_probe import (CtaBatch, CtaHistograms, LaunchFacts, launch_facts,
+                                                launch_facts_of_records)
 
 
 def _synthetic(seed: int, launches: list[tuple[str, int]], num_sms: int = 132, idle_every=0):
@@ -66,6 +67,23 @@ def test_launch_facts_match_a_per_cta_loop(seed):
         mine = batch.launch_index == li
         durs = (batch.end_ns - batch.start_ns)[mine]
         assert e["slowest_dur"] in durs[batch.sm_id[mine] == f.slowest_sm]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_launch_facts_of_raw_records_match_the_batch_s(seed):
+    """The reduction a traced step gets where its records lie (idle CTAs still in them, a
+    launch whose CTAs all exited without work) equals the host batch's."""
+    import torch
+
+    launches = [("sightline_fa2_prefill", 512), ("gemm", 5), ("sightline_paged_decode", 300)]
+    records = _synthetic(seed, launches, idle_every=3)
+    records[512:517, 0] = -1   # every CTA of "gemm" idle
+    facts = launch_facts_of_records(torch.from_numpy(records.reshape(-1).copy()), launches)
+    assert facts == launch_facts(CtaBatch.from_records(records, launches))
+    assert facts[1] == LaunchFacts("gemm", 0, 0, 0, -1, 0.0, 0.0, 0.0, 0, 0)
+    assert facts[0].ctas == 512 - len(range(0, 512, 3)) and facts[2].ctas > 0
+    idle = np.full_like(records, -1)
+    assert [f.ctas for f in launch_facts_of_records(torch.from_numpy(idle.reshape(-1).copy()), launches)] == [0] * 3
 
 
 def test_launch_facts_small_exact():
