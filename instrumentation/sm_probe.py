@@ -175,7 +175,7 @@ def launch_facts_of_records(records, launches: list[tuple[str, int]]) -> list[La
     """Per-launch facts of ``records`` (a torch tensor, [n * 3] int64 in launch order, as the
     probe writes them; SM id -1: a CTA that exited without work, left out) where they lie: on
     the GPU the reduction runs on the current stream and 8 int64 per launch come back, not 24
-    bytes per CTA (a traced step at batch 256 probes about 260,000 CTAs).
+    bytes per CTA (a large batch's decode attention runs a CTA per split, KV head and request).
     Cost: one stable sort of the CTAs, a few linear passes and two small copies to the host."""
     import torch
     n_launch = len(launches)
