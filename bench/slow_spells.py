@@ -3,8 +3,9 @@ inside a capture's planted interval and outside it, for several settings of the 
 
 Each capture is replayed into an in-process collector (as ``bench.replay_causes`` does); its
 steps, in order, go through the engine's own rule: ``TailPolicy``'s window and slow limit
-(``slow_step_factor`` x the window's median), a spell begun by ``slow_steps`` decode-only
-steps over it within ``slow_within_steps`` steps and lasting ``slow_spell_s`` past the last
+(``slow_step_factor`` x the window's median), a spell begun by ``SlowSpellRule`` (``slow_steps``
+decode-only steps over it within ``slow_within_steps`` steps, beyond the engine's own rate of
+them) and lasting ``slow_spell_s`` past the last
 (kernel-traced steps stay out, as in the engine: their tracing slows them). A spell should
 cover a stall (the GIL hog, the HBM hog) and little of the usual load.
 Guarantee: the engine's classes and settings, the capture's step durations and kinds.
@@ -19,7 +20,6 @@ import argparse
 import json
 import random
 import sys
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -27,14 +27,17 @@ import numpy as np
 from sightline.collector.engine_timeline import step_facts
 from sightline.deploy.demo import CAPTURES_DIR
 from sightline.instrumentation.gpu_telemetry import GpuTelemetryConfig, TailPolicy
+from sightline.instrumentation.slow_spells import SlowSpellRule
 
 from ._common import git_commit, utc_now
 from .replay_causes import replayed
 
-# (factor, slow steps, within steps): the engine's default first
+# (factor, slow steps, within steps, beyond the engine's own rate of slow steps too): the
+# engine's default first
 DEFAULT = GpuTelemetryConfig()
-SETTINGS = [(DEFAULT.slow_step_factor, DEFAULT.slow_steps, DEFAULT.slow_within_steps),
-            (1.5, 3, 64), (2.0, 3, 64), (2.0, 6, 64), (3.0, 6, 64)]
+SETTINGS = [(DEFAULT.slow_step_factor, DEFAULT.slow_steps, DEFAULT.slow_within_steps, True),
+            (DEFAULT.slow_step_factor, DEFAULT.slow_steps, DEFAULT.slow_within_steps, False),
+            (1.5, 3, 64, False), (2.0, 3, 64, False), (2.0, 6, 64, False), (3.0, 6, 64, False)]
 
 
 def steps_and_interval(capture: Path) -> tuple[dict, int, int]:
@@ -54,12 +57,14 @@ def steps_and_interval(capture: Path) -> tuple[dict, int, int]:
     return a, result.time_map(intervals[0].start_unix_nano), result.time_map(intervals[0].end_unix_nano)
 
 
-def spells(a: dict, factor: float, slow_steps: int, within: int) -> list[tuple[int, int]]:
-    """The spells (start, end ns) the engine's rule would have begun over ``a``'s steps."""
+def spells(a: dict, factor: float, slow_steps: int, within: int, beyond_rate: bool = True) -> list[tuple[int, int]]:
+    """The spells (start, end ns) the engine's rule would have begun over ``a``'s steps
+    (``beyond_rate`` False: ``slow_steps`` in ``within`` alone, the rule before 2026-12-05)."""
     c = DEFAULT
     policy = TailPolicy(c.kernel_sample_ratio, c.tail_quantile, c.tail_window_steps, c.tail_min_steps,
                         random.Random(0), refresh_steps=64, slow_factor=factor)
-    slow: deque[int] = deque(maxlen=slow_steps)
+    rule = SlowSpellRule(slow_steps, within) if beyond_rate else SlowSpellRule(slow_steps, within,
+                                                                                min_base_steps=1 << 62)
     out: list[list[int]] = []
     spell_ns = int(c.slow_spell_s * 1e9)
     for i in range(len(a["start"])):
@@ -70,8 +75,7 @@ def spells(a: dict, factor: float, slow_steps: int, within: int) -> list[tuple[i
         policy.is_tail(duration)
         if not is_slow:
             continue
-        slow.append(i)
-        if len(slow) < slow_steps or i - slow[0] >= within:
+        if not rule.observe(i, bool(out) and start < out[-1][1]):
             continue
         if out and start < out[-1][1]:
             out[-1][1] = start + spell_ns   # the spell lasts on
@@ -101,8 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     for capture in captures:
         a, lo, hi = steps_and_interval(capture)
         row = {"capture": capture.name, "interval_s": (hi - lo) / 1e9, "settings": {}}
-        for factor, slow_steps, within in SETTINGS:
-            row["settings"][f"{factor:g}x, {slow_steps} in {within}"] = shares(a, lo, hi, spells(a, factor, slow_steps, within))
+        for factor, slow_steps, within, beyond_rate in SETTINGS:
+            name = f"{factor:g}x, {slow_steps} in {within}{', beyond its rate' if beyond_rate else ''}"
+            row["settings"][name] = shares(a, lo, hi, spells(a, factor, slow_steps, within, beyond_rate))
         results.append(row)
         print(capture.name, "; ".join(f"{k}: {v['inside']} in, {v['outside']} out" for k, v in row["settings"].items()),
               flush=True)

@@ -32,6 +32,7 @@ from .cupti_tracer import CuptiTracer
 from .exit_guard import cancel_stop_at_exit, stop_at_exit
 from .gpu_records import (UNTRACED_EXTERNAL_ID, CtaHistograms, GpuIdentity, KernelActivity,
                           KernelNames, StepLaunchFacts)
+from .slow_spells import SlowSpellRule
 from .sm_probe import SmProbe, launch_facts_of_records
 
 __all__ = ["GpuTelemetry", "GpuTelemetryConfig", "GpuTelemetryStats", "TailPolicy"]
@@ -53,7 +54,8 @@ class GpuTelemetryConfig:
     kernel_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio"]   # steps whose kernels become spans
     # a slow spell: for ``slow_spell_s`` after ``slow_steps`` decode-only steps within
     # ``slow_within_steps`` steps each ran ``slow_step_factor`` x the tail window's median,
-    # steps are sampled at ``slow_sample_ratio`` (when higher). A stall that lands on a
+    # more than the engine's own rate of such steps gives by chance (slow_spells.py), steps
+    # are sampled at ``slow_sample_ratio`` (when higher). A stall that lands on a
     # minority of steps moves their sum, not their median, and a few traced steps a second
     # often miss it: the spell traces enough of them to say where it went. A few slow steps
     # alone (the first after an idle spell, a collection, a burst's turn) begin none: a tenth
@@ -254,7 +256,7 @@ class GpuTelemetry:
                                  random.Random(config.seed), refresh_steps=64,
                                  slow_factor=config.slow_step_factor if spells else math.inf)
         self._spell_until = -math.inf   # monotonic time the slow spell ends
-        self._slow_ids: deque[int] = deque(maxlen=config.slow_steps)   # the last slow steps' ids
+        self._spell_rule = SlowSpellRule(config.slow_steps, config.slow_within_steps)
         # the trace reason of the sample the countdown leads to, and of the last one drawn
         self._gap_for = self._drawn_for = semconv.TRACE_REASON_SAMPLED
         # CUPTI starts in ``start_kernel_tracing``, once the engine has captured its CUDA graphs
@@ -517,14 +519,12 @@ class GpuTelemetry:
         return None
 
     def _slow_step(self, step_id: int) -> None:
-        """A decode step well over the recent median: with ``slow_steps`` of them within
-        ``slow_within_steps`` steps, the spell begins (the countdown drawn anew at its
-        ratio: draws are memoryless) or lasts ``slow_spell_s`` longer."""
-        ids = self._slow_ids
-        ids.append(step_id)
-        if len(ids) < ids.maxlen or step_id - ids[0] >= self.config.slow_within_steps:
-            return
+        """A decode step well over the recent median: when the spell rule (``SlowSpellRule``)
+        says so, the spell begins (the countdown drawn anew at its ratio: draws are
+        memoryless) or lasts ``slow_spell_s`` longer."""
         now = time.monotonic()
+        if not self._spell_rule.observe(step_id, now < self._spell_until):
+            return
         if now >= self._spell_until:
             self.stats.slow_spells += 1
             gap = self.policy.next_sample_gap(self.config.slow_sample_ratio)
