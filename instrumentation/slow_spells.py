@@ -8,12 +8,13 @@ a stall that slows a third of them still does. Once the rate is known (``min_bas
 before, ``slow_steps`` alone decides), spell time counts ``spell_weight`` as much: a long
 incident does not become the usual soon, a lasting change of load does within minutes. The
 rate forgets by halving its counts past ``horizon`` steps.
-Cost per slow step: a deque append, a count over at most ``within`` ids and, when the rate
-moved, a binomial tail over at most ``within`` terms; other steps cost nothing here.
+Cost per slow step: a deque append, a bisection over at most ``within`` ids and, when the
+rate moved 5 %, a binomial tail over at most ``within`` terms; other steps cost nothing here.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 
@@ -65,18 +66,18 @@ class SlowSpellRule:
         self._last_id = step_id
         ids = self._ids
         ids.append(step_id)
-        oldest = step_id - self.within
-        count = len(ids) - next((i for i, sid in enumerate(ids) if sid > oldest), len(ids))
-        return count >= self.limit()
+        return len(ids) - bisect.bisect_right(ids, step_id - self.within) >= self.limit()
 
     def limit(self) -> int:
         """Slow steps within ``within`` that begin a spell now."""
         rate = self.rate
         if rate is None:
             return self.slow_steps
-        rate = round(rate, 4)   # the limit moves in whole steps: recompute only when the rate did
-        if rate != self._limit_for:
-            self._limit_for, self._limit = rate, max(self.slow_steps, _chance_limit(self.within, rate, self.alpha))
+        # the limit moves in whole steps: recomputed when the rate moved 5 % or more
+        key = round(20 * math.log(rate)) if rate > 0 else -math.inf
+        if key != self._limit_for:
+            self._limit_for = key
+            self._limit = max(self.slow_steps, _chance_limit(self.within, rate, self.alpha))
         return self._limit
 
 
