@@ -59,8 +59,9 @@ class GpuTelemetryConfig:
     # minority of steps moves their sum, not their median, and a few traced steps a second
     # often miss it: the spell traces enough of them to say where it went. A few slow steps
     # alone (the first after an idle spell, a collection, a burst's turn) begin none: a tenth
-    # of the decode steps must be slow, which keeps the GIL and HBM hogs' intervals in a spell
-    # and much less of the usual load (bench.slow_spells on the H200 captures)
+    # of a window's decode steps must be slow, and more than the engine's load makes slow,
+    # which keeps the GIL and HBM hogs' intervals in a spell and little of the usual load
+    # (bench.slow_spells on the H200 captures)
     slow_sample_ratio: float = _USER_DEFAULTS["kernel_sample_ratio_slow"]
     slow_step_factor: float = 1.5
     slow_spell_s: float = 1.0
