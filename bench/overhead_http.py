@@ -279,11 +279,16 @@ def slow_decode_steps(durations: list[float], tokens: list[list[int]], factor: f
             "after_prefill": sum(1 for *_, i in slow if i > 0 and tokens[i - 1][0] > 0)}
 
 
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.3f}"
+
+
 def format_table(summary: dict) -> str:
     lines = ["| level | bursts | tok/s | vs off (paired, median [range]) | median step ms "
              "| steps > 2x median | steps > 2x off's median | engine CPU s / 1k tok "
              "| API servers CPU s / 1k tok | telemetry CPU s / 1k tok | engine thread in telemetry "
-             "| µs / untraced step | µs / plain, probed step | µs / traced step | slow spells (steps traced in them) "
+             "| µs / untraced step | µs / plain, probed step | µs / traced step "
+             "| slow spells (steps traced in them; slow-step rate, limit per window) "
              "| CTAs probed / loop s | failed | dropped | held | orphaned |",
              "|---" * 20 + "|"]
     for level, s in summary.items():
@@ -297,7 +302,8 @@ def format_table(summary: dict) -> str:
             f"{s['telemetry_cpu_s_per_1k_tokens']:.3f} | "
             f"{100 * s.get('engine_thread_telemetry_share', 0.0):.3f} % | "
             f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
-            f"{us.get('traced_step')} | {s.get('slow_spells', 0)} ({us.get('steps_traced_spell', 0)}) | "
+            f"{us.get('traced_step')} | {s.get('slow_spells', 0)} ({us.get('steps_traced_spell', 0)}; "
+            f"{_rate(s.get('slow_step_rate'))}, {s.get('slow_spell_limit', '-')}) | "
             f"{s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
             f"{s['telemetry_dropped']:.0f} | {s.get('telemetry_held', 0):.0f} | "
             f"{s.get('telemetry_orphaned', 0):.0f} |")
@@ -335,6 +341,8 @@ def measure(args, levels: list[str], engines: dict, core_pids: list[int], concur
         # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
         s["ctas_probed_per_loop_s"] = round((a.get("ctas_probed", 0) - b.get("ctas_probed", 0)) / loop_s)
         s["slow_spells"] = a.get("slow_spells", 0) - b.get("slow_spells", 0)
+        # what the spell rule had learned by the end: its rate of slow steps and its limit
+        s["slow_step_rate"], s["slow_spell_limit"] = a.get("slow_step_rate"), a.get("slow_spell_limit")
         s["slow_decode_steps"] = slow_decode_steps(steps[level], tokens[level])
         s["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * (
             a["gpu_telemetry_worker_cpu_s"] - b["gpu_telemetry_worker_cpu_s"]) / max(

@@ -563,6 +563,8 @@ class EngineCore:
             # slow spells begun, and the steps traced in them (of steps_traced)
             "slow_spells": stats.slow_spells if stats is not None else 0,
             "steps_traced_spell": stats.steps_traced_spell if stats is not None else 0,
+            # the spell rule's learned rate of slow decode steps per step, and its limit now
+            **(gpu.spell_rule_state() if gpu is not None else {}),
             # untraced steps whose probe records were read: their part, and every probed step
             "telemetry_probed_steps_s": stats.engine_thread_probed_s if stats is not None else 0.0,
             "steps_probed": stats.steps_probed if stats is not None else 0,

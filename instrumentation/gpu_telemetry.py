@@ -519,6 +519,11 @@ class GpuTelemetry:
             return self.config.slow_sample_ratio
         return None
 
+    def spell_rule_state(self) -> dict:
+        """The spell rule's rate of slow decode steps per step (None until known) and the
+        slow steps within ``slow_within_steps`` that begin a spell now."""
+        return {"slow_step_rate": self._spell_rule.rate, "slow_spell_limit": self._spell_rule.limit()}
+
     def _slow_step(self, step_id: int) -> None:
         """A decode step well over the recent median: when the spell rule (``SlowSpellRule``)
         says so, the spell begins (the countdown drawn anew at its ratio: draws are

@@ -4,10 +4,10 @@ A spell begins where, among the last ``within`` steps, ``slow_steps`` or more de
 ran slow, and more than the engine's rate of slow steps outside spells would put there by
 chance (a binomial tail under ``alpha``). An engine whose load makes one step in ten slow
 (large batches, turns of a burst) then begins no spell at every tenth of its steps, while
-a stall that slows a third of them still does. Once the rate is known (``min_base_steps``;
-before, ``slow_steps`` alone decides), spell time counts ``spell_weight`` as much: a long
-incident does not become the usual soon, a lasting change of load does within minutes. The
-rate forgets by halving its counts past ``horizon`` steps.
+a stall that slows a third of them still does. The rate is known after ``min_base_steps``
+steps (before, ``slow_steps`` alone decides); in it spell time counts ``spell_weight`` as
+much as other time: a long incident does not become the usual soon, a lasting change of load
+(spells all along) does. The rate forgets by halving its counts past ``horizon`` steps.
 Cost per slow step: a deque append, a bisection over at most ``within`` ids and, when the
 rate moved 5 %, a binomial tail over at most ``within`` terms; other steps cost nothing here.
 """
@@ -27,7 +27,7 @@ class SlowSpellRule:
     """Fed the id of each slow decode step (``observe``); says whether a spell is due now."""
 
     __slots__ = ("slow_steps", "within", "alpha", "horizon", "min_base_steps", "spell_weight", "_ids",
-                 "_last_id", "_base_steps", "_base_slow", "_limit_for", "_limit")
+                 "_last_id", "_seen", "_base_steps", "_base_slow", "_limit_for", "_limit")
 
     def __init__(self, slow_steps: int, within: int, alpha: float = 1e-3, horizon: int = 8192,
                  min_base_steps: int = 1024, spell_weight: float = 0.125) -> None:
@@ -41,6 +41,7 @@ class SlowSpellRule:
         self.horizon, self.min_base_steps, self.spell_weight = horizon, min_base_steps, spell_weight
         self._ids: deque[int] = deque(maxlen=within)   # the last slow steps' ids
         self._last_id: int | None = None
+        self._seen = 0            # steps since the first slow one, spells or not
         self._base_steps = 0.0    # steps, those in spells weighed less (halved past the horizon)
         self._base_slow = 0.0     # slow decode steps among them, alike
         self._limit_for: float | None = None   # the rate the cached limit was taken at
@@ -49,7 +50,7 @@ class SlowSpellRule:
     @property
     def rate(self) -> float | None:
         """Slow decode steps per step, spell time weighed less (None before ``min_base_steps``)."""
-        if self._base_steps < max(self.min_base_steps, 1):
+        if self._seen < max(self.min_base_steps, 1):
             return None
         return self._base_slow / self._base_steps
 
@@ -57,8 +58,9 @@ class SlowSpellRule:
         """Step ``step_id`` was a slow decode step; ``in_spell``: a spell was running. True
         when the last ``within`` steps hold a spell's worth of slow ones."""
         if self._last_id is not None:
-            weight = self.spell_weight if in_spell and self.rate is not None else 1.0
-            self._base_steps += weight * max(step_id - self._last_id, 1)
+            gap, weight = max(step_id - self._last_id, 1), self.spell_weight if in_spell else 1.0
+            self._seen += gap
+            self._base_steps += weight * gap
             self._base_slow += weight
             if self._base_steps > self.horizon:
                 self._base_steps /= 2

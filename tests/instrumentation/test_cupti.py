@@ -362,6 +362,8 @@ def test_a_slow_spell_samples_more_steps_while_a_minority_of_decode_steps_stall(
     stall = [0.040 if i % 3 == 0 else 0.010 for i in range(600)]
     before = _run_plan(gpu, hiccups, clock=clock)
     assert gpu.stats.slow_spells == 0 and len(list(filter(None, before))) <= 15
+    # 400 steps between its first and last slow ones: the rate is not known yet
+    assert gpu.spell_rule_state() == {"slow_step_rate": None, "slow_spell_limit": 6}
     during = _run_plan(gpu, stall, clock=clock, first_id=500)
     after = _run_plan(gpu, [0.010] * 500, clock=clock, first_id=1100)
     assert gpu.policy.slow_limit == pytest.approx(0.015)   # 1.5 x the median: the stall left it

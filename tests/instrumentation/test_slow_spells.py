@@ -67,3 +67,15 @@ def test_a_long_incident_moves_the_rate_an_eighth_as_fast_and_stays_a_spell():
     assert rule.rate == pytest.approx((82 + 375) / (4096 + 750), rel=0.02)
     with pytest.raises(ValueError, match="alpha"):
         SlowSpellRule(6, 64, alpha=0.0)
+
+
+def test_an_incident_before_the_rate_is_known_fades_once_usual_time_comes():
+    rule = SlowSpellRule(6, 64)
+    engine = Engine(rule)
+    assert engine.run(0, 1200, 3)   # a stall from the start: spells, and a rate of 1 in 3
+    assert rule.rate == pytest.approx(1 / 3, rel=0.05)
+    engine.run(1200, 1200 + 2048, 50)   # then the usual load: spell time weighs an eighth
+    assert rule.rate < 0.05 and rule.limit() <= 10
+    engine.run(3248, 3248 + 4096, 50)
+    assert rule.rate < 0.03 and rule.limit() <= 8
+    assert engine.run(7344, 7344 + 300, 3)   # a stall is a spell again
