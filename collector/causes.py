@@ -114,7 +114,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
              f"{e.usual.get('kv_blocks', 0.0):.0f}; a usual "
              f"second's mean decode step {e.usual.get('decode_mean', e.usual.get('duration', 0.0)) * 1e3:.2f} ms"
              + (f"; a kernel-timed decode step's GPU time {e.usual['gpu'] * 1e3:.2f} ms plus "
-                f"{e.usual.get('gpu_per_token', 0.0) * 1e6:.2f} us per prefill token" if e.usual.get("gpu") else ""))
+                f"{e.usual.get('gpu_per_token', 0.0) * 1e6:.2f} us per prefill token (from "
+                f"{e.usual.get('gpu_token_steps', 0):.0f} kernel-timed steps with prefill tokens)"
+                if e.usual.get("gpu") else ""))
     compile_s = sum(s["duration_s"] for s in e.compiles)
     if e.compiles and compile_s >= c.compile_share * e2e:
         n = sum(s["jit_compiles"] for s in e.compiles)

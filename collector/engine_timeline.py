@@ -339,6 +339,8 @@ class EngineTimeline:
         base, per_token = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token = fit(a["gpu"], traced)
         host_base, host_token = fit(a["host"], traced)
+        # how many kernel-timed steps with prefill tokens the GPU's cost per token rests on
+        gpu_token_steps = int(sampled(prefilled & traced).sum())
         batch = usual_value(a["decode"][decode], 0.0)
         # a request decoded beyond the usual batch costs a step (its duration and GPU time
         # alike) what a prefill token costs the GPU (the same weights, one more row), else
@@ -353,7 +355,7 @@ class EngineTimeline:
         per_kv_block = _slope(a["kv"][decode], at_usual_batch[decode])
         at_usual = at_usual_batch - per_kv_block * _beyond(a["kv"], kv_blocks)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
-                "host": host_base, "host_per_token": host_token, "batch": batch,
+                "host": host_base, "host_per_token": host_token, "gpu_token_steps": gpu_token_steps, "batch": batch,
                 "per_request": per_request, "kv_blocks": kv_blocks, "per_kv_block": per_kv_block,
                 "decode_mean": _usual_mean(a, at_usual, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,

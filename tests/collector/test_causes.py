@@ -177,13 +177,30 @@ def test_device_contention_every_sm_and_the_gpu_time_slower_alike():
     slow_steps(sc_, 38, 46, 1.5, 1.5)
     sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.6) for sm in range(SMS)}
     sc_.target(40.2, 0.01, 2.0)
-    _, one = explained(sc_)
+    agg, one = explained(sc_)
     cause = one.cause
     assert cause.name == sc.CAUSE_DEVICE_CONTENTION, cause
     assert cause.evidence["gpu_slowdown"] == pytest.approx(1.5, rel=0.01)
+    # no step with prefill tokens was kernel-timed: what it was compared with says so
+    assert agg.timeline.usual()["gpu_token_steps"] == 0
+    assert "0.00 us per prefill token (from 0 kernel-timed steps with prefill tokens)" in cause.compared_with
     # the slot's median SM P90 over the median of the six slots' (five at 20 us, one at 32)
     assert cause.evidence["cta_slowdown"] == pytest.approx(1.6, rel=0.02)
     assert cause.evidence["cta_spread"] == pytest.approx(1.0)  # flat: every SM alike
+
+
+def test_the_usual_says_how_many_kernel_timed_prefill_steps_its_cost_per_token_rests_on():
+    sc_ = Scenario()
+    prefill_steps = [s for s in sc_.steps if s[2]]
+    for s in prefill_steps[:5]:
+        s[3] = PREFILL_GPU_S
+    sc_.target(40.2, 0.01, 2.0)
+    agg, one = explained(sc_)
+    u = agg.timeline.usual()
+    assert u["gpu_token_steps"] == 5
+    assert u["gpu_per_token"] == pytest.approx((PREFILL_GPU_S - u["gpu"]) / PREFILL_TOKENS, rel=1e-9)
+    assert (f"{u['gpu_per_token'] * 1e6:.2f} us per prefill token (from 5 kernel-timed steps with prefill "
+            "tokens)") in one.cause.compared_with
 
 
 def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
