@@ -17,6 +17,7 @@ import platform
 import signal
 import subprocess
 import time
+import urllib.request
 from pathlib import Path
 from typing import Sequence
 
@@ -150,6 +151,21 @@ def terminate(process: subprocess.Popen, timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(30)
+
+
+def wait_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    """Until ``url`` answers 2xx (a 503 while warming up keeps waiting); raises if ``process``
+    exits first or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2.0):
+                return
+        except OSError:
+            time.sleep(0.25)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
 def utc_now() -> str:

@@ -33,7 +33,7 @@ from pathlib import Path
 from sightline.deploy.processes import free_ports
 
 from ._collector import CollectorProcess
-from ._common import ROOT, _children, device_name, git_commit, utc_now, write_json
+from ._common import ROOT, _children, device_name, git_commit, utc_now, wait_http, write_json
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags
@@ -59,19 +59,6 @@ LEVELS = {                                 # name -> engine serve flags
 def _get(url: str, timeout_s: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout_s) as response:
         return response.read()
-
-
-def _wait_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url}: process exited with {process.returncode}")
-        try:
-            _get(url, 2.0)
-            return
-        except OSError:
-            time.sleep(0.25)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
 def _metric(text: str, name: str) -> float:
@@ -180,7 +167,7 @@ def serving(args, levels: list[str], plan: dict[str, set[int]] | None = None):
                 engines[level] = start_engine(args, level, collector.url("grpc"), port,
                                               plan[level] if plan else None)
             for level, (engine, url) in engines.items():
-                _wait_http(url + "/health", engine, args.start_timeout_s)
+                wait_http(url + "/health", engine, args.start_timeout_s)
                 print(f"{level}: serving on {url}", flush=True)
             if plan and "telemetry" in plan:   # every telemetry process on the shared pool
                 for engine, _ in engines.values():

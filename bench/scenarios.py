@@ -38,7 +38,7 @@ from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import CaptureWriter
 
 from ._collector import CollectorProcess
-from ._common import git_commit, terminate, utc_now
+from ._common import git_commit, terminate, utc_now, wait_http
 from .core_plants import PLAN_ENV, apply_record
 from .plants import GilHog, HbmHog, PlantRun
 from .record_capture import PlannedRequest, _prompt_text
@@ -334,21 +334,12 @@ class ServedEngine:
         return engine
 
     def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine serve exited with {self.process.returncode}")
-            try:
-                card = json.loads(_get(self.url + "/v1/models", 2.0))["data"][0]
-                if _get(self.url + "/health", 2.0):
-                    self.model, self.max_model_len = card["id"], int(card["max_model_len"])
-                    found = json.loads(Path(f"{self.plan}.device.json").read_text())
-                    self.device, self.num_sms = found["device"], int(found["num_sms"])
-                    return
-            except (OSError, KeyError, TypeError, ValueError):
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"{self.url}/health did not answer 200 within {timeout_s} s")
+        """Until ``/health`` is 200: the core has run its plugins (they wrote the device file)."""
+        wait_http(self.url + "/health", self.process, timeout_s)
+        card = json.loads(_get(self.url + "/v1/models", 10.0))["data"][0]
+        self.model, self.max_model_len = card["id"], int(card["max_model_len"])
+        found = json.loads(Path(f"{self.plan}.device.json").read_text())
+        self.device, self.num_sms = found["device"], int(found["num_sms"])
 
     def go(self, wall_ns: int) -> None:
         """The load's start (Unix ns): the core's plants time their segments from it."""
@@ -359,14 +350,14 @@ class ServedEngine:
     def follow(self, timeline: list[Segment]) -> threading.Thread:
         """A thread that fills each segment's interval, plant and error as the core writes them."""
         def target() -> None:
-            path, seen = Path(f"{self.plan}.segments.jsonl"), 0
+            path, seen, offset = Path(f"{self.plan}.segments.jsonl"), 0, 0
             while seen < len(timeline) and self.process.poll() is None:
-                lines = path.read_text().splitlines() if path.exists() else []
-                for line in lines[seen:]:
-                    if not line.endswith("}"):
-                        break   # being written
-                    apply_record(timeline, json.loads(line))
-                    seen += 1
+                if path.exists():
+                    with path.open() as lines:
+                        lines.seek(offset)
+                        while (line := lines.readline()).endswith("\n"):   # a line being written waits
+                            apply_record(timeline, json.loads(line))
+                            offset, seen = lines.tell(), seen + 1
                 time.sleep(0.2)
 
         thread = threading.Thread(target=target, name="plants", daemon=True)

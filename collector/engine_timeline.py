@@ -330,17 +330,16 @@ class EngineTimeline:
             usual = rows & a["usual_sample"]
             return usual if usual.any() else rows
 
-        def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float]:
+        def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float, int]:
+            """The usual decode step, the cost per prefill token and how many steps it rests on."""
             base = usual_value(values[sampled(decode & rows)], 0.0)
             costed = sampled(prefilled & rows)
             per_token = usual_value((values[costed] - base) / a["prefill"][costed], 0.0)
-            return base, max(0.0, per_token)
+            return base, max(0.0, per_token), int(costed.sum())
 
-        base, per_token = fit(a["duration"], np.ones_like(decode))
-        gpu_base, gpu_token = fit(a["gpu"], traced)
-        host_base, host_token = fit(a["host"], traced)
-        # how many kernel-timed steps with prefill tokens the GPU's cost per token rests on
-        gpu_token_steps = int(sampled(prefilled & traced).sum())
+        base, per_token, _ = fit(a["duration"], np.ones_like(decode))
+        gpu_base, gpu_token, gpu_token_steps = fit(a["gpu"], traced)
+        host_base, host_token, _ = fit(a["host"], traced)
         batch = usual_value(a["decode"][decode], 0.0)
         # a request decoded beyond the usual batch costs a step (its duration and GPU time
         # alike) what a prefill token costs the GPU (the same weights, one more row), else

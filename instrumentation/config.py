@@ -169,7 +169,8 @@ class TelemetryConfig:
     # then seen in enough traced steps to say whether the host or the GPU held them (0: never).
     kernel_sample_ratio_slow: float = setting(0.1, "at --trace-level kernels: fraction of engine steps "
                                                    "whose CUDA kernels become spans for a second after 6 "
-                                                   "decode steps within 64 ran 1.5x the recent median "
+                                                   "decode steps within 64 ran 1.5x the recent median, more "
+                                                   "than the engine's own rate of such steps gives by chance "
                                                    "(when higher than --kernel-sample-ratio)", lo=0.0, hi=1.0,
                                               flag="--kernel-sample-ratio-slow",
                                               env="SIGHTLINE_KERNEL_SAMPLE_RATIO_SLOW")
