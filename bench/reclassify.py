@@ -6,8 +6,9 @@ the cause the live collector named and its evidence. This feeds that evidence ba
 cause then and now. Guarantee: the rules are today's, the figures the live collector's. The
 evidence is what a cause keeps, so it is partial: the queue a request found is kept only
 where `queueing` was named (elsewhere the wait counts as behind others), the flagged SMs
-only as how many and the strongest, and the usual only as the figures the rules read
-(batch and KV). Where the rules need what was not kept, the count says so. Cost: a few ms.
+as how many of each kernel with their strongest score and reasons (runs before that: the
+interval's flagged SMs), and the usual only as the figures the rules read (batch and KV).
+Where the rules need what was not kept, the count says so. Cost: a few ms.
 
     python -m bench.reclassify bench/results/scenarios-*.json [--json OUT.json]
 """
@@ -29,18 +30,36 @@ _FIELDS = {f.name for f in fields(CauseEvidence)}
 _QUEUE = ("depth", "ahead_more_urgent", "overtaken_by", "engine_full")
 
 
-def evidence_of(request: dict) -> CauseEvidence:
-    """A :class:`CauseEvidence` from one recorded request (``e2e_s``, ``priority``, ``cause``)."""
+def evidence_of(request: dict, findings: list[dict] | None = None) -> CauseEvidence:
+    """A :class:`CauseEvidence` from one recorded request (``e2e_s``, ``priority``, ``cause``);
+    ``findings``: its interval's flagged SMs, read where the request kept no count of its own."""
     ev = request["cause"]["evidence"]
     kept = {k: v for k, v in ev.items()
             if k in _FIELDS and k not in ("e2e_s", "priority", "queue", "usual", "contended_sms", "compiles")}
-    strongest = ev.get("strongest_sm") or (ev.get("contended_sms") or [None])[0]
     return CauseEvidence(**{"queue_s": 0.0, "decode_s": 0.0, **kept}, e2e_s=request["e2e_s"],
                          priority=str(request.get("priority")),
                          queue={k: ev[k] for k in _QUEUE if k in ev} or None,
                          compiles=ev.get("compile_steps") or [],
-                         contended_sms=[strongest] if strongest else [],
+                         contended_sms=_flags(ev, findings or []),
                          usual={"batch": ev.get("usual_batch") or 0.0, "kv_blocks": ev.get("usual_kv_blocks") or 0.0})
+
+
+def _flags(ev: dict, findings: list[dict]) -> list[dict]:
+    """The SM flags the rules read, rebuilt from what was kept: per kernel, as many SMs as
+    were flagged, the first with the kernel's strongest score, all with its reasons."""
+    if ev.get("contended_sms"):
+        return ev["contended_sms"]
+    per_kernel = ev.get("flagged_sms_by_kernel")
+    if per_kernel is None and (ev.get("flagged_sms") or ev.get("contended_sms_flags")):
+        per_kernel = [{"gpu": f["gpu"], "kernel": f["kernel"], "sms": len(f["flagged"]),
+                       "max_score": max(f["flagged"].values()),
+                       "reasons": sorted({r for rs in f["reasons"].values() for r in ([rs] if isinstance(rs, str) else rs)})}
+                      for f in findings if f.get("flagged")]
+    if per_kernel is None:
+        strongest = ev.get("strongest_sm")
+        return [strongest] if strongest else []
+    return [{"gpu": k["gpu"], "kernel": k["kernel"], "sm": str(sm), "score": k["max_score"] if sm == 0 else 0.0,
+             "reasons": k["reasons"]} for k in per_kernel for sm in range(k["sms"])]
 
 
 def reclassify(run: dict) -> list[dict]:
@@ -50,7 +69,7 @@ def reclassify(run: dict) -> list[dict]:
         kind = (seg.get("interval") or {}).get("kind") or seg["scenario"]
         expected = EXPECTED_CAUSE.get(kind)
         live = [r["cause"]["name"] for r in seg.get("slowest", [])]
-        now = [classify(evidence_of(r)).name for r in seg.get("slowest", [])]
+        now = [classify(evidence_of(r, seg.get("findings"))).name for r in seg.get("slowest", [])]
         out.append({"scenario": seg["scenario"], "run": seg["run"], "expected_cause": expected,
                     "live": live, "now": now,
                     "planted_live": live.count(expected) if expected else None,

@@ -173,13 +173,22 @@ def evaluate(collector: str, seg: Segment, num_sms: int, device: str) -> None:
 
 
 def _evidence_kept(evidence: dict) -> dict:
-    """A cause's evidence with its per-slot SM flags cut to how many and the strongest (the
-    full list runs to hundreds of entries per request)."""
+    """A cause's evidence with its per-slot SM flags cut to how many, how many distinct SMs
+    of each kernel, and the strongest (the full list runs to hundreds of entries per request)."""
     flags = evidence.get("contended_sms")
     if not flags:
         return evidence
     top = max(flags, key=lambda f: f.get("score") or 0.0)
+    per_kernel: dict[tuple, dict] = {}
+    for f in flags:
+        k = per_kernel.setdefault((f.get("gpu"), f.get("kernel")), {"sms": set(), "max_score": 0.0, "reasons": set()})
+        k["sms"].add(f.get("sm"))
+        k["max_score"] = max(k["max_score"], f.get("score") or 0.0)
+        k["reasons"].update(f.get("reasons") or ())
     return {**{k: v for k, v in evidence.items() if k != "contended_sms"}, "contended_sms_flags": len(flags),
+            "flagged_sms_by_kernel": [{"gpu": gpu, "kernel": kernel, "sms": len(k["sms"]),
+                                       "max_score": k["max_score"], "reasons": sorted(k["reasons"])}
+                                      for (gpu, kernel), k in sorted(per_kernel.items(), key=str)],
             "strongest_sm": top}
 
 

@@ -16,6 +16,7 @@ GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,7 +186,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{_steps(e)} while {len(sms)} SM(s) ran slow or starved "
                          f"against the kernel's other SMs (SM {top['sm']} of {top['kernel']}, score "
                          f"{(top['score'] or 0.0):.2f})",
-                         {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms]},
+                         {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms],
+                          "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown, "sm_count": e.sm_count},
                          f"{usual}; each SM against the kernel's other SMs in the same slots")
         if gpu is not None and gpu >= c.gpu_slow:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
@@ -196,7 +198,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                           "cta_spread": e.cta_spread, "host_slowdown": e.host_slowdown,
                           "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                           "flagged_sms": len(_distinct_flags(e)),
-                          "sm_count": e.sm_count},
+                          "sm_count": e.sm_count, **({"contended_sms": e.contended_sms} if e.contended_sms else {})},
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         if host_side:
             return _host_stall(e, engine, usual)
@@ -247,11 +249,13 @@ def _steps(e: CauseEvidence) -> str:
 
 
 def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
-    """Whether the traced steps' GPU time grew more than SMs flagged only as starved can
-    explain: the block scheduler gives a starved SM's share to the others, so losing a
-    fraction f of the SMs slows a kernel at most 1 / (1 - f); a few starved SMs beside every
-    step's GPU time well beyond that mean the whole GPU was slower. (A slow SM's CTAs hold
-    its kernel up to their own slowdown: no such bound.)"""
+    """Whether the traced steps' GPU time grew more than SMs flagged only as starved explain.
+    The block scheduler gives a starved SM's share to the others: losing a fraction f of the
+    SMs costs a kernel whose grid filled them in one wave ceil(1 / (1 - f)) waves (2 for any
+    f up to a half), and one of many waves 1 / (1 - f). With the median SM's CTA slowdown
+    known, the GPU's slowdown is that device-wide factor times the SMs' (at most the waves):
+    the device's when its factor is the larger or the two cannot reach it; without it, the
+    many-waves bound. (A slow SM's CTAs hold their kernel up by their own slowdown: no bound.)"""
     if e.gpu_slowdown is None or e.gpu_slowdown < c.gpu_slow or not e.sm_count:
         return False
     if any("slow" in (s.get("reasons") or ()) for s in e.contended_sms):
@@ -259,7 +263,10 @@ def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
     flags = _distinct_flags(e)
     kernels = len({(gpu, kernel) for gpu, kernel, _ in flags}) or 1
     lost = min(len(flags) / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
-    return e.gpu_slowdown >= c.gpu_slow / (1.0 - lost)
+    if e.cta_slowdown is None:
+        return e.gpu_slowdown >= c.gpu_slow / (1.0 - lost)
+    per_cta = max(e.cta_slowdown, 1.0)
+    return per_cta * per_cta >= e.gpu_slowdown or e.gpu_slowdown >= c.gpu_slow * per_cta * math.ceil(1.0 / (1.0 - lost))
 
 
 def _distinct_flags(e: CauseEvidence) -> set[tuple[str, str, str]]:

@@ -355,16 +355,22 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
     decode = [s.start_time_unix_nano for s in spans if s.name == sc.SPAN_DECODE]
     decode_from = min(decode) if decode else None
     usual = timeline.usual(root.instance)
-    interference = 0.0
+    interference_ns, counted_to = 0, 0
     if decode_from is not None:
-        for step in steps:  # its decode steps that carried prefill tokens, or in which a prefill began
+        # its decode steps that carried prefill tokens, or in which a prefill began. An engine
+        # that schedules ahead begins a step inside the last, so their spans overlap: each
+        # step's excess is the end of its span, and time already counted is not counted again
+        for step in sorted(steps, key=lambda s: s.record().start_time_unix_nano):
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
-            start = record.start_time_unix_nano
-            if start >= decode_from and (prefill > 0 or timeline.stretched_by_prefill(start, root.instance)):
+            step_start, step_end = record.start_time_unix_nano, record.end_time_unix_nano
+            if step_start >= decode_from and (prefill > 0 or timeline.stretched_by_prefill(step_start, root.instance)):
                 batch = _i(record.attributes.get(sc.STEP_DECODE_TOKENS)) or 0
                 kv_blocks = _i(record.attributes.get(sc.STEP_KV_BLOCKS_USED)) or 0
-                interference += max(0.0, step.duration_s - timeline.decode_only_s(batch, kv_blocks, root.instance))
+                excess = max(0.0, step.duration_s - timeline.decode_only_s(batch, kv_blocks, root.instance))
+                interference_ns += max(0, step_end - max(step_end - int(excess * 1e9), counted_to))
+                counted_to = max(counted_to, step_end)
+    interference = interference_ns / 1e9
     window = timeline.window(arrival, end, root.instance)
     try:
         rank = float(priority)

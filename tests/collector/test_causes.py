@@ -449,31 +449,46 @@ def test_compile_names_the_step_that_compiled():
 def test_prefill_interference_in_its_decode_steps():
     sc_ = Scenario()
     # from its first token on, every step it rides also carries another request's 512-token
-    # prefill: each takes the usual 40 ms for that, where a decode-only step takes 18
-    for s in sc_.between(40.3, 41.5):
-        s[1], s[2], s[3] = PREFILL_S, PREFILL_TOKENS, None
+    # prefill: each takes 38 ms for that (the step after it begins 2 ms after its end), where
+    # a decode-only step takes 18
+    window = sc_.between(40.3, 41.5)
+    for s in window[::2]:
+        s[1], s[2], s[3] = 2 * STEP_S + GAP_S, PREFILL_TOKENS, None
+    sc_.steps = [s for s in sc_.steps if s not in window[1::2]]
     sc_.target(40.2, 0.01, 1.3)
     _, one = explained(sc_)
     cause = one.cause
     assert cause.name == sc.CAUSE_PREFILL_INTERFERENCE, cause
     assert cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
     assert cause.evidence["interference_s"] == pytest.approx(
-        sum(PREFILL_S - STEP_S for s in sc_.between(40.26, 41.5) if s[0] >= T + 40.26), rel=0.05)
+        sum(s[1] - STEP_S for s in sc_.between(40.26, 41.5) if s[0] >= T + 40.26), rel=0.05)
+    # steps that began inside the last (an engine scheduling ahead) overlap: the time of the
+    # request's life they stretched counts once, so its decode bounds it
+    sc_ = Scenario()
+    for s in sc_.between(40.3, 41.5):
+        s[1], s[2], s[3] = PREFILL_S, PREFILL_TOKENS, None
+    sc_.target(40.2, 0.01, 1.3)
+    _, one = explained(sc_)
+    overlapping = [s for s in sc_.between(40.26, 41.5) if s[0] >= T + 40.26]
+    assert one.cause.name == sc.CAUSE_PREFILL_INTERFERENCE, one.cause
+    assert one.cause.evidence["interference_s"] < one.cause.evidence["decode_s"] < 1.3
+    assert one.cause.evidence["interference_s"] < sum(s[1] - STEP_S for s in overlapping) - 0.1
 
 
 def test_decode_steps_stretched_by_a_prefills_launch_are_interference_not_slowness():
     """An engine that schedules ahead launches the next step before it completes this one:
-    while a 512-token prefill's launches run, the decode step before it stays open 50 ms
-    longer. Every tenth step carries a prefill around the target, and the decode step before
-    each is stretched: its own steps did not run slow, others' prefill held it."""
+    while a 512-token prefill's launches run, the decode step before it stays open 15 ms
+    longer (it still completes before the prefill step: a GPU completes them in order).
+    Every fifth step carries a prefill around the target, and the decode step before each
+    is stretched: its own steps did not run slow, others' prefill held it."""
     sc_ = Scenario()
     for n, s in enumerate(sc_.steps):
-        if s in sc_.between(40.0, 42.0) and n % 10 == 1:
+        if s in sc_.between(40.0, 42.0) and n % 5 == 1:
             s[1], s[2], s[3] = PREFILL_S, PREFILL_TOKENS, None
     stretched = []
     for before, s in zip(sc_.steps, sc_.steps[1:]):
         if s[2] and not before[2] and s in sc_.between(40.0, 42.0):
-            before[1] += 0.05   # it ends after the prefill step began
+            before[1] += 0.015   # it ends after the prefill step began, before it ends
             stretched.append(before)
     sc_.target(40.2, 0.01, 2.0)
     _, one = explained(sc_)
@@ -637,6 +652,38 @@ def test_a_burst_far_beyond_the_usual_load_is_judged_by_its_traced_steps():
     assert classify(usual_load).name == sc.CAUSE_UNKNOWN
     # no traced step in its life: nothing says how fast the engine ran, so durations count
     assert classify(CauseEvidence(**{**burst.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
+
+
+def test_sms_lost_to_a_neighbour_explain_a_gpu_twice_as_slow_and_slower_ctas_do_not():
+    """The evidence of two requests on the H200 (bench/results/scenarios-*: sm_half run 3,
+    sm_quarter run 2) that read as device contention: a neighbour held half (a quarter) of
+    the SMs, both attention kernels' CTAs starved there, and the traced steps' GPU time was
+    2.67x (2.00x) the usual while the median SM's CTAs ran 1.36x (1.07x). A kernel whose grid
+    filled the SMs in one wave runs two once any are lost: the SMs' factor (about 2) is the
+    larger, so the neighbour is named. CTAs slower alike on every SM, as much as the SMs'
+    factor, are the device's; so is a GPU slower than both can make it."""
+    def lost(share: int) -> list[dict]:
+        return [{"gpu": "0", "kernel": kernel, "sm": str(sm), "score": 6.9, "reasons": ["starved"]}
+                for kernel in ("sightline_fa2_prefill", "sightline_paged_decode") for sm in range(0, 2 * share, 2)]
+    half = CauseEvidence(e2e_s=0.737, queue_s=0.0, decode_s=0.7, priority="2", engine_slowdown=1.55, steps=63,
+                         idle_excess_s=0.059, long_steps_s=0.36, traced_steps=6, gpu_slowdown=2.67,
+                         host_slowdown=1.40, cta_slowdown=1.36, cta_spread=1.29, contended_sms=lost(66),
+                         sm_count=132, batch=2.05, usual={"batch": 1.0})
+    quarter = CauseEvidence(**{**half.__dict__, "engine_slowdown": 1.23, "gpu_slowdown": 2.00, "host_slowdown": 1.04,
+                               "cta_slowdown": 1.07, "idle_excess_s": 0.0, "contended_sms": lost(33)})
+    for e in (half, quarter):
+        cause = classify(e)
+        assert cause.name == sc.CAUSE_SM_CONTENTION, cause
+        assert cause.evidence["gpu_slowdown"] == e.gpu_slowdown and cause.evidence["cta_slowdown"] == e.cta_slowdown
+    assert len(classify(half).evidence["sms"]) == 66
+    # CTAs 1.45x slower on the median SM: the device's factor outweighs the quarter's SMs'
+    assert classify(CauseEvidence(**{**quarter.__dict__, "cta_slowdown": 1.45})).name == sc.CAUSE_DEVICE_CONTENTION
+    # 2.9x with CTAs as usual: more than two waves at the margin (1.3 x 2 = 2.6) can make it
+    assert classify(CauseEvidence(**{**quarter.__dict__, "gpu_slowdown": 2.9})).name == sc.CAUSE_DEVICE_CONTENTION
+    # without the CTAs' figure, the many-waves bound: a quarter lost explains 1.3 / 0.75 = 1.73x
+    assert classify(CauseEvidence(**{**quarter.__dict__, "cta_slowdown": None})).name == sc.CAUSE_DEVICE_CONTENTION
+    assert classify(CauseEvidence(**{**quarter.__dict__, "cta_slowdown": None, "gpu_slowdown": 1.7})).name \
+        == sc.CAUSE_SM_CONTENTION
 
 
 def test_unknown_when_nothing_stands_out_and_the_text_json_and_api_say_so():

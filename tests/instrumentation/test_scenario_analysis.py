@@ -169,3 +169,37 @@ def test_reclassify_names_recorded_evidence_by_todays_rules():
     assert (b["live"], b["now"], b["planted_live"], b["planted_now"]) == (
         ["unknown"] * 2, [sc.CAUSE_QUEUEING] * 2, 0, 2)
     assert (h["now"], h["planted_live"], h["planted_now"]) == ([sc.CAUSE_HOST_STALL, sc.CAUSE_QUEUEING], 1, 1)
+
+
+def test_reclassify_rebuilds_the_sm_flags_a_request_kept_or_its_interval_found():
+    """An SM neighbour's request recorded as device contention (the H200's sm_half run 3):
+    rebuilt from the SMs flagged per kernel, kept by the suite as counts (bench/scenarios.py)
+    or, in runs recorded before that, read from the interval's findings, today's rules name
+    the neighbour. The kept counts are the distinct SMs of each kernel with its strongest score."""
+    from bench.reclassify import reclassify
+    from bench.scenarios import _evidence_kept
+
+    flags = [{"gpu": "g", "kernel": k, "sm": str(sm), "score": 2.5 + sm / 100, "reasons": ["starved"]}
+             for k in ("sightline_fa2_prefill", "sightline_paged_decode") for sm in range(0, 132, 2) for _ in range(2)]
+    figures = {"engine_slowdown": 1.55, "steps": 63, "idle_excess_s": 0.059, "long_steps_s": 0.36, "batch": 2.05,
+               "usual_batch": 1.0, "gpu_slowdown": 2.67, "cta_slowdown": 1.36, "cta_spread": 1.29,
+               "host_slowdown": 1.40, "traced_steps": 6, "traced_near": 0, "flagged_sms": 132, "sm_count": 132}
+    kept = _evidence_kept({**figures, "contended_sms": flags})
+    assert kept["contended_sms_flags"] == 264 and kept["strongest_sm"]["sm"] == "130"
+    assert kept["flagged_sms_by_kernel"] == [
+        {"gpu": "g", "kernel": k, "sms": 66, "max_score": 3.8, "reasons": ["starved"]}
+        for k in ("sightline_fa2_prefill", "sightline_paged_decode")]
+    findings = [{"gpu": "0", "kernel": k, "flagged": {str(sm): 6.9 for sm in range(0, 132, 2)},
+                 "reasons": {str(sm): "starved" for sm in range(0, 132, 2)}}
+                for k in ("sightline_fa2_prefill", "sightline_paged_decode")]
+
+    def request(evidence):
+        return {"e2e_s": 0.737, "priority": 2, "cause": {"name": "device_contention", "evidence": evidence}}
+    run = {"segments": [
+        {"scenario": "sm_half", "run": 3, "interval": {"kind": "sm_neighbour"}, "findings": [],
+         "slowest": [request(kept)]},
+        {"scenario": "sm_half", "run": 3, "interval": {"kind": "sm_neighbour"}, "findings": findings,
+         "slowest": [request(figures)]},
+        {"scenario": "sm_half", "run": 3, "interval": {"kind": "sm_neighbour"}, "findings": [],
+         "slowest": [request(figures)]}]}
+    assert [r["now"] for r in reclassify(run)] == [[sc.CAUSE_SM_CONTENTION]] * 2 + [[sc.CAUSE_DEVICE_CONTENTION]]
