@@ -131,8 +131,9 @@ class StepFacts:
     host_s: float  # host time of a traced step (NaN: not traced); see step_facts
     step_id: int | None
     instance: str
-    # traced by the random draw at the usual ratio (not after a slow step, not in a slow
-    # spell): what the usual GPU and host time are taken from
+    # traced by the random draw at the usual ratio or as the first prefill step in an
+    # interval (not after a slow step, not in a slow spell): what the usual GPU and host
+    # time are taken from
     usual_sample: bool = True
 
 
@@ -202,7 +203,7 @@ def step_facts(trace, step) -> StepFacts:
                      int(_number(a.get(sc.STEP_KV_BLOCKS_USED))), int(_number(a.get(sc.STEP_JIT_COMPILES))),
                      gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance,
-                     reason in (None, sc.TRACE_REASON_SAMPLED))
+                     reason in (None, sc.TRACE_REASON_SAMPLED, sc.TRACE_REASON_PREFILL))
 
 
 def _busy_before(kernels: list[tuple[int, int, float]], until_ns: int) -> float:

@@ -559,7 +559,9 @@ class EngineCore:
             # the traced steps' part of it, and how many steps were traced
             "telemetry_traced_steps_s": stats.engine_thread_traced_s if stats is not None else 0.0,
             "steps_traced": (stats.steps_traced_sampled + stats.steps_traced_spell + stats.steps_traced_tail
-                             if stats is not None else 0),
+                             + stats.steps_traced_prefill if stats is not None else 0),
+            # of them, steps with prefill tokens traced once none was for an interval
+            "steps_traced_prefill": stats.steps_traced_prefill if stats is not None else 0,
             # slow spells begun, and the steps traced in them (of steps_traced)
             "slow_spells": stats.slow_spells if stats is not None else 0,
             "steps_traced_spell": stats.steps_traced_spell if stats is not None else 0,

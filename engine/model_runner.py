@@ -477,7 +477,7 @@ class ModelRunner:
         # when the last step ended; its eager kernels probe nothing (a replay's graph writes
         # its probe slots all the same, and the next probed replay overwrites them)
         prefill = batch.num_prefill_seqs > 0
-        plain = gpu is not None and gpu.next_step_plain and not (prefill and gpu.prefill_probe_due())
+        plain = gpu is not None and gpu.next_step_plain and not (prefill and gpu.prefill_due())
         if gpu is not None and not plain:
             # The SM probe is drained by end_step: kernels may only write to it between the two.
             batch.meta.probe = gpu.probe

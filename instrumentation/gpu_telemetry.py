@@ -4,7 +4,8 @@
 attention ops; ``begin_step`` / ``end_step`` bracket each step's launches (engine thread),
 ``observe_step`` runs once the step is done: the tail rule, the slow spell, the next step's
 draw and probe turn (1 in ``probe_every_steps``; a prefill step out of turn when none was
-probed for ``probe_prefill_interval_s``). A step planned plain calls nothing else. Probed
+probed for ``probe_prefill_interval_s``, and traced when none was for
+``prefill_trace_interval_s``). A step planned plain calls nothing else. Probed
 and traced steps leave a stream-ordered copy of their probe records to the worker (it
 polls). A traced step switches CUPTI on and pushes/pops its external id (``step_id + 1``),
 unwaited: the worker waits for its kernels, flushes CUPTI and switches it off; steps
@@ -84,6 +85,10 @@ class GpuTelemetryConfig:
     # at a few requests a second 1 step in N rarely carries a prefill, and the prefill
     # kernel's per-SM histograms would stay empty for whole slots
     probe_prefill_interval_s: float = 1.0
+    # and a step with prefill tokens gets kernel spans when none did for this long (0: only
+    # its draw): the collector's usual GPU cost per prefill token rests on traced prefill
+    # steps, and at 1 step in 100 traced a 35 s capture held 0 to 6 of them
+    prefill_trace_interval_s: float = 2.0
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = _USER_DEFAULTS["metric_export_interval_s"]
     probe_poll_s: float = 0.05          # the worker's wake-ups for probed steps' records
@@ -98,7 +103,7 @@ class GpuTelemetryConfig:
                   ("tail_window_steps", 8, 1_000_000), ("tail_follow_steps", 0, 1_000),
                   ("probe_capacity_ctas", 1, 1 << 26), ("probe_every_steps", 1, 1_000_000),
                   ("probe_batch_steps", 1, 4096), ("export_interval_s", 0.01, 3600),
-                  ("probe_prefill_interval_s", 0.0, 3600.0),
+                  ("probe_prefill_interval_s", 0.0, 3600.0), ("prefill_trace_interval_s", 0.0, 3600.0),
                   ("probe_poll_s", 0.001, 10.0),
                   ("max_pending_steps", 1, 1_000_000))
         for name, low, high in checks:
@@ -204,6 +209,7 @@ class GpuTelemetryStats:
     steps_traced_sampled: int = 0
     steps_traced_spell: int = 0     # sampled at the slow spell's ratio
     steps_traced_tail: int = 0      # traced because a recent step was slower than the P99.9
+    steps_traced_prefill: int = 0   # the first step with prefill tokens in prefill_trace_interval_s
     steps_recorded_untraced: int = 0  # launched while CUPTI closed a traced step
     tail_steps: int = 0             # steps slower than the recent P99.9
     slow_spells: int = 0            # slow spells begun (sampling at slow_sample_ratio)
@@ -292,6 +298,7 @@ class GpuTelemetry:
         self._open: str = ""       # the running step's trace reason ("" = not traced)
         self._probing = False      # the running step's probe records are read
         self._last_prefill_probe = -math.inf   # monotonic time of the last probed prefill step
+        self._last_prefill_trace = -math.inf   # ... and of the last traced one
         # the next launch's (sampled, probed), drawn when the last step ended; and whether
         # that launch needs nothing of begin_step / end_step (read by the engine, no call)
         self._planned: tuple[bool, bool] | None = None
@@ -428,11 +435,23 @@ class GpuTelemetry:
         return (self.probe is not None and interval > 0
                 and time.monotonic() - self._last_prefill_probe >= interval)
 
+    def _prefill_trace_due(self) -> bool:
+        """Whether no step with prefill tokens got kernel spans for ``prefill_trace_interval_s``."""
+        interval = self.config.prefill_trace_interval_s
+        return (interval > 0 and self.kernel_spans_available
+                and time.monotonic() - self._last_prefill_trace >= interval)
+
+    def prefill_due(self) -> bool:
+        """Whether a step with prefill tokens beginning now is due for the probe or for kernel
+        spans out of turn: the engine calls ``begin_step`` for it even when planned plain."""
+        return self.prefill_probe_due() or self._prefill_trace_due()
+
     def begin_step(self, step, prefill: bool = False) -> None:
         """Decides whether the step gets kernel spans; if so, switches CUPTI on and tags the
         step's CUDA launches (external correlation ``step_id + 1``). Not needed on a step
         planned plain (``next_step_plain``): the engine may skip it and ``end_step`` then.
-        ``prefill``: the step carries prefill tokens (probed if ``prefill_probe_due``)."""
+        ``prefill``: the step carries prefill tokens (probed if ``prefill_probe_due``, traced
+        if none was for ``prefill_trace_interval_s``)."""
         t0 = time.perf_counter()
         drew, self._probing = self._take_plan()
         if prefill and (self._probing or self.prefill_probe_due()):
@@ -457,6 +476,13 @@ class GpuTelemetry:
                 elif drew or self._owed:   # every step draws once: the ratio holds
                     self._owed -= not drew
                     reason = self._drawn_for if drew else semconv.TRACE_REASON_SAMPLED
+                elif prefill and self._prefill_trace_due():
+                    # in a slow spell it is a spell's sample: the collector leaves those out
+                    # of the usual step
+                    reason = (semconv.TRACE_REASON_PREFILL if self._spell_ratio() is None
+                              else semconv.TRACE_REASON_SLOW_SPELL)
+                if reason and prefill:
+                    self._last_prefill_trace = time.monotonic()
                 if reason:
                     if tracer.attached:
                         tracer.enable()
@@ -571,6 +597,8 @@ class GpuTelemetry:
                     self._closing = True
                 if reason == semconv.TRACE_REASON_SAMPLED:
                     self.stats.steps_traced_sampled += 1
+                elif reason == semconv.TRACE_REASON_PREFILL:
+                    self.stats.steps_traced_prefill += 1
                 elif reason == semconv.TRACE_REASON_SLOW_SPELL:
                     self.stats.steps_traced_spell += 1
                 else:

@@ -121,6 +121,8 @@ STEP_TRACE_REASON = "sightline.step.kernel_trace_reason"
 TRACE_REASON_SAMPLED = "sampled"        # the random draw at the usual ratio
 TRACE_REASON_AFTER_TAIL = "after_tail"  # the step after one over the recent P99.9
 TRACE_REASON_SLOW_SPELL = "slow_spell"  # the random draw during a slow spell (a higher ratio)
+# the first step with prefill tokens once none was traced for an interval (chosen by kind, not speed)
+TRACE_REASON_PREFILL = "prefill_interval"
 # whether the step's forward pass ran as a CUDA graph replay (decode-only steps), and the
 # padded batch size of the graph it replayed (absent when eager)
 STEP_CUDA_GRAPH = "sightline.step.cuda_graph"

@@ -64,6 +64,7 @@ class Scenario:
         # (traced steps with launch ends; not listed: no such attribute)
         self.waits: dict[int, float] = {}
         self.kv_blocks: dict[int, int] = {}   # step index -> KV blocks in use (not listed: not recorded)
+        self.reasons: dict[int, str] = {}   # step index -> why its kernels were traced (not listed: none)
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -96,6 +97,8 @@ class Scenario:
                 attrs[sc.STEP_WAIT_START_NS] = int((start + self.waits[n]) * 1e9)
             if n in self.kv_blocks:
                 attrs[sc.STEP_KV_BLOCKS_USED] = self.kv_blocks[n]
+            if n in self.reasons:
+                attrs[sc.STEP_TRACE_REASON] = self.reasons[n]
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
                 at = start + self.kernels_late.get(n, 0.0)
@@ -201,6 +204,15 @@ def test_the_usual_says_how_many_kernel_timed_prefill_steps_its_cost_per_token_r
     assert u["gpu_per_token"] == pytest.approx((PREFILL_GPU_S - u["gpu"]) / PREFILL_TOKENS, rel=1e-9)
     assert (f"{u['gpu_per_token'] * 1e6:.2f} us per prefill token (from 5 kernel-timed steps with prefill "
             "tokens)") in one.cause.compared_with
+    # three more traced in a slow spell: traced as the interval's prefill step, the five are
+    # the usual's and the spell's are not; with none of the usual's, all of them are
+    for s in prefill_steps[5:8]:
+        s[3] = PREFILL_GPU_S
+    for reason, counted in ((sc.TRACE_REASON_PREFILL, 5), (sc.TRACE_REASON_AFTER_TAIL, 8)):
+        sc_.reasons = {sc_.steps.index(s): reason for s in prefill_steps[:5]}
+        sc_.reasons.update({sc_.steps.index(s): sc.TRACE_REASON_SLOW_SPELL for s in prefill_steps[5:8]})
+        agg, _ = explained(sc_)
+        assert agg.timeline.usual()["gpu_token_steps"] == counted
 
 
 def test_host_stall_steps_slower_with_the_gpu_time_as_usual():

@@ -491,7 +491,7 @@ def test_a_prefill_step_is_probed_out_of_turn_when_none_was_for_the_interval(mon
         clock.now[0] = 100.0 + i * 0.01
         prefill = i % 4 == 0
         step = OpenStep(i, 1, 2, 0)
-        if not (gpu.next_step_plain and not (prefill and gpu.prefill_probe_due())):
+        if not (gpu.next_step_plain and not (prefill and gpu.prefill_due())):
             gpu.begin_step(step, prefill)
             if gpu.probing:
                 probed.append(i)
@@ -500,6 +500,44 @@ def test_a_prefill_step_is_probed_out_of_turn_when_none_was_for_the_interval(mon
     pipeline.shutdown()
     assert probed == [0, 8, 16, 24, 32]
     assert gpu.stats.prefill_probes == 5
+
+
+def test_a_prefill_step_gets_kernel_spans_when_none_did_for_the_interval(monkeypatch):
+    """Ratio 0 (no draws), steps 10 ms apart, every fourth one with prefill tokens, the
+    interval 0.25 s: the first prefill step and then the first one 0.25 s after the last
+    traced one get kernel spans, reason ``prefill_interval`` (usual samples for the
+    collector); in a slow spell the same turn is a spell's sample; decode-only steps never;
+    and with the interval 0, none."""
+    import sightline.instrumentation.gpu_telemetry as module
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+
+    def run(gpu, steps=100):
+        reasons = []
+        for i in range(steps):
+            clock.now[0] += 0.01
+            prefill = i % 4 == 0
+            step = OpenStep(i, 1, 2, 0)
+            if not (gpu.next_step_plain and not (prefill and gpu.prefill_due())):
+                gpu.begin_step(step, prefill)
+                gpu.end_step(step)
+                assert _wait(lambda: not gpu.closing)
+            reasons.append((step.attributes or {}).get(semconv.STEP_TRACE_REASON))
+            gpu.observe_step(step, 0.001, prefill)
+        return reasons
+
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.0, prefill_trace_interval_s=0.25)
+    reasons = run(gpu)
+    traced = [i for i, r in enumerate(reasons) if r]
+    assert traced == [0, 28, 56, 84], reasons   # 0.25 s after the last: the next fourth step
+    assert {reasons[i] for i in traced} == {semconv.TRACE_REASON_PREFILL}
+    assert gpu.stats.steps_traced_prefill == 4 and gpu.stats.steps_traced_sampled == 0
+    gpu._spell_until = clock.now[0] + 10.0   # a slow spell
+    assert set(filter(None, run(gpu))) == {semconv.TRACE_REASON_SLOW_SPELL}
+    pipeline.shutdown()
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.0, prefill_trace_interval_s=0.0)
+    assert not any(run(gpu))
+    pipeline.shutdown()
 
 
 def test_without_kernel_spans_tail_steps_and_samples_leave_the_next_steps_plain():
