@@ -204,6 +204,8 @@ def _per_step_us(before: dict, after: dict, steps: int) -> dict:
             "steps_traced": traced,
             # of them, traced in slow spells (a higher ratio after a decode step well over the median)
             "steps_traced_spell": after.get("steps_traced_spell", 0) - before.get("steps_traced_spell", 0),
+            # and the first with prefill tokens once none was traced for an interval
+            "steps_traced_prefill": after.get("steps_traced_prefill", 0) - before.get("steps_traced_prefill", 0),
             "probed_step": round(1e6 * probed_s / probed, 1) if probed > 0 else None,
             "plain_step": round(1e6 * (total - traced_s - probed_s) / plain, 2)}
 

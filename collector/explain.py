@@ -360,7 +360,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         # its decode steps that carried prefill tokens, or in which a prefill began. An engine
         # that schedules ahead begins a step inside the last, so their spans overlap: each
         # step's excess is the end of its span, and time already counted is not counted again
-        for step in sorted(steps, key=lambda s: s.record().start_time_unix_nano):
+        for step in sorted(steps, key=lambda s: s.start_time_unix_nano):
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
             step_start, step_end = record.start_time_unix_nano, record.end_time_unix_nano

@@ -41,16 +41,19 @@ def test_summary_pairs_bursts_by_round_and_counts_steps_over_twice_offs_median()
 
 def test_per_step_telemetry_time_splits_traced_probed_and_plain_steps():
     before = {"telemetry_engine_thread_s": 1.0, "telemetry_traced_steps_s": 0.5, "steps_traced": 10,
-              "steps_traced_spell": 2, "telemetry_probed_steps_s": 0.2, "steps_probed": 80}
+              "steps_traced_spell": 2, "steps_traced_prefill": 1, "telemetry_probed_steps_s": 0.2,
+              "steps_probed": 80}
     after = {"telemetry_engine_thread_s": 1.0 + 0.0098 + 0.004, "telemetry_traced_steps_s": 0.504,
-             "steps_traced": 20, "steps_traced_spell": 5, "telemetry_probed_steps_s": 0.2018,
+             "steps_traced": 20, "steps_traced_spell": 5, "steps_traced_prefill": 3,
+             "telemetry_probed_steps_s": 0.2018,
              "steps_probed": 160}
-    # 1,000 steps: 10 traced (4 ms: 400 µs each; 3 of them in slow spells), 990 untraced
+    # 1,000 steps: 10 traced (4 ms: 400 µs each; 3 of them in slow spells, 2 the interval's
+    # prefill steps), 990 untraced
     # (9.8 ms: ~9.9 µs each), of which 70 probed (80 probed less the 10 traced; 1.8 ms:
     # ~25.7 µs each), 920 plain (8 ms)
     assert _per_step_us(before, after, 1000) == {"untraced_step": 9.9, "traced_step": 400.0,
                                                  "steps_traced": 10, "steps_traced_spell": 3,
-                                                 "probed_step": 25.7, "plain_step": 8.7}
+                                                 "steps_traced_prefill": 2, "probed_step": 25.7, "plain_step": 8.7}
     old = {"telemetry_engine_thread_s": 0.0}   # an engine without the split: all untraced
     assert _per_step_us(old, {"telemetry_engine_thread_s": 0.01}, 1000)["traced_step"] is None
 
