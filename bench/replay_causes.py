@@ -36,7 +36,7 @@ NOW_NS = 1_800_000_000 * 10**9   # the replay's pinned clock (tests/deploy/test_
 PLANTED_CAUSE = {"sm_neighbour": sc.CAUSE_SM_CONTENTION, "hbm_hog": sc.CAUSE_DEVICE_CONTENTION,
                  "host_stall": sc.CAUSE_HOST_STALL, "priority_burst": sc.CAUSE_QUEUEING}
 EVIDENCE = ("engine_slowdown", "gpu_slowdown", "host_slowdown", "cta_slowdown", "traced_steps", "traced_near",
-            "steps", "idle_excess_s", "interference_s", "batch", "usual_batch")
+            "steps", "idle_excess_s", "interference_s", "batch", "usual_batch", "traced_slowdown")
 
 
 def _spread(values: list[float]) -> dict | None:

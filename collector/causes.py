@@ -87,6 +87,7 @@ class CauseEvidence:
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
     batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
     kv_blocks: float | None = None  # and their mean KV blocks in use
+    traced_slowdown: float | None = None  # its kernel-traced decode-only steps' own (WindowSteps)
 
 
 @dataclass
@@ -128,7 +129,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     usual_batch, usual_kv = e.usual.get("batch", 0.0), e.usual.get("kv_blocks", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
               "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
-              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv}
+              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
@@ -205,7 +206,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         # no traced step and no CTA figures (trace level below kernels, or no GPU): nothing to weigh
         blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
         why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
-               if blind else "neither the GPU's nor the host's evidence says why")
+               if blind else "neither the GPU's nor the host's evidence says why" + _missed(e))
         return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
@@ -277,6 +278,16 @@ def _distinct_flags(e: CauseEvidence) -> set[tuple[str, str, str]]:
 def _flagged(e: CauseEvidence) -> str:
     n = len(_distinct_flags(e))
     return "no SM flagged" if not n else f"{n} SM(s) flagged starved of {e.sm_count}, too few for that slowdown"
+
+
+def _missed(e: CauseEvidence) -> str:
+    """Where its kernel-traced decode steps ran well under its steps' slowdown (under half of
+    its excess), so that their GPU and host time could not say where the time went."""
+    traced, slowdown = e.traced_slowdown, e.engine_slowdown or 1.0
+    if traced is None or slowdown <= 1.0 or traced - 1.0 >= 0.5 * (slowdown - 1.0):
+        return ""
+    return (f": its kernel-traced decode steps ran {_x(traced)} the usual where its decode steps ran "
+            f"{_x(slowdown)}, so the traced ones missed the slowness")
 
 
 def _near(e: CauseEvidence) -> str:

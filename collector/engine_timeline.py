@@ -256,6 +256,9 @@ class WindowSteps:
     long_steps_s: float = 0.0
     batch: float | None = None  # its decode-only steps' mean batch (requests decoded)
     kv_blocks: float | None = None  # its decode-only steps' mean KV blocks in use
+    # its kernel-traced decode-only steps' own mean duration on the yardstick of ``slowdown``:
+    # far under it, the traced steps missed the slowness their GPU and host time would split
+    traced_slowdown: float | None = None
 
 
 class EngineTimeline:
@@ -391,7 +394,7 @@ class EngineTimeline:
         prefill, load = a["prefill"][idx], _load_s(u, a["decode"][idx], a["kv"][idx])
         expected = u["duration"] + u["duration_per_token"] * prefill + load
         duration = a["duration"][idx]
-        slowdown = None
+        slowdown = traced_slowdown = None
         if (expected > 0).all():
             # decode-only steps are the yardstick: a mixed step's cost beyond the line of
             # its tokens is others' prefill (prefill_interference), not the engine's slowness
@@ -399,6 +402,9 @@ class EngineTimeline:
             if plain.any() and u["decode_mean"] > 0:
                 usual_mean = u["decode_mean"] + float(load[plain].mean())
                 slowdown = float(duration[plain].mean() / usual_mean)
+                timed = plain & np.isfinite(a["gpu"][idx])
+                if timed.any():
+                    traced_slowdown = float(duration[timed].mean() / (u["decode_mean"] + float(load[timed].mean())))
             else:
                 slowdown = float(np.median(duration / expected))
         decoded = a["kind"][idx] == 0
@@ -428,7 +434,8 @@ class EngineTimeline:
                      "jit_compiles": int(a["compiles"][i]), "duration_s": float(a["duration"][i])}
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
-                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch, kv_blocks)
+                           max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch, kv_blocks,
+                           traced_slowdown)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
         """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,

@@ -551,6 +551,33 @@ def test_a_slower_engine_with_nothing_traced_says_what_is_not_known():
                                   "time are not known")
 
 
+def test_traced_steps_that_missed_the_slowness_are_said_to_have_missed_it():
+    """Steps 1.5x slower, but the kernel-traced ones (1 in 10) ran their usual time with their
+    usual GPU and host time (as an HBM hog's traced steps did on the H200): nothing in them says
+    where the time went, and the answer says they missed it. Traced steps that ran slow too
+    are no such case."""
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.0)
+    for s in sc_.between(38, 46):
+        if s[3] is not None:
+            s[1] = STEP_S
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_UNKNOWN, cause
+    assert cause.evidence["traced_slowdown"] == pytest.approx(1.0, abs=0.02)
+    assert cause.evidence["engine_slowdown"] == pytest.approx(0.9 * 1.5 + 0.1, rel=0.02)   # 1 in 10 usual
+    assert cause.summary.endswith(f"its kernel-traced decode steps ran {cause.evidence['traced_slowdown']:.2f}x "
+                                  f"the usual where its decode steps ran {cause.evidence['engine_slowdown']:.2f}x, "
+                                  "so the traced ones missed the slowness")
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.evidence["traced_slowdown"] == pytest.approx(1.5, rel=0.02)
+    assert "missed" not in one.cause.summary
+
+
 def surge(scenario: Scenario, extra: int, factor: float = 1.0) -> None:
     """``extra`` more requests decoded from T+37.5 to T+46.5; every prefill step traced, so that
     a token's GPU cost is known. Each step then costs what the requests beyond the usual
