@@ -502,6 +502,28 @@ def test_a_prefill_step_is_probed_out_of_turn_when_none_was_for_the_interval(mon
     assert gpu.stats.prefill_probes == 5
 
 
+def test_a_sample_owed_while_a_traced_step_closed_keeps_its_draws_reason():
+    """A sample drawn in a slow spell while the last traced step's CUPTI was still closing is
+    owed to the next step: that step is traced as the spell's sample (which the collector
+    leaves out of the usual step), not as a usual one."""
+    pipeline, gpu, _, _ = _pipeline_with_gpu(0.0, slow_sample_ratio=0.5)
+    gpu._gap_for, gpu._to_sample = semconv.TRACE_REASON_SLOW_SPELL, 1   # the spell's draw is next
+    gpu._closing = True   # as between a traced step's end and the worker's close
+    owed = OpenStep(0, 1, 2, 0)
+    gpu.begin_step(owed)
+    gpu.end_step(owed)
+    assert gpu._owed == 1 and not owed.attributes
+    gpu._closing = False
+    gpu._to_sample = 1000
+    paid = OpenStep(1, 1, 2, 0)
+    gpu.begin_step(paid)
+    gpu.end_step(paid)
+    assert _wait(lambda: not gpu.closing)
+    assert paid.attributes[semconv.STEP_TRACE_REASON] == semconv.TRACE_REASON_SLOW_SPELL
+    assert gpu._owed == 0 and gpu.stats.steps_traced_spell == 1 and gpu.stats.steps_traced_sampled == 0
+    pipeline.shutdown()
+
+
 def test_a_prefill_step_gets_kernel_spans_when_none_did_for_the_interval(monkeypatch):
     """Ratio 0 (no draws), steps 10 ms apart, every fourth one with prefill tokens, the
     interval 0.25 s: the first prefill step and then the first one 0.25 s after the last
