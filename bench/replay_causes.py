@@ -5,7 +5,8 @@ replayed into an in-process collector, clock pinned and slot-aligned as the demo
 capture tests replay it. Per planted interval (the whole capture where none is planted):
 the causes of its 10 slowest requests with their evidence, the count of the cause planted,
 and the traced decode steps inside and outside it by why they were traced, with their
-duration, GPU and host time (median, mean, P90): what the cause rules had to go on.
+duration, GPU and host time (median, mean, P90), and the decode steps by how many steps
+after the last traced one they began: what the cause rules had to go on.
 Guarantee: every figure is the collector's own reading (replay, engine timeline, explain).
 Cost: about 5 s per MB of capture on one core.
 
@@ -72,6 +73,38 @@ def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
     return out
 
 
+def steps_after_traced(aggregator: Aggregator, lo_ns: int, hi_ns: int, reach: int = 6) -> dict:
+    """Decode-only steps inside ``[lo_ns, hi_ns)`` and outside it by how many steps after the
+    last kernel-traced one they began (1 to ``reach``), traced or not: their count and median
+    duration in ms. Tracing's close falls a few steps after each traced step; a phase that
+    runs unlike the others makes the traced steps there a biased sample."""
+    facts = []
+    aggregator.store.read(lambda store: facts.extend(
+        step_facts(trace, step) for trace in store.traces() for step in trace.step_spans))
+    facts = sorted((f for f in facts if f.step_id is not None), key=lambda f: f.step_id)
+    if not facts:
+        return {}
+    traced = np.array([np.isfinite(f.gpu_s) for f in facts])
+    since, last = np.full(len(facts), -1), None
+    for j, f in enumerate(facts):
+        since[j] = f.step_id - last if last is not None else -1
+        last = f.step_id if traced[j] else last
+    decode = np.array([f.kind == 0 for f in facts])
+    start = np.array([f.start_ns for f in facts])
+    duration = np.array([(f.end_ns - f.start_ns) / 1e6 for f in facts])
+    out: dict = {}
+    for where, inside in (("inside", True), ("outside", False)):
+        here = decode & (((start >= lo_ns) & (start < hi_ns)) == inside)
+        for k in range(1, reach + 1):
+            row = {}
+            for name, pick in (("untraced", ~traced), ("traced", traced)):
+                chosen = duration[here & (since == k) & pick]
+                row[name] = {"steps": int(chosen.size),
+                             "duration_ms": round(float(np.median(chosen)), 2) if chosen.size else None}
+            out.setdefault(where, {})[str(k)] = row
+    return out
+
+
 def replayed(capture: Path) -> tuple[Aggregator, object, list]:
     """``capture`` replayed into an in-process collector on the pinned clock, slot-aligned:
     the aggregator, the replay's result (its time map) and the planted intervals (none: [])."""
@@ -100,7 +133,8 @@ def analyse(capture: Path) -> dict:
             "planted_cause_in_10_slowest": causes.count(PLANTED_CAUSE[kind]) if kind in PLANTED_CAUSE else None,
             "slowest": [{"cause": r.cause.name, **{k: r.cause.evidence[k] for k in EVIDENCE if k in r.cause.evidence}}
                         for r in explained.requests],
-            "decode_steps": traced_decode_steps(aggregator, lo_ns, hi_ns) if interval is not None else None})
+            "decode_steps": traced_decode_steps(aggregator, lo_ns, hi_ns) if interval is not None else None,
+            "after_traced": steps_after_traced(aggregator, lo_ns, hi_ns) if interval is not None else None})
     return out
 
 
