@@ -75,9 +75,11 @@ def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
 
 def steps_after_traced(aggregator: Aggregator, lo_ns: int, hi_ns: int, reach: int = 6) -> dict:
     """Decode-only steps inside ``[lo_ns, hi_ns)`` and outside it by how many steps after the
-    last kernel-traced one they began (1 to ``reach``), traced or not: their count and median
-    duration in ms. Tracing's close falls a few steps after each traced step; a phase that
-    runs unlike the others makes the traced steps there a biased sample."""
+    last kernel-traced one they began (1 to ``reach``), traced or not: their count, median
+    duration and median time from the previous step's start (where that step is the one
+    before it) in ms. Tracing's close falls a few steps after each traced step: a step
+    launched late there shows what the close cost the engine, and a phase that runs unlike
+    the others makes the traced steps there a biased sample."""
     facts = []
     aggregator.store.read(lambda store: facts.extend(
         step_facts(trace, step) for trace in store.traces() for step in trace.step_spans))
@@ -92,15 +94,21 @@ def steps_after_traced(aggregator: Aggregator, lo_ns: int, hi_ns: int, reach: in
     decode = np.array([f.kind == 0 for f in facts])
     start = np.array([f.start_ns for f in facts])
     duration = np.array([(f.end_ns - f.start_ns) / 1e6 for f in facts])
+    ids = np.array([f.step_id for f in facts])
+    # from the previous step's start, where the previous step is the one before it
+    after_previous = np.r_[np.nan, np.where(np.diff(ids) == 1, np.diff(start) / 1e6, np.nan)]
     out: dict = {}
     for where, inside in (("inside", True), ("outside", False)):
         here = decode & (((start >= lo_ns) & (start < hi_ns)) == inside)
         for k in range(1, reach + 1):
             row = {}
             for name, pick in (("untraced", ~traced), ("traced", traced)):
-                chosen = duration[here & (since == k) & pick]
+                rows = here & (since == k) & pick
+                chosen, gaps = duration[rows], after_previous[rows]
+                gaps = gaps[np.isfinite(gaps)]
                 row[name] = {"steps": int(chosen.size),
-                             "duration_ms": round(float(np.median(chosen)), 2) if chosen.size else None}
+                             "duration_ms": round(float(np.median(chosen)), 2) if chosen.size else None,
+                             "after_previous_ms": round(float(np.median(gaps)), 2) if gaps.size else None}
             out.setdefault(where, {})[str(k)] = row
     return out
 
