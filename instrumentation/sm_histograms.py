@@ -25,6 +25,7 @@ import torch
 
 from .config_checks import check_range
 from .exphist import ExpHistogram
+from .host_copy import to_device, to_host
 from .semconv import WIDE_LAUNCH_WAVES
 from .sm_probe import RECORD_WORDS, SmExemplar
 
@@ -144,9 +145,7 @@ class DeviceCtaHistograms:
         # per launch on the host (a few hundred numbers), expanded per CTA on the device:
         # expanding millions of CTAs on the host would cost the worker's CPU and the GIL
         starts = np.cumsum([0] + counts[:-1]).tolist()   # each launch's first record
-        per_launch = torch.tensor([kidx, step_local, starts, counts, wide], dtype=torch.int64)
-        if self.device.type == "cuda":
-            per_launch = per_launch.pin_memory().to(self.device, non_blocking=True)
+        per_launch = to_device([kidx, step_local, starts, counts, wide], torch.int64, self.device)
         per_cta = torch.repeat_interleave(per_launch, per_launch[3], dim=1, output_size=n)
         kernel, local = per_cta[0], per_cta[1]
         sm = rec[:, 0]
@@ -199,9 +198,8 @@ class DeviceCtaHistograms:
         """Per (gpu, kernel) since the last call, of the CTAs that ran (``take``'s counts):
         (those of wide launches, all), wide meaning at least ``WIDE_LAUNCH_WAVES`` times as
         many CTAs as the GPU has SMs, or at most as many of a kernel in ``rotating`` (its
-        work lands on other SMs at each launch). Syncs the current stream."""
-        wide = self.wide_ran.to("cpu", copy=True).numpy()
-        total = self.all_ran.to("cpu", copy=True).numpy()
+        work lands on other SMs at each launch). Waits for the current stream (``to_host``)."""
+        wide, total = to_host(self.wide_ran, self.all_ran)
         self.wide_ran.zero_()
         self.all_ran.zero_()
         with self._lock:
@@ -211,10 +209,10 @@ class DeviceCtaHistograms:
     def take_dealt(self) -> dict[tuple[int, int, str], int] | None:
         """Per (gpu, SM, kernel) since the last call: the CTAs that ran, counted on the SM
         the dispatch deal gives them (the same CTAs as ``take``'s counts, kernel by
-        kernel); None while no deal is set. Syncs the current stream."""
+        kernel); None while no deal is set. Waits for the current stream (``to_host``)."""
         if self._deal is None:
             return None
-        dealt = self.dealt.to("cpu", copy=True).numpy()
+        (dealt,) = to_host(self.dealt)
         self.dealt.zero_()
         with self._lock:
             names = list(self._name_list)
@@ -227,15 +225,13 @@ class DeviceCtaHistograms:
     def take(self) -> tuple[dict[tuple[int, int, str], ExpHistogram],
                             dict[tuple[int, int, str], SmExemplar]]:
         """Everything since the last take (delta), as host objects; resets the device state.
-        Syncs the current stream (call it from the telemetry worker, off the request path)."""
-        def host(t: torch.Tensor) -> np.ndarray:
-            return t.to("cpu", copy=True).numpy()   # a copy even for CPU tensors (reset below)
-        table = host(self.table.view(self.rows, self.nb))
-        zeros, count = host(self.zeros), host(self.count)
-        total = host(self.sum)
-        low, high = host(self.min_ns) * 1e-9, host(self.max_ns) * 1e-9
-        best, best_seq = host(self.best), host(self.best_seq)
-        self.clamped_total += int(self.clamped.item())
+        Waits for the current stream (``to_host``; call it from the telemetry worker)."""
+        # copies even of CPU tensors (reset below), all in one wait
+        table, zeros, count, total, low, high, best, best_seq, clamped = to_host(
+            self.table.view(self.rows, self.nb), self.zeros, self.count, self.sum, self.min_ns, self.max_ns,
+            self.best, self.best_seq, self.clamped)
+        low, high = low * 1e-9, high * 1e-9
+        self.clamped_total += int(clamped)
         for t in (self.table, self.zeros, self.count, self.sum, self.best_seq, self.clamped):
             t.zero_()
         self.min_ns.fill_(_NO_MIN)

@@ -24,6 +24,7 @@ import numpy as np
 
 from .config_checks import check_range
 from .exphist import ExpHistogram, bucket_indices
+from .host_copy import to_device, to_host
 from .probe_snapshots import SnapshotRing
 
 __all__ = [
@@ -175,36 +176,42 @@ def launch_facts_of_records(records, launches: list[tuple[str, int]]) -> list[La
     """Per-launch facts of ``records`` (a torch tensor, [n * 3] int64 in launch order, as the
     probe writes them; SM id -1: a CTA that exited without work, left out) where they lie: on
     the GPU the reduction runs on the current stream and 8 int64 per launch come back, not 24
-    bytes per CTA (a large batch's decode attention runs a CTA per split, KV head and request).
-    Cost: one stable sort of the CTAs, a few linear passes and two small copies to the host."""
+    bytes per CTA (a large batch's decode attention runs a CTA per split, KV head and request),
+    with no copy that waits on the stream but the last (``host_copy``): no boolean mask, no
+    scalar read back. Cost: one stable sort of the CTAs, a few linear passes, two small copies."""
     import torch
-    n_launch = len(launches)
+    n_launch, total = len(launches), sum(n for _, n in launches)
     if n_launch == 0:
         return []
-    rec = records.view(-1, RECORD_WORDS)
-    device = rec.device
-    grid = torch.tensor([n for _, n in launches], dtype=torch.int64, device=device)
-    li = torch.repeat_interleave(torch.arange(n_launch, dtype=torch.int64, device=device), grid,
-                                 output_size=sum(n for _, n in launches))
-    keep = rec[:, 0] >= 0
-    li, rec = li[keep], rec[keep]
-    sm, start, end = rec[:, 0], rec[:, 1], rec[:, 2]
-    dur = end - start
-    counts = torch.bincount(li, minlength=n_launch)
-    if not int(counts.sum()):
+    if total == 0:
         return [LaunchFacts(name, 0, 0, 0, -1, 0.0, 0.0, 0.0, 0, 0) for name, _ in launches]
-    per_sm = torch.bincount(li * _SM_STRIDE + sm, minlength=n_launch * _SM_STRIDE).view(n_launch, _SM_STRIDE)
+    rec = records.view(-1, RECORD_WORDS)[:total]
+    device = rec.device
+    grid = to_device([n for _, n in launches], torch.int64, device)
+    li = torch.repeat_interleave(torch.arange(n_launch, dtype=torch.int64, device=device), grid,
+                                 output_size=total)
+    sm, start, end = rec[:, 0], rec[:, 1], rec[:, 2]
+    kept = sm >= 0
+    counts = torch.zeros(n_launch, dtype=torch.int64, device=device).index_add_(0, li, kept.to(torch.int64))
+    # idle CTAs count on a spare SM column, and sort first in their launch (duration -1)
+    stride = _SM_STRIDE + 1
+    per_sm = torch.bincount(li * stride + torch.where(kept, sm, _SM_STRIDE),
+                            minlength=n_launch * stride).view(n_launch, stride)[:, :_SM_STRIDE]
+    dur = torch.where(kept, end - start, -1)
     # launches are contiguous, so one sort by (launch, duration) orders every segment
-    order = torch.sort(li * (1 << 40) + dur.clamp(0, (1 << 40) - 1), stable=True).indices
-    ends = counts.cumsum(0)
-    last = order[(ends - 1).clamp(min=0)]
-    median = order[(ends - counts + (counts - 1) // 2).clamp(min=0)]
-    first = torch.zeros(n_launch, dtype=torch.int64, device=device).scatter_reduce(0, li, start, "amin",
-                                                                                   include_self=False)
-    final = torch.zeros(n_launch, dtype=torch.int64, device=device).scatter_reduce(0, li, end, "amax",
-                                                                                   include_self=False)
-    table = torch.stack([counts, (per_sm > 0).sum(1), per_sm.amax(1), sm[last], dur[last], dur[median],
-                         first, final], 1).cpu().tolist()
+    order = torch.sort(li * (1 << 40) + (dur + 1).clamp(0, (1 << 40) - 1), stable=True).indices
+    ends = grid.cumsum(0)
+    idle = grid - counts
+    last = order[(ends - 1).clamp(0, total - 1)]
+    median = order[(ends - grid + idle + (counts - 1) // 2).clamp(0, total - 1)]
+    never = torch.iinfo(torch.int64).max
+    first = torch.full((n_launch,), never, dtype=torch.int64, device=device).scatter_reduce(
+        0, li, torch.where(kept, start, never), "amin")
+    final = torch.full((n_launch,), -1, dtype=torch.int64, device=device).scatter_reduce(
+        0, li, torch.where(kept, end, -1), "amax")
+    (table,) = to_host(torch.stack([counts, (per_sm > 0).sum(1), per_sm.amax(1), sm[last], dur[last],
+                                    dur[median], first, final], 1))
+    table = table.tolist()
     out = []
     for (name, _), (n, sms_used, waves, slowest_sm, mx, md, first_ns, end_ns) in zip(launches, table):
         if n == 0:
@@ -429,7 +436,7 @@ class PendingCtas:
         it in flight on another stream passes False and retires it after them."""
         if self._batch is None:
             gpu_id, fake, trace_id, span_id = self._meta
-            records = self.snapshot.cpu().numpy()
+            (records,) = to_host(self.snapshot)
             if retire:
                 self.retire()
             self._batch = CtaBatch.from_records(records, self.launches, gpu_id=gpu_id,

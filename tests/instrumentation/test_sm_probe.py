@@ -86,6 +86,29 @@ def test_launch_facts_of_raw_records_match_the_batch_s(seed):
     assert [f.ctas for f in launch_facts_of_records(torch.from_numpy(idle.reshape(-1).copy()), launches)] == [0] * 3
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_raw_records_with_empty_launches_and_idle_ctas_match_the_loop(seed):
+    """Launches with no CTAs first and between others, idle CTAs everywhere: the reduction,
+    which reads back nothing but its table, equals the per-CTA loop launch by launch."""
+    import torch
+
+    launches = [("empty", 0), ("sightline_fa2_prefill", 700), ("none", 0), ("gemm", 3),
+                ("sightline_paged_decode", 250)]
+    records = _synthetic(seed, launches, idle_every=2 + seed)
+    facts = launch_facts_of_records(torch.from_numpy(records.reshape(-1).copy()), launches)
+    assert [f.kernel_name for f in facts] == [name for name, _ in launches]
+    assert facts[0] == LaunchFacts("empty", 0, 0, 0, -1, 0.0, 0.0, 0.0, 0, 0) and facts[2].ctas == 0
+    ran = [(name, n) for name, n in launches if n]
+    for f, e in zip([f for f in facts if f.kernel_name in dict(ran)], _facts_by_loop(records, ran)):
+        if not e["ctas"]:
+            assert f.ctas == 0
+            continue
+        assert (f.ctas, f.sms_used, f.waves, f.start_ns, f.end_ns) == (
+            e["ctas"], e["sms_used"], e["waves"], e["start_ns"], e["end_ns"])
+        assert f.max_cta_s == pytest.approx(e["max_cta_s"], rel=1e-12)
+        assert f.median_cta_s == pytest.approx(e["median_cta_s"], rel=1e-12)
+
+
 def test_launch_facts_small_exact():
     # two launches; durations 10,20,30 on SMs 5,5,9 and 7 on SM 1
     records = np.array([[5, 100, 110], [5, 110, 130], [9, 100, 130], [1, 200, 207]])
