@@ -66,7 +66,7 @@ for p in "$@"; do
     case $p in
     tests) part "gpu-tests-$commit" "${TESTS_LIMIT_S:-150}" python3 -m pytest -q -m gpu \
         tests/engine/test_kernels.py tests/instrumentation/test_sm_probe.py tests/instrumentation/test_dispatch_order.py \
-        tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py \
+        tests/instrumentation/test_cupti.py tests/instrumentation/test_nvml.py tests/instrumentation/test_host_copy.py \
         tests/engine/test_metrics.py tests/engine/test_async_scheduling.py \
         tests/engine/test_telemetry_process.py ;;
     probe) part "probe-$commit" 120 python3 -m bench.kernels --only probe --out "$RESULTS_DIR" ;;
