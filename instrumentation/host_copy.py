@@ -3,9 +3,9 @@
 :func:`to_host` copies tensors to the host as numpy arrays. From a GPU it copies into pinned
 memory without blocking, on the current stream, and then waits on an event with the GIL let
 go. A copy into pageable memory (``tensor.cpu()``, ``.item()``, ``.tolist()``, a boolean
-mask's size) instead holds a driver lock that every other thread's kernel launch needs until
-the stream reaches the copy: the worker's stream waits on the engine's, so the engine's next
-launch would wait for every step in flight (recorded runs: bench/results/replay_causes-*).
+mask's size) can instead hold up other threads' kernel launches until the stream reaches the
+copy: the worker's stream waits on the engine's, so the engine's next launch would wait for
+every step in flight (the recorded runs' late steps: bench/results/replay_causes-*).
 Guarantee: the arrays are the tensors' values once the current stream's work before the call
 is done, and they own their memory. Cost: one event and a host copy of the bytes; on the CPU,
 a plain copy.
