@@ -880,3 +880,27 @@ def test_the_usual_is_where_most_values_lie_not_pulled_by_a_slow_minority():
     assert np.median(values) > 10.8 and 10.4 <= usual_value(values) <= 10.5
     assert usual_value(np.array([10.0] * 51 + [20.0] * 49)) == 10.0
     assert np.isnan(usual_value(np.array([np.nan]))) and usual_value(np.array([]), 0.0) == 0.0
+
+
+def test_replay_causes_sorts_decode_steps_by_how_far_after_a_traced_one_they_began():
+    """bench/replay_causes.py on the hand-built engine minute (``Scenario``):
+    1 step in 10 kernel-traced, and the third step after each one launched 6 ms late and 10 ms
+    long where the others take 18: the breakdown puts 10 ms at 3 steps after, 18 ms elsewhere,
+    counts each step once, and says when each began after the last one."""
+    from bench.replay_causes import steps_after_traced
+
+    sc_ = Scenario()
+    for n, s in enumerate(sc_.steps):
+        if n % 10 == 3 and not s[2]:   # launched 6 ms late, it waits 6 ms less for the GPU
+            s[0], s[1] = s[0] + 0.006, 0.010
+    agg = make_aggregator()
+    sc_.send(agg)
+    inside = steps_after_traced(agg, 0, int((T + 100) * 1e9))["inside"]
+    decode = [n for n, s in enumerate(sc_.steps) if not s[2]]
+    for k in range(1, 7):
+        row = inside[str(k)]
+        assert row["untraced"]["steps"] == sum(1 for n in decode if n % 10 == k)
+        assert row["traced"]["steps"] == 0
+        assert row["untraced"]["duration_ms"] == pytest.approx(10.0 if k == 3 else STEP_S * 1e3)
+        usual = (STEP_S + GAP_S) * 1e3
+        assert row["untraced"]["after_previous_ms"] == pytest.approx({3: usual + 6, 4: usual - 6}.get(k, usual))
