@@ -277,7 +277,8 @@ def _distinct_flags(e: CauseEvidence) -> set[tuple[str, str, str]]:
 
 def _flagged(e: CauseEvidence) -> str:
     n = len(_distinct_flags(e))
-    return "no SM flagged" if not n else f"{n} SM(s) flagged starved of {e.sm_count}, too few for that slowdown"
+    return "no SM flagged" if not n else (f"{n} SM(s) flagged starved of {e.sm_count}, explaining less of that "
+                                          "slowdown than every SM's CTAs or too little of it")
 
 
 def _missed(e: CauseEvidence) -> str:

@@ -784,7 +784,8 @@ def test_the_rules_order_and_config_checks():
     device = CauseEvidence(**{**stalled.__dict__, "idle_excess_s": 0.0, "host_slowdown": 1.0, "gpu_slowdown": 1.6,
                               "contended_sms": few, "sm_count": 132})
     assert classify(device).name == sc.CAUSE_DEVICE_CONTENTION
-    assert "8 SM(s) flagged starved of 132, too few" in classify(device).summary
+    assert "8 SM(s) flagged starved of 132, explaining less of that slowdown than every SM's CTAs or too " \
+           "little of it" in classify(device).summary
     # slow SMs hold their kernel up by their CTAs' own slowdown: no bound from their number
     slow = [{**f, "reasons": ["slow"]} for f in few]
     assert classify(CauseEvidence(**{**device.__dict__, "contended_sms": slow})).name == sc.CAUSE_SM_CONTENTION
