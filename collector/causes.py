@@ -10,7 +10,7 @@ or far-too-long steps >= ``idle_share`` of e2e): ``host_stall`` when host eviden
 time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
 GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched
 steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
-(``sm_score`` if the GPU was slower; not a few starved ones alone); ``device_contention`` when the
+(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the
 GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4.
 ``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e."""
 
