@@ -195,8 +195,9 @@ def launch_facts_of_records(records, launches: list[tuple[str, int]]) -> list[La
     counts = torch.zeros(n_launch, dtype=torch.int64, device=device).index_add_(0, li, kept.to(torch.int64))
     # idle CTAs count on a spare SM column, and sort first in their launch (duration -1)
     stride = _SM_STRIDE + 1
-    per_sm = torch.bincount(li * stride + torch.where(kept, sm, _SM_STRIDE),
-                            minlength=n_launch * stride).view(n_launch, stride)[:, :_SM_STRIDE]
+    # (index_add_, not bincount: on a GPU bincount reads its input's maximum back to the host)
+    per_sm = torch.zeros(n_launch * stride, dtype=torch.int64, device=device).index_add_(
+        0, li * stride + torch.where(kept, sm, _SM_STRIDE), torch.ones_like(li)).view(n_launch, stride)[:, :_SM_STRIDE]
     dur = torch.where(kept, end - start, -1)
     # launches are contiguous, so one sort by (launch, duration) orders every segment
     order = torch.sort(li * (1 << 40) + (dur + 1).clamp(0, (1 << 40) - 1), stable=True).indices
