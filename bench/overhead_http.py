@@ -253,6 +253,32 @@ def summarize(levels: list[str], bursts: list[dict], steps: dict[str, list[float
     return summary
 
 
+def after_traced(durations: list[float], traced: list[int], reach: int = 6) -> dict | None:
+    """What a traced step cost the loop around it: the mean loop time (ms) of the traced steps
+    and of the steps 1 to ``reach`` after one, beside the steps farther from any (the usual),
+    and the excess summed over them (ms per traced step; offsets count from the latest
+    traced step). A stall that a trace's close puts on a later launch shows there."""
+    if len(traced) != len(durations) or not any(traced):
+        return None
+    since = []
+    last = None
+    for i, t in enumerate(traced):
+        since.append(i - last if last is not None else None)
+        last = i if t else last
+    far = [d for d, k, t in zip(durations, since, traced) if not t and (k is None or k > reach)]
+    if not far:
+        return None
+    usual = statistics.fmean(far)
+    by_offset = {}
+    for k in range(reach + 1):
+        chosen = [d for d, s, t in zip(durations, since, traced) if (t if k == 0 else (not t and s == k))]
+        if chosen:
+            by_offset[str(k)] = round(1000 * statistics.fmean(chosen), 3)
+    excess = sum(ms - 1000 * usual for ms in by_offset.values())
+    return {"usual_ms": round(1000 * usual, 3), "mean_ms": by_offset, "excess_ms_per_traced": round(excess, 3),
+            "traced": sum(traced)}
+
+
 def slow_decode_steps(durations: list[float], tokens: list[list[int]], factor: float = 1.5) -> dict:
     """What a slow spell reads: decode-only steps over ``factor`` x the median decode-only
     step, how many, their median batch beside all decode-only steps', and the steps just
@@ -278,8 +304,9 @@ def format_table(summary: dict) -> str:
              "| API servers CPU s / 1k tok | telemetry CPU s / 1k tok | engine thread in telemetry "
              "| µs / untraced step | µs / plain, probed step | µs / traced step "
              "| slow spells (steps traced in them; slow-step rate, limit per window) "
+             "| loop ms a traced step and the 6 after it cost beyond the usual "
              "| CTAs probed / loop s | failed | dropped | held | orphaned |",
-             "|---" * 20 + "|"]
+             "|---" * 21 + "|"]
     for level, s in summary.items():
         lo, hi = s["ratio_vs_off_paired_range"] or (1.0, 1.0)
         us = s.get("engine_thread_telemetry_us") or {}
@@ -293,6 +320,7 @@ def format_table(summary: dict) -> str:
             f"{us.get('untraced_step')} | {us.get('plain_step')}, {us.get('probed_step')} | "
             f"{us.get('traced_step')} | {s.get('slow_spells', 0)} ({us.get('steps_traced_spell', 0)}; "
             f"{_rate(s.get('slow_step_rate'))}, {s.get('slow_spell_limit', '-')}) | "
+            f"{(s.get('after_traced') or {}).get('excess_ms_per_traced', '-')} | "
             f"{s.get('ctas_probed_per_loop_s', 0):,} | {s['failed']} | "
             f"{s['telemetry_dropped']:.0f} | {s.get('telemetry_held', 0):.0f} | "
             f"{s.get('telemetry_orphaned', 0):.0f} |")
@@ -333,6 +361,7 @@ def measure(args, levels: list[str], engines: dict, core_pids: list[int], concur
         # what the spell rule had learned by the end: its rate of slow steps and its limit
         s["slow_step_rate"], s["slow_spell_limit"] = a.get("slow_step_rate"), a.get("slow_spell_limit")
         s["slow_decode_steps"] = slow_decode_steps(steps[level], tokens[level])
+        s["after_traced"] = after_traced(steps[level], after[level].get("traced", [])[len(before[level].get("traced", [])):])
         s["gpu_worker_cpu_s_per_1k_tokens"] = 1000 * (
             a["gpu_telemetry_worker_cpu_s"] - b["gpu_telemetry_worker_cpu_s"]) / max(
             sum(x["output_tokens"] for x in bursts if x["level"] == level), 1)

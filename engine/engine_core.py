@@ -198,6 +198,7 @@ class EngineCore:
         self.step_durations_s: deque[float] = deque(maxlen=1 << 16)   # recent steps' wall times
         # beside each: its prefill and decode tokens (what made a slow step slow)
         self.step_tokens: deque[tuple[int, int]] = deque(maxlen=1 << 16)
+        self.step_traced: deque[bool] = deque(maxlen=1 << 16)   # ... and whether its kernels were traced
         # the loop's time in all, and the part of it spent recording telemetry (GpuTelemetry's
         # begin/end_step count theirs in gpu_telemetry.stats.engine_thread_s)
         self.loop_s = 0.0
@@ -483,6 +484,8 @@ class EngineCore:
         self._close_step(plan, step, launched.run.execution, prefill_done, None, duration, done_s)
         self.step_durations_s.append(duration)
         self.step_tokens.append((plan.num_prefill_tokens, plan.num_decode_tokens))
+        self.step_traced.append(bool(step is not None and step.attributes
+                                     and sc.STEP_TRACE_REASON in step.attributes))
         self.loop_s += duration
         self._completed = (plan, duration, len(sampled))
 
@@ -546,13 +549,14 @@ class EngineCore:
 
     # ---- reading ---------------------------------------------------------------------------
     def debug_steps(self) -> dict:
-        """The wall times of recent steps, oldest first, with their [prefill, decode] tokens,
-        and the loop's total time beside the part of it spent recording telemetry (GPU
-        telemetry's figures when it runs)."""
+        """The wall times of recent steps, oldest first, with their [prefill, decode] tokens and
+        whether their kernels were traced, and the loop's total time beside the part of it
+        spent recording telemetry (GPU telemetry's figures when it runs)."""
         gpu = self.gpu_telemetry
         stats = gpu.stats if gpu is not None else None
         return {
             "durations_s": list(self.step_durations_s), "tokens": [list(t) for t in self.step_tokens],
+            "traced": [int(t) for t in self.step_traced],
             "loop_s": self.loop_s,
             "telemetry_engine_thread_s": self.telemetry_thread_s
             + (stats.engine_thread_s if stats is not None else 0.0),

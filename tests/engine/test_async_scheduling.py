@@ -288,6 +288,7 @@ def test_every_step_joins_the_tail_window():
     assert prefills == [p > 0 for p, _ in engine.core.step_tokens] and 0 < sum(prefills) < len(prefills)
     assert max(observed) >= 0.3 and gpu.stats.tail_steps >= 1   # (a prefill may be one too)
     assert observed == steps
+    assert engine.core.debug_steps()["traced"] == [0] * len(steps)   # no CUPTI here: none traced
 
 # -- on a GPU -------------------------------------------------------------------------------------
 
@@ -370,6 +371,9 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
         assert step.start_time <= span.start_time <= span.end_time <= step.end_time, span.name
     traced = {i for i, s in steps.items() if semconv.STEP_TRACE_REASON in (s.attributes or {})}
     assert traced == {span.parent.span_id for span in kernels}
+    # the core's recent steps say which were traced (bench.overhead_http's after_traced)
+    debug = engine.core.debug_steps()
+    assert sum(debug["traced"]) == len(traced) and len(debug["traced"]) == len(debug["durations_s"])
     # each traced step says when the engine began waiting for it, inside its span
     assert all(steps[i].start_time < steps[i].attributes[semconv.STEP_WAIT_START_NS] <= steps[i].end_time
                for i in traced)

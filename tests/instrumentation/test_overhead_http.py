@@ -81,3 +81,19 @@ def test_slow_decode_steps_counts_decode_only_steps_over_the_limit_with_their_ba
     assert slow_decode_steps(durations, tokens) == {"decode_only": 5, "over_limit": 2, "median_batch": 4,
                                                     "median_batch_over_limit": 12.0, "after_prefill": 1}
     assert slow_decode_steps([0.02], [[64, 0]]) == {"decode_only": 0}
+
+
+def test_after_traced_finds_what_a_trace_cost_the_steps_after_it():
+    """Steps of 1 ms, every 20th traced (3 ms) and the third after each 6 ms: the usual is
+    1 ms, the traced step 3 and the third after it 6, so each traced step cost 7 ms."""
+    from bench.overhead_http import after_traced
+
+    durations, traced = [], []
+    for i in range(400):
+        traced.append(int(i % 20 == 5))
+        durations.append(0.003 if i % 20 == 5 else 0.006 if i % 20 == 8 else 0.001)
+    out = after_traced(durations, traced)
+    assert out["usual_ms"] == pytest.approx(1.0) and out["traced"] == 20
+    assert out["mean_ms"] == {"0": 3.0, "1": 1.0, "2": 1.0, "3": 6.0, "4": 1.0, "5": 1.0, "6": 1.0}
+    assert out["excess_ms_per_traced"] == pytest.approx(7.0)
+    assert after_traced(durations, [0] * 400) is None and after_traced(durations, traced[:10]) is None
