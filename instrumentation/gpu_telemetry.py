@@ -87,8 +87,7 @@ class GpuTelemetryConfig:
     probe_prefill_interval_s: float = 1.0
     # and a step with prefill tokens gets kernel spans when none did for this long (0: only
     # its draw): the collector's usual GPU cost per prefill token rests on traced prefill
-    # steps, and the usual ratio alone leaves a short capture a handful of them
-    # (bench/results/replay_causes-*)
+    # steps, and the usual ratio alone leaves a short capture only a handful of them
     prefill_trace_interval_s: float = 2.0
     probe_batch_steps: int = 32         # steps whose probe records are reduced together
     export_interval_s: float = _USER_DEFAULTS["metric_export_interval_s"]
