@@ -474,9 +474,9 @@ class GpuTelemetry:
                     self._follow -= 1
                     reason = semconv.TRACE_REASON_AFTER_TAIL
                 elif drew or self._owed:   # every step draws once: the ratio holds
-                    # an owed sample keeps its draw's reason (every draw since the last
-                    # traced step was owed, so the last drawn is one of them): one drawn in
-                    # a slow spell is no usual sample for the collector
+                    # an owed sample takes the latest draw's reason (its own, unless a
+                    # later draw was traced first): one drawn in a slow spell is no usual
+                    # sample for the collector
                     self._owed -= not drew
                     reason = self._drawn_for
                 elif prefill and self._prefill_trace_due():
