@@ -355,6 +355,11 @@ def measure(args, levels: list[str], engines: dict, core_pids: list[int], concur
         s["gpu_worker_phase_cpu_s"] = {   # over all the bursts
             phase: cpu_s - b["gpu_telemetry_worker_phases_cpu_s"].get(phase, 0.0)
             for phase, cpu_s in a.get("gpu_telemetry_worker_phases_cpu_s", {}).items()}
+        # the worker's wall time per traced step's close, by call (ms)
+        traced_n = max(s["engine_thread_telemetry_us"].get("steps_traced") or 0, 1)
+        s["gpu_worker_close_ms_per_traced"] = {
+            call: round(1000 * (wall_s - b.get("gpu_telemetry_worker_close_wall_s", {}).get(call, 0.0)) / traced_n, 3)
+            for call, wall_s in a.get("gpu_telemetry_worker_close_wall_s", {}).items()}
         # what the per-SM histograms got: CTAs of probed steps per second of the engine loop
         s["ctas_probed_per_loop_s"] = round((a.get("ctas_probed", 0) - b.get("ctas_probed", 0)) / loop_s)
         s["slow_spells"] = a.get("slow_spells", 0) - b.get("slow_spells", 0)

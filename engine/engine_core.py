@@ -577,7 +577,9 @@ class EngineCore:
             "ctas_probed": stats.ctas_probed if stats is not None else 0,   # fed the histograms
             "gpu_telemetry_worker_cpu_s": stats.worker_cpu_s if stats is not None else 0.0,
             "gpu_telemetry_worker_phases_cpu_s":
-                stats.worker_phases_cpu_s() if stats is not None else {}}
+                stats.worker_phases_cpu_s() if stats is not None else {},
+            # the worker's wall time closing traced steps, by call (summed)
+            "gpu_telemetry_worker_close_wall_s": stats.worker_close_wall_s() if stats is not None else {}}
 
     def utility(self, method: str, argument: str = "") -> dict:
         """A ``UtilityCall``'s answer: ``debug_steps``, ``kv_blocks``, ``startup_report`` or

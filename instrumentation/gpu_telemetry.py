@@ -226,11 +226,22 @@ class GpuTelemetryStats:
     worker_close_cpu_s: float = 0.0   # closing traced steps (CUPTI flush, kinds off)
     worker_reduce_cpu_s: float = 0.0  # enqueuing the probe records' histogram reductions
     worker_step_ctas_cpu_s: float = 0.0  # reading traced steps' probe records to the host
+    # wall time of a traced step's close on the worker, by call: CUPTI's forced flush, the
+    # kinds switched off, and its launch facts read back. Each may hold up the engine's next
+    # launch (bench.overhead_http's after_traced shows whether one did)
+    worker_flush_wall_s: float = 0.0
+    worker_kinds_off_wall_s: float = 0.0
+    worker_step_ctas_wall_s: float = 0.0
 
     def worker_phases_cpu_s(self) -> dict[str, float]:
         """The worker's CPU seconds by phase (a part of ``worker_cpu_s``)."""
         return {"close": self.worker_close_cpu_s, "reduce": self.worker_reduce_cpu_s,
                 "step_ctas": self.worker_step_ctas_cpu_s}
+
+    def worker_close_wall_s(self) -> dict[str, float]:
+        """The worker's wall seconds in a traced step's close, by call."""
+        return {"flush": self.worker_flush_wall_s, "kinds_off": self.worker_kinds_off_wall_s,
+                "step_ctas": self.worker_step_ctas_wall_s}
 
 
 class GpuTelemetry:
@@ -760,10 +771,13 @@ class GpuTelemetry:
         its records delivered while the kinds are still on, then CUPTI switched off."""
         if done is not None:
             done.synchronize()       # lets the GIL go while it waits
-        cpu0 = time.thread_time()
+        cpu0, t0 = time.thread_time(), time.perf_counter()
         self.tracer.flush()
+        t1 = time.perf_counter()
         self._idle_tracer()
         self._closing = False
+        self.stats.worker_flush_wall_s += t1 - t0
+        self.stats.worker_kinds_off_wall_s += time.perf_counter() - t1
         self.stats.worker_close_cpu_s += time.thread_time() - cpu0
 
     def _take_step(self, step_id: int, pending, end_ns: int, traced: bool, done=None) -> None:
@@ -774,12 +788,13 @@ class GpuTelemetry:
             self._probe_batch_words += pending.words
             self.stats.ctas_probed += sum(n for _, n in pending.launches)
             if traced:   # this step's launch facts, reduced where its CTAs lie (the ring range stays live)
-                cpu0 = time.thread_time()
+                cpu0, t0 = time.thread_time(), time.perf_counter()
                 import torch
                 with torch.cuda.stream(self._side):
                     self._side.wait_stream(self._engine_stream)
                     facts = launch_facts_of_records(pending.snapshot, list(pending.launches))
                 self.recorder.record(StepLaunchFacts(step_id, facts))
+                self.stats.worker_step_ctas_wall_s += time.perf_counter() - t0
                 self.stats.worker_step_ctas_cpu_s += time.thread_time() - cpu0
             if (len(self._probe_batch) >= self.config.probe_batch_steps
                     or self._probe_batch_words >= self.probe.snapshots.words // 2):

@@ -404,6 +404,9 @@ def test_the_usual_step_is_planned_plain_and_skipping_it_keeps_the_policy():
         gpu.observe_step(step, 0.001)
     assert abs(traced_steps / 4000 - 0.25) < 0.03 and plain_steps + traced_steps == 4000
     assert gpu.stats.steps_traced_sampled == traced_steps
+    # the worker timed each close's calls (no probe here: no launch facts to read back)
+    wall = gpu.stats.worker_close_wall_s()
+    assert wall["flush"] > 0 and wall["kinds_off"] > 0 and wall["step_ctas"] == 0
     pipeline.shutdown()
     pipeline, gpu, tracer, spans = _pipeline_with_gpu(0.0)
     for i in range(64):
