@@ -168,6 +168,16 @@ def wait_http(url: str, process: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout_s} s")
 
 
+def steps_since_traced(step_ids: Sequence[int], traced: Sequence[bool]) -> list[int | None]:
+    """For each step (in order), how many steps after the latest kernel-traced one before it
+    it came (None before the first): the phase a trace's close can disturb."""
+    since, last = [], None
+    for step_id, was_traced in zip(step_ids, traced):
+        since.append(step_id - last if last is not None else None)
+        last = step_id if was_traced else last
+    return since
+
+
 def utc_now() -> str:
     """The current UTC time as ``2026-11-30T01:02:03Z``."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -33,7 +33,7 @@ from pathlib import Path
 from sightline.deploy.processes import free_ports
 
 from ._collector import CollectorProcess
-from ._common import ROOT, _children, device_name, git_commit, utc_now, wait_http, write_json
+from ._common import ROOT, _children, device_name, git_commit, steps_since_traced, utc_now, wait_http, write_json
 
 CLI = [sys.executable, "-c", "import sys; from sightline.deploy.cli import main; sys.exit(main())"]
 LEVELS = {                                 # name -> engine serve flags
@@ -260,11 +260,7 @@ def after_traced(durations: list[float], traced: list[int], reach: int = 6) -> d
     traced step). A stall that a trace's close puts on a later launch shows there."""
     if len(traced) != len(durations) or not any(traced):
         return None
-    since = []
-    last = None
-    for i, t in enumerate(traced):
-        since.append(i - last if last is not None else None)
-        last = i if t else last
+    since = steps_since_traced(range(len(traced)), traced)
     far = [d for d, k, t in zip(durations, since, traced) if not t and (k is None or k > reach)]
     if not far:
         return None

@@ -31,7 +31,7 @@ from sightline.deploy.incident import Incident
 from sightline.instrumentation import read_capture_meta
 from sightline.instrumentation import semconv as sc
 
-from ._common import git_commit, utc_now
+from ._common import git_commit, steps_since_traced, utc_now
 
 NOW_NS = 1_800_000_000 * 10**9   # the replay's pinned clock (tests/deploy/test_captures.py's)
 PLANTED_CAUSE = {"sm_neighbour": sc.CAUSE_SM_CONTENTION, "hbm_hog": sc.CAUSE_DEVICE_CONTENTION,
@@ -48,18 +48,22 @@ def _spread(values: list[float]) -> dict | None:
             "p90": round(float(np.percentile(x, 90)), 3)}
 
 
-def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
-    """Decode-only steps inside ``[lo_ns, hi_ns)`` and outside it, by trace reason (``none``:
-    not traced): their count and duration, GPU and host time in ms."""
+def stored_steps(aggregator: Aggregator) -> list[tuple]:
+    """Every stored step's facts with its trace reason (``none``: not traced), read once."""
     rows: list[tuple] = []
 
     def read(store):
         for trace in store.traces():
             for step in trace.step_spans:
-                facts = step_facts(trace, step)
-                if facts.kind == 0:
-                    rows.append((facts, step.record().attributes.get(sc.STEP_TRACE_REASON) or "none"))
+                rows.append((step_facts(trace, step), step.record().attributes.get(sc.STEP_TRACE_REASON) or "none"))
     aggregator.store.read(read)
+    return rows
+
+
+def traced_decode_steps(steps: list[tuple], lo_ns: int, hi_ns: int) -> dict:
+    """Decode-only ``steps`` (``stored_steps``) inside ``[lo_ns, hi_ns)`` and outside it, by
+    trace reason: their count and duration, GPU and host time in ms."""
+    rows = [(f, reason) for f, reason in steps if f.kind == 0]
     out: dict = {}
     for where, inside in (("inside", True), ("outside", False)):
         for reason in sorted({r for _, r in rows}):
@@ -73,24 +77,18 @@ def traced_decode_steps(aggregator: Aggregator, lo_ns: int, hi_ns: int) -> dict:
     return out
 
 
-def steps_after_traced(aggregator: Aggregator, lo_ns: int, hi_ns: int, reach: int = 6) -> dict:
+def steps_after_traced(steps: list[tuple], lo_ns: int, hi_ns: int, reach: int = 6) -> dict:
     """Decode-only steps inside ``[lo_ns, hi_ns)`` and outside it by how many steps after the
     last kernel-traced one they began (1 to ``reach``), traced or not: their count, median
     duration and median time from the previous step's start (where that step is the one
     before it) in ms. Tracing's close falls a few steps after each traced step: a step
     launched late there shows what the close cost the engine, and a phase that runs unlike
     the others makes the traced steps there a biased sample."""
-    facts = []
-    aggregator.store.read(lambda store: facts.extend(
-        step_facts(trace, step) for trace in store.traces() for step in trace.step_spans))
-    facts = sorted((f for f in facts if f.step_id is not None), key=lambda f: f.step_id)
+    facts = sorted((f for f, _ in steps if f.step_id is not None), key=lambda f: f.step_id)
     if not facts:
         return {}
     traced = np.array([np.isfinite(f.gpu_s) for f in facts])
-    since, last = np.full(len(facts), -1), None
-    for j, f in enumerate(facts):
-        since[j] = f.step_id - last if last is not None else -1
-        last = f.step_id if traced[j] else last
+    since = np.array([-1 if k is None else k for k in steps_since_traced([f.step_id for f in facts], traced)])
     decode = np.array([f.kind == 0 for f in facts])
     start = np.array([f.start_ns for f in facts])
     duration = np.array([(f.end_ns - f.start_ns) / 1e6 for f in facts])
@@ -126,6 +124,7 @@ def replayed(capture: Path) -> tuple[Aggregator, object, list]:
 
 def analyse(capture: Path) -> dict:
     aggregator, result, intervals = replayed(capture)
+    steps = stored_steps(aggregator)
     intervals = intervals or [None]
     out = {"capture": capture.name, "intervals": []}
     for interval in intervals:
@@ -141,8 +140,8 @@ def analyse(capture: Path) -> dict:
             "planted_cause_in_10_slowest": causes.count(PLANTED_CAUSE[kind]) if kind in PLANTED_CAUSE else None,
             "slowest": [{"cause": r.cause.name, **{k: r.cause.evidence[k] for k in EVIDENCE if k in r.cause.evidence}}
                         for r in explained.requests],
-            "decode_steps": traced_decode_steps(aggregator, lo_ns, hi_ns) if interval is not None else None,
-            "after_traced": steps_after_traced(aggregator, lo_ns, hi_ns) if interval is not None else None})
+            "decode_steps": traced_decode_steps(steps, lo_ns, hi_ns) if interval is not None else None,
+            "after_traced": steps_after_traced(steps, lo_ns, hi_ns) if interval is not None else None})
     return out
 
 

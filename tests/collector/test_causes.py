@@ -888,7 +888,7 @@ def test_replay_causes_sorts_decode_steps_by_how_far_after_a_traced_one_they_beg
     1 step in 10 kernel-traced, and the third step after each one launched 6 ms late and 10 ms
     long where the others take 18: the breakdown puts 10 ms at 3 steps after, 18 ms elsewhere,
     counts each step once, and says when each began after the last one."""
-    from bench.replay_causes import steps_after_traced
+    from bench.replay_causes import steps_after_traced, stored_steps
 
     sc_ = Scenario()
     for n, s in enumerate(sc_.steps):
@@ -896,7 +896,7 @@ def test_replay_causes_sorts_decode_steps_by_how_far_after_a_traced_one_they_beg
             s[0], s[1] = s[0] + 0.006, 0.010
     agg = make_aggregator()
     sc_.send(agg)
-    inside = steps_after_traced(agg, 0, int((T + 100) * 1e9))["inside"]
+    inside = steps_after_traced(stored_steps(agg), 0, int((T + 100) * 1e9))["inside"]
     decode = [n for n, s in enumerate(sc_.steps) if not s[2]]
     for k in range(1, 7):
         row = inside[str(k)]
