@@ -1,18 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
-:func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of the
-request's life); first match wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of
-e2e. 2. ``queueing``: waiting behind others (ahead, overtaking, or a full engine) took >=
-``queue_share`` of e2e, more than the engine's slowness added (at ``FAR_BEYOND`` x the usual load,
-its traced steps'). 3. The engine was slow (steps >= ``engine_slow`` x the usual for their kind and
-tokens, or >= ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle
-or far-too-long steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host
-time stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
-GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched
-steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
-(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the
-GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4.
-``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e."""
+:func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of a request's
+life); first match wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of e2e. 2.
+``queueing``: waiting behind others (ahead, overtaking, or a full engine) took >= ``queue_share`` of e2e,
+more than the engine's slowness added (at ``FAR_BEYOND`` x the usual load, its traced steps'). 3. The
+engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or >=
+``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or far-too-long
+steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time (off the CPU, where
+recorded) stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
+GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched steps, with
+idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
+GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was >=
+``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when
+others' prefill cost its decode >= ``interference_share`` of e2e."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ class CauseEvidence:
     traced_steps: int = 0
     traced_near: int = 0  # under MIN_TRACED traced in its life: the traced steps close to it added
     gpu_slowdown: float | None = None  # traced steps: GPU time over the usual
-    host_slowdown: float | None = None  # traced steps: 1 + host time beyond its usual / the usual step
+    # traced steps: 1 + host time beyond its usual / the usual step (where steps record their
+    # thread's CPU time, host time off the CPU only: WindowSteps)
+    host_slowdown: float | None = None
     compiles: list[dict] = field(default_factory=list)  # steps that compiled kernels
     contended_sms: list[dict] = field(default_factory=list)  # gpu, kernel, sm, score, reasons
     sm_count: int = 0  # SMs with CTAs in its slots (0: not known)
@@ -88,6 +90,7 @@ class CauseEvidence:
     batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
     kv_blocks: float | None = None  # and their mean KV blocks in use
     traced_slowdown: float | None = None  # its kernel-traced decode-only steps' own (WindowSteps)
+    host_cpu_slowdown: float | None = None  # their engine thread's CPU time in host phases (WindowSteps)
 
 
 @dataclass
@@ -129,7 +132,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     usual_batch, usual_kv = e.usual.get("batch", 0.0), e.usual.get("kv_blocks", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
               "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
-              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown}
+              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown,
+              **({"host_cpu_slowdown": e.host_cpu_slowdown} if e.host_cpu_slowdown is not None else {})}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
@@ -146,9 +150,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     q = e.queue or {}
     behind_others = e.queue is None or bool(q.get("depth") or q.get("overtaken_by") or q.get("engine_full"))
     if e.queue_s >= c.queue_share * e2e and e.queue_s / wait_slowdown > wait_excess_s and behind_others:
-        heavy = (f"; its steps ran heavier, not slower: {e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)} "
-                 f"(usually {usual_batch:.0f}{_holding(usual_kv)}), GPU time per step {_x(e.gpu_slowdown)} "
-                 f"and host time {_x(e.host_slowdown)} their usual" if heavier and wait_slowdown < slowdown else "")
+        heavy = _heavier(e, usual_batch, usual_kv) if heavier and wait_slowdown < slowdown else ""
         return Cause(sc.CAUSE_QUEUEING,
                      f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
                      f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
@@ -206,7 +208,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         # no traced step and no CTA figures (trace level below kernels, or no GPU): nothing to weigh
         blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
         why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
-               if blind else "neither the GPU's nor the host's evidence says why" + _missed(e))
+               if blind else "neither the GPU's nor the host's evidence says why" + _missed(e)
+               + (_heavier(e, usual_batch, usual_kv) if heavier else ""))
         return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
@@ -236,6 +239,16 @@ def _heavier_not_slower(e: CauseEvidence, c: CauseConfig) -> bool:
            or (e.kv_blocks or 0.0) >= FAR_BEYOND * max(e.usual.get("kv_blocks", 0.0), 1.0))
     return (far and e.gpu_slowdown is not None and e.host_slowdown is not None
             and e.gpu_slowdown < c.gpu_slow and e.host_slowdown < c.host_slow)
+
+
+def _heavier(e: CauseEvidence, usual_batch: float, usual_kv: float) -> str:
+    """The clause that says its steps carried more, with their GPU and host figures."""
+    figures = (f"GPU time per step {_x(e.gpu_slowdown)} and host time {_x(e.host_slowdown)}"
+               if e.host_cpu_slowdown is None else
+               f"GPU time per step {_x(e.gpu_slowdown)}, host time off the CPU {_x(e.host_slowdown)} and the "
+               f"engine thread's CPU time per step {_x(e.host_cpu_slowdown)}")
+    return (f"; its steps ran heavier, not slower: {e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)} "
+            f"(usually {usual_batch:.0f}{_holding(usual_kv)}), {figures} their usual")
 
 
 def _holding(kv_blocks: float | None) -> str:
@@ -299,13 +312,17 @@ def _near(e: CauseEvidence) -> str:
 
 def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
     """The ``host_stall`` cause, with the host's and the GPU's figures."""
+    off = (f"its engine thread spent off the CPU (its own CPU time {_x(e.host_cpu_slowdown)} the usual) "
+           if e.host_cpu_slowdown is not None else "")
     return Cause(sc.CAUSE_HOST_STALL,
                  f"{_steps(e)} while the GPU's work was not "
-                 f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time beyond "
+                 f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time {off}beyond "
                  f"its usual stretched kernel-timed steps {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms "
                  f"with no step running beyond the usual gaps{_near(e)}",
                  {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                   "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps, "traced_near": e.traced_near},
                  f"{usual}; a kernel-timed decode step's host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
-                 f"plus {e.usual.get('host_per_token', 0.0) * 1e6:.2f} us per prefill token, "
-                 f"and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")
+                 f"plus {e.usual.get('host_per_token', 0.0) * 1e6:.2f} us per prefill token"
+                 + (f" ({e.usual['host_off'] * 1e3:.2f} ms of a step's off the CPU)"
+                    if math.isfinite(e.usual.get("host_off", math.nan)) else "")
+                 + f", and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")

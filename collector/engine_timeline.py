@@ -135,6 +135,9 @@ class StepFacts:
     # interval (not after a slow step, not in a slow spell): what the usual GPU and host
     # time are taken from
     usual_sample: bool = True
+    # the engine thread's CPU time in its host phases (NaN: not traced, or not recorded);
+    # host time beyond it is time the thread was kept off the CPU
+    host_cpu_s: float = float("nan")
 
 
 @dataclass(slots=True)
@@ -203,7 +206,8 @@ def step_facts(trace, step) -> StepFacts:
                      int(_number(a.get(sc.STEP_KV_BLOCKS_USED))), int(_number(a.get(sc.STEP_JIT_COMPILES))),
                      gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance,
-                     reason in (None, sc.TRACE_REASON_SAMPLED, sc.TRACE_REASON_PREFILL))
+                     reason in (None, sc.TRACE_REASON_SAMPLED, sc.TRACE_REASON_PREFILL),
+                     _number(a.get(sc.STEP_HOST_CPU_S), float("nan")) if first is not None else float("nan"))
 
 
 def _busy_before(kernels: list[tuple[int, int, float]], until_ns: int) -> float:
@@ -259,6 +263,9 @@ class WindowSteps:
     # its kernel-traced decode-only steps' own mean duration on the yardstick of ``slowdown``:
     # far under it, the traced steps missed the slowness their GPU and host time would split
     traced_slowdown: float | None = None
+    # traced steps recording it: their engine thread's CPU time in their host phases over its
+    # usual in a decode step (the engine's own host work; a larger batch asks more of it)
+    host_cpu_slowdown: float | None = None
 
 
 class EngineTimeline:
@@ -303,6 +310,7 @@ class EngineTimeline:
              "kv": np.array([f.kv_blocks for f in facts], dtype=np.float64),
              "gpu": np.array([f.gpu_s for f in facts], dtype=np.float64),
              "host": np.array([f.host_s for f in facts], dtype=np.float64),
+             "host_cpu": np.array([f.host_cpu_s for f in facts], dtype=np.float64),
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
              "usual_sample": np.array([f.usual_sample for f in facts], dtype=bool),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
@@ -344,6 +352,12 @@ class EngineTimeline:
         base, per_token, _ = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token, gpu_token_steps = fit(a["gpu"], traced)
         host_base, host_token, _ = fit(a["host"], traced)
+        # the host time its thread spent off the CPU, and its CPU time (steps that record it)
+        timed_cpu = traced & np.isfinite(a["host_cpu"])
+        off = np.maximum(0.0, a["host"] - a["host_cpu"])
+        host_off = usual_value(off[sampled(timed_cpu)], float("nan")) if timed_cpu.any() else float("nan")
+        host_cpu = usual_value(a["host_cpu"][sampled(decode & timed_cpu)], float("nan")) \
+            if (decode & timed_cpu).any() else float("nan")
         batch = usual_value(a["decode"][decode], 0.0)
         # a request decoded beyond the usual batch costs a step (its duration and GPU time
         # alike) what a prefill token costs the GPU (the same weights, one more row), else
@@ -358,7 +372,11 @@ class EngineTimeline:
         per_kv_block = _slope(a["kv"][decode], at_usual_batch[decode])
         at_usual = at_usual_batch - per_kv_block * _beyond(a["kv"], kv_blocks)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
-                "host": host_base, "host_per_token": host_token, "gpu_token_steps": gpu_token_steps, "batch": batch,
+                "host": host_base, "host_per_token": host_token,
+                # only where steps recorded their thread's CPU time (older captures did not)
+                **({"host_off": host_off} if np.isfinite(host_off) else {}),
+                **({"host_cpu": host_cpu} if np.isfinite(host_cpu) else {}),
+                "gpu_token_steps": gpu_token_steps, "batch": batch,
                 "per_request": per_request, "kv_blocks": kv_blocks, "per_kv_block": per_kv_block,
                 "decode_mean": _usual_mean(a, at_usual, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
@@ -419,7 +437,7 @@ class EngineTimeline:
             around = mine & (a["start"] < end_ns + reach_ns) & (a["end"] > start_ns - reach_ns) & np.isfinite(a["gpu"])
             near = int(around.sum()) - int(traced.size)
             traced = np.flatnonzero(around)
-        gpu, host = self._gpu_and_host(traced, u)
+        gpu, host, host_cpu = self._gpu_and_host(traced, u)
         # time in the window with no step running, beyond a usual gap before each step
         lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
         covered, reach = 0, start_ns
@@ -435,23 +453,36 @@ class EngineTimeline:
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
                            max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch, kv_blocks,
-                           traced_slowdown)
+                           traced_slowdown, host_cpu)
 
-    def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None]:
-        """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens,
-        and the stretch their host time beyond its usual gave them, both as ratios of sums
-        (WindowSteps): a stall that lands on a minority of steps moves a sum, not a median."""
+    def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None,
+                                                                              float | None]:
+        """Traced steps ``traced`` (indices): their GPU time over the usual for their tokens;
+        the stretch their host time beyond its usual gave them; and their engine thread's CPU
+        time in those host phases over its usual, all ratios of sums (WindowSteps): a stall
+        that lands on a minority of steps moves a sum, not a median. Where a step recorded
+        its thread's CPU time, only host time off the CPU beyond its usual stretches it: CPU
+        time that grows with the batch is the engine's own work, a heavier step, not a stall."""
         if not traced.size:
-            return None, None
+            return None, None, None
         a = self._arrays
-        prefill, gpu_s, host_s = a["prefill"][traced], a["gpu"][traced], a["host"][traced]
+        prefill, gpu_s, host_s, cpu_s = (a["prefill"][traced], a["gpu"][traced], a["host"][traced],
+                                         a["host_cpu"][traced])
         load = _load_s(u, a["decode"][traced], a["kv"][traced])
         want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + load
         want_host = u["host"] + u["host_per_token"] * prefill
         want_step = u["duration"] + u["duration_per_token"] * prefill + load
         gpu = float(gpu_s.sum() / want_gpu.sum()) if (want_gpu > 0).all() else None
-        host = float(1.0 + (host_s - want_host).sum() / want_step.sum()) if (want_step > 0).all() else None
-        return gpu, host
+        usual_off = u.get("host_off", float("nan"))
+        split = np.isfinite(cpu_s) & np.isfinite(usual_off)
+        excess = np.where(split, np.maximum(0.0, host_s - cpu_s) - (usual_off if split.any() else 0.0),
+                          host_s - want_host)
+        host = float(1.0 + excess.sum() / want_step.sum()) if (want_step > 0).all() else None
+        usual_cpu = u.get("host_cpu", float("nan"))
+        timed = np.isfinite(cpu_s)
+        cpu = (float(cpu_s[timed].sum() / (usual_cpu * timed.sum()))
+               if timed.any() and np.isfinite(usual_cpu) and usual_cpu > 0 else None)
+        return gpu, host, cpu
 
     def queue_at(self, trace_id: bytes, arrival_ns: int, left_ns: int, priority: float,
                  instance: str | None = None) -> dict:

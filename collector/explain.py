@@ -384,7 +384,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
         interference_s=interference, usual=usual, batch=window.batch, kv_blocks=window.kv_blocks,
-        traced_slowdown=window.traced_slowdown)
+        traced_slowdown=window.traced_slowdown, host_cpu_slowdown=window.host_cpu_slowdown)
 
 
 def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,

@@ -81,6 +81,7 @@ class _Launched:
     run: LaunchedStep
     finished: list[Request]         # requests it ends on max_tokens (outputs still to make)
     t0: float                       # perf_counter at launch
+    launch_cpu_ns: int              # the thread's CPU time in the launch (STEP_HOST_CPU_S)
 
 
 class _Outputs:
@@ -417,7 +418,7 @@ class EngineCore:
     def _launch(self, plan: StepPlan, previous: _Launched | None, out: _Outputs) -> _Launched | None:
         """Enqueues the plan on the device and applies it to the scheduler with stand-ins for
         its tokens; on failure, fails its requests (into ``out``) and returns None."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time_ns()
         step = OpenStep(plan.step_id, 0, 0, time.time_ns())   # ids drawn off this thread
         self.telemetry_thread_s += time.perf_counter() - t0
         self.runner.copy_blocks(self.kv_cache.take_pending_copies())
@@ -431,10 +432,11 @@ class EngineCore:
             self._close_step(plan, step, None, [], type(exc).__name__)
             self._fail_plan(plan, self._step_failure(plan, exc), out)
             return None
+        launch_cpu_ns = time.thread_time_ns() - cpu0
         with self._lock:
             finished = self.scheduler.update_pending(
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
-        return _Launched(plan, step, run, finished, t0)
+        return _Launched(plan, step, run, finished, t0, launch_cpu_ns)
 
     def _served_compiles(self, plan: StepPlan, step: OpenStep, since: int) -> None:
         """Kernel variants this step met for the first time: counted (a defect of the
@@ -459,6 +461,7 @@ class EngineCore:
             self._close_step(plan, step, launched.run.execution, [], type(exc).__name__)
             self._fail_plan(plan, self._step_failure(plan, exc), out, launched.finished)
             return
+        cpu0 = time.thread_time_ns()
         with self._lock:
             finished = launched.finished + self.scheduler.resolve(plan, sampled)
         prefill_done: list = []
@@ -481,6 +484,9 @@ class EngineCore:
         done_s = time.perf_counter()
         duration = done_s - max(launched.t0, self._last_step_done)
         self._last_step_done = done_s
+        if step is not None and step.attributes and sc.STEP_TRACE_REASON in step.attributes:
+            cpu_ns = launched.launch_cpu_ns + time.thread_time_ns() - cpu0
+            step.set_attribute(sc.STEP_HOST_CPU_S, cpu_ns / 1e9)
         self._close_step(plan, step, launched.run.execution, prefill_done, None, duration, done_s)
         self.step_durations_s.append(duration)
         self.step_tokens.append((plan.num_prefill_tokens, plan.num_decode_tokens))

@@ -134,6 +134,11 @@ STEP_GRAPH_TOKENS = "sightline.step.graph_tokens"
 # overlapped scheduling the next step is planned and launched first; the step's end beyond
 # this and its kernels is its own host time, the time before it the next step's
 STEP_WAIT_START_NS = "sightline.step.wait_start_unix_nano"
+# on a step whose kernels were traced: the CPU time the engine's thread spent in the step's
+# host phases (its launches, and from its wait's return to its end). Host time beyond this is
+# time the thread was kept off the CPU (another thread holding the GIL, another process on
+# its core): a stall, where CPU time that grows with the batch is the engine's own work
+STEP_HOST_CPU_S = "sightline.step.host_cpu_s"
 # on a step whose launches met kernel variants for the first time in the process (a compile,
 # a load from the on-disk cache or an autotuning while serving: each one a defect of the
 # warm-up): how many, which kernels (one name per variant) and the seconds they took

@@ -26,6 +26,7 @@ LAUNCH_S = 0.001  # a replay's launch call returns this long after its step bega
 SMS, CTAS, CTA_S = 16, 200, 20e-6
 TARGET = (9, 9)  # the target request's trace id kind and index
 SERVER = 2
+USUAL_OFF_CPU_S = 0.0005  # a traced replay's host time its thread spends off the CPU, usually
 
 
 def tid(kind: int, i: int) -> bytes:
@@ -65,6 +66,9 @@ class Scenario:
         self.waits: dict[int, float] = {}
         self.kv_blocks: dict[int, int] = {}   # step index -> KV blocks in use (not listed: not recorded)
         self.reasons: dict[int, str] = {}   # step index -> why its kernels were traced (not listed: none)
+        # traced steps: how much of their host time their engine thread spent off the CPU
+        # (the rest its CPU time); None: no step records its thread's CPU time
+        self.off_cpu: dict[int, float] | None = None
         for i in range(int(until_s * 2)):
             start = T + 0.5 * i + 0.25
             self.requests.append((1, i, start, start + 0.005, start + 0.05, start + 1.0, 1))
@@ -99,6 +103,10 @@ class Scenario:
                 attrs[sc.STEP_KV_BLOCKS_USED] = self.kv_blocks[n]
             if n in self.reasons:
                 attrs[sc.STEP_TRACE_REASON] = self.reasons[n]
+            if self.off_cpu is not None and gpu is not None and graph and self.launched is None:
+                # a replay's host time is its end beyond its last kernel (step_facts)
+                host = duration - self.kernels_late.get(n, 0.0) - gpu * spread
+                attrs[sc.STEP_HOST_CPU_S] = host - self.off_cpu.get(n, USUAL_OFF_CPU_S)
             spans.append(otlp_span(sc.SPAN_ENGINE_STEP, tid(3, n), sid(3, n), start, end, attrs, links=links))
             if gpu is not None:  # a traced step: summary spans of its kernels' GPU time
                 at = start + self.kernels_late.get(n, 0.0)
@@ -225,6 +233,37 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     assert cause.evidence["gpu_slowdown"] == pytest.approx(usual_gpu(agg, sc_, 40.2, 42.2), rel=1e-4)
     # the host's extra time (1.6 x the step, the GPU's part as usual) over the usual step
     assert cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
+
+
+def test_host_time_the_thread_spent_on_the_cpu_is_heavier_work_not_a_stall():
+    """The same steps 1.6x as long, host time 3 -> 13.8 ms, GPU time as ever, with each
+    traced step's thread CPU time recorded: where the thread was on the CPU the whole time
+    (its own work grew: a bigger batch), the host did not stall; where the extra time was
+    off the CPU (another thread held the GIL), it did. Only off-CPU time beyond its usual
+    (0.5 ms) stretches the steps."""
+    def scenario(off_cpu_s: float) -> Scenario:
+        sc_ = Scenario()
+        sc_.off_cpu = {}
+        slow_steps(sc_, 38, 46, 1.6, 1.0)
+        for n, s in enumerate(sc_.steps):
+            if s in sc_.between(38, 46) and s[3] is not None:
+                sc_.off_cpu[n] = off_cpu_s
+        sc_.target(40.2, 0.01, 2.0)
+        return sc_
+
+    host, usual_host = STEP_S * 1.6 - GPU_S, STEP_S - GPU_S
+    agg, working = explained(scenario(USUAL_OFF_CPU_S))
+    assert agg.timeline.usual()["host_off"] == pytest.approx(USUAL_OFF_CPU_S, rel=1e-3)
+    assert agg.timeline.usual()["host_cpu"] == pytest.approx(usual_host - USUAL_OFF_CPU_S, rel=1e-3)
+    assert working.cause.name != sc.CAUSE_HOST_STALL, working.cause
+    assert working.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=1e-3)
+    assert working.cause.evidence["host_cpu_slowdown"] == pytest.approx(
+        (host - USUAL_OFF_CPU_S) / (usual_host - USUAL_OFF_CPU_S), rel=0.01)
+    _, kept_off = explained(scenario(host - (usual_host - USUAL_OFF_CPU_S)))   # CPU time as usual
+    assert kept_off.cause.name == sc.CAUSE_HOST_STALL, kept_off.cause
+    assert kept_off.cause.evidence["host_slowdown"] == pytest.approx(1 + (host - usual_host) / STEP_S, rel=0.01)
+    assert kept_off.cause.evidence["host_cpu_slowdown"] == pytest.approx(1.0, rel=0.01)
+    assert "off the CPU" in kept_off.cause.summary
 
 
 def test_a_stall_on_a_third_of_the_steps_is_a_host_stall_though_the_medians_stay_usual():

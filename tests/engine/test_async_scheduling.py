@@ -377,5 +377,8 @@ def test_overlapped_steps_keep_kernel_spans_inside_their_step(cupti_detach):
     # each traced step says when the engine began waiting for it, inside its span
     assert all(steps[i].start_time < steps[i].attributes[semconv.STEP_WAIT_START_NS] <= steps[i].end_time
                for i in traced)
+    # and the CPU time its thread spent in its host phases, at most the step's own time
+    assert all(0 < steps[i].attributes[semconv.STEP_HOST_CPU_S] <= (steps[i].end_time - steps[i].start_time) / 1e9
+               for i in traced)
     if not cupti_detach:
         assert engine.gpu_telemetry.stats.steps_recorded_untraced > 0
