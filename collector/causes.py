@@ -171,9 +171,12 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing
         idle = e.idle_excess_s >= c.idle_share * e2e
-        # a GPU its host left idle clocks down: then its CTAs, not only its steps, run slower
-        # (another process time-slicing the GPU stretches steps with CTAs at their usual speed)
-        clocked_down = gpu is not None and gpu >= c.gpu_slow and (e.cta_slowdown or 0.0) >= c.gpu_slow
+        # a GPU its host left idle clocks down: then its CTAs, not only its steps, run slower,
+        # and by about as much: a clock slows a step's kernels and their CTAs alike. GPU time
+        # beyond the CTAs' slowdown at the margin is time the GPU ran other work (another
+        # process time-slicing the GPU, memory traffic that slows CTAs less than it spaces them)
+        cta = e.cta_slowdown or 0.0
+        clocked_down = gpu is not None and gpu >= c.gpu_slow and cta >= c.gpu_slow and gpu <= cta * c.gpu_slow
         # host time stretched the steps more than GPU time did (the GPU's share of a step is
         # at most the whole step, so gpu - 1 bounds its excess from above in those units)
         host_more = gpu is not None and (e.host_slowdown or 0.0) >= max(gpu, c.host_slow)

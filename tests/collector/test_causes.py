@@ -436,6 +436,20 @@ def test_host_stall_names_the_host_though_idle_gpu_clocks_slow_the_ctas():
     assert one.cause.evidence["cta_slowdown"] == pytest.approx(1.5, rel=0.02)
 
 
+def test_a_gpu_slower_than_its_ctas_clock_says_is_not_a_clocked_down_gpu():
+    """A slowest request of the kept HBM hog capture (run 2): GPU time per step 2.02x, the
+    median SM's CTAs 1.32x, host time 1.90x. A clock that slowed the CTAs 1.32x slows the
+    kernels about as much; the rest of the GPU's 2.02x was other work on the GPU, and the
+    GPU stretched the steps more than the host did: device contention. With GPU time within
+    the CTAs' slowdown at the margin (1.45x), the idle GPU clocked down: a host stall."""
+    hog = CauseEvidence(e2e_s=2.0, queue_s=0.0, decode_s=1.9, priority="1", engine_slowdown=1.67, steps=60,
+                        traced_steps=8, gpu_slowdown=2.02, host_slowdown=1.90, cta_slowdown=1.32, cta_spread=1.1,
+                        batch=3.0, usual={"batch": 1.0})
+    assert classify(hog).name == sc.CAUSE_DEVICE_CONTENTION
+    clocked = CauseEvidence(**{**hog.__dict__, "gpu_slowdown": 1.45})
+    assert classify(clocked).name == sc.CAUSE_HOST_STALL
+
+
 def test_host_stall_from_time_with_no_step_running():
     sc_ = Scenario()
     # the engine loop stopped stepping for 0.9 s (a GIL held elsewhere); the steps themselves usual
