@@ -15,6 +15,7 @@ its trace grew. Cost: one protobuf decode per new step, kernel and queue span pe
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,7 +208,13 @@ def step_facts(trace, step) -> StepFacts:
                      gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance,
                      reason in (None, sc.TRACE_REASON_SAMPLED, sc.TRACE_REASON_PREFILL),
-                     _number(a.get(sc.STEP_HOST_CPU_S), float("nan")) if first is not None else float("nan"))
+                     _cpu_seconds(a.get(sc.STEP_HOST_CPU_S)) if first is not None else float("nan"))
+
+
+def _cpu_seconds(value) -> float:
+    """A step's recorded CPU time, NaN where absent or not a time (negative, not finite)."""
+    seconds = _number(value, float("nan"))
+    return seconds if math.isfinite(seconds) and seconds >= 0 else float("nan")
 
 
 def _busy_before(kernels: list[tuple[int, int, float]], until_ns: int) -> float:

@@ -266,6 +266,20 @@ def test_host_time_the_thread_spent_on_the_cpu_is_heavier_work_not_a_stall():
     assert "off the CPU" in kept_off.cause.summary
 
 
+def test_a_cpu_time_that_is_no_time_is_read_as_not_recorded():
+    """Negative CPU times (a broken or hostile exporter) are not recorded ones: the steps keep
+    the host-time reading of steps without them (a host stall here, 1.6x steps, GPU as usual)."""
+    sc_ = Scenario()
+    sc_.off_cpu = {n: 1.0 for n, s in enumerate(sc_.steps) if s[3] is not None}   # CPU time < 0
+    slow_steps(sc_, 38, 46, 1.6, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    agg, one = explained(sc_)
+    assert "host_off" not in agg.timeline.usual() and "host_cpu" not in agg.timeline.usual()
+    assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
+    assert "host_cpu_slowdown" not in one.cause.evidence
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
+
+
 def test_a_stall_on_a_third_of_the_steps_is_a_host_stall_though_the_medians_stay_usual():
     """A thread holding the GIL 36 ms now and then: every third step's host time grows by
     36 ms, traced steps at the same rate, GPU time as ever. The median step, traced or not,
