@@ -326,6 +326,5 @@ def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
                   "host_slowdown": e.host_slowdown, "traced_steps": e.traced_steps, "traced_near": e.traced_near},
                  f"{usual}; a kernel-timed decode step's host time {e.usual.get('host', 0.0) * 1e3:.2f} ms "
                  f"plus {e.usual.get('host_per_token', 0.0) * 1e6:.2f} us per prefill token"
-                 + (f" ({e.usual['host_off'] * 1e3:.2f} ms of a step's off the CPU)"
-                    if math.isfinite(e.usual.get("host_off", math.nan)) else "")
+                 + (f" ({e.usual['host_off'] * 1e3:.2f} ms of a step's off the CPU)" if "host_off" in e.usual else "")
                  + f", and gap {e.usual.get('gap', 0.0) * 1e3:.2f} ms")

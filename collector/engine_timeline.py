@@ -323,6 +323,7 @@ class EngineTimeline:
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
+        a["host_off"] = np.maximum(0.0, a["host"] - a["host_cpu"])   # NaN where no CPU time was recorded
         a["undisturbed"] = _undisturbed(a)
         a["clean"] = a["undisturbed"] & (a["kind"] == 0)   # the decode steps a mean is taken over
         self._arrays = a
@@ -361,8 +362,7 @@ class EngineTimeline:
         host_base, host_token, _ = fit(a["host"], traced)
         # the host time its thread spent off the CPU, and its CPU time (steps that record it)
         timed_cpu = traced & np.isfinite(a["host_cpu"])
-        off = np.maximum(0.0, a["host"] - a["host_cpu"])
-        host_off = usual_value(off[sampled(timed_cpu)], float("nan")) if timed_cpu.any() else float("nan")
+        host_off = usual_value(a["host_off"][sampled(timed_cpu)], float("nan")) if timed_cpu.any() else float("nan")
         host_cpu = usual_value(a["host_cpu"][sampled(decode & timed_cpu)], float("nan")) \
             if (decode & timed_cpu).any() else float("nan")
         batch = usual_value(a["decode"][decode], 0.0)
@@ -473,8 +473,8 @@ class EngineTimeline:
         if not traced.size:
             return None, None, None
         a = self._arrays
-        prefill, gpu_s, host_s, cpu_s = (a["prefill"][traced], a["gpu"][traced], a["host"][traced],
-                                         a["host_cpu"][traced])
+        prefill, gpu_s, host_s, cpu_s, off_s = (a["prefill"][traced], a["gpu"][traced], a["host"][traced],
+                                                a["host_cpu"][traced], a["host_off"][traced])
         load = _load_s(u, a["decode"][traced], a["kv"][traced])
         want_gpu = u["gpu"] + u["gpu_per_token"] * prefill + load
         want_host = u["host"] + u["host_per_token"] * prefill
@@ -482,8 +482,7 @@ class EngineTimeline:
         gpu = float(gpu_s.sum() / want_gpu.sum()) if (want_gpu > 0).all() else None
         usual_off = u.get("host_off", float("nan"))
         split = np.isfinite(cpu_s) & np.isfinite(usual_off)
-        excess = np.where(split, np.maximum(0.0, host_s - cpu_s) - (usual_off if split.any() else 0.0),
-                          host_s - want_host)
+        excess = np.where(split, off_s - usual_off, host_s - want_host)
         host = float(1.0 + excess.sum() / want_step.sum()) if (want_step > 0).all() else None
         usual_cpu = u.get("host_cpu", float("nan"))
         timed = np.isfinite(cpu_s)

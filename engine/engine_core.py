@@ -81,7 +81,7 @@ class _Launched:
     run: LaunchedStep
     finished: list[Request]         # requests it ends on max_tokens (outputs still to make)
     t0: float                       # perf_counter at launch
-    launch_cpu_ns: int              # the thread's CPU time in the launch (STEP_HOST_CPU_S)
+    launch_cpu_ns: int | None       # a traced step's thread CPU time in its launch (STEP_HOST_CPU_S)
 
 
 class _Outputs:
@@ -108,6 +108,11 @@ def _without_ended(plan: StepPlan) -> StepPlan | None:
     prefill = sum(e.num_new_tokens for e in kept if e.is_prefill)
     return dataclasses.replace(plan, scheduled=kept, num_prefill_tokens=prefill,
                                num_decode_tokens=sum(e.num_new_tokens for e in kept) - prefill)
+
+
+def _traced(step: OpenStep | None) -> bool:
+    """Whether the GPU telemetry traced the step's kernels (it set a trace reason at launch)."""
+    return bool(step is not None and step.attributes and sc.STEP_TRACE_REASON in step.attributes)
 
 
 def _step_event(recorder: LifecycleRecorder, plan: StepPlan, step: OpenStep, end_ns: int,
@@ -432,7 +437,7 @@ class EngineCore:
             self._close_step(plan, step, None, [], type(exc).__name__)
             self._fail_plan(plan, self._step_failure(plan, exc), out)
             return None
-        launch_cpu_ns = time.thread_time_ns() - cpu0
+        launch_cpu_ns = time.thread_time_ns() - cpu0 if _traced(step) else None
         with self._lock:
             finished = self.scheduler.update_pending(
                 plan, {request_id: row for row, request_id in enumerate(run.request_ids)})
@@ -452,7 +457,8 @@ class EngineCore:
         """Waits for a launched step's tokens, puts them in place and turns them into outputs
         (the step's figures for its batch's stats in ``_completed``)."""
         plan, step = launched.plan, launched.step
-        if step is not None and step.attributes and sc.STEP_TRACE_REASON in step.attributes:
+        traced = launched.launch_cpu_ns is not None
+        if traced:
             step.set_attribute(sc.STEP_WAIT_START_NS, time.time_ns())   # its kernels become spans
         try:
             sampled = launched.run.wait()
@@ -461,7 +467,7 @@ class EngineCore:
             self._close_step(plan, step, launched.run.execution, [], type(exc).__name__)
             self._fail_plan(plan, self._step_failure(plan, exc), out, launched.finished)
             return
-        cpu0 = time.thread_time_ns()
+        cpu0 = time.thread_time_ns() if traced else 0
         with self._lock:
             finished = launched.finished + self.scheduler.resolve(plan, sampled)
         prefill_done: list = []
@@ -484,14 +490,12 @@ class EngineCore:
         done_s = time.perf_counter()
         duration = done_s - max(launched.t0, self._last_step_done)
         self._last_step_done = done_s
-        if step is not None and step.attributes and sc.STEP_TRACE_REASON in step.attributes:
-            cpu_ns = launched.launch_cpu_ns + time.thread_time_ns() - cpu0
-            step.set_attribute(sc.STEP_HOST_CPU_S, cpu_ns / 1e9)
+        if traced:
+            step.set_attribute(sc.STEP_HOST_CPU_S, (launched.launch_cpu_ns + time.thread_time_ns() - cpu0) / 1e9)
         self._close_step(plan, step, launched.run.execution, prefill_done, None, duration, done_s)
         self.step_durations_s.append(duration)
         self.step_tokens.append((plan.num_prefill_tokens, plan.num_decode_tokens))
-        self.step_traced.append(bool(step is not None and step.attributes
-                                     and sc.STEP_TRACE_REASON in step.attributes))
+        self.step_traced.append(traced)
         self.loop_s += duration
         self._completed = (plan, duration, len(sampled))
 
