@@ -8,11 +8,11 @@ engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens,
 ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or far-too-long
 steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time (off the CPU, where
 recorded) stretching steps >= ``host_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
-GPU time, else CTAs), clocked down (CTAs slower too) or stretched less than the host stretched steps, with
-idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the
-GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was >=
-``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when
-others' prefill cost its decode >= ``interference_share`` of e2e."""
+GPU time, else (or where they missed the slowness) CTAs), clocked down (CTAs slower too) or stretched less
+than the host stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs
+were flagged (``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs');
+``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else
+``unknown``. 4. ``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e."""
 
 from __future__ import annotations
 
@@ -160,8 +160,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                           "traced_steps": e.traced_steps} if heavy else {})},
                      "its end-to-end latency; the requests in the collector's store")
     # the step's GPU time says whether the GPU's work slowed; CTA durations alone (no traced
-    # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer
-    gpu = e.gpu_slowdown if e.gpu_slowdown is not None else e.cta_slowdown
+    # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer.
+    # Traced steps that missed the slowness (a hog that comes and goes between them) do not
+    # speak for the GPU; the CTAs, timed in every probed step, then do
+    missed = bool(_missed(e)) and e.cta_slowdown is not None
+    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else e.gpu_slowdown
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
@@ -199,7 +202,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
                          f"{_steps(e)} with GPU work slower on every SM "
                          f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
-                         f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}",
+                         f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}"
+                         + (f"{_missed(e)}, and the CTAs, timed in every probed step, speak for the GPU"
+                            if missed else ""),
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                           "cta_spread": e.cta_spread, "host_slowdown": e.host_slowdown,
                           "traced_steps": e.traced_steps, "traced_near": e.traced_near,

@@ -618,16 +618,22 @@ def test_a_slower_engine_with_nothing_traced_says_what_is_not_known():
                                   "time are not known")
 
 
-def test_traced_steps_that_missed_the_slowness_are_said_to_have_missed_it():
-    """Steps 1.5x slower, but the kernel-traced ones (1 in 10) ran their usual time with their
-    usual GPU and host time (as an HBM hog's traced steps did on the H200): nothing in them says
-    where the time went, and the answer says they missed it. Traced steps that ran slow too
-    are no such case."""
+def slow_between_traced_steps() -> Scenario:
+    """Steps 1.5x slower from T+38 to T+46, but the kernel-traced ones (1 in 10) at their usual time."""
     sc_ = Scenario()
     slow_steps(sc_, 38, 46, 1.5, 1.0)
     for s in sc_.between(38, 46):
         if s[3] is not None:
             s[1] = STEP_S
+    return sc_
+
+
+def test_traced_steps_that_missed_the_slowness_are_said_to_have_missed_it():
+    """Steps 1.5x slower, but the kernel-traced ones (1 in 10) ran their usual time with their
+    usual GPU and host time (as an HBM hog's traced steps did on the H200): nothing in them says
+    where the time went, and the answer says they missed it. Traced steps that ran slow too
+    are no such case."""
+    sc_ = slow_between_traced_steps()
     sc_.target(40.2, 0.01, 2.0)
     _, one = explained(sc_)
     cause = one.cause
@@ -643,6 +649,29 @@ def test_traced_steps_that_missed_the_slowness_are_said_to_have_missed_it():
     _, one = explained(sc_)
     assert one.cause.evidence["traced_slowdown"] == pytest.approx(1.5, rel=0.02)
     assert "missed" not in one.cause.summary
+
+
+def test_where_traced_steps_missed_the_slowness_the_ctas_speak_for_the_gpu():
+    """Steps 1.5x slower, the kernel-traced ones at their usual time, and every SM's CTAs 1.85x
+    theirs in the probed steps (an HBM hog between the traced steps, as in the kept capture of
+    run 3 on the H200: traced steps 1.08x, steps 1.39-1.74x, CTAs 1.85x): device contention,
+    said to rest on the CTAs. With the traced steps slow too, their GPU time decides as before."""
+    sc_ = slow_between_traced_steps()
+    sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.85) for sm in range(SMS)}
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_DEVICE_CONTENTION, cause
+    assert cause.evidence["cta_slowdown"] == pytest.approx(1.85, rel=0.02)
+    assert cause.evidence["gpu_slowdown"] == pytest.approx(1.0, abs=0.02)
+    assert cause.summary.endswith("so the traced ones missed the slowness, and the CTAs, timed in every "
+                                  "probed step, speak for the GPU")
+    live = CauseEvidence(e2e_s=2.0, queue_s=0.0, decode_s=1.9, priority="1", engine_slowdown=1.74, steps=61,
+                         traced_steps=9, gpu_slowdown=1.10, host_slowdown=1.45, cta_slowdown=1.85, batch=2.56,
+                         traced_slowdown=1.08, usual={"batch": 1.0})
+    assert classify(live).name == sc.CAUSE_DEVICE_CONTENTION
+    # traced steps as slow as the rest (1.6x of 1.74x) did not miss it: their GPU time is usual
+    assert classify(CauseEvidence(**{**live.__dict__, "traced_slowdown": 1.6})).name == sc.CAUSE_UNKNOWN
 
 
 def surge(scenario: Scenario, extra: int, factor: float = 1.0) -> None:
