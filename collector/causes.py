@@ -162,8 +162,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # the step's GPU time says whether the GPU's work slowed; CTA durations alone (no traced
     # step) are weaker: a GPU left idle by its host clocks down, and its CTAs then run longer.
     # Traced steps that missed the slowness (a hog that comes and goes between them) do not
-    # speak for the GPU; the CTAs, timed in every probed step, then do
-    missed = bool(_missed(e)) and e.cta_slowdown is not None
+    # speak for the GPU; the CTAs, timed in every probed step, then do, but only for steps slow
+    # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
+    # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
+    missed = (e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow
+              and bool(_missed(e)))
     gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else e.gpu_slowdown
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]

@@ -655,7 +655,8 @@ def test_where_traced_steps_missed_the_slowness_the_ctas_speak_for_the_gpu():
     """Steps 1.5x slower, the kernel-traced ones at their usual time, and every SM's CTAs 1.85x
     theirs in the probed steps (an HBM hog between the traced steps, as in the kept capture of
     run 3 on the H200: traced steps 1.08x, steps 1.39-1.74x, CTAs 1.85x): device contention,
-    said to rest on the CTAs. With the traced steps slow too, their GPU time decides as before."""
+    said to rest on the CTAs. With the traced steps slow too, their GPU time decides as before;
+    with steps under ``engine_slow``, the CTAs do not make them slow (a control run's slowest)."""
     sc_ = slow_between_traced_steps()
     sc_.ctas[T + 40] = {sm: (CTAS, CTA_S * 1.85) for sm in range(SMS)}
     sc_.target(40.2, 0.01, 2.0)
@@ -672,6 +673,14 @@ def test_where_traced_steps_missed_the_slowness_the_ctas_speak_for_the_gpu():
     assert classify(live).name == sc.CAUSE_DEVICE_CONTENTION
     # traced steps as slow as the rest (1.6x of 1.74x) did not miss it: their GPU time is usual
     assert classify(CauseEvidence(**{**live.__dict__, "traced_slowdown": 1.6})).name == sc.CAUSE_UNKNOWN
+    # a control run's slowest on an H100: steps 1.10x (under engine_slow), traced ones 1.03x, and
+    # CTAs 1.62x from reading 10x the usual KV blocks; the CTAs must not make its steps slow
+    control = CauseEvidence(e2e_s=0.467, queue_s=0.0, decode_s=0.45, priority="2", engine_slowdown=1.10, steps=56,
+                            long_steps_s=0.057, idle_excess_s=0.0012, traced_steps=2, traced_near=4,
+                            gpu_slowdown=0.99, host_slowdown=1.0, cta_slowdown=1.62, cta_spread=1.12, batch=1.0,
+                            kv_blocks=262.0, traced_slowdown=1.03, sm_count=132,
+                            usual={"batch": 1.0, "kv_blocks": 25.0})
+    assert classify(control).name == sc.CAUSE_UNKNOWN
 
 
 def surge(scenario: Scenario, extra: int, factor: float = 1.0) -> None:
