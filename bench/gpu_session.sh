@@ -121,3 +121,8 @@ captures=("$RESULTS_DIR"/*.jsonl.gz)
 if [ ${#captures[@]} -gt 1 ]; then
     tar -C "$RESULTS_DIR" -cf "$RESULTS_DIR/captures-$commit.tar" "${captures[@]##*/}" && rm -f "${captures[@]}"
 fi
+
+# the results name the machine's output folder as $RESULTS_DIR: its path there is no fact about the run
+for f in "$RESULTS_DIR"/*.json "$RESULTS_DIR"/*.md "$RESULTS_DIR"/*.log; do
+    sed -i "s#$RESULTS_DIR#\$RESULTS_DIR#g" "$f"
+done
