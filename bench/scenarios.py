@@ -484,8 +484,6 @@ def main(argv: list[str] | None = None) -> int:
         scored.append(dict(score_interval(interval, seg.findings, seg.slowest, episodes, since_unix_s=since),
                            scenario=seg.scenario, run=seg.run))
     summary = summarize(scored)
-    captures = keep_captures(raw, args.out, timeline, args.keep, device, num_sms, wall0_ns)
-    raw.unlink(missing_ok=True)
     client = summarize_load(records, load_s)
     commit = git_commit()
     record = {"commit": commit, "device": device, "time_utc": utc_now(), "wall_s": time.time() - wall0,
@@ -495,13 +493,15 @@ def main(argv: list[str] | None = None) -> int:
               "requests": len(records), "requests_ok": client.ok, "dropped_spans": dropped,
               "scrapes": len(scraper.clock.contended), "scrape_failures": scraper.failures,
               "cause_counts": scraper.clock.cause_counts(),
-              "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": captures,
+              "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": [],
               "segments": [{"scenario": s.scenario, "run": s.run, "onset_s": s.onset_s, "plant": s.plant,
                             "interval": None if s.interval is None else {
                                 "start_unix_nano": s.interval.start_unix_nano, "end_unix_nano": s.interval.end_unix_nano,
                                 "kind": s.interval.kind, "sms": list(s.interval.sms)},
                             "findings": s.findings, "slowest": s.slowest, "error": s.error} for s in timeline]}
     path = args.out / f"scenarios-{device.replace(' ', '-').lower()}-{commit[:8]}.json"
+    # the scores are written before the captures are cut, which is slow: a run stopped while
+    # cutting them (a time limit) keeps its results
     path.write_text(json.dumps(record, indent=1))
     print(format_load(client))
     for s in timeline:
@@ -509,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {s.scenario} run {s.run}: {s.error}")
     print(format_summary(summary))
     print(f"[{time.time() - wall0:.0f}s] wrote {path}", flush=True)
+    if args.keep:
+        record["captures"] = keep_captures(raw, args.out, timeline, args.keep, device, num_sms, wall0_ns)
+        path.write_text(json.dumps(record, indent=1))
+        print(f"[{time.time() - wall0:.0f}s] kept {len(record['captures'])} captures", flush=True)
+    raw.unlink(missing_ok=True)
     return 0 if client.ok == len(records) and not any(s.error for s in timeline) else 1
 
 
