@@ -165,8 +165,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # speak for the GPU; the CTAs, timed in every probed step, then do, but only for steps slow
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
-    missed = (e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow
-              and bool(_missed(e)))
+    missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
     gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else e.gpu_slowdown
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
@@ -206,7 +205,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{_steps(e)} with GPU work slower on every SM "
                          f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
                          f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}"
-                         + (f"{_missed(e)}, and the CTAs, timed in every probed step, speak for the GPU"
+                         + (f"{missed}, and the CTAs, timed in every probed step, speak for the GPU"
                             if missed else ""),
                          {**engine, "gpu_slowdown": e.gpu_slowdown, "cta_slowdown": e.cta_slowdown,
                           "cta_spread": e.cta_spread, "host_slowdown": e.host_slowdown,
