@@ -50,7 +50,7 @@ class AlertRules:
 
     for_s: float = 5.0
     # within one scenario's segment: a longer window holds the segment before's causes too
-    cause_window_s: float = 30.0
+    cause_window_s: float = 20.0
     cause_min_requests: int = SloConfig().cause_min_requests
     cause_min_share: float = SloConfig().cause_min_share
 

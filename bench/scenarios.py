@@ -22,8 +22,10 @@ import gzip
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -53,6 +55,9 @@ SCENARIOS = {"control": "control", "sm_quarter": "sm_neighbour", "sm_half": "sm_
 # a control first and incidents apart: most of what the collector compares with stays usual
 DEFAULT_ORDER = ("control", "sm_quarter", "hbm_hog", "sm_half", "host_stall", "priority_burst", "load_surge")
 SM_STEP = {"sm_quarter": 4, "sm_half": 2}  # the neighbour holds every Nth SM
+# a planted interval's slow requests end up to a few seconds after it (the load's answers are
+# short): a cause alert's window begun then must be over by the next segment's onset
+CAUSE_CLEAR_S = 5.0
 
 
 @dataclass
@@ -317,9 +322,9 @@ class ServedEngine:
     def start(cls, args: argparse.Namespace, raw: Path, otlp_http: str) -> "ServedEngine":
         from sightline.deploy.processes import free_port
 
-        plan = args.out / "scenario-plan.json"
-        for suffix in ("", ".device.json", ".go", ".segments.jsonl"):
-            Path(f"{plan}{suffix}").unlink(missing_ok=True)
+        # the plan and the core's replies are for the two processes alone: not in --out, whose
+        # files are the run's results
+        plan = Path(tempfile.mkdtemp(prefix="sightline-scenario-")) / "plan.json"
         plan.write_text(json.dumps({"order": args.order, "args": {
             k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))}}))
         port = free_port()
@@ -384,6 +389,7 @@ class ServedEngine:
 
     def stop(self, timeout_s: float) -> None:
         terminate(self.process, timeout_s)
+        shutil.rmtree(self.plan.parent, ignore_errors=True)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -435,6 +441,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.gauge_window_s >= args.lead_s + args.tail_s:
         ap.error(f"--gauge-window-s {args.gauge_window_s} must be under --lead-s + --tail-s: flags of one "
                  "segment must clear before the next one's onset")
+    if args.cause_window_s + CAUSE_CLEAR_S > args.lead_s + args.tail_s:
+        ap.error(f"--cause-window-s {args.cause_window_s} must be at least {CAUSE_CLEAR_S:g} s under --lead-s + "
+                 "--tail-s: a cause alert holds for its window after the last slow request ends, and it must "
+                 "end before the next segment's onset")
     keep = args.keep_captures
     args.keep = set(SCENARIOS) if keep == "all" else set() if keep == "none" else set(keep.split(","))
     return args

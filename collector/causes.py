@@ -166,7 +166,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
-    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else e.gpu_slowdown
+    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else _within_steps(e)
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
@@ -189,7 +189,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                 and (idle or not strong):
             return _host_stall(e, engine, usual)
         if (strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow))) \
-                and not _beyond_flagged_sms(e, c):
+                and not _beyond_flagged_sms(e, c, _within_steps(e)):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)
@@ -242,6 +242,18 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 
 
+def _within_steps(e: CauseEvidence) -> float | None:
+    """Its traced steps' GPU slowdown, at most what its own steps' slowdown leaves room for:
+    a step's GPU time is part of the step, so its excess per step cannot exceed the steps'.
+    Traced steps are a sample (or, for a short life, steps near it), and one outlier among
+    them (a step its own steps did not share) would otherwise speak for all of its steps."""
+    gpu, usual_gpu = e.gpu_slowdown, e.usual.get("gpu", 0.0)
+    if gpu is None or e.engine_slowdown is None or usual_gpu <= 0:
+        return gpu
+    step = e.usual.get("decode_mean", e.usual.get("duration", 0.0))
+    return min(gpu, 1.0 + max(e.engine_slowdown - 1.0, 0.0) * step / usual_gpu)
+
+
 def _heavier_not_slower(e: CauseEvidence, c: CauseConfig) -> bool:
     """Whether its decode steps carried ``FAR_BEYOND`` x the usual batch or KV or more while
     its traced steps' GPU time and host time stayed under their thresholds."""
@@ -272,15 +284,15 @@ def _steps(e: CauseEvidence) -> str:
     return f"steps {_x(e.engine_slowdown)} the usual{long}"
 
 
-def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
-    """Whether the traced steps' GPU time grew more than SMs flagged only as starved explain.
+def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig, gpu: float | None) -> bool:
+    """Whether the traced steps' GPU time (``gpu``: its slowdown) grew more than SMs flagged only as starved explain.
     The block scheduler gives a starved SM's share to the others: losing a fraction f of the
     SMs costs a kernel whose grid filled them in one wave ceil(1 / (1 - f)) waves (2 for any
     f up to a half), and one of many waves 1 / (1 - f). With the median SM's CTA slowdown
     known, the GPU's slowdown is that device-wide factor times the SMs' (at most the waves):
     the device's when its factor is the larger or the two cannot reach it; without it, the
     many-waves bound. (A slow SM's CTAs hold their kernel up by their own slowdown: no bound.)"""
-    if e.gpu_slowdown is None or e.gpu_slowdown < c.gpu_slow or not e.sm_count:
+    if gpu is None or gpu < c.gpu_slow or not e.sm_count:
         return False
     if any("slow" in (s.get("reasons") or ()) for s in e.contended_sms):
         return False
@@ -288,9 +300,9 @@ def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig) -> bool:
     kernels = len({(gpu, kernel) for gpu, kernel, _ in flags}) or 1
     lost = min(len(flags) / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
     if e.cta_slowdown is None:
-        return e.gpu_slowdown >= c.gpu_slow / (1.0 - lost)
+        return gpu >= c.gpu_slow / (1.0 - lost)
     per_cta = max(e.cta_slowdown, 1.0)
-    return per_cta * per_cta >= e.gpu_slowdown or e.gpu_slowdown >= c.gpu_slow * per_cta * math.ceil(1.0 / (1.0 - lost))
+    return per_cta * per_cta >= gpu or gpu >= c.gpu_slow * per_cta * math.ceil(1.0 / (1.0 - lost))
 
 
 def _distinct_flags(e: CauseEvidence) -> set[tuple[str, str, str]]:

@@ -34,6 +34,7 @@ TRACED_REACH_S = 1.0
 MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
 _MIN_SECOND_STEPS = 4   # a second with fewer clean decode steps says little about their mean
 _MIN_SLOPE_STEPS = 20   # a quarter of the decode steps with fewer says little about a KV block's cost
+_SLOPE_POINTS = 128   # a per-token slope from the newest decode and prefill steps: 32,640 pairs
 # A step this many times its usual stalled the engine (a neighbour's launch, a wait on a
 # lock): beyond any misfit of the per-token line (mixed steps with few prefill tokens run
 # up to about twice it), and a mean over the request's other steps would hide it
@@ -108,6 +109,20 @@ def _slope(x: np.ndarray, y: np.ndarray) -> float:
     if low.sum() < _MIN_SLOPE_STEPS or high.sum() < _MIN_SLOPE_STEPS or rise <= 0:
         return 0.0
     return max(0.0, float(np.median(y[high]) - np.median(y[low])) / rise)
+
+
+def _per_unit(x: np.ndarray, y: np.ndarray) -> float | None:
+    """How much ``y`` grows per unit of ``x``: the median of the slopes between every two
+    points of distinct ``x`` (Theil-Sen: slow points in under about three in ten leave it).
+    None with under two distinct ``x``. Cost: the square of the points."""
+    finite = np.isfinite(y)
+    x, y = x[finite], y[finite]
+    i, j = np.triu_indices(x.size, k=1)
+    apart = x[j] != x[i]
+    if not apart.any():
+        return None
+    i, j = i[apart], j[apart]
+    return float(np.median((y[j] - y[i]) / (x[j] - x[i])))
 
 
 def _number(value, default=0.0) -> float:
@@ -351,11 +366,18 @@ class EngineTimeline:
             return usual if usual.any() else rows
 
         def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float, int]:
-            """The usual decode step, the cost per prefill token and how many steps it rests on."""
-            base = usual_value(values[sampled(decode & rows)], 0.0)
-            costed = sampled(prefilled & rows)
-            per_token = usual_value((values[costed] - base) / a["prefill"][costed], 0.0)
-            return base, max(0.0, per_token), int(costed.sum())
+            """The usual decode step, the cost per prefill token and how many steps it rests on.
+            The cost is the line through decode steps (0 tokens) and steps with prefill: the
+            median of their pairwise slopes, where the usual of each step's cost beyond the
+            decode step over its tokens comes out 0 when short prompts (a prefill-only step of
+            100 tokens can take less than a decode step's CUDA graph) are most of them."""
+            anchors, costed = sampled(decode & rows), sampled(prefilled & rows)
+            base = usual_value(values[anchors], 0.0)
+            x = np.concatenate((np.zeros(min(int(anchors.sum()), _SLOPE_POINTS)),
+                                a["prefill"][costed][-_SLOPE_POINTS:]))
+            y = np.concatenate((values[anchors][-_SLOPE_POINTS:], values[costed][-_SLOPE_POINTS:]))
+            per_token = _per_unit(x, y)
+            return base, max(0.0, per_token or 0.0), int(costed.sum())
 
         base, per_token, _ = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token, gpu_token_steps = fit(a["gpu"], traced)

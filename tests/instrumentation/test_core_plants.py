@@ -31,6 +31,8 @@ def test_the_plants_run_in_the_engine_core_at_their_planned_times_and_report_eac
             engine.stop(60.0)
         collector.stop()
     assert dropped == 0   # the engine telemetry counter, summed over its reasons
+    # the plan and the core's replies lived outside the run's output, and are gone
+    assert not engine.plan.parent.exists() and not list(tmp_path.glob("*plan*"))
     control, hog = timeline
     assert control.error is None and hog.error is None
     for seg in timeline:   # each planted from its onset for planted_s, by the core's clock

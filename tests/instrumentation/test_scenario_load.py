@@ -1,8 +1,11 @@
-"""The scenario suite's load plan (bench/scenarios.py): what each scenario adds to the usual load."""
+"""The scenario suite's load plan (bench/scenarios.py): what each scenario adds to the usual load, and
+the segment lengths it accepts."""
 
 from __future__ import annotations
 
 import argparse
+
+import pytest
 
 from bench.scenarios import plan_load, segments
 
@@ -39,3 +42,17 @@ def test_a_priority_burst_sends_its_requests_at_the_onset():
     burst = [(at, plan) for at, plan in plans if plan.priority == 0]
     assert len(burst) == 4 and {at for at, _ in burst} == {timeline[1].onset_s}
     assert all(prompt_chars(plan) >= 1792 for _, plan in burst)   # long: 2,000-6,000, capped below 2,048
+
+
+def test_segments_too_short_for_the_alerts_to_clear_are_refused():
+    """A cause alert holds for its window after the planted interval's last slow request, SM
+    flags for the gauge window: both must end before the next segment's onset."""
+    from bench.scenarios import CAUSE_CLEAR_S, parse_args
+
+    args = parse_args(["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"])
+    assert args.lead_s + args.tail_s == args.cause_window_s + CAUSE_CLEAR_S + 1
+    assert parse_args([]).cause_window_s + CAUSE_CLEAR_S <= 30   # the defaults fit
+    for flags in (["--lead-s", "12", "--tail-s", "5", "--gauge-window-s", "15"],   # the cause window, 20 s
+                  ["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "22"]):
+        with pytest.raises(SystemExit):
+            parse_args(flags)
