@@ -297,7 +297,7 @@ def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig, gpu: float | None) -> 
     if any("slow" in (s.get("reasons") or ()) for s in e.contended_sms):
         return False
     flags = _distinct_flags(e)
-    kernels = len({(gpu, kernel) for gpu, kernel, _ in flags}) or 1
+    kernels = len({(g, kernel) for g, kernel, _ in flags}) or 1
     lost = min(len(flags) / kernels / e.sm_count, 0.99)  # the flagged share of one kernel's SMs
     if e.cta_slowdown is None:
         return gpu >= c.gpu_slow / (1.0 - lost)

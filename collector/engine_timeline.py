@@ -34,7 +34,8 @@ TRACED_REACH_S = 1.0
 MIN_TRACED = 3   # fewer traced steps in a window than this: those within reach join them
 _MIN_SECOND_STEPS = 4   # a second with fewer clean decode steps says little about their mean
 _MIN_SLOPE_STEPS = 20   # a quarter of the decode steps with fewer says little about a KV block's cost
-_SLOPE_POINTS = 128   # a per-token slope from the newest decode and prefill steps: 32,640 pairs
+_SLOPE_POINTS = 256   # a per-token slope from the newest steps with prefill: 32,640 pairs
+_SLOPE_LENGTHS = 3   # fewer distinct prompt lengths do not make a line
 # A step this many times its usual stalled the engine (a neighbour's launch, a wait on a
 # lock): beyond any misfit of the per-token line (mixed steps with few prefill tokens run
 # up to about twice it), and a mean over the request's other steps would hide it
@@ -111,16 +112,14 @@ def _slope(x: np.ndarray, y: np.ndarray) -> float:
     return max(0.0, float(np.median(y[high]) - np.median(y[low])) / rise)
 
 
-def _per_unit(x: np.ndarray, y: np.ndarray) -> float | None:
+def _per_unit(x: np.ndarray, y: np.ndarray) -> float:
     """How much ``y`` grows per unit of ``x``: the median of the slopes between every two
     points of distinct ``x`` (Theil-Sen: slow points in under about three in ten leave it).
-    None with under two distinct ``x``. Cost: the square of the points."""
+    Cost: the square of the points."""
     finite = np.isfinite(y)
     x, y = x[finite], y[finite]
     i, j = np.triu_indices(x.size, k=1)
     apart = x[j] != x[i]
-    if not apart.any():
-        return None
     i, j = i[apart], j[apart]
     return float(np.median((y[j] - y[i]) / (x[j] - x[i])))
 
@@ -154,6 +153,10 @@ class StepFacts:
     # the engine thread's CPU time in its host phases (NaN: not traced, or not recorded);
     # host time beyond it is time the thread was kept off the CPU
     host_cpu_s: float = float("nan")
+    # where the host came to wait for its GPU only after the GPU had finished: from when it
+    # finished (``late_from_ns``) to the wait (``wait_ns``); 0: not recorded, or not late
+    late_from_ns: int = 0
+    wait_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -178,7 +181,9 @@ def step_facts(trace, step) -> StepFacts:
     say when the launch calls returned, host time is until the last one returned, plus the
     step's end beyond the launches, the kernels and when the engine began waiting for it (a
     host that issued everything early, then waited on a GPU another process held, is not
-    slow; nor one that launched the next step first), and GPU time is its kernels' time
+    slow; nor one that launched the next step first; where it came to the wait after the GPU
+    had finished, the timeline adds the time until the next step began: _late_s), and GPU
+    time is its kernels' time
     before that return plus all of the time from it to the last kernel's end: once everything
     is issued, a gap between kernels is the GPU's (another process's work, time-sliced in),
     replay or eager."""
@@ -205,6 +210,7 @@ def step_facts(trace, step) -> StepFacts:
         last = end if last is None else max(last, end)
     duration = max(0, record.end_time_unix_nano - record.start_time_unix_nano) / 1e9
     graph = bool(a.get(sc.STEP_CUDA_GRAPH)) and first is not None and last > first
+    late_from = wait = 0
     if first is None:
         gpu = host = float("nan")
     elif launched > record.start_time_unix_nano:
@@ -212,6 +218,8 @@ def step_facts(trace, step) -> StepFacts:
         waited = int(_number(a.get(sc.STEP_WAIT_START_NS)))   # 0: not recorded
         tail = max(0, record.end_time_unix_nano - max(last, launched, waited))
         host = (min(launched, record.end_time_unix_nano) - record.start_time_unix_nano + tail) / 1e9
+        if min(waited, record.end_time_unix_nano) > max(last, launched):   # see _late_s
+            late_from, wait = max(last, launched), min(waited, record.end_time_unix_nano)
     elif graph:
         gpu, host = (last - first) / 1e9, max(0, record.end_time_unix_nano - last) / 1e9
     else:
@@ -223,7 +231,27 @@ def step_facts(trace, step) -> StepFacts:
                      gpu, host,
                      int(_number(step_id)) if step_id is not None else None, step.instance,
                      reason in (None, sc.TRACE_REASON_SAMPLED, sc.TRACE_REASON_PREFILL),
-                     _cpu_seconds(a.get(sc.STEP_HOST_CPU_S)) if first is not None else float("nan"))
+                     _cpu_seconds(a.get(sc.STEP_HOST_CPU_S)) if first is not None else float("nan"),
+                     late_from, wait)
+
+
+def _late_s(a: dict[str, np.ndarray]) -> np.ndarray:
+    """Per step (``a`` sorted by start), host time missing from step_facts': where the host
+    came to wait for its GPU only after the GPU had finished, the time from the GPU's end to
+    that wait or to the next step's start, whichever came first. Before the next step began,
+    the loop held the GPU idle (a thread holding the GIL, a stalled output path); after, the
+    next step's launches ran, which are that step's host time, not this one's."""
+    late = np.zeros(len(a["start"]))
+    for instance in set(a["instance"].tolist()):
+        mine = np.flatnonzero((a["instance"] == instance) & (a["wait"] > 0))
+        if not mine.size:
+            continue
+        starts = a["start"][a["instance"] == instance]
+        # the first step of the instance to start after each one
+        following = starts[np.minimum(np.searchsorted(starts, a["start"][mine], side="right"), starts.size - 1)]
+        following = np.where(following > a["start"][mine], following, np.iinfo(np.int64).max)
+        late[mine] = np.maximum(0, np.minimum(a["wait"][mine], following) - a["late_from"][mine]) / 1e9
+    return late
 
 
 def _cpu_seconds(value) -> float:
@@ -338,6 +366,8 @@ class EngineTimeline:
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
              "instance": np.array([f.instance for f in facts], dtype=object)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
+        a["host"] = a["host"] + _late_s({**a, "wait": np.array([f.wait_ns for f in facts], dtype=np.int64),
+                                         "late_from": np.array([f.late_from_ns for f in facts], dtype=np.int64)})
         a["host_off"] = np.maximum(0.0, a["host"] - a["host_cpu"])   # NaN where no CPU time was recorded
         a["undisturbed"] = _undisturbed(a)
         a["clean"] = a["undisturbed"] & (a["kind"] == 0)   # the decode steps a mean is taken over
@@ -367,17 +397,18 @@ class EngineTimeline:
 
         def fit(values: np.ndarray, rows: np.ndarray) -> tuple[float, float, int]:
             """The usual decode step, the cost per prefill token and how many steps it rests on.
-            The cost is the line through decode steps (0 tokens) and steps with prefill: the
-            median of their pairwise slopes, where the usual of each step's cost beyond the
-            decode step over its tokens comes out 0 when short prompts (a prefill-only step of
-            100 tokens can take less than a decode step's CUDA graph) are most of them."""
+            The cost is the slope of the line through the steps with prefill (their own
+            intercept: a prefill of 100 tokens can take less than a decode step's CUDA graph,
+            and measured from the decode step most short prompts would cost nothing); with
+            under ``_SLOPE_LENGTHS`` prompt lengths, each step's cost beyond the decode step."""
             anchors, costed = sampled(decode & rows), sampled(prefilled & rows)
             base = usual_value(values[anchors], 0.0)
-            x = np.concatenate((np.zeros(min(int(anchors.sum()), _SLOPE_POINTS)),
-                                a["prefill"][costed][-_SLOPE_POINTS:]))
-            y = np.concatenate((values[anchors][-_SLOPE_POINTS:], values[costed][-_SLOPE_POINTS:]))
-            per_token = _per_unit(x, y)
-            return base, max(0.0, per_token or 0.0), int(costed.sum())
+            x, y = a["prefill"][costed][-_SLOPE_POINTS:], values[costed][-_SLOPE_POINTS:]
+            if np.unique(x).size >= _SLOPE_LENGTHS:
+                per_token = _per_unit(x, y)
+            else:
+                per_token = usual_value((values[costed] - base) / a["prefill"][costed], 0.0)
+            return base, max(0.0, per_token), int(costed.sum())
 
         base, per_token, _ = fit(a["duration"], np.ones_like(decode))
         gpu_base, gpu_token, gpu_token_steps = fit(a["gpu"], traced)

@@ -200,6 +200,23 @@ def test_device_contention_every_sm_and_the_gpu_time_slower_alike():
     assert cause.evidence["cta_spread"] == pytest.approx(1.0)  # flat: every SM alike
 
 
+def test_a_prefill_token_costs_the_slope_of_the_prefill_steps_though_short_ones_beat_a_decode_step():
+    """Kernel-timed prefill steps of 64 to 4096 tokens at 4 ms plus 20 us a token: the short
+    ones take less GPU time than a decode step's 15 ms (a CUDA graph that reads every weight
+    and the KV), so their cost beyond the decode step is negative. A token costs the line's
+    slope, 20 us, whatever share of the prompts is short."""
+    sc_ = Scenario()
+    lengths = (64, 96, 128, 256, 1024, 2048, 4096)
+    for s, tokens in zip([s for s in sc_.steps if s[2]], lengths):
+        s[2], s[3] = tokens, 0.004 + 20e-6 * tokens
+    sc_.target(40.2, 0.01, 2.0)
+    agg, _ = explained(sc_)
+    u = agg.timeline.usual()
+    assert u["gpu_token_steps"] == len(lengths)
+    assert u["gpu_per_token"] == pytest.approx(20e-6, rel=1e-9)
+    assert u["gpu"] == pytest.approx(GPU_S, rel=1e-4)
+
+
 def test_the_usual_says_how_many_kernel_timed_prefill_steps_its_cost_per_token_rests_on():
     sc_ = Scenario()
     prefill_steps = [s for s in sc_.steps if s[2]]
@@ -370,8 +387,9 @@ def test_with_launch_ends_a_replay_waiting_on_the_gpu_is_device_contention():
 def test_a_replay_that_waited_while_the_next_step_launched_is_not_a_host_stall():
     """Replays whose ends came 0.6 of a step late because the engine launched the next step
     (a long prefill) before waiting for them: launches, kernels and the wait after the wait
-    began as usual. Without the wait's start the late end reads as this step's host time
-    (host_stall); with it, the host's own time is as usual: no host stall."""
+    began as usual, and the next step began as this one's kernels ended. Without the wait's
+    start the late end reads as this step's host time (host_stall); with it, the host's own
+    time is as usual: no host stall."""
     def scenario(wait_starts: bool) -> Scenario:
         sc_ = Scenario()
         sc_.launched = {}
@@ -380,6 +398,7 @@ def test_a_replay_that_waited_while_the_next_step_launched_is_not_a_host_stall()
                 s[1] *= 1.6
                 if wait_starts and s[3] is not None:   # the usual 3 ms from the wait to the end
                     sc_.waits[n] = s[1] - (STEP_S - GPU_S)
+                    sc_.steps[n + 1][0] = s[0] + s[3]   # the next step began as its kernels ended
         sc_.target(40.2, 0.01, 2.0)
         return sc_
 
@@ -388,6 +407,27 @@ def test_a_replay_that_waited_while_the_next_step_launched_is_not_a_host_stall()
     _, one = explained(scenario(True))
     assert one.cause.name != sc.CAUSE_HOST_STALL, one.cause
     assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0, abs=0.01)
+    assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_loop_held_between_its_launches_and_its_wait_is_a_host_stall():
+    """Replays 0.6 of a step late with launches and kernels as usual, whose engine came to
+    wait for them only after their kernels had ended, while no next step had begun: the loop
+    was held (a thread holding the GIL), the GPU idle. That time is the host's: host_stall,
+    the host stretching each traced step by its time from the kernels' end to the wait."""
+    sc_ = Scenario()
+    sc_.launched = {}
+    for n, s in enumerate(sc_.steps):
+        if s in sc_.between(38, 46):
+            s[1] *= 1.6
+            if s[3] is not None:   # the usual 3 ms from the wait to the end, the next step after it
+                sc_.waits[n] = s[1] - (STEP_S - GPU_S)
+                sc_.steps[n + 1][0] = s[0] + s[1] + GAP_S
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    assert one.cause.name == sc.CAUSE_HOST_STALL, one.cause
+    late = 1.6 * STEP_S - (STEP_S - GPU_S) - GPU_S   # from the kernels' end to the wait
+    assert one.cause.evidence["host_slowdown"] == pytest.approx(1.0 + late / STEP_S, rel=0.02)
     assert one.cause.evidence["gpu_slowdown"] == pytest.approx(1.0, abs=0.01)
 
 
@@ -462,6 +502,24 @@ def test_a_gpu_slower_than_its_ctas_clock_says_is_not_a_clocked_down_gpu():
     assert classify(hog).name == sc.CAUSE_DEVICE_CONTENTION
     clocked = CauseEvidence(**{**hog.__dict__, "gpu_slowdown": 1.45})
     assert classify(clocked).name == sc.CAUSE_HOST_STALL
+
+
+def test_traced_steps_near_a_request_speak_for_its_gpu_only_within_its_own_steps_slowdown():
+    """A slowest request of a live quarter-SM neighbour (H100, run 1): its steps 1.16x the
+    usual, none of them traced; of the 4 traced steps within a second of its life one took
+    140 ms (the GPU held whole), so their GPU time reads 3.38x. A step's GPU time is part of
+    the step: its excess cannot exceed the request's own steps' (12.6 ms steps, 11.5 ms of GPU:
+    at most 1.17x). Within that, the starved SMs in its slots name the cause; read as 3.38x,
+    the GPU would have been slower than those SMs explain."""
+    flags = [{"gpu": "0", "kernel": k, "sm": str(sm), "score": 1.5, "reasons": ["starved"]}
+             for k in ("fa2", "decode") for sm in range(0, 132, 4)]
+    near = CauseEvidence(e2e_s=0.47, queue_s=0.0, decode_s=0.45, priority="1", engine_slowdown=1.16, steps=45,
+                         traced_steps=0, traced_near=4, gpu_slowdown=3.38, host_slowdown=1.0, cta_slowdown=1.0,
+                         contended_sms=flags, sm_count=132,
+                         usual={"batch": 1.0, "gpu": 0.0115, "decode_mean": 0.0126})
+    assert classify(near).name == sc.CAUSE_SM_CONTENTION
+    unbounded = CauseEvidence(**{**near.__dict__, "usual": {"batch": 1.0}})   # no usual GPU time to bound it
+    assert classify(unbounded).name == sc.CAUSE_DEVICE_CONTENTION
 
 
 def test_host_stall_from_time_with_no_step_running():
