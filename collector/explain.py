@@ -391,8 +391,9 @@ def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
                 cache: dict) -> tuple[list[dict], float | None, float | None, int]:
     """Per-SM evidence of ``[start_s, end_s]``: the SMs the contention tests flagged in the
     slots overlapping it (attention kernels of ``instance``, when it has any), the median
-    SM's CTA P90 then over its median across the window's slots (median over kernels), and
-    the slowest SM's P90 over the median SM's then, and the most SMs a slot had CTAs on.
+    unflagged SM's CTA P90 then over its median across the window's slots (median over
+    kernels), the slowest SM's P90 over that median SM's then, and the most SMs a slot had
+    CTAs on.
     ``cache`` keeps each kernel's tests."""
     slot_s = sm.window.slot_s
     keys = [e for e in sm.gpus() if e["instance"] == instance] or sm.gpus()
@@ -403,10 +404,14 @@ def evidence_sm(sm: SmQuery, start_s: float, end_s: float, instance: str | None,
             cache[key] = sm.contention(SmKey(*key), sm.now(), sm.window.horizon_s)
         levels, mine = [], []
         for epoch, slot in cache[key]:
-            p90 = slot.p90_s[np.isfinite(slot.p90_s)] if len(slot.p90_s) else slot.p90_s
+            finite = np.isfinite(slot.p90_s)
+            p90 = slot.p90_s[finite]
             if not p90.size:
                 continue
-            level = float(np.median(p90))
+            # every SM alike is read on the SMs no test flagged: with a neighbour on half of
+            # them, the median SM may be a held one, whose CTAs share it
+            unflagged = finite & ~slot.flagged
+            level = float(np.median(slot.p90_s[unflagged] if unflagged.any() else p90))
             levels.append(level)
             if epoch * slot_s < end_s and (epoch + 1) * slot_s > start_s:
                 mine.append(level)

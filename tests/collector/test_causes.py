@@ -183,6 +183,34 @@ def test_sm_contention_names_the_starved_sms_and_their_scores():
     assert "other SMs in the same slots" in cause.compared_with
 
 
+def test_with_half_of_the_sms_held_every_sm_alike_is_read_on_the_sms_not_flagged():
+    """A neighbour on 8 of 16 SMs: they run a tenth of their share of CTAs, each 1.5x as
+    long (sharing the SM), and the steps and their GPU time 1.5x. The median of all 16 SMs'
+    CTA P90 (1.25x) is half held SMs; the 8 SMs no test flagged ran as usual: every SM alike
+    is 1.0x. Read as 1.31x, a slowest request of the live half neighbour (H100, run 2: GPU
+    2.27x, held within its steps' 1.50x, 66 SMs starved per kernel) was the device's, its
+    CTAs' slowdown squared covering the GPU's; at 1.0x it is SM contention."""
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.5)
+    for sm in range(0, SMS, 2):
+        sc_.ctas[T + 40][sm] = (20, CTA_S * 1.5)
+    for sm in range(1, SMS, 2):   # the held SMs' share went to the others
+        sc_.ctas[T + 40][sm] = ((SMS * CTAS - 8 * 20) // 8, CTA_S)
+    sc_.target(40.2, 0.01, 2.0)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_SM_CONTENTION, cause
+    assert cause.evidence["sms"] == [str(sm) for sm in range(0, SMS, 2)]
+    assert cause.evidence["cta_slowdown"] == pytest.approx(1.0, rel=0.02)
+    flags = [{"gpu": "0", "kernel": k, "sm": str(sm), "score": 4.4, "reasons": ["starved"]}
+             for k in ("fa2", "decode") for sm in range(0, 132, 2)]
+    live = CauseEvidence(e2e_s=0.82, queue_s=0.0, decode_s=0.8, priority="1", engine_slowdown=1.495, steps=36,
+                         traced_steps=1, traced_near=6, gpu_slowdown=2.27, host_slowdown=1.0, cta_slowdown=1.31,
+                         contended_sms=flags, sm_count=132, usual={"batch": 1.0, "gpu": 0.0112, "decode_mean": 0.0126})
+    assert classify(live).name == sc.CAUSE_DEVICE_CONTENTION
+    assert classify(CauseEvidence(**{**live.__dict__, "cta_slowdown": 1.0})).name == sc.CAUSE_SM_CONTENTION
+
+
 def test_device_contention_every_sm_and_the_gpu_time_slower_alike():
     sc_ = Scenario()
     slow_steps(sc_, 38, 46, 1.5, 1.5)
