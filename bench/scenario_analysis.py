@@ -7,8 +7,9 @@ in it, and the share naming the planted one; onset to alert: :class:`AlertClock`
 project's alert rules on the collector's /metrics as scraped (the SM-contention rule as it is,
 the cause rules over ``cause_window_s``), each firing once its condition held ``for_s``, as
 the demo's short ``for`` does. :func:`summarize` pools the runs per scenario (min, median,
-max) and checks issue 30's bounds, and that a control or a surge of the usual load fires no
-alert and a surge's slowest requests are not called slowed (SMs, GPU or host);
+max) and checks the bounds (``BOUNDS``), and that a control, a priority burst or a surge of
+the usual load fires no alert and a surge's slowest requests are not called slowed (SMs, GPU
+or host);
 ``python -m bench.scenario_analysis FILE...`` pools files. Guarantee: pure functions of what the run recorded (no GPU,
 no network); a scrape's sample is read as Prometheus reads it. Cost: one parse per scrape.
 """
@@ -150,8 +151,9 @@ def score_interval(interval: dict[str, Any], findings: list[dict[str, Any]], slo
     the explanations (``cause`` with ``name``) of its 10 slowest requests; ``episodes`` from
     :meth:`AlertClock.episodes`. An alert counts when it fires by the interval's end + ``grace_s``.
     ``since_unix_s`` (default: the interval's start) is where its segment began: alerts that
-    fired from then to the interval's end are its own, those firing since before are carried
-    (an earlier segment's incident whose alert has not resolved yet)."""
+    fired from then to the interval's end are its own, those fired before it and still firing
+    at the interval's start are carried (an earlier segment's incident whose alert had not
+    resolved by the onset: the segment's lead was too short)."""
     kind, start, end = interval["kind"], interval["start_unix_s"], interval["end_unix_s"]
     expected = EXPECTED_CAUSE[kind]
     kernels = {f["kernel"]: {"planted": len(f["planted"]), "flagged": len(f["flagged"]),
@@ -170,7 +172,7 @@ def score_interval(interval: dict[str, Any], findings: list[dict[str, Any]], slo
     # firing from before it
     since = start if since_unix_s is None else since_unix_s
     fired = sorted(name for name, eps in episodes.items() if any(since <= f <= end for f, _ in eps))
-    carried = sorted(name for name, eps in episodes.items() if any(f < since and (e is None or e >= since)
+    carried = sorted(name for name, eps in episodes.items() if any(f < since and (e is None or e > start)
                                                                    for f, e in eps))
     return {"kind": kind, "start_unix_s": start, "end_unix_s": end, "planted_sms": len(interval.get("sms", ())),
             "kernels": kernels, "expected_cause": expected, "causes": causes, "cause_share": share,
@@ -218,7 +220,7 @@ def summarize(scored: list[dict[str, Any]]) -> dict[str, Any]:
         if ALERT_OF[kind]:
             checks["onset_to_alert"] = all(s["onset_to_alert_s"] is not None
                                            and s["onset_to_alert_s"] <= BOUNDS["onset_to_alert_s"] for s in runs)
-        if kind in ("control", "load_surge"):
+        if kind in ("control", "load_surge", "priority_burst"):   # waiting or a busier engine: no alert
             checks["no_alert"] = not entry["alerts_fired"]
         if kind == "load_surge":   # more of the usual load: its slowest requests are not called slowed
             checks["no_slowness_named"] = not any(s["causes"].get(c) for s in runs for c in _SLOWNESS)
@@ -242,7 +244,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     for name, e in summary.items():
         checks = ", ".join(f"{k} {'ok' if v is True else 'FAIL' if v is False else v}" for k, v in e["checks"].items())
         if e.get("alerts_carried"):
-            checks += f" (still firing from the segment before: {', '.join(e['alerts_carried'])})"
+            checks += f" (still firing at the onset, from the segment before: {', '.join(e['alerts_carried'])})"
         for i, (kernel, k) in enumerate(sorted(e["kernels"].items()) or [("-", None)]):
             first = i == 0
             lines.append(f"| {name if first else ''} | {e['runs'] if first else ''} | {kernel} "

@@ -57,7 +57,8 @@ def test_an_interval_scored_against_what_was_planted(episodes):
     assert (row["alert"], row["onset_to_alert_s"], row["alert_how"]) == (SM_CONTENTION_ALERT, 6.0, "fired")
     assert row["alerts_fired"] == [SM_CONTENTION_ALERT]
     # a control interval while the host-stall alert still fires: it counts against the control
-    # when it began in the control's segment, and as carried when it began before
+    # when it began in the control's segment, and as carried when it began before and still
+    # fired at the onset
     control = score_interval({"kind": "control", "start_unix_s": 170.0, "end_unix_s": 200.0},
                              [dict(findings[1], planted=[], recall=None)], [], episodes, since_unix_s=130.0)
     assert control["alerts_fired"] == [HOST] and control["alert"] is None and control["cause_share"] is None
@@ -65,6 +66,10 @@ def test_an_interval_scored_against_what_was_planted(episodes):
     later = score_interval({"kind": "control", "start_unix_s": 170.0, "end_unix_s": 200.0}, [], [], episodes,
                            since_unix_s=140.0)
     assert (later["alerts_fired"], later["alerts_carried"]) == ([], [HOST])
+    # one that had ended by the onset is neither (the SM alert: 66 to 100 s)
+    after = score_interval({"kind": "control", "start_unix_s": 101.0, "end_unix_s": 120.0}, [], [], episodes,
+                           since_unix_s=90.0)
+    assert (after["alerts_fired"], after["alerts_carried"]) == ([], [])
     # an alert already firing when the interval starts counts 0 s, and says so
     again = score_interval({"kind": "host_stall", "start_unix_s": 150.0, "end_unix_s": 180.0}, [], [], episodes)
     assert (again["onset_to_alert_s"], again["alert_how"]) == (0.0, "already firing at the onset")
@@ -121,6 +126,19 @@ def test_a_load_surge_fires_no_alert_and_is_not_called_slowed(episodes):
     assert misread["alerts_fired"] == ["SightlineHostStall"]
     assert summarize([quiet, misread])["load_surge"]["checks"] == {"no_sm_flagged": True, "no_alert": False,
                                                                    "no_slowness_named": False}
+
+
+def test_a_priority_burst_fires_no_alert(episodes):
+    """A burst of more urgent requests makes others wait: queueing, which no alert covers. An
+    alert that fires in its segment (the host stall's, from t = 132) fails its check."""
+    def burst(start: float) -> dict:
+        return dict(score_interval({"kind": "priority_burst", "start_unix_s": start, "end_unix_s": start + 30},
+                                   [], [{"cause": {"name": sc.CAUSE_QUEUEING}}] * 10, episodes),
+                    scenario="priority_burst")
+
+    assert summarize([burst(0.0)])["priority_burst"]["checks"] == {"no_sm_flagged": True, "cause": True,
+                                                                  "no_alert": True}
+    assert summarize([burst(0.0), burst(120.0)])["priority_burst"]["checks"]["no_alert"] is False
 
 
 def test_the_cause_counters_are_kept_where_they_changed():

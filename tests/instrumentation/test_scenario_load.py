@@ -49,10 +49,11 @@ def test_segments_too_short_for_the_alerts_to_clear_are_refused():
     flags for the gauge window: both must end before the next segment's onset."""
     from bench.scenarios import CAUSE_CLEAR_S, parse_args
 
-    args = parse_args(["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"])
-    assert args.lead_s + args.tail_s == args.cause_window_s + CAUSE_CLEAR_S + 1
+    args = parse_args(["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"])
+    assert args.lead_s + args.tail_s == args.cause_window_s + CAUSE_CLEAR_S
     assert parse_args([]).cause_window_s + CAUSE_CLEAR_S <= 30   # the defaults fit
     for flags in (["--lead-s", "12", "--tail-s", "5", "--gauge-window-s", "15"],   # the cause window, 20 s
-                  ["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "22"]):
+                  ["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"],
+                  ["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "26"]):
         with pytest.raises(SystemExit):
             parse_args(flags)
