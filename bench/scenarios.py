@@ -9,7 +9,8 @@ and into a raw capture. The suite is ``--runs`` rounds of ``--scenarios``, each 
 the usual load, or nothing: the control), then ``--tail-s``. A scraper reads the collector's
 /metrics every ``--scrape-s`` (alerts: bench/scenario_analysis.py); after each segment the
 collector's time x SM heatmaps and its causes for the planted interval's 10 slowest requests
-are fetched and scored. Guarantee: what was planted is measured (the neighbour's SMs by
+are fetched and scored (where no slowness was planted, also up to 20 of its requests named
+one anyway, with their evidence). Guarantee: what was planted is measured (the neighbour's SMs by
 ``%smid``, the hogs' own clocks) and kept in each capture's metadata; every figure comes from
 the live collector. Cost: the segments (60 s each by default) and about a minute of start-up.
 """
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sightline.collector.replay import TimeMap
-from sightline.deploy.incident import Incident, PlantedInterval, find
+from sightline.deploy.incident import EXPECTED_CAUSE, Incident, PlantedInterval, find
 from sightline.deploy.load import format_summary as format_load, summarize as summarize_load
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import CaptureWriter
@@ -55,6 +56,8 @@ SCENARIOS = {"control": "control", "sm_quarter": "sm_neighbour", "sm_half": "sm_
 # a control first and incidents apart: most of what the collector compares with stays usual
 DEFAULT_ORDER = ("control", "sm_quarter", "hbm_hog", "sm_half", "host_stall", "priority_burst", "load_surge")
 SM_STEP = {"sm_quarter": 4, "sm_half": 2}  # the neighbour holds every Nth SM
+SLOWNESS_CAUSES = (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL)
+MISNAMED_AMONG, MISNAMED_KEPT = 300, 20   # of an interval's slowest, those named a slowness kept
 # a planted interval's slow requests end, and are explained, up to about 6 s after it (an
 # H100's HBM hog: the last counted 5.6 s after): a cause alert's window begun then must be
 # over by the next segment's onset
@@ -75,6 +78,7 @@ class Segment:
     plant: dict = field(default_factory=dict)
     findings: list[dict] = field(default_factory=list)
     slowest: list[dict] = field(default_factory=list)
+    misnamed: list[dict] = field(default_factory=list)  # where no slowness was planted, those named one
     error: str | None = None
 
 
@@ -172,10 +176,24 @@ def evaluate(collector: str, seg: Segment, num_sms: int, device: str) -> None:
     query = urllib.parse.urlencode({"quantile": 0, "limit": 10, "start_unix_s": interval.start_unix_nano / 1e9,
                                     "end_unix_s": interval.end_unix_nano / 1e9})
     answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
-    seg.slowest = [{"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "priority": r["priority"],
-                    "cause": {**{k: (r.get("cause") or {}).get(k) for k in ("name", "summary", "compared_with")},
-                              "evidence": _evidence_kept((r.get("cause") or {}).get("evidence") or {})}}
-                   for r in answer["requests"]]
+    seg.slowest = [_kept(r) for r in answer["requests"]]
+    if EXPECTED_CAUSE[interval.kind] in (None, sc.CAUSE_QUEUEING):
+        # where no slowness was planted, the requests named one anyway (beyond the 10 slowest
+        # too: what an alert on the causes counts), for what misled the rules
+        query = urllib.parse.urlencode({"quantile": 0, "limit": MISNAMED_AMONG,
+                                        "start_unix_s": interval.start_unix_nano / 1e9,
+                                        "end_unix_s": interval.end_unix_nano / 1e9})
+        answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
+        seg.misnamed = [_kept(r) for r in answer["requests"]
+                        if (r.get("cause") or {}).get("name") in SLOWNESS_CAUSES][:MISNAMED_KEPT]
+
+
+def _kept(r: dict) -> dict:
+    """An explained request as the run keeps it: its cause with the evidence cut (below)."""
+    cause = r.get("cause") or {}
+    return {"trace_id": r["trace_id"], "e2e_s": r["e2e_s"], "priority": r["priority"],
+            "cause": {**{k: cause.get(k) for k in ("name", "summary", "compared_with")},
+                      "evidence": _evidence_kept(cause.get("evidence") or {})}}
 
 
 def _evidence_kept(evidence: dict) -> dict:
@@ -509,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                             "interval": None if s.interval is None else {
                                 "start_unix_nano": s.interval.start_unix_nano, "end_unix_nano": s.interval.end_unix_nano,
                                 "kind": s.interval.kind, "sms": list(s.interval.sms)},
-                            "findings": s.findings, "slowest": s.slowest, "error": s.error} for s in timeline]}
+                            "findings": s.findings, "slowest": s.slowest, "misnamed": s.misnamed,
+                            "error": s.error} for s in timeline]}
     path = args.out / f"scenarios-{device.replace(' ', '-').lower()}-{commit[:8]}.json"
     # the scores are written before the captures are cut, which is slow: a run stopped while
     # cutting them (a time limit) keeps its results
