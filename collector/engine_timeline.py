@@ -183,10 +183,9 @@ def step_facts(trace, step) -> StepFacts:
     host that issued everything early, then waited on a GPU another process held, is not
     slow; nor one that launched the next step first; where it came to the wait after the GPU
     had finished, the timeline adds the time until the next step began: _late_s), and GPU
-    time is its kernels' time
-    before that return plus all of the time from it to the last kernel's end: once everything
-    is issued, a gap between kernels is the GPU's (another process's work, time-sliced in),
-    replay or eager."""
+    time is its kernels' time before that return plus all of the time from it to the last
+    kernel's end: once everything is issued, a gap between kernels is the GPU's (another
+    process's work, time-sliced in), replay or eager."""
     record = step.record()
     a = record.attributes
     prefill, decode = int(_number(a.get(sc.STEP_PREFILL_TOKENS))), int(_number(a.get(sc.STEP_DECODE_TOKENS)))
