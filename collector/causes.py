@@ -86,6 +86,8 @@ class CauseEvidence:
     # its decode time, beyond decode-only, in steps with prefill tokens or in which one began
     # (an engine that schedules ahead launches the next step inside this one)
     interference_s: float = 0.0
+    # and the time those steps ran beyond others' prefill at its usual cost: the engine's slowness
+    prefill_slowed_s: float = 0.0
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
     batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
     kv_blocks: float | None = None  # and their mean KV blocks in use
@@ -133,12 +135,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
               "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
               "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown,
-              **({"host_cpu_slowdown": e.host_cpu_slowdown} if e.host_cpu_slowdown is not None else {})}
+              **({"host_cpu_slowdown": e.host_cpu_slowdown} if e.host_cpu_slowdown is not None else {}),
+              **({"prefill_slowed_s": e.prefill_slowed_s} if e.prefill_slowed_s > 0 else {})}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(e.engine_slowdown or 1.0, 1.0)
     stalled_s = e.idle_excess_s + e.long_steps_s   # the engine not stepping, or one step far too long
-    engine_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / slowdown)
+    engine_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / slowdown) + e.prefill_slowed_s
     # far beyond the usual load (a burst's batch and KV) the usual steps' spread cannot price
     # a step: there the traced steps, which time the GPU's work and the host's, say how fast
     # the engine ran, and the steps' durations only how heavy they were

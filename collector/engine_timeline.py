@@ -584,6 +584,22 @@ class EngineTimeline:
             i += 1
         return False
 
+    def prefill_begun_inside(self, start_ns: int, instance: str | None = None) -> int:
+        """The prefill tokens of the steps (of ``instance``, when it has steps) that began
+        inside the stored step that began at ``start_ns``: what stretched it (0: none)."""
+        a = self._arrays
+        if a is None:
+            return 0
+        mine = self._steps_of(instance)
+        i = int(np.searchsorted(a["start"], start_ns, side="left"))
+        while i < len(a["start"]) and a["start"][i] == start_ns and not mine[i]:
+            i += 1
+        if i == len(a["start"]) or a["start"][i] != start_ns:
+            return 0
+        hi = int(np.searchsorted(a["start"], a["end"][i], side="left"))
+        inside = slice(i + 1, hi)
+        return int(a["prefill"][inside][mine[inside]].sum())
+
     def _steps_of(self, instance: str | None) -> np.ndarray:
         """Which stored steps are ``instance``'s (all of them when it has none)."""
         a = self._arrays

@@ -355,20 +355,28 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
     decode = [s.start_time_unix_nano for s in spans if s.name == sc.SPAN_DECODE]
     decode_from = min(decode) if decode else None
     usual = timeline.usual(root.instance)
-    interference_ns, counted_to = 0, 0
+    interference_ns, slowed_ns, counted_to = 0.0, 0.0, 0
+    per_token = usual.get("duration_per_token", 0.0)
     if decode_from is not None:
         # its decode steps that carried prefill tokens, or in which a prefill began. An engine
         # that schedules ahead begins a step inside the last, so their spans overlap: each
-        # step's excess is the end of its span, and time already counted is not counted again
+        # step's excess is the end of its span, and time already counted is not counted again.
+        # Others' prefill at its usual cost is interference; a step beyond that ran slow
         for step in sorted(steps, key=lambda s: s.start_time_unix_nano):
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
             step_start, step_end = record.start_time_unix_nano, record.end_time_unix_nano
-            if step_start >= decode_from and (prefill > 0 or timeline.stretched_by_prefill(step_start, root.instance)):
+            stretched = timeline.stretched_by_prefill(step_start, root.instance)
+            if step_start >= decode_from and (prefill > 0 or stretched):
                 batch = _i(record.attributes.get(sc.STEP_DECODE_TOKENS)) or 0
                 kv_blocks = _i(record.attributes.get(sc.STEP_KV_BLOCKS_USED)) or 0
                 excess = max(0.0, step.duration_s - timeline.decode_only_s(batch, kv_blocks, root.instance))
-                interference_ns += max(0, step_end - max(step_end - int(excess * 1e9), counted_to))
+                new_ns = max(0, step_end - max(step_end - int(excess * 1e9), counted_to))
+                tokens = prefill + (timeline.prefill_begun_inside(step_start, root.instance) if stretched else 0)
+                priced = min(excess, per_token * tokens) if per_token > 0 and tokens else excess
+                share = priced / excess if excess > 0 else 1.0
+                interference_ns += new_ns * share
+                slowed_ns += new_ns * (1.0 - share)
                 counted_to = max(counted_to, step_end)
     interference = interference_ns / 1e9
     window = timeline.window(arrival, end, root.instance)
@@ -383,7 +391,8 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         traced_steps=window.traced,
         traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
-        interference_s=interference, usual=usual, batch=window.batch, kv_blocks=window.kv_blocks,
+        interference_s=interference, prefill_slowed_s=slowed_ns / 1e9, usual=usual, batch=window.batch,
+        kv_blocks=window.kv_blocks,
         traced_slowdown=window.traced_slowdown, host_cpu_slowdown=window.host_cpu_slowdown)
 
 

@@ -640,6 +640,29 @@ def test_prefill_interference_in_its_decode_steps():
     assert one.cause.evidence["interference_s"] < sum(s[1] - STEP_S for s in overlapping) - 0.1
 
 
+def test_others_prefill_counts_at_its_usual_cost_and_a_slower_one_is_the_engines_slowness():
+    """A neighbour on 4 SMs slows the decode steps a request rides 1.15x and the other
+    requests' prefill steps among them (every fourth) 2.5x beyond their tokens' usual cost.
+    Others' prefill costs it its usual (22 ms a step) of interference; the other 33 ms of
+    each is the engine running slow, which with its decode steps' outweighs it: SM
+    contention, where counting whole prefill steps as interference named that. Time a step
+    shares with the one before counts once, so the slowed time is at most the 33 ms each."""
+    sc_ = Scenario()
+    window = sc_.between(40.3, 41.5)
+    slow_steps(sc_, 40.3, 41.5, 1.15, 1.15)
+    prefills = window[::4]
+    for s in prefills:
+        s[1], s[2], s[3] = STEP_S + 2.5 * (PREFILL_S - STEP_S), PREFILL_TOKENS, None
+    for sm in (0, 1, 2, 3):
+        sc_.ctas[T + 40][sm] = (20, CTA_S)
+    sc_.target(40.2, 0.01, 1.3)
+    _, one = explained(sc_)
+    cause = one.cause
+    assert cause.name == sc.CAUSE_SM_CONTENTION, cause
+    most = len([s for s in prefills if s[0] >= T + 40.26]) * 1.5 * (PREFILL_S - STEP_S)
+    assert 0.85 * most <= cause.evidence["prefill_slowed_s"] <= most
+
+
 def test_decode_steps_stretched_by_a_prefills_launch_are_interference_not_slowness():
     """An engine that schedules ahead launches the next step before it completes this one:
     while a 512-token prefill's launches run, the decode step before it stays open 15 ms
