@@ -288,8 +288,8 @@ def _steps(e: CauseEvidence) -> str:
 
 
 def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig, gpu: float | None) -> bool:
-    """Whether the traced steps' GPU time (``gpu``: its slowdown) grew more than SMs flagged only as starved explain.
-    The block scheduler gives a starved SM's share to the others: losing a fraction f of the
+    """Whether the traced steps' GPU time (``gpu``: its slowdown, _within_steps) grew more than
+    SMs flagged only as starved explain. The block scheduler gives a starved SM's share to the others: losing a fraction f of the
     SMs costs a kernel whose grid filled them in one wave ceil(1 / (1 - f)) waves (2 for any
     f up to a half), and one of many waves 1 / (1 - f). With the median SM's CTA slowdown
     known, the GPU's slowdown is that device-wide factor times the SMs' (at most the waves):
