@@ -169,7 +169,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
-    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else _within_steps(e)
+    traced_gpu = _within_steps(e)
+    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else traced_gpu
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
@@ -192,7 +193,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                 and (idle or not strong):
             return _host_stall(e, engine, usual)
         if (strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow))) \
-                and not _beyond_flagged_sms(e, c, _within_steps(e)):
+                and not _beyond_flagged_sms(e, c, traced_gpu):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)

@@ -242,10 +242,11 @@ def _late_s(a: dict[str, np.ndarray]) -> np.ndarray:
     next step's launches ran, which are that step's host time, not this one's."""
     late = np.zeros(len(a["start"]))
     for instance in set(a["instance"].tolist()):
-        mine = np.flatnonzero((a["instance"] == instance) & (a["wait"] > 0))
+        own = a["instance"] == instance
+        mine = np.flatnonzero(own & (a["wait"] > 0))
         if not mine.size:
             continue
-        starts = a["start"][a["instance"] == instance]
+        starts = a["start"][own]
         # the first step of the instance to start after each one
         following = starts[np.minimum(np.searchsorted(starts, a["start"][mine], side="right"), starts.size - 1)]
         following = np.where(following > a["start"][mine], following, np.iinfo(np.int64).max)
@@ -363,10 +364,11 @@ class EngineTimeline:
              "compiles": np.array([f.jit_compiles for f in facts], dtype=np.int64),
              "usual_sample": np.array([f.usual_sample for f in facts], dtype=bool),
              "step_id": np.array([-1 if f.step_id is None else f.step_id for f in facts], dtype=np.int64),
-             "instance": np.array([f.instance for f in facts], dtype=object)}
+             "instance": np.array([f.instance for f in facts], dtype=object),
+             "wait": np.array([f.wait_ns for f in facts], dtype=np.int64),
+             "late_from": np.array([f.late_from_ns for f in facts], dtype=np.int64)}
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
-        a["host"] = a["host"] + _late_s({**a, "wait": np.array([f.wait_ns for f in facts], dtype=np.int64),
-                                         "late_from": np.array([f.late_from_ns for f in facts], dtype=np.int64)})
+        a["host"] = a["host"] + _late_s(a)
         a["host_off"] = np.maximum(0.0, a["host"] - a["host_cpu"])   # NaN where no CPU time was recorded
         a["undisturbed"] = _undisturbed(a)
         a["clean"] = a["undisturbed"] & (a["kind"] == 0)   # the decode steps a mean is taken over
@@ -570,35 +572,23 @@ class EngineTimeline:
         most = self.usual(instance)["most_decode"]
         return bool(during.any() and most > 0 and np.median(a["decode"][during]) >= 0.9 * most)
 
-    def stretched_by_prefill(self, start_ns: int, instance: str | None = None) -> bool:
-        """Whether the stored step that began at ``start_ns`` (of ``instance``, when it has
-        steps) had a step with prefill tokens begin inside it (see _undisturbed)."""
+    def prefill_begun_inside(self, start_ns: int, instance: str | None = None) -> int:
+        """The prefill tokens of the steps that began inside the stored step that began at
+        ``start_ns`` (of ``instance``, when it has steps), of its engine: what stretched it
+        (0: nothing did; see _undisturbed)."""
         a = self._arrays
         if a is None:
-            return False
+            return 0
         any_instance = instance is None or instance not in self._usual
         i = int(np.searchsorted(a["start"], start_ns, side="left"))
         while i < len(a["start"]) and a["start"][i] == start_ns:
             if any_instance or a["instance"][i] == instance:
-                return not a["undisturbed"][i]
+                if a["undisturbed"][i]:
+                    return 0
+                inside = slice(i + 1, int(np.searchsorted(a["start"], a["end"][i], side="left")))
+                return int(a["prefill"][inside][a["instance"][inside] == a["instance"][i]].sum())
             i += 1
-        return False
-
-    def prefill_begun_inside(self, start_ns: int, instance: str | None = None) -> int:
-        """The prefill tokens of the steps (of ``instance``, when it has steps) that began
-        inside the stored step that began at ``start_ns``: what stretched it (0: none)."""
-        a = self._arrays
-        if a is None:
-            return 0
-        mine = self._steps_of(instance)
-        i = int(np.searchsorted(a["start"], start_ns, side="left"))
-        while i < len(a["start"]) and a["start"][i] == start_ns and not mine[i]:
-            i += 1
-        if i == len(a["start"]) or a["start"][i] != start_ns:
-            return 0
-        hi = int(np.searchsorted(a["start"], a["end"][i], side="left"))
-        inside = slice(i + 1, hi)
-        return int(a["prefill"][inside][mine[inside]].sum())
+        return 0
 
     def _steps_of(self, instance: str | None) -> np.ndarray:
         """Which stored steps are ``instance``'s (all of them when it has none)."""

@@ -366,14 +366,15 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
             record = step.record()
             prefill = _i(record.attributes.get(sc.STEP_PREFILL_TOKENS)) or 0
             step_start, step_end = record.start_time_unix_nano, record.end_time_unix_nano
-            stretched = timeline.stretched_by_prefill(step_start, root.instance)
-            if step_start >= decode_from and (prefill > 0 or stretched):
+            if step_start < decode_from:
+                continue
+            tokens = prefill + timeline.prefill_begun_inside(step_start, root.instance)
+            if tokens > 0:
                 batch = _i(record.attributes.get(sc.STEP_DECODE_TOKENS)) or 0
                 kv_blocks = _i(record.attributes.get(sc.STEP_KV_BLOCKS_USED)) or 0
                 excess = max(0.0, step.duration_s - timeline.decode_only_s(batch, kv_blocks, root.instance))
                 new_ns = max(0, step_end - max(step_end - int(excess * 1e9), counted_to))
-                tokens = prefill + (timeline.prefill_begun_inside(step_start, root.instance) if stretched else 0)
-                priced = min(excess, per_token * tokens) if per_token > 0 and tokens else excess
+                priced = min(excess, per_token * tokens) if per_token > 0 else excess
                 share = priced / excess if excess > 0 else 1.0
                 interference_ns += new_ns * share
                 slowed_ns += new_ns * (1.0 - share)
