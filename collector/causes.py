@@ -32,6 +32,10 @@ BUSIER = 0.1
 # a load this many times the usual batch or KV lies beyond what the usual steps' own spread
 # can price (a burst of long prompts: 30 requests holding thousands of blocks against one)
 FAR_BEYOND = 4.0
+# KV this many times the store's upper quartile of decode steps' KV lies beyond the contexts
+# a block's cost was measured across: there neither the steps' durations nor their GPU time
+# or CTAs (which grow with the context read) can be priced, only the host's time
+UNPRICED_KV = 8.0
 
 
 @dataclass(frozen=True)
@@ -139,13 +143,18 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
               **({"prefill_slowed_s": e.prefill_slowed_s} if e.prefill_slowed_s > 0 else {})}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
     # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
-    slowdown = max(e.engine_slowdown or 1.0, 1.0)
-    stalled_s = e.idle_excess_s + e.long_steps_s   # the engine not stepping, or one step far too long
+    # beyond the contexts the store prices, the steps' durations (long steps included), GPU
+    # time and CTAs say how heavy they were: only the host's time says how slow
+    unpriced = _unpriced(e)
+    steps_slowdown = min(e.engine_slowdown or 1.0, e.host_slowdown or 1.0) if unpriced else e.engine_slowdown
+    slowdown = max(steps_slowdown or 1.0, 1.0)
+    # the engine not stepping, or one step far too long
+    stalled_s = e.idle_excess_s + (0.0 if unpriced else e.long_steps_s)
     engine_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / slowdown) + e.prefill_slowed_s
     # far beyond the usual load (a burst's batch and KV) the usual steps' spread cannot price
     # a step: there the traced steps, which time the GPU's work and the host's, say how fast
     # the engine ran, and the steps' durations only how heavy they were
-    heavier = _heavier_not_slower(e, c)
+    heavier = not unpriced and _heavier_not_slower(e, c)
     wait_slowdown = min(slowdown, max(e.gpu_slowdown or 1.0, e.host_slowdown or 1.0, 1.0)) if heavier else slowdown
     wait_excess_s = stalled_s + max(e2e - stalled_s, 0.0) * (1.0 - 1.0 / wait_slowdown)
     # a wait is the queue's when others waited ahead, overtook it, or filled the engine; with
@@ -153,7 +162,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     q = e.queue or {}
     behind_others = e.queue is None or bool(q.get("depth") or q.get("overtaken_by") or q.get("engine_full"))
     if e.queue_s >= c.queue_share * e2e and e.queue_s / wait_slowdown > wait_excess_s and behind_others:
-        heavy = _heavier(e, usual_batch, usual_kv) if heavier and wait_slowdown < slowdown else ""
+        heavy = (_unpriced_clause(e) if unpriced and slowdown < (e.engine_slowdown or 1.0) else
+                 _heavier(e, usual_batch, usual_kv) if heavier and wait_slowdown < slowdown else "")
         return Cause(sc.CAUSE_QUEUEING,
                      f"waited {e.queue_s * 1e3:.0f} ms of {e2e * 1e3:.0f} ms in the queue (priority {e.priority}; "
                      f"{q.get('depth', '?')} waiting when it arrived, {q.get('ahead_more_urgent', '?')} more urgent; "
@@ -169,13 +179,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
-    traced_gpu = _within_steps(e)
-    gpu = e.cta_slowdown if e.gpu_slowdown is None or missed else traced_gpu
+    traced_gpu = None if unpriced else _within_steps(e)
+    gpu = None if unpriced else e.cta_slowdown if e.gpu_slowdown is None or missed else traced_gpu
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
-    slow = ((e.engine_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e
-            or ((e.engine_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s))
+    slow = ((steps_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e
+            or ((steps_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s))
     if slow:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing
@@ -239,8 +249,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     busier = (f" for their load ({e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)}, usually "
               f"{usual_batch:.0f}{_holding(usual_kv)}: the engine was busier, not slower)"
               if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
-    return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out: its steps took the usual time{busier} and it did not "
-                 "wait long",
+    steps = f"{_unpriced_clause(e)}," if unpriced else f": its steps took the usual time{busier}"
+    return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out{steps} and it did not wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
@@ -265,6 +275,22 @@ def _heavier_not_slower(e: CauseEvidence, c: CauseConfig) -> bool:
            or (e.kv_blocks or 0.0) >= FAR_BEYOND * max(e.usual.get("kv_blocks", 0.0), 1.0))
     return (far and e.gpu_slowdown is not None and e.host_slowdown is not None
             and e.gpu_slowdown < c.gpu_slow and e.host_slowdown < c.host_slow)
+
+
+def _unpriced(e: CauseEvidence) -> bool:
+    """Whether its decode steps held ``UNPRICED_KV`` x the store's upper quartile of KV or
+    more (never where the usual does not say: a store before steps recorded their KV)."""
+    upper = e.usual.get("kv_upper", 0.0)
+    return upper > 0 and (e.kv_blocks or 0.0) >= UNPRICED_KV * upper
+
+
+def _unpriced_clause(e: CauseEvidence) -> str:
+    """The clause that says its steps' load lay beyond what the store prices."""
+    return (f"; its steps held {e.kv_blocks or 0.0:.0f} KV blocks ({e.batch or 0.0:.0f} requests), "
+            f"{(e.kv_blocks or 0.0) / e.usual['kv_upper']:.0f}x the upper quartile of the store's steps "
+            f"({e.usual['kv_upper']:.0f}), beyond the contexts a block's cost was measured across: their "
+            f"duration, GPU time ({_x(e.gpu_slowdown)}) and CTAs ({_x(e.cta_slowdown)}) say how heavy they "
+            f"were, not how slow, and their host time {_x(e.host_slowdown)} its usual")
 
 
 def _heavier(e: CauseEvidence, usual_batch: float, usual_kv: float) -> str:

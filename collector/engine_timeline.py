@@ -385,7 +385,8 @@ class EngineTimeline:
         cost per prefill token, per request beyond that batch and per KV block beyond that KV;
         the same for GPU time and host time (see step_facts) of traced steps, and the gap
         between steps. Each is the median of the shortest half of the values
-        (:func:`usual_value`); beside them the most requests a step decoded. GPU and host
+        (:func:`usual_value`); beside them the most requests a step decoded and the upper
+        quartile of decode steps' KV blocks (``kv_upper``: how far the KV cost was measured). GPU and host
         time come from the steps the usual ratio sampled, of each kind where it has any: steps
         traced after a slow step or in a slow spell were chosen for running slow."""
         decode = a["kind"] == 0
@@ -431,6 +432,9 @@ class EngineTimeline:
         # are a heavier load, not a slower engine
         kv_blocks = usual_value(a["kv"][decode], 0.0)
         per_kv_block = _slope(a["kv"][decode], at_usual_batch[decode])
+        # the contexts that slope was measured across end about here; far beyond, a block's
+        # cost is a guess (attention over long contexts need not scale as over short ones)
+        kv_upper = float(np.quantile(a["kv"][decode], 0.75)) if decode.any() else 0.0
         at_usual = at_usual_batch - per_kv_block * _beyond(a["kv"], kv_blocks)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token,
@@ -439,6 +443,7 @@ class EngineTimeline:
                 **({"host_cpu": host_cpu} if np.isfinite(host_cpu) else {}),
                 "gpu_token_steps": gpu_token_steps, "batch": batch,
                 "per_request": per_request, "kv_blocks": kv_blocks, "per_kv_block": per_kv_block,
+                "kv_upper": kv_upper,
                 "decode_mean": _usual_mean(a, at_usual, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}

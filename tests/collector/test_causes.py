@@ -875,6 +875,9 @@ def test_a_burst_of_long_prompts_is_queueing_not_a_slower_engine():
         u = agg.timeline.usual()
         if recorded:
             assert u["per_kv_block"] == pytest.approx(PER_KV_BLOCK_S, rel=0.05) and u["kv_blocks"] <= 140
+            # the burst's steps, under a quarter of the decode steps, leave the upper quartile
+            # among the usual load's levels, and the burst's 6,000 blocks beyond it
+            assert 220 <= u["kv_upper"] <= 300 and one.cause.evidence["kv_blocks"] >= 8 * u["kv_upper"]
             assert one.cause.name == sc.CAUSE_QUEUEING, one.cause
             assert one.cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
             assert one.cause.evidence["kv_blocks"] == pytest.approx(6000, rel=0.01)   # a step began before T+38
@@ -905,6 +908,38 @@ def test_a_burst_far_beyond_the_usual_load_is_judged_by_its_traced_steps():
     assert classify(usual_load).name == sc.CAUSE_UNKNOWN
     # no traced step in its life: nothing says how fast the engine ran, so durations count
     assert classify(CauseEvidence(**{**burst.__dict__, "gpu_slowdown": None})).name == sc.CAUSE_UNKNOWN
+
+
+def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
+    """The evidence of a burst request on an H100 (bench/results/scenarios-*-8caf8606-part2.json,
+    priority_burst run 1, replayed): 56 requests holding 10,697 KV blocks where the store's
+    decode steps' upper quartile held 206, steps 1.29x and GPU time 1.58x their usual priced
+    by a block's cost measured across contexts 50x shorter, host time 1.00x. Beyond
+    UNPRICED_KV x that quartile neither names the GPU: others' prefill in its decode steps
+    does. The same figures at contexts the store prices are the device's."""
+    usual = {"batch": 1.0, "kv_blocks": 19.0, "kv_upper": 206.0, "duration": 0.01269, "decode_mean": 0.01247,
+             "gpu": 0.01104, "per_kv_block": 2.5e-6, "per_request": 21.42e-6}
+    burst = CauseEvidence(e2e_s=11.21, queue_s=3.56, decode_s=7.02, priority="0", engine_slowdown=1.285, steps=85,
+                          traced_steps=18, gpu_slowdown=1.578, host_slowdown=1.0015, cta_slowdown=5.18,
+                          cta_spread=1.05, traced_slowdown=0.81, interference_s=6.47, batch=56.2,
+                          kv_blocks=10697.0, usual=usual, sm_count=132,
+                          queue={"depth": 89, "ahead_more_urgent": 0, "overtaken_by": 0, "engine_full": False})
+    cause = classify(burst)
+    assert cause.name == sc.CAUSE_PREFILL_INTERFERENCE, cause
+    assert classify(CauseEvidence(**{**burst.__dict__, "interference_s": 0.0})).summary == (
+        "no cause stands out; its steps held 10697 KV blocks (56 requests), 52x the upper quartile of the store's "
+        "steps (206), beyond the contexts a block's cost was measured across: their duration, GPU time (1.58x) and "
+        "CTAs (5.18x) say how heavy they were, not how slow, and their host time 1.00x its usual, and it did not "
+        "wait long")
+    # waiting most of its life behind the burst: the queue's, the load said beside it
+    queued = classify(CauseEvidence(**{**burst.__dict__, "queue_s": 9.4}))
+    assert queued.name == sc.CAUSE_QUEUEING and "52x the upper quartile" in queued.summary, queued
+    # the host's time still speaks there
+    assert classify(CauseEvidence(**{**burst.__dict__, "host_slowdown": 1.8})).name == sc.CAUSE_HOST_STALL
+    # within the contexts priced (or a store that does not say), the same GPU is the device's
+    assert classify(CauseEvidence(**{**burst.__dict__, "kv_blocks": 1600.0})).name == sc.CAUSE_DEVICE_CONTENTION
+    no_upper = {k: v for k, v in usual.items() if k != "kv_upper"}
+    assert classify(CauseEvidence(**{**burst.__dict__, "usual": no_upper})).name == sc.CAUSE_DEVICE_CONTENTION
 
 
 def test_sms_lost_to_a_neighbour_explain_a_gpu_twice_as_slow_and_slower_ctas_do_not():
