@@ -95,6 +95,7 @@ class CauseEvidence:
     usual: dict[str, float] = field(default_factory=dict)  # the usual step compared with
     batch: float | None = None  # its decode-only steps' mean batch (WindowSteps)
     kv_blocks: float | None = None  # and their mean KV blocks in use
+    kv_load: float | None = None  # every step's in its life and the traced ones near it (WindowSteps)
     traced_slowdown: float | None = None  # its kernel-traced decode-only steps' own (WindowSteps)
     host_cpu_slowdown: float | None = None  # their engine thread's CPU time in host phases (WindowSteps)
 
@@ -138,7 +139,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     usual_batch, usual_kv = e.usual.get("batch", 0.0), e.usual.get("kv_blocks", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
               "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
-              "kv_blocks": e.kv_blocks, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown,
+              "kv_blocks": e.kv_blocks, "kv_load": e.kv_load, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown,
               **({"host_cpu_slowdown": e.host_cpu_slowdown} if e.host_cpu_slowdown is not None else {}),
               **({"prefill_slowed_s": e.prefill_slowed_s} if e.prefill_slowed_s > 0 else {})}
     # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
@@ -179,8 +180,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
-    traced_gpu = None if unpriced else _within_steps(e)
-    gpu = None if unpriced else e.cta_slowdown if e.gpu_slowdown is None or missed else traced_gpu
+    traced_gpu = None if unpriced else _within_steps(e, e.gpu_slowdown)
+    gpu = None if unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
     host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
@@ -256,12 +257,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 
 
-def _within_steps(e: CauseEvidence) -> float | None:
-    """Its traced steps' GPU slowdown, at most what its own steps' slowdown leaves room for:
-    a step's GPU time is part of the step, so its excess per step cannot exceed the steps'.
-    Traced steps are a sample (or, for a short life, steps near it), and one outlier among
-    them (a step its own steps did not share) would otherwise speak for all of its steps."""
-    gpu, usual_gpu = e.gpu_slowdown, e.usual.get("gpu", 0.0)
+def _within_steps(e: CauseEvidence, gpu: float | None) -> float | None:
+    """A GPU slowdown (its traced steps', or its CTAs'), at most what its own steps' slowdown
+    leaves room for: a step's GPU time is part of the step, so its excess per step cannot
+    exceed the steps'. Traced steps are a sample (or, for a short life, steps near it), and
+    one outlier among them (a step its own steps did not share) would otherwise speak for all
+    of its steps; CTAs are every request's on the GPU then (others' long prompts among them)."""
+    usual_gpu = e.usual.get("gpu", 0.0)
     if gpu is None or e.engine_slowdown is None or usual_gpu <= 0:
         return gpu
     step = e.usual.get("decode_mean", e.usual.get("duration", 0.0))
@@ -278,16 +280,21 @@ def _heavier_not_slower(e: CauseEvidence, c: CauseConfig) -> bool:
 
 
 def _unpriced(e: CauseEvidence) -> bool:
-    """Whether its decode steps held ``UNPRICED_KV`` x the store's upper quartile of KV or
-    more (never where the usual does not say: a store before steps recorded their KV)."""
+    """Whether its decode steps, or the steps in its life and the traced ones read for its GPU,
+    held ``UNPRICED_KV`` x the store's upper quartile of KV or more (never where the usual
+    does not say: a store before steps recorded their KV)."""
     upper = e.usual.get("kv_upper", 0.0)
-    return upper > 0 and (e.kv_blocks or 0.0) >= UNPRICED_KV * upper
+    return upper > 0 and _kv(e) >= UNPRICED_KV * upper
+
+
+def _kv(e: CauseEvidence) -> float:
+    return max(e.kv_blocks or 0.0, e.kv_load or 0.0)
 
 
 def _unpriced_clause(e: CauseEvidence) -> str:
     """The clause that says its steps' load lay beyond what the store prices."""
-    return (f"; its steps held {e.kv_blocks or 0.0:.0f} KV blocks ({e.batch or 0.0:.0f} requests), "
-            f"{(e.kv_blocks or 0.0) / e.usual['kv_upper']:.0f}x the upper quartile of the store's steps "
+    return (f"; its steps held {_kv(e):.0f} KV blocks ({e.batch or 0.0:.0f} requests decoded), "
+            f"{_kv(e) / e.usual['kv_upper']:.0f}x the upper quartile of the store's steps "
             f"({e.usual['kv_upper']:.0f}), beyond the contexts a block's cost was measured across: their "
             f"duration, GPU time ({_x(e.gpu_slowdown)}) and CTAs ({_x(e.cta_slowdown)}) say how heavy they "
             f"were, not how slow, and their host time {_x(e.host_slowdown)} its usual")

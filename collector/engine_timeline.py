@@ -316,6 +316,9 @@ class WindowSteps:
     # traced steps recording it: their engine thread's CPU time in their host phases over its
     # usual in a decode step (the engine's own host work; a larger batch asks more of it)
     host_cpu_slowdown: float | None = None
+    # the mean KV blocks in use of every step in the window and of the traced steps near it:
+    # the load its GPU time and CTAs were read under (its own decode-only steps may be few)
+    kv_load: float | None = None
 
 
 class EngineTimeline:
@@ -504,6 +507,7 @@ class EngineTimeline:
             near = int(around.sum()) - int(traced.size)
             traced = np.flatnonzero(around)
         gpu, host, host_cpu = self._gpu_and_host(traced, u)
+        kv_load = float(a["kv"][np.union1d(idx, traced)].mean())
         # time in the window with no step running, beyond a usual gap before each step
         lo, hi = np.maximum(a["start"][idx], start_ns), np.minimum(a["end"][idx], end_ns)
         covered, reach = 0, start_ns
@@ -519,7 +523,7 @@ class EngineTimeline:
                     for i in idx[a["compiles"][idx] > 0].tolist()]
         return WindowSteps(int(idx.size), slowdown, int(traced.size) - near, gpu, host,
                            max(0.0, idle - usual_gap * idx.size), compiles, near, long_s, batch, kv_blocks,
-                           traced_slowdown, host_cpu)
+                           traced_slowdown, host_cpu, kv_load)
 
     def _gpu_and_host(self, traced: np.ndarray, u: dict[str, float]) -> tuple[float | None, float | None,
                                                                               float | None]:

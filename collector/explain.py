@@ -393,7 +393,7 @@ def _evidence(root: StoredSpan, spans: list[StoredSpan], steps: list[StoredSpan]
         traced_near=window.traced_near,
         gpu_slowdown=window.gpu_slowdown, host_slowdown=window.host_slowdown, compiles=window.compiles,
         interference_s=interference, prefill_slowed_s=slowed_ns / 1e9, usual=usual, batch=window.batch,
-        kv_blocks=window.kv_blocks,
+        kv_blocks=window.kv_blocks, kv_load=window.kv_load,
         traced_slowdown=window.traced_slowdown, host_cpu_slowdown=window.host_cpu_slowdown)
 
 

@@ -7,7 +7,9 @@ least 0.9, for every attention kernel), the SM-contention alert's series is ther
 10 slowest requests of each interval are explained as ``sm_contention`` in at least 9 of
 10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged; the
 GIL hog: ``host_stall`` for at least 9 of 10, no SM flagged; the control, recorded with the
-GPU's dispatch deal: no SM flagged, no request blamed on the GPU or the host. The capture
+GPU's dispatch deal: no SM flagged, no request blamed on the GPU or the host; the priority
+burst: ``queueing`` for at least 9 of 10, no SM flagged, no request of its interval blamed
+on an SM, the GPU or the host. The capture
 without an incident: no request is blamed on the GPU. Slow: the replay's OTLP/JSON parsing
 takes about a minute.
 """
@@ -34,6 +36,7 @@ PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
 HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
 CONTROL = CAPTURES_DIR / "h200-control.jsonl.gz"
 HOST_STALL = CAPTURES_DIR / "h200-host-stall.jsonl.gz"
+BURST = CAPTURES_DIR / "h100-priority-burst.jsonl.gz"
 
 
 def replayed(capture):
@@ -116,8 +119,8 @@ def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
 
 
 def _planted(capture):
-    """The capture's replay, its one planted interval, the findings there, and that
-    interval's 10 slowest requests explained."""
+    """The capture's one planted interval, the findings there, that interval's 10 slowest
+    requests explained, and the replay's aggregator and the interval on its clock."""
     if not capture.is_file():
         pytest.skip(f"no {capture.name}")
     aggregator, time_map, heatmaps = replayed(capture)
@@ -125,14 +128,14 @@ def _planted(capture):
     (interval,) = incident.intervals
     findings = find(incident, heatmaps, time_map)
     within = (time_map(interval.start_unix_nano) / 1e9, time_map(interval.end_unix_nano) / 1e9)
-    return interval, findings, explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
+    return interval, findings, explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within), aggregator, within
 
 
 def test_the_control_flags_no_sm_and_blames_no_request_on_the_gpu_or_the_host():
     """A control segment (bench/scenarios.py), nothing planted, recorded with the CTAs the
     GPU's dispatch deals each SM: a 128-CTA launch leaves four SMs idle, 64 CTAs leave 68,
     and none of them is called starved."""
-    interval, findings, explained = _planted(CONTROL)
+    interval, findings, explained, _, _ = _planted(CONTROL)
     assert interval.kind == "control"
     assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
     causes = {r.cause.name for r in explained.requests}
@@ -144,7 +147,7 @@ def test_a_gil_holding_thread_is_named_host_stall_and_flags_no_sm():
     """The recorded GIL hog (a thread in the engine's process holding the GIL 30 ms of every
     50): at least 9 of the interval's 10 slowest requests are ``host_stall``, with host time
     stretching their steps more than GPU time did, and no SM is flagged."""
-    interval, findings, explained = _planted(HOST_STALL)
+    interval, findings, explained, _, _ = _planted(HOST_STALL)
     assert interval.kind == "host_stall"
     assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
     causes = [r.cause.name for r in explained.requests]
@@ -153,3 +156,22 @@ def test_a_gil_holding_thread_is_named_host_stall_and_flags_no_sm():
         evidence = request.cause.evidence
         if request.cause.name == sc.CAUSE_HOST_STALL and evidence.get("gpu_slowdown") is not None:
             assert evidence["host_slowdown"] >= max(evidence["gpu_slowdown"], 1.5), evidence
+
+
+def test_a_priority_burst_is_queueing_and_blames_no_request_on_the_gpu():
+    """The recorded priority burst (96 prompts of 2,000-6,000 tokens at once, at the most
+    urgent priority; bench/scenarios.py on an H100): at least 9 of the interval's 10 slowest
+    requests are ``queueing``, no SM is flagged, and none of the interval's requests is named
+    a cause of slowness. Live, its collector named ``device_contention`` for 2 of the 10
+    slowest and for more beyond them, and fired a device alert: steps holding 7,700 KV
+    blocks read against a block's cost measured on contexts under 400."""
+    interval, findings, explained, aggregator, within = _planted(BURST)
+    assert interval.kind == "priority_burst"
+    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
+    causes = [r.cause.name for r in explained.requests]
+    assert len(causes) == 10 and causes.count(sc.CAUSE_QUEUEING) >= 9, causes
+    every = explain_slowest(aggregator, quantile=0.0, limit=1000, within_s=within)
+    assert every.requests_considered == len(every.requests) > 100
+    blamed = [r.cause.summary for r in every.requests
+              if r.cause.name in (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL)]
+    assert not blamed, blamed
