@@ -878,6 +878,7 @@ def test_a_burst_of_long_prompts_is_queueing_not_a_slower_engine():
             # the burst's steps, under a quarter of the decode steps, leave the upper quartile
             # among the usual load's levels, and the burst's 6,000 blocks beyond it
             assert 220 <= u["kv_upper"] <= 300 and one.cause.evidence["kv_blocks"] >= 8 * u["kv_upper"]
+            assert one.cause.evidence["kv_load"] == pytest.approx(6000, rel=0.05)   # every step of its life
             assert one.cause.name == sc.CAUSE_QUEUEING, one.cause
             assert one.cause.evidence["engine_slowdown"] == pytest.approx(1.0, abs=0.05)
             assert one.cause.evidence["kv_blocks"] == pytest.approx(6000, rel=0.01)   # a step began before T+38
@@ -940,6 +941,12 @@ def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
     assert classify(CauseEvidence(**{**burst.__dict__, "kv_blocks": 1600.0})).name == sc.CAUSE_DEVICE_CONTENTION
     no_upper = {k: v for k, v in usual.items() if k != "kv_upper"}
     assert classify(CauseEvidence(**{**burst.__dict__, "usual": no_upper})).name == sc.CAUSE_DEVICE_CONTENTION
+    # a burst prompt with no decode-only step of its own, riding mixed steps that held the
+    # burst's blocks: the steps of its life say the load
+    riding = CauseEvidence(**{**burst.__dict__, "batch": None, "kv_blocks": None, "kv_load": 9000.0,
+                              "interference_s": 0.0})
+    assert classify(riding).name == sc.CAUSE_UNKNOWN and "held 9000 KV blocks" in classify(riding).summary
+    assert classify(CauseEvidence(**{**riding.__dict__, "kv_load": 300.0})).name == sc.CAUSE_DEVICE_CONTENTION
 
 
 def test_sms_lost_to_a_neighbour_explain_a_gpu_twice_as_slow_and_slower_ctas_do_not():
