@@ -139,15 +139,16 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     usual_batch, usual_kv = e.usual.get("batch", 0.0), e.usual.get("kv_blocks", 0.0)
     engine = {"engine_slowdown": e.engine_slowdown, "steps": e.steps, "idle_excess_s": e.idle_excess_s,
               "long_steps_s": e.long_steps_s, "batch": e.batch, "usual_batch": usual_batch,
-              "kv_blocks": e.kv_blocks, "kv_load": e.kv_load, "usual_kv_blocks": usual_kv, "traced_slowdown": e.traced_slowdown,
+              "kv_blocks": e.kv_blocks, "kv_load": e.kv_load, "usual_kv_blocks": usual_kv,
+              "traced_slowdown": e.traced_slowdown,
               **({"host_cpu_slowdown": e.host_cpu_slowdown} if e.host_cpu_slowdown is not None else {}),
               **({"prefill_slowed_s": e.prefill_slowed_s} if e.prefill_slowed_s > 0 else {})}
-    # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
-    # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     # beyond the contexts the store prices, the steps' durations (long steps included), GPU
     # time and CTAs say how heavy they were: only the host's time says how slow
     unpriced = _unpriced(e)
     steps_slowdown = min(e.engine_slowdown or 1.0, e.host_slowdown or 1.0) if unpriced else e.engine_slowdown
+    # a slow engine stretches its wait too: of the wait, queue_s / slowdown is the queue's own;
+    # the engine added (e2e - idle) x (1 - 1 / slowdown) plus the idle time
     slowdown = max(steps_slowdown or 1.0, 1.0)
     # the engine not stepping, or one step far too long
     stalled_s = e.idle_excess_s + (0.0 if unpriced else e.long_steps_s)
@@ -288,6 +289,7 @@ def _unpriced(e: CauseEvidence) -> bool:
 
 
 def _kv(e: CauseEvidence) -> float:
+    """The KV blocks its steps held: its decode-only steps', or its life's where more."""
     return max(e.kv_blocks or 0.0, e.kv_load or 0.0)
 
 

@@ -389,9 +389,9 @@ class EngineTimeline:
         the same for GPU time and host time (see step_facts) of traced steps, and the gap
         between steps. Each is the median of the shortest half of the values
         (:func:`usual_value`); beside them the most requests a step decoded and the upper
-        quartile of decode steps' KV blocks (``kv_upper``: how far the KV cost was measured). GPU and host
-        time come from the steps the usual ratio sampled, of each kind where it has any: steps
-        traced after a slow step or in a slow spell were chosen for running slow."""
+        quartile of decode steps' KV blocks (``kv_upper``: how far the KV cost was measured).
+        GPU and host time come from the steps the usual ratio sampled, of each kind where it
+        has any: steps traced after a slow step or in a slow spell were chosen for running slow."""
         decode = a["kind"] == 0
         prefilled = a["prefill"] >= _MIN_PREFILL_FOR_COST
         traced = np.isfinite(a["gpu"])

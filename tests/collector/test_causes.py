@@ -928,10 +928,10 @@ def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
     cause = classify(burst)
     assert cause.name == sc.CAUSE_PREFILL_INTERFERENCE, cause
     assert classify(CauseEvidence(**{**burst.__dict__, "interference_s": 0.0})).summary == (
-        "no cause stands out; its steps held 10697 KV blocks (56 requests decoded), 52x the upper quartile of the store's "
-        "steps (206), beyond the contexts a block's cost was measured across: their duration, GPU time (1.58x) and "
-        "CTAs (5.18x) say how heavy they were, not how slow, and their host time 1.00x its usual, and it did not "
-        "wait long")
+        "no cause stands out; its steps held 10697 KV blocks (56 requests decoded), 52x the upper quartile of "
+        "the store's steps (206), beyond the contexts a block's cost was measured across: their duration, GPU "
+        "time (1.58x) and CTAs (5.18x) say how heavy they were, not how slow, and their host time 1.00x its "
+        "usual, and it did not wait long")
     # waiting most of its life behind the burst: the queue's, the load said beside it
     queued = classify(CauseEvidence(**{**burst.__dict__, "queue_s": 9.4}))
     assert queued.name == sc.CAUSE_QUEUEING and "52x the upper quartile" in queued.summary, queued
