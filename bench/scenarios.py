@@ -173,18 +173,16 @@ def evaluate(collector: str, seg: Segment, num_sms: int, device: str) -> None:
                                         "kind": "time_sm", "format": "json"})
         heatmaps.append(dict(json.loads(_get(f"{collector}/api/v1/heatmap?{query}")), gpu_index=e["gpu_index"]))
     seg.findings = [f.to_dict() for f in find(incident, heatmaps, TimeMap())]
-    query = urllib.parse.urlencode({"quantile": 0, "limit": 10, "start_unix_s": interval.start_unix_nano / 1e9,
+    # where no slowness was planted, the requests named one anyway (beyond the 10 slowest
+    # too: what an alert on the causes counts) are kept too, for what misled the rules
+    unplanted = EXPECTED_CAUSE[interval.kind] in (None, sc.CAUSE_QUEUEING)
+    query = urllib.parse.urlencode({"quantile": 0, "limit": MISNAMED_AMONG if unplanted else 10,
+                                    "start_unix_s": interval.start_unix_nano / 1e9,
                                     "end_unix_s": interval.end_unix_nano / 1e9})
-    answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
-    seg.slowest = [_kept(r) for r in answer["requests"]]
-    if EXPECTED_CAUSE[interval.kind] in (None, sc.CAUSE_QUEUEING):
-        # where no slowness was planted, the requests named one anyway (beyond the 10 slowest
-        # too: what an alert on the causes counts), for what misled the rules
-        query = urllib.parse.urlencode({"quantile": 0, "limit": MISNAMED_AMONG,
-                                        "start_unix_s": interval.start_unix_nano / 1e9,
-                                        "end_unix_s": interval.end_unix_nano / 1e9})
-        answer = json.loads(_get(f"{collector}/api/v1/explain?{query}"))
-        seg.misnamed = [_kept(r) for r in answer["requests"]
+    requests = json.loads(_get(f"{collector}/api/v1/explain?{query}"))["requests"]   # slowest first
+    seg.slowest = [_kept(r) for r in requests[:10]]
+    if unplanted:
+        seg.misnamed = [_kept(r) for r in requests
                         if (r.get("cause") or {}).get("name") in SLOWNESS_CAUSES][:MISNAMED_KEPT]
 
 

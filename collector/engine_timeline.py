@@ -55,24 +55,25 @@ def usual_value(values: np.ndarray, default: float = float("nan")) -> float:
     return float(np.median(x[i:i + half]))
 
 
-def _undisturbed(a: dict[str, np.ndarray]) -> np.ndarray:
-    """Steps in whose span no step with prefill tokens began (``a`` sorted by start): an
-    engine that schedules ahead launches the next step before it completes this one, and a
-    prefill's launches then stretch this step (others' prefill, not slowness)."""
-    clean = np.ones(len(a["start"]), dtype=bool)
+def _prefill_begun_inside(a: dict[str, np.ndarray]) -> np.ndarray:
+    """Per step (``a`` sorted by start), the prefill tokens of its engine's steps that began
+    inside its span: an engine that schedules ahead launches the next step before it
+    completes this one, and a prefill's launches then stretch this step (others' prefill,
+    not slowness). A step with none is undisturbed."""
+    inside = np.zeros(len(a["start"]), dtype=np.int64)
     for instance in set(a["instance"].tolist()):
         mine = np.flatnonzero(a["instance"] == instance)
-        # prefilled[j]: steps with prefill tokens among the instance's first j
-        prefilled = np.concatenate(([0], np.cumsum(a["prefill"][mine] > 0)))
+        # prefilled[j]: prefill tokens of the instance's first j steps
+        prefilled = np.concatenate(([0], np.cumsum(np.maximum(a["prefill"][mine], 0))))
         # its steps i+1 .. k-1 began inside step i (k: the first to begin at or after its end)
         after = np.arange(len(mine)) + 1
         k = np.maximum(np.searchsorted(a["start"][mine], a["end"][mine], side="left"), after)
-        clean[mine] &= prefilled[k] == prefilled[after]
-    return clean
+        inside[mine] = prefilled[k] - prefilled[after]
+    return inside
 
 
 def _usual_mean(a: dict[str, np.ndarray], durations: np.ndarray, default: float) -> float:
-    """A usual second's mean decode step (undisturbed ones, see _undisturbed; ``durations``:
+    """A usual second's mean decode step (undisturbed ones, see _prefill_begun_inside; ``durations``:
     each step's at the usual batch): where most of the per-second means lie. Step times are
     skewed (a few long ones in any second), so a request's mean step is held against this,
     not against the usual step."""
@@ -291,7 +292,7 @@ class WindowSteps:
 
     steps: int
     # its decode-only steps' mean duration, leaving out those in which a prefill began
-    # (_undisturbed), over a usual second's (_usual_mean) plus what their requests beyond the
+    # (_prefill_begun_inside), over a usual second's (_usual_mean) plus what their requests beyond the
     # usual batch cost; where none is left, the median step's over the usual for its tokens.
     # A stall that stretches a third of the steps 4x doubles the request's time, and leaves
     # their median usual
@@ -373,7 +374,8 @@ class EngineTimeline:
         a["duration"] = np.maximum(0, a["end"] - a["start"]) / 1e9
         a["host"] = a["host"] + _late_s(a)
         a["host_off"] = np.maximum(0.0, a["host"] - a["host_cpu"])   # NaN where no CPU time was recorded
-        a["undisturbed"] = _undisturbed(a)
+        a["prefill_inside"] = _prefill_begun_inside(a)
+        a["undisturbed"] = a["prefill_inside"] == 0
         a["clean"] = a["undisturbed"] & (a["kind"] == 0)   # the decode steps a mean is taken over
         self._arrays = a
         # each engine against its own usual: engines of other models or devices share the store
@@ -584,7 +586,7 @@ class EngineTimeline:
     def prefill_begun_inside(self, start_ns: int, instance: str | None = None) -> int:
         """The prefill tokens of the steps that began inside the stored step that began at
         ``start_ns`` (of ``instance``, when it has steps), of its engine: what stretched it
-        (0: nothing did; see _undisturbed)."""
+        (0: nothing did; see _prefill_begun_inside)."""
         a = self._arrays
         if a is None:
             return 0
@@ -592,10 +594,7 @@ class EngineTimeline:
         i = int(np.searchsorted(a["start"], start_ns, side="left"))
         while i < len(a["start"]) and a["start"][i] == start_ns:
             if any_instance or a["instance"][i] == instance:
-                if a["undisturbed"][i]:
-                    return 0
-                inside = slice(i + 1, int(np.searchsorted(a["start"], a["end"][i], side="left")))
-                return int(a["prefill"][inside][a["instance"][inside] == a["instance"][i]].sum())
+                return int(a["prefill_inside"][i])
             i += 1
         return 0
 
