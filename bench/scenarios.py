@@ -34,6 +34,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sightline.collector.aggregation_config import WindowConfig
 from sightline.collector.replay import TimeMap
 from sightline.deploy.incident import EXPECTED_CAUSE, Incident, PlantedInterval, find
 from sightline.deploy.load import format_summary as format_load, summarize as summarize_load
@@ -432,8 +433,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--alert-for-s", type=float, default=5.0, help="the alerts' wait (the demo's short for)")
     ap.add_argument("--cause-window-s", type=float, default=AlertRules.cause_window_s,
                     help="the cause alerts' window (default: within one segment)")
-    ap.add_argument("--gauge-window-s", type=float, default=20.0,
-                    help="the collector's gauge window: flags clear before the next segment's onset")
+    ap.add_argument("--gauge-window-s", type=float, default=15.0,
+                    help="the collector's gauge window: flags, read once their slot has closed, clear before "
+                         "the next segment's onset")
     ap.add_argument("--kernel-sample-ratio", type=float, default=0.02)
     ap.add_argument("--kernel-sample-ratio-slow", type=float, default=0.1,
                     help="steps traced during a slow spell (0: none)")
@@ -455,9 +457,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--rate {args.rate} and --surge-rate {args.surge_rate} must be above 0 (arrivals a second)")
     if not (5 <= args.lead_s and 10 <= args.planted_s and 0 <= args.tail_s) or args.settle_s < 0:
         ap.error("need --lead-s >= 5, --planted-s >= 10, --tail-s >= 0, --settle-s >= 0")
-    if args.gauge_window_s >= args.lead_s + args.tail_s:
-        ap.error(f"--gauge-window-s {args.gauge_window_s} must be under --lead-s + --tail-s: flags of one "
-                 "segment must clear before the next one's onset")
+    slot_s = WindowConfig().slot_s
+    if args.gauge_window_s + slot_s >= args.lead_s + args.tail_s:
+        ap.error(f"--gauge-window-s {args.gauge_window_s} must be {slot_s:g} s under --lead-s + --tail-s: flags "
+                 "of one segment (read once their slot has closed) must clear before the next one's onset")
     if args.cause_window_s + CAUSE_CLEAR_S > args.lead_s + args.tail_s:
         ap.error(f"--cause-window-s {args.cause_window_s} must be at least {CAUSE_CLEAR_S:g} s under --lead-s + "
                  "--tail-s: a cause alert holds for its window after the last slow request ends, and it must "

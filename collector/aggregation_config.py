@@ -138,8 +138,9 @@ class AggregationConfig:
     """Limits and windows of the aggregator; every bound is checked on construction."""
 
     window: WindowConfig = setting(factory=WindowConfig)
-    gauge_window_s: float = setting(60.0, "window of the per-SM P99 gauges and hotspot ratios, at most "
-                                          "the horizon", lo=0.0, lo_open=True, metavar="SECONDS")
+    gauge_window_s: float = setting(60.0, "window of the per-SM P99 gauges and hotspot ratios, and of the "
+                                          "contention gauges (slots that closed within it), at most the "
+                                          "horizon", lo=0.0, lo_open=True, metavar="SECONDS")
     # Per-SM series (instance, gpu, sm, kernel), shared equally among the GPUs present
     # (64 GPUs x 132 SMs x 20 kernels, or 8 GPUs x 132 SMs x 170 kernels); see sm_store.
     max_sm_series: int = setting(180_000, "(instance, gpu, SM, kernel) series, shared equally among the "

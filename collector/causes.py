@@ -48,6 +48,10 @@ class CauseConfig:
     corroborated_slow: float = 1.1
     gpu_slow: float = 1.3
     host_slow: float = 1.5
+    # with the GPU's work at its usual speed, a smaller stretch of host time is already a
+    # stall: time off the CPU does not grow with the batch (the thread's CPU time does, and
+    # is not counted where steps record it), and nothing else is left to slow the steps
+    host_slow_gpu_usual: float = 1.2
     idle_share: float = 0.3
     compile_share: float = 0.2
     queue_share: float = 0.5
@@ -57,7 +61,7 @@ class CauseConfig:
     sm_score: float = 2.0
 
     def __post_init__(self) -> None:
-        for name in ("engine_slow", "corroborated_slow", "gpu_slow", "host_slow", "sm_score"):
+        for name in ("engine_slow", "corroborated_slow", "gpu_slow", "host_slow", "host_slow_gpu_usual", "sm_score"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 1.0, 100.0, lo_open=True)
         for name in ("idle_share", "compile_share", "queue_share", "interference_share"):
             check_range(f"CauseConfig.{name}", getattr(self, name), 0.0, 1.0, lo_open=True)
@@ -183,7 +187,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
     traced_gpu = None if unpriced else _within_steps(e, e.gpu_slowdown)
     gpu = None if unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
-    host_side = e.idle_excess_s >= c.idle_share * e2e or (e.host_slowdown or 0.0) >= c.host_slow
+    host = e.host_slowdown or 0.0
+    host_side = (e.idle_excess_s >= c.idle_share * e2e or host >= c.host_slow
+                 or (gpu is not None and gpu < c.gpu_slow and host >= c.host_slow_gpu_usual))
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
     slow = ((steps_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e

@@ -7,8 +7,9 @@ Two tests per (kernel, slot), each SM against the kernel's other SMs in that slo
 * starved: its CTAs against its share: what the GPU's dispatch dealt it (semconv.METRIC_CTA_DEALT)
   at the free SMs' rate (upper quartile, if >= 1.1x the mean), else 1/S of wide launches' CTAs.
   Flagged when the lower tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio``
-  of that share. Without the deal, an SM under that line in most quiet slots is held to
-  ``usual_starve_ratio`` of its lowest share, and none is tested until 4 such slots exist.
+  of that share (with the deal, also under ``DEAL_KEPT`` of the deal's own). Without the deal,
+  an SM under that line in most quiet slots is held to ``usual_starve_ratio`` of its lowest
+  share, and none is tested until 4 such slots exist.
 Guarantee: tails are Chernoff bounds (>= the exact binomial tail): a slot flags an SM by
 chance with probability <= alpha. Score: max(own P90 / others' P90, expected / own CTAs, at
 most 100). Cost: a cumulative sum over [SMs, buckets], then O(SMs); usual shares O(slots x SMs).
@@ -32,6 +33,10 @@ WIDE_SHARE_FOR_SLOW = 0.9
 # (a neighbour on up to half the SMs leaves it at the others' rate)
 UNCONTENDED_RATE_QUANTILE = 0.75
 UNCONTENDED_RATE_MIN = 1.1   # under it the slot's own mean stands (a quiet slot's spread)
+# an SM that ran at least this share of what the deal alone gives it lost nothing to a
+# neighbour, whatever the free SMs' rate: the dispatch hands a held SM's CTAs to some SMs
+# only (the next in its order), and those set the upper quartile above the rest
+DEAL_KEPT = 0.9
 
 __all__ = ["REFERENCE_QUANTILE", "ContentionConfig", "HotspotSummary", "SlotContention", "SlotEvidence",
            "ContendedSm", "assess", "binomial_tail_bound", "contended_sms", "hotspots", "hottest_sm",
@@ -183,7 +188,7 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
     if dealt is not None and dealt.sum() > 0 and total > 0:
         # the scheduler's own deal of these CTAs: SMs it leaves short, launch after launch,
         # are held to that, and every CTA counts, whatever its launch's size
-        share = dealt / dealt.sum()
+        share = dealt_share = dealt / dealt.sum()
         # what an SM runs with nothing on it: the upper quartile of the SMs' rates against the
         # deal (SMs a neighbour holds pull the slot's mean down, and every SM's due with it)
         dealt_to = dealt > 0
@@ -192,7 +197,8 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
         due = total * share
         expected = total / max(num_sms, 1)
         starve_bound = binomial_tail_bound(ctas, total, share, upper=False)
-        starved = (starve_bound <= level) & (ctas < config.starve_ratio * due)
+        starved = ((starve_bound <= level) & (ctas < config.starve_ratio * due)
+                   & (ctas < DEAL_KEPT * total * dealt_share))
         with np.errstate(divide="ignore", invalid="ignore"):
             starve_factor = np.where(due > 0, np.minimum(due / np.maximum(ctas, 1), MAX_STARVE_FACTOR), np.nan)
     elif expected is not None and not learning:

@@ -420,6 +420,14 @@ class SmStore:
         n = min(self._wc.num_slots, max(1, int(math.ceil(last_s / self._wc.slot_s))))
         return newest - n + 1, newest
 
+    def _closed_epochs(self, now_s: float, last_s: float) -> tuple[int, int]:
+        """The slots that closed in the last ``last_s``: the ones the contention tests read. An
+        open slot's first seconds hold a few launches, and a launch places the same work (a
+        long context's CTAs) on the same SMs launch after launch: read alone, they flag SMs
+        as slow or starved that a whole slot, its launches mixed, does not."""
+        newest = self._wc.epoch(now_s) - 1
+        return max(self._wc.epoch(now_s - last_s), newest - self._wc.num_slots + 1), newest
+
     def gpus(self) -> list[dict]:
         """Per (instance, gpu, kernel) with data: SMs, CTAs and the GPU's refusal, if any."""
         with self._lock:
@@ -525,7 +533,7 @@ class SmStore:
             if block is None:
                 return []
             num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
-            slots = block.slot_evidence(*self._epochs(now_s, last_s))
+            slots = block.slot_evidence(*self._closed_epochs(now_s, last_s))
             sms = list(block.sms)
         config = self.config.contention
         return [(epoch, assess(sms, evidence, num_sms, config)) for epoch, evidence in slots]
@@ -564,6 +572,7 @@ class SmStore:
         with self._lock:
             keys = [(SmKey(i, g, k), gpu.index) for (i, g), gpu in self._gpus.items() for k in gpu.blocks]
         first, last = self._epochs(now_s, self.config.gauge_window_s)
+        tested = self._closed_epochs(now_s, self.config.gauge_window_s)
         known = known or {}
         out = []
         for i, (key, index) in enumerate(keys):
@@ -576,12 +585,13 @@ class SmStore:
                 block = self._block(key)
                 if block is None:
                     continue
-                stamp = block.stamp(first, last)
+                # the slots tested move on as a slot closes, with no write to the block
+                stamp = (*block.stamp(first, last), tested)
                 if known.get(key) == stamp:
                     out.append(BlockSnapshot(key, index, stamp, None, None, None, None))
                     continue
                 num_sms = self._num_sms(GpuKey(key.instance, key.gpu))
-                evidence = [ev for _, ev in block.slot_evidence(first, last)]
+                evidence = [ev for _, ev in block.slot_evidence(*tested)]
                 out.append(BlockSnapshot(key, index, stamp, list(block.sms), block.p99(first, last),
                                          block.classic.copy(),
                                          block.classic_sm.copy() if block.classic_sm is not None else None,

@@ -311,6 +311,23 @@ def test_host_time_the_thread_spent_on_the_cpu_is_heavier_work_not_a_stall():
     assert "off the CPU" in kept_off.cause.summary
 
 
+def test_host_time_off_the_cpu_a_fifth_over_its_usual_is_a_stall_where_the_gpu_ran_as_usual():
+    """A GIL hog's slowest request live on an H100 (engine serve): steps 1.92x, its 12 traced
+    steps 1.51x with GPU time 0.94x and CTAs 1.00x, host time off the CPU stretching them
+    1.34x (its thread's CPU time 2.83x). Nothing but the host slowed them: a host stall. The
+    same stretch beside a GPU that ran slower is not enough; under 1.2x it is not a stall."""
+    live = CauseEvidence(e2e_s=0.97, queue_s=0.0, decode_s=0.9, priority="1", engine_slowdown=1.92, steps=61,
+                         long_steps_s=0.11, traced_steps=12, gpu_slowdown=0.94, host_slowdown=1.34,
+                         cta_slowdown=1.0, batch=2.98, kv_blocks=264.0, traced_slowdown=1.51,
+                         host_cpu_slowdown=2.83, usual={"batch": 1.0, "kv_blocks": 18.0})
+    cause = classify(live)
+    assert cause.name == sc.CAUSE_HOST_STALL, cause
+    assert classify(live, CauseConfig(host_slow_gpu_usual=1.5)).name == sc.CAUSE_UNKNOWN
+    assert classify(CauseEvidence(**{**live.__dict__, "host_slowdown": 1.15})).name == sc.CAUSE_UNKNOWN
+    slower_gpu = CauseEvidence(**{**live.__dict__, "gpu_slowdown": 1.6, "traced_slowdown": 1.9})
+    assert classify(slower_gpu).name == sc.CAUSE_DEVICE_CONTENTION
+
+
 def test_a_cpu_time_that_is_no_time_is_read_as_not_recorded():
     """Negative CPU times (a broken or hostile exporter) are not recorded ones: the steps keep
     the host-time reading of steps without them (a host stall here, 1.6x steps, GPU as usual)."""
@@ -780,8 +797,11 @@ def test_where_traced_steps_missed_the_slowness_the_ctas_speak_for_the_gpu():
                          traced_steps=9, gpu_slowdown=1.10, host_slowdown=1.45, cta_slowdown=1.85, batch=2.56,
                          traced_slowdown=1.08, usual={"batch": 1.0})
     assert classify(live).name == sc.CAUSE_DEVICE_CONTENTION
-    # traced steps as slow as the rest (1.6x of 1.74x) did not miss it: their GPU time is usual
-    assert classify(CauseEvidence(**{**live.__dict__, "traced_slowdown": 1.6})).name == sc.CAUSE_UNKNOWN
+    # traced steps as slow as the rest (1.6x of 1.74x) did not miss it: their GPU time is usual,
+    # and their host time off the CPU (1.45x) stretched them; with the host usual too, no cause
+    slow_traced = CauseEvidence(**{**live.__dict__, "traced_slowdown": 1.6})
+    assert classify(slow_traced).name == sc.CAUSE_HOST_STALL
+    assert classify(CauseEvidence(**{**slow_traced.__dict__, "host_slowdown": 1.1})).name == sc.CAUSE_UNKNOWN
     # a control run's slowest on an H100: steps 1.10x (under engine_slow), traced ones 1.03x, and
     # CTAs 1.62x from reading 10x the usual KV blocks; the CTAs must not make its steps slow
     control = CauseEvidence(e2e_s=0.467, queue_s=0.0, decode_s=0.45, priority="2", engine_slowdown=1.10, steps=56,

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from sightline.collector import contention
 from sightline.collector.aggregation_config import ContentionConfig
 from sightline.collector.contention import (SlotEvidence, assess, binomial_tail_bound, contended_sms,
                                             slot_evidence)
@@ -285,6 +286,22 @@ def test_the_store_takes_the_dealt_counts_and_an_sm_dealt_ctas_that_ran_none_is_
     assert found.starved.tolist() == [False] * 6 + [True]
     agg.consume_metrics(dealt_metric(0, "other", {0: 5}, t))  # no CTAs of that kernel
     assert agg.dropped == {"dealt_unmatched": 1}
+
+
+def test_an_sm_that_ran_its_deal_is_not_starved_whatever_others_absorbed(monkeypatch):
+    """A quarter neighbour as an H100 ran it: each held SM's CTAs went to one SM (the next in
+    the dispatch order), not spread over the free ones. On 16 SMs dealt 1000 each, 4 held ran
+    350, 5 absorbed up to 1550 and 7 ran their 1030. The upper quartile of the rates is then an
+    absorber's, and the 7 ran 0.66 of it; they ran their deal, so only the 4 are starved."""
+    held, absorbers = {0, 4, 8, 12}, {2, 6, 10, 14, 15}
+    counts = {sm: 350 if sm in held else 1550 if sm in absorbers else 1030 for sm in range(16)}
+    sms, ev = evidence_of({sm: np.full(n, 10e-6) for sm, n in counts.items()})
+    evidence = SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=np.full(16, 1000))
+    starved = lambda: sorted(int(sms[i]) for i in np.flatnonzero(assess(sms, evidence, 16, ContentionConfig()).starved))
+    assert starved() == sorted(held)
+    # against the absorbers' rate alone the 7 would be starved too: the deal is what spares them
+    monkeypatch.setattr(contention, "DEAL_KEPT", 2.0)
+    assert starved() == sorted(set(range(16)) - absorbers)
 
 
 def test_with_half_the_sms_held_the_others_rate_is_the_reference():

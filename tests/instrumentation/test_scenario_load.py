@@ -46,7 +46,8 @@ def test_a_priority_burst_sends_its_requests_at_the_onset():
 
 def test_segments_too_short_for_the_alerts_to_clear_are_refused():
     """A cause alert holds for its window after the planted interval's last slow request, SM
-    flags for the gauge window: both must end before the next segment's onset."""
+    flags for the gauge window after their slot closes: both must end before the next
+    segment's onset."""
     from bench.scenarios import CAUSE_CLEAR_S, parse_args
 
     args = parse_args(["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"])
@@ -54,6 +55,8 @@ def test_segments_too_short_for_the_alerts_to_clear_are_refused():
     assert parse_args([]).cause_window_s + CAUSE_CLEAR_S <= 30   # the defaults fit
     for flags in (["--lead-s", "12", "--tail-s", "5", "--gauge-window-s", "15"],   # the cause window, 20 s
                   ["--lead-s", "16", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "15"],
-                  ["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "26"]):
+                  ["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "26"],
+                  # 17 s after a slot that closes up to 10 s after the interval ends: 27 s > 26
+                  ["--lead-s", "20", "--tail-s", "6", "--cause-window-s", "16", "--gauge-window-s", "17"]):
         with pytest.raises(SystemExit):
             parse_args(flags)
