@@ -4,7 +4,8 @@ Each capture (default: the shipped ones with a planted interval, and the plain H
 replayed into an in-process collector, clock pinned and slot-aligned as the demo and the
 capture tests replay it. Per planted interval (the whole capture where none is planted):
 the causes of its 10 slowest requests with their evidence, the count of the cause planted,
-and the traced decode steps inside and outside it by why they were traced, with their
+per probed kernel the SMs flagged against the planted ones, its requests blamed on an SM,
+the GPU or the host that was not planted, and the traced decode steps inside and outside it by why they were traced, with their
 duration, GPU and host time (median, mean, P90), and the decode steps by how many steps
 after the last traced one they began: what the cause rules had to go on.
 Guarantee: every figure is the collector's own reading (replay, engine timeline, explain).
@@ -16,8 +17,10 @@ Cost: about 5 s per MB of capture on one core.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +28,10 @@ import numpy as np
 from sightline.collector.aggregator import Aggregator
 from sightline.collector.engine_timeline import step_facts
 from sightline.collector.explain import explain_slowest
+from sightline.collector.heatmap import time_sm
 from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.deploy.demo import CAPTURES_DIR
-from sightline.deploy.incident import Incident
+from sightline.deploy.incident import Incident, find
 from sightline.instrumentation import read_capture_meta
 from sightline.instrumentation import semconv as sc
 
@@ -36,6 +40,9 @@ from ._common import git_commit, steps_since_traced, utc_now
 NOW_NS = 1_800_000_000 * 10**9   # the replay's pinned clock (tests/deploy/test_captures.py's)
 PLANTED_CAUSE = {"sm_neighbour": sc.CAUSE_SM_CONTENTION, "hbm_hog": sc.CAUSE_DEVICE_CONTENTION,
                  "host_stall": sc.CAUSE_HOST_STALL, "priority_burst": sc.CAUSE_QUEUEING}
+# causes that blame something: an SM, the GPU, the host
+BLAMES = (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL)
+WINDOW_LIMIT = 1000   # requests of an interval explained: all of any recorded one
 EVIDENCE = ("engine_slowdown", "gpu_slowdown", "host_slowdown", "cta_slowdown", "traced_steps", "traced_near",
             "steps", "idle_excess_s", "interference_s", "batch", "usual_batch", "traced_slowdown")
 
@@ -114,32 +121,56 @@ def steps_after_traced(steps: list[tuple], lo_ns: int, hi_ns: int, reach: int = 
 def replayed(capture: Path) -> tuple[Aggregator, object, list]:
     """``capture`` replayed into an in-process collector on the pinned clock, slot-aligned:
     the aggregator, the replay's result (its time map) and the planted intervals (none: [])."""
+    aggregator, result, incident = _replayed(capture)
+    return aggregator, result, list(incident.intervals) if incident is not None else []
+
+
+def _replayed(capture: Path) -> tuple[Aggregator, object, Incident | None]:
     aggregator = Aggregator(clock=lambda: NOW_NS / 1e9)
     result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0, align_slot_s=10.0),
                     clock_ns=lambda: NOW_NS)
     meta = read_capture_meta(capture)
-    incident = Incident.from_meta(meta) if meta else None
-    return aggregator, result, list(incident.intervals) if incident is not None else []
+    return aggregator, result, Incident.from_meta(meta) if meta else None
+
+
+def sms_found(aggregator: Aggregator, incident: Incident, time_map) -> dict[tuple[int, int], list[dict]]:
+    """Per planted interval (its start and end, ns as recorded): per probed kernel, the SMs
+    the contention tests flagged in it against the planted ones (deploy/incident.py)."""
+    heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
+                     gpu_index=e["gpu_index"]) for e in aggregator.kernels() if e["source"] == "sm_probe"]
+    found: dict[tuple[int, int], list[dict]] = {}
+    for interval in incident.intervals:
+        one = dataclasses.replace(incident, intervals=(interval,))
+        found[(interval.start_unix_nano, interval.end_unix_nano)] = [
+            {"kernel": f.kernel, "planted": len(f.planted), "flagged": len(f.flagged), "precision": f.precision,
+             "recall": f.recall} for f in find(one, heatmaps, time_map)]
+    return found
 
 
 def analyse(capture: Path) -> dict:
-    aggregator, result, intervals = replayed(capture)
+    aggregator, result, incident = _replayed(capture)
     steps = stored_steps(aggregator)
-    intervals = intervals or [None]
+    found = sms_found(aggregator, incident, result.time_map) if incident is not None else {}
+    intervals = list(incident.intervals) if incident is not None else []
     out = {"capture": capture.name, "intervals": []}
-    for interval in intervals:
+    for interval in intervals or [None]:
         if interval is None:
             lo_ns, hi_ns, kind, within = 0, 1 << 62, None, None
         else:
             lo_ns, hi_ns = result.time_map(interval.start_unix_nano), result.time_map(interval.end_unix_nano)
             kind, within = interval.kind, (lo_ns / 1e9, hi_ns / 1e9)
-        explained = explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
-        causes = [r.cause.name for r in explained.requests]
+        explained = explain_slowest(aggregator, quantile=0.0, limit=WINDOW_LIMIT, within_s=within)
+        every = Counter(r.cause.name for r in explained.requests)
+        causes = [r.cause.name for r in explained.requests[:10]]
         out["intervals"].append({
             "kind": kind, "causes": causes,
             "planted_cause_in_10_slowest": causes.count(PLANTED_CAUSE[kind]) if kind in PLANTED_CAUSE else None,
+            "sms": found.get((interval.start_unix_nano, interval.end_unix_nano)) if interval is not None else None,
+            # every request of the interval blamed on an SM, the GPU or the host that was not planted
+            "misnamed": {c: n for c, n in every.items() if c in BLAMES and c != PLANTED_CAUSE.get(kind)},
+            "requests": len(explained.requests),
             "slowest": [{"cause": r.cause.name, **{k: r.cause.evidence[k] for k in EVIDENCE if k in r.cause.evidence}}
-                        for r in explained.requests],
+                        for r in explained.requests[:10]],
             "decode_steps": traced_decode_steps(steps, lo_ns, hi_ns) if interval is not None else None,
             "after_traced": steps_after_traced(steps, lo_ns, hi_ns) if interval is not None else None})
     return out
@@ -148,8 +179,15 @@ def analyse(capture: Path) -> dict:
 def _line(interval: dict) -> str:
     counts = {c: interval["causes"].count(c) for c in dict.fromkeys(interval["causes"])}
     planted = interval["planted_cause_in_10_slowest"]
+    sms = "; ".join(f"{f['kernel']}: {f['flagged']} SMs flagged"
+                    + (f", precision {f['precision']:.2f} recall {f['recall']:.2f}" if f["planted"] else "")
+                    for f in interval["sms"] or [] if f["flagged"] or f["planted"])
+    misnamed = ", ".join(f"{c} {n}" for c, n in interval["misnamed"].items())
     return (f"  {interval['kind'] or 'no incident'}: " + ", ".join(f"{c} {n}" for c, n in counts.items())
-            + ("" if planted is None else f" (planted cause {planted}/10)"))
+            + ("" if planted is None else f" (planted cause {planted}/10)")
+            + (f"\n    {sms}" if sms else "")
+            + (f"\n    of its {interval['requests']} requests, blamed on what was not planted: {misnamed}"
+               if misnamed else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

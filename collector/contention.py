@@ -3,7 +3,8 @@
 Two tests per (kernel, slot), each SM against the kernel's other SMs in that slot:
 * slow: its CTAs above the others' P90 number at most Binomial(n, p) if nothing is wrong (p:
   0.1 or its own usual rate); flagged when the bound is under ``alpha / SMs``, >= ``slow_share``
-  (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others' and 90 % are wide CTAs.
+  (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others', 90 % are wide CTAs and (with
+  the deal) it was dealt ``SLOW_MIN_DEALT`` of the mean or more.
 * starved: its CTAs against its share: what the GPU's dispatch dealt it (semconv.METRIC_CTA_DEALT)
   at the free SMs' rate (upper quartile, if >= 1.1x the mean), else 1/S of wide launches' CTAs.
   Flagged when the lower tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio``
@@ -33,6 +34,10 @@ WIDE_SHARE_FOR_SLOW = 0.9
 # (a neighbour on up to half the SMs leaves it at the others' rate)
 UNCONTENDED_RATE_QUANTILE = 0.75
 UNCONTENDED_RATE_MIN = 1.1   # under it the slot's own mean stands (a quiet slot's spread)
+# the slow test reads an SM the deal gives at least this share of the SMs' mean: one dealt
+# fewer gets CTAs from the slot's largest launches only (the end of the dispatch order), the
+# same long work launch after launch, so its durations speak of those launches, not of it
+SLOW_MIN_DEALT = 0.25
 # an SM that ran at least this share of what the deal alone gives it lost nothing to a
 # neighbour, whatever the free SMs' rate: the dispatch hands a held SM's CTAs to some SMs
 # only (the next in its order), and those set the upper quartile above the rest
@@ -183,6 +188,9 @@ def assess(sms: list[str], evidence: SlotEvidence, num_sms: int, config: Content
                 & ~(slow_factor < config.slow_factor))
     expected = wide / num_sms if num_sms >= 2 and wide > 0 else None
     dealt = None if evidence.dealt is None else np.concatenate([evidence.dealt, np.zeros(pad, dtype=np.int64)])
+    if dealt is not None and dealt.sum() > 0:
+        # likewise an SM late in the dispatch order, dealt CTAs only by the slot's largest launches
+        slow &= dealt >= SLOW_MIN_DEALT * dealt.sum() / len(names)
     learning = (evidence.usual_shares is not None and np.isnan(evidence.usual_shares[0]).all()
                 and not config.starve_before_usual)
     if dealt is not None and dealt.sum() > 0 and total > 0:

@@ -10,8 +10,7 @@ first one's ``time_map`` so both land on the same clock.
 
 Guarantee: every export is delivered or the replay stops with an error naming its line
 (429/503 are retried after ``Retry-After``, at most ``max_retries`` times). Memory: one
-export at a time, plus one pass over the file's times first (and, with ``align_slot_s``,
-one over its metric points).
+export at a time, plus one pass over the file's times first.
 """
 
 from __future__ import annotations
@@ -43,9 +42,9 @@ class ReplayConfig:
     rebase: bool = True
     max_retries: int = 20
     signals: tuple[str, ...] = ("traces", "metrics")  # replay only these
-    # > 0 (with speed 0): anchored so that the metric exports' median phase lands 1 ms
-    # before a boundary of the collector's ``slot_s`` slots, never after now: each slot then
-    # holds the export that covers it, the same way on every run (else up to a slot off)
+    # > 0 (with speed 0): shifted by whole ``slot_s`` slots of the collector, never after
+    # now: each slot then holds what it held live, the same way on every run (else the
+    # slots' phase depends on when the replay starts, and a slot's exports with it)
     align_slot_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -163,16 +162,10 @@ def _capture_times(path: Path) -> tuple[int, int] | None:
     return None if first is None else (first, last)
 
 
-def _slot_aligned(path: Path, last_ns: int, now_ns: int, slot_ns: int) -> int:
-    """The latest anchor <= ``now_ns`` for ``TimeMap(last_ns, anchor)`` that puts the median
-    phase of the capture's metric points 1 ms before a slot boundary."""
-    from ..instrumentation import read_capture
-    phases = sorted(point.time_unix_nano % slot_ns for _, _, request in read_capture(path, ("metrics",))
-                    for _, point in metric_points(request))
-    if not phases:
-        return now_ns
-    residue = (last_ns - phases[len(phases) // 2] - 1_000_000) % slot_ns
-    return now_ns - (now_ns - residue) % slot_ns
+def _slot_aligned(last_ns: int, now_ns: int, slot_ns: int) -> int:
+    """The latest anchor <= ``now_ns`` for ``TimeMap(last_ns, anchor)`` that shifts the
+    capture by whole slots: each point lands in the slot that held it live."""
+    return now_ns - (now_ns - last_ns % slot_ns) % slot_ns
 
 
 def rebase_request(signal: str, request, time_map) -> None:
@@ -242,7 +235,7 @@ def replay(path: str | Path, sink, config: ReplayConfig | None = None,
     elif config.rebase:
         anchor_ns = now_ns
         if config.align_slot_s > 0:
-            anchor_ns = _slot_aligned(path, last_ns, now_ns, int(config.align_slot_s * 1e9))
+            anchor_ns = _slot_aligned(last_ns, now_ns, int(config.align_slot_s * 1e9))
         result.time_map = TimeMap(last_ns, anchor_ns)
     start_ns = now_ns if time_map is None else time_map(first_ns)
     for line_no, (signal, t_ns, request) in enumerate(read_capture(path, config.signals), start=1):

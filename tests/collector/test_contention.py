@@ -304,6 +304,23 @@ def test_an_sm_that_ran_its_deal_is_not_starved_whatever_others_absorbed(monkeyp
     assert starved() == sorted(set(range(16)) - absorbers)
 
 
+def test_an_sm_dealt_few_ctas_is_not_called_slow_for_the_long_launches_that_reached_it():
+    """A control slot as an H100 ran it: SM 7, late in the dispatch order, was dealt 32 CTAs
+    where the mean SM got 700, all from the slot's largest launches, and all 32 ran longer
+    than the others' P90 (1.5x). Its durations speak of those launches: not slow. Dealt its
+    mean share, the same CTAs are a slow SM."""
+    durations = {sm: np.full(700, 10e-6) for sm in range(16)}
+    durations[7] = np.full(32, 15e-6)
+    sms, ev = evidence_of(durations)
+    dealt = np.array([32 if sm == "7" else 700 for sm in sms])
+    late = assess(sms, SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=dealt), 16, ContentionConfig())
+    assert not late.slow.any() and not late.starved.any()
+    dealt_mean = np.where(dealt == 32, 700, dealt)
+    mean = assess(sms, SlotEvidence(ev.ctas, ev.exceed, ev.own_q, ev.others_q, dealt=dealt_mean), 16,
+                  ContentionConfig())
+    assert [sms[i] for i in np.flatnonzero(mean.slow)] == ["7"]
+
+
 def test_with_half_the_sms_held_the_others_rate_is_the_reference():
     """A neighbour on SMs 0-3 of 8: they ran 128 CTAs each where SMs 4-7 ran 200. Against the
     slot's mean (164 each) they ran 0.78 of their due, over the 0.7 line; against what the

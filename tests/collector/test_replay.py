@@ -158,6 +158,24 @@ def _timed_capture(path):
     return base
 
 
+def test_a_slot_aligned_replay_keeps_each_point_in_the_slot_it_had_live(tmp_path):
+    """With ``align_slot_s`` the capture moves by whole slots: its last export (23 s after
+    the base, 3 s into a 10 s slot) lands at the latest instant 3 s into a slot that is not
+    after now, and every point keeps its phase in its slot."""
+    path = tmp_path / "timed.jsonl.gz"
+    base = _timed_capture(path)
+    now = 1_800_000_007_500_000_000   # 7.5 s into a slot: the last export's phase, 3 s, is behind it
+    sink = _ListSink()
+    result = replay(path, sink, ReplayConfig(align_slot_s=10.0), clock_ns=lambda: now)
+    shift = result.time_map(base) - base
+    assert shift % (10 * 10**9) == 0 and result.time_map(base + 23 * 10**9) == now - 45 * 10**8
+    spans = [req.resource_spans[0].scope_spans[0].spans[0] for signal, req in sink.sent if signal == "traces"]
+    assert [(sp.start_time_unix_nano - shift - base) // 10**9 for sp in spans] == [0, 10, 20]
+    early = 1_800_000_001_000_000_000   # 1 s into a slot: the slot before, 3 s in
+    late = replay(path, _ListSink(), ReplayConfig(align_slot_s=10.0), clock_ns=lambda: early)
+    assert late.time_map(base + 23 * 10**9) == early - 8 * 10**9
+
+
 def test_speed_compresses_time_and_spans_keep_their_durations(tmp_path):
     path = tmp_path / "timed.jsonl.gz"
     base = _timed_capture(path)
