@@ -932,7 +932,7 @@ def test_a_burst_far_beyond_the_usual_load_is_judged_by_its_traced_steps():
 
 
 def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
-    """The evidence of a burst request on an H100 (bench/results/scenarios-*-8caf8606-part2.json,
+    """The evidence of a burst request on an H100 (the live scenario run at 8caf8606, its
     priority_burst run 1, replayed): 56 requests holding 10,697 KV blocks where the store's
     decode steps' upper quartile held 206, steps 1.29x and GPU time 1.58x their usual priced
     by a block's cost measured across contexts 50x shorter, host time 1.00x. Beyond
