@@ -5,9 +5,10 @@ replayed into an in-process collector, clock pinned and slot-aligned as the demo
 capture tests replay it. Per planted interval (the whole capture where none is planted):
 the causes of its 10 slowest requests with their evidence, the count of the cause planted,
 per probed kernel the SMs flagged against the planted ones, its requests blamed on an SM,
-the GPU or the host that was not planted, and the traced decode steps inside and outside it by why they were traced, with their
-duration, GPU and host time (median, mean, P90), and the decode steps by how many steps
-after the last traced one they began: what the cause rules had to go on.
+the GPU or the host that was not planted, and the traced decode steps inside and outside
+it by why they were traced, with their duration, GPU and host time (median, mean, P90), and
+the decode steps by how many steps after the last traced one they began: what the cause
+rules had to go on.
 Guarantee: every figure is the collector's own reading (replay, engine timeline, explain).
 Cost: about 5 s per MB of capture on one core.
 
