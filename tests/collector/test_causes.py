@@ -13,6 +13,8 @@ import json
 import numpy as np
 import pytest
 
+from sightline.collector.aggregation_config import AggregationConfig
+from sightline.collector.aggregator import Aggregator
 from sightline.collector.causes import CauseConfig, CauseEvidence, classify
 from sightline.collector.explain import explain_slowest, explain_trace
 from sightline.collector.query_cli import format_explanation
@@ -278,6 +280,26 @@ def test_host_stall_steps_slower_with_the_gpu_time_as_usual():
     assert cause.evidence["gpu_slowdown"] == pytest.approx(usual_gpu(agg, sc_, 40.2, 42.2), rel=1e-4)
     # the host's extra time (1.6 x the step, the GPU's part as usual) over the usual step
     assert cause.evidence["host_slowdown"] == pytest.approx(1 + (STEP_S * 1.6 - STEP_S) / STEP_S, rel=0.01)
+
+
+def test_a_life_in_the_slot_still_open_says_its_sms_are_not_tested_yet():
+    """The host stall above explained 5 s into the slot that holds the whole of its life (40
+    to 50 s): the contention tests read closed slots only, so the cause says its last 2.0 s
+    have no SM evidence yet, and when it will. Explained once the slot closed, it does not."""
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.6, 1.0)
+    sc_.target(40.2, 0.01, 2.0)
+    now = [T0_S]
+    agg = Aggregator(AggregationConfig(), clock=lambda: now[0])
+    sc_.send(agg)
+    closed = explain_trace(agg, tid(*TARGET).hex()).cause
+    assert closed.name == sc.CAUSE_HOST_STALL and "sms_untested_s" not in closed.evidence, closed
+    now[0] = T + 45.0
+    cause = explain_trace(agg, tid(*TARGET).hex()).cause
+    assert cause.name == sc.CAUSE_HOST_STALL, cause
+    assert cause.evidence["sms_untested_s"] == pytest.approx(2.0, abs=0.02)
+    assert cause.summary.endswith("; its last 2.0 s lie in a slot still open, whose SMs are tested when it "
+                                  "closes (in 5 s)"), cause.summary
 
 
 def test_host_time_the_thread_spent_on_the_cpu_is_heavier_work_not_a_stall():
