@@ -3,14 +3,13 @@
 Two tests per (kernel, slot), each SM against the kernel's other SMs in that slot:
 * slow: its CTAs above the others' P90 number at most Binomial(n, p) if nothing is wrong (p:
   0.1 or its own usual rate); flagged when the bound is under ``alpha / SMs``, >= ``slow_share``
-  (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others', 90 % are wide CTAs and (with
-  the deal) it was dealt ``SLOW_MIN_DEALT`` of the mean or more.
-* starved: its CTAs against its share: what the GPU's dispatch dealt it (semconv.METRIC_CTA_DEALT)
-  at the free SMs' rate (upper quartile, if >= 1.1x the mean), else 1/S of wide launches' CTAs.
-  Flagged when the lower tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio``
-  of that share (with the deal, also under ``DEAL_KEPT`` of the deal's own). Without the deal,
-  an SM under that line in most quiet slots is held to ``usual_starve_ratio`` of its lowest
-  share, and none is tested until 4 such slots exist.
+  (x p / 0.1) exceeded, its P90 >= ``slow_factor`` x the others', 90 % are wide CTAs and it was
+  dealt ``SLOW_MIN_DEALT`` of the mean or more.
+* starved: its CTAs against the GPU's deal (semconv.METRIC_CTA_DEALT) at the free SMs' rate
+  (upper quartile, if >= 1.1x the mean), else 1/S of wide launches' CTAs; flagged when the lower
+  tail's bound is under ``alpha / SMs`` and it ran under ``starve_ratio`` of that (and under
+  ``DEAL_KEPT`` of the deal's own). Without the deal, an SM under that line in most quiet slots
+  is held to ``usual_starve_ratio`` of its lowest share; none is tested before 4 such slots exist.
 Guarantee: tails are Chernoff bounds (>= the exact binomial tail): a slot flags an SM by
 chance with probability <= alpha. Score: max(own P90 / others' P90, expected / own CTAs, at
 most 100). Cost: a cumulative sum over [SMs, buckets], then O(SMs); usual shares O(slots x SMs).

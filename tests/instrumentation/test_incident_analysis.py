@@ -14,7 +14,10 @@ from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import CaptureWriter
 from sightline.instrumentation.exphist import ExpHistogram
 
-T = 1_700_000_000 * 10**9  # capture time origin (ns)
+# capture time origin (ns), 1 ms before a 10 s slot boundary: the collector files a delta
+# point by its time and a replay keeps the capture's slot phase, so each export (stamped at
+# the end of the 10 s it covers) lands in the slot it covers
+T = 1_700_000_000 * 10**9 - 1_000_000
 S = 10**9
 PLANTED = (1,)  # of SMs 0..3, held from T+20 s to T+40 s
 
