@@ -526,8 +526,8 @@ class SmStore:
         return found
 
     def contention(self, key: SmKey, now_s: float, last_s: float) -> list[tuple[int, SlotContention]]:
-        """The contention tests of each slot of the last ``last_s`` with CTAs of ``key``,
-        oldest first (collector/contention.py)."""
+        """The contention tests of each slot that closed in the last ``last_s`` with CTAs of
+        ``key``, oldest first (collector/contention.py; ``_closed_epochs`` says why closed)."""
         with self._lock:
             block = self._block(key)
             if block is None:
