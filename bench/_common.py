@@ -16,6 +16,7 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -61,6 +62,16 @@ def write_json(out: Path, record: dict) -> Path:
     path = out / f"{record['bench']}-{device}-{record['commit'][:8]}.json"
     path.write_text(json.dumps(record, indent=1))
     return path
+
+
+def write_cpu_result(path: Path, module: str, results: list) -> None:
+    """Writes a CPU analysis's ``results`` to ``path`` with its commit, time and the command
+    that made them (``python -m <module>`` and this process's arguments)."""
+    import json
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
+                                "command": f"python -m {module} " + " ".join(sys.argv[1:]),
+                                "results": results}, indent=1) + "\n")
 
 
 def write_report(out: Path, module: str, argv: Sequence[str] | None, lines: list[str]) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -36,7 +35,7 @@ from sightline.deploy.incident import Incident, find
 from sightline.instrumentation import read_capture_meta
 from sightline.instrumentation import semconv as sc
 
-from ._common import git_commit, steps_since_traced, utc_now
+from ._common import steps_since_traced, write_cpu_result
 
 NOW_NS = 1_800_000_000 * 10**9   # the replay's pinned clock (tests/deploy/test_captures.py's)
 PLANTED_CAUSE = {"sm_neighbour": sc.CAUSE_SM_CONTENTION, "hbm_hog": sc.CAUSE_DEVICE_CONTENTION,
@@ -205,10 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         for interval in results[-1]["intervals"]:
             print(_line(interval))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
-                                         "command": "python -m bench.replay_causes " + " ".join(sys.argv[1:]),
-                                         "results": results}, indent=1) + "\n")
+        write_cpu_result(args.json, "bench.replay_causes", results)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -28,7 +27,7 @@ from sightline.collector.replay import AggregatorSink
 from sightline.deploy.incident import EXPECTED_CAUSE, Incident
 from sightline.instrumentation import read_capture, read_capture_meta
 
-from ._common import git_commit, utc_now
+from ._common import write_cpu_result
 
 
 def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20.0, tail_s: float = 6.0,
@@ -97,10 +96,7 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; {len(unplanted)} reads with SMs not planted, the first {unplanted[0][0]} s after onset"
                  if unplanted else ""))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
-                                         "command": "python -m bench.replay_run " + " ".join(sys.argv[1:]),
-                                         "results": results}, indent=1) + "\n")
+        write_cpu_result(args.json, "bench.replay_run", results)
     return 0
 
 

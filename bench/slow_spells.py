@@ -17,9 +17,7 @@ Cost: the replay (about 5 s per MB of capture), then O(steps) per setting.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +27,7 @@ from sightline.deploy.demo import CAPTURES_DIR
 from sightline.instrumentation.gpu_telemetry import GpuTelemetryConfig, TailPolicy
 from sightline.instrumentation.slow_spells import SlowSpellRule
 
-from ._common import git_commit, utc_now
+from ._common import write_cpu_result
 from .replay_causes import replayed
 
 # (factor, slow steps, within steps, beyond the engine's own rate of slow steps too): the
@@ -112,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(capture.name, "; ".join(f"{k}: {v['inside']} in, {v['outside']} out" for k, v in row["settings"].items()),
               flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
-                                         "command": "python -m bench.slow_spells " + " ".join(sys.argv[1:]),
-                                         "results": results}, indent=1) + "\n")
+        write_cpu_result(args.json, "bench.slow_spells", results)
     return 0
 
 
