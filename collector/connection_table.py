@@ -67,8 +67,8 @@ class ConnectionTable:
 
     A slot is *silent* until its connection sends a first byte. When every slot is taken, a
     newcomer that has sent bytes takes one back, in this order: the longest-idle connection
-    that has served one request, then the longest-idle of the rest (a client that comes
-    back to its connection is kept longest); the longest-silent one, if silent for
+    that has served one request, then the longest-idle of the rest, if idle for ``grace_s``
+    (a client that comes back to its connection is kept longest); the longest-silent one, if silent for
     ``grace_s``; when its peer holds fewer slots than the busiest peer, that peer's
     longest-waiting connection; any connection waiting for ``grace_s``. A silent newcomer
     takes nothing. A newcomer without a slot waits on probation (at most ``probation``;
@@ -225,7 +225,10 @@ class ConnectionTable:
 
     def _candidates(self, peer: str, now: float):
         yield from list(self._idle_once)
-        yield from list(self._idle)
+        # a client that came back to its connection and went idle under ``grace_s`` ago is
+        # mid-conversation: closed now, its next request would race the close and find the
+        # connection ended without a response
+        yield from [slot for slot in self._idle if now - slot.since >= self.grace_s]
         for slot in self._silent:
             if now - slot.admitted >= self.grace_s:
                 yield slot

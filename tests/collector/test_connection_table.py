@@ -49,10 +49,15 @@ def test_a_full_table_takes_back_the_idle_connection_that_served_once_first(cloc
     table.set_state(busy, ConnectionState.BUSY)
     assert _slot(table, evicted, name="new1") is not None
     assert evicted == [("once", ConnectionState.IDLE)]
+    # "regular" went idle just now: its client's next request would race the close
+    assert _slot(table, evicted, name="new2") is None and len(evicted) == 1
+    clock.now += 1.0  # grace_s
     assert _slot(table, evicted, name="new2") is not None
     assert evicted[-1] == ("regular", ConnectionState.IDLE)
     assert table.size == 3
-    assert _slot(table, evicted, name="new3") is None  # busy and two fresh ones: nothing to take
+    # "new1" has waited grace_s for its request since: taken; then busy and two fresh ones
+    assert _slot(table, evicted, name="new3") is not None and evicted[-1] == ("new1", ConnectionState.WAITING)
+    assert _slot(table, evicted, name="new4") is None
 
 
 def test_a_silent_newcomer_takes_nothing_and_a_talking_one_only_what_waited_grace(clock):
