@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sightline.collector.otlp_points import cta_point_histogram
-from sightline.deploy.incident import Incident, find
+from sightline.deploy.incident import Incident, find, probe_heatmaps
 from sightline.instrumentation import semconv as sc
 from sightline.instrumentation.capture import read_capture, read_capture_meta
 from sightline.instrumentation.exphist import ExpHistogram
@@ -203,16 +203,13 @@ def evaluate(capture: Path, incident: Incident) -> dict:
 
     from sightline.collector.aggregator import Aggregator
     from sightline.collector.explain import explain_slowest
-    from sightline.collector.heatmap import time_sm
     from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 
     now_ns = time.time_ns()
     aggregator = Aggregator(clock=lambda: now_ns / 1e9)
     aligned = ReplayConfig(speed=0.0, align_slot_s=aggregator.config.window.slot_s)
     result = replay(capture, AggregatorSink(aggregator), aligned, clock_ns=lambda: now_ns)
-    heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
-                     gpu_index=e["gpu_index"])
-                for e in aggregator.kernels() if e["source"] == "sm_probe"]
+    heatmaps = probe_heatmaps(aggregator)
     findings = find(incident, heatmaps, result.time_map)
     slowest = explain_slowest(aggregator, 0.99, 3).to_dict()
     return {"findings": [f.to_dict() for f in findings],

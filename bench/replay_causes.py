@@ -28,10 +28,9 @@ import numpy as np
 from sightline.collector.aggregator import Aggregator
 from sightline.collector.engine_timeline import step_facts
 from sightline.collector.explain import explain_slowest
-from sightline.collector.heatmap import time_sm
 from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.deploy.demo import CAPTURES_DIR
-from sightline.deploy.incident import Incident, find
+from sightline.deploy.incident import Incident, find, probe_heatmaps
 from sightline.instrumentation import read_capture_meta
 from sightline.instrumentation import semconv as sc
 
@@ -136,8 +135,7 @@ def _replayed(capture: Path) -> tuple[Aggregator, object, Incident | None]:
 def sms_found(aggregator: Aggregator, incident: Incident, time_map) -> dict[tuple[int, int], list[dict]]:
     """Per planted interval (its start and end, ns as recorded): per probed kernel, the SMs
     the contention tests flagged in it against the planted ones (deploy/incident.py)."""
-    heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
-                     gpu_index=e["gpu_index"]) for e in aggregator.kernels() if e["source"] == "sm_probe"]
+    heatmaps = probe_heatmaps(aggregator)
     found: dict[tuple[int, int], list[dict]] = {}
     for interval in incident.intervals:
         one = dataclasses.replace(incident, intervals=(interval,))

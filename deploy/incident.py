@@ -181,6 +181,14 @@ def flag_contended_sms(heatmap: dict[str, Any], start_s: float, end_s: float
             {sm: counted[sm] for sm in order}, len(columns))
 
 
+def probe_heatmaps(aggregator) -> list[dict[str, Any]]:
+    """Each SM-probed kernel's ``time_sm`` heatmap of an in-process collector (``aggregator``),
+    in its JSON form with its GPU's ``gpu_index``: what :func:`find` reads."""
+    from ..collector.heatmap import time_sm
+    return [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
+                 gpu_index=e["gpu_index"]) for e in aggregator.kernels() if e["source"] == "sm_probe"]
+
+
 def find(incident: Incident, heatmaps: list[dict[str, Any]], time_map) -> list[Finding]:
     """A :class:`Finding` per (interval, heatmap of that interval's GPU); ``time_map`` maps
     capture time (ns) to replayed time (ns), e.g. ``collector.replay.TimeMap``. A heatmap is

@@ -23,10 +23,9 @@ import pytest
 from sightline.collector.aggregation_config import AggregationConfig
 from sightline.collector.aggregator import Aggregator
 from sightline.collector.explain import explain_slowest
-from sightline.collector.heatmap import time_sm
 from sightline.collector.replay import AggregatorSink, ReplayConfig, replay
 from sightline.deploy.demo import CAPTURES_DIR
-from sightline.deploy.incident import Incident, find
+from sightline.deploy.incident import Incident, find, probe_heatmaps
 from sightline.instrumentation import read_capture, read_capture_meta
 from sightline.instrumentation import semconv as sc
 
@@ -44,8 +43,7 @@ def replayed(capture):
     aggregator = Aggregator(clock=lambda: NOW_NS / 1e9)
     result = replay(capture, AggregatorSink(aggregator), ReplayConfig(speed=0.0, align_slot_s=10.0),
                     clock_ns=lambda: NOW_NS)
-    heatmaps = [dict(time_sm(aggregator.sm, aggregator.sm.resolve(e["gpu"], e["kernel"], e["instance"])).to_dict(),
-                     gpu_index=e["gpu_index"]) for e in aggregator.kernels() if e["source"] == "sm_probe"]
+    heatmaps = probe_heatmaps(aggregator)
     return aggregator, result.time_map, heatmaps
 
 
