@@ -12,6 +12,7 @@ metadata costs at most two ``git`` subprocesses per call.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import signal
@@ -26,7 +27,7 @@ from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 __all__ = ["ROOT", "DiscardExporter", "InSituTimer", "children_cpu_s", "device_name", "git_commit",
-           "process_cpu_s", "utc_now", "write_json", "write_report"]
+           "process_cpu_s", "steps_since_traced", "utc_now", "write_cpu_result", "write_json", "write_report"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,7 +57,6 @@ def git_commit(*, short: bool = False, dirty_paths: Sequence[str] = ()) -> str:
 def write_json(out: Path, record: dict) -> Path:
     """Writes ``record`` (with "bench", "device" and "commit") to
     ``out/<bench>-<device slug>-<commit8>.json`` and returns the path."""
-    import json
     out.mkdir(parents=True, exist_ok=True)
     device = record["device"].replace(" ", "-").lower()
     path = out / f"{record['bench']}-{device}-{record['commit'][:8]}.json"
@@ -67,7 +67,6 @@ def write_json(out: Path, record: dict) -> Path:
 def write_cpu_result(path: Path, module: str, results: list) -> None:
     """Writes a CPU analysis's ``results`` to ``path`` with its commit, time and the command
     that made them (``python -m <module>`` and this process's arguments)."""
-    import json
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"commit": git_commit(), "time_utc": utc_now(), "device": "cpu",
                                 "command": f"python -m {module} " + " ".join(sys.argv[1:]),
