@@ -35,7 +35,7 @@ INCIDENT = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
 PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
 HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
 CONTROL = CAPTURES_DIR / "h100-control.jsonl.gz"
-HOST_STALL = CAPTURES_DIR / "h200-host-stall.jsonl.gz"
+HOST_STALL = CAPTURES_DIR / "h100-host-stall.jsonl.gz"
 BURST = CAPTURES_DIR / "h100-priority-burst.jsonl.gz"
 
 
@@ -176,18 +176,18 @@ def test_the_control_read_as_prometheus_read_it_live_exposes_no_contended_sm():
 
 
 def test_a_gil_holding_thread_is_named_host_stall_and_flags_no_sm():
-    """The recorded GIL hog (a thread in the engine's process holding the GIL 30 ms of every
-    50): at least 9 of the interval's 10 slowest requests are ``host_stall``, with host time
-    stretching their steps more than GPU time did, and no SM is flagged."""
+    """The recorded GIL hog (a thread in the engine core's process holding the GIL 30 ms of
+    every 50, ``engine serve``): at least 9 of the interval's 10 slowest requests are
+    ``host_stall``, each with host time stretching its steps (by 1.2x at least, the rule's
+    bound where the GPU's work ran at its usual speed) while GPU time per step stayed under
+    1.3x, and no SM is flagged."""
     interval, findings, explained, _, _ = _planted(HOST_STALL)
     assert interval.kind == "host_stall"
     assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
     causes = [r.cause.name for r in explained.requests]
     assert len(causes) == 10 and causes.count(sc.CAUSE_HOST_STALL) >= 9, causes
-    for request in explained.requests:
-        evidence = request.cause.evidence
-        if request.cause.name == sc.CAUSE_HOST_STALL and evidence.get("gpu_slowdown") is not None:
-            assert evidence["host_slowdown"] >= max(evidence["gpu_slowdown"], 1.5), evidence
+    stalls = [r.cause.evidence for r in explained.requests if r.cause.name == sc.CAUSE_HOST_STALL]
+    assert all(e["gpu_slowdown"] < 1.3 and e["host_slowdown"] >= max(e["gpu_slowdown"], 1.2) for e in stalls), stalls
 
 
 def test_a_priority_burst_is_queueing_and_blames_no_request_on_the_gpu():
