@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 from sightline.collector.pipeline import Admission, Batch, Pipeline
 from sightline.collector.self_metrics import SelfMetrics
@@ -33,7 +34,11 @@ def test_admission_drain_and_summary():
     sink = _Sink(gate)
     pipeline = Pipeline(sink, SelfMetrics(), max_items=10, max_bytes=10_000)
     assert pipeline.offer(_batch(25)) is Admission.ACCEPTED  # larger than the queue, but it is empty
-    assert pipeline.wait_idle(0.2) is False  # the worker holds it at the gate
+    deadline = time.monotonic() + 10
+    while pipeline.depth:   # until the worker has taken it, and holds it at the gate
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert pipeline.wait_idle(0.2) is False
     assert pipeline.offer(_batch(6)) is Admission.ACCEPTED
     assert pipeline.offer(_batch(5)) is Admission.FULL  # 6 + 5 > 10
     assert pipeline.offer(_batch(4, "metrics")) is Admission.ACCEPTED
