@@ -5,13 +5,13 @@ pinned, slot-aligned as the demo replays it). The recorded H200 incident: in eve
 interval the SMs the contention tests flag are the planted ones (precision and recall at
 least 0.9, for every attention kernel), the SM-contention alert's series is there, and the
 10 slowest requests of each interval are explained as ``sm_contention`` in at least 9 of
-10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged; the
-GIL hog: ``host_stall`` for at least 9 of 10, no SM flagged; the control, recorded with the
-GPU's dispatch deal: no SM flagged, no request blamed on the GPU or the host; the priority
-burst: ``queueing`` for at least 9 of 10, no SM flagged, no request of its interval blamed
-on an SM, the GPU or the host. The capture
-without an incident: no request is blamed on the GPU. Slow: the replay's OTLP/JSON parsing
-takes about a minute.
+10. The HBM hog: ``device_contention`` for at least 9 of its 10 slowest, no SM flagged, no
+request of its interval blamed on an SM or the host; the GIL hog: ``host_stall`` for at
+least 9 of 10, no SM flagged; the control, recorded with the GPU's dispatch deal: no SM
+flagged, no request blamed on the GPU or the host; the priority burst: ``queueing`` for at
+least 9 of 10, no SM flagged, no request of its interval blamed on an SM, the GPU or the
+host. The capture without an incident: no request is blamed on the GPU. Slow: the replay's
+OTLP/JSON parsing takes about a minute.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.slow
 NOW_NS = 1_800_000_000 * 10**9
 INCIDENT = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
 PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
-HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
+HBM_HOG = CAPTURES_DIR / "h100-hbm-hog.jsonl.gz"
 CONTROL = CAPTURES_DIR / "h100-control.jsonl.gz"
 HOST_STALL = CAPTURES_DIR / "h100-host-stall.jsonl.gz"
 BURST = CAPTURES_DIR / "h100-priority-burst.jsonl.gz"
@@ -96,27 +96,6 @@ def test_a_capture_without_an_incident_blames_no_request_on_the_gpu():
     assert causes <= {sc.CAUSE_QUEUEING, sc.CAUSE_UNKNOWN, sc.CAUSE_PREFILL_INTERFERENCE}, causes
 
 
-def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
-    """The recorded HBM hog (another process streaming device memory, bench/scenarios.py):
-    the planted interval's 10 slowest requests are explained as ``device_contention`` in at
-    least 9 of 10, with their steps' GPU time up and their host time as usual, and the
-    contention tests flag no SM."""
-    if not HBM_HOG.is_file():
-        pytest.skip(f"no {HBM_HOG.name}")
-    aggregator, time_map, heatmaps = replayed(HBM_HOG)
-    incident = Incident.from_meta(read_capture_meta(HBM_HOG))
-    (interval,) = incident.intervals
-    assert interval.kind == "hbm_hog"
-    findings = find(incident, heatmaps, time_map)
-    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
-    within = (time_map(interval.start_unix_nano) / 1e9, time_map(interval.end_unix_nano) / 1e9)
-    explained = explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within)
-    causes = [r.cause.name for r in explained.requests]
-    assert len(causes) == 10 and causes.count(sc.CAUSE_DEVICE_CONTENTION) >= 9, causes
-    evidence = explained.requests[0].cause.evidence
-    assert evidence["gpu_slowdown"] >= 1.5 and evidence["host_slowdown"] < 1.2, evidence
-
-
 def _planted(capture):
     """The capture's one planted interval, the findings there, that interval's 10 slowest
     requests explained, and the replay's aggregator and the interval on its clock."""
@@ -128,6 +107,24 @@ def _planted(capture):
     findings = find(incident, heatmaps, time_map)
     within = (time_map(interval.start_unix_nano) / 1e9, time_map(interval.end_unix_nano) / 1e9)
     return interval, findings, explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within), aggregator, within
+
+
+def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
+    """The recorded HBM hog (another process streaming device memory, ``engine serve``,
+    bench/scenarios.py): the planted interval's 10 slowest requests are explained as
+    ``device_contention`` in at least 9 of 10, with their steps' GPU time up and their host
+    time as usual; none of the interval's requests is blamed on an SM or the host, and the
+    contention tests flag no SM."""
+    interval, findings, explained, aggregator, within = _planted(HBM_HOG)
+    assert interval.kind == "hbm_hog"
+    assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
+    causes = [r.cause.name for r in explained.requests]
+    assert len(causes) == 10 and causes.count(sc.CAUSE_DEVICE_CONTENTION) >= 9, causes
+    evidence = explained.requests[0].cause.evidence
+    assert evidence["gpu_slowdown"] >= 1.5 and evidence["host_slowdown"] < 1.2, evidence
+    every = explain_slowest(aggregator, quantile=0.0, limit=1000, within_s=within)
+    blamed = [r.cause.summary for r in every.requests if r.cause.name in (sc.CAUSE_SM_CONTENTION, sc.CAUSE_HOST_STALL)]
+    assert every.requests_considered == len(every.requests) > 20 and not blamed, blamed
 
 
 def test_the_control_flags_no_sm_and_blames_no_request_on_the_gpu_or_the_host():
