@@ -109,6 +109,14 @@ def _planted(capture):
     return interval, findings, explain_slowest(aggregator, quantile=0.0, limit=10, within_s=within), aggregator, within
 
 
+def _blamed(aggregator, within: tuple[float, float], causes: tuple[str, ...]) -> tuple[int, list[str]]:
+    """How many of the interval's requests were explained (each it considered), and the
+    summaries of those given one of ``causes``."""
+    every = explain_slowest(aggregator, quantile=0.0, limit=1000, within_s=within)
+    assert every.requests_considered == len(every.requests)
+    return len(every.requests), [r.cause.summary for r in every.requests if r.cause.name in causes]
+
+
 def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
     """The recorded HBM hog (another process streaming device memory, ``engine serve``,
     bench/scenarios.py): the planted interval's 10 slowest requests are explained as
@@ -122,9 +130,8 @@ def test_an_hbm_hog_is_named_device_contention_and_flags_no_sm():
     assert len(causes) == 10 and causes.count(sc.CAUSE_DEVICE_CONTENTION) >= 9, causes
     evidence = explained.requests[0].cause.evidence
     assert evidence["gpu_slowdown"] >= 1.5 and evidence["host_slowdown"] < 1.2, evidence
-    every = explain_slowest(aggregator, quantile=0.0, limit=1000, within_s=within)
-    blamed = [r.cause.summary for r in every.requests if r.cause.name in (sc.CAUSE_SM_CONTENTION, sc.CAUSE_HOST_STALL)]
-    assert every.requests_considered == len(every.requests) > 20 and not blamed, blamed
+    explained_all, blamed = _blamed(aggregator, within, (sc.CAUSE_SM_CONTENTION, sc.CAUSE_HOST_STALL))
+    assert explained_all > 20 and not blamed, blamed
 
 
 def test_the_control_flags_no_sm_and_blames_no_request_on_the_gpu_or_the_host():
@@ -199,8 +206,7 @@ def test_a_priority_burst_is_queueing_and_blames_no_request_on_the_gpu():
     assert findings and all(not f.flagged for f in findings), [(f.kernel, f.flagged) for f in findings]
     causes = [r.cause.name for r in explained.requests]
     assert len(causes) == 10 and causes.count(sc.CAUSE_QUEUEING) >= 9, causes
-    every = explain_slowest(aggregator, quantile=0.0, limit=1000, within_s=within)
-    assert every.requests_considered == len(every.requests) > 100
-    blamed = [r.cause.summary for r in every.requests
-              if r.cause.name in (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL)]
+    explained_all, blamed = _blamed(aggregator, within,
+                                    (sc.CAUSE_SM_CONTENTION, sc.CAUSE_DEVICE_CONTENTION, sc.CAUSE_HOST_STALL))
+    assert explained_all > 100
     assert not blamed, blamed

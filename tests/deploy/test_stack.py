@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -28,6 +27,7 @@ from sightline.deploy.load import LoadConfig, run_load_sync
 from sightline.deploy.processes import free_port
 from sightline.deploy.stack import Stack, StackConfig, default_rules_files
 from sightline.instrumentation import semconv as sc
+from tests.support import get_json
 
 pytestmark = pytest.mark.slow
 
@@ -253,20 +253,12 @@ def test_engine_exemplars_on_the_overview_resolve_in_the_collector(stack, loaded
         assert ids and ids <= sent, (title, ids - sent)
         for trace_id in ids:   # the spans come another way (through rotel): they may still be on it
             deadline = time.monotonic() + 30
-            while not any(s["name"].startswith("POST /v1/") for s in _trace_spans(stack, trace_id)):
-                assert time.monotonic() < deadline, trace_id
+            while True:
+                status, body = get_json(f"{stack.ports.collector_url}/api/v1/traces/{trace_id}")
+                if status == 200 and any(s["name"].startswith("POST /v1/") for s in body["spans"]):
+                    break
+                assert status in (200, 404) and time.monotonic() < deadline, (trace_id, status, body)
                 time.sleep(0.5)
-
-
-def _trace_spans(stack, trace_id: str) -> list[dict]:
-    """The collector's spans of ``trace_id`` (none while it has not seen the trace)."""
-    try:
-        with urllib.request.urlopen(f"{stack.ports.collector_url}/api/v1/traces/{trace_id}", timeout=10) as r:
-            return json.loads(r.read())["spans"]
-    except urllib.error.HTTPError as missing:
-        if missing.code != 404:
-            raise
-        return []
 
 
 # Panels that cannot have data in this test, each with the reason; every other panel
