@@ -2,10 +2,13 @@
 
 Each capture (``bench/scenarios.py --keep-captures all``) is one segment of a run. Replayed
 together on their own clock, export by export, into one in-process collector: the per-SM
-contention gauge is read every ``--scrape-s``, and each planted interval's 10 slowest
-requests are explained ``--settle-s`` after its end, as the scenario runner did. Per
-interval: the causes of its 10 slowest, the first read after its onset that showed a planted
-SM, and the reads from its onset to its end + ``--tail-s`` that showed SMs not planted.
+contention gauge and the slow requests counted by cause (what the cause alerts count) are
+read every ``--scrape-s``, and each planted interval's 10 slowest requests are explained
+``--settle-s`` after its end, as the scenario runner did. Per interval: the causes of its 10
+slowest, the first read after its onset that showed a planted SM, the reads from its onset
+to its end + ``--tail-s`` that showed SMs not planted, the slow requests counted by cause
+from its onset to its explanation, and the first read with 3 of them (the cause alerts'
+least) counted for the planted cause.
 Guarantee: a run's captures hold every export its collector received, so with the code of
 its commit the causes are the live run's. Cost: about 8 s per capture on one core.
 
@@ -39,6 +42,7 @@ def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20
     aggregator = Aggregator(AggregationConfig(gauge_window_s=gauge_window_s), clock=lambda: clock[0])
     sink = AggregatorSink(aggregator)
     reads: list[tuple[float, str, set[str]]] = []   # (time, kernel, SMs the gauge showed)
+    counted: list[tuple[float, dict[str, int]]] = [(0.0, {})]  # (time, slow requests by cause so far)
     due = [(iv.end_unix_nano / 1e9 + settle_s, n) for n, (iv, _) in enumerate(intervals)]
     out: list[dict] = []
 
@@ -55,10 +59,15 @@ def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20
                       if onset <= r <= end + tail_s and sms - planted]
             causes = Counter(r.cause.name for r in slowest)
             expected = EXPECTED_CAUSE.get(interval.kind)
+            before = next(c for r, c in reversed(counted) if r <= onset)
+            counted_since = {c: n - before.get(c, 0) for c, n in counted[-1][1].items() if n > before.get(c, 0)}
+            third = next((r - onset for r, c in counted if r >= onset and expected
+                          and c.get(expected, 0) - before.get(expected, 0) >= 3), None)
             out.append({"capture": name, "kind": interval.kind, "causes": dict(causes),
                         "planted_cause_in_10_slowest": causes.get(expected, 0) if expected else None,
                         "first_planted_sm_read_s": round(found[0], 1) if found else None,
-                        "reads_with_unplanted_sms": others})
+                        "reads_with_unplanted_sms": others, "counted_by_cause": counted_since,
+                        "planted_cause_counted_3_s": None if third is None else round(third, 1)})
 
     streams = [((t, i, signal, request) for signal, t, request in read_capture(c)) for i, c in enumerate(captures)]
     next_read = None
@@ -69,6 +78,7 @@ def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20
             clock[0] = next_read
             reads.extend((next_read, snap.key.kernel, set(snap.contended))
                          for snap in aggregator.sm.snapshot(next_read) if snap.contended)
+            counted.append((next_read, dict(aggregator.slow_request_causes() or {})))
             explain_due(next_read)
             next_read += scrape_s
         clock[0] = t
@@ -94,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
               + ("" if planted is None else f" (planted cause {planted}/10)")
               + ("" if first is None else f"; planted SMs read {first} s after onset")
               + (f"; {len(unplanted)} reads with SMs not planted, the first {unplanted[0][0]} s after onset"
-                 if unplanted else ""))
+                 if unplanted else "")
+              + f"; counted slow: {', '.join(f'{c} {n}' for c, n in r['counted_by_cause'].items()) or 'none'}"
+              + ("" if r["planted_cause_counted_3_s"] is None
+                 else f" (the planted cause's third {r['planted_cause_counted_3_s']} s after onset)"))
     if args.json:
         write_cpu_result(args.json, "bench.replay_run", results)
     return 0

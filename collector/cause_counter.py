@@ -2,14 +2,15 @@
 
 :meth:`SlowRequestCauses.refresh` (run when /metrics is scraped) explains the requests that
 ended since the last refresh, at least ``settle_s`` ago (their steps and kernel spans have
-arrived by then), whose e2e per output token is at least ``factor`` times the usual one
-(the middle of the densest half of the stored requests': an incident in fewer than half of
-them does not move it, so one incident's slow requests never hide the next one's), and adds
-one to the cause :mod:`.causes` named for each. Guarantee: a request is counted at most once
-(a watermark on end times), every cause class is present from the start (at 0), so
-``increase()`` sees the first one. Cost per scrape: the store's pending index, one pass and
-one sort over its request roots, and one explanation per newly slow request (at most
-``max_per_refresh``; the rest wait for the next scrape).
+arrived by then) and, where engines send per-SM data, before the slot still open (its SMs
+are tested when it closes: up to one slot later), whose e2e per output token is at least
+``factor`` times the usual one (the middle of the densest half of the stored requests': an
+incident in fewer than half of them does not move it, so one incident's slow requests never
+hide the next one's), and adds one to the cause :mod:`.causes` named for each. Guarantee: a
+request is counted at most once (a watermark on end times), every cause class is present
+from the start (at 0), so ``increase()`` sees the first one. Cost per scrape: the store's
+pending index, one pass and one sort over its request roots, and one explanation per newly
+slow request (at most ``max_per_refresh``; the rest wait for the next scrape).
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ class SlowRequestCauses:
         """Classifies the requests newly slow (module docstring); returns the counts by cause."""
         with self._lock:
             horizon_ns = int((now_s - self.settle_s) * 1e9)
+            sm = getattr(sources, "sm", None)
+            if sm is not None and sm.gpus():
+                # the contention tests read closed slots only: a life reaching into the open
+                # slot has no SM evidence yet, and counted now its cause (a slower GPU, with
+                # the SMs that explain it not yet flagged) would stay counted
+                horizon_ns = min(horizon_ns, int(sm.window.epoch(now_s) * sm.window.slot_s * 1e9))
             picked: list = []
 
             def roots_of(store):

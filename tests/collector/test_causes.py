@@ -1145,6 +1145,32 @@ def test_slow_requests_are_counted_once_by_cause_on_metrics():
     assert make_aggregator(slow_request_factor=None).slow_request_causes() is None
 
 
+def test_a_slow_request_is_counted_once_the_slots_of_its_life_have_closed():
+    """The SM neighbour above: at T+48 the target (40.2 to 42.2 s) ended over 5 s ago, but its
+    slot (40 to 50 s) is still open and untested, so its slower GPU would read as the device's.
+    It is counted when the slot closes, as what the closed slot shows: SM contention. (Live on
+    an H200, a quarter neighbour's requests counted in their open slot fired the device alert.)"""
+    from prometheus_client import CollectorRegistry
+
+    sc_ = Scenario()
+    slow_steps(sc_, 38, 46, 1.5, 1.5)
+    for sm in (0, 1, 2, 3):
+        sc_.ctas[T + 40][sm] = (20, CTA_S)
+    del sc_.ctas[T + 50]  # sent at T+48: nothing from a slot not yet begun
+    sc_.target(40.2, 0.01, 2.0)
+    now = [T + 48.0]
+    agg = Aggregator(AggregationConfig(), clock=lambda: now[0])
+    registry = CollectorRegistry()
+    registry.register(agg.prometheus_collector())
+    sc_.send(agg)
+    assert explain_trace(agg, tid(*TARGET).hex()).cause.name == sc.CAUSE_DEVICE_CONTENTION  # what it would count
+    assert counted_causes(agg, registry) == dict.fromkeys(sc.CAUSES, 0.0)
+    now[0] = T + 50.5
+    assert counted_causes(agg, registry) == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_SM_CONTENTION: 1.0}
+    now[0] = T + 60.5
+    assert counted_causes(agg, registry) == {**dict.fromkeys(sc.CAUSES, 0.0), sc.CAUSE_SM_CONTENTION: 1.0}
+
+
 def test_an_earlier_incident_does_not_hide_the_next_and_a_long_request_is_not_a_slow_one():
     from prometheus_client import CollectorRegistry
 
