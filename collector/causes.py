@@ -5,14 +5,15 @@ match wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of e2
 others (ahead, overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added (at
 ``FAR_BEYOND`` x the usual load, its traced steps'). 3. The engine was slow (steps >= ``engine_slow`` x the usual for
 their kind and tokens, or >= ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or
-far-too-long steps >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time (off the CPU,
-where recorded) stretching steps >= ``host_slow`` x, or ``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x)
-meets a GPU known usual (< ``gpu_slow`` x: traced steps' GPU time, else (or where they missed the slowness) CTAs),
-clocked down (CTAs slower too) or stretched less than the host stretched steps, with idle time or no SM scoring
-``sm_score``; else ``sm_contention`` when SMs were flagged (``sm_score`` if the GPU was slower, and starved ones
-outweighing its CTAs'); ``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence;
-else ``unknown``. 4. ``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e.
-At ``UNPRICED_KV`` x the store's upper quartile of KV, steps, GPU time and CTAs are not priced: host time alone."""
+far-too-long steps, or with such evidence steps beyond their others' prefill's cost, >= ``idle_share`` of e2e):
+``host_stall`` when host evidence (idle, or host time (off the CPU, where recorded) stretching steps >= ``host_slow``
+x, or ``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
+steps' GPU time, else (or where they missed the slowness) CTAs), clocked down (CTAs slower too) or stretched less than
+the host stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
+(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was
+>= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when others' prefill
+cost its decode >= ``interference_share`` of e2e. At ``UNPRICED_KV`` x the store's upper quartile of KV, steps, GPU
+time and CTAs are not priced: host time alone."""
 
 from __future__ import annotations
 
@@ -192,8 +193,11 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                  or (gpu is not None and gpu < c.gpu_slow and host >= c.host_slow_gpu_usual))
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
+    # steps that carried others' prefill ran beyond that prefill's usual cost: the engine's
+    # slowness, which the decode-only yardstick leaves out (a life spent mostly in such steps)
     slow = ((steps_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e
-            or ((steps_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s))
+            or ((steps_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s)
+            or (named and not unpriced and e.prefill_slowed_s >= c.idle_share * e2e))
     if slow:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing
@@ -209,14 +213,14 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         host_more = gpu is not None and (e.host_slowdown or 0.0) >= max(gpu, c.host_slow)
         if host_side and gpu is not None and (gpu < c.gpu_slow or clocked_down or host_more) \
                 and (idle or not strong):
-            return _host_stall(e, engine, usual)
+            return _host_stall(e, c, engine, usual)
         if (strong or (e.contended_sms and not (gpu is not None and gpu >= c.gpu_slow))) \
                 and not _beyond_flagged_sms(e, c, traced_gpu):
             sms = sorted({(s["gpu"], s["sm"]) for s in e.contended_sms}, key=lambda g: (g[0], int(g[1])
                                                                                      if g[1].isdigit() else 0))
             top = max(e.contended_sms, key=lambda s: s["score"] or 0.0)
             return Cause(sc.CAUSE_SM_CONTENTION,
-                         f"{_steps(e)} while {len(sms)} SM(s) ran slow or starved "
+                         f"{_steps(e, c)} while {len(sms)} SM(s) ran slow or starved "
                          f"against the kernel's other SMs (SM {top['sm']} of {top['kernel']}, score "
                          f"{(top['score'] or 0.0):.2f})",
                          {**engine, "contended_sms": e.contended_sms, "sms": [sm for _, sm in sms],
@@ -224,7 +228,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                          f"{usual}; each SM against the kernel's other SMs in the same slots")
         if gpu is not None and gpu >= c.gpu_slow:
             return Cause(sc.CAUSE_DEVICE_CONTENTION,
-                         f"{_steps(e)} with GPU work slower on every SM "
+                         f"{_steps(e, c)} with GPU work slower on every SM "
                          f"(GPU time per step {_x(e.gpu_slowdown)}, median SM's CTA P90 {_x(e.cta_slowdown)}; "
                          f"per-SM spread {_x(e.cta_spread)}, {_flagged(e)}){_near(e)}"
                          + (f"{missed}, and the CTAs, timed in every probed step, speak for the GPU"
@@ -236,13 +240,13 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                           "sm_count": e.sm_count, **({"contended_sms": e.contended_sms} if e.contended_sms else {})},
                          f"{usual}; GPU time and CTA durations against where most of the store's and window's lie")
         if host_side:
-            return _host_stall(e, engine, usual)
+            return _host_stall(e, c, engine, usual)
         # no traced step and no CTA figures (trace level below kernels, or no GPU): nothing to weigh
         blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
         why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
                if blind else "neither the GPU's nor the host's evidence says why" + _missed(e)
                + (_heavier(e, usual_batch, usual_kv) if heavier else ""))
-        return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e)}) but {why}",
+        return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e, c)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
                       "cta_slowdown": e.cta_slowdown}, usual)
@@ -322,11 +326,14 @@ def _holding(kv_blocks: float | None) -> str:
     return f" holding {kv_blocks:.0f} KV blocks" if kv_blocks else ""
 
 
-def _steps(e: CauseEvidence) -> str:
-    """How slow its steps were: their slowdown, and the time in steps far beyond their usual."""
+def _steps(e: CauseEvidence, c: CauseConfig) -> str:
+    """How slow its steps were: their slowdown, the time in steps far beyond their usual, and
+    (where it counts) the time steps with others' prefill ran beyond that prefill's cost."""
     long = (f" ({e.long_steps_s * 1e3:.0f} ms in steps {LONG_STEP:g}x their usual or more)"
             if e.long_steps_s > 0 else "")
-    return f"steps {_x(e.engine_slowdown)} the usual{long}"
+    carried = (f", and {e.prefill_slowed_s * 1e3:.0f} ms beyond the usual cost of others' prefill in the steps "
+               f"that carried it" if e.prefill_slowed_s >= c.idle_share * e.e2e_s else "")
+    return f"steps {_x(e.engine_slowdown)} the usual{long}{carried}"
 
 
 def _beyond_flagged_sms(e: CauseEvidence, c: CauseConfig, gpu: float | None) -> bool:
@@ -377,12 +384,12 @@ def _near(e: CauseEvidence) -> str:
             f"{TRACED_REACH_S:g} s of its life" if e.traced_near else "")
 
 
-def _host_stall(e: CauseEvidence, engine: dict, usual: str) -> Cause:
+def _host_stall(e: CauseEvidence, c: CauseConfig, engine: dict, usual: str) -> Cause:
     """The ``host_stall`` cause, with the host's and the GPU's figures."""
     off = (f"its engine thread spent off the CPU (its own CPU time {_x(e.host_cpu_slowdown)} the usual) "
            if e.host_cpu_slowdown is not None else "")
     return Cause(sc.CAUSE_HOST_STALL,
-                 f"{_steps(e)} while the GPU's work was not "
+                 f"{_steps(e, c)} while the GPU's work was not "
                  f"(GPU time per step {_x(e.gpu_slowdown)}, CTA P90 {_x(e.cta_slowdown)}); host time {off}beyond "
                  f"its usual stretched kernel-timed steps {_x(e.host_slowdown)}, {e.idle_excess_s * 1e3:.0f} ms "
                  f"with no step running beyond the usual gaps{_near(e)}",

@@ -728,6 +728,27 @@ def test_decode_steps_stretched_by_a_prefills_launch_are_interference_not_slowne
     assert cause.evidence["interference_s"] == pytest.approx(want, rel=0.02)
 
 
+def test_steps_carrying_others_prefill_beyond_its_cost_are_the_engines_slowness():
+    """Live on an H200 (quarter neighbour, run 1): a request of 44 tokens took 1.0 s. Its
+    decode-only steps ran 1.06x their usual, but the steps that carried others' prefill ran
+    0.55 s beyond that prefill's usual cost, while 33 SMs were starved. The decode-only
+    yardstick leaves that time out; at a third of its life or more (``idle_share``) it is the
+    engine's slowness, and the SMs name its cause. Without evidence of a cause, or under that
+    share, the rules say what they said before: no cause stands out."""
+    flags = [{"gpu": "0", "kernel": "decode", "sm": str(sm), "score": 3.5, "reasons": ["starved"]}
+             for sm in range(0, 132, 4)]
+    live = CauseEvidence(e2e_s=1.004, queue_s=0.0, decode_s=0.99, priority="1", engine_slowdown=1.057, steps=47,
+                         traced_steps=2, traced_near=9, gpu_slowdown=1.78, host_slowdown=1.003, cta_slowdown=1.07,
+                         contended_sms=flags, sm_count=132, interference_s=0.217, prefill_slowed_s=0.55,
+                         usual={"batch": 1.0, "gpu": 0.00837, "decode_mean": 0.00961})
+    cause = classify(live)
+    assert cause.name == sc.CAUSE_SM_CONTENTION, cause
+    assert cause.summary.startswith("steps 1.06x the usual, and 550 ms beyond the usual cost of others' prefill in "
+                                    "the steps that carried it while 33 SM(s) ran slow or starved"), cause.summary
+    assert classify(CauseEvidence(**{**live.__dict__, "prefill_slowed_s": 0.29})).name == sc.CAUSE_UNKNOWN
+    assert classify(CauseEvidence(**{**live.__dict__, "contended_sms": []})).name == sc.CAUSE_UNKNOWN
+
+
 def test_one_step_far_beyond_its_usual_makes_the_engine_slow_though_the_others_are_not():
     """One step with 32 prefill tokens took 1.5 s while nothing else ran (the engine stalled
     in it; not traced, no SM flagged): the decode steps' mean is usual, but the step's time
