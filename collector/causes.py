@@ -1,19 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
-:func:`classify` reads a :class:`CauseEvidence` (``explain``: the spans and per-SM data of a request's life); first
-match wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind
-others (ahead, overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added (at
+:func:`classify` reads a :class:`CauseEvidence` (``explain``: spans and per-SM data of a request's life); first match
+wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind others
+(ahead, overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added (at
 ``FAR_BEYOND`` x the usual load, its traced steps'). 3. The engine was slow (steps >= ``engine_slow`` x the usual for
-their kind and tokens, or >= ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle or
-far-too-long steps, or with such evidence steps beyond their others' prefill's cost, >= ``idle_share`` of e2e):
-``host_stall`` when host evidence (idle, or host time (off the CPU, where recorded) stretching steps >= ``host_slow``
-x, or ``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced
-steps' GPU time, else (or where they missed the slowness) CTAs), clocked down (CTAs slower too) or stretched less than
-the host stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
-(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was
->= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when others' prefill
-cost its decode >= ``interference_share`` of e2e. At ``UNPRICED_KV`` x the store's upper quartile of KV, steps, GPU
-time and CTAs are not priced: host time alone."""
+their kind and tokens, or >= ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle,
+far-too-long or (with such evidence) prefill-carrying steps beyond their cost >= ``idle_share`` of e2e): ``host_stall``
+when host evidence (idle, or host time (off the CPU where recorded) stretching steps >= ``host_slow`` x, or
+``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
+GPU time, else or where they missed the slowness CTAs), clocked down (CTAs slower too) or stretched less than the host
+stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
+(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was >=
+``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when others' prefill cost
+its decode >= ``interference_share`` of e2e. At ``UNPRICED_KV`` x the store's upper KV quartile, host time alone."""
 
 from __future__ import annotations
 
