@@ -33,9 +33,9 @@ pytestmark = pytest.mark.slow
 NOW_NS = 1_800_000_000 * 10**9
 INCIDENT = CAPTURES_DIR / "h200-noisy-neighbour.jsonl.gz"
 PLAIN = CAPTURES_DIR / "h200-20261202-http.jsonl.gz"
-HBM_HOG = CAPTURES_DIR / "h100-hbm-hog.jsonl.gz"
+HBM_HOG = CAPTURES_DIR / "h200-hbm-hog.jsonl.gz"
 CONTROL = CAPTURES_DIR / "h100-control.jsonl.gz"
-HOST_STALL = CAPTURES_DIR / "h100-host-stall.jsonl.gz"
+HOST_STALL = CAPTURES_DIR / "h200-host-stall.jsonl.gz"
 BURST = CAPTURES_DIR / "h100-priority-burst.jsonl.gz"
 
 
