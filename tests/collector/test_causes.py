@@ -732,7 +732,7 @@ def test_steps_carrying_others_prefill_beyond_its_cost_are_the_engines_slowness(
     """Live on an H200 (quarter neighbour, run 1): a request of 44 tokens took 1.0 s. Its
     decode-only steps ran 1.06x their usual, but the steps that carried others' prefill ran
     0.55 s beyond that prefill's usual cost, while 33 SMs were starved. The decode-only
-    yardstick leaves that time out; at a third of its life or more (``idle_share``) it is the
+    yardstick leaves that time out; at 30 % of its life or more (``idle_share``) it is the
     engine's slowness, and the SMs name its cause. Without evidence of a cause, or under that
     share, the rules say what they said before: no cause stands out."""
     flags = [{"gpu": "0", "kernel": "decode", "sm": str(sm), "score": 3.5, "reasons": ["starved"]}
