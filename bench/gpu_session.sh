@@ -115,11 +115,25 @@ for p in "$@"; do
     esac
 done
 
-# the captures go back as one archive: a run keeps few files beside its results and logs
+# the captures go back in archives of at most 15 MiB: a run brings back 8 files of at most
+# 16 MiB each, and its results and logs leave room for 4 archives (a burst's segments alone
+# came to more than one)
 shopt -s nullglob
 captures=("$RESULTS_DIR"/*.jsonl.gz)
 if [ ${#captures[@]} -gt 1 ]; then
-    tar -C "$RESULTS_DIR" -cf "$RESULTS_DIR/captures-$commit.tar" "${captures[@]##*/}" && rm -f "${captures[@]}"
+    archive=1 size=0 batch=()
+    pack() {
+        if [ ${#batch[@]} -gt 0 ]; then
+            tar -C "$RESULTS_DIR" -cf "$RESULTS_DIR/captures-$commit-$archive.tar" "${batch[@]##*/}" && rm -f "${batch[@]}"
+            archive=$((archive + 1)) size=0 batch=()
+        fi
+    }
+    for c in "${captures[@]}"; do
+        bytes=$(stat -c %s "$c")
+        [ $((size + bytes)) -gt $((15 * 1024 * 1024)) ] && pack
+        batch+=("$c") size=$((size + bytes))
+    done
+    pack
 fi
 
 # the results name the machine's output folder as $RESULTS_DIR: its path there is no fact about the run
