@@ -54,6 +54,10 @@ class WindowConfig:
         """The slot number (since the Unix epoch) holding time ``t_s``."""
         return int(math.floor(t_s / self.slot_s))
 
+    def slot_start(self, t_s: float) -> float:
+        """When the slot holding ``t_s`` began (Unix seconds): at ``now``, the open slot's start."""
+        return self.epoch(t_s) * self.slot_s
+
 
 @dataclass(frozen=True)
 class ContentionConfig:

@@ -43,12 +43,11 @@ class SlowRequestCauses:
         """Classifies the requests newly slow (module docstring); returns the counts by cause."""
         with self._lock:
             horizon_ns = int((now_s - self.settle_s) * 1e9)
-            sm = getattr(sources, "sm", None)
-            if sm is not None and sm.gpus():
+            if sources.points_seen:
                 # the contention tests read closed slots only: a life reaching into the open
                 # slot has no SM evidence yet, and counted now its cause (a slower GPU, with
                 # the SMs that explain it not yet flagged) would stay counted
-                horizon_ns = min(horizon_ns, int(sm.window.epoch(now_s) * sm.window.slot_s * 1e9))
+                horizon_ns = min(horizon_ns, int(sources.sm.window.slot_start(now_s) * 1e9))
             picked: list = []
 
             def roots_of(store):

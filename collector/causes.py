@@ -192,11 +192,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
                  or (gpu is not None and gpu < c.gpu_slow and host >= c.host_slow_gpu_usual))
     strong = [s for s in e.contended_sms if (s["score"] or 0.0) >= c.sm_score]
     named = bool(e.contended_sms) or host_side or (gpu is not None and gpu >= c.gpu_slow)
-    # steps that carried others' prefill ran beyond that prefill's usual cost: the engine's
-    # slowness, which the decode-only yardstick leaves out (a life spent mostly in such steps)
     slow = ((steps_slowdown or 0.0) >= c.engine_slow or stalled_s >= c.idle_share * e2e
             or ((steps_slowdown or 0.0) >= c.corroborated_slow and named and engine_excess_s >= e.interference_s)
-            or (named and not unpriced and e.prefill_slowed_s >= c.idle_share * e2e))
+            or (named and not unpriced and _carried_slow(e, c)))
     if slow:
         # with the GPU's work at its usual speed, the host's evidence wins over SM flags unless
         # one is strong and the GPU idle time that would show a stall is missing
@@ -325,13 +323,19 @@ def _holding(kv_blocks: float | None) -> str:
     return f" holding {kv_blocks:.0f} KV blocks" if kv_blocks else ""
 
 
+def _carried_slow(e: CauseEvidence, c: CauseConfig) -> bool:
+    """Whether steps that carried others' prefill ran beyond that prefill's usual cost for
+    ``idle_share`` of its life or more: the engine's slowness the decode-only yardstick leaves out."""
+    return e.prefill_slowed_s >= c.idle_share * max(e.e2e_s, 1e-12)
+
+
 def _steps(e: CauseEvidence, c: CauseConfig) -> str:
     """How slow its steps were: their slowdown, the time in steps far beyond their usual, and
     (where it counts) the time steps with others' prefill ran beyond that prefill's cost."""
     long = (f" ({e.long_steps_s * 1e3:.0f} ms in steps {LONG_STEP:g}x their usual or more)"
             if e.long_steps_s > 0 else "")
     carried = (f", and {e.prefill_slowed_s * 1e3:.0f} ms beyond the usual cost of others' prefill in the steps "
-               f"that carried it" if e.prefill_slowed_s >= c.idle_share * e.e2e_s else "")
+               f"that carried it" if _carried_slow(e, c) else "")
     return f"steps {_x(e.engine_slowdown)} the usual{long}{carried}"
 
 

@@ -448,7 +448,7 @@ def _name_cause(sm: SmQuery, req: RequestExplanation, evidence: CauseEvidence, c
     # the contention tests read closed slots only: what of its life lies in the open one
     # has no SM evidence yet, and a cause other than the SMs' may change when it closes
     now_s = sm.now()
-    open_from = sm.window.epoch(now_s) * sm.window.slot_s
+    open_from = sm.window.slot_start(now_s)
     untested_s = end_s - max(start_s, open_from)
     if untested_s > 0 and req.cause.name not in (sc.CAUSE_SM_CONTENTION, sc.CAUSE_QUEUEING, sc.CAUSE_COMPILE):
         req.cause.summary += (f"; its last {untested_s:.1f} s lie in a slot still open, whose SMs are tested "
