@@ -125,13 +125,25 @@ async def stream_one(session, base_url: str, plan: PlannedRequest) -> RequestRec
                          finish_reason=finish, http_status=200)
 
 
-async def drive(base_url: str, plans: list[PlannedRequest], waves: int) -> tuple[list[RequestRecord], float]:
-    """Each wave's requests at once, one wave after another; returns the records and the wall time."""
+# aiohttp keeps an idle connection 15 s; the engine closes one after 10 s (--http-keepalive-timeout),
+# and a request sent as the server closes its connection fails before it arrives. A client that
+# lets go first never meets a closing socket.
+CLIENT_KEEPALIVE_S = 5.0
+
+
+def client_session(total_s: float = 900.0):
+    """An aiohttp session for streaming to the engine: a connection idle ``CLIENT_KEEPALIVE_S`` is let go."""
     import aiohttp
 
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=total_s),
+                                 connector=aiohttp.TCPConnector(keepalive_timeout=CLIENT_KEEPALIVE_S))
+
+
+async def drive(base_url: str, plans: list[PlannedRequest], waves: int) -> tuple[list[RequestRecord], float]:
+    """Each wave's requests at once, one wave after another; returns the records and the wall time."""
     records: list[RequestRecord] = []
     wall_s = 0.0
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+    async with client_session() as session:
         for wave in range(waves):
             batch = plans[wave * len(plans) // waves:(wave + 1) * len(plans) // waves]
             start = time.perf_counter()

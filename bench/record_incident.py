@@ -33,7 +33,7 @@ from ._common import device_name, git_commit, utc_now
 from .incident_analysis import analyse
 from .neighbour_calibration import calibrate, choose, parse_variants
 from .noisy_neighbour import NeighbourConfig, NeighbourRun, NoisyNeighbour, parse_sms
-from .record_capture import PlannedRequest, _prompt_text, start_server, stream_one
+from .record_capture import PlannedRequest, _prompt_text, client_session, start_server, stream_one
 
 from sightline.deploy.incident import interval_s, Incident, PlantedInterval
 from sightline.deploy.load import format_summary, summarize
@@ -75,13 +75,11 @@ def plan_load(args: argparse.Namespace, model: str, max_model_len: int) -> list[
 
 
 async def drive_timed(base_url: str, plans: list[tuple[float, PlannedRequest]], t0: float):
-    import aiohttp
-
     async def at(offset: float, plan: PlannedRequest):
         await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
         return await stream_one(session, base_url, plan)
 
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+    async with client_session() as session:
         return await asyncio.gather(*(at(offset, plan) for offset, plan in plans))
 
 

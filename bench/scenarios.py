@@ -521,6 +521,9 @@ def main(argv: list[str] | None = None) -> int:
               "config": {k: (sorted(v) if isinstance(v, set) else str(v) if isinstance(v, Path) else v)
                          for k, v in vars(args).items()},
               "requests": len(records), "requests_ok": client.ok, "dropped_spans": dropped,
+              "failed_requests": [{"index": r.index, "priority": r.priority, "trace_id": r.trace_id,
+                                   "e2e_s": r.e2e_s, "http_status": r.http_status, "error": r.error}
+                                  for r in records if r.status != "ok"],
               "scrapes": len(scraper.clock.contended), "scrape_failures": scraper.failures,
               "cause_counts": scraper.clock.cause_counts(),
               "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": [],
@@ -535,6 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     # cutting them (a time limit) keeps its results
     path.write_text(json.dumps(record, indent=1))
     print(format_load(client))
+    for r in records:
+        if r.status != "ok":
+            print(f"  request {r.index} (priority {r.priority}, trace {r.trace_id}) failed after {r.e2e_s:.1f} s: "
+                  f"{r.error}")
     for s in timeline:
         if s.error:
             print(f"  {s.scenario} run {s.run}: {s.error}")

@@ -1,18 +1,18 @@
 """Why a request was slow, as one cause class with the evidence that named it.
 
-:func:`classify` reads a :class:`CauseEvidence` (``explain``: spans and per-SM data of a request's life); first match
-wins. 1. ``compile``: compiles in its life took >= ``compile_share`` of e2e. 2. ``queueing``: waiting behind others
-(ahead, overtaking, or a full engine) took >= ``queue_share`` of e2e, more than the engine's slowness added (at
-``FAR_BEYOND`` x the usual load, its traced steps'). 3. The engine was slow (steps >= ``engine_slow`` x the usual for
-their kind and tokens, or >= ``corroborated_slow`` x with evidence of a cause outweighing others' prefill, or idle,
-far-too-long or (with such evidence) prefill-carrying steps beyond their cost >= ``idle_share`` of e2e): ``host_stall``
-when host evidence (idle, or host time (off the CPU where recorded) stretching steps >= ``host_slow`` x, or
-``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x) meets a GPU known usual (< ``gpu_slow`` x: traced steps'
-GPU time, else or where they missed the slowness CTAs), clocked down (CTAs slower too) or stretched less than the host
-stretched steps, with idle time or no SM scoring ``sm_score``; else ``sm_contention`` when SMs were flagged
-(``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs'); ``device_contention`` when the GPU was >=
-``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4. ``prefill_interference`` when others' prefill cost
-its decode >= ``interference_share`` of e2e. At ``UNPRICED_KV`` x the store's upper KV quartile, host time alone."""
+:func:`classify` reads a :class:`CauseEvidence`; first match wins. 1. ``compile``: compiles in its life took >=
+``compile_share`` of e2e. 2. ``queueing``: waiting behind others (ahead, overtaking, or a full engine) took >=
+``queue_share`` of e2e, more than the engine's slowness added (far beyond the usual load, its traced steps'). 3. The
+engine was slow (steps >= ``engine_slow`` x the usual for their kind and tokens, or >= ``corroborated_slow`` x with
+evidence of a cause outweighing others' prefill, or idle, far-too-long or (with such evidence) prefill-carrying steps
+beyond their cost >= ``idle_share`` of e2e): ``host_stall`` when host evidence (idle, or host time (off the CPU where
+recorded) stretching steps >= ``host_slow`` x, or ``host_slow_gpu_usual`` x beside a GPU under ``gpu_slow`` x) meets a
+GPU known usual (< ``gpu_slow`` x: traced steps' GPU time, else or where they missed the slowness CTAs), clocked down
+(CTAs slower too) or stretched less than the host stretched steps, with idle time or no SM scoring ``sm_score``; else
+``sm_contention`` when SMs were flagged (``sm_score`` if the GPU was slower, and starved ones outweighing its CTAs');
+``device_contention`` when the GPU was >= ``gpu_slow`` x; ``host_stall`` on host evidence; else ``unknown``. 4.
+``prefill_interference`` when others' prefill cost its decode >= ``interference_share`` of e2e. GPU time, CTAs count
+under ``FAR_BEYOND`` x the store's upper batch and KV quartiles; step time under ``UNPRICED_KV`` x the KV's."""
 
 from __future__ import annotations
 
@@ -185,8 +185,14 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # on their own: a CTA's time grows with the context it reads, which the steps' usual prices
     # and the CTAs' does not, so CTAs must not be what makes a request's steps count as slow
     missed = _missed(e) if e.cta_slowdown is not None and (e.engine_slowdown or 0.0) >= c.engine_slow else ""
-    traced_gpu = None if unpriced else _within_steps(e, e.gpu_slowdown)
-    gpu = None if unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
+    # GPU time and CTAs are read against the usual priced for their load, which costs measured
+    # across the store's batches and contexts price only near them: ``FAR_BEYOND`` x the upper
+    # quartile of both (a surge), they cannot say that the device was slower. SMs against each
+    # other in the same slot, and the host's time, need no price and still speak
+    gpu_unpriced = _beyond_priced(e, FAR_BEYOND) and (e.batch or 0.0) >= FAR_BEYOND * max(
+        e.usual.get("batch_upper", math.inf), 1.0)
+    traced_gpu = None if gpu_unpriced else _within_steps(e, e.gpu_slowdown)
+    gpu = None if gpu_unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
     host = e.host_slowdown or 0.0
     host_side = (e.idle_excess_s >= c.idle_share * e2e or host >= c.host_slow
                  or (gpu is not None and gpu < c.gpu_slow and host >= c.host_slow_gpu_usual))
@@ -242,7 +248,8 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
         why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
                if blind else "neither the GPU's nor the host's evidence says why" + _missed(e)
-               + (_heavier(e, usual_batch, usual_kv) if heavier else ""))
+               + (_gpu_unpriced_clause(e) if gpu_unpriced else _heavier(e, usual_batch, usual_kv) if heavier
+                  else ""))
         return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e, c)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                       "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown,
@@ -291,8 +298,13 @@ def _unpriced(e: CauseEvidence) -> bool:
     """Whether its decode steps, or the steps in its life and the traced ones read for its GPU,
     held ``UNPRICED_KV`` x the store's upper quartile of KV or more (never where the usual
     does not say: a store before steps recorded their KV)."""
+    return _beyond_priced(e, UNPRICED_KV)
+
+
+def _beyond_priced(e: CauseEvidence, times: float) -> bool:
+    """Whether its steps held ``times`` x the store's upper quartile of KV or more (_unpriced)."""
     upper = e.usual.get("kv_upper", 0.0)
-    return upper > 0 and _kv(e) >= UNPRICED_KV * upper
+    return upper > 0 and _kv(e) >= times * upper
 
 
 def _kv(e: CauseEvidence) -> float:
@@ -307,6 +319,16 @@ def _unpriced_clause(e: CauseEvidence) -> str:
             f"({e.usual['kv_upper']:.0f}), beyond the contexts a block's cost was measured across: their "
             f"duration, GPU time ({_x(e.gpu_slowdown)}) and CTAs ({_x(e.cta_slowdown)}) say how heavy they "
             f"were, not how slow, and their host time {_x(e.host_slowdown)} its usual")
+
+
+def _gpu_unpriced_clause(e: CauseEvidence) -> str:
+    """The clause that says its steps' load lay too far beyond the store's for their GPU time to be priced."""
+    return (f": its steps decoded {e.batch or 0.0:.0f} requests holding {_kv(e):.0f} KV blocks, "
+            f"{(e.batch or 0.0) / max(e.usual['batch_upper'], 1.0):.1f}x and {_kv(e) / e.usual['kv_upper']:.1f}x "
+            f"the upper quartiles of the store's steps ({e.usual['batch_upper']:.0f}, {e.usual['kv_upper']:.0f}), "
+            f"beyond the load the usual was measured across: their GPU time ({_x(e.gpu_slowdown)}) and CTAs "
+            f"({_x(e.cta_slowdown)}) say how heavy they were, not whether the device was slower, and their host "
+            f"time was {_x(e.host_slowdown)} its usual")
 
 
 def _heavier(e: CauseEvidence, usual_batch: float, usual_kv: float) -> str:

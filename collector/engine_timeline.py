@@ -440,6 +440,7 @@ class EngineTimeline:
         # the contexts that slope was measured across end about here; far beyond, a block's
         # cost is a guess (attention over long contexts need not scale as over short ones)
         kv_upper = float(np.quantile(a["kv"][decode], 0.75)) if decode.any() else 0.0
+        batch_upper = float(np.quantile(a["decode"][decode], 0.75)) if decode.any() else 0.0
         at_usual = at_usual_batch - per_kv_block * _beyond(a["kv"], kv_blocks)
         return {"duration": base, "duration_per_token": per_token, "gpu": gpu_base, "gpu_per_token": gpu_token,
                 "host": host_base, "host_per_token": host_token,
@@ -448,7 +449,7 @@ class EngineTimeline:
                 **({"host_cpu": host_cpu} if np.isfinite(host_cpu) else {}),
                 "gpu_token_steps": gpu_token_steps, "batch": batch,
                 "per_request": per_request, "kv_blocks": kv_blocks, "per_kv_block": per_kv_block,
-                "kv_upper": kv_upper,
+                "kv_upper": kv_upper, "batch_upper": batch_upper,
                 "decode_mean": _usual_mean(a, at_usual, base),
                 "most_decode": float(a["decode"].max()) if len(a["decode"]) else 0.0,
                 "gap": usual_value(np.diff(a["start"]) / 1e9 - a["duration"][:-1], 0.0) if len(a["start"]) > 1 else 0.0}

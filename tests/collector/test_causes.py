@@ -1012,6 +1012,40 @@ def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
     assert classify(CauseEvidence(**{**riding.__dict__, "kv_load": 300.0})).name == sc.CAUSE_DEVICE_CONTENTION
 
 
+def test_gpu_time_far_beyond_the_load_priced_does_not_name_the_device():
+    """The evidence of a load-surge request on an H100 (bench/results/scenarios-*-e681ba22-part2,
+    load_surge run 1, trace 1ca00eb6), nothing planted: 37 requests decoded where the store's
+    decode steps' upper quartile decoded 3, holding 1,631 KV blocks, 5.1x that quartile's (318).
+    Its steps ran 1.75x and its traced GPU time 3.75x the usual priced by costs measured across
+    that load; three such requests read device_contention and fired SightlineDeviceContention.
+    From FAR_BEYOND x both quartiles, GPU time and CTAs do not name the device; the host's time
+    and the SMs still speak. A few requests holding long contexts (an HBM hog's) still do."""
+    usual = {"batch": 1.0, "kv_blocks": 20.0, "kv_upper": 318.0, "batch_upper": 3.0, "duration": 0.012448,
+             "decode_mean": 0.012361, "gpu": 0.011351, "gpu_per_token": 20.93e-6, "per_kv_block": 0.62e-6,
+             "per_request": 20.93e-6}
+    surge = CauseEvidence(e2e_s=0.4446, queue_s=0.0, decode_s=0.40, priority="1", engine_slowdown=1.754, steps=30,
+                          traced_steps=3, gpu_slowdown=3.754, host_slowdown=1.004, cta_slowdown=1.614,
+                          cta_spread=1.109, traced_slowdown=3.776, long_steps_s=0.1033, batch=36.66,
+                          kv_blocks=1631.0, kv_load=1634.1, usual=usual, sm_count=132)
+    cause = classify(surge)
+    assert cause.name == sc.CAUSE_UNKNOWN, cause
+    assert cause.summary == (
+        "the engine was slower (steps 1.75x the usual (103 ms in steps 4x their usual or more)) but neither the "
+        "GPU's nor the host's evidence says why: its steps decoded 37 requests holding 1634 KV blocks, 12.2x and "
+        "5.1x the upper quartiles of the store's steps (3, 318), beyond the load the usual was measured across: "
+        "their GPU time (3.75x) and CTAs (1.61x) say how heavy they were, not whether the device was slower, and "
+        "their host time was 1.00x its usual"), cause.summary
+    # under FAR_BEYOND x either quartile the same GPU time is the device's
+    nearer = CauseEvidence(**{**surge.__dict__, "kv_blocks": 1200.0, "kv_load": 1200.0})
+    assert classify(nearer).name == sc.CAUSE_DEVICE_CONTENTION
+    assert classify(CauseEvidence(**{**surge.__dict__, "batch": 4.0})).name == sc.CAUSE_DEVICE_CONTENTION
+    # the host's time and flagged SMs still speak there
+    assert classify(CauseEvidence(**{**surge.__dict__, "host_slowdown": 1.8})).name == sc.CAUSE_HOST_STALL
+    flagged = [{"gpu": "GPU-0", "kernel": "sightline_paged_decode", "sm": str(sm), "score": 4.0,
+                "reasons": ["starved"]} for sm in range(0, 132, 4)]
+    assert classify(CauseEvidence(**{**surge.__dict__, "contended_sms": flagged})).name == sc.CAUSE_SM_CONTENTION
+
+
 def test_sms_lost_to_a_neighbour_explain_a_gpu_twice_as_slow_and_slower_ctas_do_not():
     """The evidence of two requests on the H200 (bench/results/scenarios-*: sm_half run 3,
     sm_quarter run 2) that read as device contention: a neighbour held half (a quarter) of
