@@ -189,8 +189,9 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # across the store's batches and contexts price only near them: ``FAR_BEYOND`` x the upper
     # quartile of both (a surge), they cannot say that the device was slower. SMs against each
     # other in the same slot, and the host's time, need no price and still speak
-    gpu_unpriced = _beyond_priced(e, FAR_BEYOND) and (e.batch or 0.0) >= FAR_BEYOND * max(
+    surge = _beyond_priced(e, FAR_BEYOND) and (e.batch or 0.0) >= FAR_BEYOND * max(
         e.usual.get("batch_upper", math.inf), 1.0)
+    gpu_unpriced = unpriced or surge
     traced_gpu = None if gpu_unpriced else _within_steps(e, e.gpu_slowdown)
     gpu = None if gpu_unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
     host = e.host_slowdown or 0.0
@@ -248,7 +249,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
         blind = e.gpu_slowdown is None and e.host_slowdown is None and e.cta_slowdown is None
         why = ("no kernel-traced step or CTA timing covers its life, so its GPU and host time are not known"
                if blind else "neither the GPU's nor the host's evidence says why" + _missed(e)
-               + (_gpu_unpriced_clause(e) if gpu_unpriced else _heavier(e, usual_batch, usual_kv) if heavier
+               + (_surge_clause(e) if surge and not unpriced else _heavier(e, usual_batch, usual_kv) if heavier
                   else ""))
         return Cause(sc.CAUSE_UNKNOWN, f"the engine was slower ({_steps(e, c)}) but {why}",
                      {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
@@ -321,7 +322,7 @@ def _unpriced_clause(e: CauseEvidence) -> str:
             f"were, not how slow, and their host time {_x(e.host_slowdown)} its usual")
 
 
-def _gpu_unpriced_clause(e: CauseEvidence) -> str:
+def _surge_clause(e: CauseEvidence) -> str:
     """The clause that says its steps' load lay too far beyond the store's for their GPU time to be priced."""
     return (f": its steps decoded {e.batch or 0.0:.0f} requests holding {_kv(e):.0f} KV blocks, "
             f"{(e.batch or 0.0) / max(e.usual['batch_upper'], 1.0):.1f}x and {_kv(e) / e.usual['kv_upper']:.1f}x "
