@@ -7,8 +7,8 @@ read every ``--scrape-s``, and each planted interval's 10 slowest requests are e
 ``--settle-s`` after its end, as the scenario runner did. Per interval: the causes of its 10
 slowest, the first read after its onset that showed a planted SM, the reads from its onset
 to its end + ``--tail-s`` that showed SMs not planted, the slow requests counted by cause
-from its onset to its explanation, and the first read with 3 of them (the cause alerts'
-least) counted for the planted cause.
+from its onset to its explanation, and the first read with as many of them as the cause
+alerts ask (``SloConfig.cause_min_requests``) counted for the planted cause.
 Guarantee: a run's captures hold every export its collector received, so with the code of
 its commit the causes are the live run's. Cost: about 8 s per capture on one core.
 
@@ -28,6 +28,7 @@ from sightline.collector.aggregator import Aggregator
 from sightline.collector.explain import explain_slowest
 from sightline.collector.replay import AggregatorSink
 from sightline.deploy.incident import EXPECTED_CAUSE, Incident
+from sightline.deploy.prometheus_rules import SloConfig
 from sightline.instrumentation import read_capture, read_capture_meta
 
 from ._common import write_cpu_result
@@ -43,6 +44,7 @@ def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20
     sink = AggregatorSink(aggregator)
     reads: list[tuple[float, str, set[str]]] = []   # (time, kernel, SMs the gauge showed)
     counted: list[tuple[float, dict[str, int]]] = [(0.0, {})]  # (time, slow requests by cause so far)
+    least = SloConfig().cause_min_requests  # the slow requests a cause alert needs
     due = [(iv.end_unix_nano / 1e9 + settle_s, n) for n, (iv, _) in enumerate(intervals)]
     out: list[dict] = []
 
@@ -62,7 +64,7 @@ def replay_run(captures: list[Path], scrape_s: float = 2.0, settle_s: float = 20
             before = next(c for r, c in reversed(counted) if r <= onset)
             counted_since = {c: n - before.get(c, 0) for c, n in counted[-1][1].items() if n > before.get(c, 0)}
             third = next((r - onset for r, c in counted if r >= onset and expected
-                          and c.get(expected, 0) - before.get(expected, 0) >= 3), None)
+                          and c.get(expected, 0) - before.get(expected, 0) >= least), None)
             out.append({"capture": name, "kind": interval.kind, "causes": dict(causes),
                         "planted_cause_in_10_slowest": causes.get(expected, 0) if expected else None,
                         "first_planted_sm_read_s": round(found[0], 1) if found else None,

@@ -515,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                            scenario=seg.scenario, run=seg.run))
     summary = summarize(scored)
     client = summarize_load(records, load_s)
+    failed = [r for r in records if r.status != "ok"]
     commit = git_commit()
     record = {"commit": commit, "device": device, "time_utc": utc_now(), "wall_s": time.time() - wall0,
               "command": "python -m bench.scenarios " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
               "requests": len(records), "requests_ok": client.ok, "dropped_spans": dropped,
               "failed_requests": [{"index": r.index, "priority": r.priority, "trace_id": r.trace_id,
                                    "e2e_s": r.e2e_s, "http_status": r.http_status, "error": r.error}
-                                  for r in records if r.status != "ok"],
+                                  for r in failed],
               "scrapes": len(scraper.clock.contended), "scrape_failures": scraper.failures,
               "cause_counts": scraper.clock.cause_counts(),
               "alert_episodes": episodes, "summary": summary, "scored": scored, "captures": [],
@@ -538,10 +539,9 @@ def main(argv: list[str] | None = None) -> int:
     # cutting them (a time limit) keeps its results
     path.write_text(json.dumps(record, indent=1))
     print(format_load(client))
-    for r in records:
-        if r.status != "ok":
-            print(f"  request {r.index} (priority {r.priority}, trace {r.trace_id}) failed after {r.e2e_s:.1f} s: "
-                  f"{r.error}")
+    for r in failed:
+        print(f"  request {r.index} (priority {r.priority}, trace {r.trace_id}) failed after {r.e2e_s:.1f} s: "
+              f"{r.error}")
     for s in timeline:
         if s.error:
             print(f"  {s.scenario} run {s.run}: {s.error}")

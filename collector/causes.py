@@ -189,8 +189,7 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     # across the store's batches and contexts price only near them: ``FAR_BEYOND`` x the upper
     # quartile of both (a surge), they cannot say that the device was slower. SMs against each
     # other in the same slot, and the host's time, need no price and still speak
-    surge = _beyond_priced(e, FAR_BEYOND) and (e.batch or 0.0) >= FAR_BEYOND * max(
-        e.usual.get("batch_upper", math.inf), 1.0)
+    surge = _surge(e)
     gpu_unpriced = unpriced or surge
     traced_gpu = None if gpu_unpriced else _within_steps(e, e.gpu_slowdown)
     gpu = None if gpu_unpriced else _within_steps(e, e.cta_slowdown) if e.gpu_slowdown is None or missed else traced_gpu
@@ -300,6 +299,13 @@ def _unpriced(e: CauseEvidence) -> bool:
     held ``UNPRICED_KV`` x the store's upper quartile of KV or more (never where the usual
     does not say: a store before steps recorded their KV)."""
     return _beyond_priced(e, UNPRICED_KV)
+
+
+def _surge(e: CauseEvidence) -> bool:
+    """Whether its steps decoded ``FAR_BEYOND`` x the store's upper quartile of batch or more while
+    holding as many times its upper quartile of KV: a load the usual step's costs do not price."""
+    return _beyond_priced(e, FAR_BEYOND) and (e.batch or 0.0) >= FAR_BEYOND * max(
+        e.usual.get("batch_upper", math.inf), 1.0)
 
 
 def _beyond_priced(e: CauseEvidence, times: float) -> bool:
