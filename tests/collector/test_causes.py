@@ -1167,6 +1167,14 @@ def test_the_rules_order_and_config_checks():
     assert classify(CauseEvidence(**{**mild.__dict__, "interference_s": 0.5})).name \
         == sc.CAUSE_PREFILL_INTERFERENCE
     assert classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 1.07})).name == sc.CAUSE_UNKNOWN
+    # an unknown says how close its steps came, and to which bar
+    assert "its steps ran 1.07x the usual, under the 1.1x that counts as slow beside evidence (33 SM(s) " \
+           "flagged)" in classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 1.07})).summary
+    assert "its steps ran 1.15x the usual, under the 1.2x that counts as slow with nothing naming a cause" \
+        in classify(CauseEvidence(**{**mild.__dict__, "contended_sms": []})).summary
+    assert "its steps ran 1.15x the usual, less than others' prefill in its steps added" in classify(
+        CauseEvidence(**{**mild.__dict__, "interference_s": 0.2})).summary
+    assert "its steps took the usual time" in classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 0.98})).summary
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):
