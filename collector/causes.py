@@ -265,20 +265,21 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     busier = (f" for their load ({e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)}, usually "
               f"{usual_batch:.0f}{_holding(usual_kv)}: the engine was busier, not slower)"
               if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
-    steps = f"{_unpriced_clause(e)}," if unpriced else f": {_under_slow(e, c, named, gpu)}{busier}"
+    steps = f"{_unpriced_clause(e)}," if unpriced else f": {_under_slow(e, c, named, gpu, busier)}"
     return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out{steps} and it did not wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 
 
-def _under_slow(e: CauseEvidence, c: CauseConfig, named: bool, gpu: float | None) -> str:
-    """How its steps ran, and (over their usual) which bar they stayed under: ``engine_slow``
-    alone, ``corroborated_slow`` beside the evidence found, or others' prefill outweighing them."""
+def _under_slow(e: CauseEvidence, c: CauseConfig, named: bool, gpu: float | None, busier: str) -> str:
+    """How its steps ran against their usual (``busier``: for their load, where that added
+    much), and which bar they stayed under: ``engine_slow`` alone, ``corroborated_slow`` beside
+    the evidence found, or others' prefill outweighing them (three decimals: 1.096x is under 1.1x)."""
     s = e.engine_slowdown
     if s is None or s <= 1.0:
-        return "its steps took the usual time"
-    ran = f"its steps ran {_x(s)} the usual"
+        return f"its steps took the usual time{busier}"
+    ran = f"its steps ran {s:.3f}x the usual{busier}"
     if not named:
         return f"{ran}, under the {c.engine_slow:g}x that counts as slow with nothing naming a cause"
     if s < c.corroborated_slow:

@@ -1013,9 +1013,10 @@ def test_contexts_far_beyond_those_the_store_prices_are_heavier_not_slower():
 
 
 def test_gpu_time_far_beyond_the_load_priced_does_not_name_the_device():
-    """The evidence of a load-surge request on an H100 (bench/results/scenarios-*-e681ba22-part2,
-    load_surge run 1, trace 1ca00eb6), nothing planted: 37 requests decoded where the store's
-    decode steps' upper quartile decoded 3, holding 1,631 KV blocks, 5.1x that quartile's (318).
+    """The evidence of a load-surge request on an H100 (the scenario run at e681ba22, part 2, in
+    git's history; load_surge run 1, trace 1ca00eb6), nothing planted: 37 requests decoded where
+    the store's decode steps' upper quartile decoded 3, holding 1,631 KV blocks, 5.1x that
+    quartile's (318).
     Its steps ran 1.75x and its traced GPU time 3.75x the usual priced by costs measured across
     that load; three such requests read device_contention and fired SightlineDeviceContention.
     From FAR_BEYOND x both quartiles, GPU time and CTAs do not name the device; the host's time
@@ -1168,13 +1169,14 @@ def test_the_rules_order_and_config_checks():
         == sc.CAUSE_PREFILL_INTERFERENCE
     assert classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 1.07})).name == sc.CAUSE_UNKNOWN
     # an unknown says how close its steps came, and to which bar
-    assert "its steps ran 1.07x the usual, under the 1.1x that counts as slow beside evidence (33 SM(s) " \
+    assert "its steps ran 1.070x the usual, under the 1.1x that counts as slow beside evidence (33 SM(s) " \
            "flagged)" in classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 1.07})).summary
-    assert "its steps ran 1.15x the usual, under the 1.2x that counts as slow with nothing naming a cause" \
+    assert "its steps ran 1.150x the usual, under the 1.2x that counts as slow with nothing naming a cause" \
         in classify(CauseEvidence(**{**mild.__dict__, "contended_sms": []})).summary
-    assert "its steps ran 1.15x the usual, less than others' prefill in its steps added" in classify(
+    assert "its steps ran 1.150x the usual, less than others' prefill in its steps added" in classify(
         CauseEvidence(**{**mild.__dict__, "interference_s": 0.2})).summary
-    assert "its steps took the usual time" in classify(CauseEvidence(**{**mild.__dict__, "engine_slowdown": 0.98})).summary
+    assert "its steps took the usual time" in classify(
+        CauseEvidence(**{**mild.__dict__, "engine_slowdown": 0.98})).summary
     with pytest.raises(ValueError, match="engine_slow=1.0"):
         CauseConfig(engine_slow=1.0)
     with pytest.raises(ValueError, match="queue_share=0"):
