@@ -265,27 +265,28 @@ def classify(e: CauseEvidence, config: CauseConfig | None = None) -> Cause:
     busier = (f" for their load ({e.batch or 0.0:.0f} requests{_holding(e.kv_blocks)}, usually "
               f"{usual_batch:.0f}{_holding(usual_kv)}: the engine was busier, not slower)"
               if added_s > 0 and added_s >= BUSIER * e.usual.get("duration", 0.0) else "")
-    steps = f"{_unpriced_clause(e)}," if unpriced else f": {_under_slow(e, c, named, gpu, busier)}"
+    steps = f"{_unpriced_clause(e)}," if unpriced else f": {_under_slow(e, c, host_side, gpu, busier)}"
     return Cause(sc.CAUSE_UNKNOWN, f"no cause stands out{steps} and it did not wait long",
                  {**engine, "queue_s": e.queue_s, "traced_steps": e.traced_steps, "traced_near": e.traced_near,
                   "gpu_slowdown": e.gpu_slowdown, "host_slowdown": e.host_slowdown, "cta_slowdown": e.cta_slowdown,
                   "flagged_sms": len(_distinct_flags(e)), "interference_s": e.interference_s}, usual)
 
 
-def _under_slow(e: CauseEvidence, c: CauseConfig, named: bool, gpu: float | None, busier: str) -> str:
+def _under_slow(e: CauseEvidence, c: CauseConfig, host_side: bool, gpu: float | None, busier: str) -> str:
     """How its steps ran against their usual (``busier``: for their load, where that added
     much), and which bar they stayed under: ``engine_slow`` alone, ``corroborated_slow`` beside
-    the evidence found, or others' prefill outweighing them (three decimals: 1.096x is under 1.1x)."""
+    the evidence that names a cause (classify's: SMs flagged, ``host_side``, the GPU at
+    ``gpu_slow``), or others' prefill outweighing them (three decimals: 1.096x is under 1.1x)."""
     s = e.engine_slowdown
     if s is None or s <= 1.0:
         return f"its steps took the usual time{busier}"
     ran = f"its steps ran {s:.3f}x the usual{busier}"
-    if not named:
+    found = ([f"{len(_distinct_flags(e))} SM(s) flagged"] if e.contended_sms else []) \
+        + ([f"host time {_x(e.host_slowdown)}"] if host_side else []) \
+        + ([f"GPU time {_x(gpu)}"] if gpu is not None and gpu >= c.gpu_slow else [])
+    if not found:
         return f"{ran}, under the {c.engine_slow:g}x that counts as slow with nothing naming a cause"
     if s < c.corroborated_slow:
-        found = [f"{len(_distinct_flags(e))} SM(s) flagged"] if e.contended_sms else []
-        found += [f"host time {_x(e.host_slowdown)}"] if (e.host_slowdown or 0.0) >= c.host_slow_gpu_usual else []
-        found += [f"GPU time {_x(gpu)}"] if gpu is not None and gpu >= c.gpu_slow else []
         return f"{ran}, under the {c.corroborated_slow:g}x that counts as slow beside evidence ({', '.join(found)})"
     return f"{ran}, less than others' prefill in its steps added"
 
